@@ -1,0 +1,82 @@
+"""The public entry points: `attention` and `explain` (`select` lives in :mod:`attnselect.selection`)."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from attnselect.errors import AttnSelectError
+from attnselect.execution import run_candidate
+from attnselect.inputs import problem_from_tensors
+from attnselect.problem import AttentionProblem
+from attnselect.selection import Decision, select
+from attnselect.target import Target, target_for_device
+
+Causal = Union[bool, str]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bshd",
+              causal: Causal = False, window: Optional[tuple[int, int]] = None, scale: Optional[float] = None,
+              dropout_p: float = 0.0, cu_seqlens_q: Optional[torch.Tensor] = None,
+              cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+              max_seqlen_kv: Optional[int] = None, return_lse: bool = False, backend: Optional[str] = None,
+              pad: Union[bool, str, None] = None, disable=None):
+    """Scaled dot-product attention on the fastest candidate that serves the call.
+
+    Shapes (layout): ``bshd`` q (B, Sq, Hq, Dqk), k (B, Skv, Hkv, Dqk), v (B, Skv, Hkv, Dv);
+    ``sbhd`` and ``bhsd`` permute those axes; ``thd`` q (Tq, Hq, Dqk), k (Tkv, Hkv, Dqk),
+    v (Tkv, Hkv, Dv) with int32 ``cu_seqlens_q``/``cu_seqlens_kv`` (B + 1 boundaries from 0
+    to T; cu_seqlens_kv defaults to cu_seqlens_q). Hq must be a multiple of Hkv (GQA/MQA).
+
+    Args:
+        causal: False, True or "top_left" (query i sees keys j <= i, as SDPA's is_causal), or
+            "bottom_right" (j <= i + Skv - Sq, as FlashAttention-2).
+        window: (left, right) sliding window, bottom-right aligned, -1 = unbounded; with
+            ``causal`` its right edge is 0.
+        scale: softmax scale; default 1/sqrt(Dqk) of the unpadded q.
+        dropout_p: attention dropout probability, applied only if a candidate supports it.
+        max_seqlen_q, max_seqlen_kv: longest sequences for thd; read from cu_seqlens if omitted.
+        return_lse: also return the natural log-sum-exp of the scaled scores, float32,
+            (B, Hq, Sq) dense or (Hq, Tq) thd, detached. -inf on rows with no visible key.
+        backend, pad, disable: force a backend, force ("always"/True) or forbid ("never"/False)
+            padding, exclude backends; default to ATTNSELECT_BACKEND / _PAD / _DISABLE.
+
+    Returns:
+        ``out`` in the layout of q with head dim Dv, or ``(out, lse)``.
+
+    The thd path runs sequence by sequence in this release and reads cu_seqlens on the
+    host once per call (a device sync on CUDA).
+    """
+    problem = problem_from_tensors(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
+                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                                   max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, return_lse=return_lse)
+    decision = select(problem, target=target_for_device(q.device), backend=backend, pad=pad, disable=disable)
+    out, lse = run_candidate(decision.chosen, problem, q, k, v, scale=scale,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
+    return (out, lse) if return_lse else out
+
+
+def explain(problem: AttentionProblem, *, target: Optional[Target] = None, backend: Optional[str] = None,
+            pad=None, disable=None) -> str:
+    """A readable report: the problem, the target, every candidate's verdict and rank, the choice."""
+    try:
+        decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
+    except AttnSelectError as exc:  # a failed selection's report is the error's list of reasons
+        return f"{type(exc).__name__}: {exc}"
+    return format_report(decision)
+
+
+def format_report(decision: Decision) -> str:
+    rows = [("backend", "padded to", "supported", "rank", "reasons")]
+    for verdict in decision.verdicts:
+        c = verdict.candidate
+        rank = decision.rank_of(c)
+        rows.append((c.backend, str(c.pad_to) if c.padded else "-", "yes" if verdict.supported else "no",
+                     str(rank) if rank else "-", "; ".join(verdict.reasons)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [f"problem: {decision.problem.describe()}", f"target:  {decision.target.describe()}", ""]
+    for r in rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(r[:4], widths)) + "  " + r[4])
+    lines += ["", f"chosen:  {decision.chosen}", f"why:     {decision.why}"]
+    return "\n".join(lines)

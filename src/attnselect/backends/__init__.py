@@ -1,0 +1,54 @@
+"""The backend registry. Built-in backends register on import; nothing global is flipped.
+
+``register(backend)`` adds or replaces one; every change bumps :func:`registry_version`,
+which invalidates memoized decisions.
+"""
+
+from __future__ import annotations
+
+from attnselect.backends.base import Backend, KernelCall, Surface
+from attnselect.backends.cudnn_frontend import CudnnFrontend
+from attnselect.backends.flash_attn2 import FlashAttn2
+from attnselect.backends.flash_attn3 import FlashAttn3
+from attnselect.backends.flash_attn4 import FlashAttn4
+from attnselect.backends.flex import Flex
+from attnselect.backends.reference import Reference
+from attnselect.backends.sdpa_cudnn import SdpaCudnn
+from attnselect.backends.sdpa_efficient import SdpaEfficient
+from attnselect.backends.sdpa_flash import SdpaFlash
+from attnselect.backends.sdpa_math import SdpaMath
+
+_REGISTRY: dict[str, Backend] = {}
+_version = 0
+
+
+def register(backend: Backend) -> None:
+    """Add (or replace) a backend under ``backend.name``."""
+    global _version
+    _REGISTRY[backend.name] = backend
+    _version += 1
+
+
+def unregister(name: str) -> None:
+    global _version
+    _REGISTRY.pop(name, None)
+    _version += 1
+
+
+def registry_version() -> int:
+    return _version
+
+
+def all_backends() -> tuple[Backend, ...]:
+    return tuple(_REGISTRY.values())
+
+
+def get(name: str) -> Backend | None:
+    return _REGISTRY.get(name)
+
+
+for _cls in (SdpaCudnn, CudnnFrontend, FlashAttn3, FlashAttn4, FlashAttn2, SdpaFlash, Flex,
+             SdpaEfficient, SdpaMath, Reference):
+    register(_cls())
+
+__all__ = ["Backend", "KernelCall", "Surface", "register", "unregister", "registry_version", "all_backends", "get"]

@@ -1,0 +1,45 @@
+"""Shared mechanism of the FlashAttention package backends (flash-attn 2, 3 and 4).
+
+Each package exposes ``flash_attn_func(q, k, v, ...)`` on (B, S, H, D) tensors with a
+bottom-right causal flag and a (left, right) window; they differ in the module path, in
+how they spell "unbounded" and in how they return the log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import ClassVar
+
+from attnselect import masks
+from attnselect.backends.base import Backend, KernelCall
+
+
+class FlashAttnPackageBackend(Backend):
+    layout = "bshd"
+    module: ClassVar[str]
+    unbounded: ClassVar[object] = -1     # how the package spells an open window edge
+    dropout_argument: ClassVar[bool] = False
+    lse_argument: ClassVar[str]          # keyword that asks for the lse
+
+    def extra_reasons(self, p, t):
+        if p.mask == "causal" and p.seqlen_q != p.seqlen_kv:
+            return [f"its causal mask is bottom-right aligned; top-left causal needs seqlen_q == seqlen_kv, "
+                    f"got {p.seqlen_q} != {p.seqlen_kv}"]
+        return []
+
+    def run(self, q, k, v, call: KernelCall):
+        fn = importlib.import_module(self.module).flash_attn_func
+        band = masks.band(call.mask, call.window, q.shape[1], k.shape[1])
+        causal = call.mask in ("causal", "causal_bottom_right")
+        window = (self.unbounded, self.unbounded)
+        if call.mask == "sliding_window":
+            left, right = band[1:]
+            window = (self.unbounded if left is None else left, self.unbounded if right is None else right)
+        kwargs = {"softmax_scale": call.scale, "causal": causal, "window_size": window,
+                  "deterministic": call.deterministic, self.lse_argument: call.return_lse}
+        if self.dropout_argument:
+            kwargs["dropout_p"] = call.dropout_p
+        result = fn(q, k, v, **kwargs)
+        if not isinstance(result, tuple):
+            return result, None
+        return result[0], (result[1] if call.return_lse else None)

@@ -1,0 +1,41 @@
+"""Shared mechanism of the four SDPA backends: F.scaled_dot_product_attention with one kernel forced.
+
+Masks other than none / top-left causal (and bottom-right causal on square problems, where
+the two coincide) are passed as a boolean ``attn_mask`` built by :mod:`attnselect.masks`.
+Grouped K/V heads go through ``enable_gqa`` unless the kernel refuses it, in which case
+K/V are expanded first. SDPA does not return the log-sum-exp, so these surfaces say
+``lse=False`` and the reference / flex backends serve ``return_lse``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attnselect import masks
+from attnselect.backends.base import Backend, KernelCall, expand_kv_heads
+
+
+class SdpaBackend(Backend):
+    kernel: ClassVar[SDPBackend]
+    native_gqa: ClassVar[bool] = True     # False: K/V heads are expanded before the call
+    layout = "bhsd"
+
+    def run(self, q, k, v, call: KernelCall):
+        sq, skv = q.shape[-2], k.shape[-2]
+        attn_mask, is_causal = None, False
+        if masks.needs_explicit_mask(call.mask, sq, skv):
+            attn_mask = masks.visible(call.mask, call.window, sq, skv, q.device)
+        elif call.mask != "none":
+            is_causal = True
+        gqa = q.shape[1] != k.shape[1]
+        if gqa and not self.native_gqa:
+            k, v = expand_kv_heads(q, k, v)
+            gqa = False
+        with sdpa_kernel([self.kernel]):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
+                                                 is_causal=is_causal, scale=call.scale, enable_gqa=gqa)
+        return out, None

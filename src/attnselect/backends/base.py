@@ -1,0 +1,130 @@
+"""The backend contract: a support surface as data, readable reasons, and one dense kernel call.
+
+A backend declares, per device type, a :class:`Surface` (what it serves) and may add
+arch- or version-dependent rules in :meth:`Backend.extra_reasons`. The executor hands
+:meth:`Backend.run` dense tensors in the backend's ``layout`` (already padded, when the
+candidate pads) and a :class:`KernelCall`; the backend returns ``(out, lse)`` where lse
+is float32 (B, Hq, Sq) or None when not requested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+import torch
+
+from attnselect.problem import MASKS, AttentionProblem
+from attnselect.target import Target
+
+HALF = frozenset({torch.float16, torch.bfloat16})
+ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+@dataclass(frozen=True)
+class Surface:
+    """What one backend serves on one device type, as data."""
+
+    dtypes: frozenset = HALF
+    min_capability: Optional[tuple[int, int]] = None
+    max_capability: Optional[tuple[int, int]] = None
+    max_head_dim: Optional[int] = None          # for both d_qk and d_v
+    head_dim_multiple: int = 1
+    equal_head_dims: bool = False               # True: d_qk must equal d_v
+    masks: frozenset = frozenset(MASKS)
+    dropout: bool = True
+    backward: bool = True
+    lse: bool = True
+    deterministic_backward: bool = True
+    context_parallel: bool = False
+    fp8: bool = False
+    notes: tuple[str, ...] = field(default=())   # the sources of these rules, for readers
+
+    def reasons(self, p: AttentionProblem, t: Target) -> list[str]:
+        r: list[str] = []
+        if p.fp8 and not self.fp8:
+            r.append("does not run fp8 attention (fp8=True)")
+        if p.dtype not in self.dtypes:
+            r.append(f"dtype {_dtype(p.dtype)} is not supported (supports {', '.join(sorted(map(_dtype, self.dtypes)))})")
+        if t.is_cuda and self.min_capability and t.capability < self.min_capability:
+            r.append(f"needs compute capability >= {_cc(self.min_capability)}, the target has {_cc(t.capability)}")
+        if t.is_cuda and self.max_capability and t.capability > self.max_capability:
+            r.append(f"supports compute capability up to {_cc(self.max_capability)}, the target has {_cc(t.capability)}")
+        if self.equal_head_dims and p.different_head_dims:
+            r.append(f"needs equal head dims, got d_qk={p.head_dim_qk} and d_v={p.head_dim_v} "
+                     f"(its padded candidate may serve)")
+        if self.max_head_dim and max(p.head_dim_qk, p.head_dim_v) > self.max_head_dim:
+            r.append(f"head dims up to {self.max_head_dim} only, got d_qk={p.head_dim_qk}, d_v={p.head_dim_v}")
+        if self.head_dim_multiple > 1 and (p.head_dim_qk % self.head_dim_multiple or p.head_dim_v % self.head_dim_multiple):
+            r.append(f"head dims must be multiples of {self.head_dim_multiple}, got {p.head_dim_qk}/{p.head_dim_v}")
+        if p.mask not in self.masks:
+            r.append(f"mask {p.mask!r} is not supported (supports {', '.join(sorted(self.masks))})")
+        if p.dropout_p and not self.dropout:
+            r.append(f"does not support dropout (dropout_p={p.dropout_p})")
+        if p.training and not self.backward:
+            r.append("has no backward kernel, and training needs one")
+        if p.return_lse and not self.lse:
+            r.append("cannot return the log-sum-exp (return_lse=True)")
+        if p.training and p.deterministic and not self.deterministic_backward:
+            r.append("has no deterministic backward (deterministic=True)")
+        if p.context_parallel_size > 1 and not self.context_parallel:
+            r.append(f"cannot serve context parallelism (context_parallel_size={p.context_parallel_size})")
+        return r
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """The per-call options a kernel needs beyond q, k and v."""
+
+    mask: str
+    window: Optional[tuple[int, int]]
+    scale: float
+    dropout_p: float
+    return_lse: bool
+    deterministic: bool = False
+
+
+class Backend:
+    """Base class: subclasses set the class attributes and implement :meth:`run`."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    layout: ClassVar[str] = "bhsd"                     # dense layout that run() takes
+    surfaces: ClassVar[dict[str, Surface]]             # keyed by device type ("cuda", "cpu")
+    package: ClassVar[Optional[tuple[str, str]]] = None  # (Target version field, pip name)
+
+    def not_supported_reasons(self, problem: AttentionProblem, target: Target) -> list[str]:
+        """Why this backend cannot serve ``problem`` on ``target``; empty when it can."""
+        if self.package and getattr(target, self.package[0]) is None:
+            return [f"package {self.package[1]} is not installed"]
+        surface = self.surfaces.get(target.device_type)
+        if surface is None:
+            return [f"runs on {' and '.join(self.surfaces)} only, not on {target.device_type}"]
+        return surface.reasons(problem, target) + self.extra_reasons(problem, target)
+
+    def extra_reasons(self, problem: AttentionProblem, target: Target) -> list[str]:
+        """Rules that are not plain data (arch- and version-dependent head-dim pairs...)."""
+        return []
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            call: KernelCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        raise NotImplementedError(f"{type(self).__name__} must implement run()")
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name}>"
+
+
+def expand_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int = 1):
+    """Repeat K/V heads to match Q's (GQA/MQA) for kernels without native grouped heads."""
+    groups = q.shape[head_dim] // k.shape[head_dim]
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=head_dim), v.repeat_interleave(groups, dim=head_dim)
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _cc(cc: tuple[int, int]) -> str:
+    return f"{cc[0]}.{cc[1]}"

@@ -1,0 +1,27 @@
+"""``flash_attn2``: the flash-attn package (FlashAttention-2), when it is installed."""
+
+from __future__ import annotations
+
+from attnselect.backends._flash_attn import FlashAttnPackageBackend
+from attnselect.backends.base import HALF, Surface
+
+
+class FlashAttn2(FlashAttnPackageBackend):
+    name = "flash_attn2"
+    summary = "flash-attn 2.x flash_attn_func: equal head dims <= 256, sm80+"
+    package = ("flash_attn_version", "flash-attn")
+    module = "flash_attn"
+    dropout_argument = True
+    lse_argument = "return_attn_probs"   # returns (out, softmax_lse, S_dmask)
+    # Source: Dao-AILab/flash-attention csrc/flash_attn/flash_api.cpp (CHECK_SHAPE(v, ..., head_size):
+    # v shares q's head dim; head_size <= 256) and flash_attn/flash_attn_interface.py (window_size,
+    # deterministic, return_attn_probs). TransformerEngine runs it under context parallelism.
+    surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), max_head_dim=256, equal_head_dims=True,
+                                context_parallel=True)}
+
+    def extra_reasons(self, p, t):
+        r = super().extra_reasons(p, t)
+        # TransformerEngine utils.py: sliding windows need flash-attn 2.3+.
+        if p.mask == "sliding_window" and not t.at_least("flash_attn_version", "2.3"):
+            r.append(f"sliding windows need flash-attn >= 2.3, the target has {t.flash_attn_version}")
+        return r

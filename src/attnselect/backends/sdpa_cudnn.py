@@ -1,0 +1,70 @@
+"""``sdpa_cudnn``: PyTorch SDPA with the CUDNN_ATTENTION kernel forced."""
+
+from __future__ import annotations
+
+from torch.nn.attention import SDPBackend
+
+from attnselect.backends._sdpa import SdpaBackend
+from attnselect.backends.base import HALF, Surface
+
+# cuDNN backward head-dim pairs above 128 on sm10x: cudnn-frontend
+# include/cudnn_frontend/node/scaled_dot_product_flash_attention.h and pytorch sdp_utils.cpp
+# check_cudnn_d256_bprop_head_dim: (<=128, <=128), (192, 128), (256, 256).
+BLACKWELL_BACKWARD_PAIRS = ((192, 128), (256, 256))
+
+
+class SdpaCudnn(SdpaBackend):
+    name = "sdpa_cudnn"
+    summary = "PyTorch SDPA, CUDNN_ATTENTION kernel forced: cuDNN fused attention, 192/128 natively"
+    kernel = SDPBackend.CUDNN_ATTENTION
+    # Source: pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, can_use_cudnn_attention:
+    # sm80..sm121, fp16/bf16, masks allowed, GQA allowed, refused under deterministic algorithms
+    # (check_cudnn_deterministic), head dims multiples of 8 (check_cudnn_tensor_shapes).
+    surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), max_capability=(12, 1), head_dim_multiple=8,
+                                lse=False, deterministic_backward=False, context_parallel=True)}
+
+    def extra_reasons(self, p, t):
+        r = []
+        if p.deterministic:
+            r.append("is refused by PyTorch while deterministic algorithms are on (deterministic=True)")
+        r += _head_dim_reasons(p, t)
+        if p.dropout_p:
+            # check_cudnn_dropout, and the dropout gate of can_use_cudnn_attention (cuDNN 9.11-9.13).
+            if abs(p.dropout_p * 16 - round(p.dropout_p * 16)) > 1e-9:
+                r.append(f"dropout_p must be a multiple of 1/16, got {p.dropout_p}")
+            if t.at_least("cudnn_version", "9.11.1") and not t.at_least("cudnn_version", "9.14.0"):
+                r.append(f"PyTorch disables cuDNN dropout with cuDNN {t.cudnn_version} (9.11-9.13)")
+            if p.seqlen_q == 1:
+                r.append("dropout with seqlen_q == 1 is refused (check_cudnn_tensor_shapes)")
+        if p.seqlen_kv == 1 and p.layout != "thd":
+            r.append("seqlen_kv == 1 is refused (check_cudnn_tensor_shapes)")
+        if max(p.batch, p.heads_q) > 65535:
+            r.append("batch and heads must be <= 65535")
+        return r
+
+
+def _head_dim_reasons(p, t) -> list[str]:
+    dqk, dv = p.head_dim_qk, p.head_dim_v
+    if max(dqk, dv) <= 128:
+        return []
+    cc = t.capability
+    hopper, blackwell = cc == (9, 0), cc[0] == 10
+    pair = f"{dqk}/{dv}"
+    if hopper:
+        # Measured: torch 2.11 + cuDNN 9.19 on an H200 runs cuDNN up to 256, fwd and bwd
+        # (results/h200_rules_grid.md); newer sdp_utils.cpp gates this on cuDNN > 9.22.
+        if max(dqk, dv) <= 256:
+            return []
+        return [f"head dims up to 256 on sm90, got {pair}"]
+    if blackwell:
+        r = []
+        wide = t.at_least("cudnn_version", "9.22.1") and max(dqk, dv) <= 256
+        mla = (dqk, dv) == (192, 128) and t.at_least("cudnn_version", "9.11.0")
+        if not (wide or mla):
+            r.append(f"head dims {pair} need cuDNN > 9.22 (up to 256) or exactly 192/128 with cuDNN >= 9.11 "
+                     f"on {t.arch}; the target has cuDNN {t.cudnn_version}")
+        if p.training and (dqk, dv) not in BLACKWELL_BACKWARD_PAIRS:
+            r.append(f"cuDNN has no backward kernel for head dims {pair} on {t.arch} "
+                     "(above 128 only 192/128 and 256/256), so it cannot train")
+        return r
+    return [f"head dims above 128 are not served on {t.arch}, got {pair}"]

@@ -1,0 +1,45 @@
+"""``sdpa_flash``: PyTorch SDPA with the FLASH_ATTENTION kernel forced (bundled FlashAttention-2 on CUDA)."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention import SDPBackend
+
+from attnselect import masks
+from attnselect.backends._sdpa import SdpaBackend
+from attnselect.backends.base import ALL_DTYPES, HALF, Surface
+
+
+class SdpaFlash(SdpaBackend):
+    name = "sdpa_flash"
+    summary = "PyTorch SDPA, FLASH_ATTENTION kernel forced: FlashAttention-2 on CUDA, equal head dims only"
+    kernel = SDPBackend.FLASH_ATTENTION
+    surfaces = {
+        # Source: pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, can_use_flash_attention:
+        # sm80..sm121, fp16/bf16, q/k/v share one head dim <= 256 (attention.cpp pads it to a multiple of 8),
+        # no attn_mask (check_for_attn_mask), is_causal only when Sq == Skv. Its backward runs with
+        # deterministic=true under torch.use_deterministic_algorithms (attention_backward.cu).
+        "cuda": Surface(dtypes=HALF, min_capability=(8, 0), max_capability=(12, 1), max_head_dim=256,
+                        equal_head_dims=True, masks=frozenset({"none", "causal", "causal_bottom_right"}),
+                        lse=False, context_parallel=True),
+        # Source: pytorch aten/src/ATen/native/transformers/sdp_utils_cpp.cpp, use_flash_attention_cpp:
+        # any float dtype, equal head dims, masks allowed, no dropout.
+        "cpu": Surface(dtypes=ALL_DTYPES, equal_head_dims=True, dropout=False, lse=False),
+    }
+
+    def extra_reasons(self, p, t):
+        if not t.is_cuda:
+            return []
+        r = []
+        if p.mask == "causal" and p.seqlen_q != p.seqlen_kv:
+            r.append(f"causal (top-left) needs seqlen_q == seqlen_kv here, got {p.seqlen_q} != {p.seqlen_kv} "
+                     "(check_flash_causal_non_square_seqlens)")
+        if p.mask == "causal_bottom_right" and masks.needs_explicit_mask(p.mask, p.seqlen_q, p.seqlen_kv):
+            r.append("bottom-right causal with seqlen_q != seqlen_kv needs a mask tensor, which this kernel refuses")
+        # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120
+        d = max(p.head_dim_qk, p.head_dim_v)
+        if p.training and (t.capability in ((8, 6), (8, 7), (8, 9)) or t.capability >= (12, 0)):
+            if 192 < d <= 224 or (d > 224 and p.dropout_p):
+                r.append(f"on {t.arch} the backward kernel does not serve head dim {d}"
+                         f"{' with dropout' if d > 224 else ''}")
+        return r

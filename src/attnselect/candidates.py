@@ -1,0 +1,56 @@
+"""Candidates, (backend, pad_to) pairs, and their verdicts.
+
+Every registered backend gives a native candidate and, when d_qk != d_v, a padded one:
+Q/K/V zero-padded to max(d_qk, d_v) rounded up to a multiple of 8, the output trimmed back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from attnselect import backends
+from attnselect.problem import AttentionProblem
+from attnselect.settings import Overrides
+from attnselect.target import Target
+
+
+@dataclass(frozen=True)
+class Candidate:
+    backend: str
+    pad_to: Optional[int] = None
+
+    @property
+    def padded(self) -> bool:
+        return self.pad_to is not None
+
+    def __str__(self) -> str:
+        return f"{self.backend} padded to {self.pad_to}" if self.padded else f"{self.backend} native"
+
+    def to_dict(self) -> dict:
+        return {"backend": self.backend, "pad_to": self.pad_to}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    candidate: Candidate
+    reasons: tuple[str, ...]
+
+    @property
+    def supported(self) -> bool:
+        return not self.reasons
+
+
+def judge(problem: AttentionProblem, target: Target, overrides: Overrides = Overrides()) -> tuple[Verdict, ...]:
+    """A verdict for every candidate of every registered backend, in registry order."""
+    verdicts = []
+    pad_target = problem.pad_target
+    for backend in backends.all_backends():
+        options = [None] if pad_target is None else [None, pad_target]
+        for pad_to in options:
+            candidate = Candidate(backend.name, pad_to)
+            reasons = overrides.reasons(candidate, problem)
+            if not reasons:
+                reasons = backend.not_supported_reasons(problem if pad_to is None else problem.padded(pad_to), target)
+            verdicts.append(Verdict(candidate, tuple(reasons)))
+    return tuple(verdicts)

@@ -1,0 +1,116 @@
+"""Command line: ``attnselect explain`` (which kernel, and why) and ``attnselect demo`` (a real run)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from attnselect.api import attention, format_report
+from attnselect.errors import AttnSelectError
+from attnselect.models import MODELS
+from attnselect.problem import AttentionProblem
+from attnselect.selection import select
+from attnselect.target import PRESETS, Target
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+DEFAULT_TARGET = "h200"
+
+
+def _explain_parser(sub) -> None:
+    p = sub.add_parser("explain", help="judge every candidate for one problem and show the choice")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"preset {sorted(PRESETS)} or 'current' "
+                                                            f"(default {DEFAULT_TARGET})")
+    p.add_argument("--cudnn-version", help="override the target's cuDNN version, e.g. 9.10.0")
+    p.add_argument("--model", choices=sorted(MODELS), help="take heads and head dims from a model")
+    p.add_argument("--head-dim-qk", type=int, default=192)
+    p.add_argument("--head-dim-v", type=int, default=128)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, help="default: --heads")
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--seqlen-kv", type=int, help="default: --seqlen")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--layout", default="bshd", choices=["bshd", "sbhd", "bhsd", "thd"])
+    p.add_argument("--train", action="store_true", help="backward needed")
+    p.add_argument("--causal", nargs="?", const="top_left", default="none",
+                   choices=["none", "top_left", "bottom_right"])
+    p.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"))
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--lse", action="store_true", help="the caller needs the log-sum-exp")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--backend", help="force a backend")
+    p.add_argument("--pad", choices=["auto", "always", "never"])
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def problem_from_args(a) -> AttentionProblem:
+    heads, kv_heads, dqk, dv = a.heads, a.kv_heads or a.heads, a.head_dim_qk, a.head_dim_v
+    if a.model:
+        m = MODELS[a.model]
+        heads, kv_heads, dqk, dv = m.heads, m.kv_heads, m.head_dim_qk, m.head_dim_v
+    from attnselect.problem import mask_from_arguments
+    mask, window = mask_from_arguments({"none": False, "top_left": True, "bottom_right": "bottom_right"}[a.causal],
+                                       tuple(a.window) if a.window else None)
+    return AttentionProblem(batch=a.batch, seqlen_q=a.seqlen, seqlen_kv=a.seqlen_kv or a.seqlen, heads_q=heads,
+                            heads_kv=kv_heads, head_dim_qk=dqk, head_dim_v=dv, dtype=DTYPES[a.dtype],
+                            layout=a.layout, mask=mask, window=window, dropout_p=a.dropout, training=a.train,
+                            return_lse=a.lse, context_parallel_size=a.cp)
+
+
+def target_from_args(a) -> Target:
+    target = Target.current() if a.target == "current" else Target.preset(a.target)
+    return target.with_versions(cudnn_version=a.cudnn_version) if a.cudnn_version else target
+
+
+def cmd_explain(a) -> int:
+    problem, target = problem_from_args(a), target_from_args(a)
+    try:
+        decision = select(problem, target=target, backend=a.backend, pad=a.pad)
+    except AttnSelectError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(decision.to_dict(), indent=2) if a.json else format_report(decision))
+    return 0
+
+
+def cmd_demo(a) -> int:
+    """A real MLA-shaped attention call on this machine, checked against a float64 reference."""
+    target = Target.current()
+    device = "cuda" if target.is_cuda else "cpu"
+    dtype = torch.bfloat16 if target.is_cuda else torch.float32
+    torch.manual_seed(0)
+    q = torch.randn(2, 256, 8, 192, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 256, 8, 192, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 256, 8, 128, device=device, dtype=dtype, requires_grad=True)
+    out = attention(q, k, v, causal=True)
+    out.float().square().sum().backward()
+    problem = AttentionProblem.from_tensors(q, k, v, causal=True)
+    decision = select(problem, target=target)
+    ref = attention(q.detach().double(), k.detach().double(), v.detach().double(), causal=True, backend="reference")
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    print(f"target:  {target.describe()}")
+    print(f"problem: {problem.describe()}")
+    print(decision.why)
+    print(f"output {tuple(out.shape)}, relative error against float64 reference {err:.2e}; "
+          f"grads {tuple(q.grad.shape)}, {tuple(k.grad.shape)}, {tuple(v.grad.shape)}")
+    return 0 if err < 2e-2 else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="attnselect", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _explain_parser(sub)
+    sub.add_parser("demo", help="run a small MLA attention on this machine and check it")
+    a = parser.parse_args(argv)
+    try:
+        return {"explain": cmd_explain, "demo": cmd_demo}[a.command](a)
+    except AttnSelectError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Checking the tensors of an attention call and describing them as an AttentionProblem.
+
+Every check raises :class:`~attnselect.errors.InvalidInputError` naming the argument, the
+value seen and what was expected, before any kernel runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from attnselect.errors import InvalidInputError
+from attnselect.problem import DTYPES, LAYOUTS, AttentionProblem, mask_from_arguments
+
+# (batch, seq, heads) positions of each dense layout; thd is (tokens, heads, dim).
+DENSE_AXES = {"bshd": (0, 1, 2), "sbhd": (1, 0, 2), "bhsd": (0, 2, 1)}
+
+
+def _fail(name: str, seen, expected: str):
+    raise InvalidInputError(f"{name}: got {seen}, expected {expected}")
+
+
+def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bshd",
+                         causal=False, window=None, dropout_p: float = 0.0,
+                         cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_kv: Optional[torch.Tensor] = None,
+                         max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
+                         return_lse: bool = False, context_parallel_size: int = 1) -> AttentionProblem:
+    """Validate q, k, v and the call arguments, and describe the call.
+
+    ``training`` is true when grad mode is on and any input requires grad; ``deterministic``
+    follows ``torch.are_deterministic_algorithms_enabled()``. For ``thd`` without
+    ``max_seqlen_*`` the longest sequence is read from cu_seqlens (one host sync).
+    """
+    if layout not in LAYOUTS:
+        _fail("layout", repr(layout), f"one of {LAYOUTS}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            _fail(name, type(t).__name__, "a torch.Tensor")
+        if t.dtype not in DTYPES:
+            _fail(f"{name}.dtype", t.dtype, f"one of float16, bfloat16, float32, float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        _fail("k.dtype/v.dtype", f"q {q.dtype}, k {k.dtype}, v {v.dtype}", "the same dtype as q")
+    if not (q.device == k.device == v.device):
+        _fail("k.device/v.device", f"q {q.device}, k {k.device}, v {v.device}", "the same device as q")
+    rank = 3 if layout == "thd" else 4
+    shape_hint = "(T, H, D)" if layout == "thd" else {"bshd": "(B, S, H, D)", "sbhd": "(S, B, H, D)",
+                                                      "bhsd": "(B, H, S, D)"}[layout]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != rank:
+            _fail(f"{name}.shape", tuple(t.shape), f"{rank} dims {shape_hint} for layout={layout!r}")
+    if q.shape[-1] != k.shape[-1]:
+        _fail("k.shape[-1]", k.shape[-1], f"q's head dim {q.shape[-1]} (q and k share d_qk)")
+    if layout == "thd":
+        seq_axis, head_axis = 0, 1
+        batch, sq, skv = _thd_lengths(q, k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
+    else:
+        b_axis, seq_axis, head_axis = DENSE_AXES[layout]
+        if not (q.shape[b_axis] == k.shape[b_axis] == v.shape[b_axis]):
+            _fail("k/v batch size", f"q {q.shape[b_axis]}, k {k.shape[b_axis]}, v {v.shape[b_axis]}", "equal batch sizes")
+        if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+            _fail("cu_seqlens_q", "a tensor", f"None for layout={layout!r} (cu_seqlens belong to layout='thd')")
+        batch, sq, skv = q.shape[b_axis], q.shape[seq_axis], k.shape[seq_axis]
+    if k.shape[seq_axis] != v.shape[seq_axis]:
+        _fail("v.shape", tuple(v.shape), f"as many key positions as k ({k.shape[seq_axis]})")
+    hq, hkv = q.shape[head_axis], k.shape[head_axis]
+    if v.shape[head_axis] != hkv:
+        _fail("v heads", v.shape[head_axis], f"k's head count {hkv}")
+    if hkv == 0 or hq % hkv:
+        _fail("q heads", hq, f"a multiple of the k/v head count {hkv} (GQA/MQA)")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        _fail("dropout_p", dropout_p, "a number in [0, 1)")
+    mask, window = mask_from_arguments(causal, window)
+    if window is not None and causal in (True, "top_left") and sq != skv and layout != "thd":
+        _fail("window", window, f"no window with top-left causal when seqlen_q ({sq}) != seqlen_kv ({skv}); "
+                                "windows are bottom-right aligned: use causal='bottom_right'")
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return AttentionProblem(
+        batch=batch, seqlen_q=sq, seqlen_kv=skv, heads_q=hq, heads_kv=hkv,
+        head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, layout=layout, mask=mask,
+        window=window, dropout_p=float(dropout_p), training=training,
+        deterministic=torch.are_deterministic_algorithms_enabled(), return_lse=bool(return_lse),
+        context_parallel_size=context_parallel_size)
+
+
+def _thd_lengths(q, k, cu_q, cu_kv, max_q, max_kv) -> tuple[int, int, int]:
+    if cu_q is None:
+        _fail("cu_seqlens_q", None, "an int32 tensor of sequence boundaries for layout='thd'")
+    cu_kv = cu_q if cu_kv is None else cu_kv
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+            _fail(name, _describe(cu), "a 1-D torch.int32 tensor [0, ..., T]")
+        if cu.device != q.device:
+            _fail(f"{name}.device", cu.device, f"q's device {q.device}")
+    if cu_q.numel() != cu_kv.numel():
+        _fail("cu_seqlens_kv", f"{cu_kv.numel()} entries", f"as many as cu_seqlens_q ({cu_q.numel()})")
+    batch = cu_q.numel() - 1
+    sq = max_q if max_q is not None else _longest(cu_q)
+    skv = max_kv if max_kv is not None else (sq if cu_kv is cu_q and max_q is None else _longest(cu_kv))
+    for name, value in (("max_seqlen_q", sq), ("max_seqlen_kv", skv)):
+        if not isinstance(value, int) or value < 0:
+            _fail(name, value, "an integer >= 0")
+    return batch, sq, skv
+
+
+def _longest(cu: torch.Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0   # host sync
+
+
+def _describe(x) -> str:
+    return f"tensor(dtype={x.dtype}, shape={tuple(x.shape)})" if isinstance(x, torch.Tensor) else repr(x)
+
+
+def check_boundaries(name: str, bounds: list[int], total: int, longest: int, max_name: str) -> None:
+    """Host-side checks of cu_seqlens values (after the per-sequence path read them)."""
+    if bounds[0] != 0:
+        _fail(name, bounds[:4], "a first entry of 0")
+    if any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        _fail(name, bounds, "non-decreasing boundaries")
+    if bounds[-1] != total:
+        _fail(name, f"last entry {bounds[-1]}", f"the token count {total}")
+    worst = max((b - a for a, b in zip(bounds[:-1], bounds[1:])), default=0)
+    if worst > longest:
+        _fail(max_name, longest, f">= the longest sequence ({worst})")

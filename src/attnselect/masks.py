@@ -1,0 +1,51 @@
+"""One meaning for every mask kind, shared by all backends that build masks themselves.
+
+Every mask of an :class:`~attnselect.AttentionProblem` is a band: key j is visible to query
+i when ``i + offset - left <= j <= i + offset + right``. ``None`` bounds are unbounded.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+Band = tuple[int, Optional[int], Optional[int]]  # (offset, left, right)
+
+
+def band(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_kv: int) -> Optional[Band]:
+    """The band of a mask, or None when nothing is masked."""
+    if mask == "none":
+        return None
+    if mask == "causal":
+        return (0, None, 0)
+    bottom_right = seqlen_kv - seqlen_q
+    if mask == "causal_bottom_right":
+        return (bottom_right, None, 0)
+    left, right = window
+    return (bottom_right, None if left < 0 else left, None if right < 0 else right)
+
+
+def needs_explicit_mask(mask: str, seqlen_q: int, seqlen_kv: int) -> bool:
+    """Whether SDPA-style kernels (is_causal = top-left) need a mask tensor for this mask."""
+    if mask in ("none", "causal"):
+        return False
+    return not (mask == "causal_bottom_right" and seqlen_q == seqlen_kv)
+
+
+def visible(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_kv: int,
+            device: torch.device) -> Optional[torch.Tensor]:
+    """Boolean (seqlen_q, seqlen_kv) tensor, True where a key is visible; None for no mask."""
+    b = band(mask, window, seqlen_q, seqlen_kv)
+    if b is None:
+        return None
+    offset, left, right = b
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    j = torch.arange(seqlen_kv, device=device).unsqueeze(0)
+    diagonal = i + offset
+    allowed = torch.ones(seqlen_q, seqlen_kv, dtype=torch.bool, device=device)
+    if right is not None:
+        allowed &= j <= diagonal + right
+    if left is not None:
+        allowed &= j >= diagonal - left
+    return allowed

@@ -1,0 +1,76 @@
+"""The rules policy: rank supported candidates by a preference table per arch family and phase.
+
+A table lists candidates fastest first ("name" = native, "name+pad" = padded). Padding wins
+only where a padded entry ranks above every supported native one. Supported candidates the
+table does not list rank last, in registry order.
+"""
+
+from __future__ import annotations
+
+from attnselect.candidates import Candidate, Verdict
+from attnselect.problem import AttentionProblem
+from attnselect.target import Target
+
+_SLOW_TAIL = ("sdpa_efficient", "sdpa_efficient+pad", "sdpa_math", "sdpa_math+pad", "reference", "reference+pad")
+
+PREFERENCES: dict[tuple[str, str], tuple[str, ...]] = {
+    # H200, torch 2.11, cuDNN 9.19 (shared/research/h200-measurements.md), fwd+bwd TFLOP/s, 192/128:
+    # cuDNN 392 (frontend 399) > cuDNN padded 275 > FA2 padded 189 > flex 154 > efficient 45 > padded 36;
+    # 128/128: cuDNN 425 > flex 327 > FA2 236 > efficient 117. TransformerEngine (utils.py) drops
+    # FlashAttention when fused attention also serves on sm90+, so FA3/FA4 follow cuDNN.
+    ("sm90", "training"): ("sdpa_cudnn", "cudnn_frontend", "flash_attn3", "flash_attn4",
+                           "sdpa_cudnn+pad", "cudnn_frontend+pad", "flash_attn3+pad", "flash_attn4+pad",
+                           "flash_attn2+pad", "sdpa_flash+pad", "flex", "flash_attn2", "sdpa_flash", "flex+pad",
+                           *_SLOW_TAIL),
+    # Same machine, forward TFLOP/s, 192/128: cuDNN 500 (frontend 514) > cuDNN padded 473 > flex 273 >
+    # FA2 padded 222 > efficient 135 > padded 100; 128/128: cuDNN 514 > flex 335 > FA2 269 > efficient 150.
+    ("sm90", "inference"): ("sdpa_cudnn", "cudnn_frontend", "flash_attn3", "flash_attn4",
+                            "sdpa_cudnn+pad", "cudnn_frontend+pad", "flash_attn3+pad", "flash_attn4+pad",
+                            "flex", "flash_attn2", "sdpa_flash", "flash_attn2+pad", "sdpa_flash+pad", "flex+pad",
+                            *_SLOW_TAIL),
+    # A100: no fused cuDNN kernel above head dim 128 (TE fused_attn.cpp); Megatron-LM #6241 measured
+    # padded FA2 0.96 ms against 113.7 ms for the native fallback. TE prefers FlashAttention below sm90.
+    ("sm80", "training"): ("flash_attn2", "sdpa_flash", "flash_attn2+pad", "sdpa_flash+pad",
+                           "sdpa_cudnn", "cudnn_frontend", "sdpa_cudnn+pad", "cudnn_frontend+pad",
+                           "flex", "flex+pad", *_SLOW_TAIL),
+    # Blackwell: Megatron-LM #6241 on sm103, core attention 0.35 ms native against 0.45 ms padded;
+    # padded 192/192 has no cuDNN backward (sdpa_cudnn rules). TE prefers fused attention on sm90+.
+    ("sm100", "training"): ("sdpa_cudnn", "cudnn_frontend", "flash_attn4", "sdpa_cudnn+pad", "cudnn_frontend+pad",
+                            "flash_attn4+pad", "flash_attn2", "sdpa_flash", "flash_attn2+pad", "sdpa_flash+pad",
+                            "flex", "flex+pad", *_SLOW_TAIL),
+    # CPU: SDPA's C++ flash kernel is the fused path; math and reference materialise the scores and
+    # eager flex is an unfused fallback.
+    ("cpu", "training"): ("sdpa_flash", "sdpa_flash+pad", "sdpa_math", "sdpa_math+pad", "flex", "flex+pad",
+                          "reference", "reference+pad"),
+}
+PREFERENCES[("sm80", "inference")] = PREFERENCES[("sm80", "training")]
+PREFERENCES[("sm100", "inference")] = PREFERENCES[("sm100", "training")]
+# sm120 (RTX PRO 6000): TE keeps fused attention first on sm90+; its cuDNN rules refuse > 128.
+PREFERENCES[("sm120", "training")] = PREFERENCES[("sm100", "training")]
+PREFERENCES[("sm120", "inference")] = PREFERENCES[("sm100", "inference")]
+PREFERENCES[("cpu", "inference")] = PREFERENCES[("cpu", "training")]
+
+
+def arch_family(target: Target) -> str:
+    if not target.is_cuda:
+        return "cpu"
+    major = target.capability[0]
+    return {8: "sm80", 9: "sm90", 10: "sm100", 11: "sm100", 12: "sm120"}.get(major, "sm80" if major < 8 else "sm120")
+
+
+def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, str], tuple[str, ...]]:
+    key = (arch_family(target), "training" if problem.training else "inference")
+    return key, PREFERENCES[key]
+
+
+def rank(verdicts: tuple[Verdict, ...], problem: AttentionProblem, target: Target) -> tuple[Candidate, ...]:
+    """Supported candidates, best first."""
+    _, table = table_for(problem, target)
+    position = {entry: i for i, entry in enumerate(table)}
+    supported = [v.candidate for v in verdicts if v.supported]
+
+    def key(c: Candidate) -> tuple[int, int]:
+        entry = c.backend + ("+pad" if c.padded else "")
+        return (position.get(entry, len(table)), supported.index(c))
+
+    return tuple(sorted(supported, key=key))

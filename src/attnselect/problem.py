@@ -1,0 +1,154 @@
+"""`AttentionProblem`: an immutable, hashable description of one attention call."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attnselect.errors import InvalidInputError
+
+LAYOUTS = ("bshd", "sbhd", "bhsd", "thd")
+MASKS = ("none", "causal", "causal_bottom_right", "sliding_window")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """One attention call, described by shapes and options only (no tensors).
+
+    Dense layouts: q is (B, Sq, Hq, Dqk) for ``bshd``, (Sq, B, Hq, Dqk) for ``sbhd`` and
+    (B, Hq, Sq, Dqk) for ``bhsd``; k has Hkv heads and Skv positions; v has head dim Dv.
+    ``thd`` packs sequences: q is (Tq, Hq, Dqk), ``batch`` is the number of sequences and
+    ``seqlen_q``/``seqlen_kv`` are the longest sequence lengths.
+
+    Masks: ``causal`` is top-left aligned (query i sees keys j <= i, as SDPA's is_causal);
+    ``causal_bottom_right`` aligns the diagonal to the last key (j <= i + Skv - Sq, as
+    FlashAttention-2 and cuDNN); ``sliding_window`` takes ``window=(left, right)``, also
+    bottom-right aligned: key j is visible to query i when
+    ``i + Skv - Sq - left <= j <= i + Skv - Sq + right``, and -1 means unbounded.
+    """
+
+    batch: int
+    seqlen_q: int
+    seqlen_kv: int
+    heads_q: int
+    heads_kv: int
+    head_dim_qk: int
+    head_dim_v: int
+    dtype: torch.dtype = torch.bfloat16
+    layout: str = "bshd"
+    mask: str = "none"
+    window: Optional[tuple[int, int]] = None
+    dropout_p: float = 0.0
+    training: bool = False
+    deterministic: bool = False
+    return_lse: bool = False
+    context_parallel_size: int = 1
+    fp8: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "seqlen_q", "seqlen_kv"):
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name,
+                     getattr(self, name), "an integer >= 0")
+        for name in ("heads_q", "heads_kv", "head_dim_qk", "head_dim_v", "context_parallel_size"):
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name,
+                     getattr(self, name), "an integer >= 1")
+        _require(self.heads_q % self.heads_kv == 0, "heads_q",
+                 f"{self.heads_q} with heads_kv={self.heads_kv}", "a multiple of heads_kv (GQA/MQA)")
+        _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {_names(DTYPES)}")
+        _require(self.layout in LAYOUTS, "layout", repr(self.layout), f"one of {LAYOUTS}")
+        _require(self.mask in MASKS, "mask", repr(self.mask), f"one of {MASKS}")
+        if self.mask == "sliding_window":
+            w = self.window
+            _require(isinstance(w, tuple) and len(w) == 2 and all(isinstance(x, int) and x >= -1 for x in w),
+                     "window", w, "a (left, right) pair of integers >= -1 (-1 = unbounded)")
+        else:
+            _require(self.window is None, "window", self.window, "None unless mask='sliding_window'")
+        _require(isinstance(self.dropout_p, float) and 0.0 <= self.dropout_p < 1.0, "dropout_p",
+                 self.dropout_p, "a float in [0, 1)")
+
+    @classmethod
+    def from_tensors(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call_arguments) -> "AttentionProblem":
+        """Describe a call from its tensors and the keyword arguments of :func:`attnselect.attention`."""
+        from attnselect.inputs import problem_from_tensors
+        return problem_from_tensors(q, k, v, **call_arguments)
+
+    # -- derived facts -------------------------------------------------------------------
+    @property
+    def is_gqa(self) -> bool:
+        return self.heads_q != self.heads_kv
+
+    @property
+    def different_head_dims(self) -> bool:
+        return self.head_dim_qk != self.head_dim_v
+
+    @property
+    def default_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim_qk)
+
+    @property
+    def pad_target(self) -> Optional[int]:
+        """The one head dim padding may go to: max(d_qk, d_v) rounded up to a multiple of 8."""
+        if not self.different_head_dims:
+            return None
+        return -(-max(self.head_dim_qk, self.head_dim_v) // 8) * 8
+
+    def padded(self, head_dim: int) -> "AttentionProblem":
+        """The problem after zero-padding Q, K and V to ``head_dim`` on the last dim."""
+        _require(head_dim >= max(self.head_dim_qk, self.head_dim_v), "head_dim", head_dim,
+                 f">= max(head_dim_qk, head_dim_v) = {max(self.head_dim_qk, self.head_dim_v)}")
+        return dataclasses.replace(self, head_dim_qk=head_dim, head_dim_v=head_dim)
+
+    def describe(self) -> str:
+        mask = self.mask if self.window is None else f"{self.mask}{self.window}"
+        phase = "training" if self.training else "inference"
+        seq = (f"{self.batch} seqs, max sq={self.seqlen_q} skv={self.seqlen_kv}" if self.layout == "thd"
+               else f"B={self.batch} Sq={self.seqlen_q} Skv={self.seqlen_kv}")
+        extras = [f"dropout={self.dropout_p}"] if self.dropout_p else []
+        extras += [n for n in ("deterministic", "return_lse", "fp8") if getattr(self, n)]
+        extras += [f"cp={self.context_parallel_size}"] if self.context_parallel_size > 1 else []
+        return (f"{self.layout} {seq} Hq={self.heads_q} Hkv={self.heads_kv} "
+                f"d_qk={self.head_dim_qk} d_v={self.head_dim_v} {str(self.dtype).replace('torch.', '')} "
+                f"mask={mask} {phase}" + (" " + " ".join(extras) if extras else ""))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["dtype"] = str(self.dtype).replace("torch.", "")
+        d["window"] = list(self.window) if self.window else None
+        return d
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _require(ok: bool, name: str, seen, expected: str) -> None:
+    if not ok:
+        raise InvalidInputError(f"{name}: got {seen}, expected {expected}")
+
+
+def mask_from_arguments(causal: bool | str, window: Optional[tuple[int, int]]) -> tuple[str, Optional[tuple[int, int]]]:
+    """Turn the user-facing ``causal=`` / ``window=`` arguments into (mask, window).
+
+    ``causal`` is False, True (top-left, as SDPA), "top_left" or "bottom_right".
+    A window is bottom-right aligned; with causal it must have right == 0 (or -1, taken as 0).
+    """
+    kinds = {False: "none", True: "causal", "top_left": "causal", "bottom_right": "causal_bottom_right"}
+    _require(isinstance(causal, (bool, str)) and causal in kinds, "causal", repr(causal),
+             "False, True, 'top_left' or 'bottom_right'")
+    mask = kinds[causal]
+    if window is None:
+        return mask, None
+    _require(isinstance(window, (tuple, list)) and len(window) == 2
+             and all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window),
+             "window", window, "a (left, right) pair of integers >= -1 (-1 = unbounded)")
+    left, right = window
+    if mask != "none":
+        _require(right in (0, -1), "window", window,
+                 f"right = 0 or -1 with causal={causal!r} (a causal window cannot look ahead)")
+        right = 0
+    return "sliding_window", (left, right)

@@ -1,0 +1,114 @@
+"""`select`: judge every candidate, rank the supported ones, and memoize the decision."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from attnselect import backends, settings
+from attnselect import policy as rules
+from attnselect.candidates import Candidate, Verdict, judge
+from attnselect.errors import ForcedChoiceError, NoSupportedCandidateError
+from attnselect.problem import AttentionProblem
+from attnselect.target import Target
+
+log = logging.getLogger("attnselect")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one selection: the chosen candidate, the ranked alternatives, every verdict."""
+
+    problem: AttentionProblem
+    target: Target
+    policy: str
+    overrides: settings.Overrides
+    chosen: Candidate
+    ranked: tuple[Candidate, ...]
+    verdicts: tuple[Verdict, ...]
+
+    @property
+    def why(self) -> str:
+        (arch, phase), _ = rules.table_for(self.problem, self.target)
+        how = f"padded to {self.chosen.pad_to}" if self.chosen.padded else "native"
+        if self.overrides.backend:
+            because = f"the caller forced backend {self.overrides.backend!r}"
+        else:
+            because = (f"it ranks first of {len(self.ranked)} supported candidates in the {self.policy} "
+                       f"table for {arch} {phase}")
+        natives = [c for c in self.ranked if not c.padded]
+        if self.chosen.padded and natives:
+            because += f"; padding wins over the best native candidate, {natives[0].backend}"
+        elif self.chosen.padded:
+            because += "; no native candidate is supported"
+        elif self.problem.different_head_dims:
+            padded = [c for c in self.ranked if c.padded]
+            because += (f"; the best padded candidate, {padded[0]}, ranks lower" if padded
+                        else "; no padded candidate is supported")
+        return f"running {self.chosen.backend}, {how}, because {because}"
+
+    def rank_of(self, candidate: Candidate) -> Optional[int]:
+        return self.ranked.index(candidate) + 1 if candidate in self.ranked else None
+
+    def to_dict(self) -> dict:
+        return {
+            "problem": self.problem.to_dict(),
+            "target": self.target.to_dict(),
+            "policy": self.policy,
+            "chosen": self.chosen.to_dict(),
+            "why": self.why,
+            "candidates": [{**v.candidate.to_dict(), "supported": v.supported, "reasons": list(v.reasons),
+                            "rank": self.rank_of(v.candidate)} for v in self.verdicts],
+        }
+
+
+_MEMO: dict[tuple, Decision] = {}
+
+
+def clear_cache() -> None:
+    """Forget every memoized decision."""
+    _MEMO.clear()
+
+
+def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy: Optional[str] = None,
+           backend: Optional[str] = None, pad=None, disable=None) -> Decision:
+    """Choose a candidate for ``problem`` on ``target`` (default: the live machine).
+
+    ``backend`` forces a backend, ``pad`` is "auto", "always"/True or "never"/False, ``disable``
+    excludes backends; each defaults to its ATTNSELECT_* variable. Raises
+    :class:`NoSupportedCandidateError` or :class:`ForcedChoiceError` listing every reason.
+    """
+    target = target or Target.current()
+    env = settings.environment()
+    key = (problem, target, policy, backend, pad,
+           disable if disable is None or isinstance(disable, str) else tuple(disable), env,
+           backends.registry_version())
+    decision = _MEMO.get(key)
+    if decision is None:
+        decision = _decide(problem, target, settings.resolve(policy=policy, backend=backend, pad=pad,
+                                                              disable=disable, env=env))
+        _MEMO[key] = decision
+        log.info("attnselect: %s | %s", problem.describe(), decision.why)
+    return decision
+
+
+def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overrides) -> Decision:
+    verdicts = judge(problem, target, overrides)
+    ranked = rules.rank(verdicts, problem, target)
+    if not ranked:
+        error = ForcedChoiceError if overrides.backend or overrides.pad != "auto" else NoSupportedCandidateError
+        raise error(no_candidate_message(problem, target, verdicts, overrides))
+    return Decision(problem, target, overrides.policy, overrides, ranked[0], ranked, verdicts)
+
+
+def no_candidate_message(problem, target, verdicts, overrides) -> str:
+    forced = [f"backend={overrides.backend!r}"] * bool(overrides.backend) + [f"pad={overrides.pad!r}"] * (overrides.pad != "auto")
+    head = (f"No attention candidate can serve {problem.describe()} on {target.describe()}"
+            + (f" with {', '.join(forced)}" if forced else "") + ". Every candidate and why not:")
+    lines = [head]
+    for v in verdicts:
+        if overrides.backend and v.candidate.backend != overrides.backend:
+            continue
+        lines.append(f"  {v.candidate}: " + "; ".join(v.reasons))
+    return "\n".join(lines)

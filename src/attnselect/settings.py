@@ -1,0 +1,81 @@
+"""User controls: keyword arguments and their ATTNSELECT_* environment mirrors.
+
+A keyword argument wins over its environment variable. Unknown values raise an
+:class:`~attnselect.errors.InvalidInputError` naming the argument or variable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from attnselect.errors import ForcedChoiceError, InvalidInputError
+
+if TYPE_CHECKING:
+    from attnselect.candidates import Candidate
+    from attnselect.problem import AttentionProblem
+
+POLICIES = ("rules",)
+PAD_MODES = ("auto", "always", "never")
+ENV_VARS = ("ATTNSELECT_POLICY", "ATTNSELECT_BACKEND", "ATTNSELECT_PAD", "ATTNSELECT_DISABLE")
+
+
+def environment() -> tuple:
+    """The ATTNSELECT_* variables attnselect reads, as a hashable snapshot (part of the memo key)."""
+    get = os.environ.get
+    return tuple(get(name) for name in ENV_VARS)
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """The effective controls of one selection."""
+
+    policy: str = "rules"
+    backend: Optional[str] = None
+    pad: str = "auto"
+    disable: frozenset = frozenset()
+
+    def reasons(self, candidate: "Candidate", problem: "AttentionProblem") -> list[str]:
+        """Why the controls exclude a candidate (empty when they allow it)."""
+        if candidate.backend in self.disable:
+            return [f"disabled by the caller (disable / ATTNSELECT_DISABLE)"]
+        if self.backend is not None and candidate.backend != self.backend:
+            return [f"the caller forced backend {self.backend!r}"]
+        if self.pad == "never" and candidate.padded:
+            return ["padding is switched off (pad='never')"]
+        if self.pad == "always" and not candidate.padded and problem.different_head_dims:
+            return ["padding is forced (pad='always')"]
+        return []
+
+
+def resolve(*, policy=None, backend=None, pad=None, disable=None, env: tuple = ()) -> Overrides:
+    """Merge keyword arguments with the environment snapshot ``env`` (see :func:`environment`)."""
+    from attnselect import backends
+
+    env_policy, env_backend, env_pad, env_disable = env or environment()
+    policy, source = _pick(policy, env_policy, "policy", "ATTNSELECT_POLICY")
+    if (policy or "rules") not in POLICIES:
+        raise InvalidInputError(f"{source}: got {policy!r}, expected one of {POLICIES}")
+    if isinstance(pad, bool):
+        pad = "always" if pad else "never"
+    pad, source = _pick(pad, env_pad, "pad", "ATTNSELECT_PAD")
+    if (pad or "auto") not in PAD_MODES:
+        raise InvalidInputError(f"{source}: got {pad!r}, expected True, False or one of {PAD_MODES}")
+    known = [b.name for b in backends.all_backends()]
+    backend, source = _pick(backend, env_backend, "backend", "ATTNSELECT_BACKEND")
+    if backend and backend not in known:
+        raise ForcedChoiceError(f"{source}: got {backend!r}, expected one of {known}")
+    disable, source = _pick(disable, env_disable, "disable", "ATTNSELECT_DISABLE")
+    if isinstance(disable, str):
+        disable = [x.strip() for x in disable.split(",") if x.strip()]
+    unknown = sorted(set(disable or ()) - set(known))
+    if unknown:
+        raise InvalidInputError(f"{source}: got unknown backend(s) {unknown}, expected names from {known}")
+    return Overrides(policy=policy or "rules", backend=backend or None, pad=pad or "auto",
+                     disable=frozenset(disable or ()))
+
+
+def _pick(value, env_value, argument: str, variable: str):
+    """(value, where it came from): the keyword argument if given, else the variable."""
+    return (value, argument) if value is not None else (env_value, variable)

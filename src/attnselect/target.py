@@ -1,0 +1,179 @@
+"""`Target`: the machine and library versions a choice is made for."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import logging
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attnselect.errors import InvalidInputError
+
+log = logging.getLogger("attnselect")
+
+#: Library versions assumed by every GPU preset unless overridden: the stack measured on
+#: the H200 in shared/research/h200-measurements.md (torch 2.11, cuDNN 9.19) with no
+#: optional attention package installed.
+DEFAULT_TORCH = "2.11.0"
+DEFAULT_CUDNN = "9.19.0"
+
+
+def version_tuple(version: Optional[str]) -> tuple[int, ...]:
+    """'9.19.0' -> (9, 19, 0); '2.11.0+cu130' -> (2, 11, 0); None -> ()."""
+    if not version:
+        return ()
+    return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a choice is for: the device and the versions of the libraries that serve it.
+
+    ``capability`` is the CUDA compute capability, e.g. (9, 0), or None for the CPU.
+    Version fields are strings, or None when the library is absent.
+    """
+
+    name: str
+    device_type: str = "cuda"
+    capability: Optional[tuple[int, int]] = None
+    torch_version: str = DEFAULT_TORCH
+    cudnn_version: Optional[str] = DEFAULT_CUDNN
+    cudnn_frontend_version: Optional[str] = None
+    flash_attn_version: Optional[str] = None      # FlashAttention-2, package flash-attn
+    flash_attn3_version: Optional[str] = None     # FlashAttention-3, module flash_attn_interface
+    flash_attn4_version: Optional[str] = None     # FlashAttention-4, module flash_attn.cute
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device_type == "cuda" and self.capability is not None
+
+    @property
+    def arch(self) -> str:
+        """'sm90' style label, or 'cpu'."""
+        return f"sm{self.capability[0]}{self.capability[1]}" if self.is_cuda else "cpu"
+
+    def at_least(self, field: str, version: str) -> bool:
+        have = getattr(self, field)
+        return have is not None and version_tuple(have) >= version_tuple(version)
+
+    def with_versions(self, **versions: Optional[str]) -> "Target":
+        """A copy with some library versions replaced, e.g. ``cudnn_version="9.10.0"``."""
+        unknown = set(versions) - {f.name for f in dataclasses.fields(self) if f.name.endswith("_version")}
+        if unknown:
+            raise InvalidInputError(f"versions: got unknown field(s) {sorted(unknown)}, expected *_version fields of Target")
+        return dataclasses.replace(self, **versions)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["capability"] = list(self.capability) if self.capability else None
+        return d
+
+    def describe(self) -> str:
+        libs = [f"torch {self.torch_version}"]
+        for label, field in (("cuDNN", "cudnn_version"), ("cudnn-frontend", "cudnn_frontend_version"),
+                             ("flash-attn", "flash_attn_version"), ("FA3", "flash_attn3_version"),
+                             ("FA4", "flash_attn4_version")):
+            if getattr(self, field):
+                libs.append(f"{label} {getattr(self, field)}")
+        return f"{self.name} ({self.arch}), " + ", ".join(libs)
+
+    # -- constructors --------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **versions: Optional[str]) -> "Target":
+        """A simulated target: one of :data:`PRESETS`, with library versions overridable."""
+        if name not in PRESETS:
+            raise InvalidInputError(f"target: got {name!r}, expected one of {sorted(PRESETS)} or 'current'")
+        return PRESETS[name].with_versions(**versions) if versions else PRESETS[name]
+
+    @classmethod
+    def current(cls, device: "torch.device | str | int | None" = None) -> "Target":
+        """The live machine. Never raises: without a usable CUDA device it is the CPU target."""
+        if device is None:
+            return _cuda_target(_current_cuda_index()) if _cuda_usable() else _cpu_target()
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        return target_for_device(dev)
+
+
+@functools.lru_cache(maxsize=None)
+def target_for_device(device: torch.device) -> Target:
+    """The target of the device tensors live on (memoized: cheap on the hot path)."""
+    if device.type != "cuda" or not _cuda_usable():
+        return _cpu_target()
+    return _cuda_target(device.index if device.index is not None else _current_cuda_index())
+
+
+def _cuda_usable() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception as exc:  # a broken driver must not break import or selection
+        log.warning("attnselect: CUDA is present but unusable (%s); using the cpu target", exc)
+        return False
+
+
+def _current_cuda_index() -> int:
+    try:
+        return torch.cuda.current_device()
+    except Exception:
+        return 0
+
+
+def _package_version(distribution: str, module: str) -> Optional[str]:
+    try:
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            return None
+        if "." in module and importlib.util.find_spec(module) is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _installed_packages() -> dict:
+    return dict(
+        cudnn_frontend_version=_package_version("nvidia-cudnn-frontend", "cudnn"),
+        flash_attn_version=_package_version("flash-attn", "flash_attn"),
+        flash_attn3_version=_package_version("flash-attn-3", "flash_attn_interface"),
+        flash_attn4_version=_package_version("flash-attn-4", "flash_attn.cute"),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_target() -> Target:
+    return Target(name="cpu", device_type="cpu", capability=None, torch_version=torch.__version__,
+                  cudnn_version=None, **_installed_packages())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_target(index: int) -> Target:
+    try:
+        capability = tuple(torch.cuda.get_device_capability(index))
+        name = torch.cuda.get_device_name(index)
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except Exception as exc:
+        log.warning("attnselect: could not read CUDA device %d (%s); using the cpu target", index, exc)
+        return _cpu_target()
+    cudnn_version = f"{cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}" if cudnn else None
+    return Target(name=name, device_type="cuda", capability=capability, torch_version=torch.__version__,
+                  cudnn_version=cudnn_version, **_installed_packages())
+
+
+#: Simulation presets. GPU presets assume DEFAULT_TORCH and DEFAULT_CUDNN and no optional
+#: attention package; override with ``Target.preset("b200", cudnn_version="9.10.0")``.
+PRESETS: dict[str, Target] = {
+    "a100": Target(name="NVIDIA A100", capability=(8, 0)),
+    "h100": Target(name="NVIDIA H100", capability=(9, 0)),
+    "h200": Target(name="NVIDIA H200", capability=(9, 0)),
+    "b200": Target(name="NVIDIA B200", capability=(10, 0)),
+    "b300": Target(name="NVIDIA B300", capability=(10, 3)),
+    "rtx-pro-6000": Target(name="NVIDIA RTX PRO 6000 Blackwell", capability=(12, 0)),
+    "cpu": Target(name="cpu", device_type="cpu", capability=None, cudnn_version=None),
+}
