@@ -27,7 +27,8 @@ class Flex(Backend):
         # rounded up to a power of two inside the Triton template, PR #133495); no dropout argument.
         # Measured limits on the H200: results/h200_rules_grid.md.
         "cuda": Surface(dtypes=ALL_DTYPES - {torch.float64}, min_capability=(8, 0), max_head_dim=256, dropout=False),
-        "cpu": Surface(dtypes=ALL_DTYPES, dropout=False),
+        # Eager (unfused) on the CPU: "FlexAttention does not support backward on CPU" (torch 2.13).
+        "cpu": Surface(dtypes=ALL_DTYPES, dropout=False, backward=False),
     }
 
     def run(self, q, k, v, call: KernelCall):

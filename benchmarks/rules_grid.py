@@ -1,0 +1,175 @@
+"""Check the rules against a real GPU: run a grid of problems through every backend the machine has.
+
+For each problem and each (backend, pad_to) candidate it records what the rules predict
+(supported or not, with reasons) and what really happens: does the forward run (and the
+backward, when training), and do the output and the three gradients match a float64
+reference to bf16 tolerance. A row agrees when prediction and reality are the same.
+
+    python benchmarks/rules_grid.py --out results/h200_rules_grid.jsonl [--resume FILE] [--deadline S]
+
+Rows are appended as they are measured, so a run cut short keeps what it did; --resume
+skips the rows already in a file. ``benchmarks/grid_report.py`` turns the rows into the
+markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import time
+
+import torch
+
+from attnselect import backends
+from attnselect.candidates import judge
+from attnselect.execution import run_candidate
+from attnselect.problem import AttentionProblem
+from attnselect.target import Target
+
+HEAD_DIMS = [(64, 64), (128, 128), (192, 128), (192, 192), (256, 256), (576, 512)]
+DTYPES = [torch.bfloat16, torch.float16]
+# (mask, window, seqlen_q, seqlen_kv, heads_kv, dropout_p): heads_q is 8.
+SCENARIOS = [
+    ("none", None, 256, 256, 8, 0.0),
+    ("causal", None, 256, 256, 2, 0.0),
+    ("causal", None, 128, 256, 8, 0.0),
+    ("causal_bottom_right", None, 128, 256, 8, 0.0),
+    ("sliding_window", (64, 0), 256, 256, 2, 0.0),
+    ("none", None, 256, 256, 8, 0.125),
+]
+TOLERANCE = 2e-2   # relative Frobenius error; bf16/fp16 operands land between 1e-3 and 1e-2
+
+
+def grid():
+    for (dqk, dv), dtype, training, scenario in itertools.product(HEAD_DIMS, DTYPES, (False, True), SCENARIOS):
+        mask, window, sq, skv, hkv, dropout = scenario
+        yield AttentionProblem(batch=2, seqlen_q=sq, seqlen_kv=skv, heads_q=8, heads_kv=hkv, head_dim_qk=dqk,
+                               head_dim_v=dv, dtype=dtype, layout="bshd", mask=mask, window=window,
+                               dropout_p=dropout, training=training)
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure(problem, candidate, inputs, reference) -> dict:
+    q, k, v, grad_out = inputs
+    leaves = [t.detach().clone().requires_grad_(problem.training) for t in (q, k, v)]
+    row = {"ran_forward": False, "ran_backward": None, "error": None, "out_err": None, "grad_err": None}
+    try:
+        out, _ = run_candidate(candidate, problem, *leaves)
+        _sync()
+        row["ran_forward"] = True
+        if problem.training:
+            out.backward(grad_out)
+            _sync()
+            row["ran_backward"] = True
+    except Exception as exc:  # reality is whatever the kernel does: record it
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        if row["ran_forward"]:
+            row["ran_backward"] = False
+        return row
+    finite = bool(torch.isfinite(out).all())
+    ref_out, ref_grads = reference
+    row["out_err"] = rel(out, ref_out)
+    if problem.dropout_p:
+        # Dropout cannot match the no-dropout reference; it must run finite and visibly drop
+        # (a kernel that ignores dropout_p would match the reference and so fail here).
+        row["matches"] = finite and row["out_err"] > 5 * TOLERANCE
+        return row
+    if problem.training:
+        row["grad_err"] = max(rel(t.grad, g) for t, g in zip(leaves, ref_grads))
+    row["matches"] = finite and row["out_err"] < TOLERANCE and (row["grad_err"] or 0.0) < TOLERANCE
+    return row
+
+
+def make_inputs(problem, device):
+    g = torch.Generator(device=device).manual_seed(hash(problem) % (1 << 31))
+    shape = lambda s, h, d: (problem.batch, s, h, d)
+    q = torch.randn(shape(problem.seqlen_q, problem.heads_q, problem.head_dim_qk), generator=g, device=device)
+    k = torch.randn(shape(problem.seqlen_kv, problem.heads_kv, problem.head_dim_qk), generator=g, device=device)
+    v = torch.randn(shape(problem.seqlen_kv, problem.heads_kv, problem.head_dim_v), generator=g, device=device)
+    grad_out = torch.randn(shape(problem.seqlen_q, problem.heads_q, problem.head_dim_v), generator=g, device=device)
+    return tuple(t.to(problem.dtype) for t in (q, k, v, grad_out))
+
+
+def float64_reference(problem, inputs):
+    from attnselect.candidates import Candidate
+    q, k, v, grad_out = (t.double() for t in inputs)
+    leaves = [t.requires_grad_(problem.training) for t in (q, k, v)]
+    without_dropout = dataclasses.replace(problem, dropout_p=0.0)
+    out, _ = run_candidate(Candidate("reference"), without_dropout, *leaves)
+    if not problem.training:
+        return out.detach(), None
+    out.backward(grad_out)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--resume", help="a previous rows file; its rows are copied and skipped")
+    ap.add_argument("--deadline", type=float, default=540.0, help="seconds; stop cleanly after this")
+    ap.add_argument("--limit", type=int, help="only the first N problems (smoke test)")
+    ap.add_argument("--backends", help="comma list (default: every backend the machine has)")
+    a = ap.parse_args()
+    torch._dynamo.config.cache_size_limit = 4096
+    torch._dynamo.config.accumulated_cache_size_limit = 8192
+    start = time.time()
+    target = Target.current()
+    device = "cuda" if target.is_cuda else "cpu"
+    wanted = set(a.backends.split(",")) if a.backends else None
+    done = set()
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "a") as sink:
+        if a.resume and os.path.exists(a.resume) and os.path.abspath(a.resume) != os.path.abspath(a.out):
+            for line in open(a.resume):
+                row = json.loads(line)
+                done.add((json.dumps(row["problem"], sort_keys=True), row["backend"], row["pad_to"]))
+                sink.write(line)
+        for problem in itertools.islice(grid(), a.limit):
+            verdicts = [v for v in judge(problem, target)
+                        if not (backends.get(v.candidate.backend).package
+                                and v.reasons == (f"package {backends.get(v.candidate.backend).package[1]} "
+                                                  "is not installed",))
+                        and (wanted is None or v.candidate.backend in wanted)]
+            todo = [v for v in verdicts if (json.dumps(problem.to_dict(), sort_keys=True), v.candidate.backend,
+                                            v.candidate.pad_to) not in done]
+            if not todo:
+                continue
+            if time.time() - start > a.deadline:
+                print("deadline reached; rerun with --resume to continue", flush=True)
+                break
+            inputs = make_inputs(problem, device)
+            reference = float64_reference(problem, inputs)
+            for verdict in todo:
+                t0 = time.time()
+                row = measure(problem, verdict.candidate, inputs, reference)
+                really = row["ran_forward"] and row["ran_backward"] is not False and row["matches"]
+                row.update(problem=problem.to_dict(), backend=verdict.candidate.backend,
+                           pad_to=verdict.candidate.pad_to, predicted=verdict.supported,
+                           reasons=list(verdict.reasons), really=bool(really),
+                           agrees=verdict.supported == bool(really), seconds=round(time.time() - t0, 3))
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+                if not row["agrees"]:
+                    print(f"DISAGREE {problem.describe()} | {verdict.candidate} predicted={verdict.supported} "
+                          f"really={bool(really)} {row['error'] or ''} out_err={row['out_err']} "
+                          f"grad_err={row['grad_err']}", flush=True)
+    rows = [json.loads(line) for line in open(a.out)]
+    agree = sum(r["agrees"] for r in rows)
+    print(f"{len(rows)} rows, {len({json.dumps(r['problem'], sort_keys=True) for r in rows})} problems, "
+          f"agreement {agree}/{len(rows)} = {100 * agree / max(len(rows), 1):.2f}% "
+          f"on {target.describe()} in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Shared test helpers: random inputs for a problem and a float64 reference run."""
+
+from __future__ import annotations
+
+import torch
+
+import attnselect
+
+SHAPES = {"bshd": lambda b, s, h, d: (b, s, h, d), "sbhd": lambda b, s, h, d: (s, b, h, d),
+          "bhsd": lambda b, s, h, d: (b, h, s, d)}
+
+
+def dense_inputs(layout="bshd", b=2, sq=33, skv=33, hq=4, hkv=4, dqk=24, dv=16, dtype=torch.float64,
+                 device="cpu", requires_grad=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = SHAPES[layout]
+    q = torch.randn(make(b, sq, hq, dqk), generator=g, dtype=torch.float64)
+    k = torch.randn(make(b, skv, hkv, dqk), generator=g, dtype=torch.float64)
+    v = torch.randn(make(b, skv, hkv, dv), generator=g, dtype=torch.float64)
+    return [t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def thd_inputs(lengths_q, lengths_kv=None, hq=4, hkv=2, dqk=24, dv=16, dtype=torch.float64, device="cpu", seed=0):
+    lengths_kv = lengths_q if lengths_kv is None else lengths_kv
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(lengths_q), sum(lengths_kv)
+    q = torch.randn(tq, hq, dqk, generator=g, dtype=torch.float64)
+    k = torch.randn(tk, hkv, dqk, generator=g, dtype=torch.float64)
+    v = torch.randn(tk, hkv, dv, generator=g, dtype=torch.float64)
+    cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    tensors = [t.to(device=device, dtype=dtype).requires_grad_(True) for t in (q, k, v)]
+    return tensors, cu(lengths_q), cu(lengths_kv)
+
+
+def run_with_grads(q, k, v, grad_seed=1, **kwargs):
+    """(out, lse or None, [dq, dk, dv]) for attnselect.attention with the given kwargs."""
+    for t in (q, k, v):
+        t.grad = None
+    result = attnselect.attention(q, k, v, **kwargs)
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    g = torch.Generator().manual_seed(grad_seed)
+    grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out)
+    out.backward(grad_out)
+    return out.detach(), lse, [t.grad.clone() for t in (q, k, v)]
+
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
