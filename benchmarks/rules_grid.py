@@ -39,6 +39,9 @@ SCENARIOS = [
     ("causal_bottom_right", None, 128, 256, 8, 0.0),
     ("sliding_window", (64, 0), 256, 256, 2, 0.0),
     ("none", None, 256, 256, 8, 0.125),
+    ("causal", None, 512, 512, 1, 0.0),
+    ("sliding_window", (96, 32), 256, 256, 8, 0.0),
+    ("causal_bottom_right", None, 256, 128, 8, 0.0),   # the first 128 queries see no key
 ]
 TOLERANCE = 2e-2   # relative Frobenius error; bf16/fp16 operands land between 1e-3 and 1e-2
 
@@ -164,6 +167,10 @@ def main() -> None:
                     print(f"DISAGREE {problem.describe()} | {verdict.candidate} predicted={verdict.supported} "
                           f"really={bool(really)} {row['error'] or ''} out_err={row['out_err']} "
                           f"grad_err={row['grad_err']}", flush=True)
+    meta = {"device": target.describe(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": target.cudnn_version, "date": time.strftime("%Y-%m-%d"), "tolerance": TOLERANCE}
+    with open(a.out + ".meta.json", "w") as f:
+        json.dump(meta, f, indent=1)
     rows = [json.loads(line) for line in open(a.out)]
     agree = sum(r["agrees"] for r in rows)
     print(f"{len(rows)} rows, {len({json.dumps(r['problem'], sort_keys=True) for r in rows})} problems, "

@@ -49,3 +49,22 @@ def visible(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_
     if left is not None:
         allowed &= j >= diagonal - left
     return allowed
+
+
+def rows_without_keys(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_kv: int,
+                      device: torch.device) -> Optional[torch.Tensor]:
+    """Boolean (seqlen_q, 1) tensor, True for queries that see no key; None when every query sees one.
+
+    Computed from the band on the host (no device sync): query i sees nothing when its band
+    ends before key 0 (i + offset + right < 0) or starts after the last key.
+    """
+    b = band(mask, window, seqlen_q, seqlen_kv)
+    if b is None:
+        return None
+    offset, left, right = b
+    front = 0 if right is None else min(seqlen_q, max(0, -(offset + right)))
+    back = seqlen_q if left is None else min(seqlen_q, max(0, seqlen_kv - offset + left))
+    if seqlen_kv > 0 and front == 0 and back == seqlen_q:
+        return None
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    return (i < front) | (i >= back) | (seqlen_kv == 0)

@@ -21,6 +21,7 @@ CPU_CASES = [  # (label, attention kwargs, input kwargs)
     ("gqa-bottom-right", dict(causal="bottom_right"), dict(sq=17, skv=40, hq=4, hkv=2, dqk=16, dv=16)),
     ("window", dict(window=(5, 3)), dict(dqk=24, dv=16)),
     ("lse", dict(return_lse=True, causal=True), dict(dqk=24, dv=16, hq=4, hkv=1)),
+    ("rows-without-keys", dict(causal="bottom_right", return_lse=True), dict(sq=40, skv=17, dqk=16, dv=16)),
 ]
 
 
@@ -81,6 +82,7 @@ GPU_CASES = [
     ("equal-gqa", dict(), dict(sq=128, skv=128, hq=8, hkv=2, dqk=128, dv=128)),
     ("mla-bottom-right", dict(causal="bottom_right"), dict(sq=64, skv=200, hq=8, hkv=8, dqk=192, dv=128)),
     ("mla-window-lse", dict(window=(32, 0), return_lse=True), dict(sq=128, skv=128, hq=8, hkv=2, dqk=192, dv=128)),
+    ("rows-without-keys", dict(causal="bottom_right"), dict(sq=200, skv=64, hq=8, hkv=8, dqk=192, dv=128)),
 ]
 _CUDA = torch.cuda.is_available()
 

@@ -2,6 +2,10 @@
 
 Masks other than none / top-left causal (and bottom-right causal on square problems, where
 the two coincide) are passed as a boolean ``attn_mask`` built by :mod:`attnselect.masks`.
+Queries such a mask leaves with no visible key get a zero output, as in every other
+backend: cuDNN turns the boolean mask into -65504 (attention.cpp,
+convert_boolean_attn_mask_cudnn), which gives those rows a uniform average instead; zeroing
+them also zeroes their gradient, so the backward stays exact (measured on the H200 grid).
 Grouped K/V heads go through ``enable_gqa`` unless the kernel refuses it, in which case
 K/V are expanded first. SDPA does not return the log-sum-exp, so these surfaces say
 ``lse=False`` and the reference / flex backends serve ``return_lse``.
@@ -26,9 +30,10 @@ class SdpaBackend(Backend):
 
     def run(self, q, k, v, call: KernelCall):
         sq, skv = q.shape[-2], k.shape[-2]
-        attn_mask, is_causal = None, False
+        attn_mask, is_causal, no_key = None, False, None
         if masks.needs_explicit_mask(call.mask, sq, skv):
             attn_mask = masks.visible(call.mask, call.window, sq, skv, q.device)
+            no_key = masks.rows_without_keys(call.mask, call.window, sq, skv, q.device)
         elif call.mask != "none":
             is_causal = True
         gqa = q.shape[1] != k.shape[1]
@@ -38,4 +43,6 @@ class SdpaBackend(Backend):
         with sdpa_kernel([self.kernel]):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
                                                  is_causal=is_causal, scale=call.scale, enable_gqa=gqa)
+        if no_key is not None:
+            out = out.masked_fill(no_key, 0.0)
         return out, None
