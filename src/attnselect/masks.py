@@ -51,20 +51,34 @@ def visible(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_
     return allowed
 
 
-def rows_without_keys(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_kv: int,
-                      device: torch.device) -> Optional[torch.Tensor]:
-    """Boolean (seqlen_q, 1) tensor, True for queries that see no key; None when every query sees one.
+def _keyless_rows(mask, window, seqlen_q: int, seqlen_kv: int) -> Optional[tuple[int, int]]:
+    """(front, back): queries i < front or i >= back see no key; None when every query sees one.
 
-    Computed from the band on the host (no device sync): query i sees nothing when its band
-    ends before key 0 (i + offset + right < 0) or starts after the last key.
+    Host arithmetic on the band: query i sees nothing when its band ends before key 0
+    (i + offset + right < 0) or starts after the last key.
     """
+    if seqlen_q == 0:
+        return None
     b = band(mask, window, seqlen_q, seqlen_kv)
     if b is None:
-        return None
+        return None if seqlen_kv > 0 else (seqlen_q, seqlen_q)
     offset, left, right = b
     front = 0 if right is None else min(seqlen_q, max(0, -(offset + right)))
     back = seqlen_q if left is None else min(seqlen_q, max(0, seqlen_kv - offset + left))
     if seqlen_kv > 0 and front == 0 and back == seqlen_q:
         return None
+    return (front, back) if seqlen_kv > 0 else (seqlen_q, seqlen_q)
+
+
+def has_rows_without_keys(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_kv: int) -> bool:
+    return _keyless_rows(mask, window, seqlen_q, seqlen_kv) is not None
+
+
+def rows_without_keys(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_kv: int,
+                      device: torch.device) -> Optional[torch.Tensor]:
+    """Boolean (seqlen_q, 1) tensor, True for queries that see no key; None when every query sees one."""
+    rows = _keyless_rows(mask, window, seqlen_q, seqlen_kv)
+    if rows is None:
+        return None
     i = torch.arange(seqlen_q, device=device).unsqueeze(1)
-    return (i < front) | (i >= back) | (seqlen_kv == 0)
+    return (i < rows[0]) | (i >= rows[1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch.nn.attention import SDPBackend
 
+from attnselect import masks
 from attnselect.backends._sdpa import SdpaBackend
 from attnselect.backends.base import HALF, Surface
 
@@ -36,6 +37,11 @@ class SdpaCudnn(SdpaBackend):
                 r.append(f"PyTorch disables cuDNN dropout with cuDNN {t.cudnn_version} (9.11-9.13)")
             if p.seqlen_q == 1:
                 r.append("dropout with seqlen_q == 1 is refused (check_cudnn_tensor_shapes)")
+        if p.training and masks.has_rows_without_keys(p.mask, p.window, p.seqlen_q, p.seqlen_kv):
+            # Measured on the H200 (torch 2.11, cuDNN 9.19): bottom-right causal with Sq=200 > Skv=64 gave
+            # NaN dq in the rows that see no key (Sq=256, Skv=128 did not), so refuse the whole class.
+            r.append("its backward can give NaN gradients for queries that see no key "
+                     f"({p.mask} with seqlen_q={p.seqlen_q} > visible keys)")
         if p.seqlen_kv == 1 and p.layout != "thd":
             r.append("seqlen_kv == 1 is refused (check_cudnn_tensor_shapes)")
         if max(p.batch, p.heads_q) > 65535:
