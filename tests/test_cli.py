@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import json
+
+from attnselect.cli import main
+
+
+def test_explain_json_shape(capsys):
+    assert main(["explain", "--target", "b200", "--model", "deepseek-v3", "--train", "--causal", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) >= {"problem", "target", "chosen", "candidates"}
+    assert data["chosen"] == {"backend": "sdpa_cudnn", "pad_to": None}
+    assert data["problem"]["heads_q"] == 128 and data["problem"]["head_dim_qk"] == 192
+    for c in data["candidates"]:
+        assert set(c) >= {"backend", "pad_to", "supported", "reasons", "rank"}
+        assert c["supported"] == (c["rank"] is not None) == (not c["reasons"])
+    padded = next(c for c in data["candidates"] if c["backend"] == "sdpa_cudnn" and c["pad_to"] == 192)
+    assert any("no backward kernel" in r for r in padded["reasons"])
+
+
+def test_explain_table_defaults_to_embedded_target(capsys):
+    assert main(["explain"]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA H200 (sm90)" in out and "chosen:  sdpa_cudnn native" in out
+    for header in ("backend", "padded to", "supported", "rank", "reasons"):
+        assert header in out
+
+
+def test_explain_explicit_shape_and_cudnn_override(capsys):
+    assert main(["explain", "--target", "b200", "--cudnn-version", "9.10.0", "--head-dim-qk", "192",
+                 "--head-dim-v", "128", "--heads", "16", "--kv-heads", "4", "--seqlen", "1024", "--batch", "1",
+                 "--layout", "thd", "--train", "--dtype", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "cuDNN 9.10.0" in out and "Hkv=4" in out and "thd" in out and "chosen:  sdpa_flash padded to 192" in out
+
+
+def test_explain_reports_failure_with_reasons(capsys):
+    assert main(["explain", "--target", "cpu", "--cp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "NoSupportedCandidateError" in err and "reference native: cannot serve context parallelism" in err
+
+
+def test_demo_runs_a_real_attention(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "relative error against float64 reference" in out and "running " in out

@@ -1,0 +1,130 @@
+"""Running candidates exactly: padding, layouts, packed views, the per-sequence THD path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnselect
+from helpers import dense_inputs, rel_err, run_with_grads, thd_inputs
+
+EXACT = 1e-10
+PADDING_CASES = [
+    ("bshd-causal", dict(layout="bshd", causal=True), dict(layout="bshd")),
+    ("bhsd-none", dict(layout="bhsd"), dict(layout="bhsd")),
+    ("sbhd-window", dict(layout="sbhd", window=(4, 2)), dict(layout="sbhd")),
+    ("gqa-causal", dict(causal=True), dict(hq=6, hkv=2)),
+    ("mqa-bottom-right", dict(causal="bottom_right"), dict(sq=19, skv=41, hq=4, hkv=1)),
+    ("bottom-right-sq>skv", dict(causal="bottom_right"), dict(sq=41, skv=19)),
+    ("dv>dqk", dict(causal=True), dict(dqk=16, dv=40)),
+]
+
+
+@pytest.mark.parametrize("label,kwargs,shape", PADDING_CASES, ids=[c[0] for c in PADDING_CASES])
+@pytest.mark.parametrize("padded_backend", ["reference", "sdpa_math", "sdpa_flash"])
+def test_padding_is_exact_in_float64(label, kwargs, shape, padded_backend):
+    q, k, v = dense_inputs(**shape)
+    lse_wanted = padded_backend == "reference"
+    native = run_with_grads(q, k, v, backend="reference", return_lse=lse_wanted, **kwargs)
+    padded = run_with_grads(q, k, v, backend=padded_backend, pad=True, return_lse=lse_wanted, **kwargs)
+    decision = attnselect.select(attnselect.AttentionProblem.from_tensors(q, k, v, return_lse=lse_wanted, **kwargs),
+                                 backend=padded_backend, pad=True)
+    assert decision.chosen.pad_to == -(-max(q.shape[-1], v.shape[-1]) // 8) * 8
+    assert padded[0].shape == native[0].shape and padded[0].shape[-1] == v.shape[-1]
+    assert rel_err(padded[0], native[0]) < EXACT
+    for g, gn, t in zip(padded[2], native[2], (q, k, v)):
+        assert g.shape == t.shape          # gradients reach only the original widths
+        assert rel_err(g, gn) < EXACT
+    if lse_wanted:
+        assert rel_err(padded[1], native[1]) < EXACT
+
+
+def test_padded_lse_equals_native_lse_through_flex():
+    q, k, v = [t.detach() for t in dense_inputs(dqk=24, dv=16)]
+    out_n, lse_n = attnselect.attention(q, k, v, causal=True, return_lse=True, backend="reference")
+    out_p, lse_p = attnselect.attention(q, k, v, causal=True, return_lse=True, backend="flex", pad=True)
+    assert rel_err(out_p, out_n) < EXACT and rel_err(lse_p, lse_n) < EXACT
+    assert lse_p.shape == (2, 4, 33) and lse_p.dtype == torch.float64
+
+
+def test_scale_stays_that_of_the_original_head_dim():
+    q, k, v = dense_inputs(dqk=24, dv=16, requires_grad=False)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 24 ** 0.5
+    expected = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    assert rel_err(attnselect.attention(q, k, v, backend="sdpa_flash", pad=True), expected) < EXACT
+    custom = attnselect.attention(q, k, v, scale=0.5, backend="sdpa_flash", pad=True)
+    expected = torch.einsum("bhqk,bkhd->bqhd", (scores * 24 ** 0.5 * 0.5).softmax(-1), v)
+    assert rel_err(custom, expected) < EXACT
+
+
+def test_views_of_one_packed_buffer_match_separate_tensors():
+    qkv = torch.randn(2, 33, 3, 4, 24, dtype=torch.float64)
+    q, k, v = qkv.unbind(2)
+    v = v[..., :16]
+    separate = [t.contiguous() for t in (q, k, v)]
+    for backend in ("sdpa_flash", "sdpa_math", "reference"):
+        a = attnselect.attention(q, k, v, causal=True, backend=backend)
+        b = attnselect.attention(*separate, causal=True, backend=backend)
+        assert rel_err(a, b) < EXACT
+
+
+def _per_sequence_reference(q, k, v, cu_q, cu_kv, **kwargs):
+    outs, lses = [], []
+    bq, bk = cu_q.tolist(), cu_kv.tolist()
+    for i in range(len(bq) - 1):
+        qi, ki, vi = (t.unsqueeze(0) for t in (q[bq[i]:bq[i + 1]], k[bk[i]:bk[i + 1]], v[bk[i]:bk[i + 1]]))
+        if qi.shape[1] == 0:
+            continue
+        out, lse = attnselect.attention(qi, ki, vi, backend="reference", return_lse=True, **kwargs)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("backend,pad", [("reference", False), ("reference", True), ("sdpa_flash", True),
+                                         ("sdpa_math", False), ("flex", False)])
+def test_thd_matches_a_per_sequence_reference(causal, backend, pad):
+    lengths_q, lengths_kv = [5, 1, 0, 9, 3], [5, 1, 0, 9, 3] if causal != "bottom_right" else [7, 1, 2, 12, 3]
+    (q, k, v), cu_q, cu_kv = thd_inputs(lengths_q, lengths_kv)
+    want_lse = backend in ("reference", "flex")
+    if backend == "flex":   # no backward on the CPU
+        q, k, v = (t.detach() for t in (q, k, v))
+    result = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, causal=causal,
+                                  backend=backend, pad=pad, return_lse=want_lse)
+    out, lse = result if want_lse else (result, None)
+    ref_out, ref_lse = _per_sequence_reference(q.detach(), k.detach(), v.detach(), cu_q, cu_kv, causal=causal)
+    assert out.shape == (18, 4, 16)
+    assert rel_err(out, ref_out) < EXACT
+    if want_lse:
+        assert lse.shape == (4, 18) and rel_err(lse, ref_lse) < EXACT
+
+
+def test_thd_padding_is_exact_including_gradients():
+    (q, k, v), cu, _ = thd_inputs([4, 0, 1, 7])
+    native = run_with_grads(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="reference", return_lse=True)
+    padded = run_with_grads(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="reference", pad=True,
+                            return_lse=True)
+    assert rel_err(padded[0], native[0]) < EXACT and rel_err(padded[1], native[1]) < EXACT
+    for g, gn in zip(padded[2], native[2]):
+        assert rel_err(g, gn) < EXACT
+
+
+def test_thd_all_sequences_empty():
+    (q, k, v), cu, _ = thd_inputs([0, 0])
+    out, lse = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, return_lse=True)
+    assert out.shape == (0, 4, 16) and lse.shape == (4, 0)
+
+
+def test_rows_without_keys_give_zero_output_and_minus_inf_lse():
+    q, k, v = dense_inputs(sq=10, skv=4, dqk=16, dv=16)
+    out, lse, grads = run_with_grads(q, k, v, causal="bottom_right", return_lse=True)
+    assert torch.all(out[:, :6] == 0) and torch.all(torch.isneginf(lse[:, :, :6]))
+    assert torch.all(grads[0][:, :6] == 0) and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_zero_keys_dense():
+    q, k, v = dense_inputs(sq=3, skv=0)
+    out, lse, grads = run_with_grads(q, k, v, return_lse=True)
+    assert torch.all(out == 0) and out.shape == (2, 3, 4, 16) and torch.all(torch.isneginf(lse))
+    assert torch.all(grads[0] == 0)

@@ -1,0 +1,63 @@
+"""Bad input raises InvalidInputError (a ValueError) naming the argument, before any kernel runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnselect
+from attnselect import InvalidInputError
+
+q = torch.randn(2, 8, 4, 24)
+k = torch.randn(2, 8, 2, 24)
+v = torch.randn(2, 8, 2, 16)
+cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+tq, tk, tv = torch.randn(8, 4, 24), torch.randn(8, 2, 24), torch.randn(8, 2, 16)
+
+CASES = [
+    ("rank", (q[0], k, v), {}, r"q\.shape: got \(8, 4, 24\), expected 4 dims \(B, S, H, D\)"),
+    ("qk head dim", (q, k[..., :16], v), {}, r"k\.shape\[-1\]: got 16, expected q's head dim 24"),
+    ("heads not divisible", (q[:, :, :3], k, v), {}, r"q heads: got 3, expected a multiple of the k/v head count 2"),
+    ("v heads", (q, k, v[:, :, :1]), {}, r"v heads: got 1, expected k's head count 2"),
+    ("batch", (q, k[:1], v[:1]), {}, r"k/v batch size"),
+    ("kv length", (q, k, v[:, :5]), {}, r"v\.shape: .* expected as many key positions as k \(8\)"),
+    ("mixed dtypes", (q, k.double(), v), {}, r"k\.dtype/v\.dtype"),
+    ("int dtype", (q.long(), k, v), {}, r"q\.dtype: got torch\.int64"),
+    ("layout", (q, k, v), {"layout": "bsh"}, r"layout: got 'bsh', expected one of"),
+    ("dropout", (q, k, v), {"dropout_p": 1.0}, r"dropout_p: got 1\.0, expected a number in \[0, 1\)"),
+    ("causal value", (q, k, v), {"causal": "left"}, r"causal: got 'left'"),
+    ("window shape", (q, k, v), {"window": (3,)}, r"window: got \(3,\)"),
+    ("negative window", (q, k, v), {"window": (-2, 0)}, r"window: got \(-2, 0\)"),
+    ("causal window looks ahead", (q, k, v), {"window": (4, 2), "causal": True}, r"right = 0 or -1"),
+    ("top-left window non-square", (q, k[:, :5], v[:, :5]), {"window": (4, 0), "causal": True},
+     r"windows are bottom-right aligned"),
+    ("cu_seqlens on dense", (q, k, v), {"cu_seqlens_q": cu}, r"cu_seqlens_q: .* belong to layout='thd'"),
+    ("thd without cu_seqlens", (tq, tk, tv), {"layout": "thd"}, r"cu_seqlens_q: got None"),
+    ("thd int64 cu_seqlens", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu.long()}, r"cu_seqlens_q: got tensor\(dtype=torch\.int64"),
+    ("thd decreasing", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": torch.tensor([0, 5, 3, 8], dtype=torch.int32)},
+     r"cu_seqlens_q: .* non-decreasing"),
+    ("thd not ending at T", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": torch.tensor([0, 3, 7], dtype=torch.int32)},
+     r"cu_seqlens_q: got last entry 7, expected the token count 8"),
+    ("thd not starting at 0", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": torch.tensor([1, 3, 8], dtype=torch.int32)},
+     r"cu_seqlens_q: .* first entry of 0"),
+    ("thd max_seqlen too small", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu, "max_seqlen_q": 3, "max_seqlen_kv": 5},
+     r"max_seqlen_q: got 3, expected >= the longest sequence \(5\)"),
+    ("forced pad value", (q, k, v), {"pad": "maybe"}, r"pad: got 'maybe'"),
+]
+
+
+@pytest.mark.parametrize("args,kwargs,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_names_the_argument(args, kwargs, message, monkeypatch):
+    def no_kernel(*a, **kw):
+        raise AssertionError("a kernel ran before validation failed")
+
+    for backend in attnselect.backends.all_backends():
+        monkeypatch.setattr(type(backend), "run", no_kernel)
+    with pytest.raises(InvalidInputError, match=message) as err:
+        attnselect.attention(*args, **kwargs)
+    assert isinstance(err.value, ValueError)
+
+
+def test_views_and_gqa_are_valid_input():
+    out = attnselect.attention(q, k, v, causal=True)
+    assert out.shape == (2, 8, 4, 16)

@@ -1,0 +1,112 @@
+"""The rules policy on simulated targets: the cases the foundation issue names (5a-5f)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnselect
+from attnselect import AttentionProblem, Candidate, Target
+
+MLA = dict(batch=2, seqlen_q=4096, seqlen_kv=4096, heads_q=16, heads_kv=16, head_dim_qk=192, head_dim_v=128,
+           dtype=torch.bfloat16, mask="causal")
+
+
+def verdict(decision, backend, pad_to=None):
+    return next(v for v in decision.verdicts if v.candidate == Candidate(backend, pad_to))
+
+
+@pytest.mark.parametrize("preset", ["h100", "h200"])
+@pytest.mark.parametrize("training", [True, False])
+def test_a_hopper_mla_runs_native_cudnn(preset, training):
+    d = attnselect.select(AttentionProblem(**MLA, training=training), target=Target.preset(preset))
+    assert d.chosen == Candidate("sdpa_cudnn")
+    assert not d.chosen.padded
+    assert "native" in d.why
+
+
+@pytest.mark.parametrize("preset", ["b200", "b300"])
+def test_b_blackwell_mla_training_native_cudnn_and_padded_rejected_for_backward(preset):
+    d = attnselect.select(AttentionProblem(**MLA, training=True), target=Target.preset(preset))
+    assert d.chosen == Candidate("sdpa_cudnn")
+    padded = verdict(d, "sdpa_cudnn", 192)
+    assert not padded.supported
+    assert any("no backward kernel for head dims 192/192" in r for r in padded.reasons)
+
+
+def test_b_blackwell_mla_inference_follows_pytorch_cudnn_gate():
+    # sdp_utils.cpp: above 128 on sm10x only exactly 192/128 (cuDNN >= 9.11) or anything up to 256 with
+    # cuDNN > 9.22, so padded 192/192 inference depends on the cuDNN version; native still wins.
+    old = attnselect.select(AttentionProblem(**MLA), target=Target.preset("b200"))
+    assert old.chosen == Candidate("sdpa_cudnn") and not verdict(old, "sdpa_cudnn", 192).supported
+    new = attnselect.select(AttentionProblem(**MLA), target=Target.preset("b200", cudnn_version="9.23.0"))
+    assert new.chosen == Candidate("sdpa_cudnn") and verdict(new, "sdpa_cudnn", 192).supported
+
+
+def test_b_blackwell_mla_needs_cudnn_9_11():
+    d = attnselect.select(AttentionProblem(**MLA, training=True), target=Target.preset("b200", cudnn_version="9.10.0"))
+    assert d.chosen.backend != "sdpa_cudnn"
+    assert any("9.11" in r for r in verdict(d, "sdpa_cudnn").reasons)
+
+
+def test_c_a100_mla_training_pads_for_flash():
+    d = attnselect.select(AttentionProblem(**MLA, training=True), target=Target.preset("a100"))
+    assert d.chosen == Candidate("sdpa_flash", 192)
+    natives = [c for c in d.ranked if not c.padded]
+    assert natives and d.ranked.index(natives[0]) > 0
+    assert "padding wins" in d.why
+    assert any("above 128" in r for r in verdict(d, "sdpa_cudnn").reasons)
+
+
+@pytest.mark.parametrize("preset", ["a100", "h200", "b200", "cpu"])
+def test_d_equal_head_dims_have_no_padded_candidate(preset):
+    p = AttentionProblem(**{**MLA, "head_dim_qk": 128, "head_dim_v": 128, "dtype": torch.float16})
+    d = attnselect.select(p, target=Target.preset(preset))
+    assert all(v.candidate.pad_to is None for v in d.verdicts)
+
+
+def test_e_context_parallel_excludes_math_and_reference():
+    d = attnselect.select(AttentionProblem(**MLA, context_parallel_size=2), target=Target.preset("h200"))
+    assert d.chosen == Candidate("sdpa_cudnn")
+    for name in ("sdpa_math", "reference"):
+        assert not verdict(d, name).supported
+        assert any("context parallelism" in r for r in verdict(d, name).reasons)
+
+
+def test_e_nothing_eligible_lists_every_candidate_with_reasons():
+    p = AttentionProblem(**{**MLA, "dtype": torch.float32}, context_parallel_size=4)
+    with pytest.raises(attnselect.NoSupportedCandidateError) as err:
+        attnselect.select(p, target=Target.preset("cpu"))
+    message = str(err.value)
+    for backend in ("sdpa_cudnn", "sdpa_flash", "flex", "sdpa_math", "reference", "cudnn_frontend"):
+        assert f"{backend} native:" in message and f"{backend} padded to 192:" in message
+    assert "context parallelism" in message and "not installed" in message
+
+
+def test_f_cpu_target_chooses_a_cpu_candidate_that_runs():
+    q = torch.randn(1, 16, 2, 24, requires_grad=True)
+    k = torch.randn(1, 16, 2, 24, requires_grad=True)
+    v = torch.randn(1, 16, 2, 16, requires_grad=True)
+    d = attnselect.select(AttentionProblem.from_tensors(q, k, v, causal=True), target=Target.preset("cpu"))
+    assert d.chosen.backend in ("sdpa_flash", "sdpa_math", "flex", "reference")
+    out = attnselect.attention(q, k, v, causal=True)
+    out.sum().backward()
+    assert out.shape == (1, 16, 2, 16) and q.grad is not None
+
+
+def test_rtx_pro_6000_mla_training_pads_for_flash():
+    # sm120: cuDNN serves no head dim above 128 there (sdp_utils.cpp), FA2 trains 192 (not in (192, 224]).
+    d = attnselect.select(AttentionProblem(**MLA, training=True), target=Target.preset("rtx-pro-6000"))
+    assert d.chosen == Candidate("sdpa_flash", 192)
+
+
+def test_absorbed_mla_on_hopper_uses_the_only_kernel_that_fits():
+    p = AttentionProblem(**{**MLA, "head_dim_qk": 576, "head_dim_v": 512})
+    d = attnselect.select(p, target=Target.preset("h200"))
+    assert d.chosen == Candidate("sdpa_efficient")   # measured: cuDNN, flash and flex refuse 576/512
+
+
+def test_installed_fa3_on_hopper_follows_cudnn_like_transformer_engine():
+    target = Target.preset("h200").with_versions(flash_attn3_version="3.0.0")
+    d = attnselect.select(AttentionProblem(**MLA, training=True), target=target)
+    assert d.ranked[:2] == (Candidate("sdpa_cudnn"), Candidate("flash_attn3"))

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from attnselect import AttentionProblem, InvalidInputError
+
+P = AttentionProblem(batch=2, seqlen_q=128, seqlen_kv=128, heads_q=16, heads_kv=4, head_dim_qk=192, head_dim_v=128)
+
+
+def test_problem_is_immutable_and_hashable():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        P.batch = 3
+    assert {P: 1}[dataclasses.replace(P)] == 1
+
+
+def test_padded_variant():
+    assert P.pad_target == 192
+    padded = P.padded(192)
+    assert (padded.head_dim_qk, padded.head_dim_v) == (192, 192) and padded.heads_kv == 4
+    odd = dataclasses.replace(P, head_dim_qk=100, head_dim_v=60)
+    assert odd.pad_target == 104
+    assert dataclasses.replace(P, head_dim_v=192).pad_target is None
+    with pytest.raises(InvalidInputError, match="head_dim: got 128"):
+        P.padded(128)
+
+
+def test_from_tensors_reads_the_call():
+    q = torch.randn(3, 2, 10, 24, requires_grad=True)
+    k = torch.randn(3, 1, 12, 24)
+    v = torch.randn(3, 1, 12, 8)
+    p = AttentionProblem.from_tensors(q, k, v, layout="bhsd", causal="bottom_right", dropout_p=0.1, return_lse=True)
+    assert (p.batch, p.seqlen_q, p.seqlen_kv, p.heads_q, p.heads_kv, p.head_dim_qk, p.head_dim_v) == (3, 10, 12, 2, 1, 24, 8)
+    assert p.mask == "causal_bottom_right" and p.training and p.return_lse and p.dtype == torch.float32
+    with torch.no_grad():
+        assert not AttentionProblem.from_tensors(q, k, v, layout="bhsd").training
+
+
+def test_window_from_arguments():
+    q = torch.randn(1, 10, 2, 8)
+    p = AttentionProblem.from_tensors(q, q, q, window=(3, -1), causal=True)
+    assert p.mask == "sliding_window" and p.window == (3, 0)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("heads_q", 6, "heads_q: got 6 with heads_kv=4"), ("layout", "bhs", "layout: got 'bhs'"),
+    ("mask", "causal_top", "mask: got 'causal_top'"), ("dropout_p", 1.5, "dropout_p: got 1.5"),
+    ("window", (1, 2), "window: got (1, 2), expected None unless"), ("dtype", torch.int8, "dtype: got torch.int8"),
+    ("head_dim_v", 0, "head_dim_v: got 0"),
+])
+def test_bad_fields(field, value, message):
+    with pytest.raises(InvalidInputError) as err:
+        dataclasses.replace(P, **{field: value})
+    assert message in str(err.value)
+
+
+def test_describe_and_dict():
+    assert "d_qk=192 d_v=128" in P.describe() and "Hq=16 Hkv=4" in P.describe()
+    assert P.to_dict()["dtype"] == "bfloat16"

@@ -1,0 +1,107 @@
+"""Decisions: memoization, invalidation, forcing, and the Decision's content."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnselect
+from attnselect import AttentionProblem, Candidate, Target, backends
+from attnselect.backends.sdpa_math import SdpaMath
+
+P = AttentionProblem(batch=1, seqlen_q=64, seqlen_kv=64, heads_q=2, heads_kv=2, head_dim_qk=24, head_dim_v=16,
+                     dtype=torch.float32, mask="causal", training=True)
+CPU = Target.preset("cpu")
+
+
+def test_memoized_decision_is_reused():
+    assert attnselect.select(P, target=CPU) is attnselect.select(P, target=CPU)
+
+
+def test_clear_cache_forgets():
+    first = attnselect.select(P, target=CPU)
+    attnselect.clear_cache()
+    second = attnselect.select(P, target=CPU)
+    assert first is not second and first == second
+
+
+def test_environment_change_invalidates(monkeypatch):
+    first = attnselect.select(P, target=CPU)
+    assert first.chosen == Candidate("sdpa_flash", 24)
+    monkeypatch.setenv("ATTNSELECT_PAD", "never")
+    second = attnselect.select(P, target=CPU)
+    assert second.chosen == Candidate("sdpa_math")
+    monkeypatch.setenv("ATTNSELECT_DISABLE", "sdpa_math, sdpa_flash")
+    assert attnselect.select(P, target=CPU).chosen == Candidate("reference")
+    monkeypatch.delenv("ATTNSELECT_PAD")
+    monkeypatch.delenv("ATTNSELECT_DISABLE")
+    assert attnselect.select(P, target=CPU) == first
+
+
+def test_registry_change_invalidates():
+    first = attnselect.select(P, target=CPU)
+
+    class FastFake(SdpaMath):
+        name = "fake_first"
+
+    fake = FastFake()
+    try:
+        backends.register(fake)
+        # unknown to the preference table, so it ranks last, but it must appear in the verdicts
+        assert any(v.candidate.backend == "fake_first" for v in attnselect.select(P, target=CPU).verdicts)
+    finally:
+        backends.unregister("fake_first")
+    assert all(v.candidate.backend != "fake_first" for v in attnselect.select(P, target=CPU).verdicts)
+    assert attnselect.select(P, target=CPU) == first
+
+
+def test_forced_backend_and_pad():
+    assert attnselect.select(P, target=CPU, backend="reference").chosen == Candidate("reference")
+    assert attnselect.select(P, target=CPU, backend="reference", pad=True).chosen == Candidate("reference", 24)
+    assert attnselect.select(P, target=CPU, pad=False).chosen == Candidate("sdpa_math")
+
+
+def test_forced_backend_that_cannot_serve_lists_its_reasons():
+    with pytest.raises(attnselect.ForcedChoiceError) as err:
+        attnselect.select(P, target=CPU, backend="sdpa_cudnn")
+    assert "sdpa_cudnn native: runs on cuda only" in str(err.value)
+    assert "sdpa_math" not in str(err.value)
+
+
+def test_unknown_forced_backend_lists_known_ones(monkeypatch):
+    with pytest.raises(attnselect.ForcedChoiceError, match="backend: got 'nope', expected one of .*sdpa_cudnn"):
+        attnselect.select(P, target=CPU, backend="nope")
+    monkeypatch.setenv("ATTNSELECT_BACKEND", "nope")
+    with pytest.raises(attnselect.ForcedChoiceError, match="ATTNSELECT_BACKEND: got 'nope'"):
+        attnselect.select(P, target=CPU)
+
+
+@pytest.mark.parametrize("variable,value", [("ATTNSELECT_PAD", "sometimes"), ("ATTNSELECT_POLICY", "guess"),
+                                            ("ATTNSELECT_DISABLE", "sdpa_fast")])
+def test_bad_environment_values_name_the_variable(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(attnselect.InvalidInputError, match=variable):
+        attnselect.select(P, target=CPU)
+
+
+def test_decision_lists_every_candidate_and_ranks_supported_ones():
+    d = attnselect.select(P, target=CPU)
+    assert len(d.verdicts) == 2 * len(backends.all_backends())
+    assert [d.rank_of(c) for c in d.ranked] == list(range(1, len(d.ranked) + 1))
+    assert all(v.supported == (v.candidate in d.ranked) for v in d.verdicts)
+    assert d.policy == "rules"
+
+
+def test_new_decision_is_logged_once(caplog):
+    with caplog.at_level("INFO", logger="attnselect"):
+        attnselect.select(P, target=CPU)
+        attnselect.select(P, target=CPU)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "running sdpa_flash, padded to 24, because" in lines[0]
+
+
+def test_explain_report_and_failed_explain():
+    report = attnselect.explain(P, target=CPU)
+    assert "chosen:  sdpa_flash padded to 24" in report and "sdpa_cudnn" in report
+    failed = attnselect.explain(P, target=CPU, backend="sdpa_cudnn")
+    assert failed.startswith("ForcedChoiceError") and "runs on cuda only" in failed

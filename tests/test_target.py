@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnselect import InvalidInputError, Target, target as target_module
+
+
+@pytest.mark.parametrize("name,cc", [("a100", (8, 0)), ("h100", (9, 0)), ("h200", (9, 0)), ("b200", (10, 0)),
+                                     ("b300", (10, 3)), ("rtx-pro-6000", (12, 0)), ("cpu", None)])
+def test_presets(name, cc):
+    t = Target.preset(name)
+    assert t.capability == cc and (t.is_cuda == (cc is not None))
+
+
+def test_version_override_and_comparison():
+    t = Target.preset("b200", cudnn_version="9.10.0")
+    assert t.cudnn_version == "9.10.0" and Target.preset("b200").cudnn_version == target_module.DEFAULT_CUDNN
+    assert t.at_least("cudnn_version", "9.9") and not t.at_least("cudnn_version", "9.11")
+    assert not t.at_least("flash_attn_version", "2.0")
+    with pytest.raises(InvalidInputError, match="unknown field"):
+        t.with_versions(cuda="13")
+    with pytest.raises(InvalidInputError, match="target: got 'v100'"):
+        Target.preset("v100")
+
+
+def test_current_reads_this_machine():
+    t = Target.current()
+    assert t.device_type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert t.torch_version == torch.__version__ and Target.current("cpu").device_type == "cpu"
+
+
+def test_current_never_crashes_when_cuda_is_broken(monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("CUDA driver initialization failed")
+
+    monkeypatch.setattr(torch.cuda, "is_available", broken)
+    target_module.target_for_device.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="attnselect"):
+            assert Target.current().device_type == "cpu"
+            assert Target.current("cuda:0").device_type == "cpu"
+        assert "unusable" in caplog.text
+    finally:
+        target_module.target_for_device.cache_clear()
+
+
+def test_describe_and_dict():
+    t = Target.preset("h200")
+    assert t.arch == "sm90" and "cuDNN 9.19.0" in t.describe() and t.to_dict()["capability"] == [9, 0]
