@@ -43,4 +43,11 @@ def test_explain_reports_failure_with_reasons(capsys):
 def test_demo_runs_a_real_attention(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
-    assert "relative error against float64 reference" in out and "running " in out
+    assert "relative error against a float64 reference: out" in out and "dq" in out and "running " in out
+
+
+def test_backends_lists_every_backend(capsys):
+    from attnselect.backends import all_backends
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert all(b.name in out for b in all_backends()) and "available" in out

@@ -44,7 +44,7 @@ def test_padded_lse_equals_native_lse_through_flex():
     out_n, lse_n = attnselect.attention(q, k, v, causal=True, return_lse=True, backend="reference")
     out_p, lse_p = attnselect.attention(q, k, v, causal=True, return_lse=True, backend="flex", pad=True)
     assert rel_err(out_p, out_n) < EXACT and rel_err(lse_p, lse_n) < EXACT
-    assert lse_p.shape == (2, 4, 33) and lse_p.dtype == torch.float64
+    assert lse_p.shape == (2, 4, 33) and lse_p.dtype == torch.float32 == lse_n.dtype
 
 
 def test_scale_stays_that_of_the_original_head_dim():
@@ -121,6 +121,15 @@ def test_rows_without_keys_give_zero_output_and_minus_inf_lse():
     out, lse, grads = run_with_grads(q, k, v, causal="bottom_right", return_lse=True)
     assert torch.all(out[:, :6] == 0) and torch.all(torch.isneginf(lse[:, :, :6]))
     assert torch.all(grads[0][:, :6] == 0) and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_last_dim_not_contiguous_is_copied_for_the_kernel():
+    base = torch.randn(2, 9, 3, 48, dtype=torch.float64)
+    q = k = v = base[..., ::2]
+    assert q.stride(-1) == 2
+    for backend in ("sdpa_flash", "sdpa_math", "reference"):
+        assert rel_err(attnselect.attention(q, k, v, backend=backend),
+                       attnselect.attention(q.contiguous(), k.contiguous(), v.contiguous(), backend="reference")) < EXACT
 
 
 def test_zero_keys_dense():

@@ -43,6 +43,13 @@ CASES = [
     ("thd max_seqlen too small", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu, "max_seqlen_q": 3, "max_seqlen_kv": 5},
      r"max_seqlen_q: got 3, expected >= the longest sequence \(5\)"),
     ("forced pad value", (q, k, v), {"pad": "maybe"}, r"pad: got 'maybe'"),
+    ("scale text", (q, k, v), {"scale": "abc"}, r"scale: got 'abc', expected None or a finite number > 0"),
+    ("scale nan", (q, k, v), {"scale": float("nan")}, r"scale: got nan"),
+    ("scale negative", (q, k, v), {"scale": -1.0}, r"scale: got -1\.0"),
+    ("thd top-left window, lengths differ", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu, "window": (2, 0),
+     "causal": True, "cu_seqlens_kv": torch.tensor([0, 4, 8], dtype=torch.int32)}, r"windows are bottom-right aligned"),
+    ("max_seqlen type", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu, "max_seqlen_q": 5.0},
+     r"max_seqlen_q: got 5\.0, expected an integer >= 0"),
 ]
 
 

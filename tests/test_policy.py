@@ -88,7 +88,7 @@ def test_f_cpu_target_chooses_a_cpu_candidate_that_runs():
     k = torch.randn(1, 16, 2, 24, requires_grad=True)
     v = torch.randn(1, 16, 2, 16, requires_grad=True)
     d = attnselect.select(AttentionProblem.from_tensors(q, k, v, causal=True), target=Target.preset("cpu"))
-    assert d.chosen.backend in ("sdpa_flash", "sdpa_math", "flex", "reference")
+    assert d.chosen == Candidate("sdpa_flash", 24)      # SDPA's C++ flash kernel, padded to equal dims
     out = attnselect.attention(q, k, v, causal=True)
     out.sum().backward()
     assert out.shape == (1, 16, 2, 16) and q.grad is not None
@@ -110,3 +110,37 @@ def test_installed_fa3_on_hopper_follows_cudnn_like_transformer_engine():
     target = Target.preset("h200").with_versions(flash_attn3_version="3.0.0")
     d = attnselect.select(AttentionProblem(**MLA, training=True), target=target)
     assert d.ranked[:2] == (Candidate("sdpa_cudnn"), Candidate("flash_attn3"))
+
+
+THD = dict(MLA, layout="thd", batch=4, mask="causal_bottom_right", training=True)
+
+
+def test_thd_per_sequence_facts_reach_the_rules():
+    fa2 = Target.preset("a100", flash_attn_version="2.6.3")
+    top_left = dict(THD, mask="causal", head_dim_qk=128)
+    assert attnselect.select(AttentionProblem(**top_left), target=fa2).chosen == Candidate("flash_attn2")
+    differ = attnselect.select(AttentionProblem(**top_left, varlen_seqlens_match=False), target=fa2)
+    assert differ.chosen != Candidate("flash_attn2")
+    assert any("every sequence" in r for r in verdict(differ, "flash_attn2").reasons)
+    h200 = Target.preset("h200")
+    assert attnselect.select(AttentionProblem(**THD), target=h200).chosen == Candidate("sdpa_cudnn")
+    for facts in ({"varlen_seqlens_match": False}, {"varlen_single_key": True}):
+        d = attnselect.select(AttentionProblem(**THD, **facts), target=h200)
+        assert not verdict(d, "sdpa_cudnn").supported
+
+
+def test_thd_facts_are_read_from_cu_seqlens():
+    q = torch.randn(9, 2, 16)
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    same = AttentionProblem.from_tensors(q, q, q, layout="thd", cu_seqlens_q=cu_q)
+    assert same.varlen_seqlens_match and not same.varlen_single_key and same.seqlen_q == 5
+    cu_kv = torch.tensor([0, 1, 9], dtype=torch.int32)
+    other = AttentionProblem.from_tensors(q, q, q, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+    assert not other.varlen_seqlens_match and other.varlen_single_key and other.seqlen_kv == 8
+
+
+def test_newer_torch_on_hopper_follows_the_newest_cudnn_gate():
+    newer = Target.preset("h200", torch_version="2.13.0")
+    padded = verdict(attnselect.select(AttentionProblem(**MLA, training=True), target=newer), "sdpa_cudnn", 192)
+    assert any("9.22" in r for r in padded.reasons)
+    assert verdict(attnselect.select(AttentionProblem(**MLA), target=newer), "sdpa_cudnn").supported

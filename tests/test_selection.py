@@ -105,3 +105,29 @@ def test_explain_report_and_failed_explain():
     assert "chosen:  sdpa_flash padded to 24" in report and "sdpa_cudnn" in report
     failed = attnselect.explain(P, target=CPU, backend="sdpa_cudnn")
     assert failed.startswith("ForcedChoiceError") and "runs on cuda only" in failed
+
+
+def test_disable_iterator_does_not_poison_the_memo():
+    first = attnselect.select(P, target=CPU, disable=iter(["sdpa_flash"]))
+    assert first.chosen.backend != "sdpa_flash"
+    assert attnselect.select(P, target=CPU, disable=["sdpa_flash"]) is first
+    assert attnselect.select(P, target=CPU).chosen.backend == "sdpa_flash"
+
+
+@pytest.mark.parametrize("kwargs,name", [({"pad": ["always"]}, "pad"), ({"backend": ["reference"]}, "backend"),
+                                         ({"disable": [1]}, "disable"), ({"policy": 3}, "policy")])
+def test_control_of_the_wrong_type_names_the_argument(kwargs, name):
+    with pytest.raises(attnselect.InvalidInputError, match=f"^{name}: got"):
+        attnselect.select(P, target=CPU, **kwargs)
+
+
+def test_memo_is_bounded(monkeypatch):
+    from attnselect import selection
+    monkeypatch.setattr(selection, "MEMO_SIZE", 3)
+    for s in range(1, 8):
+        attnselect.select(AttentionProblem(1, s, s, 1, 1, 8, 8, torch.float32), target=CPU)
+    assert len(selection._MEMO) == 3
+
+
+def test_why_names_a_forced_pad():
+    assert "the caller set pad='never'" in attnselect.select(P, target=CPU, pad=False).why

@@ -48,3 +48,32 @@ def test_current_never_crashes_when_cuda_is_broken(monkeypatch, caplog):
 def test_describe_and_dict():
     t = Target.preset("h200")
     assert t.arch == "sm90" and "cuDNN 9.19.0" in t.describe() and t.to_dict()["capability"] == [9, 0]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(name="x"), "capability: got None, expected a (major, minor) pair"),
+    (dict(name="x", device_type="cpu", capability=(9, 0)), "capability: got (9, 0), expected None"),
+    (dict(name="x", device_type="tpu"), "device_type: got 'tpu'"),
+])
+def test_inconsistent_targets_are_refused(kwargs, message):
+    with pytest.raises(InvalidInputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Target(**kwargs)
+
+
+def test_bad_device_names_the_argument():
+    with pytest.raises(InvalidInputError, match="device: got 'bogus'"):
+        Target.current("bogus")
+
+
+def test_cudnn_version_numbers():
+    assert target_module.cudnn_version_string(91900) == "9.19.0"
+    assert target_module.cudnn_version_string(8902) == "8.9.2"
+
+
+def test_flash_attn_4_alone_does_not_look_like_flash_attn_2(tmp_path, monkeypatch):
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    packages = target_module._installed_packages()
+    assert packages["flash_attn_version"] is None and packages["flash_attn4_version"] is None

@@ -6,7 +6,7 @@ from typing import Optional, Union
 
 import torch
 
-from attnselect.errors import AttnSelectError
+from attnselect.errors import ForcedChoiceError, NoSupportedCandidateError
 from attnselect.execution import run_candidate
 from attnselect.inputs import problem_from_tensors
 from attnselect.problem import AttentionProblem
@@ -35,7 +35,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
         window: (left, right) sliding window, bottom-right aligned, -1 = unbounded; with
             ``causal`` its right edge is 0.
         scale: softmax scale; default 1/sqrt(Dqk) of the unpadded q.
-        dropout_p: attention dropout probability, applied only if a candidate supports it.
+        dropout_p: attention dropout probability; only candidates with dropout serve it.
         max_seqlen_q, max_seqlen_kv: longest sequences for thd; read from cu_seqlens if omitted.
         return_lse: also return the natural log-sum-exp of the scaled scores, float32,
             (B, Hq, Sq) dense or (Hq, Tq) thd, detached. -inf on rows with no visible key.
@@ -46,11 +46,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
         ``out`` in the layout of q with head dim Dv, or ``(out, lse)``.
 
     The thd path runs sequence by sequence in this release and reads cu_seqlens on the
-    host once per call (a device sync on CUDA).
+    host (a device sync on CUDA).
     """
     problem = problem_from_tensors(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                                   max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, return_lse=return_lse)
+                                   max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, return_lse=return_lse,
+                                   scale=scale)
     decision = select(problem, target=target_for_device(q.device), backend=backend, pad=pad, disable=disable)
     out, lse = run_candidate(decision.chosen, problem, q, k, v, scale=scale,
                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
@@ -62,7 +63,7 @@ def explain(problem: AttentionProblem, *, target: Optional[Target] = None, backe
     """A readable report: the problem, the target, every candidate's verdict and rank, the choice."""
     try:
         decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
-    except AttnSelectError as exc:  # a failed selection's report is the error's list of reasons
+    except (NoSupportedCandidateError, ForcedChoiceError) as exc:  # the report is the list of reasons
         return f"{type(exc).__name__}: {exc}"
     return format_report(decision)
 

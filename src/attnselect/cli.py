@@ -1,4 +1,4 @@
-"""Command line: ``attnselect explain`` (which kernel, and why) and ``attnselect demo`` (a real run)."""
+"""Command line: ``attnselect explain`` (which kernel, and why), ``demo`` (a real run), ``backends``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import sys
 import torch
 
 from attnselect.api import attention, format_report
+from attnselect.backends import all_backends
 from attnselect.errors import AttnSelectError
 from attnselect.models import MODELS
-from attnselect.problem import AttentionProblem
+from attnselect.problem import AttentionProblem, mask_from_arguments
 from attnselect.selection import select
 from attnselect.target import PRESETS, Target
 
@@ -51,7 +52,6 @@ def problem_from_args(a) -> AttentionProblem:
     if a.model:
         m = MODELS[a.model]
         heads, kv_heads, dqk, dv = m.heads, m.kv_heads, m.head_dim_qk, m.head_dim_v
-    from attnselect.problem import mask_from_arguments
     mask, window = mask_from_arguments({"none": False, "top_left": True, "bottom_right": "bottom_right"}[a.causal],
                                        tuple(a.window) if a.window else None)
     return AttentionProblem(batch=a.batch, seqlen_q=a.seqlen, seqlen_kv=a.seqlen_kv or a.seqlen, heads_q=heads,
@@ -77,26 +77,39 @@ def cmd_explain(a) -> int:
 
 
 def cmd_demo(a) -> int:
-    """A real MLA-shaped attention call on this machine, checked against a float64 reference."""
+    """A real MLA-shaped attention call on this machine, forward and backward, against float64."""
     target = Target.current()
     device = "cuda" if target.is_cuda else "cpu"
     dtype = torch.bfloat16 if target.is_cuda else torch.float32
-    torch.manual_seed(0)
-    q = torch.randn(2, 256, 8, 192, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(2, 256, 8, 192, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn(2, 256, 8, 128, device=device, dtype=dtype, requires_grad=True)
-    out = attention(q, k, v, causal=True)
-    out.float().square().sum().backward()
-    problem = AttentionProblem.from_tensors(q, k, v, causal=True)
-    decision = select(problem, target=target)
-    ref = attention(q.detach().double(), k.detach().double(), v.detach().double(), causal=True, backend="reference")
-    err = ((out.double() - ref).norm() / ref.norm()).item()
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(2, 256, 8, 192), (2, 256, 8, 192), (2, 256, 8, 128)]
+    exact = [torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes]
+    grad_out = torch.randn(2, 256, 8, 128, generator=generator, dtype=torch.float64)
+    runs = []
+    for inputs, kwargs in (([t.to(device, dtype) for t in exact], {}), (exact, {"backend": "reference"})):
+        q, k, v = (t.detach().requires_grad_() for t in inputs)
+        out = attention(q, k, v, causal=True, **kwargs)
+        out.backward(grad_out.to(out))
+        runs.append([out, q.grad, k.grad, v.grad])
+    errors = [((a.double().cpu() - b.cpu()).norm() / b.norm()).item() for a, b in zip(*runs)]
+    problem = AttentionProblem.from_tensors(*[t.to(device, dtype).requires_grad_() for t in exact], causal=True)
     print(f"target:  {target.describe()}")
     print(f"problem: {problem.describe()}")
-    print(decision.why)
-    print(f"output {tuple(out.shape)}, relative error against float64 reference {err:.2e}; "
-          f"grads {tuple(q.grad.shape)}, {tuple(k.grad.shape)}, {tuple(v.grad.shape)}")
-    return 0 if err < 2e-2 else 1
+    print(select(problem, target=target).why)
+    print("relative error against a float64 reference: " +
+          ", ".join(f"{name} {e:.1e}" for name, e in zip(("out", "dq", "dk", "dv"), errors)))
+    return 0 if max(errors) < 2e-2 else 1
+
+
+def cmd_backends(a) -> int:
+    """Every registered backend, what it is, and whether this machine can run it at all."""
+    target = Target.current()
+    print(f"target: {target.describe()}")
+    for backend in all_backends():
+        installed = not (backend.package and getattr(target, backend.package[0]) is None)
+        runs_here = installed and target.device_type in backend.surfaces
+        print(f"  {backend.name:<15} {'available' if runs_here else 'unavailable':<12} {backend.summary}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -104,9 +117,10 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _explain_parser(sub)
     sub.add_parser("demo", help="run a small MLA attention on this machine and check it")
+    sub.add_parser("backends", help="list the backends and whether this machine can run them")
     a = parser.parse_args(argv)
     try:
-        return {"explain": cmd_explain, "demo": cmd_demo}[a.command](a)
+        return {"explain": cmd_explain, "demo": cmd_demo, "backends": cmd_backends}[a.command](a)
     except AttnSelectError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

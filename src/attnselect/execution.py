@@ -47,6 +47,8 @@ def _run_dense(backend, pad_to, layout, call, q, k, v):
     perm = _PERMUTE[(layout, backend.layout)]
     if perm is not None:
         q, k, v = q.permute(perm), k.permute(perm), v.permute(perm)
+    # Kernels read the head dim with stride 1 (sdp_utils check_last_dim_stride_equals_1).
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     seq_axis = 2 if backend.layout == "bhsd" else 1
     d_v = v.shape[-1]
     if q.shape[seq_axis] == 0 or k.shape[seq_axis] == 0:

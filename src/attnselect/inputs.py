@@ -6,6 +6,7 @@ value seen and what was expected, before any kernel runs.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -25,12 +26,14 @@ def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, l
                          causal=False, window=None, dropout_p: float = 0.0,
                          cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_kv: Optional[torch.Tensor] = None,
                          max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
-                         return_lse: bool = False, context_parallel_size: int = 1) -> AttentionProblem:
+                         return_lse: bool = False, context_parallel_size: int = 1,
+                         scale: Optional[float] = None) -> AttentionProblem:
     """Validate q, k, v and the call arguments, and describe the call.
 
     ``training`` is true when grad mode is on and any input requires grad; ``deterministic``
-    follows ``torch.are_deterministic_algorithms_enabled()``. For ``thd`` without
-    ``max_seqlen_*`` the longest sequence is read from cu_seqlens (one host sync).
+    follows ``torch.are_deterministic_algorithms_enabled()``. For ``thd`` the boundaries are
+    read on the host (one sync on CUDA) unless both ``max_seqlen_*`` are given. ``scale`` is
+    only validated (it does not change the choice).
     """
     if layout not in LAYOUTS:
         _fail("layout", repr(layout), f"one of {LAYOUTS}")
@@ -38,7 +41,7 @@ def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, l
         if not isinstance(t, torch.Tensor):
             _fail(name, type(t).__name__, "a torch.Tensor")
         if t.dtype not in DTYPES:
-            _fail(f"{name}.dtype", t.dtype, f"one of float16, bfloat16, float32, float64")
+            _fail(f"{name}.dtype", t.dtype, "one of float16, bfloat16, float32, float64")
     if not (q.dtype == k.dtype == v.dtype):
         _fail("k.dtype/v.dtype", f"q {q.dtype}, k {k.dtype}, v {v.dtype}", "the same dtype as q")
     if not (q.device == k.device == v.device):
@@ -53,7 +56,8 @@ def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, l
         _fail("k.shape[-1]", k.shape[-1], f"q's head dim {q.shape[-1]} (q and k share d_qk)")
     if layout == "thd":
         seq_axis, head_axis = 0, 1
-        batch, sq, skv = _thd_lengths(q, k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
+        batch, sq, skv, seqlens_match, single_key = _thd_lengths(q, k, cu_seqlens_q, cu_seqlens_kv,
+                                                                 max_seqlen_q, max_seqlen_kv)
     else:
         b_axis, seq_axis, head_axis = DENSE_AXES[layout]
         if not (q.shape[b_axis] == k.shape[b_axis] == v.shape[b_axis]):
@@ -61,6 +65,7 @@ def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, l
         if cu_seqlens_q is not None or cu_seqlens_kv is not None:
             _fail("cu_seqlens_q", "a tensor", f"None for layout={layout!r} (cu_seqlens belong to layout='thd')")
         batch, sq, skv = q.shape[b_axis], q.shape[seq_axis], k.shape[seq_axis]
+        seqlens_match, single_key = True, False
     if k.shape[seq_axis] != v.shape[seq_axis]:
         _fail("v.shape", tuple(v.shape), f"as many key positions as k ({k.shape[seq_axis]})")
     hq, hkv = q.shape[head_axis], k.shape[head_axis]
@@ -71,21 +76,36 @@ def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, l
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         _fail("dropout_p", dropout_p, "a number in [0, 1)")
     mask, window = mask_from_arguments(causal, window)
-    if window is not None and causal in (True, "top_left") and sq != skv and layout != "thd":
-        _fail("window", window, f"no window with top-left causal when seqlen_q ({sq}) != seqlen_kv ({skv}); "
-                                "windows are bottom-right aligned: use causal='bottom_right'")
+    square = seqlens_match if layout == "thd" else sq == skv
+    if window is not None and causal in (True, "top_left") and not square:
+        _fail("window", window, "no window with top-left causal unless every sequence has as many queries as "
+                                "keys; windows are bottom-right aligned: use causal='bottom_right'")
+    check_scale(scale)
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return AttentionProblem(
         batch=batch, seqlen_q=sq, seqlen_kv=skv, heads_q=hq, heads_kv=hkv,
         head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, layout=layout, mask=mask,
         window=window, dropout_p=float(dropout_p), training=training,
         deterministic=torch.are_deterministic_algorithms_enabled(), return_lse=bool(return_lse),
-        context_parallel_size=context_parallel_size)
+        context_parallel_size=context_parallel_size, varlen_seqlens_match=seqlens_match,
+        varlen_single_key=single_key)
 
 
-def _thd_lengths(q, k, cu_q, cu_kv, max_q, max_kv) -> tuple[int, int, int]:
+def check_scale(scale) -> None:
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        _fail("scale", repr(scale), "None or a finite number > 0")
+
+
+def _thd_lengths(q, k, cu_q, cu_kv, max_q, max_kv) -> tuple[int, int, int, bool, bool]:
+    """(batch, max_seqlen_q, max_seqlen_kv, seqlens_match, single_key) of a packed call.
+
+    The boundaries are read on the host (one sync on CUDA) unless both max_seqlen_* are given
+    and cu_seqlens live on the GPU; then the per-sequence facts are taken conservatively.
+    """
     if cu_q is None:
         _fail("cu_seqlens_q", None, "an int32 tensor of sequence boundaries for layout='thd'")
+    same = cu_kv is None or cu_kv is cu_q
     cu_kv = cu_q if cu_kv is None else cu_kv
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
         if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
@@ -94,17 +114,24 @@ def _thd_lengths(q, k, cu_q, cu_kv, max_q, max_kv) -> tuple[int, int, int]:
             _fail(f"{name}.device", cu.device, f"q's device {q.device}")
     if cu_q.numel() != cu_kv.numel():
         _fail("cu_seqlens_kv", f"{cu_kv.numel()} entries", f"as many as cu_seqlens_q ({cu_q.numel()})")
-    batch = cu_q.numel() - 1
-    sq = max_q if max_q is not None else _longest(cu_q)
-    skv = max_kv if max_kv is not None else (sq if cu_kv is cu_q and max_q is None else _longest(cu_kv))
-    for name, value in (("max_seqlen_q", sq), ("max_seqlen_kv", skv)):
-        if not isinstance(value, int) or value < 0:
+    for name, value in (("max_seqlen_q", max_q), ("max_seqlen_kv", max_kv)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             _fail(name, value, "an integer >= 0")
-    return batch, sq, skv
+    batch = cu_q.numel() - 1
+    if max_q is not None and max_kv is not None and cu_q.device.type != "cpu":
+        return batch, max_q, max_kv, same, True   # no host read: q/kv lengths equal only if shared
+    bounds_q = cu_q.tolist()                      # host sync on CUDA
+    bounds_kv = bounds_q if same else cu_kv.tolist()
+    lengths_q, lengths_kv = _lengths(bounds_q), _lengths(bounds_kv)
+    sq = max(lengths_q, default=0) if max_q is None else max_q
+    skv = max(lengths_kv, default=0) if max_kv is None else max_kv
+    check_boundaries("cu_seqlens_q", bounds_q, q.shape[0], sq, "max_seqlen_q")
+    check_boundaries("cu_seqlens_kv", bounds_kv, k.shape[0], skv, "max_seqlen_kv")
+    return batch, sq, skv, lengths_q == lengths_kv, 1 in lengths_kv
 
 
-def _longest(cu: torch.Tensor) -> int:
-    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0   # host sync
+def _lengths(bounds: list[int]) -> list[int]:
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def _describe(x) -> str:
@@ -119,6 +146,6 @@ def check_boundaries(name: str, bounds: list[int], total: int, longest: int, max
         _fail(name, bounds, "non-decreasing boundaries")
     if bounds[-1] != total:
         _fail(name, f"last entry {bounds[-1]}", f"the token count {total}")
-    worst = max((b - a for a, b in zip(bounds[:-1], bounds[1:])), default=0)
+    worst = max(_lengths(bounds), default=0)
     if worst > longest:
         _fail(max_name, longest, f">= the longest sequence ({worst})")

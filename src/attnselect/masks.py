@@ -26,11 +26,14 @@ def band(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_kv:
     return (bottom_right, None if left < 0 else left, None if right < 0 else right)
 
 
-def needs_explicit_mask(mask: str, seqlen_q: int, seqlen_kv: int) -> bool:
-    """Whether SDPA-style kernels (is_causal = top-left) need a mask tensor for this mask."""
+def needs_explicit_mask(mask: str, square: bool) -> bool:
+    """Whether SDPA-style kernels (is_causal = top-left) need a mask tensor for this mask.
+
+    ``square``: as many queries as keys, where bottom-right causal equals top-left.
+    """
     if mask in ("none", "causal"):
         return False
-    return not (mask == "causal_bottom_right" and seqlen_q == seqlen_kv)
+    return not (mask == "causal_bottom_right" and square)
 
 
 def visible(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_kv: int,

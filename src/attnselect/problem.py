@@ -49,6 +49,10 @@ class AttentionProblem:
     return_lse: bool = False
     context_parallel_size: int = 1
     fp8: bool = False
+    # thd only, facts about the packed sequences (dense problems derive them from the lengths):
+    # every sequence has as many queries as keys; some key sequence has exactly one key.
+    varlen_seqlens_match: bool = True
+    varlen_single_key: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "seqlen_q", "seqlen_kv"):
@@ -79,8 +83,32 @@ class AttentionProblem:
 
     # -- derived facts -------------------------------------------------------------------
     @property
-    def is_gqa(self) -> bool:
-        return self.heads_q != self.heads_kv
+    def square(self) -> bool:
+        """Every sequence has as many queries as keys (top-left and bottom-right causal coincide)."""
+        return self.varlen_seqlens_match if self.layout == "thd" else self.seqlen_q == self.seqlen_kv
+
+    @property
+    def single_key(self) -> bool:
+        """Some sequence has exactly one key."""
+        return self.varlen_single_key if self.layout == "thd" else self.seqlen_kv == 1
+
+    @property
+    def may_have_rows_without_keys(self) -> bool:
+        """Some query may see no key (its output is 0 and its lse -inf).
+
+        Dense: exact, from the mask band. thd: only when sequences have as many queries as
+        keys is it excluded (every mask then keeps the diagonal), else assumed.
+        """
+        from attnselect import masks
+        if self.layout == "thd":
+            return not self.varlen_seqlens_match
+        return masks.has_rows_without_keys(self.mask, self.window, self.seqlen_q, self.seqlen_kv)
+
+    @property
+    def needs_mask_tensor(self) -> bool:
+        """SDPA-style kernels (is_causal = top-left) need an explicit mask for this mask."""
+        from attnselect import masks
+        return masks.needs_explicit_mask(self.mask, self.square)
 
     @property
     def different_head_dims(self) -> bool:
@@ -105,6 +133,8 @@ class AttentionProblem:
 
     def describe(self) -> str:
         mask = self.mask if self.window is None else f"{self.mask}{self.window}"
+        if self.layout == "thd" and not self.varlen_seqlens_match:
+            mask += " (q/kv lengths differ)"
         phase = "training" if self.training else "inference"
         seq = (f"{self.batch} seqs, max sq={self.seqlen_q} skv={self.seqlen_kv}" if self.layout == "thd"
                else f"B={self.batch} Sq={self.seqlen_q} Skv={self.seqlen_kv}")
@@ -112,18 +142,23 @@ class AttentionProblem:
         extras += [n for n in ("deterministic", "return_lse", "fp8") if getattr(self, n)]
         extras += [f"cp={self.context_parallel_size}"] if self.context_parallel_size > 1 else []
         return (f"{self.layout} {seq} Hq={self.heads_q} Hkv={self.heads_kv} "
-                f"d_qk={self.head_dim_qk} d_v={self.head_dim_v} {str(self.dtype).replace('torch.', '')} "
+                f"d_qk={self.head_dim_qk} d_v={self.head_dim_v} {dtype_name(self.dtype)} "
                 f"mask={mask} {phase}" + (" " + " ".join(extras) if extras else ""))
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["dtype"] = str(self.dtype).replace("torch.", "")
+        d["dtype"] = dtype_name(self.dtype)
         d["window"] = list(self.window) if self.window else None
         return d
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16'."""
+    return str(dtype).replace("torch.", "")
+
+
 def _names(dtypes) -> str:
-    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+    return ", ".join(sorted(dtype_name(d) for d in dtypes))
 
 
 def _require(ok: bool, name: str, seen, expected: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,18 +33,18 @@ class Decision:
     def why(self) -> str:
         (arch, phase), _ = rules.table_for(self.problem, self.target)
         how = f"padded to {self.chosen.pad_to}" if self.chosen.padded else "native"
+        because = (f"it ranks first of {len(self.ranked)} supported candidates in the {self.policy} "
+                   f"table for {arch} {phase}")
         if self.overrides.backend:
-            because = f"the caller forced backend {self.overrides.backend!r}"
-        else:
-            because = (f"it ranks first of {len(self.ranked)} supported candidates in the {self.policy} "
-                       f"table for {arch} {phase}")
+            because = f"the caller forced backend {self.overrides.backend!r} and " + because
         natives = [c for c in self.ranked if not c.padded]
-        if self.chosen.padded and natives:
-            because += f"; padding wins over the best native candidate, {natives[0].backend}"
+        padded = [c for c in self.ranked if c.padded]
+        if self.overrides.pad != "auto" and self.problem.different_head_dims:
+            because += f"; the caller set pad={self.overrides.pad!r}"
         elif self.chosen.padded:
-            because += "; no native candidate is supported"
+            because += (f"; padding wins over the best native candidate, {natives[0].backend}" if natives
+                        else "; no native candidate is supported")
         elif self.problem.different_head_dims:
-            padded = [c for c in self.ranked if c.padded]
             because += (f"; the best padded candidate, {padded[0]}, ranks lower" if padded
                         else "; no padded candidate is supported")
         return f"running {self.chosen.backend}, {how}, because {because}"
@@ -63,7 +64,8 @@ class Decision:
         }
 
 
-_MEMO: dict[tuple, Decision] = {}
+_MEMO: "OrderedDict[tuple, Decision]" = OrderedDict()
+MEMO_SIZE = 4096   # distinct (problem, target, controls) decisions kept; the oldest go first
 
 
 def clear_cache() -> None:
@@ -81,14 +83,20 @@ def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy
     """
     target = target or Target.current()
     env = settings.environment()
-    key = (problem, target, policy, backend, pad,
-           disable if disable is None or isinstance(disable, str) else tuple(disable), env,
-           backends.registry_version())
-    decision = _MEMO.get(key)
+    if disable is not None and not isinstance(disable, str):
+        disable = settings.names(disable, "disable")
+    key = (problem, target, policy, backend, pad, disable, env, backends.registry_version())
+    try:
+        decision = _MEMO.get(key)
+    except TypeError:   # an unhashable control: resolve() names it
+        decision, key = None, None
     if decision is None:
         decision = _decide(problem, target, settings.resolve(policy=policy, backend=backend, pad=pad,
                                                               disable=disable, env=env))
-        _MEMO[key] = decision
+        if key is not None:
+            _MEMO[key] = decision
+            if len(_MEMO) > MEMO_SIZE:
+                _MEMO.popitem(last=False)
         log.info("attnselect: %s | %s", problem.describe(), decision.why)
     return decision
 

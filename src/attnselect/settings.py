@@ -39,7 +39,7 @@ class Overrides:
     def reasons(self, candidate: "Candidate", problem: "AttentionProblem") -> list[str]:
         """Why the controls exclude a candidate (empty when they allow it)."""
         if candidate.backend in self.disable:
-            return [f"disabled by the caller (disable / ATTNSELECT_DISABLE)"]
+            return ["disabled by the caller (disable / ATTNSELECT_DISABLE)"]
         if self.backend is not None and candidate.backend != self.backend:
             return [f"the caller forced backend {self.backend!r}"]
         if self.pad == "never" and candidate.padded:
@@ -49,21 +49,34 @@ class Overrides:
         return []
 
 
+def names(values, argument: str) -> tuple:
+    """A sorted tuple of backend names from any iterable of strings (hashable, reusable)."""
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise InvalidInputError(f"{argument}: got {values!r}, expected a list of backend names") from None
+    if not all(isinstance(v, str) for v in values):
+        raise InvalidInputError(f"{argument}: got {values!r}, expected a list of backend names")
+    return tuple(sorted(set(values)))
+
+
 def resolve(*, policy=None, backend=None, pad=None, disable=None, env: tuple = ()) -> Overrides:
     """Merge keyword arguments with the environment snapshot ``env`` (see :func:`environment`)."""
     from attnselect import backends
 
     env_policy, env_backend, env_pad, env_disable = env or environment()
     policy, source = _pick(policy, env_policy, "policy", "ATTNSELECT_POLICY")
-    if (policy or "rules") not in POLICIES:
+    if not isinstance(policy, (str, type(None))) or (policy or "rules") not in POLICIES:
         raise InvalidInputError(f"{source}: got {policy!r}, expected one of {POLICIES}")
     if isinstance(pad, bool):
         pad = "always" if pad else "never"
     pad, source = _pick(pad, env_pad, "pad", "ATTNSELECT_PAD")
-    if (pad or "auto") not in PAD_MODES:
+    if not isinstance(pad, (str, type(None))) or (pad or "auto") not in PAD_MODES:
         raise InvalidInputError(f"{source}: got {pad!r}, expected True, False or one of {PAD_MODES}")
     known = [b.name for b in backends.all_backends()]
     backend, source = _pick(backend, env_backend, "backend", "ATTNSELECT_BACKEND")
+    if not isinstance(backend, (str, type(None))):
+        raise InvalidInputError(f"{source}: got {backend!r}, expected a backend name")
     if backend and backend not in known:
         raise ForcedChoiceError(f"{source}: got {backend!r}, expected one of {known}")
     disable, source = _pick(disable, env_disable, "disable", "ATTNSELECT_DISABLE")

@@ -49,9 +49,19 @@ class Target:
     flash_attn3_version: Optional[str] = None     # FlashAttention-3, module flash_attn_interface
     flash_attn4_version: Optional[str] = None     # FlashAttention-4, module flash_attn.cute
 
+    def __post_init__(self) -> None:
+        if self.device_type not in ("cuda", "cpu"):
+            raise InvalidInputError(f"device_type: got {self.device_type!r}, expected 'cuda' or 'cpu'")
+        cc = self.capability
+        if self.device_type == "cuda" and not (isinstance(cc, tuple) and len(cc) == 2
+                                               and all(isinstance(x, int) for x in cc)):
+            raise InvalidInputError(f"capability: got {cc!r}, expected a (major, minor) pair for a cuda target")
+        if self.device_type == "cpu" and cc is not None:
+            raise InvalidInputError(f"capability: got {cc!r}, expected None for a cpu target")
+
     @property
     def is_cuda(self) -> bool:
-        return self.device_type == "cuda" and self.capability is not None
+        return self.device_type == "cuda"
 
     @property
     def arch(self) -> str:
@@ -96,7 +106,11 @@ class Target:
         """The live machine. Never raises: without a usable CUDA device it is the CPU target."""
         if device is None:
             return _cuda_target(_current_cuda_index()) if _cuda_usable() else _cpu_target()
-        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        try:
+            dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidInputError(f"device: got {device!r}, expected a torch.device, 'cpu', 'cuda[:N]' or an index "
+                                    f"({exc})") from None
         return target_for_device(dev)
 
 
@@ -123,7 +137,13 @@ def _current_cuda_index() -> int:
         return 0
 
 
-def _package_version(distribution: str, module: str) -> Optional[str]:
+def _package_version(distribution: str, module: str, *, shared_module: bool = False) -> Optional[str]:
+    """The installed version of ``distribution`` if ``module`` imports, else None.
+
+    Without package metadata the version is "unknown", except for a module that several
+    distributions install (``flash_attn`` comes with flash-attn and with flash-attn-4):
+    there the metadata decides.
+    """
     try:
         if importlib.util.find_spec(module.split(".")[0]) is None:
             return None
@@ -134,16 +154,23 @@ def _package_version(distribution: str, module: str) -> Optional[str]:
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+        return None if shared_module else "unknown"
 
 
 def _installed_packages() -> dict:
     return dict(
         cudnn_frontend_version=_package_version("nvidia-cudnn-frontend", "cudnn"),
-        flash_attn_version=_package_version("flash-attn", "flash_attn"),
+        flash_attn_version=_package_version("flash-attn", "flash_attn", shared_module=True),
         flash_attn3_version=_package_version("flash-attn-3", "flash_attn_interface"),
-        flash_attn4_version=_package_version("flash-attn-4", "flash_attn.cute"),
+        flash_attn4_version=_package_version("flash-attn-4", "flash_attn.cute", shared_module=True),
     )
+
+
+def cudnn_version_string(number: int) -> str:
+    """torch.backends.cudnn.version() to 'major.minor.patch': 91900 -> 9.19.0 (cuDNN 9+), 8902 -> 8.9.2."""
+    if number >= 90000:
+        return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
+    return f"{number // 1000}.{number // 100 % 10}.{number % 100}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,7 +188,7 @@ def _cuda_target(index: int) -> Target:
     except Exception as exc:
         log.warning("attnselect: could not read CUDA device %d (%s); using the cpu target", index, exc)
         return _cpu_target()
-    cudnn_version = f"{cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}" if cudnn else None
+    cudnn_version = cudnn_version_string(cudnn) if cudnn else None
     return Target(name=name, device_type="cuda", capability=capability, torch_version=torch.__version__,
                   cudnn_version=cudnn_version, **_installed_packages())
 

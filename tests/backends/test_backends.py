@@ -22,6 +22,8 @@ CPU_CASES = [  # (label, attention kwargs, input kwargs)
     ("window", dict(window=(5, 3)), dict(dqk=24, dv=16)),
     ("lse", dict(return_lse=True, causal=True), dict(dqk=24, dv=16, hq=4, hkv=1)),
     ("rows-without-keys", dict(causal="bottom_right", return_lse=True), dict(sq=40, skv=17, dqk=16, dv=16)),
+    ("rows-without-keys-sdpa", dict(causal="bottom_right"), dict(sq=40, skv=17, dqk=16, dv=16)),
+    ("window-rows-without-keys", dict(window=(2, 0)), dict(sq=30, skv=12, dqk=16, dv=16)),
 ]
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import ClassVar
 
+import torch
+
 from attnselect import masks
 from attnselect.backends.base import Backend, KernelCall
 
@@ -20,12 +22,6 @@ class FlashAttnPackageBackend(Backend):
     unbounded: ClassVar[object] = -1     # how the package spells an open window edge
     dropout_argument: ClassVar[bool] = False
     lse_argument: ClassVar[str]          # keyword that asks for the lse
-
-    def extra_reasons(self, p, t):
-        if p.mask == "causal" and p.seqlen_q != p.seqlen_kv:
-            return [f"its causal mask is bottom-right aligned; top-left causal needs seqlen_q == seqlen_kv, "
-                    f"got {p.seqlen_q} != {p.seqlen_kv}"]
-        return []
 
     def run(self, q, k, v, call: KernelCall):
         fn = importlib.import_module(self.module).flash_attn_func
@@ -40,6 +36,10 @@ class FlashAttnPackageBackend(Backend):
         if self.dropout_argument:
             kwargs["dropout_p"] = call.dropout_p
         result = fn(q, k, v, **kwargs)
-        if not isinstance(result, tuple):
-            return result, None
-        return result[0], (result[1] if call.return_lse else None)
+        out, lse = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
+        if not call.return_lse:
+            return out, None
+        if lse is None:
+            raise RuntimeError(f"{self.module}.flash_attn_func returned no log-sum-exp although it was requested")
+        # FlashAttention writes +inf for rows that see no key (softmax.h: sum == 0 ? INFINITY); ours is -inf.
+        return out, lse.float().masked_fill(torch.isposinf(lse), float("-inf"))

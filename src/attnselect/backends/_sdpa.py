@@ -31,7 +31,7 @@ class SdpaBackend(Backend):
     def run(self, q, k, v, call: KernelCall):
         sq, skv = q.shape[-2], k.shape[-2]
         attn_mask, is_causal, no_key = None, False, None
-        if masks.needs_explicit_mask(call.mask, sq, skv):
+        if masks.needs_explicit_mask(call.mask, sq == skv):
             attn_mask = masks.visible(call.mask, call.window, sq, skv, q.device)
             no_key = masks.rows_without_keys(call.mask, call.window, sq, skv, q.device)
         elif call.mask != "none":

@@ -9,12 +9,12 @@ is float32 (B, Hq, Sq) or None when not requested.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import torch
 
-from attnselect.problem import MASKS, AttentionProblem
+from attnselect.problem import MASKS, AttentionProblem, dtype_name
 from attnselect.target import Target
 
 HALF = frozenset({torch.float16, torch.bfloat16})
@@ -38,27 +38,32 @@ class Surface:
     deterministic_backward: bool = True
     context_parallel: bool = False
     fp8: bool = False
-    notes: tuple[str, ...] = field(default=())   # the sources of these rules, for readers
+    # The kernel's causal flag is bottom-right aligned (FlashAttention), so top-left causal
+    # is served only where the two coincide: as many queries as keys.
+    causal_is_bottom_right: bool = False
 
     def reasons(self, p: AttentionProblem, t: Target) -> list[str]:
         r: list[str] = []
         if p.fp8 and not self.fp8:
             r.append("does not run fp8 attention (fp8=True)")
         if p.dtype not in self.dtypes:
-            r.append(f"dtype {_dtype(p.dtype)} is not supported (supports {', '.join(sorted(map(_dtype, self.dtypes)))})")
+            r.append(f"dtype {dtype_name(p.dtype)} is not supported (supports "
+                     f"{', '.join(sorted(map(dtype_name, self.dtypes)))})")
         if t.is_cuda and self.min_capability and t.capability < self.min_capability:
             r.append(f"needs compute capability >= {_cc(self.min_capability)}, the target has {_cc(t.capability)}")
         if t.is_cuda and self.max_capability and t.capability > self.max_capability:
             r.append(f"supports compute capability up to {_cc(self.max_capability)}, the target has {_cc(t.capability)}")
         if self.equal_head_dims and p.different_head_dims:
-            r.append(f"needs equal head dims, got d_qk={p.head_dim_qk} and d_v={p.head_dim_v} "
-                     f"(its padded candidate may serve)")
+            r.append(f"needs equal head dims, got d_qk={p.head_dim_qk} and d_v={p.head_dim_v}")
         if self.max_head_dim and max(p.head_dim_qk, p.head_dim_v) > self.max_head_dim:
             r.append(f"head dims up to {self.max_head_dim} only, got d_qk={p.head_dim_qk}, d_v={p.head_dim_v}")
         if self.head_dim_multiple > 1 and (p.head_dim_qk % self.head_dim_multiple or p.head_dim_v % self.head_dim_multiple):
             r.append(f"head dims must be multiples of {self.head_dim_multiple}, got {p.head_dim_qk}/{p.head_dim_v}")
         if p.mask not in self.masks:
             r.append(f"mask {p.mask!r} is not supported (supports {', '.join(sorted(self.masks))})")
+        if self.causal_is_bottom_right and p.mask == "causal" and not p.square:
+            r.append("its causal mask is bottom-right aligned, so top-left causal needs as many queries as keys "
+                     + (f"(got {p.seqlen_q} and {p.seqlen_kv})" if p.layout != "thd" else "in every sequence"))
         if p.dropout_p and not self.dropout:
             r.append(f"does not support dropout (dropout_p={p.dropout_p})")
         if p.training and not self.backward:
@@ -120,10 +125,6 @@ def expand_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim:
     if groups == 1:
         return k, v
     return k.repeat_interleave(groups, dim=head_dim), v.repeat_interleave(groups, dim=head_dim)
-
-
-def _dtype(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
 
 
 def _cc(cc: tuple[int, int]) -> str:

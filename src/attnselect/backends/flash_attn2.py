@@ -17,10 +17,10 @@ class FlashAttn2(FlashAttnPackageBackend):
     # v shares q's head dim; head_size <= 256) and flash_attn/flash_attn_interface.py (window_size,
     # deterministic, return_attn_probs). TransformerEngine runs it under context parallelism.
     surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), max_head_dim=256, equal_head_dims=True,
-                                context_parallel=True)}
+                                context_parallel=True, causal_is_bottom_right=True)}
 
     def extra_reasons(self, p, t):
-        r = super().extra_reasons(p, t)
+        r = []
         # TransformerEngine utils.py: sliding windows need flash-attn 2.3+.
         if p.mask == "sliding_window" and not t.at_least("flash_attn_version", "2.3"):
             r.append(f"sliding windows need flash-attn >= 2.3, the target has {t.flash_attn_version}")

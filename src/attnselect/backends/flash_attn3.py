@@ -15,10 +15,10 @@ class FlashAttn3(FlashAttnPackageBackend):
     # Source: Dao-AILab/flash-attention hopper/flash_api.cpp and hopper/flash_attn_interface.py:
     # Hopper only for different V head dims, head dims <= 256, no dropout argument.
     surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(9, 0), max_capability=(9, 0), max_head_dim=512,
-                                dropout=False, context_parallel=True)}
+                                dropout=False, context_parallel=True, causal_is_bottom_right=True)}
 
     def extra_reasons(self, p, t):
-        r = super().extra_reasons(p, t)
+        r = []
         dqk, dv = p.head_dim_qk, p.head_dim_v
         # hopper/flash_api.cpp: "we only support Q/K headdim in (128, 192] and V headdim in (96, 128],
         # or (Q/K <= 64 and V <= 512)"; equal dims up to 256.

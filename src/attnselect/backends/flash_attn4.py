@@ -16,10 +16,10 @@ class FlashAttn4(FlashAttnPackageBackend):
     # Source: Dao-AILab/flash-attention flash_attn/cute/interface.py: fp16/bf16, arch 9.x-11.x,
     # head dims multiples of 8; backward arch 9-12; no dropout argument.
     surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(9, 0), max_capability=(11, 9), head_dim_multiple=8,
-                                max_head_dim=512, dropout=False)}
+                                max_head_dim=512, dropout=False, causal_is_bottom_right=True)}
 
     def extra_reasons(self, p, t):
-        r = super().extra_reasons(p, t)
+        r = []
         dqk, dv = p.head_dim_qk, p.head_dim_v
         # interface.py _validate_head_dims: SM90 any pair in 8..256; SM100/110 both <= 128,
         # 192/128, (64 or dv)/512 and 256/256.

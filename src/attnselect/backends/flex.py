@@ -38,7 +38,7 @@ class Flex(Backend):
         fn = _compiled_flex() if q.is_cuda else flex_attention
         out, lse = fn(q, k, v, block_mask=block_mask, scale=call.scale,
                       enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
-        return out, (lse if call.return_lse else None)
+        return out, (lse.float() if call.return_lse else None)
 
 
 @functools.lru_cache(maxsize=None)

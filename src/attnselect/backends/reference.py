@@ -1,7 +1,7 @@
 """``reference``: eager matmul + softmax in PyTorch, on any device and dtype (float64 included).
 
 Half-precision inputs are computed in float32 and the output cast back; float64 stays float64.
-Rows with no visible key give a zero output and lse = -inf. The lse is returned detached.
+Rows with no visible key give a zero output and lse = -inf. The lse is float32 and detached.
 """
 
 from __future__ import annotations
@@ -38,4 +38,4 @@ class Reference(Backend):
         if call.dropout_p:
             probs = torch.nn.functional.dropout(probs, p=call.dropout_p)
         out = torch.matmul(probs, v.to(compute)).to(q.dtype)
-        return out, (lse.float() if lse is not None and compute != torch.float64 else lse)
+        return out, (lse.float() if lse is not None else None)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch.nn.attention import SDPBackend
 
-from attnselect import masks
 from attnselect.backends._sdpa import SdpaBackend
 from attnselect.backends.base import HALF, Surface
+from attnselect.target import version_tuple
 
 # cuDNN backward head-dim pairs above 128 on sm10x: cudnn-frontend
 # include/cudnn_frontend/node/scaled_dot_product_flash_attention.h and pytorch sdp_utils.cpp
@@ -37,13 +37,13 @@ class SdpaCudnn(SdpaBackend):
                 r.append(f"PyTorch disables cuDNN dropout with cuDNN {t.cudnn_version} (9.11-9.13)")
             if p.seqlen_q == 1:
                 r.append("dropout with seqlen_q == 1 is refused (check_cudnn_tensor_shapes)")
-        if p.training and masks.has_rows_without_keys(p.mask, p.window, p.seqlen_q, p.seqlen_kv):
+        if p.training and p.may_have_rows_without_keys:
             # Measured on the H200 (torch 2.11, cuDNN 9.19): bottom-right causal with Sq=200 > Skv=64 gave
             # NaN dq in the rows that see no key (Sq=256, Skv=128 did not), so refuse the whole class.
-            r.append(f"its backward can give NaN gradients to queries that see no key, as {p.mask} with "
-                     f"seqlen_q={p.seqlen_q}, seqlen_kv={p.seqlen_kv} leaves some (NaN measured at 200/64 on an H200)")
-        if p.seqlen_kv == 1 and p.layout != "thd":
-            r.append("seqlen_kv == 1 is refused (check_cudnn_tensor_shapes)")
+            r.append("its backward can give NaN gradients to queries that see no key, and this mask and these "
+                     "lengths may leave some (NaN measured at Sq=200, Skv=64 on an H200)")
+        if p.single_key:
+            r.append("a key sequence of length 1 is refused (check_cudnn_tensor_shapes)")
         if max(p.batch, p.heads_q) > 65535:
             r.append("batch and heads must be <= 65535")
         return r
@@ -56,20 +56,21 @@ def _head_dim_reasons(p, t) -> list[str]:
     cc = t.capability
     hopper, blackwell = cc == (9, 0), cc[0] == 10
     pair = f"{dqk}/{dv}"
-    if hopper:
+    if hopper and version_tuple(t.torch_version) < (2, 12):
         # Measured: torch 2.11 + cuDNN 9.19 on an H200 runs cuDNN up to 256, fwd and bwd
-        # (results/h200_rules_grid.md); newer sdp_utils.cpp gates this on cuDNN > 9.22.
+        # (results/h200_rules_grid.md).
         if max(dqk, dv) <= 256:
             return []
         return [f"head dims up to 256 on sm90, got {pair}"]
-    if blackwell:
+    if hopper or blackwell:
+        # Newer torch: sdp_utils.cpp check_cudnn_tensor_shapes (stored @001f694a, not measured by us).
         r = []
         wide = t.at_least("cudnn_version", "9.22.1") and max(dqk, dv) <= 256
         mla = (dqk, dv) == (192, 128) and t.at_least("cudnn_version", "9.11.0")
         if not (wide or mla):
             r.append(f"head dims {pair} need cuDNN > 9.22 (up to 256) or exactly 192/128 with cuDNN >= 9.11 "
                      f"on {t.arch}; the target has cuDNN {t.cudnn_version}")
-        if p.training and (dqk, dv) not in BLACKWELL_BACKWARD_PAIRS:
+        if blackwell and p.training and (dqk, dv) not in BLACKWELL_BACKWARD_PAIRS:
             r.append(f"cuDNN has no backward kernel for head dims {pair} on {t.arch} "
                      "(above 128 only 192/128 and 256/256), so it cannot train")
         return r

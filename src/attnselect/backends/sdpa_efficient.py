@@ -7,6 +7,7 @@ from torch.nn.attention import SDPBackend
 
 from attnselect.backends._sdpa import SdpaBackend
 from attnselect.backends.base import Surface
+from attnselect.problem import dtype_name
 
 
 class SdpaEfficient(SdpaBackend):
@@ -28,6 +29,6 @@ class SdpaEfficient(SdpaBackend):
         # 8 for fp16/bf16, 4 for fp32 on sm80+.
         align = 4 if p.dtype == torch.float32 else 8
         if p.head_dim_qk % align or p.head_dim_v % align:
-            return [f"head dims must be multiples of {align} for {str(p.dtype)[6:]}, "
+            return [f"head dims must be multiples of {align} for {dtype_name(p.dtype)}, "
                     f"got {p.head_dim_qk}/{p.head_dim_v}"]
         return []

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch.nn.attention import SDPBackend
 
-from attnselect import masks
 from attnselect.backends._sdpa import SdpaBackend
 from attnselect.backends.base import ALL_DTYPES, HALF, Surface
 
@@ -31,11 +30,12 @@ class SdpaFlash(SdpaBackend):
         if not t.is_cuda:
             return []
         r = []
-        if p.mask == "causal" and p.seqlen_q != p.seqlen_kv:
-            r.append(f"causal (top-left) needs seqlen_q == seqlen_kv here, got {p.seqlen_q} != {p.seqlen_kv} "
+        if p.mask == "causal" and not p.square:
+            r.append("top-left causal needs as many queries as keys on CUDA "
                      "(check_flash_causal_non_square_seqlens)")
-        if p.mask == "causal_bottom_right" and masks.needs_explicit_mask(p.mask, p.seqlen_q, p.seqlen_kv):
-            r.append("bottom-right causal with seqlen_q != seqlen_kv needs a mask tensor, which this kernel refuses")
+        if p.mask == "causal_bottom_right" and p.needs_mask_tensor:
+            r.append("bottom-right causal with fewer or more queries than keys needs a mask tensor, "
+                     "which this kernel refuses")
         # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120
         d = max(p.head_dim_qk, p.head_dim_v)
         if p.training and (t.capability in ((8, 6), (8, 7), (8, 9)) or t.capability >= (12, 0)):
