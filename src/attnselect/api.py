@@ -8,7 +8,7 @@ import torch
 
 from attnselect.errors import ForcedChoiceError, NoSupportedCandidateError
 from attnselect.execution import run_candidate
-from attnselect.inputs import problem_from_tensors
+from attnselect.inputs import describe_call
 from attnselect.problem import AttentionProblem
 from attnselect.selection import Decision, select
 from attnselect.target import Target, target_for_device
@@ -20,8 +20,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
               causal: Causal = False, window: Optional[tuple[int, int]] = None, scale: Optional[float] = None,
               dropout_p: float = 0.0, cu_seqlens_q: Optional[torch.Tensor] = None,
               cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
-              max_seqlen_kv: Optional[int] = None, return_lse: bool = False, backend: Optional[str] = None,
-              pad: Union[bool, str, None] = None, disable=None):
+              max_seqlen_kv: Optional[int] = None, cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+              cu_seqlens_kv_padded: Optional[torch.Tensor] = None, return_lse: bool = False,
+              backend: Optional[str] = None, pad: Union[bool, str, None] = None, disable=None):
     """Scaled dot-product attention on the fastest candidate that serves the call.
 
     Shapes (layout): ``bshd`` q (B, Sq, Hq, Dqk), k (B, Skv, Hkv, Dqk), v (B, Skv, Hkv, Dv);
@@ -36,7 +37,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
             ``causal`` its right edge is 0.
         scale: softmax scale; default 1/sqrt(Dqk) of the unpadded q.
         dropout_p: attention dropout probability; only candidates with dropout serve it.
-        max_seqlen_q, max_seqlen_kv: longest sequences for thd; read from cu_seqlens if omitted.
+        max_seqlen_q, max_seqlen_kv: longest sequences for thd; read from cu_seqlens if omitted (a host
+            sync on CUDA; pass both to avoid it, the values are then trusted).
+        cu_seqlens_q_padded, cu_seqlens_kv_padded: thd only, where each sequence starts when the packing
+            leaves gaps between sequences (Megatron's cu_seqlens_*_padded); gap tokens get a zero output.
         return_lse: also return the natural log-sum-exp of the scaled scores, float32,
             (B, Hq, Sq) dense or (Hq, Tq) thd, detached. -inf on rows with no visible key.
         backend, pad, disable: force a backend, force ("always"/True) or forbid ("never"/False)
@@ -45,16 +49,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
     Returns:
         ``out`` in the layout of q with head dim Dv, or ``(out, lse)``.
 
-    The thd path runs sequence by sequence in this release and reads cu_seqlens on the
-    host (a device sync on CUDA).
+    Packed (thd) input runs on a packed kernel where one serves the call, else sequence by
+    sequence (which reads the boundaries on the host).
     """
-    problem = problem_from_tensors(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
-                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                                   max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, return_lse=return_lse,
-                                   scale=scale)
-    decision = select(problem, target=target_for_device(q.device), backend=backend, pad=pad, disable=disable)
-    out, lse = run_candidate(decision.chosen, problem, q, k, v, scale=scale,
-                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
+    problem, packing = describe_call(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
+                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                                     max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, return_lse=return_lse,
+                                     scale=scale, cu_seqlens_q_padded=cu_seqlens_q_padded,
+                                     cu_seqlens_kv_padded=cu_seqlens_kv_padded)
+    target = target_for_device(q.device)
+    decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
+    out, lse = run_candidate(decision.chosen, problem, q, k, v, scale=scale, packing=packing, target=target)
     return (out, lse) if return_lse else out
 
 

@@ -1,4 +1,4 @@
-"""Running one candidate exactly: layout changes, zero-padding and trimming, the per-sequence THD path.
+"""Running one candidate exactly: layout changes, zero-padding and trimming, packed or per-sequence THD.
 
 Padding zero-pads the last dim on the right; QK^T is unchanged, so with the scale kept at
 1/sqrt(original d_qk) the output (trimmed to d_v) and the lse equal the native ones, and
@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from attnselect import backends
-from attnselect.backends.base import KernelCall
+from attnselect.backends.base import KernelCall, Packing
 from attnselect.candidates import Candidate
 from attnselect.inputs import check_boundaries
 from attnselect.problem import AttentionProblem
+from attnselect.target import Target, target_for_device
 
 # Permutation taking a dense layout to another: _PERMUTE[(src, dst)].
 _PERMUTE = {
@@ -30,17 +31,31 @@ _INVERSE = {
 
 
 def run_candidate(candidate: Candidate, problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, *, scale: Optional[float] = None, cu_seqlens_q=None, cu_seqlens_kv=None
-                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Run ``candidate`` on validated tensors; returns (out, lse or None) in the caller's layout."""
+                  v: torch.Tensor, *, scale: Optional[float] = None, packing: Optional[Packing] = None,
+                  target: Optional[Target] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run ``candidate`` on validated tensors; returns (out, lse or None) in the caller's layout.
+
+    ``packing`` is required for thd (see :func:`attnselect.inputs.packing_from_arguments`).
+    """
     backend = backends.get(candidate.backend)
     call = KernelCall(mask=problem.mask, window=problem.window,
                       scale=problem.default_scale if scale is None else float(scale),
                       dropout_p=problem.dropout_p, return_lse=problem.return_lse,
                       deterministic=problem.deterministic)
-    if problem.layout == "thd":
-        return _run_per_sequence(backend, candidate.pad_to, problem, call, q, k, v, cu_seqlens_q, cu_seqlens_kv)
-    return _run_dense(backend, candidate.pad_to, problem.layout, call, q, k, v)
+    if problem.layout != "thd":
+        return _run_dense(backend, candidate.pad_to, problem.layout, call, q, k, v)
+    if backend.packs_thd(target or target_for_device(q.device)):
+        return _run_packed(backend, candidate.pad_to, call, q, k, v, packing)
+    return _run_per_sequence(backend, candidate.pad_to, problem, call, q, k, v, packing)
+
+
+def _run_packed(backend, pad_to, call, q, k, v, packing):
+    d_v = v.shape[-1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if pad_to is not None:
+        q, k, v = (_pad(t, pad_to) for t in (q, k, v))
+    out, lse = backend.run_packed(q, k, v, call, packing)
+    return (out[..., :d_v] if pad_to is not None else out), lse
 
 
 def _run_dense(backend, pad_to, layout, call, q, k, v):
@@ -78,25 +93,39 @@ def _empty_result(q, k, v, seq_axis, return_lse):
     return out, torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
 
 
-def _run_per_sequence(backend, pad_to, problem, call, q, k, v, cu_q, cu_kv):
-    """THD by slicing each sequence and running it dense. Reads cu_seqlens on the host (one sync)."""
-    cu_kv = cu_q if cu_kv is None else cu_kv
-    bounds_q = cu_q.tolist()
-    bounds_kv = bounds_q if cu_kv is cu_q else cu_kv.tolist()
-    check_boundaries("cu_seqlens_q", bounds_q, q.shape[0], problem.seqlen_q, "max_seqlen_q")
-    check_boundaries("cu_seqlens_kv", bounds_kv, k.shape[0], problem.seqlen_kv, "max_seqlen_kv")
-    outs, lses = [], []
-    for (q0, q1), (k0, k1) in zip(zip(bounds_q[:-1], bounds_q[1:]), zip(bounds_kv[:-1], bounds_kv[1:])):
-        if q1 == q0:
-            continue
-        out, lse = _run_dense(backend, pad_to, "bshd", call, q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0),
-                              v[k0:k1].unsqueeze(0))
-        outs.append(out.squeeze(0))
-        if lse is not None:
-            lses.append(lse.squeeze(0))
-    out = torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[-1])
-    # Tokens past the last boundary do not exist (check_boundaries ensures cu ends at T).
+def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
+    """THD by slicing each sequence and running it dense. Reads the boundaries on the host (a sync).
+
+    Tokens outside every sequence (the gaps of padded offsets) get a zero output and lse -inf.
+    """
+    lengths_q, lengths_kv, starts_q, starts_kv = (
+        _host(t) for t in (packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv))
+    check_boundaries("cu_seqlens_q", lengths_q, None if packing.has_gaps else q.shape[0], problem.seqlen_q,
+                     "max_seqlen_q")
+    check_boundaries("cu_seqlens_kv", lengths_kv, None if packing.has_gaps else k.shape[0], problem.seqlen_kv,
+                     "max_seqlen_kv")
+    pieces, lses, cursor = [], [], 0
+    hq, d_v = q.shape[1], v.shape[-1]
+    for i in range(len(lengths_q) - 1):
+        q0, n_q = starts_q[i], lengths_q[i + 1] - lengths_q[i]
+        k0, n_kv = starts_kv[i], lengths_kv[i + 1] - lengths_kv[i]
+        if q0 > cursor:   # a gap before this sequence
+            pieces.append(q.new_zeros(q0 - cursor, hq, d_v))
+            lses.append(torch.full((hq, q0 - cursor), float("-inf"), device=q.device))
+        if n_q:
+            out, lse = _run_dense(backend, pad_to, "bshd", call, q[q0:q0 + n_q].unsqueeze(0),
+                                  k[k0:k0 + n_kv].unsqueeze(0), v[k0:k0 + n_kv].unsqueeze(0))
+            pieces.append(out.squeeze(0))
+            lses.append(lse.squeeze(0) if lse is not None else None)
+        cursor = q0 + n_q
+    if cursor < q.shape[0]:   # trailing padding
+        pieces.append(q.new_zeros(q.shape[0] - cursor, hq, d_v))
+        lses.append(torch.full((hq, q.shape[0] - cursor), float("-inf"), device=q.device))
+    out = torch.cat(pieces) if pieces else q.new_zeros(0, hq, d_v)
     if not call.return_lse:
         return out, None
-    lse = torch.cat(lses, dim=1) if lses else torch.zeros(q.shape[1], 0, dtype=torch.float32, device=q.device)
-    return out, lse
+    return out, (torch.cat(lses, dim=1) if lses else torch.zeros(hq, 0, device=q.device))
+
+
+def _host(t: torch.Tensor) -> list[int]:
+    return t.tolist()

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from attnselect.backends.base import Packing
 from attnselect.errors import InvalidInputError
 from attnselect.problem import DTYPES, LAYOUTS, AttentionProblem, mask_from_arguments
 
@@ -27,8 +28,21 @@ def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, l
                          cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_kv: Optional[torch.Tensor] = None,
                          max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
                          return_lse: bool = False, context_parallel_size: int = 1,
-                         scale: Optional[float] = None) -> AttentionProblem:
-    """Validate q, k, v and the call arguments, and describe the call.
+                         scale: Optional[float] = None, cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+                         cu_seqlens_kv_padded: Optional[torch.Tensor] = None) -> AttentionProblem:
+    """Validate q, k, v and the call arguments, and describe the call."""
+    return describe_call(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                         max_seqlen_kv=max_seqlen_kv, return_lse=return_lse,
+                         context_parallel_size=context_parallel_size, scale=scale,
+                         cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded)[0]
+
+
+def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_p=0.0, cu_seqlens_q=None,
+                  cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, return_lse=False,
+                  context_parallel_size=1, scale=None, cu_seqlens_q_padded=None,
+                  cu_seqlens_kv_padded=None) -> tuple[AttentionProblem, Optional[Packing]]:
+    """Validate q, k, v and the call arguments; return the problem and, for thd, the packing.
 
     ``training`` is true when grad mode is on and any input requires grad; ``deterministic``
     follows ``torch.are_deterministic_algorithms_enabled()``. For ``thd`` the boundaries are
@@ -56,16 +70,20 @@ def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, l
         _fail("k.shape[-1]", k.shape[-1], f"q's head dim {q.shape[-1]} (q and k share d_qk)")
     if layout == "thd":
         seq_axis, head_axis = 0, 1
-        batch, sq, skv, seqlens_match, single_key = _thd_lengths(q, k, cu_seqlens_q, cu_seqlens_kv,
-                                                                 max_seqlen_q, max_seqlen_kv)
+        packing, seqlens_match, single_key = _packing(q, k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                                                      max_seqlen_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+        batch, sq, skv = packing.cu_seqlens_q.numel() - 1, packing.max_seqlen_q, packing.max_seqlen_kv
     else:
         b_axis, seq_axis, head_axis = DENSE_AXES[layout]
         if not (q.shape[b_axis] == k.shape[b_axis] == v.shape[b_axis]):
             _fail("k/v batch size", f"q {q.shape[b_axis]}, k {k.shape[b_axis]}, v {v.shape[b_axis]}", "equal batch sizes")
-        if cu_seqlens_q is not None or cu_seqlens_kv is not None:
-            _fail("cu_seqlens_q", "a tensor", f"None for layout={layout!r} (cu_seqlens belong to layout='thd')")
+        for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv),
+                            ("cu_seqlens_q_padded", cu_seqlens_q_padded),
+                            ("cu_seqlens_kv_padded", cu_seqlens_kv_padded)):
+            if value is not None:
+                _fail(name, "a tensor", f"None for layout={layout!r} (cu_seqlens belong to layout='thd')")
         batch, sq, skv = q.shape[b_axis], q.shape[seq_axis], k.shape[seq_axis]
-        seqlens_match, single_key = True, False
+        packing, seqlens_match, single_key = None, True, False
     if k.shape[seq_axis] != v.shape[seq_axis]:
         _fail("v.shape", tuple(v.shape), f"as many key positions as k ({k.shape[seq_axis]})")
     hq, hkv = q.shape[head_axis], k.shape[head_axis]
@@ -88,7 +106,7 @@ def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, l
         window=window, dropout_p=float(dropout_p), training=training,
         deterministic=torch.are_deterministic_algorithms_enabled(), return_lse=bool(return_lse),
         context_parallel_size=context_parallel_size, varlen_seqlens_match=seqlens_match,
-        varlen_single_key=single_key)
+        varlen_single_key=single_key, varlen_gaps=packing is not None and packing.has_gaps), packing
 
 
 def check_scale(scale) -> None:
@@ -97,37 +115,46 @@ def check_scale(scale) -> None:
         _fail("scale", repr(scale), "None or a finite number > 0")
 
 
-def _thd_lengths(q, k, cu_q, cu_kv, max_q, max_kv) -> tuple[int, int, int, bool, bool]:
-    """(batch, max_seqlen_q, max_seqlen_kv, seqlens_match, single_key) of a packed call.
+def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv) -> tuple[Packing, bool, bool]:
+    """The packing of a thd call, with two facts: q/kv lengths match, some kv sequence has one key.
 
     The boundaries are read on the host (one sync on CUDA) unless both max_seqlen_* are given
-    and cu_seqlens live on the GPU; then the per-sequence facts are taken conservatively.
+    and cu_seqlens live on the GPU; then the facts are taken conservatively and the values
+    are not checked (the caller vouches for them).
     """
     if cu_q is None:
         _fail("cu_seqlens_q", None, "an int32 tensor of sequence boundaries for layout='thd'")
     same = cu_kv is None or cu_kv is cu_q
     cu_kv = cu_q if cu_kv is None else cu_kv
-    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
+    offsets_q = cu_q if offsets_q is None else offsets_q
+    offsets_kv = (offsets_q if same and offsets_kv is None else cu_kv) if offsets_kv is None else offsets_kv
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv), ("cu_seqlens_q_padded", offsets_q),
+                     ("cu_seqlens_kv_padded", offsets_kv)):
         if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
             _fail(name, _describe(cu), "a 1-D torch.int32 tensor [0, ..., T]")
         if cu.device != q.device:
             _fail(f"{name}.device", cu.device, f"q's device {q.device}")
-    if cu_q.numel() != cu_kv.numel():
-        _fail("cu_seqlens_kv", f"{cu_kv.numel()} entries", f"as many as cu_seqlens_q ({cu_q.numel()})")
+        if cu.numel() != cu_q.numel():
+            _fail(name, f"{cu.numel()} entries", f"as many as cu_seqlens_q ({cu_q.numel()})")
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_kv", max_kv)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             _fail(name, value, "an integer >= 0")
-    batch = cu_q.numel() - 1
     if max_q is not None and max_kv is not None and cu_q.device.type != "cpu":
-        return batch, max_q, max_kv, same, True   # no host read: q/kv lengths equal only if shared
+        # No host read: q/kv lengths are known to match only when they share their boundaries.
+        return Packing(cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv), same, True
     bounds_q = cu_q.tolist()                      # host sync on CUDA
     bounds_kv = bounds_q if same else cu_kv.tolist()
     lengths_q, lengths_kv = _lengths(bounds_q), _lengths(bounds_kv)
     sq = max(lengths_q, default=0) if max_q is None else max_q
     skv = max(lengths_kv, default=0) if max_kv is None else max_kv
-    check_boundaries("cu_seqlens_q", bounds_q, q.shape[0], sq, "max_seqlen_q")
-    check_boundaries("cu_seqlens_kv", bounds_kv, k.shape[0], skv, "max_seqlen_kv")
-    return batch, sq, skv, lengths_q == lengths_kv, 1 in lengths_kv
+    for name, bounds, offsets, total, longest, max_name in (
+            ("cu_seqlens_q", bounds_q, offsets_q, q.shape[0], sq, "max_seqlen_q"),
+            ("cu_seqlens_kv", bounds_kv, offsets_kv, k.shape[0], skv, "max_seqlen_kv")):
+        gapped = offsets is not cu_q and offsets is not cu_kv
+        check_boundaries(name, bounds, None if gapped else total, longest, max_name)
+        if gapped:
+            check_offsets(f"{name}_padded", offsets.tolist(), _lengths(bounds), total)
+    return Packing(cu_q, cu_kv, sq, skv, offsets_q, offsets_kv), lengths_q == lengths_kv, 1 in lengths_kv
 
 
 def _lengths(bounds: list[int]) -> list[int]:
@@ -138,14 +165,23 @@ def _describe(x) -> str:
     return f"tensor(dtype={x.dtype}, shape={tuple(x.shape)})" if isinstance(x, torch.Tensor) else repr(x)
 
 
-def check_boundaries(name: str, bounds: list[int], total: int, longest: int, max_name: str) -> None:
-    """Host-side checks of cu_seqlens values (after the per-sequence path read them)."""
+def check_boundaries(name: str, bounds: list[int], total: Optional[int], longest: int, max_name: str) -> None:
+    """Host-side checks of cu_seqlens values; ``total`` None when padded offsets place the sequences."""
     if bounds[0] != 0:
         _fail(name, bounds[:4], "a first entry of 0")
     if any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
         _fail(name, bounds, "non-decreasing boundaries")
-    if bounds[-1] != total:
+    if total is not None and bounds[-1] != total:
         _fail(name, f"last entry {bounds[-1]}", f"the token count {total}")
     worst = max(_lengths(bounds), default=0)
     if worst > longest:
         _fail(max_name, longest, f">= the longest sequence ({worst})")
+
+
+def check_offsets(name: str, offsets: list[int], lengths: list[int], total: int) -> None:
+    """Padded offsets start at 0, end at the token count, and leave room for each sequence."""
+    if offsets[0] != 0 or offsets[-1] != total:
+        _fail(name, f"first {offsets[0]}, last {offsets[-1]}", f"0 and the token count {total}")
+    for i, n in enumerate(lengths):
+        if offsets[i] + n > offsets[i + 1]:
+            _fail(name, f"room {offsets[i + 1] - offsets[i]} for sequence {i}", f">= its length {n}")

@@ -50,9 +50,11 @@ class AttentionProblem:
     context_parallel_size: int = 1
     fp8: bool = False
     # thd only, facts about the packed sequences (dense problems derive them from the lengths):
-    # every sequence has as many queries as keys; some key sequence has exactly one key.
+    # every sequence has as many queries as keys; some key sequence has exactly one key;
+    # sequences sit at padded offsets with gaps between them (cu_seqlens_*_padded).
     varlen_seqlens_match: bool = True
     varlen_single_key: bool = False
+    varlen_gaps: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "seqlen_q", "seqlen_kv"):
@@ -101,7 +103,7 @@ class AttentionProblem:
         """
         from attnselect import masks
         if self.layout == "thd":
-            return not self.varlen_seqlens_match
+            return not self.varlen_seqlens_match or self.varlen_gaps
         return masks.has_rows_without_keys(self.mask, self.window, self.seqlen_q, self.seqlen_kv)
 
     @property
@@ -135,6 +137,8 @@ class AttentionProblem:
         mask = self.mask if self.window is None else f"{self.mask}{self.window}"
         if self.layout == "thd" and not self.varlen_seqlens_match:
             mask += " (q/kv lengths differ)"
+        if self.layout == "thd" and self.varlen_gaps:
+            mask += " (gaps between sequences)"
         phase = "training" if self.training else "inference"
         seq = (f"{self.batch} seqs, max sq={self.seqlen_q} skv={self.seqlen_kv}" if self.layout == "thd"
                else f"B={self.batch} Sq={self.seqlen_q} Skv={self.seqlen_kv}")

@@ -41,9 +41,16 @@ class Surface:
     # The kernel's causal flag is bottom-right aligned (FlashAttention), so top-left causal
     # is served only where the two coincide: as many queries as keys.
     causal_is_bottom_right: bool = False
+    dense: bool = True       # serves (B, S, H, D)-style input
+    packed: bool = False     # serves thd (T, H, D) + cu_seqlens in one call (else thd runs per sequence)
+    gaps: bool = False       # packed: honours padded offsets (cu_seqlens_*_padded)
 
     def reasons(self, p: AttentionProblem, t: Target) -> list[str]:
         r: list[str] = []
+        if p.layout == "thd" and self.packed and p.varlen_gaps and not self.gaps:
+            r.append("cannot skip the gaps between sequences (cu_seqlens_*_padded); pass unpadded packing")
+        if p.layout != "thd" and not self.dense:
+            r.append(f"serves packed input only (layout='thd'), got layout={p.layout!r}")
         if p.fp8 and not self.fp8:
             r.append("does not run fp8 attention (fp8=True)")
         if p.dtype not in self.dtypes:
@@ -89,6 +96,27 @@ class KernelCall:
     deterministic: bool = False
 
 
+@dataclass(frozen=True)
+class Packing:
+    """How sequences are packed in thd tensors: int32 boundaries on the tensors' device.
+
+    ``cu_seqlens_*`` hold the lengths (B + 1 prefix sums); ``offsets_*`` where each sequence
+    starts in the packed tensors, equal to ``cu_seqlens_*`` unless the packing has gaps
+    (Megatron's cu_seqlens_*_padded). ``max_seqlen_*`` bound every length.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_kv: int
+    offsets_q: torch.Tensor
+    offsets_kv: torch.Tensor
+
+    @property
+    def has_gaps(self) -> bool:
+        return self.offsets_q is not self.cu_seqlens_q or self.offsets_kv is not self.cu_seqlens_kv
+
+
 class Backend:
     """Base class: subclasses set the class attributes and implement :meth:`run`."""
 
@@ -111,9 +139,20 @@ class Backend:
         """Rules that are not plain data (arch- and version-dependent head-dim pairs...)."""
         return []
 
+    def packs_thd(self, target: Target) -> bool:
+        """Whether thd input runs through :meth:`run_packed` (else sequence by sequence)."""
+        surface = self.surfaces.get(target.device_type)
+        return surface is not None and surface.packed
+
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             call: KernelCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        raise NotImplementedError(f"{type(self).__name__} must implement run()")
+        """Dense attention in ``self.layout``; lse float32 (B, Hq, Sq) or None."""
+        raise TypeError(f"{self.name} serves packed (thd) input only")
+
+    def run_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall,
+                   packing: "Packing") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Packed attention: q (Tq, Hq, Dqk), k (Tk, Hkv, Dqk), v (Tk, Hkv, Dv); lse (Hq, Tq) or None."""
+        raise TypeError(f"{self.name} has no packed (thd) kernel; it runs sequence by sequence")
 
     def __repr__(self) -> str:
         return f"<backend {self.name}>"
