@@ -31,7 +31,7 @@ def test_explain_explicit_shape_and_cudnn_override(capsys):
                  "--head-dim-v", "128", "--heads", "16", "--kv-heads", "4", "--seqlen", "1024", "--batch", "1",
                  "--layout", "thd", "--train", "--dtype", "fp16"]) == 0
     out = capsys.readouterr().out
-    assert "cuDNN 9.10.0" in out and "Hkv=4" in out and "thd" in out and "chosen:  sdpa_flash padded to 192" in out
+    assert "cuDNN 9.10.0" in out and "Hkv=4" in out and "thd" in out and "chosen:  varlen_fa2 padded to 192" in out
 
 
 def test_explain_reports_failure_with_reasons(capsys):

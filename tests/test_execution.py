@@ -137,3 +137,53 @@ def test_zero_keys_dense():
     out, lse, grads = run_with_grads(q, k, v, return_lse=True)
     assert torch.all(out == 0) and out.shape == (2, 3, 4, 16) and torch.all(torch.isneginf(lse))
     assert torch.all(grads[0] == 0)
+
+
+def _gapped(lengths, gaps, hq=4, hkv=2, dqk=24, dv=16):
+    """Inputs packed with `gaps[i]` padding tokens after sequence i, and the same without gaps."""
+    (q, k, v), cu, _ = thd_inputs(lengths, hq=hq, hkv=hkv, dqk=dqk, dv=dv)
+    q, k, v = (t.detach() for t in (q, k, v))
+    starts, rows, cursor = [0], [], 0
+    for n, gap in zip(lengths, gaps):
+        rows += list(range(cursor, cursor + n))
+        cursor += n + gap
+        starts.append(cursor)
+    index = torch.tensor(rows, dtype=torch.long)
+    spread = lambda t: t.new_zeros(cursor, *t.shape[1:]).index_copy(0, index, t)   # noqa: E731
+    return (q, k, v, cu), (spread(q), spread(k), spread(v), torch.tensor(starts, dtype=torch.int32)), index
+
+
+@pytest.mark.parametrize("backend", ["flex", "sdpa_math", "reference"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_offsets_leave_gaps_untouched(backend, causal):
+    (q, k, v, cu), (gq, gk, gv, offsets), index = _gapped([5, 0, 3, 1], [2, 1, 0, 3])
+    want_lse = backend != "sdpa_math"
+    dense = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=causal, backend="reference",
+                                 return_lse=True)
+    result = attnselect.attention(gq, gk, gv, layout="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=offsets,
+                                  causal=causal, backend=backend, return_lse=want_lse)
+    out, lse = result if want_lse else (result, None)
+    assert out.shape == (gq.shape[0], 4, 16)
+    assert rel_err(out[index], dense[0]) < EXACT
+    gap = torch.ones(gq.shape[0], dtype=torch.bool)
+    gap[index] = False
+    assert torch.all(out[gap] == 0)
+    if want_lse:
+        assert rel_err(lse[:, index], dense[1]) < EXACT and torch.all(torch.isneginf(lse[:, gap]))
+
+
+@pytest.mark.parametrize("offsets,message", [
+    ([0, 7, 8, 11, 15], r"cu_seqlens_q_padded: got room 1 for sequence 1"),
+    ([0, 7, 8, 11, 14], r"cu_seqlens_q_padded: got first 0, last 14, expected 0 and the token count 15"),
+])
+def test_bad_padded_offsets_name_the_argument(offsets, message):
+    (_, _, _, cu), (gq, gk, gv, _), _ = _gapped([5, 2, 3, 1], [2, 0, 0, 2])
+    with pytest.raises(attnselect.InvalidInputError, match=message):
+        attnselect.attention(gq, gk, gv, layout="thd", cu_seqlens_q=cu,
+                             cu_seqlens_q_padded=torch.tensor(offsets, dtype=torch.int32))
+
+
+def test_max_seqlen_given_on_cpu_still_checks_values():
+    (q, k, v), cu, _ = thd_inputs([4, 6])
+    with pytest.raises(attnselect.InvalidInputError, match="max_seqlen_q: got 5"):
+        attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, max_seqlen_q=5, max_seqlen_kv=6)

@@ -118,15 +118,25 @@ THD = dict(MLA, layout="thd", batch=4, mask="causal_bottom_right", training=True
 def test_thd_per_sequence_facts_reach_the_rules():
     fa2 = Target.preset("a100", flash_attn_version="2.6.3")
     top_left = dict(THD, mask="causal", head_dim_qk=128)
-    assert attnselect.select(AttentionProblem(**top_left), target=fa2).chosen == Candidate("flash_attn2")
+    same = attnselect.select(AttentionProblem(**top_left), target=fa2)
+    assert same.chosen == Candidate("varlen_fa2") and verdict(same, "flash_attn2").supported
     differ = attnselect.select(AttentionProblem(**top_left, varlen_seqlens_match=False), target=fa2)
-    assert differ.chosen != Candidate("flash_attn2")
-    assert any("every sequence" in r for r in verdict(differ, "flash_attn2").reasons)
+    for name in ("varlen_fa2", "flash_attn2"):   # bottom-right causal kernels, packed or per sequence
+        assert any("every sequence" in r for r in verdict(differ, name).reasons)
     h200 = Target.preset("h200")
-    assert attnselect.select(AttentionProblem(**THD), target=h200).chosen == Candidate("sdpa_cudnn")
+    assert verdict(attnselect.select(AttentionProblem(**THD), target=h200), "sdpa_cudnn").supported
     for facts in ({"varlen_seqlens_match": False}, {"varlen_single_key": True}):
         d = attnselect.select(AttentionProblem(**THD, **facts), target=h200)
         assert not verdict(d, "sdpa_cudnn").supported
+
+
+@pytest.mark.parametrize("installed,chosen", [({}, Candidate("varlen_fa2", 192)),
+                                              ({"cudnn_frontend_version": "1.32.0"}, Candidate("cudnn_frontend"))])
+def test_thd_mla_training_on_hopper(installed, chosen):
+    # H200, 32k tokens / 18 sequences, fwd+bwd: cuDNN frontend THD 357 TFLOP/s > varlen_attn V padded 186
+    # > flex 147 > per-sequence SDPA 87 (research measurements).
+    d = attnselect.select(AttentionProblem(**THD), target=Target.preset("h200", **installed))
+    assert d.chosen == chosen
 
 
 def test_thd_facts_are_read_from_cu_seqlens():

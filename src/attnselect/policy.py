@@ -43,6 +43,31 @@ PREFERENCES: dict[tuple[str, str], tuple[str, ...]] = {
     ("cpu", "training"): ("sdpa_flash", "sdpa_flash+pad", "sdpa_math", "sdpa_math+pad", "flex", "flex+pad",
                           "reference", "reference+pad"),
 }
+# Packed (thd) input. Backends without a packed kernel run sequence by sequence and rank after the
+# packed ones ("per-sequence" below). H200, 32k tokens in 18 sequences, 192/128 causal bf16
+# (shared/research/h200-measurements.md), fwd+bwd TFLOP/s: cuDNN frontend THD 357 > padded 233 >
+# varlen_attn V padded 186 > flex document mask 147 > per-sequence SDPA 87; forward: 471 > 376 >
+# flex 266 > varlen padded 215 > per-sequence 199.
+_PER_SEQUENCE = ("sdpa_cudnn", "flash_attn3", "flash_attn4", "sdpa_cudnn+pad", "flash_attn2", "sdpa_flash",
+                 "flash_attn2+pad", "sdpa_flash+pad", *_SLOW_TAIL)
+PREFERENCES.update({
+    ("sm90", "training", "thd"): ("cudnn_frontend", "cudnn_frontend+pad", "varlen_fa2+pad", "flex", "varlen_fa2",
+                                  "flex+pad", *_PER_SEQUENCE),
+    ("sm90", "inference", "thd"): ("cudnn_frontend", "cudnn_frontend+pad", "flex", "varlen_fa2+pad", "varlen_fa2",
+                                   "flex+pad", *_PER_SEQUENCE),
+    # A100: FA2 first as for dense input; Blackwell: cuDNN first (padded 192/192 cannot train there).
+    ("sm80", "training", "thd"): ("varlen_fa2", "varlen_fa2+pad", "cudnn_frontend", "cudnn_frontend+pad", "flex",
+                                  "flex+pad", *_PER_SEQUENCE),
+    ("sm100", "training", "thd"): ("cudnn_frontend", "cudnn_frontend+pad", "varlen_fa2", "varlen_fa2+pad", "flex",
+                                   "flex+pad", *_PER_SEQUENCE),
+    # CPU: eager flex would materialise a T x T score matrix for the whole pack; per sequence is smaller.
+    ("cpu", "training", "thd"): ("sdpa_flash", "sdpa_flash+pad", "sdpa_math", "sdpa_math+pad", "flex", "flex+pad",
+                                 "reference", "reference+pad"),
+})
+for _family in ("sm80", "sm100", "sm120", "cpu"):
+    PREFERENCES[(_family, "inference", "thd")] = PREFERENCES[("sm100" if _family == "sm120" else _family,
+                                                             "training", "thd")]
+PREFERENCES[("sm120", "training", "thd")] = PREFERENCES[("sm100", "training", "thd")]
 PREFERENCES[("sm80", "inference")] = PREFERENCES[("sm80", "training")]
 PREFERENCES[("sm100", "inference")] = PREFERENCES[("sm100", "training")]
 # sm120 (RTX PRO 6000): TE keeps fused attention first on sm90+; its cuDNN rules refuse > 128.
@@ -58,8 +83,10 @@ def arch_family(target: Target) -> str:
     return {8: "sm80", 9: "sm90", 10: "sm100", 11: "sm100", 12: "sm120"}.get(major, "sm80" if major < 8 else "sm120")
 
 
-def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, str], tuple[str, ...]]:
+def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...], tuple[str, ...]]:
     key = (arch_family(target), "training" if problem.training else "inference")
+    if problem.layout == "thd":
+        key += ("thd",)
     return key, PREFERENCES[key]
 
 

@@ -31,10 +31,10 @@ class Decision:
 
     @property
     def why(self) -> str:
-        (arch, phase), _ = rules.table_for(self.problem, self.target)
+        key, _ = rules.table_for(self.problem, self.target)
         how = f"padded to {self.chosen.pad_to}" if self.chosen.padded else "native"
         because = (f"it ranks first of {len(self.ranked)} supported candidates in the {self.policy} "
-                   f"table for {arch} {phase}")
+                   f"table for {' '.join(key)}")
         if self.overrides.backend:
             because = f"the caller forced backend {self.overrides.backend!r} and " + because
         natives = [c for c in self.ranked if not c.padded]

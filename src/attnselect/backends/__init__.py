@@ -6,7 +6,7 @@ which invalidates memoized decisions.
 
 from __future__ import annotations
 
-from attnselect.backends.base import Backend, KernelCall, Surface
+from attnselect.backends.base import Backend, KernelCall, Packing, Surface
 from attnselect.backends.cudnn_frontend import CudnnFrontend
 from attnselect.backends.flash_attn2 import FlashAttn2
 from attnselect.backends.flash_attn3 import FlashAttn3
@@ -17,6 +17,7 @@ from attnselect.backends.sdpa_cudnn import SdpaCudnn
 from attnselect.backends.sdpa_efficient import SdpaEfficient
 from attnselect.backends.sdpa_flash import SdpaFlash
 from attnselect.backends.sdpa_math import SdpaMath
+from attnselect.backends.varlen_fa2 import VarlenFa2
 
 _REGISTRY: dict[str, Backend] = {}
 _version = 0
@@ -47,8 +48,8 @@ def get(name: str) -> Backend | None:
     return _REGISTRY.get(name)
 
 
-for _cls in (SdpaCudnn, CudnnFrontend, FlashAttn3, FlashAttn4, FlashAttn2, SdpaFlash, Flex,
+for _cls in (SdpaCudnn, CudnnFrontend, FlashAttn3, FlashAttn4, FlashAttn2, VarlenFa2, SdpaFlash, Flex,
              SdpaEfficient, SdpaMath, Reference):
     register(_cls())
 
-__all__ = ["Backend", "KernelCall", "Surface", "register", "unregister", "registry_version", "all_backends", "get"]
+__all__ = ["Backend", "KernelCall", "Packing", "Surface", "register", "unregister", "registry_version", "all_backends", "get"]

@@ -1,22 +1,84 @@
-"""``cudnn_frontend``: the cuDNN frontend's PyTorch ops (package nvidia-cudnn-frontend).
+"""``cudnn_frontend``: the cuDNN frontend's PyTorch op (package nvidia-cudnn-frontend, ``cudnn.sdpa_torch``).
 
-This release only detects the package: its kernel binding (dense and THD, forward and
-backward) arrives with the packed-sequence release, so every verdict is negative.
+Dense (B, H, S, D) and packed thd (T, H, D) + cu_seqlens in one call, forward and backward
+(its ``register_autograd``), top-left and bottom-right causal, (left, right) windows, GQA,
+lse. d_qk != d_v natively, so MLA 192/128 runs unpadded, packed sequences included.
 """
 
 from __future__ import annotations
 
-from attnselect.backends.base import HALF, Backend, Surface
+import torch
+
+from attnselect import masks
+from attnselect.backends.base import HALF, Backend, KernelCall, Packing, Surface
 
 
 class CudnnFrontend(Backend):
     name = "cudnn_frontend"
-    summary = "cuDNN frontend torch ops: native THD (cu_seqlens) and 192/128 (binding not in this release)"
+    summary = "cuDNN frontend torch op: dense and packed thd (cu_seqlens), 192/128 natively, fwd+bwd"
+    layout = "bhsd"
     package = ("cudnn_frontend_version", "nvidia-cudnn-frontend")
-    surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0))}
+    # Source: cudnn-frontend python/cudnn/sdpa/fwd/torch_op.py (1.32: torch.ops.cudnn.sdpa_fwd/sdpa_bwd;
+    # fp16/bf16 only, no dropout argument, dense BHSD or THD with cu_seqlens and max_seqlen, no separate
+    # ragged offsets, so no gaps between sequences); head dims multiples of 8
+    # (include/cudnn_frontend/node/sdpa_support_surface.h).
+    surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), head_dim_multiple=8, max_head_dim=256,
+                                dropout=False, packed=True)}
 
     def extra_reasons(self, p, t):
-        return ["attnselect has no binding for the cuDNN frontend's ops in this release"]
+        r = []
+        cc, d = t.capability, max(p.head_dim_qk, p.head_dim_v)
+        # sdpa_support_surface.h: THD needs Hopper or newer, Ampere from cuDNN 9.18.1.
+        if p.layout == "thd" and cc < (9, 0) and not t.at_least("cudnn_version", "9.18.1"):
+            r.append(f"packed (thd) input needs sm90+, or cuDNN >= 9.18.1 on {t.arch}; the target has "
+                     f"cuDNN {t.cudnn_version}")
+        # sdpa_support_surface.h: forward caps on older cuDNN: Ampere <= 128 (up to 9.9), Blackwell <= 128 below 9.9.
+        if d > 128 and (cc[0] == 8 or cc[0] >= 10) and not t.at_least("cudnn_version", "9.10.0"):
+            r.append(f"head dims above 128 need cuDNN >= 9.10 on {t.arch}")
+        # scaled_dot_product_flash_attention.h (backward): sm90 <= 256; sm100 (cuDNN >= 9.11) 192/128 or
+        # both <= 128 (plus 256/256 through the CuTe DSL d256 engines); other archs <= 128.
+        if p.training and d > 128:
+            if cc[0] == 10:
+                pairs = ((192, 128), (256, 256)) if t.at_least("cudnn_version", "9.11.0") else ()
+                if (p.head_dim_qk, p.head_dim_v) not in pairs:
+                    r.append(f"cuDNN has no backward kernel for head dims {p.head_dim_qk}/{p.head_dim_v} on "
+                             f"{t.arch} (above 128 only 192/128 and 256/256)")
+            elif cc != (9, 0):
+                r.append(f"cuDNN's backward serves head dims up to 128 on {t.arch}")
+        return r
 
-    def run(self, q, k, v, call):
-        raise RuntimeError("cudnn_frontend cannot run: attnselect has no binding for it in this release")
+    def run(self, q, k, v, call: KernelCall):
+        out, lse = _sdpa(q, k, v, call)
+        return out, (lse[..., 0] if lse is not None else None)             # (B, H, S, 1) -> (B, H, S)
+
+    def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
+        if q.shape[0] == 0:
+            return q.new_zeros(0, q.shape[1], v.shape[-1]), q.new_zeros(q.shape[1], 0, dtype=torch.float32)
+        out, lse = _sdpa(q, k, v, call, cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_kv=packing.cu_seqlens_kv,
+                         max_seqlen_q=max(packing.max_seqlen_q, 1), max_seqlen_kv=max(packing.max_seqlen_kv, 1))
+        return out, (lse[..., 0].transpose(0, 1) if lse is not None else None)   # (T, H, 1) -> (H, T)
+
+
+def _sdpa(q, k, v, call: KernelCall, **packing):
+    import cudnn
+    # The op's backward consumes the forward's statistics, so training always asks for them.
+    need_lse = call.return_lse or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                 or v.requires_grad))
+    result = cudnn.sdpa_torch(q, k, v, scale=call.scale, return_lse=need_lse, **_mask_arguments(call), **packing)
+    out, lse = result if need_lse else (result, None)
+    return out, (lse if call.return_lse else None)
+
+
+def _mask_arguments(call: KernelCall) -> dict:
+    """Our masks in the op's terms: is_causal (top-left), causal_bottom_right re-anchors a band."""
+    if call.mask == "none":
+        return {}
+    if call.mask == "causal":
+        return {"is_causal": True}
+    if call.mask == "causal_bottom_right":
+        return {"is_causal": True, "causal_bottom_right": True}
+    _, left, right = masks.band(call.mask, call.window, 1, 1)
+    if left is None and right is None:
+        return {}
+    return {"window_left": -1 if left is None else left, "window_right": -1 if right is None else right,
+            "causal_bottom_right": True}

@@ -1,62 +1,129 @@
 """``flex``: FlexAttention with a block mask, compiled with torch.compile on CUDA.
 
 Every mask kind is one band mask_mod (:mod:`attnselect.masks`) whose bounds are tensors, so
-one compiled kernel serves all masks of a given shape and head dims. Block masks are built
-once per (mask, window, lengths, device) and reused. On the CPU flex runs eagerly (unfused,
-correct, slow). lse is natural-log, float32, (B, Hq, Sq).
+one compiled kernel serves all masks of a given shape and head dims. Packed (thd) input runs
+in one call with a document mask: a query sees keys of its own sequence only, inside the
+band, which is placed per sequence (bottom-right bands use that sequence's lengths); tokens
+in the gaps of padded offsets see nothing. Dense block masks are cached per (mask, lengths,
+device); document masks once per cu_seqlens tensor while it and the mask do not change.
+On the CPU flex runs eagerly (unfused, correct, slow). lse is natural-log, float32.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
 from attnselect import masks
-from attnselect.backends.base import ALL_DTYPES, Backend, KernelCall, Surface
+from attnselect.backends.base import ALL_DTYPES, Backend, KernelCall, Packing, Surface
 
 _BIG = 1 << 30   # "unbounded" band edge
 
 
 class Flex(Backend):
     name = "flex"
-    summary = "FlexAttention (Triton, torch.compile): any mask as a block mask, d_qk != d_v natively"
+    summary = "FlexAttention (Triton, torch.compile): any mask as a block mask, d_qk != d_v, packed documents"
     layout = "bhsd"
     surfaces = {
         # Source: pytorch torch/nn/attention/flex_attention.py (value is (B, Hkv, S, Ev); head dims
         # rounded up to a power of two inside the Triton template, PR #133495); no dropout argument.
-        # Measured limits on the H200: results/h200_rules_grid.md.
-        "cuda": Surface(dtypes=ALL_DTYPES - {torch.float64}, min_capability=(8, 0), max_head_dim=256, dropout=False),
+        # Measured limits on the H200: results/h200_rules_grid.md (576/512 runs out of shared memory).
+        "cuda": Surface(dtypes=ALL_DTYPES - {torch.float64}, min_capability=(8, 0), max_head_dim=256, dropout=False,
+                        packed=True, gaps=True),
         # Eager (unfused) on the CPU: "FlexAttention does not support backward on CPU" (torch 2.13).
-        "cpu": Surface(dtypes=ALL_DTYPES, dropout=False, backward=False),
+        "cpu": Surface(dtypes=ALL_DTYPES, dropout=False, backward=False, packed=True, gaps=True),
     }
 
     def run(self, q, k, v, call: KernelCall):
-        from torch.nn.attention.flex_attention import flex_attention
-        sq, skv = q.shape[-2], k.shape[-2]
-        block_mask = _block_mask(call.mask, call.window, sq, skv, q.device)
-        fn = _compiled_flex() if q.is_cuda else flex_attention
-        out, lse = fn(q, k, v, block_mask=block_mask, scale=call.scale,
-                      enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
-        return out, (lse.float() if call.return_lse else None)
+        block_mask = _band_block_mask(call.mask, call.window, q.shape[-2], k.shape[-2], q.device)
+        return _flex(q, k, v, block_mask, call)
+
+    def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
+        block_mask = _document_block_mask(packing, call.mask, call.window, q.shape[0], k.shape[0], q.device)
+        out, lse = _flex(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask, call)
+        return out[0].transpose(0, 1), (lse[0] if lse is not None else None)
+
+
+def _flex(q, k, v, block_mask, call):
+    from torch.nn.attention import flex_attention as flex
+    fn = _compiled_flex() if q.is_cuda else flex.flex_attention
+    options = dict(block_mask=block_mask, scale=call.scale, enable_gqa=q.shape[1] != k.shape[1])
+    if not call.return_lse:
+        return fn(q, k, v, **options), None
+    if hasattr(flex, "AuxRequest"):   # newer torch, where return_lse is deprecated
+        out, aux = fn(q, k, v, return_aux=flex.AuxRequest(lse=True), **options)
+        return out, aux.lse.float()
+    out, lse = fn(q, k, v, return_lse=True, **options)
+    return out, lse.float()
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
+
+
+def _band_edges(mask, window, device):
+    """(left, right) band edges as tensors (_BIG when unbounded), and whether the band is bottom-right."""
+    _, left, right = masks.band(mask, window, 1, 1) or (0, None, None)
+    as_tensor = lambda x: torch.tensor(_BIG if x is None else x, device=device)   # noqa: E731
+    return as_tensor(left), as_tensor(right), mask in ("causal_bottom_right", "sliding_window")
 
 
 @functools.lru_cache(maxsize=64)
-def _block_mask(mask, window, sq, skv, device):
+def _band_block_mask(mask, window, sq, skv, device):
     from torch.nn.attention.flex_attention import create_block_mask
-    b = masks.band(mask, window, sq, skv)
-    if b is None:
-        b = (0, None, None)
-    offset, left, right = (torch.tensor(x if x is not None else _BIG, device=device) for x in b)
+    left, right, bottom_right = _band_edges(mask, window, device)
+    offset = torch.tensor(skv - sq if bottom_right else 0, device=device)
 
     def band_mask(batch, head, q_idx, kv_idx):
         diagonal = q_idx + offset
         return (kv_idx <= diagonal + right) & (kv_idx >= diagonal - left)
 
     return create_block_mask(band_mask, B=None, H=None, Q_LEN=sq, KV_LEN=skv, device=device)
+
+
+def _documents(cu_seqlens, offsets, total, device):
+    """Per token: its sequence (-1 in a gap), its position in it, and that sequence's length. No host sync."""
+    token = torch.arange(total, device=device, dtype=torch.int32)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    if lengths.numel() == 0:
+        return torch.full_like(token, -1), token, token
+    doc = torch.searchsorted(offsets[1:], token, right=True).clamp_max(lengths.numel() - 1)
+    position = token - offsets[doc]
+    length = lengths[doc]
+    return torch.where(position < length, doc, -1), position, length
+
+
+_DOCUMENT_MASKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _document_block_mask(packing: Packing, mask, window, total_q, total_kv, device):
+    tensors = (packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv)
+    key = (tuple(t._version for t in tensors), mask, window, total_q, total_kv)
+    hit = _DOCUMENT_MASKS.get(packing.cu_seqlens_q)
+    if hit is not None and hit[0] == key and all(ref() is t for ref, t in zip(hit[1], tensors)):
+        return hit[2]
+    block_mask = _build_document_mask(packing, mask, window, total_q, total_kv, device)
+    _DOCUMENT_MASKS[packing.cu_seqlens_q] = (key, [weakref.ref(t) for t in tensors], block_mask)
+    return block_mask
+
+
+def _build_document_mask(packing, mask, window, total_q, total_kv, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+    doc_q, pos_q, len_q = _documents(packing.cu_seqlens_q, packing.offsets_q, total_q, device)
+    doc_kv, pos_kv, _ = _documents(packing.cu_seqlens_kv, packing.offsets_kv, total_kv, device)
+    left, right, bottom_right = _band_edges(mask, window, device)
+    diagonal = pos_q
+    if bottom_right:   # align each sequence's diagonal to its last key
+        lengths_kv = packing.cu_seqlens_kv[1:] - packing.cu_seqlens_kv[:-1]
+        diagonal = pos_q + lengths_kv[doc_q.clamp_min(0)] - len_q if lengths_kv.numel() else pos_q
+
+    def document_mask(batch, head, q_idx, kv_idx):
+        same = (doc_q[q_idx] == doc_kv[kv_idx]) & (doc_q[q_idx] >= 0)
+        d = diagonal[q_idx]
+        return same & (pos_kv[kv_idx] <= d + right) & (pos_kv[kv_idx] >= d - left)
+
+    return create_block_mask(document_mask, B=None, H=None, Q_LEN=total_q, KV_LEN=total_kv, device=device)

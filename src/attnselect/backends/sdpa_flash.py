@@ -36,10 +36,15 @@ class SdpaFlash(SdpaBackend):
         if p.mask == "causal_bottom_right" and p.needs_mask_tensor:
             r.append("bottom-right causal with fewer or more queries than keys needs a mask tensor, "
                      "which this kernel refuses")
-        # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120
-        d = max(p.head_dim_qk, p.head_dim_v)
-        if p.training and (t.capability in ((8, 6), (8, 7), (8, 9)) or t.capability >= (12, 0)):
-            if 192 < d <= 224 or (d > 224 and p.dropout_p):
-                r.append(f"on {t.arch} the backward kernel does not serve head dim {d}"
-                         f"{' with dropout' if d > 224 else ''}")
-        return r
+        return r + fa2_backward_head_dim_reasons(p, t)
+
+
+def fa2_backward_head_dim_reasons(p, t) -> list[str]:
+    """sdp_utils.cpp check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120."""
+    d = max(p.head_dim_qk, p.head_dim_v)
+    if not (p.training and t.is_cuda and (t.capability in ((8, 6), (8, 7), (8, 9)) or t.capability >= (12, 0))):
+        return []
+    if 192 < d <= 224 or (d > 224 and p.dropout_p):
+        return [f"on {t.arch} FlashAttention-2's backward does not serve head dim {d}"
+                f"{' with dropout' if d > 224 else ''}"]
+    return []

@@ -1,0 +1,69 @@
+"""``varlen_fa2``: torch.nn.attention.varlen.varlen_attn, PyTorch's packed FlashAttention-2.
+
+One call for all sequences of a thd batch (cu_seqlens), forward and backward. FA2 needs
+one head dim for q, k and v, so MLA reaches it through its padded candidate.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from attnselect import masks
+from attnselect.backends.base import HALF, Backend, KernelCall, Packing, Surface, expand_kv_heads
+from attnselect.backends.sdpa_flash import fa2_backward_head_dim_reasons
+
+
+class VarlenFa2(Backend):
+    name = "varlen_fa2"
+    summary = "torch varlen_attn (FlashAttention-2, packed thd): equal head dims, one call per batch"
+    # Source: pytorch torch/nn/attention/varlen.py (varlen_attn over aten._flash_attention_forward:
+    # "v must have shape (total_k, num_heads_k, head_size_og)", window_size=(left, right) with
+    # (-1, 0) for causal, bottom-right aligned as FA2; no dropout argument; lse through
+    # return_aux=AuxRequest(lse=True)). Flash arch and dtype limits as sdpa_flash (sdp_utils.cpp).
+    surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), max_capability=(12, 1), max_head_dim=256,
+                                equal_head_dims=True, dropout=False, deterministic_backward=False,
+                                causal_is_bottom_right=True, dense=False, packed=True)}
+
+    def extra_reasons(self, p, t):
+        r = []
+        if not t.at_least("torch_version", "2.10"):
+            r.append(f"torch.nn.attention.varlen.varlen_attn needs torch >= 2.10, the target has {t.torch_version}")
+        return r + fa2_backward_head_dim_reasons(p, t)
+
+    def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
+        from torch.nn.attention import varlen
+        accepts = _accepted_keywords()
+        kwargs = {"scale": call.scale, "window_size": _window(call)}
+        if q.shape[1] != k.shape[1]:
+            if "enable_gqa" in accepts:
+                kwargs["enable_gqa"] = True
+            else:
+                k, v = expand_kv_heads(q, k, v)
+        if call.return_lse:
+            kwargs["return_aux"] = varlen.AuxRequest(lse=True)
+        result = varlen.varlen_attn(q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.max_seqlen_q,
+                                    packing.max_seqlen_kv, **kwargs)
+        if not call.return_lse:
+            return result, None
+        out, lse = result
+        lse = lse.float()
+        # FlashAttention writes +inf for rows that see no key (softmax.h: sum == 0 ? INFINITY); ours is -inf.
+        return out, lse.masked_fill(torch.isposinf(lse), float("-inf"))
+
+
+def _window(call: KernelCall) -> tuple[int, int]:
+    """FA2's (left, right) window, -1 unbounded, bottom-right aligned; (-1, 0) is causal."""
+    band = masks.band(call.mask, call.window, 1, 1)
+    if band is None:
+        return (-1, -1)
+    _, left, right = band
+    return (-1 if left is None else left, -1 if right is None else right)
+
+
+@functools.lru_cache(maxsize=None)
+def _accepted_keywords() -> frozenset:
+    from torch.nn.attention import varlen
+    return frozenset(inspect.signature(varlen.varlen_attn).parameters)

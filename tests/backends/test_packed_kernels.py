@@ -1,0 +1,159 @@
+"""The packed (thd) GPU kernels' bindings, checked on the CPU through stand-ins with their documented semantics.
+
+``cudnn.sdpa_torch`` (cuDNN frontend) and ``varlen_attn`` (torch) run only on CUDA; the
+stand-ins below compute what their docs say (masks, layouts, lse shapes and conventions)
+with the reference backend, so these tests check our argument mapping and output
+conversion. The kernels themselves are tested against float64 on the GPU (test_thd_gpu.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import attnselect
+from attnselect.backends import get
+from attnselect.candidates import Candidate
+from attnselect.execution import run_candidate
+from attnselect.inputs import describe_call
+from helpers import rel_err, thd_inputs
+
+
+def _attend(q, k, v, scale, top_left_causal, band):
+    """(B, H, S, D) attention with an explicit visible-key rule; lse (B, H, S) with -inf on empty rows."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    sq, skv = q.shape[2], k.shape[2]
+    i, j = torch.arange(sq).unsqueeze(1), torch.arange(skv).unsqueeze(0)
+    allowed = torch.ones(sq, skv, dtype=torch.bool)
+    if top_left_causal:
+        allowed &= j <= i
+    if band is not None:
+        left, right = band
+        diagonal = i + skv - sq
+        if right >= 0:
+            allowed &= j <= diagonal + right
+        if left >= 0:
+            allowed &= j >= diagonal - left
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    return torch.nan_to_num(scores.softmax(-1)) @ v, lse
+
+
+def _packed(fn, q, k, v, cu_q, cu_kv):
+    """Run a dense (B, H, S, D) function per sequence of (T, H, D) tensors; lse (T, H)."""
+    outs, lses = [], []
+    bq, bk = cu_q.tolist(), cu_kv.tolist()
+    for i in range(len(bq) - 1):
+        o, l = fn(*(t.transpose(0, 1).unsqueeze(0) for t in (q[bq[i]:bq[i + 1]], k[bk[i]:bk[i + 1]], v[bk[i]:bk[i + 1]])))
+        outs.append(o[0].transpose(0, 1))
+        lses.append(l[0].transpose(0, 1))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def cudnn_sdpa_torch(q, k, v, *, scale=None, is_causal=False, causal_bottom_right=False, window_left=-1,
+                     window_right=-1, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=0, max_seqlen_kv=0,
+                     return_lse=False):
+    """cudnn-frontend 1.32 python/cudnn/sdpa/fwd/torch_op.py, as documented there."""
+    if causal_bottom_right:
+        band = (window_left, 0 if is_causal else window_right)
+    else:
+        assert window_left == window_right == -1, "a top-left window is not used by attnselect"
+        band = None
+
+    def dense(q, k, v):
+        return _attend(q, k, v, scale, is_causal and not causal_bottom_right, band)
+
+    if cu_seqlens_q is not None:
+        assert max_seqlen_q > 0 and max_seqlen_kv > 0
+        out, lse = _packed(dense, q, k, v, cu_seqlens_q, cu_seqlens_kv)
+        lse = lse.unsqueeze(-1)                       # stats are (T, H, 1)
+    else:
+        out, lse = dense(q, k, v)
+        lse = lse.unsqueeze(-1)                       # stats are (B, H, S, 1)
+    return (out, lse.float()) if return_lse else out
+
+
+def torch_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                      enable_gqa=False):
+    """torch.nn.attention.varlen.varlen_attn as documented: FA2 windows, lse (H, T) with +inf on empty rows."""
+    assert q.shape[-1] == v.shape[-1], "v must have shape (total_k, num_heads_k, head_size_og)"
+    assert enable_gqa or q.shape[1] == k.shape[1]
+    out, lse = _packed(lambda a, b, c: _attend(a, b, c, scale, False, window_size), q, k, v, cu_q, cu_k)
+    lse = lse.transpose(0, 1).masked_fill(torch.isneginf(lse.transpose(0, 1)), float("inf"))
+    return (out, lse) if return_aux is not None and return_aux.lse else out
+
+
+CALLS = [dict(causal=True), dict(causal="bottom_right", return_lse=True), dict(window=(2, 1), return_lse=True),
+         dict(window=(3, 0), causal=True), dict()]
+LENGTHS = [([5, 1, 0, 9, 3], [5, 1, 0, 9, 3]), ([5, 1, 0, 9, 3], [7, 2, 0, 12, 3])]
+
+
+def _check(backend, kwargs, lengths, dqk, pad):
+    (q, k, v), cu_q, cu_kv = thd_inputs(*lengths, dqk=dqk, dv=16)
+    q, k, v = (t.detach() for t in (q, k, v))
+    if kwargs.get("causal") is True and lengths[0] != lengths[1]:
+        cu_kv = cu_q
+        k, v = k[:q.shape[0]], v[:q.shape[0]]
+    problem, packing = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
+    out, lse = run_candidate(Candidate(backend, dqk if pad else None), problem, q, k, v, packing=packing,
+                             target=attnselect.Target.preset("h200"))
+    ref, ref_lse = run_candidate(Candidate("reference"), problem, q, k, v, packing=packing)
+    assert out.shape == ref.shape and rel_err(out, ref) < 1e-12
+    if kwargs.get("return_lse"):
+        assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape and rel_err(lse, ref_lse) < 1e-6
+
+
+@pytest.mark.parametrize("kwargs", CALLS)
+@pytest.mark.parametrize("lengths", LENGTHS, ids=["same-lengths", "kv-longer"])
+def test_cudnn_frontend_packed_mapping(kwargs, lengths, monkeypatch):
+    stub = types.ModuleType("cudnn")
+    stub.sdpa_torch = cudnn_sdpa_torch
+    monkeypatch.setitem(sys.modules, "cudnn", stub)
+    _check("cudnn_frontend", kwargs, lengths, dqk=24, pad=False)
+
+
+@pytest.mark.parametrize("kwargs", CALLS)
+def test_cudnn_frontend_dense_mapping(kwargs, monkeypatch):
+    stub = types.ModuleType("cudnn")
+    stub.sdpa_torch = cudnn_sdpa_torch
+    monkeypatch.setitem(sys.modules, "cudnn", stub)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, s, h, d, generator=g, dtype=torch.float64)
+               for s, h, d in ((12, 4, 24), (20, 2, 24), (20, 2, 16)))
+    if kwargs.get("causal") is True:
+        k, v = k[:, :12], v[:, :12]
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, **kwargs)
+    out, lse = run_candidate(Candidate("cudnn_frontend"), problem, q, k, v, target=attnselect.Target.preset("h200"))
+    ref, ref_lse = run_candidate(Candidate("reference"), problem, q, k, v)
+    assert rel_err(out, ref) < 1e-12
+    if kwargs.get("return_lse"):
+        assert lse.shape == ref_lse.shape and rel_err(lse, ref_lse) < 1e-6
+
+
+@pytest.mark.parametrize("kwargs", CALLS)
+@pytest.mark.parametrize("lengths", LENGTHS, ids=["same-lengths", "kv-longer"])
+def test_varlen_fa2_mapping_padded(kwargs, lengths, monkeypatch):
+    from torch.nn.attention import varlen
+    monkeypatch.setattr(varlen, "varlen_attn", torch_varlen_attn)
+    _check("varlen_fa2", kwargs, lengths, dqk=24, pad=True)
+
+
+def test_varlen_fa2_refuses_dense_and_unequal_dims():
+    h200 = attnselect.Target.preset("h200")
+    dense = attnselect.AttentionProblem(2, 64, 64, 4, 4, 128, 128)
+    assert any("packed input only" in r for r in get("varlen_fa2").not_supported_reasons(dense, h200))
+    mla = attnselect.AttentionProblem(2, 64, 64, 4, 4, 192, 128, layout="thd")
+    assert any("equal head dims" in r for r in get("varlen_fa2").not_supported_reasons(mla, h200))
+    assert not get("varlen_fa2").not_supported_reasons(mla.padded(192), h200)
+
+
+def test_gaps_are_refused_by_kernels_without_offsets():
+    h200 = attnselect.Target.preset("h200", cudnn_frontend_version="1.32.0")
+    gapped = attnselect.AttentionProblem(2, 64, 64, 4, 4, 192, 128, layout="thd", varlen_gaps=True)
+    for name in ("cudnn_frontend", "varlen_fa2"):
+        assert any("gaps" in r for r in get(name).not_supported_reasons(gapped.padded(192), h200))
+    assert not get("flex").not_supported_reasons(gapped, h200)
