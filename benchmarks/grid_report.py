@@ -29,7 +29,7 @@ def agreement(rows: list[dict], target: Target) -> list[dict]:
     verdicts = {}
     out = []
     for r in rows:
-        key = json.dumps(r["problem"], sort_keys=True)
+        key = json.dumps(r["problem"], sort_keys=True)   # judging needs the problem only
         if key not in verdicts:
             verdicts[key] = {v.candidate: v for v in judge(problem_of(r["problem"]), target)}
         v = verdicts[key][Candidate(r["backend"], r["pad_to"])]
@@ -37,15 +37,24 @@ def agreement(rows: list[dict], target: Target) -> list[dict]:
     return out
 
 
+def target_of(meta: dict) -> Target:
+    """The target a grid ran on, from its meta file (older files name an H200 only)."""
+    if "target" not in meta:
+        return Target(name="NVIDIA H200", capability=(9, 0), torch_version=meta["torch"], cudnn_version=meta["cudnn"])
+    t = dict(meta["target"])
+    t["capability"] = tuple(t["capability"]) if t["capability"] else None
+    return Target(**t)
+
+
 def main(path: str) -> None:
     meta = json.load(open(path + ".meta.json"))
-    target = Target(name="NVIDIA H200", capability=(9, 0), torch_version=meta["torch"], cudnn_version=meta["cudnn"])
+    target = target_of(meta)
     rows = agreement([json.loads(line) for line in open(path)], target)
-    problems = {json.dumps(r["problem"], sort_keys=True) for r in rows}
+    problems = {(json.dumps(r["problem"], sort_keys=True), json.dumps(r.get("lengths"))) for r in rows}
     agree = sum(r["agrees"] for r in rows)
-    print(f"# Rules against the H200\n\nMeasured {meta['date']} on {meta['device']} (CUDA {meta['cuda']}) by "
+    print(f"# Rules against {target.name}\n\nMeasured {meta['date']} on {meta['device']} (CUDA {meta['cuda']}) by "
           f"`benchmarks/rules_grid.py`; predictions re-made by `benchmarks/grid_report.py` with the current rules.\n")
-    print(f"**{len(problems)} problems, {len(rows)} (problem, backend, padding) rows: the rules agree with the GPU "
+    print(f"**{len(problems)} problems, {len(rows)} (problem, backend, padding) rows: the rules agree with the machine "
           f"on {agree}/{len(rows)} = {100 * agree / len(rows):.2f}%.**\n")
     print("A row is *really supported* when the forward (and, in training, the backward) runs and the output and "
           f"all three gradients match a float64 reference within a relative error of {meta['tolerance']} "
@@ -55,8 +64,12 @@ def main(path: str) -> None:
     groups = collections.defaultdict(list)
     for r in rows:
         p = r["problem"]
-        groups[(r["backend"], r["pad_to"] or 0, p["head_dim_qk"], p["head_dim_v"])].append(r)
-    for (backend, pad, dqk, dv), rs in sorted(groups.items()):
+        groups[(p["layout"] == "thd", r["backend"], r["pad_to"] or 0, p["head_dim_qk"], p["head_dim_v"])].append(r)
+    print_header = True
+    for (packed, backend, pad, dqk, dv), rs in sorted(groups.items()):
+        if packed and print_header:
+            print("| **packed (thd)** | | | | | | |")
+            print_header = False
         print(f"| {backend} | {pad or '-'} | {dqk}/{dv} | {len(rs)} | {sum(r['predicted'] for r in rs)} | "
               f"{sum(r['really'] for r in rs)} | {sum(r['agrees'] for r in rs)} |")
     wrong = [r for r in rows if not r["agrees"]]

@@ -24,6 +24,7 @@ import time
 import torch
 
 from attnselect import backends
+from attnselect.backends.base import Packing
 from attnselect.candidates import judge
 from attnselect.execution import run_candidate
 from attnselect.problem import AttentionProblem
@@ -43,15 +44,36 @@ SCENARIOS = [
     ("sliding_window", (96, 32), 256, 256, 8, 0.0),
     ("causal_bottom_right", None, 256, 128, 8, 0.0),   # the first 128 queries see no key
 ]
+# Packed (thd): (mask, window, lengths_q, lengths_kv, heads_kv); mixed lengths with 1 and 0.
+LENGTHS = [0, 1, 37, 256, 5, 130, 64]
+THD_HEAD_DIMS = [(64, 64), (128, 128), (192, 128), (192, 192)]
+THD_SCENARIOS = [
+    ("causal", None, LENGTHS, LENGTHS, 8),
+    ("none", None, LENGTHS, LENGTHS, 2),
+    ("causal_bottom_right", None, LENGTHS, [3, 1, 40, 300, 5, 130, 80], 8),
+    ("sliding_window", (48, 0), LENGTHS, LENGTHS, 2),
+]
 TOLERANCE = 2e-2   # relative Frobenius error; bf16/fp16 operands land between 1e-3 and 1e-2
 
 
 def grid():
+    """(problem, (lengths_q, lengths_kv) for thd or None): 216 dense problems, then 64 packed ones."""
     for (dqk, dv), dtype, training, scenario in itertools.product(HEAD_DIMS, DTYPES, (False, True), SCENARIOS):
         mask, window, sq, skv, hkv, dropout = scenario
         yield AttentionProblem(batch=2, seqlen_q=sq, seqlen_kv=skv, heads_q=8, heads_kv=hkv, head_dim_qk=dqk,
                                head_dim_v=dv, dtype=dtype, layout="bshd", mask=mask, window=window,
-                               dropout_p=dropout, training=training)
+                               dropout_p=dropout, training=training), None
+    for (dqk, dv), dtype, training, scenario in itertools.product(THD_HEAD_DIMS, DTYPES, (False, True),
+                                                                  THD_SCENARIOS):
+        mask, window, lengths_q, lengths_kv, hkv = scenario
+        yield AttentionProblem(batch=len(lengths_q), seqlen_q=max(lengths_q), seqlen_kv=max(lengths_kv), heads_q=8,
+                               heads_kv=hkv, head_dim_qk=dqk, head_dim_v=dv, dtype=dtype, layout="thd", mask=mask,
+                               window=window, training=training, varlen_seqlens_match=lengths_q == lengths_kv,
+                               varlen_single_key=1 in lengths_kv), (lengths_q, lengths_kv)
+
+
+def row_key(problem: dict, lengths, backend: str, pad_to) -> tuple:
+    return json.dumps(problem, sort_keys=True), json.dumps(lengths), backend, pad_to
 
 
 def rel(a, b) -> float:
@@ -64,11 +86,11 @@ def _sync():
 
 
 def measure(problem, candidate, inputs, reference) -> dict:
-    q, k, v, grad_out = inputs
+    q, k, v, grad_out, packing = inputs
     leaves = [t.detach().clone().requires_grad_(problem.training) for t in (q, k, v)]
     row = {"ran_forward": False, "ran_backward": None, "error": None, "out_err": None, "grad_err": None}
     try:
-        out, _ = run_candidate(candidate, problem, *leaves)
+        out, _ = run_candidate(candidate, problem, *leaves, packing=packing)
         _sync()
         row["ran_forward"] = True
         if problem.training:
@@ -94,22 +116,32 @@ def measure(problem, candidate, inputs, reference) -> dict:
     return row
 
 
-def make_inputs(problem, device):
+def make_inputs(problem, lengths, device):
+    """(q, k, v, grad_out, packing or None) of random data for the problem."""
     g = torch.Generator(device=device).manual_seed(hash(problem) % (1 << 31))
-    shape = lambda s, h, d: (problem.batch, s, h, d)
-    q = torch.randn(shape(problem.seqlen_q, problem.heads_q, problem.head_dim_qk), generator=g, device=device)
-    k = torch.randn(shape(problem.seqlen_kv, problem.heads_kv, problem.head_dim_qk), generator=g, device=device)
-    v = torch.randn(shape(problem.seqlen_kv, problem.heads_kv, problem.head_dim_v), generator=g, device=device)
-    grad_out = torch.randn(shape(problem.seqlen_q, problem.heads_q, problem.head_dim_v), generator=g, device=device)
-    return tuple(t.to(problem.dtype) for t in (q, k, v, grad_out))
+    packing = None
+    if lengths is None:
+        shape = lambda s, h, d: (problem.batch, s, h, d)   # noqa: E731
+        sq, skv = problem.seqlen_q, problem.seqlen_kv
+    else:
+        shape = lambda t, h, d: (t, h, d)                  # noqa: E731
+        sq, skv = sum(lengths[0]), sum(lengths[1])
+        cu = [torch.tensor([0, *itertools.accumulate(ls)], dtype=torch.int32, device=device) for ls in lengths]
+        packing = Packing(cu[0], cu[1], problem.seqlen_q, problem.seqlen_kv, cu[0], cu[1])
+    q = torch.randn(shape(sq, problem.heads_q, problem.head_dim_qk), generator=g, device=device)
+    k = torch.randn(shape(skv, problem.heads_kv, problem.head_dim_qk), generator=g, device=device)
+    v = torch.randn(shape(skv, problem.heads_kv, problem.head_dim_v), generator=g, device=device)
+    grad_out = torch.randn(shape(sq, problem.heads_q, problem.head_dim_v), generator=g, device=device)
+    return (*(t.to(problem.dtype) for t in (q, k, v, grad_out)), packing)
 
 
 def float64_reference(problem, inputs):
     from attnselect.candidates import Candidate
-    q, k, v, grad_out = (t.double() for t in inputs)
+    *tensors, packing = inputs
+    q, k, v, grad_out = (t.double() for t in tensors)
     leaves = [t.requires_grad_(problem.training) for t in (q, k, v)]
     without_dropout = dataclasses.replace(problem, dropout_p=0.0)
-    out, _ = run_candidate(Candidate("reference"), without_dropout, *leaves)
+    out, _ = run_candidate(Candidate("reference"), without_dropout, *leaves, packing=packing)
     if not problem.training:
         return out.detach(), None
     out.backward(grad_out)
@@ -136,28 +168,28 @@ def main() -> None:
         if a.resume and os.path.exists(a.resume) and os.path.abspath(a.resume) != os.path.abspath(a.out):
             for line in open(a.resume):
                 row = json.loads(line)
-                done.add((json.dumps(row["problem"], sort_keys=True), row["backend"], row["pad_to"]))
+                done.add(row_key(row["problem"], row.get("lengths"), row["backend"], row["pad_to"]))
                 sink.write(line)
-        for problem in itertools.islice(grid(), a.limit):
+        for problem, lengths in itertools.islice(grid(), a.limit):
             verdicts = [v for v in judge(problem, target)
                         if not (backends.get(v.candidate.backend).package
                                 and v.reasons == (f"package {backends.get(v.candidate.backend).package[1]} "
                                                   "is not installed",))
                         and (wanted is None or v.candidate.backend in wanted)]
-            todo = [v for v in verdicts if (json.dumps(problem.to_dict(), sort_keys=True), v.candidate.backend,
-                                            v.candidate.pad_to) not in done]
+            todo = [v for v in verdicts
+                    if row_key(problem.to_dict(), lengths, v.candidate.backend, v.candidate.pad_to) not in done]
             if not todo:
                 continue
             if time.time() - start > a.deadline:
                 print("deadline reached; rerun with --resume to continue", flush=True)
                 break
-            inputs = make_inputs(problem, device)
+            inputs = make_inputs(problem, lengths, device)
             reference = float64_reference(problem, inputs)
             for verdict in todo:
                 t0 = time.time()
                 row = measure(problem, verdict.candidate, inputs, reference)
                 really = row["ran_forward"] and row["ran_backward"] is not False and row["matches"]
-                row.update(problem=problem.to_dict(), backend=verdict.candidate.backend,
+                row.update(problem=problem.to_dict(), lengths=lengths, backend=verdict.candidate.backend,
                            pad_to=verdict.candidate.pad_to, predicted=verdict.supported,
                            reasons=list(verdict.reasons), really=bool(really),
                            agrees=verdict.supported == bool(really), seconds=round(time.time() - t0, 3))
@@ -167,13 +199,14 @@ def main() -> None:
                     print(f"DISAGREE {problem.describe()} | {verdict.candidate} predicted={verdict.supported} "
                           f"really={bool(really)} {row['error'] or ''} out_err={row['out_err']} "
                           f"grad_err={row['grad_err']}", flush=True)
-    meta = {"device": target.describe(), "torch": torch.__version__, "cuda": torch.version.cuda,
+    meta = {"device": target.describe(), "target": target.to_dict(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "cudnn": target.cudnn_version, "date": time.strftime("%Y-%m-%d"), "tolerance": TOLERANCE}
     with open(a.out + ".meta.json", "w") as f:
         json.dump(meta, f, indent=1)
     rows = [json.loads(line) for line in open(a.out)]
     agree = sum(r["agrees"] for r in rows)
-    print(f"{len(rows)} rows, {len({json.dumps(r['problem'], sort_keys=True) for r in rows})} problems, "
+    problems = {row_key(r["problem"], r.get("lengths"), "", None) for r in rows}
+    print(f"{len(rows)} rows, {len(problems)} problems, "
           f"agreement {agree}/{len(rows)} = {100 * agree / max(len(rows), 1):.2f}% "
           f"on {target.describe()} in {time.time() - start:.0f} s")
 

@@ -21,6 +21,7 @@ def dense_inputs(layout="bshd", b=2, sq=33, skv=33, hq=4, hkv=4, dqk=24, dv=16, 
 
 
 def thd_inputs(lengths_q, lengths_kv=None, hq=4, hkv=2, dqk=24, dv=16, dtype=torch.float64, device="cpu", seed=0):
+    """((q, k, v) requiring grad, cu_seqlens_q, cu_seqlens_kv) for packed sequences of the given lengths."""
     lengths_kv = lengths_q if lengths_kv is None else lengths_kv
     g = torch.Generator().manual_seed(seed)
     tq, tk = sum(lengths_q), sum(lengths_kv)

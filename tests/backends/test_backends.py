@@ -111,3 +111,24 @@ def test_gpu_mla_choice_on_hopper_is_native_cudnn():
     q, k, v = dense_inputs(sq=256, skv=256, hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
     decision = attnselect.select(attnselect.AttentionProblem.from_tensors(q, k, v, causal=True))
     assert decision.chosen == attnselect.Candidate("sdpa_cudnn")
+
+
+def test_flex_document_masks_are_reused_per_cu_seqlens_and_dropped_with_it():
+    import gc
+
+    from attnselect.backends import flex
+    from helpers import thd_inputs
+    (q, k, v), cu, _ = thd_inputs([3, 0, 5])
+    q, k, v = (t.detach() for t in (q, k, v))
+    first = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="flex")
+    cached = flex._DOCUMENT_MASKS[id(cu)][2]
+    again = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="flex")
+    assert flex._DOCUMENT_MASKS[id(cu)][2] is cached and torch.equal(first, again)
+    other = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, backend="flex")   # new mask, same owner
+    assert flex._DOCUMENT_MASKS[id(cu)][2] is not cached and not torch.equal(first, other)
+    cu.add_(0)                                                    # changed in place: a new version misses
+    attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, backend="flex")
+    key = id(cu)
+    del cu
+    gc.collect()
+    assert key not in flex._DOCUMENT_MASKS

@@ -97,17 +97,24 @@ def _documents(cu_seqlens, offsets, total, device):
     return torch.where(position < length, doc, -1), position, length
 
 
-_DOCUMENT_MASKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# id(cu_seqlens_q) -> (key, weak references to the packing tensors, block mask). An entry leaves
+# when its cu_seqlens_q tensor is freed, so a new tensor at a reused address never hits it; a
+# tensor changed in place has a new _version and misses. (A WeakKeyDictionary would compare
+# tensors with ==, which is elementwise.)
+_DOCUMENT_MASKS: dict[int, tuple] = {}
 
 
 def _document_block_mask(packing: Packing, mask, window, total_q, total_kv, device):
-    tensors = (packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv)
+    owner = packing.cu_seqlens_q
+    tensors = (owner, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv)
     key = (tuple(t._version for t in tensors), mask, window, total_q, total_kv)
-    hit = _DOCUMENT_MASKS.get(packing.cu_seqlens_q)
+    hit = _DOCUMENT_MASKS.get(id(owner))
     if hit is not None and hit[0] == key and all(ref() is t for ref, t in zip(hit[1], tensors)):
         return hit[2]
     block_mask = _build_document_mask(packing, mask, window, total_q, total_kv, device)
-    _DOCUMENT_MASKS[packing.cu_seqlens_q] = (key, [weakref.ref(t) for t in tensors], block_mask)
+    if id(owner) not in _DOCUMENT_MASKS:
+        weakref.finalize(owner, _DOCUMENT_MASKS.pop, id(owner), None)
+    _DOCUMENT_MASKS[id(owner)] = (key, [weakref.ref(t) for t in tensors], block_mask)
     return block_mask
 
 
