@@ -1,0 +1,184 @@
+"""Time every packed (thd) candidate, native and padded, on three packings, forward and forward+backward.
+
+    python benchmarks/thd_bench.py --out results/h200_thd_bench      # writes .json and .md
+    python benchmarks/thd_bench.py --smoke --out /tmp/thd_smoke       # tiny packings, any device
+
+MLA geometry: 16 heads, d_qk=192, d_v=128, causal, bf16 (float32 on the CPU). Each candidate
+is timed with device events after warm-up (median of repeats, with the 20th and 80th
+percentiles as its spread). TFLOP/s count useful work only: 2 * H * (d_qk + d_v) * (visible
+causal pairs) for the forward, 3.5 times that for forward+backward. The report also gives
+the rules policy's choice against the fastest candidate and against torch's varlen_attn with
+V padded (the varlen_fa2 candidate padded to 192).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+import attnselect
+from attnselect.candidates import judge
+from attnselect.execution import run_candidate
+from attnselect.inputs import describe_call
+from attnselect.target import Target
+
+HEADS, D_QK, D_V = 16, 192, 128
+
+
+def _random_lengths(total: int, low: int, high: int, seed: int) -> list[int]:
+    rng, lengths = random.Random(seed), []
+    while sum(lengths) < total:
+        lengths.append(min(rng.randint(low, high), total - sum(lengths)))
+    return lengths
+
+
+def packings(smoke: bool) -> dict[str, list[int]]:
+    if smoke:
+        return {"smoke-mixed": [5, 1, 0, 17, 9], "smoke-equal": [16, 16]}
+    eighteen = _random_lengths(32768 - 17 * 256, 0, 4096 - 256, seed=18)[:17]
+    eighteen = [256 + n for n in eighteen] + [32768 - sum(256 + n for n in eighteen)]
+    assert len(eighteen) == 18 and sum(eighteen) == 32768 and all(256 <= n <= 4096 for n in eighteen), eighteen
+    return {
+        "32k tokens, 18 sequences of 256..4096": eighteen,
+        "64k tokens, 8 documents of 8k": [8192] * 8,
+        "16k tokens, documents of 128..512": _random_lengths(16384, 128, 512, seed=16),
+    }
+
+
+def useful_flops(lengths: list[int], training: bool) -> float:
+    forward = sum(2 * HEADS * (D_QK + D_V) * n * (n + 1) / 2 for n in lengths)
+    return forward * (3.5 if training else 1.0)
+
+
+def timed(fn, device, warmup: int, repeats: int, budget_s: float) -> list[float]:
+    """Milliseconds per call: device events on CUDA, wall clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times, start = [], time.time()
+    for _ in range(repeats):
+        if device == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        if time.time() - start > budget_s and len(times) >= 3:
+            break
+    return times
+
+
+def bench_packing(name, lengths, training, target, device, dtype, args):
+    generator = torch.Generator(device=device).manual_seed(0)
+    total = sum(lengths)
+    q, k = (torch.randn(total, HEADS, D_QK, device=device, dtype=dtype, generator=generator) for _ in range(2))
+    v = torch.randn(total, HEADS, D_V, device=device, dtype=dtype, generator=generator)
+    grad_out = torch.randn(total, HEADS, D_V, device=device, dtype=dtype, generator=generator)
+    for t in (q, k, v):
+        t.requires_grad_(training)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    problem, packing = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True,
+                                     max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    decision = attnselect.select(problem, target=target)
+    rows = []
+    for verdict in judge(problem, target):
+        if not verdict.supported or verdict.candidate.backend in args.skip:
+            continue
+        candidate = verdict.candidate
+
+        def step():
+            out, _ = run_candidate(candidate, problem, q, k, v, packing=packing, target=target)
+            if training:
+                torch.autograd.grad(out, (q, k, v), grad_out)
+
+        try:
+            times = timed(step, device, args.warmup, args.repeats, args.budget)
+        except Exception as exc:   # a candidate the rules admit but that fails is itself a finding
+            rows.append({"candidate": str(candidate), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            print(f"  {candidate}: FAILED {exc}", flush=True)
+            continue
+        median = statistics.median(times)
+        q20, q80 = (statistics.quantiles(times, n=5)[i] for i in (0, 3)) if len(times) >= 5 else (min(times), max(times))
+        rows.append({"candidate": str(candidate), "backend": candidate.backend, "pad_to": candidate.pad_to,
+                     "median_ms": median, "p20_ms": q20, "p80_ms": q80, "repeats": len(times),
+                     "tflops": useful_flops(lengths, training) / (median * 1e-3) / 1e12})
+        print(f"  {candidate}: {median:.3f} ms ({rows[-1]['tflops']:.1f} TFLOP/s)", flush=True)
+    timed_rows = [r for r in rows if "median_ms" in r]
+    fastest = min(timed_rows, key=lambda r: r["median_ms"]) if timed_rows else None
+    chosen = next((r for r in timed_rows if r["candidate"] == str(decision.chosen)), None)
+    baseline = next((r for r in timed_rows if r["backend"] == "varlen_fa2" and r["pad_to"]), None)
+    return {"packing": name, "lengths": lengths, "phase": "forward+backward" if training else "forward",
+            "rules_choice": str(decision.chosen), "fastest": fastest and fastest["candidate"],
+            "choice_vs_fastest": chosen and fastest and fastest["median_ms"] / chosen["median_ms"],
+            "choice_vs_varlen_padded": chosen and baseline and baseline["median_ms"] / chosen["median_ms"],
+            "candidates": rows}
+
+
+def markdown(report: dict) -> str:
+    meta = report["meta"]
+    lines = [f"# Packed (thd) MLA attention: every candidate\n",
+             f"{meta['device']}, CUDA {meta['cuda']}, {meta['date']}; {HEADS} heads, d_qk={D_QK}, d_v={D_V}, causal, "
+             f"{meta['dtype']}. TFLOP/s on useful (causal, unpadded) work; median of repeats, spread p20..p80. "
+             f"Produced by `benchmarks/thd_bench.py`.\n"]
+    for entry in report["results"]:
+        lines.append(f"## {entry['packing']}, {entry['phase']}\n")
+        lines.append(f"Rules choice: **{entry['rules_choice']}**; fastest: **{entry['fastest']}**; choice/fastest "
+                     f"speed {_ratio(entry['choice_vs_fastest'])}; choice vs varlen_attn with V padded "
+                     f"{_ratio(entry['choice_vs_varlen_padded'])}.\n")
+        lines.append("| candidate | median ms | p20..p80 ms | TFLOP/s |")
+        lines.append("|---|---|---|---|")
+        for r in sorted(entry["candidates"], key=lambda r: r.get("median_ms", float("inf"))):
+            if "error" in r:
+                lines.append(f"| {r['candidate']} | failed: {r['error']} | | |")
+            else:
+                lines.append(f"| {r['candidate']} | {r['median_ms']:.3f} | {r['p20_ms']:.3f}..{r['p80_ms']:.3f} | "
+                             f"{r['tflops']:.3g} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _ratio(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True, help="path without extension; .json and .md are written")
+    ap.add_argument("--smoke", action="store_true", help="tiny packings (CI / CPU)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--budget", type=float, default=4.0, help="seconds of timing per candidate at most")
+    ap.add_argument("--skip", default="reference", help="comma list of backends not to time")
+    args = ap.parse_args()
+    args.skip = set(filter(None, args.skip.split(",")))
+    torch._dynamo.config.cache_size_limit = 256
+    target = Target.current()
+    device = "cuda" if target.is_cuda else "cpu"
+    dtype = torch.bfloat16 if target.is_cuda else torch.float32
+    results = []
+    for name, lengths in packings(args.smoke).items():
+        for training in (False, True):
+            print(f"{name}, {'forward+backward' if training else 'forward'}", flush=True)
+            results.append(bench_packing(name, lengths, training, target, device, dtype, args))
+    report = {"meta": {"device": target.describe(), "cuda": torch.version.cuda, "torch": torch.__version__,
+                       "cudnn": target.cudnn_version, "cudnn_frontend": target.cudnn_frontend_version,
+                       "dtype": str(dtype).replace("torch.", ""), "date": time.strftime("%Y-%m-%d")},
+              "results": results}
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The GPU scripts stay runnable: each runs here in its smallest form on the CPU."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, check=True)
+
+
+def test_thd_bench_smoke(tmp_path):
+    _run("benchmarks/thd_bench.py", "--smoke", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path / "bench"))
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["phase"] for r in report["results"]} == {"forward", "forward+backward"}
+    for entry in report["results"]:
+        assert entry["rules_choice"] and entry["candidates"]
+        assert all(r["median_ms"] > 0 and r["tflops"] > 0 for r in entry["candidates"] if "median_ms" in r)
+    assert "| candidate | median ms |" in (tmp_path / "bench.md").read_text()
+
+
+def test_rules_grid_smoke(tmp_path):
+    out = tmp_path / "grid.jsonl"
+    done = _run("benchmarks/rules_grid.py", "--out", str(out), "--limit", "3")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) >= 3 * 4 and all(r["agrees"] for r in rows), done.stdout
+    report = _run("benchmarks/grid_report.py", str(out)).stdout
+    assert "3 problems" in report
