@@ -68,3 +68,15 @@ def test_bad_input_names_the_argument(args, kwargs, message, monkeypatch):
 def test_views_and_gqa_are_valid_input():
     out = attnselect.attention(q, k, v, causal=True)
     assert out.shape == (2, 8, 4, 16)
+
+
+def test_thd_reads_boundaries_on_the_host_only_without_max_seqlen():
+    # Meta tensors stand in for GPU tensors: reading their values fails, so a host read would show.
+    meta = torch.device("meta")
+    q, k, v = (torch.empty(8, 2, d, device=meta) for d in (24, 24, 16))
+    cu = torch.empty(3, dtype=torch.int32, device=meta)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, layout="thd", cu_seqlens_q=cu, max_seqlen_q=5,
+                                                       max_seqlen_kv=5)
+    assert (problem.batch, problem.seqlen_q, problem.varlen_seqlens_match) == (2, 5, True)
+    with pytest.raises(Exception, match="meta"):
+        attnselect.AttentionProblem.from_tensors(q, k, v, layout="thd", cu_seqlens_q=cu)
