@@ -187,3 +187,10 @@ def test_max_seqlen_given_on_cpu_still_checks_values():
     (q, k, v), cu, _ = thd_inputs([4, 6])
     with pytest.raises(attnselect.InvalidInputError, match="max_seqlen_q: got 5"):
         attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, max_seqlen_q=5, max_seqlen_kv=6)
+
+
+def test_padded_offsets_equal_to_the_boundaries_mean_no_gaps():
+    (q, k, v), cu, _ = thd_inputs([4, 0, 6])
+    problem, packing = attnselect.inputs.describe_call(q, k, v, layout="thd", cu_seqlens_q=cu,
+                                                       cu_seqlens_q_padded=cu.clone(), cu_seqlens_kv_padded=cu.clone())
+    assert not problem.varlen_gaps and not packing.has_gaps

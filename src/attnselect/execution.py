@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from attnselect import backends
 from attnselect.backends.base import KernelCall, Packing
 from attnselect.candidates import Candidate
-from attnselect.inputs import check_boundaries
+from attnselect.inputs import check_boundaries, check_offsets, lengths_of
 from attnselect.problem import AttentionProblem
 from attnselect.target import Target, target_for_device
 
@@ -51,6 +51,9 @@ def run_candidate(candidate: Candidate, problem: AttentionProblem, q: torch.Tens
 
 def _run_packed(backend, pad_to, call, q, k, v, packing):
     d_v = v.shape[-1]
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        out, lse = _empty_result(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 1, call.return_lse)
+        return out[0], (lse[0] if lse is not None else None)                   # (1, H, T) -> (H, T)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if pad_to is not None:
         q, k, v = (_pad(t, pad_to) for t in (q, k, v))
@@ -98,20 +101,23 @@ def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
 
     Tokens outside every sequence (the gaps of padded offsets) get a zero output and lse -inf.
     """
-    lengths_q, lengths_kv, starts_q, starts_kv = (
+    bounds_q, bounds_kv, starts_q, starts_kv = (
         _host(t) for t in (packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv))
-    check_boundaries("cu_seqlens_q", lengths_q, None if packing.has_gaps else q.shape[0], problem.seqlen_q,
+    check_boundaries("cu_seqlens_q", bounds_q, None if packing.has_gaps else q.shape[0], problem.seqlen_q,
                      "max_seqlen_q")
-    check_boundaries("cu_seqlens_kv", lengths_kv, None if packing.has_gaps else k.shape[0], problem.seqlen_kv,
+    check_boundaries("cu_seqlens_kv", bounds_kv, None if packing.has_gaps else k.shape[0], problem.seqlen_kv,
                      "max_seqlen_kv")
+    if packing.has_gaps:
+        check_offsets("cu_seqlens_q_padded", starts_q, lengths_of(bounds_q), q.shape[0])
+        check_offsets("cu_seqlens_kv_padded", starts_kv, lengths_of(bounds_kv), k.shape[0])
     pieces, lses, cursor = [], [], 0
     hq, d_v = q.shape[1], v.shape[-1]
-    for i in range(len(lengths_q) - 1):
-        q0, n_q = starts_q[i], lengths_q[i + 1] - lengths_q[i]
-        k0, n_kv = starts_kv[i], lengths_kv[i + 1] - lengths_kv[i]
+    for i in range(len(bounds_q) - 1):
+        q0, n_q = starts_q[i], bounds_q[i + 1] - bounds_q[i]
+        k0, n_kv = starts_kv[i], bounds_kv[i + 1] - bounds_kv[i]
         if q0 > cursor:   # a gap before this sequence
             pieces.append(q.new_zeros(q0 - cursor, hq, d_v))
-            lses.append(torch.full((hq, q0 - cursor), float("-inf"), device=q.device))
+            lses.append(torch.full((hq, q0 - cursor), float("-inf"), dtype=torch.float32, device=q.device))
         if n_q:
             out, lse = _run_dense(backend, pad_to, "bshd", call, q[q0:q0 + n_q].unsqueeze(0),
                                   k[k0:k0 + n_kv].unsqueeze(0), v[k0:k0 + n_kv].unsqueeze(0))
@@ -120,11 +126,11 @@ def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
         cursor = q0 + n_q
     if cursor < q.shape[0]:   # trailing padding
         pieces.append(q.new_zeros(q.shape[0] - cursor, hq, d_v))
-        lses.append(torch.full((hq, q.shape[0] - cursor), float("-inf"), device=q.device))
+        lses.append(torch.full((hq, q.shape[0] - cursor), float("-inf"), dtype=torch.float32, device=q.device))
     out = torch.cat(pieces) if pieces else q.new_zeros(0, hq, d_v)
     if not call.return_lse:
         return out, None
-    return out, (torch.cat(lses, dim=1) if lses else torch.zeros(hq, 0, device=q.device))
+    return out, (torch.cat(lses, dim=1) if lses else torch.zeros(hq, 0, dtype=torch.float32, device=q.device))
 
 
 def _host(t: torch.Tensor) -> list[int]:

@@ -144,20 +144,25 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv) -> tuple[P
         return Packing(cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv), same, True
     bounds_q = cu_q.tolist()                      # host sync on CUDA
     bounds_kv = bounds_q if same else cu_kv.tolist()
-    lengths_q, lengths_kv = _lengths(bounds_q), _lengths(bounds_kv)
+    lengths_q, lengths_kv = lengths_of(bounds_q), lengths_of(bounds_kv)
     sq = max(lengths_q, default=0) if max_q is None else max_q
     skv = max(lengths_kv, default=0) if max_kv is None else max_kv
-    for name, bounds, offsets, total, longest, max_name in (
-            ("cu_seqlens_q", bounds_q, offsets_q, q.shape[0], sq, "max_seqlen_q"),
-            ("cu_seqlens_kv", bounds_kv, offsets_kv, k.shape[0], skv, "max_seqlen_kv")):
-        gapped = offsets is not cu_q and offsets is not cu_kv
-        check_boundaries(name, bounds, None if gapped else total, longest, max_name)
-        if gapped:
-            check_offsets(f"{name}_padded", offsets.tolist(), _lengths(bounds), total)
-    return Packing(cu_q, cu_kv, sq, skv, offsets_q, offsets_kv), lengths_q == lengths_kv, 1 in lengths_kv
+    placed = []
+    for name, bounds, cu, offsets, total, longest, max_name in (
+            ("cu_seqlens_q", bounds_q, cu_q, offsets_q, q.shape[0], sq, "max_seqlen_q"),
+            ("cu_seqlens_kv", bounds_kv, cu_kv, offsets_kv, k.shape[0], skv, "max_seqlen_kv")):
+        starts = bounds if offsets is cu_q or offsets is cu_kv else offsets.tolist()
+        if starts == bounds:   # padded offsets equal to the boundaries (as Megatron passes them): no gaps
+            offsets = cu
+        check_boundaries(name, bounds, None if offsets is not cu else total, longest, max_name)
+        if offsets is not cu:
+            check_offsets(f"{name}_padded", starts, lengths_of(bounds), total)
+        placed.append(offsets)
+    return Packing(cu_q, cu_kv, sq, skv, *placed), lengths_q == lengths_kv, 1 in lengths_kv
 
 
-def _lengths(bounds: list[int]) -> list[int]:
+def lengths_of(bounds: list[int]) -> list[int]:
+    """Sequence lengths from cu_seqlens boundaries."""
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
@@ -173,7 +178,7 @@ def check_boundaries(name: str, bounds: list[int], total: Optional[int], longest
         _fail(name, bounds, "non-decreasing boundaries")
     if total is not None and bounds[-1] != total:
         _fail(name, f"last entry {bounds[-1]}", f"the token count {total}")
-    worst = max(_lengths(bounds), default=0)
+    worst = max(lengths_of(bounds), default=0)
     if worst > longest:
         _fail(max_name, longest, f">= the longest sequence ({worst})")
 

@@ -121,14 +121,34 @@ def test_flex_document_masks_are_reused_per_cu_seqlens_and_dropped_with_it():
     (q, k, v), cu, _ = thd_inputs([3, 0, 5])
     q, k, v = (t.detach() for t in (q, k, v))
     first = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="flex")
-    cached = flex._DOCUMENT_MASKS[id(cu)][2]
+    causal = ("causal", None, 8, 8)
+    cached = flex._DOCUMENT_MASKS[id(cu)][causal][2]
     again = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="flex")
-    assert flex._DOCUMENT_MASKS[id(cu)][2] is cached and torch.equal(first, again)
-    other = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, backend="flex")   # new mask, same owner
-    assert flex._DOCUMENT_MASKS[id(cu)][2] is not cached and not torch.equal(first, other)
+    assert flex._DOCUMENT_MASKS[id(cu)][causal][2] is cached and torch.equal(first, again)
+    other = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, backend="flex")   # second mask, same owner
+    assert flex._DOCUMENT_MASKS[id(cu)][causal][2] is cached and len(flex._DOCUMENT_MASKS[id(cu)]) == 2
+    assert not torch.equal(first, other)
     cu.add_(0)                                                    # changed in place: a new version misses
-    attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, backend="flex")
+    attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="flex")
+    assert flex._DOCUMENT_MASKS[id(cu)][causal][2] is not cached
     key = id(cu)
     del cu
     gc.collect()
     assert key not in flex._DOCUMENT_MASKS
+
+
+
+def test_flex_packed_under_inference_mode_and_with_empty_packs():
+    from helpers import thd_inputs
+    (q, k, v), cu, _ = thd_inputs([3, 2])
+    with torch.inference_mode():
+        qi, ki, vi, cui = (t.detach().clone() for t in (q, k, v, cu))
+        out, lse = attnselect.attention(qi, ki, vi, layout="thd", cu_seqlens_q=cui, causal=True, backend="flex",
+                                        return_lse=True)
+        ref, ref_lse = attnselect.attention(qi, ki, vi, layout="thd", cu_seqlens_q=cui, causal=True,
+                                            backend="reference", return_lse=True)
+    assert rel_err(out, ref) < 1e-12 and rel_err(lse, ref_lse) < 1e-6
+    cu_kv = torch.zeros(3, dtype=torch.int32)
+    no_keys = attnselect.attention(q.detach(), k.detach()[:0], v.detach()[:0], layout="thd", cu_seqlens_q=cu,
+                                   cu_seqlens_kv=cu_kv, backend="flex", return_lse=True)
+    assert torch.all(no_keys[0] == 0) and no_keys[1].shape == (4, 5) and torch.isneginf(no_keys[1]).all()

@@ -57,9 +57,18 @@ def _packed(fn, q, k, v, cu_q, cu_kv):
 def cudnn_sdpa_torch(q, k, v, *, scale=None, is_causal=False, causal_bottom_right=False, window_left=-1,
                      window_right=-1, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=0, max_seqlen_kv=0,
                      return_lse=False):
-    """cudnn-frontend 1.32 python/cudnn/sdpa/fwd/torch_op.py, as documented there."""
+    """cudnn-frontend 1.32 python/cudnn/sdpa/fwd/torch_op.py and graph_analyzer.py, with the op's own checks.
+
+    window_left is cuDNN's left bound, a window length: key j is kept when j > diagonal - window_left.
+    """
+    if causal_bottom_right and not (is_causal or window_left >= 0 or window_right >= 0):
+        raise ValueError("causal_bottom_right only re-anchors an active diagonal band")
+    if is_causal and window_right > 0:
+        raise ValueError("is_causal masks every future column but window_right admits some")
+    if window_left == 0:
+        raise ValueError("sliding-window length must be >= 1")
     if causal_bottom_right:
-        band = (window_left, 0 if is_causal else window_right)
+        band = (window_left - 1 if window_left > 0 else -1, 0 if is_causal else window_right)
     else:
         assert window_left == window_right == -1, "a top-left window is not used by attnselect"
         band = None

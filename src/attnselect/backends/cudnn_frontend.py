@@ -37,6 +37,14 @@ class CudnnFrontend(Backend):
             r.append(f"head dims above 128 need cuDNN >= 9.10 on {t.arch}")
         # scaled_dot_product_flash_attention.h (backward): sm90 <= 256; sm100 (cuDNN >= 9.11) 192/128 or
         # both <= 128 (plus 256/256 through the CuTe DSL d256 engines); other archs <= 128.
+        # scaled_dot_product_flash_attention.h: "Sliding window attention is only supported with
+        # max_s_q <= max_s_kv" without a padding mask (dense input).
+        if p.mask == "sliding_window" and p.window[0] >= 0 and p.layout != "thd" and p.seqlen_q > p.seqlen_kv:
+            r.append("a sliding window with more queries than keys is not supported on dense input")
+        # Not yet measured: how the op treats queries that see no key (sdpa_cudnn's backward gave NaN there).
+        if p.may_have_rows_without_keys:
+            r.append("queries that see no key (this mask and these lengths may leave some) are not verified for "
+                     "this op yet")
         if p.training and d > 128:
             if cc[0] == 10:
                 pairs = ((192, 128), (256, 256)) if t.at_least("cudnn_version", "9.11.0") else ()
@@ -70,7 +78,12 @@ def _sdpa(q, k, v, call: KernelCall, **packing):
 
 
 def _mask_arguments(call: KernelCall) -> dict:
-    """Our masks in the op's terms: is_causal (top-left), causal_bottom_right re-anchors a band."""
+    """Our masks in the op's terms: is_causal (top-left), causal_bottom_right re-anchors a band.
+
+    The op's window_left is cuDNN's left bound, a window *length* (graph_analyzer.py:
+    window_left = left_bound - 1; attn_score_modifiers.h keeps column + window_size > row), so
+    our inclusive ``left`` keys become left + 1; window_right is an inclusive offset.
+    """
     if call.mask == "none":
         return {}
     if call.mask == "causal":
@@ -80,5 +93,5 @@ def _mask_arguments(call: KernelCall) -> dict:
     _, left, right = masks.band(call.mask, call.window, 1, 1)
     if left is None and right is None:
         return {}
-    return {"window_left": -1 if left is None else left, "window_right": -1 if right is None else right,
+    return {"window_left": -1 if left is None else left + 1, "window_right": -1 if right is None else right,
             "causal_bottom_right": True}

@@ -68,7 +68,8 @@ def _compiled_flex():
 def _band_edges(mask, window, device):
     """(left, right) band edges as tensors (_BIG when unbounded), and whether the band is bottom-right."""
     _, left, right = masks.band(mask, window, 1, 1) or (0, None, None)
-    as_tensor = lambda x: torch.tensor(_BIG if x is None else x, device=device)   # noqa: E731
+    # torch.full fills on the device: no host-to-device copy, no sync.
+    as_tensor = lambda x: torch.full((), _BIG if x is None else x, device=device)   # noqa: E731
     return as_tensor(left), as_tensor(right), mask in ("causal_bottom_right", "sliding_window")
 
 
@@ -76,13 +77,14 @@ def _band_edges(mask, window, device):
 def _band_block_mask(mask, window, sq, skv, device):
     from torch.nn.attention.flex_attention import create_block_mask
     left, right, bottom_right = _band_edges(mask, window, device)
-    offset = torch.tensor(skv - sq if bottom_right else 0, device=device)
+    offset = torch.full((), skv - sq if bottom_right else 0, device=device)
 
     def band_mask(batch, head, q_idx, kv_idx):
         diagonal = q_idx + offset
         return (kv_idx <= diagonal + right) & (kv_idx >= diagonal - left)
 
-    return create_block_mask(band_mask, B=None, H=None, Q_LEN=sq, KV_LEN=skv, device=device)
+    return create_block_mask(band_mask, B=None, H=None, Q_LEN=sq, KV_LEN=skv, device=device,
+                             _compile=device.type == "cuda")
 
 
 def _documents(cu_seqlens, offsets, total, device):
@@ -97,24 +99,34 @@ def _documents(cu_seqlens, offsets, total, device):
     return torch.where(position < length, doc, -1), position, length
 
 
-# id(cu_seqlens_q) -> (key, weak references to the packing tensors, block mask). An entry leaves
-# when its cu_seqlens_q tensor is freed, so a new tensor at a reused address never hits it; a
-# tensor changed in place has a new _version and misses. (A WeakKeyDictionary would compare
-# tensors with ==, which is elementwise.)
-_DOCUMENT_MASKS: dict[int, tuple] = {}
+# id(cu_seqlens_q) -> {(mask, window, totals): (versions, weak references to the packing tensors,
+# block mask)}, a few configurations per tensor (layers may alternate masks). Entries leave when
+# their cu_seqlens_q tensor is freed, so a new tensor at a reused address never hits them; a
+# tensor changed in place has a new _version and misses. Changes that bypass the version counter
+# (through .data or DLPack) are not seen. Inference tensors have no version counter: their masks
+# are rebuilt on every call. (A WeakKeyDictionary would compare tensors with ==, elementwise.)
+_DOCUMENT_MASKS: dict[int, dict] = {}
+_CONFIGURATIONS_PER_TENSOR = 8
 
 
 def _document_block_mask(packing: Packing, mask, window, total_q, total_kv, device):
     owner = packing.cu_seqlens_q
     tensors = (owner, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv)
-    key = (tuple(t._version for t in tensors), mask, window, total_q, total_kv)
-    hit = _DOCUMENT_MASKS.get(id(owner))
-    if hit is not None and hit[0] == key and all(ref() is t for ref, t in zip(hit[1], tensors)):
+    if any(t.is_inference() for t in tensors):
+        return _build_document_mask(packing, mask, window, total_q, total_kv, device)
+    versions = tuple(t._version for t in tensors)
+    config = (mask, window, total_q, total_kv)
+    entries = _DOCUMENT_MASKS.get(id(owner))
+    hit = entries.get(config) if entries else None
+    if hit is not None and hit[0] == versions and all(ref() is t for ref, t in zip(hit[1], tensors)):
         return hit[2]
     block_mask = _build_document_mask(packing, mask, window, total_q, total_kv, device)
-    if id(owner) not in _DOCUMENT_MASKS:
+    if entries is None:
+        entries = _DOCUMENT_MASKS[id(owner)] = {}
         weakref.finalize(owner, _DOCUMENT_MASKS.pop, id(owner), None)
-    _DOCUMENT_MASKS[id(owner)] = (key, [weakref.ref(t) for t in tensors], block_mask)
+    if len(entries) >= _CONFIGURATIONS_PER_TENSOR and config not in entries:
+        entries.pop(next(iter(entries)))
+    entries[config] = (versions, [weakref.ref(t) for t in tensors], block_mask)
     return block_mask
 
 
@@ -133,4 +145,6 @@ def _build_document_mask(packing, mask, window, total_q, total_kv, device):
         d = diagonal[q_idx]
         return same & (pos_kv[kv_idx] <= d + right) & (pos_kv[kv_idx] >= d - left)
 
-    return create_block_mask(document_mask, B=None, H=None, Q_LEN=total_q, KV_LEN=total_kv, device=device)
+    # Compiled on CUDA so the T x T mask is evaluated block by block, not materialised.
+    return create_block_mask(document_mask, B=None, H=None, Q_LEN=total_q, KV_LEN=total_kv, device=device,
+                             _compile=device.type == "cuda")

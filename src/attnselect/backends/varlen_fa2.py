@@ -29,13 +29,17 @@ class VarlenFa2(Backend):
 
     def extra_reasons(self, p, t):
         r = []
-        if not t.at_least("torch_version", "2.10"):
-            r.append(f"torch.nn.attention.varlen.varlen_attn needs torch >= 2.10, the target has {t.torch_version}")
+        # torch 2.10's varlen_attn took only is_causal (no scale, no window_size); 2.11 has both.
+        if not t.at_least("torch_version", "2.11"):
+            r.append(f"varlen_attn with scale and window_size needs torch >= 2.11, the target has {t.torch_version}")
         return r + fa2_backward_head_dim_reasons(p, t)
 
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
         from torch.nn.attention import varlen
         accepts = _accepted_keywords()
+        if not {"scale", "window_size"} <= accepts:
+            raise RuntimeError("this torch's varlen_attn takes no scale/window_size (torch < 2.11); "
+                               "the varlen_fa2 rules should have refused it")
         kwargs = {"scale": call.scale, "window_size": _window(call)}
         if q.shape[1] != k.shape[1]:
             if "enable_gqa" in accepts:
