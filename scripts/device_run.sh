@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One step of the GPU work, for the device tool (each step ends well inside its 10-minute limit):
+#   bash scripts/device_run.sh tests   # pytest -m gpu, verbose log            -> $OUT/h200_gpu_tests.txt
+#   bash scripts/device_run.sh grid    # rules grid, resuming the committed rows -> $OUT/h200_rules_grid.jsonl
+#   bash scripts/device_run.sh bench   # packed (thd) benchmark                -> $OUT/h200_thd_bench.{json,md}
+# Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+python3 -c 'import attnselect; print(attnselect.Target.current().describe())'
+case "${1:-}" in
+  tests)
+    { echo "# pytest -m gpu -v on $(python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
+      timeout 540 python3 -m pytest -m gpu -v -p no:cacheprovider -W ignore tests 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E "
+    } | tee "$OUT/h200_gpu_tests.txt" | tail -40 ;;
+  grid)
+    timeout 560 python3 benchmarks/rules_grid.py --resume results/h200_rules_grid.jsonl \
+      --out "$OUT/h200_rules_grid.jsonl" --deadline 500 2>&1 | grep -E "DISAGREE|rows|deadline" | cut -c1-400 ;;
+  bench)
+    timeout 560 python3 benchmarks/thd_bench.py --out "$OUT/h200_thd_bench" 2>&1 | grep -v -i warn | tail -60 ;;
+  *) echo "usage: $0 tests|grid|bench"; exit 2 ;;
+esac
