@@ -6,11 +6,14 @@ from typing import Optional, Union
 
 import torch
 
+from collections import OrderedDict
+
+from attnselect import backends, settings
 from attnselect.errors import ForcedChoiceError, NoSupportedCandidateError
-from attnselect.execution import run_candidate
-from attnselect.inputs import describe_call
+from attnselect.execution import kernel_call, run_call, run_candidate
+from attnselect.inputs import check_scale, describe_call
 from attnselect.problem import AttentionProblem
-from attnselect.selection import Decision, select
+from attnselect.selection import MEMO_SIZE, Decision, register_cache, select
 from attnselect.target import Target, target_for_device
 
 Causal = Union[bool, str]
@@ -52,6 +55,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
     Packed (thd) input runs on a packed kernel where one serves the call, else sequence by
     sequence (which reads the boundaries on the host).
     """
+    call_key = _dense_call_key(q, k, v, layout, causal, window, dropout_p, cu_seqlens_q, cu_seqlens_kv,
+                               cu_seqlens_q_padded, cu_seqlens_kv_padded, return_lse, backend, pad, disable)
+    known = _CALLS.get(call_key) if call_key is not None else None
+    if known is not None:   # the same shapes, dtypes, devices and options were validated and decided before
+        problem, chosen, target, default_call = known
+        call = default_call
+        if scale is not None:
+            check_scale(scale)
+            call = kernel_call(problem, scale)
+        out, lse = run_call(chosen, problem, call, q, k, v, target=target)
+        return (out, lse) if return_lse else out
     problem, packing = describe_call(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
                                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                                      max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, return_lse=return_lse,
@@ -59,8 +73,37 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
                                      cu_seqlens_kv_padded=cu_seqlens_kv_padded)
     target = target_for_device(q.device)
     decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
+    if call_key is not None:
+        _CALLS[call_key] = (problem, decision.chosen, target, kernel_call(problem))
+        if len(_CALLS) > MEMO_SIZE:
+            _CALLS.popitem(last=False)
     out, lse = run_candidate(decision.chosen, problem, q, k, v, scale=scale, packing=packing, target=target)
     return (out, lse) if return_lse else out
+
+
+# Dense calls already validated and decided: call key -> (problem, chosen candidate, target,
+# kernel options with the default scale).
+# The key holds everything validation and selection read, so a hit skips both.
+_CALLS: "OrderedDict[tuple, tuple]" = OrderedDict()
+register_cache(_CALLS.clear)
+
+
+def _dense_call_key(q, k, v, layout, causal, window, dropout_p, cu_q, cu_kv, cu_q_padded, cu_kv_padded,
+                    return_lse, backend, pad, disable) -> Optional[tuple]:
+    """A hashable key of a dense call, or None where the fast path does not apply (thd, odd arguments)."""
+    if layout == "thd" or not (cu_q is None and cu_kv is None and cu_q_padded is None and cu_kv_padded is None):
+        return None
+    if not (disable is None or isinstance(disable, str)) or isinstance(window, list):
+        return None   # an iterator would be consumed here; the slow path normalises these
+    try:
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
+               window, dropout_p, return_lse, backend, pad, disable, grad,
+               torch.are_deterministic_algorithms_enabled(), settings.environment(), backends.registry_version())
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
 
 
 def explain(problem: AttentionProblem, *, target: Optional[Target] = None, backend: Optional[str] = None,

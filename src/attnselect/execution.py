@@ -35,13 +35,22 @@ def run_candidate(candidate: Candidate, problem: AttentionProblem, q: torch.Tens
                   target: Optional[Target] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run ``candidate`` on validated tensors; returns (out, lse or None) in the caller's layout.
 
-    ``packing`` is required for thd (see :func:`attnselect.inputs.packing_from_arguments`).
+    ``packing`` is required for thd (see :func:`attnselect.inputs.describe_call`).
     """
-    backend = backends.get(candidate.backend)
-    call = KernelCall(mask=problem.mask, window=problem.window,
+    return run_call(candidate, problem, kernel_call(problem, scale), q, k, v, packing=packing, target=target)
+
+
+def kernel_call(problem: AttentionProblem, scale: Optional[float] = None) -> KernelCall:
+    return KernelCall(mask=problem.mask, window=problem.window,
                       scale=problem.default_scale if scale is None else float(scale),
                       dropout_p=problem.dropout_p, return_lse=problem.return_lse,
                       deterministic=problem.deterministic)
+
+
+def run_call(candidate: Candidate, problem: AttentionProblem, call: KernelCall, q, k, v, *,
+             packing: Optional[Packing] = None, target: Optional[Target] = None):
+    """:func:`run_candidate` with the kernel options already built."""
+    backend = backends.get(candidate.backend)
     if problem.layout != "thd":
         return _run_dense(backend, candidate.pad_to, problem.layout, call, q, k, v)
     if backend.packs_thd(target or target_for_device(q.device)):
@@ -66,7 +75,8 @@ def _run_dense(backend, pad_to, layout, call, q, k, v):
     if perm is not None:
         q, k, v = q.permute(perm), k.permute(perm), v.permute(perm)
     # Kernels read the head dim with stride 1 (sdp_utils check_last_dim_stride_equals_1).
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     seq_axis = 2 if backend.layout == "bhsd" else 1
     d_v = v.shape[-1]
     if q.shape[seq_axis] == 0 or k.shape[seq_axis] == 0:

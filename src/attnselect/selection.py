@@ -68,9 +68,18 @@ _MEMO: "OrderedDict[tuple, Decision]" = OrderedDict()
 MEMO_SIZE = 4096   # distinct (problem, target, controls) decisions kept; the oldest go first
 
 
+_CLEARERS = [_MEMO.clear]
+
+
+def register_cache(clear) -> None:
+    """Have :func:`clear_cache` also call ``clear`` (for caches derived from decisions)."""
+    _CLEARERS.append(clear)
+
+
 def clear_cache() -> None:
     """Forget every memoized decision."""
-    _MEMO.clear()
+    for clear in _CLEARERS:
+        clear()
 
 
 def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy: Optional[str] = None,

@@ -21,10 +21,18 @@ PAD_MODES = ("auto", "always", "never")
 ENV_VARS = ("ATTNSELECT_POLICY", "ATTNSELECT_BACKEND", "ATTNSELECT_PAD", "ATTNSELECT_DISABLE")
 
 
+# os.environ encodes every key and decodes every value on each access; on POSIX its raw bytes
+# mapping answers the same question without that work (this runs on every attention call).
+_RAW_ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_RAW_NAMES = tuple(name.encode() for name in ENV_VARS)
+
+
 def environment() -> tuple:
     """The ATTNSELECT_* variables attnselect reads, as a hashable snapshot (part of the memo key)."""
-    get = os.environ.get
-    return tuple(get(name) for name in ENV_VARS)
+    if _RAW_ENVIRON is not None:
+        get = _RAW_ENVIRON.get
+        return tuple(None if value is None else os.fsdecode(value) for value in map(get, _RAW_NAMES))
+    return tuple(map(os.environ.get, ENV_VARS))
 
 
 @dataclass(frozen=True)
