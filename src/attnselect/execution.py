@@ -59,40 +59,35 @@ def run_call(candidate: Candidate, problem: AttentionProblem, call: KernelCall, 
 
 
 def _run_packed(backend, pad_to, call, q, k, v, packing):
-    d_v = v.shape[-1]
     if q.shape[0] == 0 or k.shape[0] == 0:
         out, lse = _empty_result(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 1, call.return_lse)
         return out[0], (lse[0] if lse is not None else None)                   # (1, H, T) -> (H, T)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if pad_to is not None:
-        q, k, v = (_pad(t, pad_to) for t in (q, k, v))
-    out, lse = backend.run_packed(q, k, v, call, packing)
-    return (out[..., :d_v] if pad_to is not None else out), lse
+    return _padded(lambda q, k, v: backend.run_packed(q, k, v, call, packing), pad_to, q, k, v)
 
 
 def _run_dense(backend, pad_to, layout, call, q, k, v):
     perm = _PERMUTE[(layout, backend.layout)]
     if perm is not None:
         q, k, v = q.permute(perm), k.permute(perm), v.permute(perm)
-    # Kernels read the head dim with stride 1 (sdp_utils check_last_dim_stride_equals_1).
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     seq_axis = 2 if backend.layout == "bhsd" else 1
-    d_v = v.shape[-1]
     if q.shape[seq_axis] == 0 or k.shape[seq_axis] == 0:
         out, lse = _empty_result(q, k, v, seq_axis, call.return_lse)
     else:
-        if pad_to is not None:
-            q, k, v = (_pad(t, pad_to) for t in (q, k, v))
-        out, lse = backend.run(q, k, v, call)
-        if pad_to is not None:
-            out = out[..., :d_v]
+        out, lse = _padded(lambda q, k, v: backend.run(q, k, v, call), pad_to, q, k, v)
     back = _INVERSE.get((backend.layout, layout))
     return (out.permute(back) if back is not None else out), lse
 
 
-def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
+def _padded(run, pad_to, q, k, v):
+    """``run(q, k, v)`` with the head dim at stride 1, zero-padded to ``pad_to``, the output trimmed to d_v."""
+    # Kernels read the head dim with stride 1 (sdp_utils check_last_dim_stride_equals_1).
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if pad_to is None:
+        return run(q, k, v)
+    d_v = v.shape[-1]
+    out, lse = run(*(t if t.shape[-1] == pad_to else F.pad(t, (0, pad_to - t.shape[-1])) for t in (q, k, v)))
+    return out[..., :d_v], lse
 
 
 def _empty_result(q, k, v, seq_axis, return_lse):
