@@ -131,3 +131,35 @@ def test_memo_is_bounded(monkeypatch):
 
 def test_why_names_a_forced_pad():
     assert "the caller set pad='never'" in attnselect.select(P, target=CPU, pad=False).why
+
+
+def test_overrides_block_like_sdpa_kernel(monkeypatch):
+    assert attnselect.select(P, target=CPU).chosen == Candidate("sdpa_flash", 24)
+    with attnselect.overrides(pad=False):
+        assert attnselect.select(P, target=CPU).chosen == Candidate("sdpa_math")
+        with attnselect.overrides(backend="reference"):          # nested: adds a field, keeps pad
+            assert attnselect.select(P, target=CPU).chosen == Candidate("reference")
+        assert attnselect.select(P, target=CPU, pad=True).chosen == Candidate("sdpa_flash", 24)   # keyword wins
+    monkeypatch.setenv("ATTNSELECT_BACKEND", "sdpa_math")
+    with attnselect.overrides(backend="reference"):              # the block wins over the environment
+        assert attnselect.select(P, target=CPU).chosen.backend == "reference"
+    assert attnselect.select(P, target=CPU).chosen.backend == "sdpa_math"
+
+
+def test_overrides_are_checked_on_entry():
+    with pytest.raises(attnselect.ForcedChoiceError, match="backend: got 'nope'"):
+        with attnselect.overrides(backend="nope"):
+            pass
+    with pytest.raises(attnselect.InvalidInputError, match="disable"):
+        with attnselect.overrides(disable=["sdpa_fast"]):
+            pass
+
+
+def test_overrides_reach_the_attention_fast_path():
+    q, k, v = (torch.randn(1, 8, 2, d, dtype=torch.float64) for d in (24, 24, 16))
+    attnselect.attention(q, k, v)
+    with attnselect.overrides(backend="reference", disable="sdpa_flash"):
+        inside = attnselect.attention(q, k, v)
+    from attnselect import api
+    assert {entry[1].backend for entry in api._CALLS.values()} == {"sdpa_flash", "reference"}
+    assert torch.allclose(inside, attnselect.attention(q, k, v), atol=1e-12)

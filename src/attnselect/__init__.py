@@ -1,7 +1,7 @@
 """attnselect: run every attention call on the fastest kernel that can correctly serve it, and say why.
 
 Public API: :func:`attention`, :func:`select`, :func:`explain`, :class:`AttentionProblem`,
-:class:`Target`, plus :class:`Decision`, :func:`clear_cache` and the error classes.
+:class:`Target`, plus :class:`Decision`, :func:`overrides`, :func:`clear_cache` and the error classes.
 """
 
 from attnselect.api import attention, explain
@@ -9,11 +9,12 @@ from attnselect.candidates import Candidate, Verdict
 from attnselect.errors import AttnSelectError, ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.problem import AttentionProblem
 from attnselect.selection import Decision, clear_cache, select
+from attnselect.settings import overrides
 from attnselect.target import Target
 
 __version__ = "0.1.0"
 
 __all__ = [
     "attention", "select", "explain", "AttentionProblem", "Target", "Decision", "Candidate", "Verdict",
-    "clear_cache", "AttnSelectError", "InvalidInputError", "NoSupportedCandidateError", "ForcedChoiceError",
+    "clear_cache", "overrides", "AttnSelectError", "InvalidInputError", "NoSupportedCandidateError", "ForcedChoiceError",
 ]

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-from attnselect import backends, settings
+from attnselect import backends, debug, settings
 from attnselect import policy as rules
 from attnselect.candidates import Candidate, Verdict, judge
 from attnselect.errors import ForcedChoiceError, NoSupportedCandidateError
 from attnselect.problem import AttentionProblem
 from attnselect.target import Target
-
-log = logging.getLogger("attnselect")
-
 
 @dataclass(frozen=True)
 class Decision:
@@ -91,22 +87,22 @@ def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy
     :class:`NoSupportedCandidateError` or :class:`ForcedChoiceError` listing every reason.
     """
     target = target or Target.current()
-    env = settings.environment()
+    env, scoped = settings.environment(), settings.scope()
     if disable is not None and not isinstance(disable, str):
         disable = settings.names(disable, "disable")
-    key = (problem, target, policy, backend, pad, disable, env, backends.registry_version())
+    key = (problem, target, policy, backend, pad, disable, env, scoped, backends.registry_version())
     try:
         decision = _MEMO.get(key)
     except TypeError:   # an unhashable control: resolve() names it
         decision, key = None, None
     if decision is None:
         decision = _decide(problem, target, settings.resolve(policy=policy, backend=backend, pad=pad,
-                                                              disable=disable, env=env))
+                                                              disable=disable, env=env, scoped=scoped))
         if key is not None:
             _MEMO[key] = decision
             if len(_MEMO) > MEMO_SIZE:
                 _MEMO.popitem(last=False)
-        log.info("attnselect: %s | %s", problem.describe(), decision.why)
+        debug.log_decision(decision)
     return decision
 
 

@@ -1,12 +1,14 @@
-"""User controls: keyword arguments and their ATTNSELECT_* environment mirrors.
+"""User controls: keyword arguments, the :func:`overrides` context manager, ATTNSELECT_* variables.
 
-A keyword argument wins over its environment variable. Unknown values raise an
-:class:`~attnselect.errors.InvalidInputError` naming the argument or variable.
+Precedence: a keyword argument, then the innermost ``overrides`` block, then the environment.
+Unknown values raise an :class:`~attnselect.errors.InvalidInputError` naming their source.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -18,7 +20,37 @@ if TYPE_CHECKING:
 
 POLICIES = ("rules",)
 PAD_MODES = ("auto", "always", "never")
-ENV_VARS = ("ATTNSELECT_POLICY", "ATTNSELECT_BACKEND", "ATTNSELECT_PAD", "ATTNSELECT_DISABLE")
+ENV_VARS = ("ATTNSELECT_POLICY", "ATTNSELECT_BACKEND", "ATTNSELECT_PAD", "ATTNSELECT_DISABLE",
+            "ATTNSELECT_DEBUG", "ATTNSELECT_DEBUG_LEVEL")
+_NO_SCOPE = (None, None, None, None)
+_SCOPE: ContextVar[tuple] = ContextVar("attnselect_overrides", default=_NO_SCOPE)
+
+
+def scope() -> tuple:
+    """The (policy, backend, pad, disable) set by enclosing :func:`overrides` blocks (part of memo keys)."""
+    return _SCOPE.get()
+
+
+@contextlib.contextmanager
+def overrides(*, policy: Optional[str] = None, backend: Optional[str] = None, pad=None, disable=None):
+    """Controls for every attnselect call in the block, like ``torch.nn.attention.sdpa_kernel``.
+
+    ``with attnselect.overrides(backend="sdpa_flash", pad=True): ...`` forces a backend and
+    padding; ``disable=["flex"]`` excludes backends. A call's own keyword arguments still win,
+    the block wins over ATTNSELECT_* variables, and nested blocks override field by field.
+    Values are checked on entry. Memoized decisions are keyed on the block, so nothing is stale.
+    """
+    if isinstance(pad, bool):
+        pad = "always" if pad else "never"
+    if disable is not None:
+        disable = names([x.strip() for x in disable.split(",")] if isinstance(disable, str) else disable, "disable")
+    inner = tuple(o if n is None else n for n, o in zip((policy, backend, pad, disable), _SCOPE.get()))
+    resolve(policy=inner[0], backend=inner[1], pad=inner[2], disable=inner[3], env=(None,) * len(ENV_VARS))
+    token = _SCOPE.set(inner)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
 
 
 # os.environ encodes every key and decodes every value on each access; on POSIX its raw bytes
@@ -68,11 +100,13 @@ def names(values, argument: str) -> tuple:
     return tuple(sorted(set(values)))
 
 
-def resolve(*, policy=None, backend=None, pad=None, disable=None, env: tuple = ()) -> Overrides:
-    """Merge keyword arguments with the environment snapshot ``env`` (see :func:`environment`)."""
+def resolve(*, policy=None, backend=None, pad=None, disable=None, env: tuple = (), scoped: tuple = _NO_SCOPE
+            ) -> Overrides:
+    """Merge keyword arguments, an :func:`overrides` scope and the environment snapshot ``env``."""
     from attnselect import backends
 
-    env_policy, env_backend, env_pad, env_disable = env or environment()
+    env_policy, env_backend, env_pad, env_disable = [
+        s if s is not None else e for s, e in zip(scoped, (env or environment())[:4])]
     policy, source = _pick(policy, env_policy, "policy", "ATTNSELECT_POLICY")
     if not isinstance(policy, (str, type(None))) or (policy or "rules") not in POLICIES:
         raise InvalidInputError(f"{source}: got {policy!r}, expected one of {POLICIES}")
