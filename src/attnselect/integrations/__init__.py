@@ -1,0 +1,1 @@
+"""Integrations with frameworks that run attnselect for you (Ray; more to come). Each is an optional extra."""

@@ -1,0 +1,37 @@
+"""Ray: carry the driver's attnselect settings to Ray workers.
+
+Ray workers do not inherit environment variables exported in the driver's process or shell
+(they inherit the raylet's); ``runtime_env["env_vars"]`` is the channel that reaches them
+(docs.ray.io, "Environment Dependencies"). Use it per job or per task::
+
+    ray.init(runtime_env=attnselect.integrations.ray.runtime_env())
+    task.options(runtime_env=attnselect.integrations.ray.runtime_env(existing)).remote()
+
+Needs no Ray import itself; install Ray with ``pip install 'attnselect[ray]'``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Optional
+
+#: Variables forwarded besides every ATTNSELECT_*: TransformerEngine's debug switches, so a TE
+#: and attnselect debugging session behaves the same on the workers.
+FORWARDED = ("NVTE_DEBUG", "NVTE_DEBUG_LEVEL")
+
+
+def runtime_env(base: Optional[dict] = None) -> dict:
+    """A Ray runtime_env whose ``env_vars`` carry every set ATTNSELECT_* variable (and NVTE_DEBUG,
+    NVTE_DEBUG_LEVEL) of this process, merged into ``base`` without dropping any of its keys.
+
+    Where ``base["env_vars"]`` already sets one of them, ``base`` wins. ``base`` is not modified.
+    """
+    if base is not None and not isinstance(base, dict):
+        from attnselect.errors import InvalidInputError
+        raise InvalidInputError(f"base: got {type(base).__name__}, expected a dict (a Ray runtime_env) or None")
+    merged = copy.deepcopy(base) if base else {}
+    carried = {name: value for name, value in os.environ.items()
+               if name.startswith("ATTNSELECT_") or name in FORWARDED}
+    merged["env_vars"] = {**carried, **(merged.get("env_vars") or {})}
+    return merged
