@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional, Union
 
 import torch
 
-from collections import OrderedDict
-
 from attnselect import backends, settings
 from attnselect.errors import ForcedChoiceError, NoSupportedCandidateError
-from attnselect.execution import kernel_call, run_call, run_candidate
+from attnselect.execution import kernel_call, run_call
 from attnselect.inputs import check_scale, describe_call
 from attnselect.problem import AttentionProblem
 from attnselect.selection import MEMO_SIZE, Decision, register_cache, select
@@ -73,11 +72,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
                                      cu_seqlens_kv_padded=cu_seqlens_kv_padded)
     target = target_for_device(q.device)
     decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
+    default_call = kernel_call(problem)
     if call_key is not None:
-        _CALLS[call_key] = (problem, decision.chosen, target, kernel_call(problem))
+        _CALLS[call_key] = (problem, decision.chosen, target, default_call)
         if len(_CALLS) > MEMO_SIZE:
             _CALLS.popitem(last=False)
-    out, lse = run_candidate(decision.chosen, problem, q, k, v, scale=scale, packing=packing, target=target)
+    call = default_call if scale is None else kernel_call(problem, scale)
+    out, lse = run_call(decision.chosen, problem, call, q, k, v, packing=packing, target=target)
     return (out, lse) if return_lse else out
 
 
