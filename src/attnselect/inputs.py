@@ -23,19 +23,9 @@ def _fail(name: str, seen, expected: str):
     raise InvalidInputError(f"{name}: got {seen}, expected {expected}")
 
 
-def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bshd",
-                         causal=False, window=None, dropout_p: float = 0.0,
-                         cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_kv: Optional[torch.Tensor] = None,
-                         max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
-                         return_lse: bool = False, context_parallel_size: int = 1,
-                         scale: Optional[float] = None, cu_seqlens_q_padded: Optional[torch.Tensor] = None,
-                         cu_seqlens_kv_padded: Optional[torch.Tensor] = None) -> AttentionProblem:
-    """Validate q, k, v and the call arguments, and describe the call."""
-    return describe_call(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
-                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-                         max_seqlen_kv=max_seqlen_kv, return_lse=return_lse,
-                         context_parallel_size=context_parallel_size, scale=scale,
-                         cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded)[0]
+def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call_arguments) -> AttentionProblem:
+    """Validate q, k, v and the call arguments (those of :func:`describe_call`), and describe the call."""
+    return describe_call(q, k, v, **call_arguments)[0]
 
 
 def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_p=0.0, cu_seqlens_q=None,
