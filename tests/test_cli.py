@@ -51,3 +51,11 @@ def test_backends_lists_every_backend(capsys):
     assert main(["backends"]) == 0
     out = capsys.readouterr().out
     assert all(b.name in out for b in all_backends()) and "available" in out
+
+
+def test_tune_measures_and_stores(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    assert main(["tune", "--model", "llama-3-70b", "--seqlen", "16", "--phase", "inference", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "tuning 1 problems" in out and "[####################] 1/1" in out
+    assert (tmp_path / "decisions.json").exists()

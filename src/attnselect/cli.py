@@ -1,4 +1,4 @@
-"""Command line: ``attnselect explain`` (which kernel, and why), ``demo`` (a real run), ``backends``."""
+"""Command line: ``attnselect explain`` (which kernel, and why), ``demo`` (a real run), ``backends``, ``tune``."""
 
 from __future__ import annotations
 
@@ -101,6 +101,26 @@ def cmd_demo(a) -> int:
     return 0 if max(errors) < 2e-2 else 1
 
 
+def cmd_tune(a) -> int:
+    """Measure ahead of time: every (model, seqlen, phase) problem, stored in the decision cache."""
+    target = Target.current()
+    problems = []
+    for model in a.model:
+        m = MODELS[model]
+        for seqlen in a.seqlen:
+            for training in ([False, True] if a.phase == "both" else [a.phase == "training"]):
+                problems.append(AttentionProblem(
+                    batch=a.batch, seqlen_q=seqlen, seqlen_kv=seqlen, heads_q=m.heads, heads_kv=m.kv_heads,
+                    head_dim_qk=m.head_dim_qk, head_dim_v=m.head_dim_v, dtype=DTYPES[a.dtype], layout=a.layout,
+                    mask="causal", training=training))
+    print(f"tuning {len(problems)} problems on {target.describe()}")
+    for i, problem in enumerate(problems, 1):
+        decision = select(problem, target=target, policy="measure")
+        bar = "#" * (20 * i // len(problems))
+        print(f"[{bar:<20}] {i}/{len(problems)} {problem.describe()}: {decision.chosen}", flush=True)
+    return 0
+
+
 def cmd_backends(a) -> int:
     """Every registered backend, what it is, and whether this machine can run it at all."""
     target = Target.current()
@@ -118,9 +138,16 @@ def main(argv=None) -> int:
     _explain_parser(sub)
     sub.add_parser("demo", help="run a small MLA attention on this machine and check it")
     sub.add_parser("backends", help="list the backends and whether this machine can run them")
+    tune = sub.add_parser("tune", help="measure model shapes now and keep the decisions in the cache")
+    tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["deepseek-v3"])
+    tune.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096])
+    tune.add_argument("--batch", type=int, default=1)
+    tune.add_argument("--layout", default="bshd", choices=["bshd", "sbhd", "bhsd", "thd"])
+    tune.add_argument("--phase", default="both", choices=["training", "inference", "both"])
+    tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     a = parser.parse_args(argv)
     try:
-        return {"explain": cmd_explain, "demo": cmd_demo, "backends": cmd_backends}[a.command](a)
+        return {"explain": cmd_explain, "demo": cmd_demo, "backends": cmd_backends, "tune": cmd_tune}[a.command](a)
     except AttnSelectError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

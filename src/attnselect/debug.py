@@ -65,7 +65,14 @@ def log_decision(decision: "Decision") -> None:
     _apply(debug_level())
     LOGGER.info("%s | %s", decision.problem.describe(), decision.why)
     if LOGGER.isEnabledFor(logging.DEBUG):
+        timings = decision.timings or {}
         for verdict in decision.verdicts:
-            rank = decision.rank_of(verdict.candidate)
-            LOGGER.debug("  %s: %s", verdict.candidate,
-                         f"supported, rank {rank}" if rank else "not supported: " + "; ".join(verdict.reasons))
+            candidate = verdict.candidate
+            if not verdict.supported:
+                LOGGER.debug("  %s: not supported: %s", candidate, "; ".join(verdict.reasons))
+                continue
+            rank = decision.rank_of(candidate)
+            text = f"supported, rank {rank}" if rank else "supported, but failed while tuning"
+            if candidate in timings:
+                text += f", measured {timings[candidate] or 'FAILED'}"
+            LOGGER.debug("  %s: %s", candidate, text)

@@ -6,10 +6,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-from attnselect import backends, debug, settings
+from attnselect import backends, debug, measure, settings, store
 from attnselect import policy as rules
 from attnselect.candidates import Candidate, Verdict, judge
-from attnselect.errors import ForcedChoiceError, NoSupportedCandidateError
+from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.problem import AttentionProblem
 from attnselect.target import Target
 
@@ -24,6 +24,7 @@ class Decision:
     chosen: Candidate
     ranked: tuple[Candidate, ...]
     verdicts: tuple[Verdict, ...]
+    timings: Optional[dict] = None   # measure policy: Candidate -> Timing, or None where it failed
 
     @property
     def why(self) -> str:
@@ -31,6 +32,13 @@ class Decision:
         how = f"padded to {self.chosen.pad_to}" if self.chosen.padded else "native"
         because = (f"it ranks first of {len(self.ranked)} supported candidates in the {self.policy} "
                    f"table for {' '.join(key)}")
+        if self.timings:
+            timed = {c: t for c, t in self.timings.items() if t is not None}
+            fastest = min(timed, key=lambda c: timed[c].median_ms)
+            because = (f"it measured {timed[self.chosen]} against {len(timed)} timed candidates"
+                       + (" (the fastest)" if fastest == self.chosen else
+                          f", inside the spread of the fastest, {fastest} at {timed[fastest]}, and ranks higher "
+                          "in the rules"))
         if self.overrides.backend:
             because = f"the caller forced backend {self.overrides.backend!r} and " + because
         natives = [c for c in self.ranked if not c.padded]
@@ -112,7 +120,60 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
     if not ranked:
         error = ForcedChoiceError if overrides.backend or overrides.pad != "auto" else NoSupportedCandidateError
         raise error(no_candidate_message(problem, target, verdicts, overrides))
-    return Decision(problem, target, overrides.policy, overrides, ranked[0], ranked, verdicts)
+    timings = None
+    if overrides.policy == "measure" and len(ranked) > 1:
+        ranked, timings = _measured(problem, target, ranked)
+    return Decision(problem, target, overrides.policy, overrides, ranked[0], ranked, verdicts, timings)
+
+
+def _measured(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, ...]):
+    """Rank by measurement: from the persistent cache, else timed here (by rank 0 under torch.distributed,
+    then broadcast, so every rank runs the same kernel)."""
+    if target not in (Target.current(), Target.current("cpu")):
+        raise InvalidInputError(f"policy: 'measure' times kernels on this machine, but the target is "
+                                f"{target.describe()}; use policy='rules' to simulate other machines")
+    key = store.entry_key(measure.bucket(problem), "measure", target)
+    result = _from_store(store.lookup(key), ranked)
+    if _distributed():
+        import torch.distributed as dist
+        shared = [result if dist.get_rank() == 0 else None]
+        if dist.get_rank() == 0 and result is None:
+            shared = [result := _measure_and_store(problem, target, ranked, key)]
+        dist.broadcast_object_list(shared, src=0)
+        result = shared[0]
+    elif result is None:
+        result = _measure_and_store(problem, target, ranked, key)
+    return result
+
+
+def _measure_and_store(problem, target, ranked, key):
+    timings = measure.measure(problem, target, ranked)
+    order = measure.choose(ranked, timings)
+    if not order:
+        raise NoSupportedCandidateError(f"every supported candidate failed while tuning {problem.describe()}: "
+                                        + "; ".join(str(c) for c in timings))
+    store.remember(key, {"ranked": [c.to_dict() for c in order],
+                         "timings": {str(c): None if t is None else [t.median_ms, t.low_ms, t.high_ms]
+                                     for c, t in timings.items()}})
+    return order, timings
+
+
+def _from_store(entry, ranked):
+    """(ranked, timings) from a cache entry, or None when it is missing or names no supported candidate."""
+    if not entry:
+        return None
+    supported = {str(c): c for c in ranked}
+    order = tuple(supported[str(Candidate(**c))] for c in entry["ranked"] if str(Candidate(**c)) in supported)
+    if not order:
+        return None
+    timings = {supported[name]: (None if t is None else measure.Timing(*t))
+               for name, t in entry["timings"].items() if name in supported}
+    return order, timings
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def no_candidate_message(problem, target, verdicts, overrides) -> str:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from attnselect.candidates import Candidate
     from attnselect.problem import AttentionProblem
 
-POLICIES = ("rules",)
+POLICIES = ("rules", "measure")
 PAD_MODES = ("auto", "always", "never")
 ENV_VARS = ("ATTNSELECT_POLICY", "ATTNSELECT_BACKEND", "ATTNSELECT_PAD", "ATTNSELECT_DISABLE",
             "ATTNSELECT_DEBUG", "ATTNSELECT_DEBUG_LEVEL")

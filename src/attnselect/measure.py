@@ -1,0 +1,145 @@
+"""The measure policy: time the supported candidates on this machine and keep the fastest.
+
+Each candidate runs on random inputs of the problem's shape (forward, or forward+backward
+when training): warm-up, then repeats timed with CUDA events (wall clock on the CPU); its
+median and 20th..80th percentile spread are kept. The fastest median wins, except that a
+candidate the rules rank higher wins when its median lies inside the fastest one's spread.
+Packed problems are measured on a bucket (powers of two of batch and lengths) filled with
+full-length sequences, so a loop whose packing changes every step tunes a few times, not
+every step. The time spent per problem is bounded by ``TUNING_BUDGET_S``; candidates not
+reached by then keep their rules order behind the measured ones, and the log says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attnselect.backends.base import Packing
+from attnselect.candidates import Candidate
+from attnselect.problem import AttentionProblem
+from attnselect.target import Target
+
+log = logging.getLogger("attnselect")
+
+TUNING_BUDGET_S = 10.0   # per problem
+WARMUP, REPEATS = 2, 7
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    low_ms: float    # 20th percentile
+    high_ms: float   # 80th percentile
+
+    def __str__(self) -> str:
+        return f"{self.median_ms:.3f} ms ({self.low_ms:.3f}..{self.high_ms:.3f})"
+
+
+def bucket(problem: AttentionProblem) -> AttentionProblem:
+    """The problem a packed call is tuned as: batch and lengths rounded up to powers of two."""
+    if problem.layout != "thd":
+        return problem
+    up = lambda n: 1 << max(n - 1, 0).bit_length()   # noqa: E731
+    return dataclasses.replace(problem, batch=up(problem.batch), seqlen_q=up(problem.seqlen_q),
+                               seqlen_kv=up(problem.seqlen_kv))
+
+
+def measure(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, ...],
+            budget_s: float = TUNING_BUDGET_S) -> dict[Candidate, Optional[Timing]]:
+    """Time each candidate in rules order until the budget is spent; None marks a candidate that failed."""
+    from attnselect.execution import kernel_call, run_call
+    device = torch.device("cuda" if target.is_cuda else "cpu")
+    problem = bucket(problem)
+    q, k, v, grad_out, packing = _random_inputs(problem, device)
+    call = kernel_call(problem)
+    timings: dict[Candidate, Optional[Timing]] = {}
+    start = time.perf_counter()
+    for candidate in ranked:
+        if time.perf_counter() - start > budget_s:
+            log.info("attnselect: tuning budget of %.0f s spent after %d of %d candidates for %s; the rest keep "
+                     "their rules order", budget_s, len(timings), len(ranked), problem.describe())
+            break
+
+        def step():
+            out, _ = run_call(candidate, problem, call, q, k, v, packing=packing, target=target)
+            if problem.training:
+                torch.autograd.grad(out, (q, k, v), grad_out)
+            return out
+
+        try:
+            if not bool(torch.isfinite(step()).all()):
+                raise FloatingPointError("non-finite output for finite input")
+            timings[candidate] = _time(step, device)
+        except Exception as exc:   # a candidate that fails while tuning is out, and said so
+            log.warning("attnselect: %s failed while tuning %s: %s: %s", candidate, problem.describe(),
+                        type(exc).__name__, exc)
+            timings[candidate] = None
+    return timings
+
+
+def choose(ranked: tuple[Candidate, ...], timings: dict[Candidate, Optional[Timing]]) -> tuple[Candidate, ...]:
+    """The candidates best first: measured by time (ties inside the fastest spread by rules order),
+    then the unmeasured in rules order; failed ones are dropped."""
+    measured = [c for c in ranked if timings.get(c) is not None]
+    if not measured:
+        return tuple(c for c in ranked if c not in timings)
+    fastest = min(measured, key=lambda c: timings[c].median_ms)
+    winner = next(c for c in measured if timings[c].median_ms <= timings[fastest].high_ms)
+    by_time = sorted((c for c in measured if c != winner), key=lambda c: timings[c].median_ms)
+    return (winner, *by_time, *(c for c in ranked if c not in timings))
+
+
+def _time(step, device: torch.device) -> Timing:
+    for _ in range(WARMUP):
+        step()
+    times = []
+    for _ in range(REPEATS):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    low, *_, high = statistics.quantiles(times, n=5)
+    return Timing(statistics.median(times), low, high)
+
+
+def _random_inputs(problem: AttentionProblem, device: torch.device):
+    """q, k, v (requiring grad when training), an output gradient and, for thd, a full-length packing."""
+    from attnselect.inputs import DENSE_AXES
+
+    def shape(seqlen: int, heads: int, head_dim: int) -> tuple:
+        if problem.layout == "thd":
+            return problem.batch * seqlen, heads, head_dim
+        dims = [0, 0, 0, head_dim]
+        for axis, size in zip(DENSE_AXES[problem.layout], (problem.batch, seqlen, heads)):
+            dims[axis] = size
+        return tuple(dims)
+
+    def make(*size, grad=problem.training):
+        return torch.randn(shape(*size), device=device, dtype=problem.dtype).requires_grad_(grad)
+
+    q = make(problem.seqlen_q, problem.heads_q, problem.head_dim_qk)
+    k = make(problem.seqlen_kv, problem.heads_kv, problem.head_dim_qk)
+    v = make(problem.seqlen_kv, problem.heads_kv, problem.head_dim_v)
+    grad_out = make(problem.seqlen_q, problem.heads_q, problem.head_dim_v, grad=False)
+    packing = None
+    if problem.layout == "thd":
+        def cu(seqlen):
+            return torch.arange(0, (problem.batch + 1) * seqlen, max(seqlen, 1), dtype=torch.int32,
+                                device=device)[:problem.batch + 1]
+        cu_q, cu_kv = cu(problem.seqlen_q), cu(problem.seqlen_kv)
+        packing = Packing(cu_q, cu_kv, problem.seqlen_q, problem.seqlen_kv, cu_q, cu_kv)
+    return q, k, v, grad_out, packing

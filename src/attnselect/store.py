@@ -1,0 +1,106 @@
+"""The persistent decision cache: what the measure policy measured, kept across processes and runs.
+
+A JSON file ``decisions.json`` in the user cache directory (platformdirs), or in
+ATTNSELECT_CACHE_DIR. Entries are keyed by the problem's bucket, the policy and a target
+fingerprint (GPU name, compute capability, CUDA, torch, cuDNN, cudnn-frontend and flash-attn
+versions), so a change of any of them ignores old entries. Writes are atomic (a temporary
+file renamed over the old one) under an exclusive file lock, so ranks sharing the file
+never lose each other's entries. A corrupt or unreadable file gives one warning and is
+rebuilt; a directory that cannot be written falls back to memory with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("attnselect")
+FORMAT = 1
+_warned: set = set()
+_memory: dict = {}
+
+
+def cache_file() -> Path:
+    directory = os.environ.get("ATTNSELECT_CACHE_DIR")
+    if not directory:
+        import platformdirs
+        directory = platformdirs.user_cache_dir("attnselect")
+    return Path(directory) / "decisions.json"
+
+
+def fingerprint(target) -> dict:
+    return {"name": target.name, "capability": list(target.capability) if target.capability else None,
+            "cuda": torch.version.cuda, "torch": target.torch_version, "cudnn": target.cudnn_version,
+            "cudnn_frontend": target.cudnn_frontend_version, "flash_attn": target.flash_attn_version,
+            "flash_attn3": target.flash_attn3_version, "flash_attn4": target.flash_attn4_version}
+
+
+def entry_key(problem, policy: str, target) -> str:
+    return json.dumps({"problem": problem.to_dict(), "policy": policy, "target": fingerprint(target)},
+                      sort_keys=True)
+
+
+def lookup(key: str) -> Optional[dict]:
+    if key in _memory:
+        return _memory[key]
+    return _read(cache_file()).get(key)
+
+
+def remember(key: str, value: dict) -> None:
+    """Add one entry: to the file when it can be written, else to this process's memory."""
+    path = cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(path):
+            entries = _read(path)
+            entries[key] = value
+            fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".decisions-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": FORMAT, "entries": entries}, f)
+            os.replace(temporary, path)
+    except OSError as exc:
+        _warn_once(f"write:{path.parent}", "attnselect: cannot write the decision cache in %s (%s); keeping "
+                                           "decisions in memory for this process", path.parent, exc)
+        _memory[key] = value
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        if not (isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("entries"), dict)):
+            raise ValueError(f"not an attnselect decision cache of format {FORMAT}")
+        return data["entries"]
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        _warn_once(f"read:{path}", "attnselect: ignoring the unreadable decision cache %s (%s); it will be rebuilt",
+                   path, exc)
+        return {}
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    try:
+        import fcntl
+    except ImportError:   # not POSIX: atomic replacement still keeps the file whole
+        yield
+        return
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _warn_once(tag: str, message: str, *args) -> None:
+    if tag not in _warned:
+        _warned.add(tag)
+        log.warning(message, *args)

@@ -1,0 +1,138 @@
+"""The measure policy and its persistent decision cache, on the CPU candidates."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import attnselect
+from attnselect import AttentionProblem, Candidate, Target, measure, store
+
+P = AttentionProblem(batch=2, seqlen_q=64, seqlen_kv=64, heads_q=4, heads_kv=4, head_dim_qk=24, head_dim_v=16,
+                     dtype=torch.float32, mask="causal")
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    store._memory.clear()
+    store._warned.clear()
+    return tmp_path
+
+
+def test_measure_times_every_supported_candidate_and_keeps_the_fastest(caplog, monkeypatch):
+    monkeypatch.setenv("ATTNSELECT_DEBUG", "1")
+    monkeypatch.setenv("ATTNSELECT_DEBUG_LEVEL", "2")
+    with caplog.at_level("DEBUG", logger="attnselect"):
+        d = attnselect.select(P, target=Target.current("cpu"), policy="measure")
+    rules = attnselect.select(P, target=Target.current("cpu"))
+    assert set(d.timings) == set(rules.ranked) and all(t.median_ms > 0 for t in d.timings.values())
+    fastest = min(d.timings, key=lambda c: d.timings[c].median_ms)
+    assert d.timings[d.chosen].median_ms <= d.timings[fastest].high_ms
+    assert "measured" in d.why and ", measured " in caplog.text
+
+
+def test_ties_inside_the_spread_go_to_the_rules_order():
+    ranked = (Candidate("sdpa_flash", 24), Candidate("sdpa_math"), Candidate("reference"))
+    timings = {ranked[0]: measure.Timing(1.05, 1.0, 1.1), ranked[1]: measure.Timing(1.0, 0.9, 1.08),
+               ranked[2]: None}
+    assert measure.choose(ranked, timings) == (ranked[0], ranked[1])
+    timings[ranked[0]] = measure.Timing(1.5, 1.4, 1.6)
+    assert measure.choose(ranked, timings) == (ranked[1], ranked[0])
+
+
+def test_decisions_persist_across_processes(cache_dir):
+    attnselect.select(P, target=Target.current("cpu"), policy="measure")
+    entries = json.loads((cache_dir / "decisions.json").read_text())["entries"]
+    assert len(entries) == 1
+    code = ("import torch, attnselect, attnselect.measure as m\n"
+            "m.measure = lambda *a, **k: (_ for _ in ()).throw(AssertionError('measured again'))\n"
+            "p = attnselect.AttentionProblem(2, 64, 64, 4, 4, 24, 16, torch.float32, mask='causal')\n"
+            "print(attnselect.select(p, target=attnselect.Target.current('cpu'), policy='measure').chosen)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "ATTNSELECT_CACHE_DIR": str(cache_dir)}).stdout.strip()
+    assert out == str(attnselect.select(P, target=Target.current("cpu"), policy="measure").chosen)
+
+
+def test_another_target_fingerprint_ignores_old_entries(cache_dir, monkeypatch):
+    attnselect.select(P, target=Target.current("cpu"), policy="measure")
+    key = next(iter(json.loads((cache_dir / "decisions.json").read_text())["entries"]))
+    newer = store.fingerprint(Target.current("cpu"))
+    assert json.loads(key)["target"] == newer
+    other = Target.current("cpu").with_versions(torch_version="9.9.9")
+    assert store.lookup(store.entry_key(measure.bucket(P), "measure", other)) is None
+
+
+def test_corrupt_cache_warns_once_and_is_rebuilt(cache_dir, caplog):
+    (cache_dir / "decisions.json").write_text("{not json")
+    with caplog.at_level("WARNING", logger="attnselect"):
+        attnselect.select(P, target=Target.current("cpu"), policy="measure")
+        attnselect.clear_cache()
+        attnselect.select(P, target=Target.current("cpu"), policy="measure")
+    assert caplog.text.count("ignoring the unreadable decision cache") == 1
+    assert len(json.loads((cache_dir / "decisions.json").read_text())["entries"]) == 1
+
+
+def test_read_only_directory_falls_back_to_memory(tmp_path, monkeypatch, caplog):
+    if os.geteuid() == 0:   # root writes anyway: point the cache below a file instead
+        blocker = tmp_path / "file"
+        blocker.write_text("")
+        monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(blocker / "cache"))
+    else:
+        tmp_path.chmod(0o500)
+    with caplog.at_level("WARNING", logger="attnselect"):
+        first = attnselect.select(P, target=Target.current("cpu"), policy="measure")
+    assert "keeping decisions in memory" in caplog.text and store._memory
+    attnselect.clear_cache()
+    assert attnselect.select(P, target=Target.current("cpu"), policy="measure").chosen == first.chosen
+
+
+def test_measure_refuses_simulated_targets():
+    with pytest.raises(attnselect.InvalidInputError, match="'measure' times kernels on this machine"):
+        attnselect.select(P, target=Target.preset("h200"), policy="measure")
+
+
+def test_packed_problems_share_a_bucket():
+    a = AttentionProblem(5, 300, 300, 4, 4, 24, 16, torch.float32, layout="thd", mask="causal")
+    b = AttentionProblem(7, 500, 500, 4, 4, 24, 16, torch.float32, layout="thd", mask="causal")
+    assert measure.bucket(a) == measure.bucket(b) and measure.bucket(a).seqlen_q == 512
+
+
+def test_measure_through_attention_and_environment(monkeypatch):
+    monkeypatch.setenv("ATTNSELECT_POLICY", "measure")
+    q, k, v = (torch.randn(1, 32, 2, d) for d in (24, 24, 16))
+    out = attnselect.attention(q, k, v, causal=True)
+    ref = attnselect.attention(q, k, v, causal=True, backend="reference")
+    assert torch.allclose(out, ref, atol=1e-5)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    packed = attnselect.attention(q[0, :12], k[0, :12], v[0, :12], layout="thd", cu_seqlens_q=cu, causal=True)
+    assert packed.shape == (12, 2, 16)
+
+
+def test_eight_processes_writing_at_once_keep_every_entry(cache_dir):
+    code = ("import sys, attnselect.store as s\n"
+            "for i in range(20): s.remember(f'{sys.argv[1]}-{i}', {'ranked': [], 'timings': {}})")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(n)], env={**os.environ,
+                              "ATTNSELECT_CACHE_DIR": str(cache_dir)}) for n in range(8)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    entries = json.loads((cache_dir / "decisions.json").read_text())["entries"]
+    assert set(entries) == {f"{n}-{i}" for n in range(8) for i in range(20)}
+
+
+def test_ranks_share_rank_zeros_measurement(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = os.path.join(os.path.dirname(__file__), "_distributed_measure.py")
+    procs = [subprocess.Popen([sys.executable, script, str(rank), "2", port, str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    results = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), results
+    lines = sorted(out.strip().splitlines()[-1] for out, _ in results)
+    assert lines[0].split(": ")[1] == lines[1].split(": ")[1]
