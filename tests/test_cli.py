@@ -59,3 +59,15 @@ def test_tune_measures_and_stores(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "tuning 1 problems" in out and "[####################] 1/1" in out
     assert (tmp_path / "decisions.json").exists()
+
+
+def test_bench_smoke_compares_every_policy(tmp_path, monkeypatch, capsys):
+    from attnselect.bench import POLICIES
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    assert main(["bench", "--smoke", "--out", str(tmp_path / "bench")]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert len(report["results"]) == 4
+    for entry in report["results"]:
+        assert set(entry["policies"]) == set(POLICIES) and entry["best_ms"] > 0
+    assert "| problem | rules | measure | te |" in (tmp_path / "bench.md").read_text()
+    assert "measure" in capsys.readouterr().out

@@ -1,9 +1,10 @@
-"""Command line: ``attnselect explain`` (which kernel, and why), ``demo`` (a real run), ``backends``, ``tune``."""
+"""Command line: ``attnselect explain`` (which kernel, and why), ``demo`` (a real run), ``backends``, ``tune``, ``bench``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -121,6 +122,17 @@ def cmd_tune(a) -> int:
     return 0
 
 
+def cmd_bench(a) -> int:
+    """Every candidate and policy on real model shapes (see attnselect.bench)."""
+    from attnselect import bench
+    report = bench.run(a.out, smoke=a.smoke, deadline_s=a.deadline)
+    print(f"{len(report['results'])} problems -> {a.out}.json, .md" + (", .png" if os.path.exists(a.out + ".png") else ""))
+    for policy, row in bench.summary(report).items():
+        print(f"  {policy:<14} within 2% of the fastest on {row['within_2pct']:.0%}, within 5% on "
+              f"{row['within_5pct']:.0%} of {row['problems']} problems; worst {row['worst_ratio']:.0%}")
+    return 0
+
+
 def cmd_backends(a) -> int:
     """Every registered backend, what it is, and whether this machine can run it at all."""
     target = Target.current()
@@ -138,6 +150,10 @@ def main(argv=None) -> int:
     _explain_parser(sub)
     sub.add_parser("demo", help="run a small MLA attention on this machine and check it")
     sub.add_parser("backends", help="list the backends and whether this machine can run them")
+    bench = sub.add_parser("bench", help="time every candidate and policy on real model shapes")
+    bench.add_argument("--out", required=True, help="path without extension: .json, .md and .png are written")
+    bench.add_argument("--smoke", action="store_true", help="one tiny shape (CPU, CI)")
+    bench.add_argument("--deadline", type=float, default=540.0, help="seconds; rerun to resume")
     tune = sub.add_parser("tune", help="measure model shapes now and keep the decisions in the cache")
     tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["deepseek-v3"])
     tune.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096])
@@ -147,7 +163,8 @@ def main(argv=None) -> int:
     tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     a = parser.parse_args(argv)
     try:
-        return {"explain": cmd_explain, "demo": cmd_demo, "backends": cmd_backends, "tune": cmd_tune}[a.command](a)
+        return {"explain": cmd_explain, "demo": cmd_demo, "backends": cmd_backends, "tune": cmd_tune,
+                "bench": cmd_bench}[a.command](a)
     except AttnSelectError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -57,7 +57,7 @@ def measure(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, 
     from attnselect.execution import kernel_call, run_call
     device = torch.device("cuda" if target.is_cuda else "cpu")
     problem = bucket(problem)
-    q, k, v, grad_out, packing = _random_inputs(problem, device)
+    q, k, v, grad_out, packing = random_inputs(problem, device)
     call = kernel_call(problem)
     timings: dict[Candidate, Optional[Timing]] = {}
     start = time.perf_counter()
@@ -76,7 +76,7 @@ def measure(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, 
         try:
             if not bool(torch.isfinite(step()).all()):
                 raise FloatingPointError("non-finite output for finite input")
-            timings[candidate] = _time(step, device)
+            timings[candidate] = time_step(step, device)
         except Exception as exc:   # a candidate that fails while tuning is out, and said so
             log.warning("attnselect: %s failed while tuning %s: %s: %s", candidate, problem.describe(),
                         type(exc).__name__, exc)
@@ -96,7 +96,8 @@ def choose(ranked: tuple[Candidate, ...], timings: dict[Candidate, Optional[Timi
     return (winner, *by_time, *(c for c in ranked if c not in timings))
 
 
-def _time(step, device: torch.device) -> Timing:
+def time_step(step, device: torch.device) -> Timing:
+    """Median and p20..p80 of timed repeats after warm-up (CUDA events on GPUs, wall clock on the CPU)."""
     for _ in range(WARMUP):
         step()
     times = []
@@ -116,7 +117,7 @@ def _time(step, device: torch.device) -> Timing:
     return Timing(statistics.median(times), low, high)
 
 
-def _random_inputs(problem: AttentionProblem, device: torch.device):
+def random_inputs(problem: AttentionProblem, device: torch.device):
     """q, k, v (requiring grad when training), an output gradient and, for thd, a full-length packing."""
     from attnselect.inputs import DENSE_AXES
 

@@ -1,0 +1,241 @@
+"""``attnselect bench``: every candidate and every policy on real model shapes, side by side in one run.
+
+For each problem of the suite it times every supported candidate (forward, or forward+backward
+when training; median and p20..p80 of repeats) and reports the choice of each policy:
+
+- ``rules`` and ``measure`` (attnselect's two policies),
+- ``te``: TransformerEngine's selection emulated on our verdicts (shared/research/te_backend_selection.md):
+  FlashAttention, fused (cuDNN) and unfused (math) attention; on sm90+ flash is dropped when fused also
+  serves; order flash > fused > unfused; PR #3339 pads only when the native shape gets unfused and the
+  padded one does not, or when the native shape gets FlashAttention-2,
+- ``always-pad`` and ``never-pad`` (the rules with padding forced or forbidden),
+- ``torch-default``: what a user gets from plain F.scaled_dot_product_attention (its own dispatch) or,
+  for packed input, torch's varlen_attn with V padded.
+
+Output: JSON, a markdown table and, where matplotlib is installed, a PNG chart of TFLOP/s per policy.
+Resumable: problems already in ``--out``.json are skipped; ``--deadline`` stops cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from attnselect.candidates import Candidate, judge
+from attnselect.measure import random_inputs, time_step
+from attnselect.models import MODELS
+from attnselect.policy import arch_family
+from attnselect.problem import AttentionProblem
+from attnselect.selection import select
+from attnselect.target import Target
+
+POLICIES = ("rules", "measure", "te", "always-pad", "never-pad", "torch-default")
+
+
+def suite(smoke: bool) -> list[AttentionProblem]:
+    """Real model shapes: (model, heads override) x layout x phase x sequence length."""
+    if smoke:
+        shapes, seqlens, dtype = [("deepseek-v2-lite", 4)], [64], torch.float32
+    else:
+        shapes = [("deepseek-v3", 16), ("deepseek-v3", 128), ("kimi-k2", None), ("deepseek-v2-lite", None),
+                  ("llama-3-70b", None), ("deepseek-v3-absorbed", None)]
+        seqlens, dtype = [1024, 4096, 16384], torch.bfloat16
+    problems = []
+    for (model, heads), seqlen, layout, training in (
+            (s, n, lay, tr) for s in shapes for n in seqlens for lay in ("bshd", "thd") for tr in (False, True)):
+        m = MODELS[model]
+        if model == "deepseek-v3-absorbed" and (training or layout == "thd"):
+            continue   # absorbed MLA is an inference (decode/prefill) shape
+        hq = heads or m.heads
+        hkv = hq if m.kv_heads == m.heads else m.kv_heads
+        tokens = 16384 if not smoke else 128
+        batch = max(tokens // seqlen, 1)
+        problems.append(AttentionProblem(batch=batch, seqlen_q=seqlen, seqlen_kv=seqlen, heads_q=hq, heads_kv=hkv,
+                                         head_dim_qk=m.head_dim_qk, head_dim_v=m.head_dim_v, dtype=dtype,
+                                         layout=layout, mask="causal", training=training))
+    return problems
+
+
+def useful_tflops(problem: AttentionProblem, ms: float) -> float:
+    pairs = problem.batch * problem.seqlen_q * (problem.seqlen_q + 1) / 2
+    flops = 2 * problem.heads_q * (problem.head_dim_qk + problem.head_dim_v) * pairs
+    return flops * (3.5 if problem.training else 1.0) / (ms * 1e-3) / 1e12
+
+
+def te_choice(problem: AttentionProblem, target: Target, supported: set) -> Optional[Candidate]:
+    """TransformerEngine's choice with PR #3339's pad decision, on our verdicts."""
+    packed = problem.layout == "thd"
+    flash = "varlen_fa2" if packed else "sdpa_flash"
+    fused = "cudnn_frontend" if packed and Candidate("cudnn_frontend") in supported else "sdpa_cudnn"
+
+    def backend_for(pad_to):
+        has = lambda name: Candidate(name, pad_to) in supported   # noqa: E731
+        if has(flash) and has(fused) and target.is_cuda and target.capability >= (9, 0):
+            return fused
+        for name in (flash, fused):
+            if has(name):
+                return name
+        return "sdpa_math"
+
+    native = backend_for(None)
+    pad_to = problem.pad_target
+    if pad_to is not None:
+        if native == "sdpa_math" and backend_for(pad_to) != "sdpa_math":
+            return Candidate(backend_for(pad_to), pad_to)
+        if native == flash:   # FlashAttention-2 needs equal head dims: TE pads for it
+            return Candidate(flash, pad_to)
+    return Candidate(native) if Candidate(native) in supported else None
+
+
+def bench_problem(problem: AttentionProblem, target: Target) -> dict:
+    device = torch.device("cuda" if target.is_cuda else "cpu")
+    verdicts = judge(problem, target)
+    supported = {v.candidate for v in verdicts if v.supported}
+    inputs = random_inputs(problem, device)
+    rows = {}
+    for candidate in sorted(supported, key=str):
+        rows[str(candidate)] = _timed(lambda c=candidate: _run(c, problem, inputs, target), device, problem)
+    choices = {}
+    for policy in POLICIES:
+        choice = None
+        if policy in ("rules", "measure"):
+            choice = select(problem, target=target, policy=policy).chosen
+        elif policy in ("always-pad", "never-pad"):
+            try:
+                choice = select(problem, target=target, pad=policy == "always-pad").chosen
+            except Exception as exc:
+                choices[policy] = {"candidate": None, "error": str(exc).splitlines()[0]}
+                continue
+        elif policy == "te":
+            choice = te_choice(problem, target, supported)
+        if policy == "torch-default":
+            timing = _timed(lambda: _torch_default(problem, inputs), device, problem)
+            choices[policy] = {"candidate": "F.scaled_dot_product_attention" if problem.layout != "thd"
+                               else "varlen_attn, V padded", **timing}
+        else:
+            choices[policy] = {"candidate": str(choice), **rows.get(str(choice), {"error": "not timed"})}
+    best = min((r for r in rows.values() if "median_ms" in r), key=lambda r: r["median_ms"], default=None)
+    return {"problem": problem.to_dict(), "describe": problem.describe(), "candidates": rows, "policies": choices,
+            "best_ms": best and best["median_ms"]}
+
+
+def _run(candidate, problem, inputs, target):
+    from attnselect.execution import kernel_call, run_call
+    q, k, v, grad_out, packing = inputs
+    out, _ = run_call(candidate, problem, kernel_call(problem), q, k, v, packing=packing, target=target)
+    if problem.training:
+        torch.autograd.grad(out, (q, k, v), grad_out)
+
+
+def _torch_default(problem, inputs):
+    q, k, v, grad_out, packing = inputs
+    if problem.layout == "thd":
+        from torch.nn.attention.varlen import varlen_attn
+        pad = problem.head_dim_qk - problem.head_dim_v
+        v_padded = F.pad(v, (0, pad)) if pad > 0 else v
+        out = varlen_attn(q, k, v_padded, packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.max_seqlen_q,
+                          packing.max_seqlen_kv, window_size=(-1, 0))[..., :problem.head_dim_v]
+    else:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                             enable_gqa=problem.heads_q != problem.heads_kv).transpose(1, 2)
+    if problem.training:
+        torch.autograd.grad(out, (q, k, v), grad_out)
+
+
+def _timed(step, device, problem) -> dict:
+    try:
+        t = time_step(step, device)
+    except Exception as exc:   # what fails is part of the comparison
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+    return {"median_ms": t.median_ms, "p20_ms": t.low_ms, "p80_ms": t.high_ms,
+            "tflops": useful_tflops(problem, t.median_ms)}
+
+
+def report_markdown(report: dict) -> str:
+    meta = report["meta"]
+    lines = ["# attnselect bench: every policy on real model shapes\n",
+             f"{meta['device']}, {meta['date']}. TFLOP/s on useful causal work (fwd; fwd+bwd counted as 3.5x). "
+             "Each cell: the policy's choice and its speed relative to the fastest candidate of that problem.\n",
+             "| problem | " + " | ".join(POLICIES) + " | fastest |", "|---" * (len(POLICIES) + 2) + "|"]
+    for entry in report["results"]:
+        cells = []
+        for policy in POLICIES:
+            c = entry["policies"].get(policy, {})
+            if "median_ms" in c and entry["best_ms"]:
+                cells.append(f"{c['candidate']}: {c['tflops']:.3g} ({entry['best_ms'] / c['median_ms']:.0%})")
+            else:
+                cells.append(f"{c.get('candidate')}: {c.get('error', 'n/a')}"[:60])
+        best = min((r for r in entry["candidates"].items() if "median_ms" in r[1]), key=lambda r: r[1]["median_ms"],
+                   default=(None, {}))
+        cells.append(f"{best[0]}: {best[1].get('tflops', 0):.3g}")
+        lines.append(f"| {entry['describe']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: dict, path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    results = report["results"]
+    fig, ax = plt.subplots(figsize=(max(8, len(results) * 0.6), 5))
+    width = 0.8 / len(POLICIES)
+    for i, policy in enumerate(POLICIES):
+        values = [e["policies"].get(policy, {}).get("tflops", 0) for e in results]
+        ax.bar([x + i * width for x in range(len(results))], values, width, label=policy)
+    ax.set_xticks([x + 0.4 for x in range(len(results))])
+    ax.set_xticklabels([e["describe"][:40] for e in results], rotation=75, ha="right", fontsize=6)
+    ax.set_ylabel("useful TFLOP/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0) -> dict:
+    target = Target.current()
+    path = out + ".json"
+    report = json.load(open(path)) if os.path.exists(path) else {"results": []}
+    report["meta"] = {"device": target.describe(), "arch": arch_family(target), "date": time.strftime("%Y-%m-%d"),
+                      "torch": torch.__version__}
+    done = {json.dumps(e["problem"], sort_keys=True) for e in report["results"]}
+    start = time.time()
+    for problem in suite(smoke):
+        if json.dumps(problem.to_dict(), sort_keys=True) in done:
+            continue
+        if time.time() - start > deadline_s:
+            print("deadline reached; run again to continue", flush=True)
+            break
+        entry = bench_problem(problem, target)
+        report["results"].append(entry)
+        print(f"{entry['describe']}: " + ", ".join(f"{p} {c.get('candidate')}" for p, c in entry["policies"].items()),
+              flush=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(report_markdown(report))
+    chart(report, out + ".png")
+    return report
+
+
+def summary(report: dict) -> dict:
+    """Per policy: the share of problems within 2% / 5% of the fastest candidate, and the worst ratio."""
+    out = {}
+    for policy in POLICIES:
+        ratios = [e["best_ms"] / e["policies"][policy]["median_ms"] for e in report["results"]
+                  if e["best_ms"] and "median_ms" in e["policies"].get(policy, {})]
+        if ratios:
+            out[policy] = {"problems": len(ratios), "within_2pct": sum(r >= 0.98 for r in ratios) / len(ratios),
+                           "within_5pct": sum(r >= 0.95 for r in ratios) / len(ratios),
+                           "median_ratio": statistics.median(ratios), "worst_ratio": min(ratios)}
+    return out
+
+
