@@ -3,6 +3,7 @@
 #   bash scripts/device_run.sh tests   # pytest -m gpu, verbose log            -> $OUT/h200_gpu_tests.txt
 #   bash scripts/device_run.sh grid    # rules grid, resuming the committed rows -> $OUT/h200_rules_grid.jsonl
 #   bash scripts/device_run.sh bench   # packed (thd) benchmark                -> $OUT/h200_thd_bench.{json,md}
+#   bash scripts/device_run.sh models  # attnselect bench, resuming results/h200_bench.json -> $OUT/h200_bench.*
 # Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,5 +25,8 @@ case "${1:-}" in
       --out "$OUT/h200_rules_grid.jsonl" --deadline 500 2>&1 | grep -E "DISAGREE|rows|deadline" | cut -c1-400 ;;
   bench)
     timeout 560 python3 benchmarks/thd_bench.py --out "$OUT/h200_thd_bench" 2>&1 | grep -v -i warn | tail -60 ;;
-  *) echo "usage: $0 tests|grid|bench"; exit 2 ;;
+  models)
+    [ -f results/h200_bench.json ] && cp results/h200_bench.json "$OUT/h200_bench.json"
+    timeout 570 python3 -m attnselect.cli bench --out "$OUT/h200_bench" --deadline 480 2>&1 | grep -v -i warn | tail -30 ;;
+  *) echo "usage: $0 tests|grid|bench|models"; exit 2 ;;
 esac
