@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
+import ray   # the test extra installs Ray
 
 from attnselect.integrations.ray import runtime_env
-
-ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'attnselect[ray]')")
 
 
 def test_runtime_env_merges_without_dropping_keys(monkeypatch):
