@@ -1,4 +1,4 @@
-"""Run by tests/test_measure.py: two gloo ranks tune one problem; only rank 0 may measure."""
+"""Run by tests/test_measure.py: two gloo ranks tune one problem; only rank 0 may measure; each prints its choice."""
 
 import os
 import sys
@@ -17,9 +17,6 @@ def main(rank: int, world: int, port: str, cache: str) -> None:
         measure.measure = lambda *a, **k: (_ for _ in ()).throw(AssertionError(f"rank {rank} measured"))
     p = attnselect.AttentionProblem(2, 64, 64, 4, 4, 24, 16, torch.float32, mask="causal")
     chosen = str(attnselect.select(p, target=attnselect.Target.current("cpu"), policy="measure").chosen)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, chosen)
-    assert len(set(everyone)) == 1, everyone
     dist.destroy_process_group()
     print(f"rank {rank}: {chosen}")
 

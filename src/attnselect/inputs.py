@@ -117,7 +117,8 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv) -> tuple[P
     same = cu_kv is None or cu_kv is cu_q
     cu_kv = cu_q if cu_kv is None else cu_kv
     offsets_q = cu_q if offsets_q is None else offsets_q
-    offsets_kv = (offsets_q if same and offsets_kv is None else cu_kv) if offsets_kv is None else offsets_kv
+    if offsets_kv is None:   # keys share the queries' placement when they share their boundaries
+        offsets_kv = offsets_q if same else cu_kv
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv), ("cu_seqlens_q_padded", offsets_q),
                      ("cu_seqlens_kv_padded", offsets_kv)):
         if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:

@@ -133,29 +133,26 @@ def _measured(problem: AttentionProblem, target: Target, ranked: tuple[Candidate
         raise InvalidInputError(f"policy: 'measure' times kernels on this machine, but the target is "
                                 f"{target.describe()}; use policy='rules' to simulate other machines")
     key = store.entry_key(measure.bucket(problem), "measure", target)
-    result = _from_store(store.lookup(key), ranked)
-    if _distributed():
-        import torch.distributed as dist
-        shared = [result if dist.get_rank() == 0 else None]
-        if dist.get_rank() == 0 and result is None:
-            shared = [result := _measure_and_store(problem, target, ranked, key)]
-        dist.broadcast_object_list(shared, src=0)
-        result = shared[0]
-    elif result is None:
-        result = _measure_and_store(problem, target, ranked, key)
-    return result
+    distributed = _distributed()
+    entry = None
+    if not distributed or _rank() == 0:
+        entry = store.lookup(key)
+        if _from_store(entry, ranked) is None:
+            entry = _measure_entry(problem, target, ranked)
+            store.remember(key, entry)
+    if distributed:
+        entry = _broadcast_from_rank_zero(entry)
+    return _from_store(entry, ranked)
 
 
-def _measure_and_store(problem, target, ranked, key):
+def _measure_entry(problem, target, ranked) -> dict:
     timings = measure.measure(problem, target, ranked)
     order = measure.choose(ranked, timings)
     if not order:
         raise NoSupportedCandidateError(f"every supported candidate failed while tuning {problem.describe()}: "
                                         + "; ".join(str(c) for c in timings))
-    store.remember(key, {"ranked": [c.to_dict() for c in order],
-                         "timings": {str(c): None if t is None else [t.median_ms, t.low_ms, t.high_ms]
-                                     for c, t in timings.items()}})
-    return order, timings
+    return {"ranked": [c.to_dict() for c in order],
+            "timings": {str(c): None if t is None else [t.median_ms, t.low_ms, t.high_ms] for c, t in timings.items()}}
 
 
 def _from_store(entry, ranked):
@@ -174,6 +171,27 @@ def _from_store(entry, ranked):
 def _distributed() -> bool:
     import torch.distributed as dist
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank()
+
+
+def _broadcast_from_rank_zero(entry: Optional[dict]) -> dict:
+    """Rank 0's entry on every rank, as JSON bytes in a tensor (object collectives would need numpy)."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = torch.tensor(list(json.dumps(entry).encode()) if _rank() == 0 else [], dtype=torch.uint8, device=device)
+    length = torch.tensor([data.numel()], dtype=torch.long, device=device)
+    dist.broadcast(length, src=0)
+    if _rank() != 0:
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0)
+    return json.loads(bytes(data.cpu().tolist()).decode())
 
 
 def no_candidate_message(problem, target, verdicts, overrides) -> str:
