@@ -17,8 +17,9 @@ def main(rank: int, world: int, port: str, cache: str) -> None:
         measure.measure = lambda *a, **k: (_ for _ in ()).throw(AssertionError(f"rank {rank} measured"))
     p = attnselect.AttentionProblem(2, 64, 64, 4, 4, 24, 16, torch.float32, mask="causal")
     chosen = str(attnselect.select(p, target=attnselect.Target.current("cpu"), policy="measure").chosen)
+    print(f"rank {rank}: {chosen}", flush=True)
+    dist.barrier()                  # both ranks done before either tears gloo down
     dist.destroy_process_group()
-    print(f"rank {rank}: {chosen}")
 
 
 if __name__ == "__main__":
