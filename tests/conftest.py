@@ -17,10 +17,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch):
-    """Each test starts with no ATTNSELECT_* variable and an empty decision memo."""
+    """Each test starts with no ATTNSELECT_* variable, an empty decision memo and no recorded failures."""
     for name in list(os.environ):
         if name.startswith("ATTNSELECT_"):
             monkeypatch.delenv(name)
+    from attnselect import selection
     attnselect.clear_cache()
+    selection._FAILED.clear()
     yield
     attnselect.clear_cache()
+    selection._FAILED.clear()

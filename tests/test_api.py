@@ -51,3 +51,46 @@ def test_iterators_and_lists_bypass_the_fast_path_without_being_consumed():
     out = attnselect.attention(q, k, v, disable=iter(["sdpa_flash"]), window=[3, 0])
     assert not api._CALLS
     assert torch.allclose(out, attnselect.attention(q, k, v, window=(3, 0), backend="reference"), atol=1e-12)
+
+
+class _Broken(RuntimeError):
+    pass
+
+
+def _break_sdpa_flash(monkeypatch):
+    from attnselect.backends.sdpa_flash import SdpaFlash
+
+    def run(self, q, k, v, call):
+        raise _Broken("workspace allocation failed")
+
+    monkeypatch.setattr(SdpaFlash, "run", run)
+    from attnselect import selection
+    monkeypatch.setattr(selection, "_FAILED", {})
+
+
+def test_a_failing_chosen_kernel_falls_back_once_with_a_warning(monkeypatch, caplog):
+    _break_sdpa_flash(monkeypatch)
+    q, k, v = _inputs()
+    with caplog.at_level("WARNING", logger="attnselect"):
+        out = attnselect.attention(q, k, v, causal=True)
+        again = attnselect.attention(q, k, v, causal=True)
+    assert torch.allclose(out, attnselect.attention(q, k, v, causal=True, backend="reference"), atol=1e-12)
+    assert torch.equal(out, again)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "sdpa_flash padded to 24 failed" in warnings[0] and "workspace" in warnings[0]
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
+    verdict = next(v for v in attnselect.select(problem).verdicts if v.candidate == attnselect.Candidate("sdpa_flash", 24))
+    assert verdict.reasons[0].startswith("failed at run time in this process: _Broken: workspace")
+
+
+def test_forced_or_strict_failures_raise(monkeypatch):
+    _break_sdpa_flash(monkeypatch)
+    q, k, v = _inputs()
+    with pytest.raises(_Broken):
+        attnselect.attention(q, k, v, backend="sdpa_flash", pad=True)
+    monkeypatch.setenv("ATTNSELECT_STRICT", "1")
+    with pytest.raises(_Broken):
+        attnselect.attention(q, k, v)
+    monkeypatch.setenv("ATTNSELECT_STRICT", "yes")
+    with pytest.raises(attnselect.InvalidInputError, match="ATTNSELECT_STRICT"):
+        attnselect.attention(q, k, v)

@@ -8,11 +8,12 @@ from typing import Optional, Union
 import torch
 
 from attnselect import backends, settings
-from attnselect.errors import ForcedChoiceError, NoSupportedCandidateError
+from attnselect.errors import AttnSelectError, ForcedChoiceError, NoSupportedCandidateError
 from attnselect.execution import kernel_call, run_call
 from attnselect.inputs import check_scale, describe_call
 from attnselect.problem import AttentionProblem
-from attnselect.selection import MEMO_SIZE, Decision, register_cache, select
+from attnselect.selection import MEMO_SIZE, Decision, mark_failed, register_cache, select
+from attnselect.settings import strict
 from attnselect.target import Target, target_for_device
 
 Causal = Union[bool, str]
@@ -52,38 +53,49 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
         ``out`` in the layout of q with head dim Dv, or ``(out, lse)``.
 
     Packed (thd) input runs on a packed kernel where one serves the call, else sequence by
-    sequence (which reads the boundaries on the host).
+    sequence (which reads the boundaries on the host). When an automatically chosen kernel
+    raises, attnselect logs one warning, marks the candidate failed for this problem and runs
+    the next one; a forced backend, or ATTNSELECT_STRICT=1, re-raises instead.
     """
     call_key = _dense_call_key(q, k, v, layout, causal, window, dropout_p, cu_seqlens_q, cu_seqlens_kv,
                                cu_seqlens_q_padded, cu_seqlens_kv_padded, return_lse, backend, pad, disable)
     known = _CALLS.get(call_key) if call_key is not None else None
-    if known is not None:   # the same shapes, dtypes, devices and options were validated and decided before
-        problem, chosen, target, default_call = known
-        call = default_call
-        if scale is not None:
-            check_scale(scale)
-            call = kernel_call(problem, scale)
-        out, lse = run_call(chosen, problem, call, q, k, v, target=target)
-        return (out, lse) if return_lse else out
-    problem, packing = describe_call(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
-                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                                     max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, return_lse=return_lse,
-                                     scale=scale, cu_seqlens_q_padded=cu_seqlens_q_padded,
-                                     cu_seqlens_kv_padded=cu_seqlens_kv_padded)
-    target = target_for_device(q.device)
-    decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
-    default_call = kernel_call(problem)
-    if call_key is not None:
-        _CALLS[call_key] = (problem, decision.chosen, target, default_call)
-        if len(_CALLS) > MEMO_SIZE:
-            _CALLS.popitem(last=False)
-    call = default_call if scale is None else kernel_call(problem, scale)
-    out, lse = run_call(decision.chosen, problem, call, q, k, v, packing=packing, target=target)
+    packing = None
+    if known is None:   # else the same shapes, dtypes, devices and options were validated and decided before
+        problem, packing = describe_call(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
+                                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                                         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                                         return_lse=return_lse, scale=scale, cu_seqlens_q_padded=cu_seqlens_q_padded,
+                                         cu_seqlens_kv_padded=cu_seqlens_kv_padded)
+        target = target_for_device(q.device)
+        decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
+        known = (problem, decision.chosen, target, kernel_call(problem), decision.overrides.backend is not None)
+        if call_key is not None:
+            _CALLS[call_key] = known
+            if len(_CALLS) > MEMO_SIZE:
+                _CALLS.popitem(last=False)
+    problem, chosen, target, call, forced = known
+    if scale is not None:
+        check_scale(scale)
+        call = kernel_call(problem, scale)
+    try:
+        out, lse = run_call(chosen, problem, call, q, k, v, packing=packing, target=target)
+    except AttnSelectError:
+        raise
+    except Exception as exc:   # a kernel that fails at run time: fall back unless told to be strict
+        if forced or strict():
+            raise
+        mark_failed(problem, target, chosen, exc)
+        return attention(q, k, v, layout=layout, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                         max_seqlen_kv=max_seqlen_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+                         cu_seqlens_kv_padded=cu_seqlens_kv_padded, return_lse=return_lse, backend=backend,
+                         pad=pad, disable=disable)
     return (out, lse) if return_lse else out
 
 
 # Dense calls already validated and decided: call key -> (problem, chosen candidate, target,
-# kernel options with the default scale).
+# kernel options with the default scale, whether the caller forced the backend).
 # The key holds everything validation and selection read, so a hit skips both.
 _CALLS: "OrderedDict[tuple, tuple]" = OrderedDict()
 register_cache(_CALLS.clear)

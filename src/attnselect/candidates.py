@@ -41,8 +41,12 @@ class Verdict:
         return not self.reasons
 
 
-def judge(problem: AttentionProblem, target: Target, overrides: Overrides = Overrides()) -> tuple[Verdict, ...]:
-    """A verdict for every candidate of every registered backend, in registry order."""
+def judge(problem: AttentionProblem, target: Target, overrides: Overrides = Overrides(),
+          failed: Optional[dict] = None) -> tuple[Verdict, ...]:
+    """A verdict for every candidate of every registered backend, in registry order.
+
+    ``failed`` maps candidates that raised at run time in this process to their error.
+    """
     verdicts = []
     pad_target = problem.pad_target
     for backend in backends.all_backends():
@@ -50,6 +54,8 @@ def judge(problem: AttentionProblem, target: Target, overrides: Overrides = Over
         for pad_to in options:
             candidate = Candidate(backend.name, pad_to)
             reasons = overrides.reasons(candidate, problem)
+            if failed and candidate in failed:
+                reasons = [f"failed at run time in this process: {failed[candidate]}"]
             if not reasons:
                 reasons = backend.not_supported_reasons(problem if pad_to is None else problem.padded(pad_to), target)
             verdicts.append(Verdict(candidate, tuple(reasons)))

@@ -86,6 +86,20 @@ def clear_cache() -> None:
         clear()
 
 
+# Candidates that raised at run time in this process: (problem, target) -> {candidate: error}.
+# Kept across clear_cache(): they are facts about this machine, not memoized choices.
+_FAILED: dict[tuple, dict] = {}
+
+
+def mark_failed(problem: AttentionProblem, target: Target, candidate: Candidate, error: BaseException) -> None:
+    """Record a run-time failure (one warning) and forget decisions, so the next call re-selects without it."""
+    text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+    _FAILED.setdefault((problem, target), {})[candidate] = text
+    debug.LOGGER.warning("attnselect: %s failed on %s (%s); falling back to the next candidate "
+                         "(ATTNSELECT_STRICT=1 raises instead)", candidate, problem.describe(), text)
+    clear_cache()
+
+
 def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy: Optional[str] = None,
            backend: Optional[str] = None, pad=None, disable=None) -> Decision:
     """Choose a candidate for ``problem`` on ``target`` (default: the live machine).
@@ -115,7 +129,7 @@ def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy
 
 
 def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overrides) -> Decision:
-    verdicts = judge(problem, target, overrides)
+    verdicts = judge(problem, target, overrides, _FAILED.get((problem, target), {}))
     ranked = rules.rank(verdicts, problem, target)
     if not ranked:
         error = ForcedChoiceError if overrides.backend or overrides.pad != "auto" else NoSupportedCandidateError

@@ -26,6 +26,14 @@ _NO_SCOPE = (None, None, None, None)
 _SCOPE: ContextVar[tuple] = ContextVar("attnselect_overrides", default=_NO_SCOPE)
 
 
+def strict() -> bool:
+    """ATTNSELECT_STRICT=1: a kernel that fails at run time raises instead of falling back."""
+    value = os.environ.get("ATTNSELECT_STRICT", "0").strip()
+    if value not in ("0", "1"):
+        raise InvalidInputError(f"ATTNSELECT_STRICT: got {value!r}, expected '0' or '1'")
+    return value == "1"
+
+
 def scope() -> tuple:
     """The (policy, backend, pad, disable) set by enclosing :func:`overrides` blocks (part of memo keys)."""
     return _SCOPE.get()
