@@ -194,3 +194,12 @@ def test_padded_offsets_equal_to_the_boundaries_mean_no_gaps():
     problem, packing = attnselect.inputs.describe_call(q, k, v, layout="thd", cu_seqlens_q=cu,
                                                        cu_seqlens_q_padded=cu.clone(), cu_seqlens_kv_padded=cu.clone())
     assert not problem.varlen_gaps and not packing.has_gaps
+
+
+def test_regression_empty_pack_in_training_keeps_autograd_connected():
+    # Found by tests/test_properties.py: a thd batch whose sequences are all empty returned an output
+    # that autograd could not differentiate.
+    (q, k, v), cu, _ = thd_inputs([0, 0])
+    out = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, backend="sdpa_math")
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert out.shape == (0, 4, 16) and dq.shape == q.shape and dv.shape == v.shape

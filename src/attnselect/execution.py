@@ -92,13 +92,16 @@ def _padded(run, pad_to, q, k, v):
 
 def _empty_result(q, k, v, seq_axis, return_lse):
     """No queries, or no keys: zero output rows and lse = -inf (no visible key)."""
-    shape = list(q.shape[:-1]) + [v.shape[-1]]
-    # Empty sums are exact zeros that keep autograd connected, so q, k and v get zero gradients.
-    out = q.new_zeros(shape) + sum(t.narrow(-1, 0, 0).sum() for t in (q, k, v))
+    out = _connected_zeros(list(q.shape[:-1]) + [v.shape[-1]], q, k, v)
     if not return_lse:
         return out, None
     b, h, s = (q.shape[0], q.shape[1], q.shape[2]) if seq_axis == 2 else (q.shape[0], q.shape[2], q.shape[1])
     return out, torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+
+
+def _connected_zeros(shape, q, k, v) -> torch.Tensor:
+    """Zeros that keep autograd connected to q, k and v (empty sums are exact zeros), so they get zero gradients."""
+    return q.new_zeros(shape) + sum(t.narrow(-1, 0, 0).sum() for t in (q, k, v))
 
 
 def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
@@ -133,6 +136,8 @@ def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
         pieces.append(q.new_zeros(q.shape[0] - cursor, hq, d_v))
         lses.append(torch.full((hq, q.shape[0] - cursor), float("-inf"), dtype=torch.float32, device=q.device))
     out = torch.cat(pieces) if pieces else q.new_zeros(0, hq, d_v)
+    if not out.requires_grad and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out = out + _connected_zeros((), q, k, v)   # no sequence had a query: only gaps or nothing
     if not call.return_lse:
         return out, None
     return out, (torch.cat(lses, dim=1) if lses else torch.zeros(hq, 0, dtype=torch.float32, device=q.device))
