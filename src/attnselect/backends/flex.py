@@ -38,17 +38,18 @@ class Flex(Backend):
 
     def run(self, q, k, v, call: KernelCall):
         block_mask = _band_block_mask(call.mask, call.window, q.shape[-2], k.shape[-2], q.device)
-        return _flex(q, k, v, block_mask, call)
+        return _flex(q, k, v, block_mask, call, dynamic=False)
 
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
         block_mask = _document_block_mask(packing, call.mask, call.window, q.shape[0], k.shape[0], q.device)
-        out, lse = _flex(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask, call)
+        # Packed totals change from step to step: let torch.compile make that dimension dynamic.
+        out, lse = _flex(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask, call, dynamic=None)
         return out[0].transpose(0, 1), (lse[0] if lse is not None else None)
 
 
-def _flex(q, k, v, block_mask, call):
+def _flex(q, k, v, block_mask, call, dynamic):
     from torch.nn.attention import flex_attention as flex
-    fn = _compiled_flex() if q.is_cuda else flex.flex_attention
+    fn = _compiled_flex(dynamic) if q.is_cuda else flex.flex_attention
     options = dict(block_mask=block_mask, scale=call.scale, enable_gqa=q.shape[1] != k.shape[1])
     if not call.return_lse:
         return fn(q, k, v, **options), None
@@ -60,9 +61,9 @@ def _flex(q, k, v, block_mask, call):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_flex():
+def _compiled_flex(dynamic):
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, dynamic=dynamic)
 
 
 def _band_edges(mask, window, device):
@@ -83,8 +84,7 @@ def _band_block_mask(mask, window, sq, skv, device):
         diagonal = q_idx + offset
         return (kv_idx <= diagonal + right) & (kv_idx >= diagonal - left)
 
-    return create_block_mask(band_mask, B=None, H=None, Q_LEN=sq, KV_LEN=skv, device=device,
-                             _compile=device.type == "cuda")
+    return create_block_mask(band_mask, B=None, H=None, Q_LEN=sq, KV_LEN=skv, device=device)
 
 
 def _documents(cu_seqlens, offsets, total, device):
