@@ -9,7 +9,7 @@ import torch
 
 from attnselect import backends, settings
 from attnselect.errors import AttnSelectError, ForcedChoiceError, NoSupportedCandidateError
-from attnselect.execution import kernel_call, run_call
+from attnselect.execution import dense_runner, kernel_call, run_call
 from attnselect.inputs import check_scale, describe_call
 from attnselect.problem import AttentionProblem
 from attnselect.selection import MEMO_SIZE, Decision, mark_failed, register_cache, select
@@ -59,7 +59,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
     """
     call_key = _dense_call_key(q, k, v, layout, causal, window, dropout_p, cu_seqlens_q, cu_seqlens_kv,
                                cu_seqlens_q_padded, cu_seqlens_kv_padded, return_lse, backend, pad, disable)
-    known = _CALLS.get(call_key) if call_key is not None else None
+    try:
+        known = _CALLS.get(call_key) if call_key is not None else None
+    except TypeError:   # an unhashable argument: the slow path validates and names it
+        known = call_key = None
+    if known is not None and scale is None:   # the hottest path: same call as before, default scale
+        try:
+            out, lse = known[5](q, k, v)
+        except AttnSelectError:
+            raise
+        except Exception as exc:
+            return _fall_back(known, exc, q, k, v, locals())
+        return (out, lse) if return_lse else out
     packing = None
     if known is None:   # else the same shapes, dtypes, devices and options were validated and decided before
         problem, packing = describe_call(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
@@ -69,12 +80,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
                                          cu_seqlens_kv_padded=cu_seqlens_kv_padded)
         target = target_for_device(q.device)
         decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
-        known = (problem, decision.chosen, target, kernel_call(problem), decision.overrides.backend is not None)
+        default_call = kernel_call(problem)
+        runner = (dense_runner(backends.get(decision.chosen.backend), decision.chosen.pad_to, layout, default_call)
+                  if layout != "thd" else None)
+        known = (problem, decision.chosen, target, default_call, decision.overrides.backend is not None, runner)
         if call_key is not None:
             _CALLS[call_key] = known
             if len(_CALLS) > MEMO_SIZE:
                 _CALLS.popitem(last=False)
-    problem, chosen, target, call, forced = known
+    problem, chosen, target, call, forced, _ = known
     if scale is not None:
         check_scale(scale)
         call = kernel_call(problem, scale)
@@ -82,20 +96,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
         out, lse = run_call(chosen, problem, call, q, k, v, packing=packing, target=target)
     except AttnSelectError:
         raise
-    except Exception as exc:   # a kernel that fails at run time: fall back unless told to be strict
-        if forced or strict():
-            raise
-        mark_failed(problem, target, chosen, exc)
-        return attention(q, k, v, layout=layout, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
-                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-                         max_seqlen_kv=max_seqlen_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
-                         cu_seqlens_kv_padded=cu_seqlens_kv_padded, return_lse=return_lse, backend=backend,
-                         pad=pad, disable=disable)
+    except Exception as exc:
+        return _fall_back(known, exc, q, k, v, locals())
     return (out, lse) if return_lse else out
 
 
+_ARGUMENTS = ("layout", "causal", "window", "scale", "dropout_p", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q",
+              "max_seqlen_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "return_lse", "backend", "pad",
+              "disable")
+
+
+def _fall_back(known, error, q, k, v, arguments):
+    """A kernel failed at run time: re-raise when forced or strict, else mark it failed and call again."""
+    problem, chosen, target, _, forced, _ = known
+    if forced or strict():
+        raise error
+    mark_failed(problem, target, chosen, error)
+    return attention(q, k, v, **{name: arguments[name] for name in _ARGUMENTS})
+
+
 # Dense calls already validated and decided: call key -> (problem, chosen candidate, target,
-# kernel options with the default scale, whether the caller forced the backend).
+# kernel options with the default scale, whether the caller forced the backend, a runner for them).
 # The key holds everything validation and selection read, so a hit skips both.
 _CALLS: "OrderedDict[tuple, tuple]" = OrderedDict()
 register_cache(_CALLS.clear)
@@ -114,8 +135,7 @@ def _dense_call_key(q, k, v, layout, causal, window, dropout_p, cu_q, cu_kv, cu_
                window, dropout_p, return_lse, backend, pad, disable, grad,
                torch.are_deterministic_algorithms_enabled(), settings.environment(), settings.scope(),
                backends.registry_version())
-        hash(key)
-    except (AttributeError, TypeError):
+    except AttributeError:
         return None
     return key
 

@@ -66,16 +66,28 @@ def _run_packed(backend, pad_to, call, q, k, v, packing):
 
 
 def _run_dense(backend, pad_to, layout, call, q, k, v):
+    return dense_runner(backend, pad_to, layout, call)(q, k, v)
+
+
+def dense_runner(backend, pad_to, layout, call):
+    """``run(q, k, v) -> (out, lse)`` for dense calls, with the layout permutations worked out once."""
     perm = _PERMUTE[(layout, backend.layout)]
-    if perm is not None:
-        q, k, v = q.permute(perm), k.permute(perm), v.permute(perm)
-    seq_axis = 2 if backend.layout == "bhsd" else 1
-    if q.shape[seq_axis] == 0 or k.shape[seq_axis] == 0:
-        out, lse = _empty_result(q, k, v, seq_axis, call.return_lse)
-    else:
-        out, lse = _padded(lambda q, k, v: backend.run(q, k, v, call), pad_to, q, k, v)
     back = _INVERSE.get((backend.layout, layout))
-    return (out.permute(back) if back is not None else out), lse
+    seq_axis = 2 if backend.layout == "bhsd" else 1
+    kernel = backend.run
+
+    def run(q, k, v):
+        if perm is not None:
+            q, k, v = q.permute(perm), k.permute(perm), v.permute(perm)
+        if q.shape[seq_axis] == 0 or k.shape[seq_axis] == 0:
+            out, lse = _empty_result(q, k, v, seq_axis, call.return_lse)
+        elif pad_to is None and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+            out, lse = kernel(q, k, v, call)
+        else:
+            out, lse = _padded(lambda q, k, v: kernel(q, k, v, call), pad_to, q, k, v)
+        return (out.permute(back) if back is not None else out), lse
+
+    return run
 
 
 def _padded(run, pad_to, q, k, v):
