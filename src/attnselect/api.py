@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
 from attnselect import backends, settings
+from attnselect.backends.base import KernelCall
+from attnselect.candidates import Candidate
 from attnselect.errors import AttnSelectError, ForcedChoiceError, NoSupportedCandidateError
 from attnselect.execution import dense_runner, kernel_call, run_call
 from attnselect.inputs import check_scale, describe_call
@@ -63,14 +65,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
         known = _CALLS.get(call_key) if call_key is not None else None
     except TypeError:   # an unhashable argument: the slow path validates and names it
         known = call_key = None
-    if known is not None and scale is None:   # the hottest path: same call as before, default scale
-        try:
-            out, lse = known[5](q, k, v)
-        except AttnSelectError:
-            raise
-        except Exception as exc:
-            return _fall_back(known, exc, q, k, v, locals())
-        return (out, lse) if return_lse else out
     packing = None
     if known is None:   # else the same shapes, dtypes, devices and options were validated and decided before
         problem, packing = describe_call(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
@@ -83,42 +77,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
         default_call = kernel_call(problem)
         runner = (dense_runner(backends.get(decision.chosen.backend), decision.chosen.pad_to, layout, default_call)
                   if layout != "thd" else None)
-        known = (problem, decision.chosen, target, default_call, decision.overrides.backend is not None, runner)
+        known = _KnownCall(problem, decision.chosen, target, default_call, decision.overrides.backend is not None,
+                           runner)
         if call_key is not None:
             _CALLS[call_key] = known
             if len(_CALLS) > MEMO_SIZE:
                 _CALLS.popitem(last=False)
-    problem, chosen, target, call, forced, _ = known
-    if scale is not None:
-        check_scale(scale)
-        call = kernel_call(problem, scale)
     try:
-        out, lse = run_call(chosen, problem, call, q, k, v, packing=packing, target=target)
+        if scale is None and known.runner is not None:   # the hottest path: a prepared dense runner
+            out, lse = known.runner(q, k, v)
+        else:
+            check_scale(scale)
+            call = known.call if scale is None else kernel_call(known.problem, scale)
+            out, lse = run_call(known.chosen, known.problem, call, q, k, v, packing=packing, target=known.target)
     except AttnSelectError:
         raise
-    except Exception as exc:
-        return _fall_back(known, exc, q, k, v, locals())
+    except Exception as exc:   # a kernel that fails at run time: fall back unless told to be strict
+        if known.forced or strict():
+            raise
+        mark_failed(known.problem, known.target, known.chosen, exc)
+        return attention(q, k, v, layout=layout, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                         max_seqlen_kv=max_seqlen_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+                         cu_seqlens_kv_padded=cu_seqlens_kv_padded, return_lse=return_lse, backend=backend,
+                         pad=pad, disable=disable)
     return (out, lse) if return_lse else out
 
 
-_ARGUMENTS = ("layout", "causal", "window", "scale", "dropout_p", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q",
-              "max_seqlen_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "return_lse", "backend", "pad",
-              "disable")
+class _KnownCall(NamedTuple):
+    """A call validated and decided before: what running it again needs."""
+
+    problem: AttentionProblem
+    chosen: Candidate
+    target: Target
+    call: KernelCall                 # kernel options with the default scale
+    forced: bool                     # the caller forced the backend: failures re-raise
+    runner: Optional[Callable]       # dense: run(q, k, v) with the layout work prepared
 
 
-def _fall_back(known, error, q, k, v, arguments):
-    """A kernel failed at run time: re-raise when forced or strict, else mark it failed and call again."""
-    problem, chosen, target, _, forced, _ = known
-    if forced or strict():
-        raise error
-    mark_failed(problem, target, chosen, error)
-    return attention(q, k, v, **{name: arguments[name] for name in _ARGUMENTS})
-
-
-# Dense calls already validated and decided: call key -> (problem, chosen candidate, target,
-# kernel options with the default scale, whether the caller forced the backend, a runner for them).
-# The key holds everything validation and selection read, so a hit skips both.
-_CALLS: "OrderedDict[tuple, tuple]" = OrderedDict()
+# Dense calls already validated and decided: call key -> _KnownCall. The key holds everything
+# validation and selection read, so a hit skips both.
+_CALLS: "OrderedDict[tuple, _KnownCall]" = OrderedDict()
 register_cache(_CALLS.clear)
 
 
