@@ -15,12 +15,16 @@ import sys
 import torch
 
 from attnselect.candidates import Candidate, judge
+from attnselect.inputs import packing_facts
 from attnselect.problem import AttentionProblem
 from attnselect.target import Target
 
 
-def problem_of(d: dict) -> AttentionProblem:
+def problem_of(d: dict, lengths=None) -> AttentionProblem:
+    """A row's problem; thd facts are derived again from the row's lengths (older rows lack some)."""
     d = dict(d, dtype=getattr(torch, d["dtype"]), window=tuple(d["window"]) if d["window"] else None)
+    if lengths:
+        d.update(packing_facts(d["mask"], d["window"], *lengths))
     return AttentionProblem(**d)
 
 
@@ -29,9 +33,9 @@ def agreement(rows: list[dict], target: Target) -> list[dict]:
     verdicts = {}
     out = []
     for r in rows:
-        key = json.dumps(r["problem"], sort_keys=True)   # judging needs the problem only
+        key = json.dumps([r["problem"], r.get("lengths")], sort_keys=True)   # judging needs the problem only
         if key not in verdicts:
-            verdicts[key] = {v.candidate: v for v in judge(problem_of(r["problem"]), target)}
+            verdicts[key] = {v.candidate: v for v in judge(problem_of(r["problem"], r.get("lengths")), target)}
         v = verdicts[key][Candidate(r["backend"], r["pad_to"])]
         out.append(dict(r, predicted=v.supported, reasons=list(v.reasons), agrees=v.supported == r["really"]))
     return out
@@ -75,7 +79,7 @@ def main(path: str) -> None:
     wrong = [r for r in rows if not r["agrees"]]
     print(f"\n## Disagreements ({len(wrong)})\n")
     for r in wrong:
-        p = problem_of(r["problem"])
+        p = problem_of(r["problem"], r.get("lengths"))
         print(f"- {p.describe()} | {r['backend']} {'padded to ' + str(r['pad_to']) if r['pad_to'] else 'native'}: "
               f"predicted {'supported' if r['predicted'] else 'unsupported'} ({'; '.join(r['reasons']) or 'no reason'}), "
               f"really {'supported' if r['really'] else 'unsupported'} ({r['error'] or 'ran and matched'})")

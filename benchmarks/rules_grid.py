@@ -27,6 +27,7 @@ from attnselect import backends
 from attnselect.backends.base import Packing
 from attnselect.candidates import judge
 from attnselect.execution import run_candidate
+from attnselect.inputs import packing_facts
 from attnselect.problem import AttentionProblem
 from attnselect.target import Target
 
@@ -68,12 +69,14 @@ def grid():
         mask, window, lengths_q, lengths_kv, hkv = scenario
         yield AttentionProblem(batch=len(lengths_q), seqlen_q=max(lengths_q), seqlen_kv=max(lengths_kv), heads_q=8,
                                heads_kv=hkv, head_dim_qk=dqk, head_dim_v=dv, dtype=dtype, layout="thd", mask=mask,
-                               window=window, training=training, varlen_seqlens_match=lengths_q == lengths_kv,
-                               varlen_single_key=1 in lengths_kv), (lengths_q, lengths_kv)
+                               window=window, training=training,
+                               **packing_facts(mask, window, lengths_q, lengths_kv)), (lengths_q, lengths_kv)
 
 
 def row_key(problem: dict, lengths, backend: str, pad_to) -> tuple:
-    return json.dumps(problem, sort_keys=True), json.dumps(lengths), backend, pad_to
+    """A row's identity; the thd facts (varlen_*) follow from the lengths, so they are left out."""
+    shape = {name: value for name, value in problem.items() if not name.startswith("varlen_")}
+    return json.dumps(shape, sort_keys=True), json.dumps(lengths), backend, pad_to
 
 
 def rel(a, b) -> float:

@@ -174,19 +174,18 @@ def main() -> None:
     target = Target.current()
     device = "cuda" if target.is_cuda else "cpu"
     dtype = torch.bfloat16 if target.is_cuda else torch.float32
-    results = []
-    for name, lengths in packings(args.smoke).items():
-        for training in (False, True):
-            print(f"{name}, {'forward+backward' if training else 'forward'}", flush=True)
-            results.append(bench_packing(name, lengths, training, target, device, dtype, args))
     report = {"meta": {"device": target.describe(), "cuda": torch.version.cuda, "torch": torch.__version__,
                        "cudnn": target.cudnn_version, "cudnn_frontend": target.cudnn_frontend_version,
                        "dtype": str(dtype).replace("torch.", ""), "date": time.strftime("%Y-%m-%d")},
-              "results": results}
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(report))
+              "results": []}
+    for name, lengths in packings(args.smoke).items():
+        for training in (False, True):
+            print(f"{name}, {'forward+backward' if training else 'forward'}", flush=True)
+            report["results"].append(bench_packing(name, lengths, training, target, device, dtype, args))
+            with open(args.out + ".json", "w") as f:   # after each packing, so a cut-short run keeps its rows
+                json.dump(report, f, indent=1)
+            with open(args.out + ".md", "w") as f:
+                f.write(markdown(report))
     print(markdown(report))
 
 

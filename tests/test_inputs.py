@@ -7,6 +7,7 @@ import torch
 
 import attnselect
 from attnselect import InvalidInputError
+from attnselect.inputs import packing_facts
 
 q = torch.randn(2, 8, 4, 24)
 k = torch.randn(2, 8, 2, 24)
@@ -80,3 +81,11 @@ def test_thd_reads_boundaries_on_the_host_only_without_max_seqlen():
     assert (problem.batch, problem.seqlen_q, problem.varlen_seqlens_match) == (2, 5, True)
     with pytest.raises(Exception, match="meta"):
         attnselect.AttentionProblem.from_tensors(q, k, v, layout="thd", cu_seqlens_q=cu)
+
+
+def test_thd_facts_are_exact_from_lengths_and_conservative_without():
+    assert packing_facts("causal", None, None, None, shared_boundaries=True) == {
+        "varlen_seqlens_match": True, "varlen_single_key": True, "varlen_rows_without_keys": False}
+    assert packing_facts("causal", None, None, None)["varlen_rows_without_keys"]
+    assert not packing_facts("causal_bottom_right", None, [2, 0, 3], [2, 0, 5])["varlen_rows_without_keys"]
+    assert packing_facts("none", None, [2, 1], [2, 0])["varlen_rows_without_keys"]

@@ -125,7 +125,9 @@ def test_thd_per_sequence_facts_reach_the_rules():
         assert any("every sequence" in r for r in verdict(differ, name).reasons)
     h200 = Target.preset("h200")
     assert verdict(attnselect.select(AttentionProblem(**THD), target=h200), "sdpa_cudnn").supported
-    for facts in ({"varlen_seqlens_match": False}, {"varlen_single_key": True}):
+    longer_keys = attnselect.select(AttentionProblem(**THD, varlen_seqlens_match=False), target=h200)
+    assert verdict(longer_keys, "sdpa_cudnn").supported   # every query still sees a key
+    for facts in ({"varlen_seqlens_match": False, "varlen_rows_without_keys": True}, {"varlen_single_key": True}):
         d = attnselect.select(AttentionProblem(**THD, **facts), target=h200)
         assert not verdict(d, "sdpa_cudnn").supported
 
@@ -147,6 +149,11 @@ def test_thd_facts_are_read_from_cu_seqlens():
     cu_kv = torch.tensor([0, 1, 9], dtype=torch.int32)
     other = AttentionProblem.from_tensors(q, q, q, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
     assert not other.varlen_seqlens_match and other.varlen_single_key and other.seqlen_kv == 8
+    assert not other.varlen_rows_without_keys   # no mask: every query sees its sequence's keys
+    bottom_right = AttentionProblem.from_tensors(q, q, q, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                                                 causal="bottom_right")
+    assert bottom_right.varlen_rows_without_keys   # 4 queries, 1 key: the first 3 see none
+
 
 
 def test_newer_torch_on_hopper_follows_the_newest_cudnn_gate():

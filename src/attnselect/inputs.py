@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from attnselect import masks
 from attnselect.backends.base import Packing
 from attnselect.errors import InvalidInputError
 from attnselect.problem import DTYPES, LAYOUTS, AttentionProblem, mask_from_arguments
@@ -60,8 +61,8 @@ def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_
         _fail("k.shape[-1]", k.shape[-1], f"q's head dim {q.shape[-1]} (q and k share d_qk)")
     if layout == "thd":
         seq_axis, head_axis = 0, 1
-        packing, seqlens_match, single_key = _packing(q, k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
-                                                      max_seqlen_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+        packing, lengths = _packing(q, k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                    cu_seqlens_q_padded, cu_seqlens_kv_padded)
         batch, sq, skv = packing.cu_seqlens_q.numel() - 1, packing.max_seqlen_q, packing.max_seqlen_kv
     else:
         b_axis, seq_axis, head_axis = DENSE_AXES[layout]
@@ -73,7 +74,7 @@ def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_
             if value is not None:
                 _fail(name, "a tensor", f"None for layout={layout!r} (cu_seqlens belong to layout='thd')")
         batch, sq, skv = q.shape[b_axis], q.shape[seq_axis], k.shape[seq_axis]
-        packing, seqlens_match, single_key = None, True, False
+        packing = None
     if k.shape[seq_axis] != v.shape[seq_axis]:
         _fail("v.shape", tuple(v.shape), f"as many key positions as k ({k.shape[seq_axis]})")
     hq, hkv = q.shape[head_axis], k.shape[head_axis]
@@ -84,7 +85,8 @@ def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         _fail("dropout_p", dropout_p, "a number in [0, 1)")
     mask, window = mask_from_arguments(causal, window)
-    square = seqlens_match if layout == "thd" else sq == skv
+    facts = packing_facts(mask, window, *lengths) if layout == "thd" else {}
+    square = facts["varlen_seqlens_match"] if layout == "thd" else sq == skv
     if window is not None and causal in (True, "top_left") and not square:
         _fail("window", window, "no window with top-left causal unless every sequence has as many queries as "
                                 "keys; windows are bottom-right aligned: use causal='bottom_right'")
@@ -95,8 +97,8 @@ def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_
         head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, layout=layout, mask=mask,
         window=window, dropout_p=float(dropout_p), training=training,
         deterministic=torch.are_deterministic_algorithms_enabled(), return_lse=bool(return_lse),
-        context_parallel_size=context_parallel_size, varlen_seqlens_match=seqlens_match,
-        varlen_single_key=single_key, varlen_gaps=packing is not None and packing.has_gaps), packing
+        context_parallel_size=context_parallel_size, varlen_gaps=packing is not None and packing.has_gaps,
+        **facts), packing
 
 
 def check_scale(scale) -> None:
@@ -105,11 +107,27 @@ def check_scale(scale) -> None:
         _fail("scale", repr(scale), "None or a finite number > 0")
 
 
-def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv) -> tuple[Packing, bool, bool]:
-    """The packing of a thd call, with two facts: q/kv lengths match, some kv sequence has one key.
+def packing_facts(mask: str, window, lengths_q: Optional[list[int]], lengths_kv: Optional[list[int]],
+                  shared_boundaries: bool = False) -> dict:
+    """The thd facts of an :class:`AttentionProblem` (its ``varlen_*`` fields) from the sequence lengths.
+
+    Exact when the lengths were read; without them (None) they are taken conservatively:
+    lengths match only when q and kv share their boundaries, some sequence may have one key,
+    and some query may see no key unless the lengths match (every mask keeps the diagonal).
+    """
+    if lengths_q is None:
+        return {"varlen_seqlens_match": shared_boundaries, "varlen_single_key": True,
+                "varlen_rows_without_keys": not shared_boundaries}
+    return {"varlen_seqlens_match": lengths_q == lengths_kv, "varlen_single_key": 1 in lengths_kv,
+            "varlen_rows_without_keys": any(masks.has_rows_without_keys(mask, window, n_q, n_kv)
+                                            for n_q, n_kv in set(zip(lengths_q, lengths_kv)))}
+
+
+def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv):
+    """The packing of a thd call and the (q, kv) lengths with whether they share their boundaries.
 
     The boundaries are read on the host (one sync on CUDA) unless both max_seqlen_* are given
-    and cu_seqlens live on the GPU; then the facts are taken conservatively and the values
+    and cu_seqlens live on the GPU; then the lengths are (None, None, shared) and the values
     are not checked (the caller vouches for them).
     """
     if cu_q is None:
@@ -132,7 +150,7 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv) -> tuple[P
             _fail(name, value, "an integer >= 0")
     if max_q is not None and max_kv is not None and cu_q.device.type != "cpu":
         # No host read: q/kv lengths are known to match only when they share their boundaries.
-        return Packing(cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv), same, True
+        return Packing(cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv), (None, None, same)
     bounds_q = cu_q.tolist()                      # host sync on CUDA
     bounds_kv = bounds_q if same else cu_kv.tolist()
     lengths_q, lengths_kv = lengths_of(bounds_q), lengths_of(bounds_kv)
@@ -149,7 +167,7 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv) -> tuple[P
         if offsets is not cu:
             check_offsets(f"{name}_padded", starts, lengths_of(bounds), total)
         placed.append(offsets)
-    return Packing(cu_q, cu_kv, sq, skv, *placed), lengths_q == lengths_kv, 1 in lengths_kv
+    return Packing(cu_q, cu_kv, sq, skv, *placed), (lengths_q, lengths_kv, same)
 
 
 def lengths_of(bounds: list[int]) -> list[int]:

@@ -50,10 +50,12 @@ class AttentionProblem:
     context_parallel_size: int = 1
     fp8: bool = False
     # thd only, facts about the packed sequences (dense problems derive them from the lengths):
-    # every sequence has as many queries as keys; some key sequence has exactly one key;
-    # sequences sit at padded offsets with gaps between them (cu_seqlens_*_padded).
+    # every sequence has as many queries as keys; some key sequence has exactly one key; some
+    # query of some sequence sees no key under the mask; sequences sit at padded offsets with
+    # gaps between them (cu_seqlens_*_padded). attnselect.inputs.packing_facts derives them.
     varlen_seqlens_match: bool = True
     varlen_single_key: bool = False
+    varlen_rows_without_keys: bool = False
     varlen_gaps: bool = False
 
     def __post_init__(self) -> None:
@@ -98,12 +100,12 @@ class AttentionProblem:
     def may_have_rows_without_keys(self) -> bool:
         """Some query may see no key (its output is 0 and its lse -inf).
 
-        Dense: exact, from the mask band. thd: only when sequences have as many queries as
-        keys is it excluded (every mask then keeps the diagonal), else assumed.
+        Dense: exact, from the mask band. thd: from the sequence lengths when they were read
+        (``varlen_rows_without_keys``); the tokens in gaps between sequences see no key either.
         """
         from attnselect import masks
         if self.layout == "thd":
-            return not self.varlen_seqlens_match or self.varlen_gaps
+            return self.varlen_rows_without_keys or self.varlen_gaps
         return masks.has_rows_without_keys(self.mask, self.window, self.seqlen_q, self.seqlen_kv)
 
     @property

@@ -8,6 +8,7 @@ conversion. The kernels themselves are tested against float64 on the GPU (test_t
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -166,3 +167,15 @@ def test_gaps_are_refused_by_kernels_without_offsets():
     for name in ("cudnn_frontend", "varlen_fa2"):
         assert any("gaps" in r for r in get(name).not_supported_reasons(gapped.padded(192), h200))
     assert not get("flex").not_supported_reasons(gapped, h200)
+
+
+def test_cudnn_frontend_serves_absorbed_mla_forward_only_where_measured():
+    h200 = attnselect.Target.preset("h200", cudnn_frontend_version="1.32.0")
+    absorbed = attnselect.AttentionProblem(2, 1, 4096, 16, 1, 576, 512, mask="causal_bottom_right")
+    assert not get("cudnn_frontend").not_supported_reasons(absorbed, h200)
+    assert not get("cudnn_frontend").not_supported_reasons(absorbed.padded(576), h200)
+    refused = [(absorbed, h200.with_versions(cudnn_version="9.18.0")), (absorbed.padded(640), h200),
+               (dataclasses.replace(absorbed, training=True), h200),
+               (absorbed, attnselect.Target.preset("b200", cudnn_frontend_version="1.32.0"))]
+    for problem, target in refused:
+        assert any("above 256" in r for r in get("cudnn_frontend").not_supported_reasons(problem, target))

@@ -22,12 +22,22 @@ class CudnnFrontend(Backend):
     # fp16/bf16 only, no dropout argument, dense BHSD or THD with cu_seqlens and max_seqlen, no separate
     # ragged offsets, so no gaps between sequences); head dims multiples of 8
     # (include/cudnn_frontend/node/sdpa_support_surface.h).
-    surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), head_dim_multiple=8, max_head_dim=256,
+    surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), head_dim_multiple=8, max_head_dim=576,
                                 dropout=False, packed=True)}
+    # Above 256: sdpa_support_surface.h sets no fp16/bf16 forward cap on Hopper from cuDNN 9.10 (the
+    # backend's plans decide) and the backward caps sm90 at 256 (scaled_dot_product_flash_attention.h).
+    # The H200 grid (results/h200_rules_grid.md, cuDNN 9.19) ran and matched absorbed MLA 576/512 and
+    # its padded 576/576 forward; other dims above 256 are unmeasured, so refused.
+    wide_forward = frozenset({(576, 512), (576, 576)})
 
     def extra_reasons(self, p, t):
         r = []
         cc, d = t.capability, max(p.head_dim_qk, p.head_dim_v)
+        if d > 256 and not ((p.head_dim_qk, p.head_dim_v) in self.wide_forward and cc == (9, 0)
+                            and not p.training and t.at_least("cudnn_version", "9.19.0")):
+            r.append(f"head dims above 256 (got {p.head_dim_qk}/{p.head_dim_v}) only for the absorbed-MLA forward "
+                     f"576/512 (or padded 576/576) on sm90 with cuDNN >= 9.19; the target is {t.arch} with cuDNN "
+                     f"{t.cudnn_version}" + (", and this problem trains" if p.training else ""))
         # sdpa_support_surface.h: THD needs Hopper or newer, Ampere from cuDNN 9.18.1.
         if p.layout == "thd" and cc < (9, 0) and not t.at_least("cudnn_version", "9.18.1"):
             r.append(f"packed (thd) input needs sm90+, or cuDNN >= 9.18.1 on {t.arch}; the target has "
