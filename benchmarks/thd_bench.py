@@ -5,8 +5,10 @@
 
 MLA geometry: 16 heads, d_qk=192, d_v=128, causal, bf16 (float32 on the CPU). Each candidate
 is timed with device events after warm-up (median of repeats, with the 20th and 80th
-percentiles as its spread), with the packing's masks already built; flex's one-off document-mask
-build per new packing is reported beside it. TFLOP/s count useful work only: 2 * H * (d_qk + d_v) * (visible
+percentiles as its spread; attnselect.measure.time_step), twice: calls queued back to back as
+in a training loop (the headline, TFLOP/s from it) and each call alone (synchronised, so its
+host overhead counts in full). The packing's masks are already built; flex's one-off
+document-mask build per new packing is reported beside it. TFLOP/s count useful work only: 2 * H * (d_qk + d_v) * (visible
 causal pairs) for the forward, 3.5 times that for forward+backward. The report also gives
 the rules policy's choice against the fastest candidate and against torch's varlen_attn with
 V padded (the varlen_fa2 candidate padded to 192).
@@ -18,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import random
-import statistics
 import time
 
 import torch
@@ -27,6 +28,7 @@ import attnselect
 from attnselect.candidates import judge
 from attnselect.execution import run_candidate
 from attnselect.inputs import describe_call
+from attnselect.measure import time_step
 from attnselect.target import Target
 
 HEADS, D_QK, D_V = 16, 192, 128
@@ -57,28 +59,6 @@ def useful_flops(lengths: list[int], training: bool) -> float:
     return forward * (3.5 if training else 1.0)
 
 
-def timed(fn, device, warmup: int, repeats: int, budget_s: float) -> list[float]:
-    """Milliseconds per call: device events on CUDA, wall clock on the CPU."""
-    for _ in range(warmup):
-        fn()
-    times, start = [], time.time()
-    for _ in range(repeats):
-        if device == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        if time.time() - start > budget_s and len(times) >= 3:
-            break
-    return times
-
-
 def bench_packing(name, lengths, training, target, device, dtype, args):
     generator = torch.Generator(device=device).manual_seed(0)
     total = sum(lengths)
@@ -103,7 +83,8 @@ def bench_packing(name, lengths, training, target, device, dtype, args):
                 torch.autograd.grad(out, (q, k, v), grad_out)
 
         try:
-            times = timed(step, device, args.warmup, args.repeats, args.budget)
+            queued, alone = (time_step(step, torch.device(device), warmup=args.warmup, repeats=args.repeats, budget_s=args.budget,
+                                       queued=mode) for mode in (True, False))
         except Exception as exc:   # a candidate the rules admit but that fails is itself a finding
             rows.append({"candidate": str(candidate), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
             print(f"  {candidate}: FAILED {exc}", flush=True)
@@ -113,14 +94,14 @@ def bench_packing(name, lengths, training, target, device, dtype, args):
             from attnselect.backends.flex import _document_block_mask
             fresh = lambda: _document_block_mask(dataclasses.replace(packing, cu_seqlens_q=packing.cu_seqlens_q.clone()),  # noqa: E731
                                                  "causal", None, total, total, q.device)
-            setup_ms = statistics.median(timed(fresh, device, 1, 3, args.budget))
-        median = statistics.median(times)
-        q20, q80 = (statistics.quantiles(times, n=5)[i] for i in (0, 3)) if len(times) >= 5 else (min(times), max(times))
+            setup_ms = time_step(fresh, torch.device(device), warmup=1, repeats=3, queued=False).median_ms
         rows.append({"candidate": str(candidate), "backend": candidate.backend, "pad_to": candidate.pad_to,
-                     "median_ms": median, "p20_ms": q20, "p80_ms": q80, "repeats": len(times),
+                     "median_ms": queued.median_ms, "p20_ms": queued.low_ms, "p80_ms": queued.high_ms,
+                     "alone_median_ms": alone.median_ms, "alone_p20_ms": alone.low_ms, "alone_p80_ms": alone.high_ms,
                      "setup_ms_per_new_packing": setup_ms,
-                     "tflops": useful_flops(lengths, training) / (median * 1e-3) / 1e12})
-        print(f"  {candidate}: {median:.3f} ms ({rows[-1]['tflops']:.1f} TFLOP/s)", flush=True)
+                     "tflops": useful_flops(lengths, training) / (queued.median_ms * 1e-3) / 1e12})
+        print(f"  {candidate}: {queued.median_ms:.3f} ms queued, {alone.median_ms:.3f} ms alone "
+              f"({rows[-1]['tflops']:.1f} TFLOP/s)", flush=True)
     timed_rows = [r for r in rows if "median_ms" in r]
     fastest = min(timed_rows, key=lambda r: r["median_ms"]) if timed_rows else None
     chosen = next((r for r in timed_rows if r["candidate"] == str(decision.chosen)), None)
@@ -136,22 +117,25 @@ def markdown(report: dict) -> str:
     meta = report["meta"]
     lines = [f"# Packed (thd) MLA attention: every candidate\n",
              f"{meta['device']}, CUDA {meta['cuda']}, {meta['date']}; {HEADS} heads, d_qk={D_QK}, d_v={D_V}, causal, "
-             f"{meta['dtype']}. TFLOP/s on useful (causal, unpadded) work; median of repeats, spread p20..p80. "
+             f"{meta['dtype']}. TFLOP/s on useful (causal, unpadded) work; median of repeats, spread p20..p80; "
+             f"calls queued back to back (TFLOP/s from these), and each call alone (synchronised). "
              f"Produced by `benchmarks/thd_bench.py`.\n"]
     for entry in report["results"]:
         lines.append(f"## {entry['packing']}, {entry['phase']}\n")
         lines.append(f"Rules choice: **{entry['rules_choice']}**; fastest: **{entry['fastest']}**; choice/fastest "
                      f"speed {_ratio(entry['choice_vs_fastest'])}; choice vs varlen_attn with V padded "
                      f"{_ratio(entry['choice_vs_varlen_padded'])}.\n")
-        lines.append("| candidate | median ms | p20..p80 ms | TFLOP/s | setup per new packing |")
-        lines.append("|---|---|---|---|---|")
+        lines.append("| candidate | queued ms | p20..p80 ms | TFLOP/s | alone ms (p20..p80) | setup per new packing |")
+        lines.append("|---|---|---|---|---|---|")
         for r in sorted(entry["candidates"], key=lambda r: r.get("median_ms", float("inf"))):
             if "error" in r:
-                lines.append(f"| {r['candidate']} | failed: {r['error']} | | | |")
+                lines.append(f"| {r['candidate']} | failed: {r['error']} | | | | |")
             else:
                 setup = r["setup_ms_per_new_packing"]
+                alone = (f"{r['alone_median_ms']:.3f} ({r['alone_p20_ms']:.3f}..{r['alone_p80_ms']:.3f})"
+                         if "alone_median_ms" in r else "-")
                 lines.append(f"| {r['candidate']} | {r['median_ms']:.3f} | {r['p20_ms']:.3f}..{r['p80_ms']:.3f} | "
-                             f"{r['tflops']:.3g} | {'-' if setup is None else f'{setup:.1f} ms'} |")
+                             f"{r['tflops']:.3g} | {alone} | {'-' if setup is None else f'{setup:.1f} ms'} |")
         lines.append("")
     return "\n".join(lines)
 

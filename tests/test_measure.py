@@ -46,6 +46,18 @@ def test_ties_inside_the_spread_go_to_the_rules_order():
     assert measure.choose(ranked, timings) == (ranked[1], ranked[0])
 
 
+def test_time_step_counts_warmup_repeats_and_budget():
+    calls = []
+    timing = measure.time_step(lambda: calls.append(1), torch.device("cpu"), warmup=2, repeats=5)
+    assert len(calls) == 7 and 0 <= timing.low_ms <= timing.median_ms <= timing.high_ms
+    calls.clear()
+    measure.time_step(lambda: calls.append(1), torch.device("cpu"), warmup=0, repeats=50, budget_s=0.0)
+    assert len(calls) == 3   # a spent budget still times three repeats
+    calls.clear()
+    measure.time_step(lambda: calls.append(1), torch.device("cpu"), warmup=0, repeats=4, queued=False)
+    assert len(calls) == 4
+
+
 def test_decisions_persist_across_processes(cache_dir):
     attnselect.select(P, target=Target.current("cpu"), policy="measure")
     entries = json.loads((cache_dir / "decisions.json").read_text())["entries"]

@@ -1,8 +1,8 @@
 """The measure policy: time the supported candidates on this machine and keep the fastest.
 
 Each candidate runs on random inputs of the problem's shape (forward, or forward+backward
-when training): warm-up, then repeats timed with CUDA events (wall clock on the CPU); its
-median and 20th..80th percentile spread are kept. The fastest median wins, except that a
+when training): warm-up, then repeats queued back to back, each timed with CUDA events
+(wall clock on the CPU); its median and 20th..80th percentile spread are kept. The fastest median wins, except that a
 candidate the rules rank higher wins when its median lies inside the fastest one's spread.
 Packed problems are measured on a bucket (powers of two of batch and lengths) filled with
 full-length sequences, so a loop whose packing changes every step tunes a few times, not
@@ -96,24 +96,39 @@ def choose(ranked: tuple[Candidate, ...], timings: dict[Candidate, Optional[Timi
     return (winner, *by_time, *(c for c in ranked if c not in timings))
 
 
-def time_step(step, device: torch.device) -> Timing:
-    """Median and p20..p80 of timed repeats after warm-up (CUDA events on GPUs, wall clock on the CPU)."""
-    for _ in range(WARMUP):
+def time_step(step, device: torch.device, *, warmup: int = WARMUP, repeats: int = REPEATS,
+              budget_s: Optional[float] = None, queued: bool = True) -> Timing:
+    """Median and p20..p80 of timed repeats after warm-up (CUDA events on GPUs, wall clock on the CPU).
+
+    ``queued`` (the default) issues the repeats back to back, each between its own pair of events,
+    and waits once at the end, as a training loop does: the host prepares the next call while the
+    GPU runs this one, so a repeat measures the GPU's time unless the host is the slower of the two.
+    ``queued=False`` waits after every repeat, which adds each call's host overhead in full (the
+    latency of an isolated call). ``budget_s`` stops issuing repeats after that many seconds (at
+    least three run).
+    """
+    for _ in range(warmup):
         step()
-    times = []
-    for _ in range(REPEATS):
+    start, times, events = time.perf_counter(), [], []
+    for _ in range(repeats):
         if device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             step()
             end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
+            events.append((begin, end))
+            if not queued:
+                end.synchronize()
         else:
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
-    low, *_, high = statistics.quantiles(times, n=5)
+        if budget_s is not None and time.perf_counter() - start > budget_s and len(events) + len(times) >= 3:
+            break
+    if events:
+        events[-1][1].synchronize()
+        times = [begin.elapsed_time(end) for begin, end in events]
+    low, high = (statistics.quantiles(times, n=5)[i] for i in (0, 3)) if len(times) >= 2 else (times[0], times[0])
     return Timing(statistics.median(times), low, high)
 
 
