@@ -53,12 +53,14 @@ THD_SCENARIOS = [
     ("none", None, LENGTHS, LENGTHS, 2),
     ("causal_bottom_right", None, LENGTHS, [3, 1, 40, 300, 5, 130, 80], 8),
     ("sliding_window", (48, 0), LENGTHS, LENGTHS, 2),
+    # Queries without keys: fewer keys than queries (bottom-right) and an empty key sequence.
+    ("causal_bottom_right", None, LENGTHS, [0, 1, 20, 128, 5, 0, 64], 2),
 ]
 TOLERANCE = 2e-2   # relative Frobenius error; bf16/fp16 operands land between 1e-3 and 1e-2
 
 
 def grid():
-    """(problem, (lengths_q, lengths_kv) for thd or None): 216 dense problems, then 64 packed ones."""
+    """(problem, (lengths_q, lengths_kv) for thd or None): 216 dense problems, then 80 packed ones."""
     for (dqk, dv), dtype, training, scenario in itertools.product(HEAD_DIMS, DTYPES, (False, True), SCENARIOS):
         mask, window, sq, skv, hkv, dropout = scenario
         yield AttentionProblem(batch=2, seqlen_q=sq, seqlen_kv=skv, heads_q=8, heads_kv=hkv, head_dim_qk=dqk,
