@@ -4,7 +4,8 @@
 
 A memoized dense call (same shapes, dtypes, devices and options as before) against the same
 kernel called directly: SDPA with the FLASH kernel forced on (B, H, S, D) views of the same
-bshd tensors. Prints the median added microseconds per call and the spread over repeats.
+bshd tensors. Prints the median added microseconds per call and the spread over repeats, then
+what validating a packed (thd) call costs (packed calls are validated on every call).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnselect
+from attnselect.inputs import describe_call
 
 
 def main() -> None:
@@ -44,6 +46,14 @@ def main() -> None:
     print(f"direct {t_direct:.1f} us/call; attnselect adds {statistics.median(added):.1f} us/call "
           f"(min {min(added):.1f}, max {max(added):.1f} over {a.repeats} repeats of {a.calls} calls) "
           f"on torch {torch.__version__}")
+    # Packed calls are validated on every call (their boundaries may change each step): its cost.
+    tq, tk, tv = torch.randn(12, 2, 16), torch.randn(12, 2, 16), torch.randn(12, 2, 16)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    validate = lambda: describe_call(tq, tk, tv, layout="thd", cu_seqlens_q=cu, causal=True,  # noqa: E731
+                                     max_seqlen_q=7, max_seqlen_kv=7)
+    costs = [timeit.timeit(validate, number=a.calls) / a.calls * 1e6 for _ in range(a.repeats)]
+    print(f"packed (thd) validation: {statistics.median(costs):.1f} us/call (min {min(costs):.1f}, "
+          f"max {max(costs):.1f}; CPU boundaries, read and checked on the host)")
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def _dense_call_key(q, k, v, layout, causal, window, dropout_p, cu_q, cu_kv, cu_
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
                window, dropout_p, return_lse, backend, pad, disable, grad,
-               torch.are_deterministic_algorithms_enabled(), settings.environment(), settings.scope(),
+               torch.are_deterministic_algorithms_enabled(), settings.environment_key(), settings.scope(),
                backends.registry_version())
     except AttributeError:
         return None

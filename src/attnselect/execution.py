@@ -71,23 +71,34 @@ def _run_dense(backend, pad_to, layout, call, q, k, v):
 
 def dense_runner(backend, pad_to, layout, call):
     """``run(q, k, v) -> (out, lse)`` for dense calls, with the layout permutations worked out once."""
-    perm = _PERMUTE[(layout, backend.layout)]
-    back = _INVERSE.get((backend.layout, layout))
+    to_kernel = _as_function(_PERMUTE[(layout, backend.layout)])
+    from_kernel = _as_function(_INVERSE.get((backend.layout, layout)))
     seq_axis = 2 if backend.layout == "bhsd" else 1
     kernel = backend.run
 
     def run(q, k, v):
-        if perm is not None:
-            q, k, v = q.permute(perm), k.permute(perm), v.permute(perm)
+        if to_kernel is not None:
+            q, k, v = to_kernel(q), to_kernel(k), to_kernel(v)
         if q.shape[seq_axis] == 0 or k.shape[seq_axis] == 0:
             out, lse = _empty_result(q, k, v, seq_axis, call.return_lse)
         elif pad_to is None and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
             out, lse = kernel(q, k, v, call)
         else:
             out, lse = _padded(lambda q, k, v: kernel(q, k, v, call), pad_to, q, k, v)
-        return (out.permute(back) if back is not None else out), lse
+        return (from_kernel(out) if from_kernel is not None else out), lse
 
     return run
+
+
+def _as_function(perm):
+    """A permutation as the cheapest call: a swap of two axes is a transpose (cheaper than permute)."""
+    if perm is None:
+        return None
+    moved = [axis for axis, source in enumerate(perm) if axis != source]
+    if len(moved) == 2:
+        a, b = moved
+        return lambda t: t.transpose(a, b)
+    return lambda t: t.permute(perm)
 
 
 def _padded(run, pad_to, q, k, v):

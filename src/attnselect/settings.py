@@ -67,12 +67,17 @@ _RAW_ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else Non
 _RAW_NAMES = tuple(name.encode() for name in ENV_VARS)
 
 
+def environment_key() -> tuple:
+    """The raw values of the ATTNSELECT_* variables (bytes on POSIX): a cheap snapshot for memo keys."""
+    if _RAW_ENVIRON is not None:
+        return tuple(map(_RAW_ENVIRON.get, _RAW_NAMES))
+    return tuple(map(os.environ.get, ENV_VARS))
+
+
 def environment() -> tuple:
     """The ATTNSELECT_* variables attnselect reads, as a hashable snapshot (part of the memo key)."""
-    if _RAW_ENVIRON is not None:
-        get = _RAW_ENVIRON.get
-        return tuple(None if value is None else os.fsdecode(value) for value in map(get, _RAW_NAMES))
-    return tuple(map(os.environ.get, ENV_VARS))
+    return tuple(value if value is None or isinstance(value, str) else os.fsdecode(value)
+                 for value in environment_key())
 
 
 @dataclass(frozen=True)
