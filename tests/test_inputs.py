@@ -7,6 +7,7 @@ import torch
 
 import attnselect
 from attnselect import InvalidInputError
+from attnselect.errors import AttnSelectError
 from attnselect.inputs import packing_facts
 
 q = torch.randn(2, 8, 4, 24)
@@ -51,6 +52,50 @@ CASES = [
      "causal": True, "cu_seqlens_kv": torch.tensor([0, 4, 8], dtype=torch.int32)}, r"windows are bottom-right aligned"),
     ("max_seqlen type", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu, "max_seqlen_q": 5.0},
      r"max_seqlen_q: got 5\.0, expected an integer >= 0"),
+    ("max_seqlen negative", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu, "max_seqlen_kv": -1},
+     r"max_seqlen_kv: got -1, expected an integer >= 0"),
+    ("max_seqlen_kv too small", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu, "max_seqlen_kv": 4},
+     r"max_seqlen_kv: got 4, expected >= the longest sequence \(5\)"),
+    ("q not a tensor", (q.tolist(), k, v), {}, r"q: got list, expected a torch\.Tensor"),
+    ("mixed devices", (q, k.to("meta"), v), {}, r"k\.device/v\.device: got q cpu, k meta, v cpu"),
+    ("thd rank", (q, k, v), {"layout": "thd", "cu_seqlens_q": cu}, r"q\.shape: got \(2, 8, 4, 24\), expected 3 dims \(T, H, D\)"),
+    ("bhsd heads", (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)[:, :1]), {"layout": "bhsd"},
+     r"v heads: got 1, expected k's head count 2"),
+    ("cu_seqlens device", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu.to("meta")},
+     r"cu_seqlens_q\.device: got meta, expected q's device cpu"),
+    ("cu_seqlens 2-D", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu.view(1, 3)},
+     r"cu_seqlens_q: got tensor\(dtype=torch\.int32, shape=\(1, 3\)\), expected a 1-D torch\.int32 tensor"),
+    ("cu_seqlens_kv entries", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu,
+                                            "cu_seqlens_kv": torch.tensor([0, 2, 4, 8], dtype=torch.int32)},
+     r"cu_seqlens_kv: got 4 entries, expected as many as cu_seqlens_q \(3\)"),
+    ("cu_seqlens_kv not ending at Tk", (tq, tk[:6], tv[:6]), {"layout": "thd", "cu_seqlens_q": cu},
+     r"cu_seqlens_kv: got last entry 8, expected the token count 6"),
+    ("padded offsets end", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": torch.tensor([0, 3, 7], dtype=torch.int32),
+                                          "cu_seqlens_q_padded": torch.tensor([0, 4, 9], dtype=torch.int32)},
+     r"cu_seqlens_q_padded: got first 0, last 9, expected 0 and the token count 8"),
+    ("padded offsets too tight", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": torch.tensor([0, 3, 7], dtype=torch.int32),
+                                                "cu_seqlens_q_padded": torch.tensor([0, 2, 8], dtype=torch.int32)},
+     r"cu_seqlens_q_padded: got room 2 for sequence 0, expected >= its length 3"),
+    ("scale zero", (q, k, v), {"scale": 0.0}, r"scale: got 0\.0, expected None or a finite number > 0"),
+    ("scale inf", (q, k, v), {"scale": float("inf")}, r"scale: got inf"),
+    ("scale bool", (q, k, v), {"scale": True}, r"scale: got True"),
+    ("dropout negative", (q, k, v), {"dropout_p": -0.1}, r"dropout_p: got -0\.1, expected a number in \[0, 1\)"),
+    ("dropout text", (q, k, v), {"dropout_p": "0.1"}, r"dropout_p: got 0\.1, expected a number in \[0, 1\)"),
+    ("window not integers", (q, k, v), {"window": (1.5, 0)}, r"window: got \(1\.5, 0\)"),
+    ("forced backend unknown", (q, k, v), {"backend": "flash9"},
+     r"backend: got 'flash9', expected one of \[.*'sdpa_flash'.*\]"),
+    ("forced backend cannot serve", (q, k, v), {"backend": "sdpa_flash", "pad": "never"},
+     r"sdpa_flash.*needs equal head dims, got d_qk=24 and d_v=16"),
+    ("disable unknown", (q, k, v), {"disable": ["sdpa_flash", "nope"]}, r"disable: got unknown backend\(s\) \['nope'\]"),
+    ("disable not names", (q, k, v), {"disable": [1]}, r"disable: got \[1\], expected a list of backend names"),
+    ("policy unknown", (q, k, v), {"backend": None, "pad": "auto", "disable": None, "__env__": {"ATTNSELECT_POLICY": "fast"}},
+     r"ATTNSELECT_POLICY: got 'fast', expected one of \('rules', 'measure'\)"),
+    ("env pad", (q, k, v), {"__env__": {"ATTNSELECT_PAD": "sometimes"}}, r"ATTNSELECT_PAD: got 'sometimes'"),
+    ("env backend", (q, k, v), {"__env__": {"ATTNSELECT_BACKEND": "nope"}}, r"ATTNSELECT_BACKEND: got 'nope', expected one of"),
+    ("env disable", (q, k, v), {"__env__": {"ATTNSELECT_DISABLE": "flex,nope"}}, r"ATTNSELECT_DISABLE: got unknown backend\(s\) \['nope'\]"),
+    ("env strict", (q, k, v), {"__env__": {"ATTNSELECT_STRICT": "yes"}}, r"ATTNSELECT_STRICT: got 'yes', expected '0' or '1'"),
+    ("env debug level", (q, k, v), {"__env__": {"ATTNSELECT_DEBUG": "1", "ATTNSELECT_DEBUG_LEVEL": "3"}},
+     r"ATTNSELECT_DEBUG_LEVEL: got '3'"),
 ]
 
 
@@ -60,10 +105,18 @@ def test_bad_input_names_the_argument(args, kwargs, message, monkeypatch):
         raise AssertionError("a kernel ran before validation failed")
 
     for backend in attnselect.backends.all_backends():
-        monkeypatch.setattr(type(backend), "run", no_kernel)
-    with pytest.raises(InvalidInputError, match=message) as err:
+        for method in ("run", "run_packed"):
+            monkeypatch.setattr(type(backend), method, no_kernel)
+    kwargs = dict(kwargs)
+    for name, value in kwargs.pop("__env__", {}).items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(AttnSelectError, match=message) as err:
         attnselect.attention(*args, **kwargs)
-    assert isinstance(err.value, ValueError)
+    assert isinstance(err.value, ValueError)   # InvalidInputError or ForcedChoiceError
+
+
+def test_the_catalogue_is_large():
+    assert len(CASES) >= 40
 
 
 def test_views_and_gqa_are_valid_input():

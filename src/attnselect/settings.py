@@ -105,11 +105,11 @@ class Overrides:
 def names(values, argument: str) -> tuple:
     """A sorted tuple of backend names from any iterable of strings (hashable, reusable)."""
     try:
-        values = tuple(values)
+        given, values = values, tuple(values)
     except TypeError:
         raise InvalidInputError(f"{argument}: got {values!r}, expected a list of backend names") from None
     if not all(isinstance(v, str) for v in values):
-        raise InvalidInputError(f"{argument}: got {values!r}, expected a list of backend names")
+        raise InvalidInputError(f"{argument}: got {given!r}, expected a list of backend names")
     return tuple(sorted(set(values)))
 
 
@@ -140,6 +140,7 @@ def resolve(*, policy=None, backend=None, pad=None, disable=None, env: tuple = (
     unknown = sorted(set(disable or ()) - set(known))
     if unknown:
         raise InvalidInputError(f"{source}: got unknown backend(s) {unknown}, expected names from {known}")
+    strict()   # read only when a kernel fails; checked here so a bad value fails before any kernel runs
     return Overrides(policy=policy or "rules", backend=backend or None, pad=pad or "auto",
                      disable=frozenset(disable or ()))
 
