@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -77,3 +81,32 @@ def test_flash_attn_4_alone_does_not_look_like_flash_attn_2(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(tmp_path))
     packages = target_module._installed_packages()
     assert packages["flash_attn_version"] is None and packages["flash_attn4_version"] is None
+
+
+_HIDDEN_OR_BROKEN = """
+import sys, torch
+if sys.argv[1] == "broken":   # a driver that fails on every query
+    def fail(*args, **kwargs):
+        raise RuntimeError("CUDA driver initialization failed")
+    for name in ("is_available", "device_count", "get_device_capability", "get_device_name", "current_device"):
+        setattr(torch.cuda, name, fail)
+import attnselect
+from attnselect import AttentionProblem, Target
+assert Target.current().device_type == "cpu"
+for name in ("a100", "h200", "b200", "cpu"):
+    Target.preset(name)
+mla = AttentionProblem(2, 1024, 1024, 16, 16, 192, 128, mask="causal", training=True)
+print(attnselect.select(mla, target=Target.preset("h200")).chosen)
+print(attnselect.explain(mla).splitlines()[-2])
+q, k, v = torch.randn(1, 6, 2, 24), torch.randn(1, 6, 2, 24), torch.randn(1, 6, 2, 16)
+print(tuple(attnselect.attention(q, k, v, causal=True).shape))
+"""
+
+
+@pytest.mark.parametrize("mode", ["hidden", "broken"])
+def test_import_targets_and_selection_work_without_cuda(mode, tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", ATTNSELECT_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _HIDDEN_OR_BROKEN, mode], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["sdpa_cudnn native", "chosen:  sdpa_flash padded to 192", "(1, 6, 2, 16)"]
