@@ -9,10 +9,9 @@ now, so the report always shows how today's rules agree with what the GPU did.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import sys
-
-import torch
 
 from attnselect.candidates import Candidate, judge
 from attnselect.inputs import packing_facts
@@ -22,10 +21,10 @@ from attnselect.target import Target
 
 def problem_of(d: dict, lengths=None) -> AttentionProblem:
     """A row's problem; thd facts are derived again from the row's lengths (older rows lack some)."""
-    d = dict(d, dtype=getattr(torch, d["dtype"]), window=tuple(d["window"]) if d["window"] else None)
+    problem = AttentionProblem.from_dict(d)
     if lengths:
-        d.update(packing_facts(d["mask"], d["window"], *lengths))
-    return AttentionProblem(**d)
+        problem = dataclasses.replace(problem, **packing_facts(problem.mask, problem.window, *lengths))
+    return problem
 
 
 def agreement(rows: list[dict], target: Target) -> list[dict]:

@@ -59,6 +59,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
     raises, attnselect logs one warning, marks the candidate failed for this problem and runs
     the next one; a forced backend, or ATTNSELECT_STRICT=1, re-raises instead.
     """
+    if torch.compiler.is_compiling():   # one custom op, decided from the traced shapes (attnselect.ops)
+        from attnselect.ops import traced_attention
+        return traced_attention(q, k, v, layout=layout, causal=causal, window=window, scale=scale,
+                                dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                                max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                                cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                                return_lse=return_lse, backend=backend, pad=pad, disable=disable)
     call_key = _dense_call_key(q, k, v, layout, causal, window, dropout_p, cu_seqlens_q, cu_seqlens_kv,
                                cu_seqlens_q_padded, cu_seqlens_kv_padded, return_lse, backend, pad, disable)
     try:

@@ -157,6 +157,11 @@ class AttentionProblem:
         d["window"] = list(self.window) if self.window else None
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "AttentionProblem":
+        """The inverse of :meth:`to_dict`."""
+        return cls(**dict(d, dtype=getattr(torch, d["dtype"]), window=tuple(d["window"]) if d["window"] else None))
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> 'bfloat16'."""

@@ -1,0 +1,237 @@
+"""torch.compile support: under tracing, attention is one custom op with a decision made from static shapes.
+
+While torch.compile traces :func:`attnselect.attention`, the call becomes
+
+* a decision made at trace time (``torch.compiler.assume_constant_result``) from the static shapes,
+  dtypes, device and options: validation runs on meta tensors of the same shapes and selection
+  as usual, so the graph holds one fixed candidate and stays static;
+* ``attnselect::attention``, a ``torch.library`` custom op running that candidate, with a fake
+  implementation that sizes the output from the *value* head dim ((..., Dv), not (..., Dqk));
+* an autograd registration whose backward is ``attnselect::attention_backward``. A custom op's body
+  runs below autograd, so the forward cannot keep its autograd graph for later; the backward op
+  recomputes the candidate's forward with autograd switched back on and differentiates it (one
+  extra forward per backward, the price of an opaque op). With dropout the forward also returns the RNG state it started from, and
+  the backward replays it, so the recomputed forward draws the same mask.
+
+Packed (thd) calls need both ``max_seqlen_*`` under tracing: the boundaries cannot be read then, so
+the packing facts are the conservative ones of :func:`attnselect.inputs.packing_facts`. On the
+CPU, flex is left out of compiled graphs (its eager path fails inside them). The
+decision follows the ATTNSELECT_* variables and ``overrides`` blocks in force while tracing; the
+guarded run-time fallback of eager calls does not apply inside a compiled graph (a failing kernel
+raises).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from typing import Optional
+
+import torch
+
+from attnselect.backends.base import Packing
+from attnselect.candidates import Candidate
+from attnselect.errors import ForcedChoiceError, InvalidInputError
+from attnselect.execution import kernel_call, run_call
+from attnselect.inputs import DENSE_AXES, describe_call
+from attnselect.problem import AttentionProblem
+from attnselect.selection import select
+from attnselect.target import target_for_device
+
+Tensor = torch.Tensor
+
+
+def traced_attention(q, k, v, *, layout, causal, window, scale, dropout_p, cu_seqlens_q, cu_seqlens_kv,
+                     max_seqlen_q, max_seqlen_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, return_lse,
+                     backend, pad, disable):
+    """:func:`attnselect.attention` while torch.compile traces it (same arguments, same results)."""
+    if layout == "thd" and (max_seqlen_q is None or max_seqlen_kv is None):
+        raise InvalidInputError(f"max_seqlen_q/max_seqlen_kv: got {max_seqlen_q}/{max_seqlen_kv}, expected both "
+                                "integers under torch.compile (cu_seqlens cannot be read while tracing)")
+    packed = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+    spec = _decide(
+        tuple(tuple(t.shape) for t in (q, k, v)), tuple(str(t.dtype) for t in (q, k, v)),
+        tuple(str(t.device) for t in (q, k, v)),
+        tuple(None if t is None else (str(t.dtype), tuple(t.shape), str(t.device)) for t in packed),
+        cu_seqlens_kv is None or cu_seqlens_kv is cu_seqlens_q, layout, causal,
+        None if window is None else tuple(window), dropout_p, max_seqlen_q, max_seqlen_kv, return_lse,
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+        torch.are_deterministic_algorithms_enabled(), backend, pad,
+        disable if disable is None or isinstance(disable, str) else tuple(disable))
+    offsets_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
+    cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
+    offsets_kv = (offsets_q if cu_seqlens_kv is None else cu_kv) if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
+    out, lse, _ = torch.ops.attnselect.attention(q, k, v, cu_seqlens_q, cu_kv, offsets_q, offsets_kv, spec,
+                                                  None if scale is None else float(scale))
+    return (out, lse) if return_lse else out
+
+
+@torch.compiler.assume_constant_result
+def _decide(shapes, dtypes, devices, packed, shared_boundaries, layout, causal, window, dropout_p, max_seqlen_q,
+            max_seqlen_kv, return_lse, training, deterministic, backend, pad, disable) -> str:
+    """Validate and select on meta tensors of the traced shapes; the spec string the op runs."""
+    def meta(shape, dtype, requires_grad=False):
+        return torch.empty(shape, dtype=getattr(torch, dtype.replace("torch.", "")), device="meta",
+                           requires_grad=requires_grad)
+
+    q, k, v = (meta(s, d, training) for s, d in zip(shapes, dtypes))
+    cu = [None if p is None else meta(p[1], p[0]) for p in packed]
+    if shared_boundaries and cu[0] is not None:
+        cu[1] = None
+    with torch.enable_grad(), _deterministic(deterministic):
+        problem, _ = describe_call(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
+                                   cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], max_seqlen_q=max_seqlen_q,
+                                   max_seqlen_kv=max_seqlen_kv, return_lse=return_lse, cu_seqlens_q_padded=cu[2],
+                                   cu_seqlens_kv_padded=cu[3])
+    for name, device in zip(("k", "v"), devices[1:]):
+        if device != devices[0]:
+            raise InvalidInputError(f"{name}.device: got {device}, expected q's device {devices[0]}")
+    target = target_for_device(torch.device(devices[0]))
+    if not target.is_cuda:
+        # Eager FlexAttention (the CPU path) applies its mask with functorch's vmap, which fails under the
+        # dispatch mode AOTAutograd keeps active while a compiled graph runs ("NYI: querying is_contiguous
+        # inside of vmap"), so it is left out of compiled CPU graphs.
+        if backend == "flex":
+            raise ForcedChoiceError("backend: got 'flex', which cannot run inside a compiled graph on the CPU "
+                                    "(eager FlexAttention's vmap fails there); call it outside torch.compile")
+        disable = (*(disable.split(",") if isinstance(disable, str) else disable or ()), "flex")
+    decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
+    return json.dumps({"problem": problem.to_dict(), "backend": decision.chosen.backend,
+                       "pad_to": decision.chosen.pad_to})
+
+
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    """Describe the call under the determinism setting seen while tracing."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(spec: str) -> tuple[AttentionProblem, Candidate]:
+    d = json.loads(spec)
+    return AttentionProblem.from_dict(d["problem"]), Candidate(d["backend"], d["pad_to"])
+
+
+def _run(spec, scale, q, k, v, cu_q, cu_kv, offsets_q, offsets_kv):
+    problem, candidate = _parse(spec)
+    packing = None
+    if problem.layout == "thd":
+        packing = Packing(cu_q, cu_kv, problem.seqlen_q, problem.seqlen_kv, offsets_q, offsets_kv)
+    return run_call(candidate, problem, kernel_call(problem, scale), q, k, v, packing=packing,
+                    target=target_for_device(q.device))
+
+
+@torch.library.custom_op("attnselect::attention", mutates_args=())
+def attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
+                 offsets_q: Optional[Tensor], offsets_kv: Optional[Tensor], spec: str,
+                 scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, lse or an empty tensor, the RNG state dropout started from or an empty tensor)."""
+    problem, _ = _parse(spec)
+    rng = _rng_state(q.device) if problem.dropout_p else _no_rng_state()
+    with torch.no_grad():
+        out, lse = _run(spec, scale, q, k, v, cu_seqlens_q, cu_seqlens_kv, offsets_q, offsets_kv)
+    return out.contiguous(), (lse if lse is not None else _no_lse(q)), rng
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_kv, offsets_q, offsets_kv, spec, scale):
+    problem, _ = _parse(spec)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])                    # the value head dim, not d_qk
+    if not problem.return_lse:
+        lse = _no_lse(q)
+    elif problem.layout == "thd":
+        lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    else:
+        b, s, h = (q.shape[axis] for axis in DENSE_AXES[problem.layout])
+        lse = q.new_empty(b, h, s, dtype=torch.float32)
+    rng = (torch.empty(_rng_state_size(q.device.type), dtype=torch.uint8) if problem.dropout_p
+           else _no_rng_state())
+    return out, lse, rng
+
+
+@torch.library.custom_op("attnselect::attention_backward", mutates_args=())
+def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+                          cu_seqlens_kv: Optional[Tensor], offsets_q: Optional[Tensor],
+                          offsets_kv: Optional[Tensor], rng: Tensor, spec: str,
+                          scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv: the candidate's forward recomputed with autograd (from the forward's RNG state)."""
+    devices = [q.device] if q.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, enabled=rng.numel() > 0), _autograd_inside_op(), \
+            torch.enable_grad():
+        if rng.numel():
+            _set_rng_state(rng, q.device)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, _ = _run(spec, scale, *leaves, cu_seqlens_q, cu_seqlens_kv, offsets_q, offsets_kv)
+        grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, (q, k, v)))
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, offsets_q, offsets_kv, rng, spec,
+                             scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_kv, offsets_q, offsets_kv, spec, scale = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_kv, offsets_q, offsets_kv, output[2])
+    ctx.spec, ctx.scale = spec, scale
+
+
+def _backward(ctx, grad_out, grad_lse, grad_rng):
+    # lse is returned detached (as in eager calls), so its gradient is not propagated.
+    q, k, v, cu_q, cu_kv, offsets_q, offsets_kv, rng = ctx.saved_tensors
+    dq, dk, dv = torch.ops.attnselect.attention_backward(grad_out, q, k, v, cu_q, cu_kv, offsets_q, offsets_kv, rng,
+                                                         ctx.spec, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    """Let autograd record inside a custom op's body.
+
+    The dispatcher runs a custom op's implementation with the autograd keys excluded
+    (c10 AutoDispatchBelowADInplaceOrView, set by the op's autograd kernel), so nothing inside
+    would be recorded. This restores the autograd keys for the block, as the recompute needs;
+    torch.func transforms would avoid the private guard but break torch.library.opcheck's
+    schema check (its mode cannot read functorch's wrapped tensors).
+    """
+    keys = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                         exclude.remove(keys.AutogradFunctionality).remove(keys.ADInplaceOrView)):
+        yield
+
+
+def _no_lse(q: Tensor) -> Tensor:
+    return q.new_empty(0, dtype=torch.float32)
+
+
+def _no_rng_state() -> Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _rng_state(device: torch.device) -> Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(state: Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+@functools.lru_cache(maxsize=None)
+def _rng_state_size(device_type: str) -> int:
+    return (torch.cuda.get_rng_state() if device_type == "cuda" else torch.get_rng_state()).numel()
+
