@@ -1,0 +1,105 @@
+"""Hugging Face transformers: attnselect as an attention implementation, switched on in one line.
+
+    import attnselect.integrations.transformers as attnselect_hf
+    name = attnselect_hf.register()                      # "attnselect"
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation=name)
+
+The name does not contain "flash", so models that pad V to the query width for FlashAttention
+(DeepSeek-V3's attention in transformers 4.x pads whenever the implementation's name is
+"flash_attention_2") hand attnselect the native 128-wide V, and attnselect decides.
+
+The interface (transformers' AttentionInterface): query (B, Hq, Sq, Dqk), key (B, Hkv, Skv, Dqk),
+value (B, Hkv, Skv, Dv); GQA through the module's key/value heads; ``attention_mask`` None or the
+padding mask; ``is_causal``, ``dropout``, ``scaling``; returns ((B, Sq, Hq, Dv), None).
+
+Masks: the registered mask function is transformers' own FlashAttention one, which hands the
+attention a 2-D padding mask (B, Skv), True for real tokens, or None when nothing is padded. A
+padded batch (batched generation with left padding, training with right padding) is unpadded into
+packed sequences (thd, one host read of the lengths, as transformers' FlashAttention path does),
+run with bottom-right causal alignment (queries are the last Sq positions of their keys) and
+scattered back; padded query rows get zeros. Padding-free packed batches
+(``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments, as DataCollatorWithFlattening makes them)
+run packed directly.
+
+Supported transformers: 4.56 to 5.x (tested: 4.56.2 and 5.24.0).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import attnselect
+from attnselect.errors import InvalidInputError
+
+NAME = "attnselect"
+
+
+def register(name: str = NAME) -> str:
+    """Register attnselect with transformers' attention and mask interfaces under ``name``; returns it."""
+    if "flash" in name:
+        raise InvalidInputError(f"name: got {name!r}, expected a name without 'flash' (transformers pads V to the "
+                                "query width for implementations named like that)")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    return name
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                      scaling: Optional[float] = None, is_causal: Optional[bool] = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention function contract on top of :func:`attnselect.attention`."""
+    if kwargs.get("output_attentions") or kwargs.get("head_mask") is not None:
+        raise InvalidInputError("output_attentions/head_mask: got a request for attention weights, expected none "
+                                "(fused kernels do not form them; use attn_implementation='eager')")
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    options = dict(causal="bottom_right" if causal else False, dropout_p=dropout, scale=scaling)
+    window = getattr(module, "sliding_window", None)
+    if window:
+        options["window"] = (window - 1, 0 if causal else -1)
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return _packed(query, key, value, kwargs, options), None
+    if attention_mask is None:
+        out = attnselect.attention(query, key, value, layout="bhsd", **options)
+        return out.transpose(1, 2), None
+    if attention_mask.dim() != 2:
+        raise InvalidInputError(f"attention_mask: got {attention_mask.dim()} dims, expected the 2-D padding mask of "
+                                f"the {NAME!r} mask function (B, Skv)")
+    return _unpadded(query, key, value, attention_mask.bool(), options), None
+
+
+def _packed(query, key, value, kwargs, options):
+    """A padding-free batch: (1, H, T, D) tensors with the sequences' boundaries."""
+    if query.shape[0] != 1:
+        raise InvalidInputError(f"query.shape[0]: got {query.shape[0]}, expected 1 with cu_seq_lens_q (packed)")
+    to_thd = lambda t: t[0].transpose(0, 1)   # noqa: E731   (1, H, T, D) -> (T, H, D)
+    out = attnselect.attention(to_thd(query), to_thd(key), to_thd(value), layout="thd",
+                               cu_seqlens_q=kwargs["cu_seq_lens_q"].int(), cu_seqlens_kv=kwargs["cu_seq_lens_k"].int(),
+                               max_seqlen_q=_as_int(kwargs.get("max_length_q")),
+                               max_seqlen_kv=_as_int(kwargs.get("max_length_k")), **options)
+    return out.unsqueeze(0)                   # (1, T, H, Dv)
+
+
+def _unpadded(query, key, value, keep, options):
+    """Run a padded batch as packed sequences of its real tokens; padded query rows get zeros."""
+    batch, heads, sq, _ = query.shape
+    skv = key.shape[2]
+    if keep.shape[1] < skv:   # a static cache longer than the tokens seen so far
+        key, value, skv = key[:, :, :keep.shape[1]], value[:, :, :keep.shape[1]], keep.shape[1]
+    keep_q = keep[:, skv - sq:]                # the queries are the last Sq positions
+    lengths_q, lengths_kv = keep_q.sum(1, dtype=torch.int32), keep.sum(1, dtype=torch.int32)
+    cu_q, cu_kv = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (lengths_q, lengths_kv))
+    tokens = lambda t, rows: t.transpose(1, 2)[rows]   # noqa: E731   (B, H, S, D) -> (T, H, D)
+    packed = attnselect.attention(tokens(query, keep_q), tokens(key, keep), tokens(value, keep), layout="thd",
+                                  cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **options)
+    out = packed.new_zeros(batch, sq, heads, value.shape[-1])
+    out[keep_q] = packed
+    return out
+
+
+def _as_int(value) -> Optional[int]:
+    return int(value) if value is not None else None

@@ -1,0 +1,103 @@
+"""attnselect as a transformers attention implementation, on a tiny randomly initialised DeepSeek-V3 (no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
+
+from attnselect.integrations import transformers as attnselect_hf  # noqa: E402
+
+NAME = attnselect_hf.register()
+
+
+def _model(implementation: str, seed: int = 0):
+    """Two layers, real MLA geometry scaled down: d_qk = 16 (nope) + 8 (rope) = 24 != d_v = 16."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2, attn_implementation=implementation)
+    torch.manual_seed(seed)
+    return transformers.DeepseekV3ForCausalLM(config).eval()   # float32: the MoE grouped matmul has no float64
+
+
+def test_register_returns_a_name_without_flash():
+    assert NAME == "attnselect" and "flash" not in NAME
+    with pytest.raises(ValueError, match="without 'flash'"):
+        attnselect_hf.register("flash_attnselect")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The (layout, value head dim) of every attnselect.attention call the model makes."""
+    import attnselect
+    seen, real = [], attnselect.attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((kwargs.get("layout"), v.shape[-1]))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attnselect, "attention", spy)
+    return seen
+
+
+def test_logits_match_eager(calls):
+    ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    ours, eager = _model(NAME), _model("eager")
+    assert ours.config._attn_implementation == NAME
+    torch.testing.assert_close(ours(ids).logits, eager(ids).logits)
+    assert calls == [("bhsd", 16)] * 2   # one call per layer, V native (16 wide, not padded to 24)
+
+
+def test_left_padded_logits_match_eager_on_real_tokens(calls):
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    ids[0, :4] = 0
+    ours, eager = (m(ids, attention_mask=mask).logits for m in (_model(NAME), _model("eager")))
+    torch.testing.assert_close(ours[mask.bool()], eager[mask.bool()])
+    assert calls == [("thd", 16)] * 2    # the padding mask is honoured by running the real tokens packed
+
+
+def test_a_training_step_matches_eager():
+    ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(3))
+    losses, grads = [], []
+    for implementation in (NAME, "eager"):
+        model = _model(implementation).train()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(losses[0], losses[1])
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
+
+
+def test_generate_with_left_padding_gives_eagers_tokens():
+    ids = torch.randint(3, 97, (3, 8), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    for row, pad in ((0, 3), (1, 5)):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    tokens = [m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+              for m in (_model(NAME), _model("eager"))]
+    assert torch.equal(tokens[0], tokens[1])
+
+
+def test_padding_free_packed_batch_matches_separate_sequences():
+    from attnselect.integrations.transformers import attention_forward
+    module = torch.nn.Module()
+    module.is_causal = True
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, 4, 9, 24, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 4, 9, 16, generator=g, dtype=torch.float64)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    out, weights = attention_forward(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5,
+                                     max_length_k=5)
+    assert weights is None and out.shape == (1, 9, 4, 16)
+    for a, b in ((0, 4), (4, 9)):
+        alone, _ = attention_forward(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None)
+        torch.testing.assert_close(out[:, a:b], alone)
