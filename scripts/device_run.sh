@@ -4,6 +4,7 @@
 #   bash scripts/device_run.sh grid    # rules grid, resuming the committed rows -> $OUT/h200_rules_grid.jsonl
 #   bash scripts/device_run.sh bench   # packed (thd) benchmark                -> $OUT/h200_thd_bench.{json,md}
 #   bash scripts/device_run.sh models  # attnselect bench, resuming results/h200_bench.json -> $OUT/h200_bench.*
+#   bash scripts/device_run.sh hf      # transformers DeepSeek-V3 geometry, tokens/s     -> $OUT/h200_hf_deepseek.*
 # Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,5 +29,7 @@ case "${1:-}" in
   models)
     [ -f results/h200_bench.json ] && cp results/h200_bench.json "$OUT/h200_bench.json"
     timeout 570 python3 -m attnselect.cli bench --out "$OUT/h200_bench" --deadline 480 2>&1 | grep -v -i warn | tail -30 ;;
-  *) echo "usage: $0 tests|grid|bench|models"; exit 2 ;;
+  hf)
+    timeout 560 python3 benchmarks/hf_deepseek.py --out "$OUT/h200_hf_deepseek" 2>&1 | grep -v -i warn | tail -12 ;;
+  *) echo "usage: $0 tests|grid|bench|models|hf"; exit 2 ;;
 esac

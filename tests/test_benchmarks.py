@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -32,3 +34,12 @@ def test_rules_grid_smoke(tmp_path):
     assert len(rows) >= 3 * 4 and all(r["agrees"] for r in rows), done.stdout
     report = _run("benchmarks/grid_report.py", str(out)).stdout
     assert "3 problems" in report
+
+
+def test_hf_deepseek_smoke(tmp_path):
+    pytest.importorskip("transformers", reason="the test extra installs transformers")
+    _run("benchmarks/hf_deepseek.py", "--smoke", "--out", str(tmp_path / "hf"))
+    rows = {r["implementation"]: r for r in json.loads((tmp_path / "hf.json").read_text())["rows"]}
+    for name in ("attnselect", "sdpa"):   # flex has no CPU backward: its failure is recorded, not raised
+        assert rows[name]["tokens_per_s"] > 0, rows[name]
+    assert "error" in rows["flex_attention"]
