@@ -58,6 +58,13 @@ def test_time_step_counts_warmup_repeats_and_budget():
     assert len(calls) == 4
 
 
+def test_time_step_spread_stays_inside_the_samples(monkeypatch):
+    clock = iter([0.0, 0.0, 0.001, 0.001, 0.003, 0.003, 0.004])   # start, then repeats of 1, 2 and 1 ms
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: next(clock))
+    timing = measure.time_step(lambda: None, torch.device("cpu"), warmup=0, repeats=3)
+    assert (timing.low_ms, timing.median_ms, timing.high_ms) == pytest.approx((1.0, 1.0, 1.6))   # not beyond 1..2
+
+
 def test_decisions_persist_across_processes(cache_dir):
     attnselect.select(P, target=Target.current("cpu"), policy="measure")
     entries = json.loads((cache_dir / "decisions.json").read_text())["entries"]

@@ -260,3 +260,28 @@ def test_a_module_compiles_fullgraph_and_trains_like_eager():
     torch.testing.assert_close(compiled, eager)
     for g, p in zip(got, module.parameters()):
         torch.testing.assert_close(g, p.grad)
+
+
+def test_shared_boundaries_with_gaps_place_keys_as_eager():
+    """Regression: cu_seqlens_kv passed as the very cu_seqlens_q tensor shares the queries' padded offsets."""
+    g = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(9, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(9, 2, 8, generator=g, dtype=torch.float64)
+    cu, padded = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+
+    def fn(q, k, v):
+        return attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                                    max_seqlen_q=4, max_seqlen_kv=4, causal=True)
+
+    compiled, _ = _compiled_graph_ops(fn, q, k, v)
+    torch.testing.assert_close(compiled, fn(q, k, v))
+
+
+def test_compiled_lse_is_detached_and_scale_is_checked():
+    q, k, v = _dense()
+    (_, lse), _ = _compiled_graph_ops(lambda q, k, v: attnselect.attention(q, k, v, return_lse=True), q, k, v)
+    assert not lse.requires_grad                 # as eager calls return it
+    bad = torch.compile(lambda q, k, v: attnselect.attention(q, k, v, scale=-1.0), fullgraph=True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"scale: got -1\.0"):
+        bad(q, k, v)

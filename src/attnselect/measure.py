@@ -104,13 +104,14 @@ def time_step(step, device: torch.device, *, warmup: int = WARMUP, repeats: int 
     and waits once at the end, as a training loop does: the host prepares the next call while the
     GPU runs this one, so a repeat measures the GPU's time unless the host is the slower of the two.
     ``queued=False`` waits after every repeat, which adds each call's host overhead in full (the
-    latency of an isolated call). ``budget_s`` stops issuing repeats after that many seconds (at
-    least three run).
+    latency of an isolated call). ``budget_s`` bounds the repeats to about that many seconds (at
+    least three run); queued on a GPU, the first repeat is waited for to size them, since the host
+    would otherwise queue every repeat long before the GPU has run them.
     """
     for _ in range(warmup):
         step()
     start, times, events = time.perf_counter(), [], []
-    for _ in range(repeats):
+    for i in range(max(repeats, 1)):
         if device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -119,16 +120,24 @@ def time_step(step, device: torch.device, *, warmup: int = WARMUP, repeats: int 
             events.append((begin, end))
             if not queued:
                 end.synchronize()
+            elif i == 0 and budget_s is not None:
+                end.synchronize()
+                repeats = min(repeats, max(3, int(budget_s * 1e3 / max(begin.elapsed_time(end), 1e-3))))
         else:
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
-        if budget_s is not None and time.perf_counter() - start > budget_s and len(events) + len(times) >= 3:
+        if (budget_s is not None and (device.type != "cuda" or not queued)
+                and time.perf_counter() - start > budget_s and len(events) + len(times) >= 3):
+            break
+        if i + 1 >= repeats:
             break
     if events:
         events[-1][1].synchronize()
         times = [begin.elapsed_time(end) for begin, end in events]
-    low, high = (statistics.quantiles(times, n=5)[i] for i in (0, 3)) if len(times) >= 2 else (times[0], times[0])
+    if len(times) < 2:
+        return Timing(times[0], times[0], times[0])
+    low, _, _, high = statistics.quantiles(times, n=5, method="inclusive")   # within the samples
     return Timing(statistics.median(times), low, high)
 
 

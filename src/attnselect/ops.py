@@ -34,7 +34,7 @@ from attnselect.backends.base import Packing
 from attnselect.candidates import Candidate
 from attnselect.errors import ForcedChoiceError, InvalidInputError
 from attnselect.execution import kernel_call, run_call
-from attnselect.inputs import DENSE_AXES, describe_call
+from attnselect.inputs import DENSE_AXES, check_scale, describe_call
 from attnselect.problem import AttentionProblem
 from attnselect.selection import select
 from attnselect.target import target_for_device
@@ -49,22 +49,24 @@ def traced_attention(q, k, v, *, layout, causal, window, scale, dropout_p, cu_se
     if layout == "thd" and (max_seqlen_q is None or max_seqlen_kv is None):
         raise InvalidInputError(f"max_seqlen_q/max_seqlen_kv: got {max_seqlen_q}/{max_seqlen_kv}, expected both "
                                 "integers under torch.compile (cu_seqlens cannot be read while tracing)")
+    check_scale(scale)
+    shared = cu_seqlens_kv is None or cu_seqlens_kv is cu_seqlens_q   # as attnselect.inputs._packing
     packed = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
     spec = _decide(
         tuple(tuple(t.shape) for t in (q, k, v)), tuple(str(t.dtype) for t in (q, k, v)),
         tuple(str(t.device) for t in (q, k, v)),
         tuple(None if t is None else (str(t.dtype), tuple(t.shape), str(t.device)) for t in packed),
-        cu_seqlens_kv is None or cu_seqlens_kv is cu_seqlens_q, layout, causal,
+        shared, layout, causal,
         None if window is None else tuple(window), dropout_p, max_seqlen_q, max_seqlen_kv, return_lse,
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
         torch.are_deterministic_algorithms_enabled(), backend, pad,
         disable if disable is None or isinstance(disable, str) else tuple(disable))
     offsets_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
     cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
-    offsets_kv = (offsets_q if cu_seqlens_kv is None else cu_kv) if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
+    offsets_kv = (offsets_q if shared else cu_kv) if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
     out, lse, _ = torch.ops.attnselect.attention(q, k, v, cu_seqlens_q, cu_kv, offsets_q, offsets_kv, spec,
                                                   None if scale is None else float(scale))
-    return (out, lse) if return_lse else out
+    return (out, lse.detach()) if return_lse else out   # lse is detached, as in eager calls
 
 
 @torch.compiler.assume_constant_result
@@ -136,7 +138,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor]
     rng = _rng_state(q.device) if problem.dropout_p else _no_rng_state()
     with torch.no_grad():
         out, lse = _run(spec, scale, q, k, v, cu_seqlens_q, cu_seqlens_kv, offsets_q, offsets_kv)
-    return out.contiguous(), (lse if lse is not None else _no_lse(q)), rng
+    # Contiguous, as the fake implementation describes them (cuDNN's packed lse is a transposed view).
+    return out.contiguous(), (lse.contiguous() if lse is not None else _no_lse(q)), rng
 
 
 @attention_op.register_fake

@@ -101,3 +101,42 @@ def test_padding_free_packed_batch_matches_separate_sequences():
     for a, b in ((0, 4), (4, 9)):
         alone, _ = attention_forward(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None)
         torch.testing.assert_close(out[:, a:b], alone)
+
+
+def _bare_module():
+    module = torch.nn.Module()
+    module.is_causal = True
+    return module
+
+
+def test_documents_marked_by_position_ids_stay_apart():
+    from attnselect.integrations.transformers import attention_forward
+    g = torch.Generator().manual_seed(6)
+    q, k = (torch.randn(1, 2, 7, 8, generator=g) for _ in range(2))
+    v = torch.randn(1, 2, 7, 8, generator=g)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    out, _ = attention_forward(_bare_module(), q, k, v, None, position_ids=positions)
+    for a, b in ((0, 3), (3, 7)):
+        alone, _ = attention_forward(_bare_module(), q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None)
+        torch.testing.assert_close(out[:, a:b], alone)
+    plain, _ = attention_forward(_bare_module(), q, k, v, None, position_ids=torch.arange(7)[None])
+    whole, _ = attention_forward(_bare_module(), q, k, v, None)
+    torch.testing.assert_close(plain, whole)
+
+
+def test_sliding_window_keyword_and_unsupported_features():
+    from attnselect.integrations.transformers import attention_forward
+    import attnselect
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
+    out, _ = attention_forward(_bare_module(), q, k, v, None, sliding_window=3)
+    want = attnselect.attention(q, k, v, layout="bhsd", causal="bottom_right", window=(2, 0)).transpose(1, 2)
+    torch.testing.assert_close(out, want)
+    assert not torch.allclose(out, attention_forward(_bare_module(), q, k, v, None)[0])
+    for kwargs in ({"softcap": 30.0}, {"s_aux": torch.zeros(2)}, {"output_attentions": True}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            attention_forward(_bare_module(), q, k, v, None, **kwargs)
+    module = _bare_module()
+    module.is_causal = False
+    with pytest.raises(ValueError, match="bidirectional windows"):
+        attention_forward(module, q, k, v, None, sliding_window=3)

@@ -19,7 +19,8 @@ packed sequences (thd, one host read of the lengths, as transformers' FlashAtten
 run with bottom-right causal alignment (queries are the last Sq positions of their keys) and
 scattered back; padded query rows get zeros. Padding-free packed batches
 (``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments, as DataCollatorWithFlattening makes them)
-run packed directly.
+run packed directly, as do batches marked only by ``position_ids`` restarting at each document.
+Soft-capping and attention sinks are refused with an error, not ignored.
 
 Supported transformers: 4.56 to 5.x (tested: 4.56.2 and 5.24.0).
 """
@@ -56,11 +57,20 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if kwargs.get("output_attentions") or kwargs.get("head_mask") is not None:
         raise InvalidInputError("output_attentions/head_mask: got a request for attention weights, expected none "
                                 "(fused kernels do not form them; use attn_implementation='eager')")
+    for name in ("softcap", "s_aux"):   # logit soft-capping (Gemma 2), attention sinks (GPT-OSS)
+        if kwargs.get(name) is not None:
+            raise InvalidInputError(f"{name}: got a value, expected None (attnselect's kernels do not apply it; use "
+                                    "another attn_implementation for this model)")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     options = dict(causal="bottom_right" if causal else False, dropout_p=dropout, scale=scaling)
-    window = getattr(module, "sliding_window", None)
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if window:
-        options["window"] = (window - 1, 0 if causal else -1)
+        if not causal:
+            raise InvalidInputError(f"sliding_window: got {window} without causal masking, expected causal attention "
+                                    "(bidirectional windows are not supported)")
+        options["window"] = (window - 1, 0)      # keys in (q - window, q], as transformers' sliding_window_overlay
+    if kwargs.get("cu_seq_lens_q") is None and attention_mask is None:
+        kwargs.update(_boundaries_from_positions(query, key, kwargs.get("position_ids")))
     if kwargs.get("cu_seq_lens_q") is not None:
         return _packed(query, key, value, kwargs, options), None
     if attention_mask is None:
@@ -82,6 +92,24 @@ def _packed(query, key, value, kwargs, options):
                                max_seqlen_q=_as_int(kwargs.get("max_length_q")),
                                max_seqlen_kv=_as_int(kwargs.get("max_length_k")), **options)
     return out.unsqueeze(0)                   # (1, T, H, Dv)
+
+
+def _boundaries_from_positions(query, key, position_ids) -> dict:
+    """A padding-free batch marked only by position_ids restarting at each document (DataCollatorWithFlattening).
+
+    As transformers' FlashAttention path: one row of more than one query whose positions do not
+    simply count up is packed; its boundaries are where a position does not follow the previous
+    one. Reading that is one host sync, and only for such single-row calls.
+    """
+    if position_ids is None or query.shape[0] != 1 or query.shape[2] < 2 or key.shape[2] != query.shape[2]:
+        return {}   # not a single packed row (a KV cache, where keys outnumber queries, is never packed)
+    positions = position_ids.reshape(-1)
+    restarts = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
+    if restarts.numel() == 0:
+        return {}
+    total = positions.new_tensor([positions.numel()])
+    cu = torch.cat([positions.new_zeros(1), restarts, total]).int()
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
 
 
 def _unpadded(query, key, value, keep, options):
