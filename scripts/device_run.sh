@@ -5,6 +5,7 @@
 #   bash scripts/device_run.sh bench   # packed (thd) benchmark                -> $OUT/h200_thd_bench.{json,md}
 #   bash scripts/device_run.sh models  # attnselect bench, resuming results/h200_bench.json -> $OUT/h200_bench.*
 #   bash scripts/device_run.sh hf      # transformers DeepSeek-V3 geometry, tokens/s     -> $OUT/h200_hf_deepseek.*
+#   bash scripts/device_run.sh megatron # megatron-core MLA layer tests, then stock pad vs native V -> $OUT/h200_megatron_mla.*
 # Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,5 +32,8 @@ case "${1:-}" in
     timeout 570 python3 -m attnselect.cli bench --out "$OUT/h200_bench" --deadline 480 2>&1 | grep -v -i warn | tail -30 ;;
   hf)
     timeout 560 python3 benchmarks/hf_deepseek.py --out "$OUT/h200_hf_deepseek" 2>&1 | grep -v -i warn | tail -12 ;;
-  *) echo "usage: $0 tests|grid|bench|models|hf"; exit 2 ;;
+  megatron)
+    timeout 240 python3 -m pytest -v -p no:cacheprovider -W ignore tests/integrations/test_megatron.py 2>&1 | tail -15
+    timeout 300 python3 benchmarks/megatron_mla.py --out "$OUT/h200_megatron_mla" 2>&1 | grep -v -i warn | tail -12 ;;
+  *) echo "usage: $0 tests|grid|bench|models|hf|megatron"; exit 2 ;;
 esac

@@ -16,7 +16,7 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
   platforms+=(--platform "$p")
 done
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${platforms[@]}" -d .whl "nvidia-cudnn-frontend==1.32.0" "apache-tvm-ffi>=0.1.11"
+  "${platforms[@]}" -d .whl "nvidia-cudnn-frontend==1.32.0" "apache-tvm-ffi>=0.1.11" "megatron-core==0.19.2"
 # transformers with its dependency closure, less what the GPU image has (torch and its stack, numpy).
 tmp=$(mktemp -d)
 python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \

@@ -1,0 +1,103 @@
+"""A megatron-core MLA self-attention layer on packed input: Megatron's V pad (stock) against native V (patched).
+
+    python benchmarks/megatron_mla.py --out results/h200_megatron_mla    # GPU machine, megatron-core carried
+
+The layer (DeepSeek-V3 attention geometry: 16 heads, q/k 128 + 64 rope, v 128, kv_lora 512, bf16) runs
+with attnselect's core attention on the 32k-token / 18-sequence packing of benchmarks/thd_bench.py,
+forward+backward, timed with attnselect.measure.time_step (queued repeats, median and p20..p80):
+once with megatron-core's own _prepare_mla_core_attention_value (V zero-padded to 192 on packed input)
+and once after attnselect.integrations.megatron.skip_thd_value_pad() (V stays 128 wide).
+The tests in tests/integrations/test_megatron.py build the layer with :func:`mla_layer`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+
+def init_model_parallel() -> None:
+    """One-process model parallelism (tensor and pipeline size 1), as Megatron's own unit tests set it up."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(123)
+
+
+def mla_layer(integration, patched: bool, hidden: int = 1024):
+    """An MLASelfAttention with attnselect's core attention; ``patched``: V stays native on packed input."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    config = MLATransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=16, q_lora_rank=None,
+                                  kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+                                  rope_type="rope", add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
+                                  bf16=True, params_dtype=torch.bfloat16)
+    spec = integration.layer_spec(get_gpt_layer_local_spec(multi_latent_attention=True))
+    torch.manual_seed(0)
+    layer = build_module(spec.submodules.self_attention, config=config, layer_number=1).cuda()
+    integration._mla._prepare_mla_core_attention_value = (integration._prepare_value if patched
+                                                          else integration._STOCK_PREPARE_VALUE)
+    return layer
+
+
+def packed_params(lengths):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                           max_seqlen_kv=max(lengths))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    import megatron.core
+    from thd_bench import packings
+    from attnselect.integrations import megatron as integration
+    from attnselect.measure import time_step
+    from attnselect.target import Target
+    init_model_parallel()
+    name, lengths = next(iter(packings(smoke=False).items()))
+    params = packed_params(lengths)
+    rows = []
+    for patched in (False, True):
+        layer = mla_layer(integration, patched)
+        x = torch.randn(sum(lengths), 1, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+        def step():
+            out, _ = layer(x, None, packed_seq_params=params)
+            out.backward(torch.ones_like(out))
+
+        t = time_step(step, torch.device("cuda"), warmup=3, repeats=15)
+        rows.append({"v": "native 128 (patched)" if patched else "padded to 192 (stock)", "median_ms": t.median_ms,
+                     "p20_ms": t.low_ms, "p80_ms": t.high_ms})
+        print(rows[-1], flush=True)
+    integration.skip_thd_value_pad()
+    meta = {"device": Target.current().describe(), "megatron_core": megatron.core.__version__,
+            "packing": name, "date": time.strftime("%Y-%m-%d")}
+    with open(a.out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    stock, patched = rows
+    lines = ["# megatron-core MLA layer, packed input: V padded (stock) against native (patched)\n",
+             f"{meta['device']}, megatron-core {meta['megatron_core']}, {name}, forward+backward, "
+             f"{meta['date']}. Produced by `benchmarks/megatron_mla.py`.\n",
+             "| V | median ms | p20..p80 ms |", "|---|---|---|"]
+    lines += [f"| {r['v']} | {r['median_ms']:.3f} | {r['p20_ms']:.3f}..{r['p80_ms']:.3f} |" for r in rows]
+    lines.append(f"\nNative V is {stock['median_ms'] / patched['median_ms']:.2f}x the speed of the stock pad.")
+    with open(a.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Megatron-core: attnselect as the core attention of MLA, and native V on the packed (thd) path.
+
+    from attnselect.integrations import megatron as attnselect_mcore
+    spec = attnselect_mcore.layer_spec(get_gpt_layer_local_spec(multi_latent_attention=True))
+    attnselect_mcore.skip_thd_value_pad()
+
+:class:`CoreAttention` implements Megatron's core-attention contract (DotProductAttention /
+TEDotProductAttention): built with (config, layer_number, attn_mask_type, attention_type,
+attention_dropout, softmax_scale, k_channels, v_channels, cp_comm_type, pg_collection); called
+with query [sq, b, np, hn], key/value [sk, b, ng, hn|hv] (or [t, np, hn] packed, with
+``packed_seq_params`` in thd format and its cu_seqlens), ``attention_mask``, ``attn_mask_type``;
+returns [sq, b, np * hv] (or [t, np * hv]). ``layer_spec`` puts it into a layer spec's attention.
+
+``skip_thd_value_pad()`` replaces megatron-core's ``_prepare_mla_core_attention_value`` so that MLA
+hands :class:`CoreAttention` V at its own width on packed input instead of zero-padded to the query
+width (Megatron-LM #6240: 5.7-11.7% of an H200 training step, and no cuDNN backward at all on
+Blackwell for the padded shape); other core attentions keep the stock pad. Importing this module
+raises ImportError when megatron-core lacks that function (before 0.19), because skipping the patch
+silently would bring back the failure it exists to fix. Megatron-core 0.19 needs Python 3.12.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import attnselect
+from attnselect.errors import InvalidInputError
+
+try:
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer import multi_latent_attention as _mla
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.utils import is_layer_window_attention
+except ImportError as exc:   # pragma: no cover - depends on the environment
+    raise ImportError("attnselect.integrations.megatron needs megatron-core >= 0.19 (Python 3.12): "
+                      f"{exc}") from exc
+
+if not hasattr(_mla, "_prepare_mla_core_attention_value"):
+    raise ImportError("megatron-core has no multi_latent_attention._prepare_mla_core_attention_value (it arrived in "
+                      "0.19): attnselect cannot keep MLA's V native on packed input with this version")
+
+_STOCK_PREPARE_VALUE = _mla._prepare_mla_core_attention_value
+
+# Megatron mask types in attnselect's terms; padding on packed input is carried by cu_seqlens.
+_CAUSAL = {AttnMaskType.causal: True, AttnMaskType.padding_causal: True,
+           AttnMaskType.causal_bottom_right: "bottom_right", AttnMaskType.no_mask: False}
+
+
+class CoreAttention(MegatronModule):
+    """Megatron core attention on :func:`attnselect.attention` (dense sbhd or packed thd)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, attention_dropout=None,
+                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None,
+                 **unused):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise InvalidInputError(f"context_parallel_size: got {config.context_parallel_size}, expected 1 "
+                                    "(attnselect's Megatron core attention does not split sequences across ranks)")
+        self.attn_mask_type = attn_mask_type
+        head_dim = k_channels or config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.window = (tuple(config.window_size) if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **unused):
+        if attention_bias is not None:
+            raise InvalidInputError("attention_bias: got a tensor, expected None (no bias in attnselect's kernels)")
+        mask_type = attn_mask_type or self.attn_mask_type
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if mask_type not in _CAUSAL and not (packed and mask_type == AttnMaskType.padding):
+            raise InvalidInputError(f"attn_mask_type: got {mask_type}, expected causal, padding_causal, "
+                                    "causal_bottom_right or no_mask (arbitrary masks are not supported)")
+        options = dict(causal=_CAUSAL.get(mask_type, False), scale=self.softmax_scale, window=self.window,
+                       dropout_p=self.dropout_p if self.training else 0.0)
+        # As Megatron's DotProductAttention: tensor-parallel ranks draw their own dropout masks.
+        with tensor_parallel.get_cuda_rng_tracker().fork() if options["dropout_p"] else contextlib.nullcontext():
+            if packed:
+                out = attnselect.attention(query, key, value, layout="thd", **_packing(packed_seq_params),
+                                           **options)
+                return out.reshape(out.shape[0], -1)                              # [t, np * hv]
+            out = attnselect.attention(query, key, value, layout="sbhd", **options)
+            return out.reshape(out.shape[0], out.shape[1], -1)                    # [sq, b, np * hv]
+
+
+def _packing(params) -> dict:
+    """attnselect's thd arguments from Megatron's PackedSeqParams.
+
+    Padded offsets that are the boundaries themselves, or declared without gaps
+    (pad_between_seqs=False), are dropped, so kernels that cannot skip gaps stay eligible.
+    With other padded offsets the boundaries are read on the host (max_seqlen is then not
+    passed), so offsets equal in value are recognised as no gaps.
+    """
+    args = dict(cu_seqlens_q=params.cu_seqlens_q.int(), cu_seqlens_kv=params.cu_seqlens_kv.int(),
+                max_seqlen_q=_as_int(params.max_seqlen_q), max_seqlen_kv=_as_int(params.max_seqlen_kv))
+    gaps = getattr(params, "pad_between_seqs", None)
+    for name, bounds in (("cu_seqlens_q_padded", params.cu_seqlens_q), ("cu_seqlens_kv_padded", params.cu_seqlens_kv)):
+        offsets = getattr(params, name)
+        if offsets is None or offsets is bounds or gaps is False:
+            continue
+        args[name] = offsets.int()
+        if gaps is None:
+            args.update(max_seqlen_q=None, max_seqlen_kv=None)
+    return args
+
+
+def _as_int(value):
+    return int(value) if value is not None else None
+
+
+def layer_spec(spec):
+    """``spec`` (a ModuleSpec of a transformer layer) with :class:`CoreAttention` as its self-attention's core."""
+    attention = getattr(spec.submodules, "self_attention", None)
+    if attention is None or not hasattr(attention.submodules, "core_attention"):
+        raise InvalidInputError("spec: got a layer spec without self_attention.submodules.core_attention, expected "
+                                "a transformer layer spec such as get_gpt_layer_local_spec(multi_latent_attention=True)")
+    attention.submodules.core_attention = CoreAttention
+    return spec
+
+
+def skip_thd_value_pad() -> None:
+    """Keep MLA's V native on packed input when the layer's core attention is :class:`CoreAttention`."""
+    _mla._prepare_mla_core_attention_value = _prepare_value
+
+
+def _prepare_value(parallel_attention, query, value, packed_seq_params):
+    if isinstance(getattr(parallel_attention, "core_attention", None), CoreAttention) and value is not None:
+        return value, False, value.shape[-1], value.shape[-1]
+    return _STOCK_PREPARE_VALUE(parallel_attention, query, value, packed_seq_params)
