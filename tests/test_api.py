@@ -94,3 +94,46 @@ def test_forced_or_strict_failures_raise(monkeypatch):
     monkeypatch.setenv("ATTNSELECT_STRICT", "yes")
     with pytest.raises(attnselect.InvalidInputError, match="ATTNSELECT_STRICT"):
         attnselect.attention(q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_a_captured_cuda_graph_replays_like_a_float64_reference(layout):
+    """Static buffers (fixed cu_seqlens for thd), warm-up on a side stream, capture, new data, replay."""
+    from helpers import rel_err
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if layout == "thd":
+        cu = torch.tensor([0, 3, 103, 103, 160], dtype=torch.int32, device="cuda")
+        shapes = ((160, 8, 192), (160, 8, 192), (160, 8, 128))
+        kwargs = dict(layout="thd", cu_seqlens_q=cu, max_seqlen_q=100, max_seqlen_kv=100, causal=True)
+    else:
+        shapes = ((2, 256, 8, 192), (2, 256, 8, 192), (2, 256, 8, 128))
+        kwargs = dict(causal=True)
+    q, k, v = (torch.empty(s, device="cuda", dtype=torch.bfloat16) for s in shapes)
+    for t in (q, k, v):
+        t.normal_(generator=g)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            attnselect.attention(q, k, v, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attnselect.attention(q, k, v, **kwargs)
+    for _ in range(2):
+        for t in (q, k, v):
+            t.normal_(generator=g)
+        graph.replay()
+        reference = attnselect.attention(q.double(), k.double(), v.double(), backend="reference", **kwargs)
+        assert rel_err(out, reference) < 2e-2
+
+
+@pytest.mark.gpu
+def test_capture_refuses_a_backend_it_has_not_verified():
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    attnselect.attention(q, q, q, backend="sdpa_cudnn")   # CUDA initialised before capture
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(attnselect.ForcedChoiceError, match="CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            attnselect.attention(q, q, q, backend="flex")

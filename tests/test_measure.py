@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -155,3 +156,15 @@ def test_ranks_share_rank_zeros_measurement(tmp_path):
     assert all(p.returncode == 0 for p in procs), results
     lines = sorted(out.strip().splitlines()[-1] for out, _ in results)
     assert lines[0].split(": ")[1] == lines[1].split(": ")[1]
+
+
+def test_under_cuda_graph_capture_measure_reuses_the_warm_up_decision(monkeypatch, caplog):
+    warm = attnselect.select(P, policy="measure")
+    monkeypatch.setattr(measure, "measure", lambda *a, **k: pytest.fail("timed kernels while capturing"))
+    captured = attnselect.select(dataclasses.replace(P, cuda_graph_capture=True), policy="measure")
+    assert captured.chosen == warm.chosen and captured.timings
+    store._memory.clear()
+    other = dataclasses.replace(P, seqlen_q=32, seqlen_kv=32, cuda_graph_capture=True)   # never warmed up
+    with caplog.at_level("INFO", logger="attnselect"):
+        cold = attnselect.select(other, policy="measure")
+    assert cold.chosen == attnselect.select(other).chosen and "using the rules order" in caplog.text

@@ -163,3 +163,17 @@ def test_overrides_reach_the_attention_fast_path():
     from attnselect import api
     assert {entry[1].backend for entry in api._CALLS.values()} == {"sdpa_flash", "reference"}
     assert torch.allclose(inside, attnselect.attention(q, k, v), atol=1e-12)
+
+
+def test_cuda_graph_capture_keeps_only_capturable_candidates():
+    h200 = Target.preset("h200", cudnn_frontend_version="1.32.0")
+    mla = AttentionProblem(2, 1024, 1024, 16, 16, 192, 128, mask="causal", training=True, cuda_graph_capture=True)
+    d = attnselect.select(mla, target=h200)
+    refused = {v.candidate.backend: v.reasons for v in d.verdicts if not v.supported}
+    assert "CUDA graph capture" in refused["flex"][0] and "CUDA graph capture" in refused["cudnn_frontend"][0]
+    assert d.chosen == Candidate("sdpa_cudnn") and "under CUDA graph capture" in mla.describe()
+    packed = AttentionProblem(4, 4096, 4096, 16, 16, 192, 128, layout="thd", mask="causal", training=True,
+                              cuda_graph_capture=True)
+    d = attnselect.select(packed, target=h200)
+    assert d.chosen == Candidate("varlen_fa2", 192)   # packed kernels only: no per-sequence host reads
+    assert any("sequence by sequence" in r for v in d.verdicts if v.candidate.backend == "sdpa_cudnn" for r in v.reasons)

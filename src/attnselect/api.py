@@ -140,7 +140,7 @@ def _dense_call_key(q, k, v, layout, causal, window, dropout_p, cu_q, cu_kv, cu_
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
                window, dropout_p, return_lse, backend, pad, disable, grad,
                torch.are_deterministic_algorithms_enabled(), settings.environment_key(), settings.scope(),
-               backends.registry_version())
+               backends.registry_version(), q.is_cuda and torch.cuda.is_current_stream_capturing())
     except AttributeError:
         return None
     return key

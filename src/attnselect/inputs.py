@@ -59,7 +59,11 @@ def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_
             _fail(f"{name}.shape", tuple(t.shape), f"{rank} dims {shape_hint} for layout={layout!r}")
     if q.shape[-1] != k.shape[-1]:
         _fail("k.shape[-1]", k.shape[-1], f"q's head dim {q.shape[-1]} (q and k share d_qk)")
+    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if layout == "thd":
+        if capturing and (max_seqlen_q is None or max_seqlen_kv is None):
+            _fail("max_seqlen_q/max_seqlen_kv", f"{max_seqlen_q}/{max_seqlen_kv}",
+                  "both integers under CUDA graph capture (reading cu_seqlens would need a host sync)")
         seq_axis, head_axis = 0, 1
         packing, lengths = _packing(q, k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                                     cu_seqlens_q_padded, cu_seqlens_kv_padded)
@@ -98,7 +102,7 @@ def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_
         window=window, dropout_p=float(dropout_p), training=training,
         deterministic=torch.are_deterministic_algorithms_enabled(), return_lse=bool(return_lse),
         context_parallel_size=context_parallel_size, varlen_gaps=packing is not None and packing.has_gaps,
-        **facts), packing
+        cuda_graph_capture=capturing, **facts), packing
 
 
 def check_scale(scale) -> None:

@@ -49,6 +49,7 @@ class AttentionProblem:
     return_lse: bool = False
     context_parallel_size: int = 1
     fp8: bool = False
+    cuda_graph_capture: bool = False   # the call is being captured into a CUDA graph (no host syncs, no timing)
     # thd only, facts about the packed sequences (dense problems derive them from the lengths):
     # every sequence has as many queries as keys; some key sequence has exactly one key; some
     # query of some sequence sees no key under the mask; sequences sit at padded offsets with
@@ -146,6 +147,7 @@ class AttentionProblem:
                else f"B={self.batch} Sq={self.seqlen_q} Skv={self.seqlen_kv}")
         extras = [f"dropout={self.dropout_p}"] if self.dropout_p else []
         extras += [n for n in ("deterministic", "return_lse", "fp8") if getattr(self, n)]
+        extras += ["under CUDA graph capture"] if self.cuda_graph_capture else []
         extras += [f"cp={self.context_parallel_size}"] if self.context_parallel_size > 1 else []
         return (f"{self.layout} {seq} Hq={self.heads_q} Hkv={self.heads_kv} "
                 f"d_qk={self.head_dim_qk} d_v={self.head_dim_v} {dtype_name(self.dtype)} "

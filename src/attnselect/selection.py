@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from attnselect import backends, debug, measure, settings, store
@@ -146,7 +146,17 @@ def _measured(problem: AttentionProblem, target: Target, ranked: tuple[Candidate
     if target not in (Target.current(), Target.current("cpu")):
         raise InvalidInputError(f"policy: 'measure' times kernels on this machine, but the target is "
                                 f"{target.describe()}; use policy='rules' to simulate other machines")
-    key = store.entry_key(measure.bucket(problem), "measure", target)
+    # A call under CUDA graph capture shares the measurement of the same call outside capture (its warm-up),
+    # restricted to the candidates capture allows; nothing can be timed or broadcast while capturing.
+    key = store.entry_key(measure.bucket(replace(problem, cuda_graph_capture=False)), "measure", target)
+    if problem.cuda_graph_capture:
+        found = _from_store(store.lookup(key), ranked)
+        if found is None:
+            debug.LOGGER.info("attnselect: no measured decision for %s to reuse under CUDA graph capture (kernels "
+                              "cannot be timed while capturing); using the rules order. Warm up before capturing.",
+                              problem.describe())
+            return ranked, None
+        return found
     distributed = _distributed()
     entry = None
     if not distributed or _rank() == 0:
@@ -156,6 +166,8 @@ def _measured(problem: AttentionProblem, target: Target, ranked: tuple[Candidate
             store.remember(key, entry)
     if distributed:
         entry = _broadcast_from_rank_zero(entry)
+        if _rank() != 0:
+            store.remember(key, entry)   # so that every rank finds it later (e.g. under CUDA graph capture)
     return _from_store(entry, ranked)
 
 

@@ -44,11 +44,17 @@ class Surface:
     dense: bool = True       # serves (B, S, H, D)-style input
     packed: bool = False     # serves thd (T, H, D) + cu_seqlens in one call (else thd runs per sequence)
     gaps: bool = False       # packed: honours padded offsets (cu_seqlens_*_padded)
+    cuda_graphs: bool = True  # its calls can be captured into a CUDA graph (after a warm-up call)
 
     def reasons(self, p: AttentionProblem, t: Target) -> list[str]:
         r: list[str] = []
         if p.layout == "thd" and self.packed and p.varlen_gaps and not self.gaps:
             r.append("cannot skip the gaps between sequences (cu_seqlens_*_padded); pass unpadded packing")
+        if p.cuda_graph_capture and not self.cuda_graphs:
+            r.append("is not verified under CUDA graph capture; warm up and capture with another backend")
+        if p.cuda_graph_capture and p.layout == "thd" and not self.packed:
+            r.append("runs packed input sequence by sequence, reading cu_seqlens on the host, which CUDA graph "
+                     "capture forbids")
         if p.layout != "thd" and not self.dense:
             r.append(f"serves packed input only (layout='thd'), got layout={p.layout!r}")
         if p.fp8 and not self.fp8:

@@ -30,8 +30,9 @@ class Flex(Backend):
         # Source: pytorch torch/nn/attention/flex_attention.py (value is (B, Hkv, S, Ev); head dims
         # rounded up to a power of two inside the Triton template, PR #133495); no dropout argument.
         # Measured limits on the H200: results/h200_rules_grid.md (576/512 runs out of shared memory).
+        # CUDA graph capture not yet verified (compiles and builds block masks on first calls).
         "cuda": Surface(dtypes=ALL_DTYPES - {torch.float64}, min_capability=(8, 0), max_head_dim=256, dropout=False,
-                        packed=True, gaps=True),
+                        packed=True, gaps=True, cuda_graphs=False),
         # Eager (unfused) on the CPU: "FlexAttention does not support backward on CPU" (torch 2.13).
         "cpu": Surface(dtypes=ALL_DTYPES, dropout=False, backward=False, packed=True, gaps=True),
     }
