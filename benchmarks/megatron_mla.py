@@ -6,7 +6,8 @@ The layer (DeepSeek-V3 attention geometry: 16 heads, q/k 128 + 64 rope, v 128, k
 with attnselect's core attention on the 32k-token / 18-sequence packing of benchmarks/thd_bench.py,
 forward+backward, timed with attnselect.measure.time_step (queued repeats, median and p20..p80):
 once with megatron-core's own _prepare_mla_core_attention_value (V zero-padded to 192 on packed input)
-and once after attnselect.integrations.megatron.skip_thd_value_pad() (V stays 128 wide).
+and once after attnselect.integrations.megatron.skip_thd_value_pad() (V stays 128 wide). Both arms
+pay Megatron's packed-RoPE host syncs (rope_utils .tolist()), so the ratio understates the kernel gain.
 The tests in tests/integrations/test_megatron.py build the layer with :func:`mla_layer`.
 """
 
@@ -25,7 +26,8 @@ def init_model_parallel() -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    torch.cuda.set_device(0)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
@@ -36,14 +38,15 @@ def init_model_parallel() -> None:
 def mla_layer(integration, patched: bool, hidden: int = 1024):
     """An MLASelfAttention with attnselect's core attention; ``patched``: V stays native on packed input."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import MLATransformerConfig
     config = MLATransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=16, q_lora_rank=None,
                                   kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
                                   rope_type="rope", add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
-                                  bf16=True, params_dtype=torch.bfloat16)
+                                  bf16=True, params_dtype=torch.bfloat16, transformer_impl="local")
     spec = integration.layer_spec(get_gpt_layer_local_spec(multi_latent_attention=True))
-    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)   # weights draw from Megatron's tracker: the same layer every time
     layer = build_module(spec.submodules.self_attention, config=config, layer_number=1).cuda()
     integration._mla._prepare_mla_core_attention_value = (integration._prepare_value if patched
                                                           else integration._STOCK_PREPARE_VALUE)

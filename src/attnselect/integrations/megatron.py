@@ -58,6 +58,11 @@ class CoreAttention(MegatronModule):
         if config.context_parallel_size != 1:
             raise InvalidInputError(f"context_parallel_size: got {config.context_parallel_size}, expected 1 "
                                     "(attnselect's Megatron core attention does not split sequences across ranks)")
+        # Softmax variants and QK-clip change the attention itself (DotProductAttention / TE apply them).
+        if getattr(config, "softmax_type", "vanilla") != "vanilla" or getattr(config, "qk_clip", False):
+            raise InvalidInputError(f"softmax_type/qk_clip: got {getattr(config, 'softmax_type', None)!r}/"
+                                    f"{getattr(config, 'qk_clip', None)!r}, expected 'vanilla'/False (not in "
+                                    "attnselect's kernels)")
         self.attn_mask_type = attn_mask_type
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -74,6 +79,10 @@ class CoreAttention(MegatronModule):
         if mask_type not in _CAUSAL and not (packed and mask_type == AttnMaskType.padding):
             raise InvalidInputError(f"attn_mask_type: got {mask_type}, expected causal, padding_causal, "
                                     "causal_bottom_right or no_mask (arbitrary masks are not supported)")
+        if not packed and attention_mask is not None and mask_type in (AttnMaskType.padding_causal,
+                                                                        AttnMaskType.padding):
+            raise InvalidInputError(f"attention_mask: got a padding mask with {mask_type} on dense input, expected "
+                                    "packed input (thd) for padded batches")
         options = dict(causal=_CAUSAL.get(mask_type, False), scale=self.softmax_scale, window=self.window,
                        dropout_p=self.dropout_p if self.training else 0.0)
         # As Megatron's DotProductAttention: tensor-parallel ranks draw their own dropout masks.
