@@ -71,3 +71,7 @@ def test_bench_smoke_compares_every_policy(tmp_path, monkeypatch, capsys):
         assert set(entry["policies"]) == set(POLICIES) and entry["best_ms"] > 0
     assert "| problem | rules | measure | te |" in (tmp_path / "bench.md").read_text()
     assert "measure" in capsys.readouterr().out
+    (tmp_path / "bench.md").unlink()
+    assert main(["bench", "--render", "--out", str(tmp_path / "bench")]) == 0   # no re-run, same table
+    assert "| problem | rules | measure | te |" in (tmp_path / "bench.md").read_text()
+    assert len(json.loads((tmp_path / "bench.json").read_text())["results"]) == 4

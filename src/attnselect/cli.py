@@ -125,7 +125,7 @@ def cmd_tune(a) -> int:
 def cmd_bench(a) -> int:
     """Every candidate and policy on real model shapes (see attnselect.bench)."""
     from attnselect import bench
-    report = bench.run(a.out, smoke=a.smoke, deadline_s=a.deadline)
+    report = bench.render(a.out) if a.render else bench.run(a.out, smoke=a.smoke, deadline_s=a.deadline)
     print(f"{len(report['results'])} problems -> {a.out}.json, .md" + (", .png" if os.path.exists(a.out + ".png") else ""))
     for policy, row in bench.summary(report).items():
         print(f"  {policy:<14} within 2% of the fastest on {row['within_2pct']:.0%}, within 5% on "
@@ -154,6 +154,7 @@ def main(argv=None) -> int:
     bench.add_argument("--out", required=True, help="path without extension: .json, .md and .png are written")
     bench.add_argument("--smoke", action="store_true", help="one tiny shape (CPU, CI)")
     bench.add_argument("--deadline", type=float, default=540.0, help="seconds; rerun to resume")
+    bench.add_argument("--render", action="store_true", help="only rewrite .md and .png from an existing .json")
     tune = sub.add_parser("tune", help="measure model shapes now and keep the decisions in the cache")
     tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["deepseek-v3"])
     tune.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096])
