@@ -40,10 +40,13 @@ def test_measure_times_every_supported_candidate_and_keeps_the_fastest(caplog, m
 
 def test_ties_inside_the_spread_go_to_the_rules_order():
     ranked = (Candidate("sdpa_flash", 24), Candidate("sdpa_math"), Candidate("reference"))
-    timings = {ranked[0]: measure.Timing(1.05, 1.0, 1.1), ranked[1]: measure.Timing(1.0, 0.9, 1.08),
+    timings = {ranked[0]: measure.Timing(1.015, 1.0, 1.1), ranked[1]: measure.Timing(1.0, 0.9, 1.08),
                ranked[2]: None}
     assert measure.choose(ranked, timings) == (ranked[0], ranked[1])
-    timings[ranked[0]] = measure.Timing(1.5, 1.4, 1.6)
+    timings[ranked[0]] = measure.Timing(1.05, 1.0, 1.1)    # inside the spread, but 5% slower: no tie
+    assert measure.choose(ranked, timings) == (ranked[1], ranked[0])
+    timings[ranked[1]] = measure.Timing(1.0, 0.99, 1.01)   # a tight spread decides below 2%
+    timings[ranked[0]] = measure.Timing(1.015, 1.0, 1.1)
     assert measure.choose(ranked, timings) == (ranked[1], ranked[0])
 
 

@@ -3,7 +3,8 @@
 Each candidate runs on random inputs of the problem's shape (forward, or forward+backward
 when training): warm-up, then repeats queued back to back, each timed with CUDA events
 (wall clock on the CPU); its median and 20th..80th percentile spread are kept. The fastest median wins, except that a
-candidate the rules rank higher wins when its median lies inside the fastest one's spread.
+candidate the rules rank higher wins when its median lies inside the fastest one's spread and
+within 2% of it.
 Packed problems are measured on a bucket (powers of two of batch and lengths) filled with
 full-length sequences, so a loop whose packing changes every step tunes a few times, not
 every step. The time spent per problem is bounded by ``TUNING_BUDGET_S``; candidates not
@@ -29,6 +30,7 @@ from attnselect.target import Target
 log = logging.getLogger("attnselect")
 
 TUNING_BUDGET_S = 10.0   # per problem
+TIE_TOLERANCE = 0.02     # a rules-preferred candidate this close to the fastest (and inside its spread) wins
 WARMUP, REPEATS = 2, 7
 
 
@@ -85,13 +87,17 @@ def measure(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, 
 
 
 def choose(ranked: tuple[Candidate, ...], timings: dict[Candidate, Optional[Timing]]) -> tuple[Candidate, ...]:
-    """The candidates best first: measured by time (ties inside the fastest spread by rules order),
-    then the unmeasured in rules order; failed ones are dropped."""
+    """The candidates best first: measured by time, then the unmeasured in rules order; failed ones are dropped.
+
+    A tie goes to the rules order: a median inside the fastest one's spread (p80) and within
+    TIE_TOLERANCE of its median, so a noisy spread never costs more than that.
+    """
     measured = [c for c in ranked if timings.get(c) is not None]
     if not measured:
         return tuple(c for c in ranked if c not in timings)
-    fastest = min(measured, key=lambda c: timings[c].median_ms)
-    winner = next(c for c in measured if timings[c].median_ms <= timings[fastest].high_ms)
+    fastest = timings[min(measured, key=lambda c: timings[c].median_ms)]
+    tie = min(fastest.high_ms, fastest.median_ms * (1 + TIE_TOLERANCE))
+    winner = next(c for c in measured if timings[c].median_ms <= tie)
     by_time = sorted((c for c in measured if c != winner), key=lambda c: timings[c].median_ms)
     return (winner, *by_time, *(c for c in ranked if c not in timings))
 
