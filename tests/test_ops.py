@@ -19,15 +19,16 @@ def _dense(dtype=torch.float64, grad=True):
     return [torch.randn(s, generator=g, dtype=dtype).requires_grad_(grad) for s in shapes]
 
 
-def _compiled_graph_ops(fn, *args):
+def _compiled_graph_ops(fn, *args, compiler="aot_eager"):
     """Run ``fn`` compiled with fullgraph=True (a graph break raises) through AOTAutograd (so the
-    fake implementations and the backward op are traced too); return its result and the ops of its graph."""
+    fake implementations and the backward op are traced too) and ``compiler``; return its result and
+    the ops of its graph."""
     from torch._dynamo.backends.registry import lookup_backend
-    seen, aot_eager = [], lookup_backend("aot_eager")
+    seen, compile_graph = [], lookup_backend(compiler)
 
     def backend(gm, example_inputs):
         seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-        return aot_eager(gm, example_inputs)
+        return compile_graph(gm, example_inputs)
 
     torch._dynamo.reset()
     result = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)(*args)
@@ -222,7 +223,7 @@ def test_gpu_backends_compile_to_one_op(layout, backend):
     def fn(q, k, v):
         return attnselect.attention(q, k, v, **kwargs)
 
-    compiled, graph_ops = _compiled_graph_ops(fn, q, k, v)
+    compiled, graph_ops = _compiled_graph_ops(fn, q, k, v, compiler="inductor")
     assert "attnselect.attention" in graph_ops
     eager = fn(q, k, v)
     assert rel_err(compiled, eager) < 1e-2
@@ -285,3 +286,16 @@ def test_compiled_lse_is_detached_and_scale_is_checked():
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"scale: got -1\.0"):
         bad(q, k, v)
+
+
+def test_inductor_compiles_the_op_with_matching_strides():
+    q, k, v = _dense(dtype=torch.float32)
+    (out, lse), graph_ops = _compiled_graph_ops(lambda q, k, v: attnselect.attention(q, k, v, causal=True,
+                                                                                      return_lse=True),
+                                                q, k, v, compiler="inductor")
+    want_out, want_lse = attnselect.attention(q, k, v, causal=True, return_lse=True)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    grad_out = torch.randn_like(out)
+    for got, want in zip(_grads(out, (q, k, v), grad_out), _grads(want_out, (q, k, v), grad_out)):
+        torch.testing.assert_close(got, want)
