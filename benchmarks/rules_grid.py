@@ -76,8 +76,10 @@ def grid():
 
 
 def row_key(problem: dict, lengths, backend: str, pad_to) -> tuple:
-    """A row's identity; the thd facts (varlen_*) follow from the lengths, so they are left out."""
-    shape = {name: value for name, value in problem.items() if not name.startswith("varlen_")}
+    """A row's identity. Read through AttentionProblem, so rows written before a field existed get its
+    default; the thd facts (varlen_*) follow from the lengths, so they are left out."""
+    shape = {name: value for name, value in AttentionProblem.from_dict(problem).to_dict().items()
+             if not name.startswith("varlen_")}
     return json.dumps(shape, sort_keys=True), json.dumps(lengths), backend, pad_to
 
 

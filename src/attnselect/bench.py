@@ -204,9 +204,10 @@ def chart(report: dict, path: str) -> bool:
     return True
 
 
-def render(out: str) -> dict:
-    """Write the markdown table and the PNG chart again from ``out``.json (e.g. where matplotlib is installed)."""
-    report = json.load(open(out + ".json"))
+def render(out: str, report: Optional[dict] = None) -> dict:
+    """Write the markdown table and the PNG chart of ``report`` (default: read from ``out``.json, e.g. again
+    where matplotlib is installed)."""
+    report = report if report is not None else json.load(open(out + ".json"))
     with open(out + ".md", "w") as f:
         f.write(report_markdown(report))
     chart(report, out + ".png")
@@ -219,7 +220,8 @@ def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0) -> dict:
     report = json.load(open(path)) if os.path.exists(path) else {"results": []}
     report["meta"] = {"device": target.describe(), "arch": arch_family(target), "date": time.strftime("%Y-%m-%d"),
                       "torch": torch.__version__}
-    done = {json.dumps(e["problem"], sort_keys=True) for e in report["results"]}
+    # Read through AttentionProblem, so results written before a field existed still count as done.
+    done = {json.dumps(AttentionProblem.from_dict(e["problem"]).to_dict(), sort_keys=True) for e in report["results"]}
     start = time.time()
     for problem in suite(smoke):
         if json.dumps(problem.to_dict(), sort_keys=True) in done:
@@ -233,10 +235,7 @@ def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0) -> dict:
               flush=True)
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
-    with open(out + ".md", "w") as f:
-        f.write(report_markdown(report))
-    chart(report, out + ".png")
-    return report
+    return render(out, report)
 
 
 def summary(report: dict) -> dict:
