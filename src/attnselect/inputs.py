@@ -127,6 +127,20 @@ def packing_facts(mask: str, window, lengths_q: Optional[list[int]], lengths_kv:
                                             for n_q, n_kv in set(zip(lengths_q, lengths_kv)))}
 
 
+def placement(cu_q, cu_kv, offsets_q, offsets_kv):
+    """(cu_seqlens_kv, offsets_q, offsets_kv, shared) with the defaults filled in.
+
+    cu_seqlens_kv defaults to cu_seqlens_q (shared: also when the very same tensor is passed),
+    offsets to the boundaries, and keys share the queries' offsets when they share their boundaries.
+    """
+    same = cu_kv is None or cu_kv is cu_q
+    cu_kv = cu_q if cu_kv is None else cu_kv
+    offsets_q = cu_q if offsets_q is None else offsets_q
+    if offsets_kv is None:
+        offsets_kv = offsets_q if same else cu_kv
+    return cu_kv, offsets_q, offsets_kv, same
+
+
 def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv):
     """The packing of a thd call and the (q, kv) lengths with whether they share their boundaries.
 
@@ -136,11 +150,7 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv):
     """
     if cu_q is None:
         _fail("cu_seqlens_q", None, "an int32 tensor of sequence boundaries for layout='thd'")
-    same = cu_kv is None or cu_kv is cu_q
-    cu_kv = cu_q if cu_kv is None else cu_kv
-    offsets_q = cu_q if offsets_q is None else offsets_q
-    if offsets_kv is None:   # keys share the queries' placement when they share their boundaries
-        offsets_kv = offsets_q if same else cu_kv
+    cu_kv, offsets_q, offsets_kv, same = placement(cu_q, cu_kv, offsets_q, offsets_kv)
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv), ("cu_seqlens_q_padded", offsets_q),
                      ("cu_seqlens_kv_padded", offsets_kv)):
         if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:

@@ -117,26 +117,24 @@ def time_step(step, device: torch.device, *, warmup: int = WARMUP, repeats: int 
     for _ in range(warmup):
         step()
     start, times, events = time.perf_counter(), [], []
-    for i in range(max(repeats, 1)):
+    sized_by_first = device.type == "cuda" and queued and budget_s is not None
+    while len(events) + len(times) < max(repeats, 1):
         if device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             step()
             end.record()
             events.append((begin, end))
-            if not queued:
+            if not queued or (sized_by_first and len(events) == 1):
                 end.synchronize()
-            elif i == 0 and budget_s is not None:
-                end.synchronize()
+            if sized_by_first and len(events) == 1:
                 repeats = min(repeats, max(3, int(budget_s * 1e3 / max(begin.elapsed_time(end), 1e-3))))
         else:
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
-        if (budget_s is not None and (device.type != "cuda" or not queued)
-                and time.perf_counter() - start > budget_s and len(events) + len(times) >= 3):
-            break
-        if i + 1 >= repeats:
+        if (budget_s is not None and not sized_by_first and time.perf_counter() - start > budget_s
+                and len(events) + len(times) >= 3):
             break
     if events:
         events[-1][1].synchronize()

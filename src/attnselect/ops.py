@@ -14,8 +14,9 @@ While torch.compile traces :func:`attnselect.attention`, the call becomes
   the backward replays it, so the recomputed forward draws the same mask.
 
 Packed (thd) calls need both ``max_seqlen_*`` under tracing: the boundaries cannot be read then, so
-the packing facts are the conservative ones of :func:`attnselect.inputs.packing_facts`. On the
-CPU, flex is left out of compiled graphs (its eager path fails inside them). The
+the packing facts are the conservative ones of :func:`attnselect.inputs.packing_facts`. The problem
+says it runs in a compiled graph (``compiled_graph``), which backends that cannot refuse (eager flex
+on the CPU). The
 decision follows the ATTNSELECT_* variables and ``overrides`` blocks in force while tracing; the
 guarded run-time fallback of eager calls does not apply inside a compiled graph (a failing kernel
 raises).
@@ -24,6 +25,7 @@ raises).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 from typing import Optional
@@ -32,9 +34,9 @@ import torch
 
 from attnselect.backends.base import Packing
 from attnselect.candidates import Candidate
-from attnselect.errors import ForcedChoiceError, InvalidInputError
+from attnselect.errors import InvalidInputError
 from attnselect.execution import kernel_call, run_call
-from attnselect.inputs import DENSE_AXES, check_scale, describe_call
+from attnselect.inputs import DENSE_AXES, check_scale, describe_call, placement
 from attnselect.problem import AttentionProblem
 from attnselect.selection import select
 from attnselect.target import target_for_device
@@ -50,7 +52,8 @@ def traced_attention(q, k, v, *, layout, causal, window, scale, dropout_p, cu_se
         raise InvalidInputError(f"max_seqlen_q/max_seqlen_kv: got {max_seqlen_q}/{max_seqlen_kv}, expected both "
                                 "integers under torch.compile (cu_seqlens cannot be read while tracing)")
     check_scale(scale)
-    shared = cu_seqlens_kv is None or cu_seqlens_kv is cu_seqlens_q   # as attnselect.inputs._packing
+    cu_kv, offsets_q, offsets_kv, shared = placement(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                                                     cu_seqlens_kv_padded)
     packed = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
     spec = _decide(
         tuple(tuple(t.shape) for t in (q, k, v)), tuple(str(t.dtype) for t in (q, k, v)),
@@ -61,9 +64,6 @@ def traced_attention(q, k, v, *, layout, causal, window, scale, dropout_p, cu_se
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
         torch.are_deterministic_algorithms_enabled(), backend, pad,
         disable if disable is None or isinstance(disable, str) else tuple(disable))
-    offsets_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
-    cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
-    offsets_kv = (offsets_q if shared else cu_kv) if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
     out, lse, _ = torch.ops.attnselect.attention(q, k, v, cu_seqlens_q, cu_kv, offsets_q, offsets_kv, spec,
                                                   None if scale is None else float(scale))
     return (out, lse.detach()) if return_lse else out   # lse is detached, as in eager calls
@@ -73,45 +73,26 @@ def traced_attention(q, k, v, *, layout, causal, window, scale, dropout_p, cu_se
 def _decide(shapes, dtypes, devices, packed, shared_boundaries, layout, causal, window, dropout_p, max_seqlen_q,
             max_seqlen_kv, return_lse, training, deterministic, backend, pad, disable) -> str:
     """Validate and select on meta tensors of the traced shapes; the spec string the op runs."""
-    def meta(shape, dtype, requires_grad=False):
-        return torch.empty(shape, dtype=getattr(torch, dtype.replace("torch.", "")), device="meta",
-                           requires_grad=requires_grad)
+    def meta(shape, dtype):
+        return torch.empty(shape, dtype=getattr(torch, dtype.replace("torch.", "")), device="meta")
 
-    q, k, v = (meta(s, d, training) for s, d in zip(shapes, dtypes))
+    q, k, v = (meta(s, d) for s, d in zip(shapes, dtypes))
     cu = [None if p is None else meta(p[1], p[0]) for p in packed]
     if shared_boundaries and cu[0] is not None:
         cu[1] = None
-    with torch.enable_grad(), _deterministic(deterministic):
-        problem, _ = describe_call(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
-                                   cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], max_seqlen_q=max_seqlen_q,
-                                   max_seqlen_kv=max_seqlen_kv, return_lse=return_lse, cu_seqlens_q_padded=cu[2],
-                                   cu_seqlens_kv_padded=cu[3])
+    problem, _ = describe_call(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
+                               cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], max_seqlen_q=max_seqlen_q,
+                               max_seqlen_kv=max_seqlen_kv, return_lse=return_lse, cu_seqlens_q_padded=cu[2],
+                               cu_seqlens_kv_padded=cu[3])
+    # What the meta tensors cannot carry: the traced call's grad mode and determinism, and its graph.
+    problem = dataclasses.replace(problem, training=training, deterministic=deterministic, compiled_graph=True)
     for name, device in zip(("k", "v"), devices[1:]):
         if device != devices[0]:
             raise InvalidInputError(f"{name}.device: got {device}, expected q's device {devices[0]}")
-    target = target_for_device(torch.device(devices[0]))
-    if not target.is_cuda:
-        # Eager FlexAttention (the CPU path) applies its mask with functorch's vmap, which fails under the
-        # dispatch mode AOTAutograd keeps active while a compiled graph runs ("NYI: querying is_contiguous
-        # inside of vmap"), so it is left out of compiled CPU graphs.
-        if backend == "flex":
-            raise ForcedChoiceError("backend: got 'flex', which cannot run inside a compiled graph on the CPU "
-                                    "(eager FlexAttention's vmap fails there); call it outside torch.compile")
-        disable = (*(disable.split(",") if isinstance(disable, str) else disable or ()), "flex")
-    decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
+    decision = select(problem, target=target_for_device(torch.device(devices[0])), backend=backend, pad=pad,
+                      disable=disable)
     return json.dumps({"problem": problem.to_dict(), "backend": decision.chosen.backend,
                        "pad_to": decision.chosen.pad_to})
-
-
-@contextlib.contextmanager
-def _deterministic(on: bool):
-    """Describe the call under the determinism setting seen while tracing."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(on)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
 
 
 @functools.lru_cache(maxsize=4096)

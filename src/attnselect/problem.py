@@ -50,6 +50,7 @@ class AttentionProblem:
     context_parallel_size: int = 1
     fp8: bool = False
     cuda_graph_capture: bool = False   # the call is being captured into a CUDA graph (no host syncs, no timing)
+    compiled_graph: bool = False       # the call runs inside a torch.compile graph (attnselect.ops)
     # thd only, facts about the packed sequences (dense problems derive them from the lengths):
     # every sequence has as many queries as keys; some key sequence has exactly one key; some
     # query of some sequence sees no key under the mask; sequences sit at padded offsets with
@@ -148,6 +149,7 @@ class AttentionProblem:
         extras = [f"dropout={self.dropout_p}"] if self.dropout_p else []
         extras += [n for n in ("deterministic", "return_lse", "fp8") if getattr(self, n)]
         extras += ["under CUDA graph capture"] if self.cuda_graph_capture else []
+        extras += ["in a compiled graph"] if self.compiled_graph else []
         extras += [f"cp={self.context_parallel_size}"] if self.context_parallel_size > 1 else []
         return (f"{self.layout} {seq} Hq={self.heads_q} Hkv={self.heads_kv} "
                 f"d_qk={self.head_dim_qk} d_v={self.head_dim_v} {dtype_name(self.dtype)} "

@@ -167,7 +167,7 @@ def _measured(problem: AttentionProblem, target: Target, ranked: tuple[Candidate
     if distributed:
         entry = _broadcast_from_rank_zero(entry)
         if _rank() != 0:
-            store.remember(key, entry)   # so that every rank finds it later (e.g. under CUDA graph capture)
+            store.keep(key, entry)   # rank 0 wrote it; every rank finds it later (e.g. under CUDA graph capture)
     return _from_store(entry, ranked)
 
 

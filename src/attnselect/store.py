@@ -53,6 +53,11 @@ def lookup(key: str) -> Optional[dict]:
     return _read(cache_file()).get(key)
 
 
+def keep(key: str, value: dict) -> None:
+    """Add one entry for this process only (a decision another rank measured and wrote)."""
+    _memory[key] = value
+
+
 def remember(key: str, value: dict) -> None:
     """Add one entry: to the file when it can be written, else to this process's memory."""
     path = cache_file()

@@ -45,11 +45,15 @@ class Surface:
     packed: bool = False     # serves thd (T, H, D) + cu_seqlens in one call (else thd runs per sequence)
     gaps: bool = False       # packed: honours padded offsets (cu_seqlens_*_padded)
     cuda_graphs: bool = True  # its calls can be captured into a CUDA graph (after a warm-up call)
+    compiled_graphs: bool = True  # it runs inside a torch.compile graph (as attnselect's custom op)
 
     def reasons(self, p: AttentionProblem, t: Target) -> list[str]:
         r: list[str] = []
         if p.layout == "thd" and self.packed and p.varlen_gaps and not self.gaps:
             r.append("cannot skip the gaps between sequences (cu_seqlens_*_padded); pass unpadded packing")
+        if p.compiled_graph and not self.compiled_graphs:
+            r.append(f"cannot run inside a compiled graph on the {t.device_type.upper()}; call it outside "
+                     "torch.compile")
         if p.cuda_graph_capture and not self.cuda_graphs:
             r.append("is not verified under CUDA graph capture; warm up and capture with another backend")
         if p.cuda_graph_capture and p.layout == "thd" and not self.packed:

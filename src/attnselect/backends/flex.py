@@ -33,8 +33,11 @@ class Flex(Backend):
         # CUDA graph capture not yet verified (compiles and builds block masks on first calls).
         "cuda": Surface(dtypes=ALL_DTYPES - {torch.float64}, min_capability=(8, 0), max_head_dim=256, dropout=False,
                         packed=True, gaps=True, cuda_graphs=False),
-        # Eager (unfused) on the CPU: "FlexAttention does not support backward on CPU" (torch 2.13).
-        "cpu": Surface(dtypes=ALL_DTYPES, dropout=False, backward=False, packed=True, gaps=True),
+        # Eager (unfused) on the CPU: "FlexAttention does not support backward on CPU" (torch 2.13). It applies
+        # its mask with functorch's vmap, which fails under the dispatch mode AOTAutograd keeps active while a
+        # compiled graph runs ("NYI: querying is_contiguous inside of vmap"): no compiled graphs.
+        "cpu": Surface(dtypes=ALL_DTYPES, dropout=False, backward=False, packed=True, gaps=True,
+                       compiled_graphs=False),
     }
 
     def run(self, q, k, v, call: KernelCall):
