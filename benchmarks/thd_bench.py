@@ -1,7 +1,7 @@
 """Time every packed (thd) candidate, native and padded, on three packings, forward and forward+backward.
 
     python benchmarks/thd_bench.py --out results/h200_thd_bench      # writes .json and .md
-    python benchmarks/thd_bench.py --smoke --out /tmp/thd_smoke       # tiny packings, any device
+    python benchmarks/thd_bench.py --packings smoke --out /tmp/thd_smoke   # tiny packings, any device
 
 MLA geometry: 16 heads, d_qk=192, d_v=128, causal, bf16 (float32 on the CPU). Each candidate
 is timed with device events after warm-up (median of repeats, with the 20th and 80th
@@ -41,9 +41,12 @@ def _random_lengths(total: int, low: int, high: int, seed: int) -> list[int]:
     return lengths
 
 
-def packings(smoke: bool) -> dict[str, list[int]]:
-    if smoke:
+def packings(which: str) -> dict[str, list[int]]:
+    if which == "smoke":
         return {"smoke-mixed": [5, 1, 0, 17, 9], "smoke-equal": [16, 16]}
+    if which == "crossover":   # where do short documents stop favouring one kernel over another?
+        return {f"16k tokens, documents of {n}": [n] * (16384 // n) for n in (128, 256, 512, 1024, 2048)} | {
+            "32k tokens, documents of 256..1024": _random_lengths(32768, 256, 1024, seed=32)}
     eighteen = _random_lengths(32768 - 17 * 256, 0, 4096 - 256, seed=18)[:17]
     eighteen = [256 + n for n in eighteen] + [32768 - sum(256 + n for n in eighteen)]
     assert len(eighteen) == 18 and sum(eighteen) == 32768 and all(256 <= n <= 4096 for n in eighteen), eighteen
@@ -147,7 +150,9 @@ def _ratio(x) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="path without extension; .json and .md are written")
-    ap.add_argument("--smoke", action="store_true", help="tiny packings (CI / CPU)")
+    ap.add_argument("--packings", choices=("issue", "crossover", "smoke"), default="issue",
+                    help="issue: the three packings of the benchmark; crossover: equal short documents, to place "
+                         "the rules' short-document threshold; smoke: tiny packings (CI / CPU)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--budget", type=float, default=4.0, help="seconds of timing per candidate at most")
@@ -162,7 +167,7 @@ def main() -> None:
                        "cudnn": target.cudnn_version, "cudnn_frontend": target.cudnn_frontend_version,
                        "dtype": str(dtype).replace("torch.", ""), "date": time.strftime("%Y-%m-%d")},
               "results": []}
-    for name, lengths in packings(args.smoke).items():
+    for name, lengths in packings(args.packings).items():
         for training in (False, True):
             print(f"{name}, {'forward+backward' if training else 'forward'}", flush=True)
             report["results"].append(bench_packing(name, lengths, training, target, device, dtype, args))

@@ -1,39 +1,52 @@
 #!/usr/bin/env bash
-# One step of the GPU work, for the device tool (each step ends well inside its 10-minute limit):
+# Steps of the GPU work, for the device tool; several run in order (`device_run.sh tests bench`), and on a
+# machine of two GPUs two invocations can run side by side under CUDA_VISIBLE_DEVICES=0 and =1:
 #   bash scripts/device_run.sh tests   # pytest -m gpu, verbose log            -> $OUT/h200_gpu_tests.txt
 #   bash scripts/device_run.sh grid    # rules grid, resuming the committed rows -> $OUT/h200_rules_grid.jsonl
+#                                      # (GRID_DEADLINE seconds, default 500)
 #   bash scripts/device_run.sh bench   # packed (thd) benchmark                -> $OUT/h200_thd_bench.{json,md}
+#   bash scripts/device_run.sh crossover # short equal documents, fast candidates -> $OUT/h200_thd_crossover.*
 #   bash scripts/device_run.sh models  # attnselect bench, resuming results/h200_bench.json -> $OUT/h200_bench.*
+#                                      # (MODELS_DEADLINE seconds, default 480)
 #   bash scripts/device_run.sh hf      # transformers DeepSeek-V3 geometry, tokens/s     -> $OUT/h200_hf_deepseek.*
 #   bash scripts/device_run.sh megatron # megatron-core MLA layer tests, then stock pad vs native V -> $OUT/h200_megatron_mla.*
 # Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+gpu=${CUDA_VISIBLE_DEVICES:-all}
+export ATTNSELECT_CACHE_DIR=/tmp/attnselect-cache-$gpu   # side-by-side runs keep separate decision caches
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "/tmp/site-$gpu" \
+    .whl/*.whl || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site-$gpu
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c 'import attnselect; print(attnselect.Target.current().describe())'
-case "${1:-}" in
+for step in "$@"; do
+started=$SECONDS
+case "$step" in
   tests)
     { echo "# pytest -m gpu -v on $(python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
       timeout 540 python3 -m pytest -m gpu -v -p no:cacheprovider -W ignore tests 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E "
     } | tee "$OUT/h200_gpu_tests.txt" | tail -40 ;;
   grid)
     timeout 560 python3 benchmarks/rules_grid.py --resume results/h200_rules_grid.jsonl \
-      --out "$OUT/h200_rules_grid.jsonl" --deadline 500 2>&1 | grep -E "DISAGREE|rows|deadline" | cut -c1-400 ;;
+      --out "$OUT/h200_rules_grid.jsonl" --deadline "${GRID_DEADLINE:-500}" 2>&1 | grep -E "DISAGREE|rows|deadline" | cut -c1-400 ;;
   bench)
     timeout 560 python3 benchmarks/thd_bench.py --out "$OUT/h200_thd_bench" 2>&1 | grep -v -i warn | tail -60 ;;
+  crossover)
+    timeout 300 python3 benchmarks/thd_bench.py --packings crossover --skip reference,sdpa_math,sdpa_efficient,sdpa_flash \
+      --repeats 10 --budget 1 --out "$OUT/h200_thd_crossover" 2>&1 | grep -E "^[0-9]|queued" ;;
   models)
     [ -f results/h200_bench.json ] && cp results/h200_bench.json "$OUT/h200_bench.json"
-    timeout 570 python3 -m attnselect.cli bench --out "$OUT/h200_bench" --deadline 480 2>&1 | grep -v -i warn | tail -30 ;;
+    timeout 570 python3 -m attnselect.cli bench --out "$OUT/h200_bench" --deadline "${MODELS_DEADLINE:-480}" 2>&1 | grep -v -i warn | tail -30 ;;
   hf)
     timeout 560 python3 benchmarks/hf_deepseek.py --out "$OUT/h200_hf_deepseek" 2>&1 | grep -v -i warn | tail -12 ;;
   megatron)
     timeout 240 python3 -m pytest -v -p no:cacheprovider -W ignore tests/integrations/test_megatron.py 2>&1 | tail -15
     timeout 300 python3 benchmarks/megatron_mla.py --out "$OUT/h200_megatron_mla" 2>&1 | grep -v -i warn | tail -12 ;;
-  *) echo "usage: $0 tests|grid|bench|models|hf|megatron"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests grid bench crossover models hf megatron)"; exit 2 ;;
 esac
+echo "## step $step took $((SECONDS - started)) s"
+done

@@ -17,7 +17,7 @@ def _run(*args):
 
 
 def test_thd_bench_smoke(tmp_path):
-    _run("benchmarks/thd_bench.py", "--smoke", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path / "bench"))
+    _run("benchmarks/thd_bench.py", "--packings", "smoke", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path / "bench"))
     report = json.loads((tmp_path / "bench.json").read_text())
     assert {r["phase"] for r in report["results"]} == {"forward", "forward+backward"}
     for entry in report["results"]:
