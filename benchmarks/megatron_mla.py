@@ -70,7 +70,7 @@ def main() -> None:
     from attnselect.measure import time_step
     from attnselect.target import Target
     init_model_parallel()
-    name, lengths = next(iter(packings(smoke=False).items()))
+    name, lengths = next(iter(packings("issue").items()))
     params = packed_params(lengths)
     rows = []
     for patched in (False, True):

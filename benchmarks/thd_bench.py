@@ -153,6 +153,7 @@ def main() -> None:
     ap.add_argument("--packings", choices=("issue", "crossover", "smoke"), default="issue",
                     help="issue: the three packings of the benchmark; crossover: equal short documents, to place "
                          "the rules' short-document threshold; smoke: tiny packings (CI / CPU)")
+    ap.add_argument("--only", default="", help="run only the packings whose name contains this text")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--budget", type=float, default=4.0, help="seconds of timing per candidate at most")
@@ -168,6 +169,8 @@ def main() -> None:
                        "dtype": str(dtype).replace("torch.", ""), "date": time.strftime("%Y-%m-%d")},
               "results": []}
     for name, lengths in packings(args.packings).items():
+        if args.only not in name:
+            continue
         for training in (False, True):
             print(f"{name}, {'forward+backward' if training else 'forward'}", flush=True)
             report["results"].append(bench_packing(name, lengths, training, target, device, dtype, args))

@@ -5,6 +5,7 @@
 #   bash scripts/device_run.sh grid    # rules grid, resuming the committed rows -> $OUT/h200_rules_grid.jsonl
 #                                      # (GRID_DEADLINE seconds, default 500)
 #   bash scripts/device_run.sh bench   # packed (thd) benchmark                -> $OUT/h200_thd_bench.{json,md}
+#   bash scripts/device_run.sh bench-short # its short-document packing alone   -> $OUT/h200_thd_bench_short.*
 #   bash scripts/device_run.sh crossover # short equal documents, fast candidates -> $OUT/h200_thd_crossover.*
 #   bash scripts/device_run.sh models  # attnselect bench, resuming results/h200_bench.json -> $OUT/h200_bench.*
 #                                      # (MODELS_DEADLINE seconds, default 480)
@@ -35,6 +36,9 @@ case "$step" in
       --out "$OUT/h200_rules_grid.jsonl" --deadline "${GRID_DEADLINE:-500}" 2>&1 | grep -E "DISAGREE|rows|deadline" | cut -c1-400 ;;
   bench)
     timeout 560 python3 benchmarks/thd_bench.py --out "$OUT/h200_thd_bench" 2>&1 | grep -v -i warn | tail -60 ;;
+  bench-short)   # the short-document packing alone (after a change of its rules)
+    timeout 200 python3 benchmarks/thd_bench.py --only "documents of 128..512" --out "$OUT/h200_thd_bench_short" \
+      2>&1 | grep -v -i warn | tail -30 ;;
   crossover)
     timeout 300 python3 benchmarks/thd_bench.py --packings crossover --skip reference,sdpa_math,sdpa_efficient,sdpa_flash \
       --repeats 10 --budget 1 --out "$OUT/h200_thd_crossover" 2>&1 | grep -E "^[0-9]|queued" ;;
@@ -46,7 +50,7 @@ case "$step" in
   megatron)
     timeout 240 python3 -m pytest -v -p no:cacheprovider -W ignore tests/integrations/test_megatron.py 2>&1 | tail -15
     timeout 300 python3 benchmarks/megatron_mla.py --out "$OUT/h200_megatron_mla" 2>&1 | grep -v -i warn | tail -12 ;;
-  *) echo "usage: $0 STEP... (tests grid bench crossover models hf megatron)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests grid bench bench-short crossover models hf megatron)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

@@ -32,3 +32,19 @@ def test_te_emulation_pads_for_fa2_and_falls_back_to_unfused():
     absorbed = AttentionProblem(1, 1024, 1024, 16, 1, 576, 512, torch.bfloat16)
     supported = {v.candidate for v in judge(absorbed, Target.preset("h200")) if v.supported}
     assert te_choice(absorbed, Target.preset("h200"), supported) == Candidate("sdpa_math")   # unfused
+
+
+def test_stored_rule_choices_are_re_derived_on_the_stored_timings(tmp_path):
+    from attnselect import bench
+    report = bench.run(str(tmp_path / "b"), smoke=True)
+    entry = report["results"][0]
+    current = entry["policies"]["rules"]["candidate"]
+    other = next(name for name in entry["candidates"] if name != current)
+    entry["policies"]["rules"] = {"candidate": other, **entry["candidates"][other]}   # as chosen by older rules
+    assert bench.rechoose(report, Target.current()) == 1
+    assert entry["policies"]["rules"]["candidate"] == current
+    assert entry["policies"]["rules"]["was"] == other
+    assert entry["policies"]["rules"]["median_ms"] == entry["candidates"][current]["median_ms"]
+    assert f"rules: was {other}" in bench.report_markdown(report)
+    assert bench.rechoose(report, Target.current()) == 0
+    assert bench._candidate("sdpa_cudnn padded to 192") == Candidate("sdpa_cudnn", 192)

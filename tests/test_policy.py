@@ -161,3 +161,23 @@ def test_newer_torch_on_hopper_follows_the_newest_cudnn_gate():
     padded = verdict(attnselect.select(AttentionProblem(**MLA, training=True), target=newer), "sdpa_cudnn", 192)
     assert any("9.22" in r for r in padded.reasons)
     assert verdict(attnselect.select(AttentionProblem(**MLA), target=newer), "sdpa_cudnn").supported
+
+
+@pytest.mark.parametrize("max_seqlen,training,chosen", [
+    (512, True, Candidate("varlen_fa2", 192)),       # short documents: the frontend op's host time dominates
+    (1024, True, Candidate("cudnn_frontend")),
+    (512, False, Candidate("cudnn_frontend")),       # forward only: cuDNN keeps up
+])
+def test_packed_short_documents_train_on_varlen_on_hopper(max_seqlen, training, chosen):
+    problem = AttentionProblem(**{**MLA, "batch": 32, "seqlen_q": max_seqlen, "seqlen_kv": max_seqlen},
+                               layout="thd", training=training)
+    d = attnselect.select(problem, target=Target.preset("h200", cudnn_frontend_version="1.32.0"))
+    assert d.chosen == chosen
+    assert ("short documents" in d.why) == (chosen.backend == "varlen_fa2")
+
+
+def test_absorbed_mla_inference_prefers_the_efficient_kernel_on_hopper():
+    absorbed = AttentionProblem(16, 1024, 1024, 128, 1, 576, 512, mask="causal")
+    d = attnselect.select(absorbed, target=Target.preset("h200", cudnn_frontend_version="1.32.0"))
+    assert d.chosen == Candidate("sdpa_efficient")
+    assert "wide heads" in d.why

@@ -94,36 +94,61 @@ def te_choice(problem: AttentionProblem, target: Target, supported: set) -> Opti
     return Candidate(native) if Candidate(native) in supported else None
 
 
+RULE_POLICIES = ("rules", "te", "always-pad", "never-pad")   # decided without timing: re-derivable
+
+
 def bench_problem(problem: AttentionProblem, target: Target) -> dict:
     device = torch.device("cuda" if target.is_cuda else "cpu")
-    verdicts = judge(problem, target)
-    supported = {v.candidate for v in verdicts if v.supported}
+    supported = {v.candidate for v in judge(problem, target) if v.supported}
     inputs = random_inputs(problem, device)
     rows = {}
     for candidate in sorted(supported, key=str):
         rows[str(candidate)] = _timed(lambda c=candidate: _run(c, problem, inputs, target), device, problem)
-    choices = {}
-    for policy in POLICIES:
-        choice = None
-        if policy in ("rules", "measure"):
-            choice = select(problem, target=target, policy=policy).chosen
-        elif policy in ("always-pad", "never-pad"):
-            try:
-                choice = select(problem, target=target, pad=policy == "always-pad").chosen
-            except Exception as exc:
-                choices[policy] = {"candidate": None, "error": str(exc).splitlines()[0]}
-                continue
-        elif policy == "te":
-            choice = te_choice(problem, target, supported)
-        if policy == "torch-default":
-            timing = _timed(lambda: _torch_default(problem, inputs), device, problem)
-            choices[policy] = {"candidate": "F.scaled_dot_product_attention" if problem.layout != "thd"
-                               else "varlen_attn, V padded", **timing}
-        else:
-            choices[policy] = {"candidate": str(choice), **rows.get(str(choice), {"error": "not timed"})}
+    choices = {policy: _choice(policy, problem, target, supported, rows) for policy in RULE_POLICIES}
+    choices["measure"] = _timed_choice(select(problem, target=target, policy="measure").chosen, rows)
+    timing = _timed(lambda: _torch_default(problem, inputs), device, problem)
+    choices["torch-default"] = {"candidate": "F.scaled_dot_product_attention" if problem.layout != "thd"
+                                else "varlen_attn, V padded", **timing}
     best = min((r for r in rows.values() if "median_ms" in r), key=lambda r: r["median_ms"], default=None)
-    return {"problem": problem.to_dict(), "describe": problem.describe(), "candidates": rows, "policies": choices,
-            "best_ms": best and best["median_ms"]}
+    return {"problem": problem.to_dict(), "describe": problem.describe(), "candidates": rows,
+            "policies": {policy: choices[policy] for policy in POLICIES}, "best_ms": best and best["median_ms"]}
+
+
+def _choice(policy: str, problem: AttentionProblem, target: Target, supported: set, rows: dict) -> dict:
+    if policy == "te":
+        return _timed_choice(te_choice(problem, target, supported), rows)
+    try:
+        pad = {"always-pad": True, "never-pad": False}.get(policy)
+        return _timed_choice(select(problem, target=target, pad=pad).chosen, rows)
+    except Exception as exc:
+        return {"candidate": None, "error": str(exc).splitlines()[0]}
+
+
+def _timed_choice(choice: Optional[Candidate], rows: dict) -> dict:
+    return {"candidate": str(choice), **rows.get(str(choice), {"error": "not timed"})}
+
+
+def _candidate(name: str) -> Candidate:
+    """The inverse of str(Candidate): "flex native", "sdpa_cudnn padded to 192"."""
+    backend, _, how = name.partition(" ")
+    return Candidate(backend, int(how.rsplit(" ", 1)[1]) if how.startswith("padded") else None)
+
+
+def rechoose(report: dict, target: Target) -> int:
+    """Re-derive the untimed policies' choices of stored results with the current rules, on the stored
+    timings of that run (the rules changed after it); the earlier choice is kept as ``was``. Returns
+    how many choices changed."""
+    changed = 0
+    for entry in report["results"]:
+        problem = AttentionProblem.from_dict(entry["problem"])
+        supported = {_candidate(name) for name in entry["candidates"]}
+        for policy in RULE_POLICIES:
+            fresh = _choice(policy, problem, target, supported, entry["candidates"])
+            old = entry["policies"].get(policy, {})
+            if fresh.get("candidate") != old.get("candidate"):
+                entry["policies"][policy] = {**fresh, "was": old.get("candidate")}
+                changed += 1
+    return changed
 
 
 def _run(candidate, problem, inputs, target):
@@ -171,14 +196,20 @@ def report_markdown(report: dict) -> str:
         cells = []
         for policy in POLICIES:
             c = entry["policies"].get(policy, {})
+            mark = "*" if "was" in c else ""
             if "median_ms" in c and entry["best_ms"]:
-                cells.append(f"{c['candidate']}: {c['tflops']:.3g} ({entry['best_ms'] / c['median_ms']:.0%})")
+                cells.append(f"{c['candidate']}{mark}: {c['tflops']:.3g} ({entry['best_ms'] / c['median_ms']:.0%})")
             else:
                 cells.append(f"{c.get('candidate')}: {c.get('error', 'n/a')}"[:60])
         best = min((r for r in entry["candidates"].items() if "median_ms" in r[1]), key=lambda r: r[1]["median_ms"],
                    default=(None, {}))
         cells.append(f"{best[0]}: {best[1].get('tflops', 0):.3g}")
         lines.append(f"| {entry['describe']} | " + " | ".join(cells) + " |")
+    rechosen = [(e["describe"], p, c) for e in report["results"] for p, c in e["policies"].items() if "was" in c]
+    if rechosen:
+        lines.append("\n\\* re-derived with the current rules on this run's timings (the rules changed after the "
+                     "problem was timed; `bench.rechoose`): " + "; ".join(
+                         f"{d}, {p}: was {c['was']}" for d, p, c in rechosen))
     return "\n".join(lines) + "\n"
 
 
@@ -218,6 +249,8 @@ def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0) -> dict:
     target = Target.current()
     path = out + ".json"
     report = json.load(open(path)) if os.path.exists(path) else {"results": []}
+    if report["results"] and report["meta"]["device"] == target.describe():
+        print(f"{rechoose(report, target)} stored choices re-derived with the current rules", flush=True)
     report["meta"] = {"device": target.describe(), "arch": arch_family(target), "date": time.strftime("%Y-%m-%d"),
                       "torch": torch.__version__}
     # Read through AttentionProblem, so results written before a field existed still count as done.

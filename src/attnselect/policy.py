@@ -64,6 +64,21 @@ PREFERENCES.update({
     ("cpu", "training", "thd"): ("sdpa_flash", "sdpa_flash+pad", "sdpa_math", "sdpa_math+pad", "flex", "flex+pad",
                                  "reference", "reference+pad"),
 })
+# Refinements, keyed by the base key plus a name, for problems where the measured order differs.
+# "short documents" (thd, every sequence <= SHORT_DOCUMENTS tokens), sm90 training: the cuDNN frontend's
+# torch op spends about 2 ms of host time per forward+backward call, so with little work per call varlen_attn
+# with V padded is faster (results/h200_thd_crossover.md, 192/128, 16 heads, fwd+bwd ms queued: 16k tokens of
+# 128-token documents 1.02 against 2.04, 256: 1.42 against 2.00, 512: 1.44 against 2.25; at 1024 the two
+# trade places between runs and at 2048 cuDNN leads, 2.16 against 3.36). Forward only, cuDNN keeps up.
+SHORT_DOCUMENTS = 512
+PREFERENCES[("sm90", "training", "thd", "short documents")] = (
+    "varlen_fa2", "varlen_fa2+pad", "cudnn_frontend", "cudnn_frontend+pad", "flex", "flex+pad", *_PER_SEQUENCE)
+# "wide heads" (a head dim above 256: absorbed MLA, 576/512 with one key/value head), sm90 inference:
+# results/h200_bench.md, B*S = 16k, 128 query heads, causal: sdpa_efficient 22.0 / 74.8 / 308 ms at 1k / 4k /
+# 16k against the cuDNN frontend's 28.5 / 105 / 427 ms.
+PREFERENCES[("sm90", "inference", "wide heads")] = (
+    "sdpa_efficient", "cudnn_frontend", "sdpa_efficient+pad", "cudnn_frontend+pad", "sdpa_math", "sdpa_math+pad",
+    "reference", "reference+pad")
 for _family in ("sm80", "sm100", "sm120", "cpu"):
     PREFERENCES[(_family, "inference", "thd")] = PREFERENCES[("sm100" if _family == "sm120" else _family,
                                                              "training", "thd")]
@@ -87,6 +102,12 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
     key = (arch_family(target), "training" if problem.training else "inference")
     if problem.layout == "thd":
         key += ("thd",)
+    refinements = {"short documents": problem.layout == "thd" and problem.seqlen_q <= SHORT_DOCUMENTS
+                   and problem.seqlen_kv <= SHORT_DOCUMENTS,
+                   "wide heads": max(problem.head_dim_qk, problem.head_dim_v) > 256}
+    for name, applies in refinements.items():
+        if applies and key + (name,) in PREFERENCES:
+            return key + (name,), PREFERENCES[key + (name,)]
     return key, PREFERENCES[key]
 
 

@@ -179,3 +179,12 @@ def test_cudnn_frontend_serves_absorbed_mla_forward_only_where_measured():
                (absorbed, attnselect.Target.preset("b200", cudnn_frontend_version="1.32.0"))]
     for problem, target in refused:
         assert any("above 256" in r for r in get("cudnn_frontend").not_supported_reasons(problem, target))
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_cudnn_frontend_refuses_the_backward_of_one_query_and_one_key(layout):
+    h200 = attnselect.Target.preset("h200", cudnn_frontend_version="1.32.0")
+    single = attnselect.AttentionProblem(3, 1, 1, 4, 4, 192, 128, layout=layout, mask="causal", training=True)
+    assert any("s_q = s_kv = 1" in r for r in get("cudnn_frontend").not_supported_reasons(single, h200))
+    for served in (dataclasses.replace(single, training=False), dataclasses.replace(single, seqlen_kv=2)):
+        assert not get("cudnn_frontend").not_supported_reasons(served, h200)

@@ -124,6 +124,23 @@ def test_documents_marked_by_position_ids_stay_apart():
     torch.testing.assert_close(plain, whole)
 
 
+def test_position_ids_are_read_once_per_forward_not_per_layer(monkeypatch):
+    from attnselect.integrations import transformers as integration
+    q = k = v = torch.randn(1, 2, 7, 8)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    reads = []
+    nonzero = torch.nonzero
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **kw: reads.append(1) or nonzero(*a, **kw))
+    first, _ = integration.attention_forward(_bare_module(), q, k, v, None, position_ids=positions)
+    second, _ = integration.attention_forward(_bare_module(), q, k, v, None, position_ids=positions)  # next layer
+    assert len(reads) == 1
+    torch.testing.assert_close(first, second)
+    positions[0, 3:] = torch.arange(3, 7)        # changed in place (its version moves): read again, one document
+    third, _ = integration.attention_forward(_bare_module(), q, k, v, None, position_ids=positions)
+    assert len(reads) == 2
+    torch.testing.assert_close(third, integration.attention_forward(_bare_module(), q, k, v, None)[0])
+
+
 def test_sliding_window_keyword_and_unsupported_features():
     from attnselect.integrations.transformers import attention_forward
     import attnselect

@@ -52,6 +52,11 @@ class CudnnFrontend(Backend):
         # max_s_q <= max_s_kv" without a padding mask (dense input).
         if p.mask == "sliding_window" and p.window[0] >= 0 and p.layout != "thd" and p.seqlen_q > p.seqlen_kv:
             r.append("a sliding window with more queries than keys is not supported on dense input")
+        # cudnn/_sdpa_validate.py (_validate_backward) and the backward node's C++ validation: "s_q = s_kv = 1
+        # is not supported" (the graph's sequence dims: the lengths, or max_seqlen for thd); hit on the H200 by a
+        # dense one-token sequence in training (tests/integrations/test_megatron.py).
+        if p.training and p.seqlen_q == 1 and p.seqlen_kv == 1:
+            r.append("cuDNN has no backward for one query against one key (s_q = s_kv = 1); other backends serve it")
         # Not yet measured: how the op treats queries that see no key (sdpa_cudnn's backward gave NaN there).
         if p.may_have_rows_without_keys:
             r.append("queries that see no key (this mask and these lengths may leave some) are not verified for "

@@ -31,11 +31,13 @@ class Flex(Backend):
         # rounded up to a power of two inside the Triton template, PR #133495); no dropout argument.
         # Measured limits on the H200: results/h200_rules_grid.md (576/512 runs out of shared memory).
         # CUDA graph capture not yet verified (compiles and builds block masks on first calls).
+        # Its block masks are built with functorch's vmap, which fails under the dispatch mode AOTAutograd
+        # keeps active while a compiled graph runs ("NYI: querying is_contiguous inside of vmap", and for
+        # document masks a fake-tensor error in create_block_mask): measured on the H200 with torch 2.11
+        # and on the CPU with torch 2.13, so no compiled graphs on either.
         "cuda": Surface(dtypes=ALL_DTYPES - {torch.float64}, min_capability=(8, 0), max_head_dim=256, dropout=False,
-                        packed=True, gaps=True, cuda_graphs=False),
-        # Eager (unfused) on the CPU: "FlexAttention does not support backward on CPU" (torch 2.13). It applies
-        # its mask with functorch's vmap, which fails under the dispatch mode AOTAutograd keeps active while a
-        # compiled graph runs ("NYI: querying is_contiguous inside of vmap"): no compiled graphs.
+                        packed=True, gaps=True, cuda_graphs=False, compiled_graphs=False),
+        # Eager (unfused) on the CPU: "FlexAttention does not support backward on CPU" (torch 2.13).
         "cpu": Surface(dtypes=ALL_DTYPES, dropout=False, backward=False, packed=True, gaps=True,
                        compiled_graphs=False),
     }

@@ -94,22 +94,32 @@ def _packed(query, key, value, kwargs, options):
     return out.unsqueeze(0)                   # (1, T, H, Dv)
 
 
+_last_positions: tuple = (None, -1, {})   # (position_ids, its version, what they said): one read per forward
+
+
 def _boundaries_from_positions(query, key, position_ids) -> dict:
     """A padding-free batch marked only by position_ids restarting at each document (DataCollatorWithFlattening).
 
     As transformers' FlashAttention path: one row of more than one query whose positions do not
     simply count up is packed; its boundaries are where a position does not follow the previous
-    one. Reading that is one host sync, and only for such single-row calls.
+    one. Reading that is one host sync, and only for such single-row calls; every layer of a
+    forward gets the same position_ids tensor, so it is read once per forward, not once per layer.
     """
+    global _last_positions
     if position_ids is None or query.shape[0] != 1 or query.shape[2] < 2 or key.shape[2] != query.shape[2]:
         return {}   # not a single packed row (a KV cache, where keys outnumber queries, is never packed)
+    seen, version, found = _last_positions
+    if position_ids is seen and position_ids._version == version:
+        return found
     positions = position_ids.reshape(-1)
     restarts = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
-    if restarts.numel() == 0:
-        return {}
-    total = positions.new_tensor([positions.numel()])
-    cu = torch.cat([positions.new_zeros(1), restarts, total]).int()
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+    found = {}
+    if restarts.numel():
+        total = positions.new_tensor([positions.numel()])
+        cu = torch.cat([positions.new_zeros(1), restarts, total]).int()
+        found = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+    _last_positions = (position_ids, position_ids._version, found)
+    return found
 
 
 def _unpadded(query, key, value, keep, options):
