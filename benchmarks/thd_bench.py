@@ -123,6 +123,9 @@ def markdown(report: dict) -> str:
              f"{meta['dtype']}. TFLOP/s on useful (causal, unpadded) work; median of repeats, spread p20..p80; "
              f"calls queued back to back (TFLOP/s from these), and each call alone (synchronised). "
              f"Produced by `benchmarks/thd_bench.py`.\n"]
+    for rerun in meta.get("reruns", []):
+        lines.append(f"Re-run on {rerun['date']} ({rerun['device']}), after a change of their rules: "
+                     f"{', '.join(rerun['packings'])}.\n")
     for entry in report["results"]:
         lines.append(f"## {entry['packing']}, {entry['phase']}\n")
         lines.append(f"Rules choice: **{entry['rules_choice']}**; fastest: **{entry['fastest']}**; choice/fastest "
@@ -154,6 +157,8 @@ def main() -> None:
                     help="issue: the three packings of the benchmark; crossover: equal short documents, to place "
                          "the rules' short-document threshold; smoke: tiny packings (CI / CPU)")
     ap.add_argument("--only", default="", help="run only the packings whose name contains this text")
+    ap.add_argument("--into", help="with --only: replace those packings' rows in this earlier report (path without "
+                                    "extension) instead of writing a new one, e.g. after a change of their rules")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--budget", type=float, default=4.0, help="seconds of timing per candidate at most")
@@ -178,7 +183,23 @@ def main() -> None:
                 json.dump(report, f, indent=1)
             with open(args.out + ".md", "w") as f:
                 f.write(markdown(report))
+    if args.into:
+        report = merge_into(args.into, report)
     print(markdown(report))
+
+
+def merge_into(path: str, rerun: dict) -> dict:
+    """Replace the packings of ``rerun`` in the report at ``path`` (.json and .md), noting when they ran."""
+    report = json.load(open(path + ".json"))
+    names = {entry["packing"] for entry in rerun["results"]}
+    kept = [entry for entry in report["results"] if entry["packing"] not in names]
+    report["results"] = kept + rerun["results"]
+    report["meta"].setdefault("reruns", []).append({"packings": sorted(names), **rerun["meta"]})
+    with open(path + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(path + ".md", "w") as f:
+        f.write(markdown(report))
+    return report
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 #   bash scripts/device_run.sh grid    # rules grid, resuming the committed rows -> $OUT/h200_rules_grid.jsonl
 #                                      # (GRID_DEADLINE seconds, default 500)
 #   bash scripts/device_run.sh bench   # packed (thd) benchmark                -> $OUT/h200_thd_bench.{json,md}
-#   bash scripts/device_run.sh bench-short # its short-document packing alone   -> $OUT/h200_thd_bench_short.*
+#   bash scripts/device_run.sh bench-short # its short-document packing alone, merged -> $OUT/h200_thd_bench.*
 #   bash scripts/device_run.sh crossover # short equal documents, fast candidates -> $OUT/h200_thd_crossover.*
 #   bash scripts/device_run.sh models  # attnselect bench, resuming results/h200_bench.json -> $OUT/h200_bench.*
 #                                      # (MODELS_DEADLINE seconds, default 480)
@@ -37,8 +37,9 @@ case "$step" in
   bench)
     timeout 560 python3 benchmarks/thd_bench.py --out "$OUT/h200_thd_bench" 2>&1 | grep -v -i warn | tail -60 ;;
   bench-short)   # the short-document packing alone (after a change of its rules)
+    cp results/h200_thd_bench.json "$OUT/h200_thd_bench.json"
     timeout 200 python3 benchmarks/thd_bench.py --only "documents of 128..512" --out "$OUT/h200_thd_bench_short" \
-      2>&1 | grep -v -i warn | tail -30 ;;
+      --into "$OUT/h200_thd_bench" 2>&1 | grep -v -i warn | tail -30 ;;
   crossover)
     timeout 300 python3 benchmarks/thd_bench.py --packings crossover --skip reference,sdpa_math,sdpa_efficient,sdpa_flash \
       --repeats 10 --budget 1 --out "$OUT/h200_thd_crossover" 2>&1 | grep -E "^[0-9]|queued" ;;

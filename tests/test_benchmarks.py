@@ -27,6 +27,21 @@ def test_thd_bench_smoke(tmp_path):
     assert "| candidate | queued ms |" in (tmp_path / "bench.md").read_text()
 
 
+def test_thd_bench_reruns_one_packing_into_an_earlier_report(tmp_path):
+    common = ("benchmarks/thd_bench.py", "--packings", "smoke", "--repeats", "2", "--warmup", "1", "--skip",
+              "reference,sdpa_math,sdpa_efficient")
+    _run(*common, "--out", str(tmp_path / "bench"))
+    before = json.loads((tmp_path / "bench.json").read_text())
+    _run(*common, "--only", "equal", "--out", str(tmp_path / "rerun"), "--into", str(tmp_path / "bench"))
+    after = json.loads((tmp_path / "bench.json").read_text())
+    assert [(e["packing"], e["phase"]) for e in after["results"]] == [
+        ("smoke-mixed", "forward"), ("smoke-mixed", "forward+backward"),
+        ("smoke-equal", "forward"), ("smoke-equal", "forward+backward")]
+    assert after["results"][:2] == before["results"][:2]
+    assert after["meta"]["reruns"][0]["packings"] == ["smoke-equal"]
+    assert "after a change of their rules: smoke-equal" in (tmp_path / "bench.md").read_text()
+
+
 def test_rules_grid_smoke(tmp_path):
     out = tmp_path / "grid.jsonl"
     done = _run("benchmarks/rules_grid.py", "--out", str(out), "--limit", "3")

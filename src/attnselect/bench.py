@@ -38,8 +38,9 @@ from attnselect.target import Target
 POLICIES = ("rules", "measure", "te", "always-pad", "never-pad", "torch-default")
 
 
-def suite(smoke: bool) -> list[AttentionProblem]:
-    """Real model shapes: (model, heads override) x layout x phase x sequence length."""
+def suite(smoke: bool) -> dict[str, tuple[AttentionProblem, str]]:
+    """Real model shapes: (model, heads override) x layout x phase x sequence length, keyed by the problem;
+    each with the models it stands for (DeepSeek-V2-Lite's 16 heads of 192/128 are DeepSeek-V3's per rank)."""
     if smoke:
         shapes, seqlens, dtype = [("deepseek-v2-lite", 4)], [64], torch.float32
     else:
@@ -47,7 +48,7 @@ def suite(smoke: bool) -> list[AttentionProblem]:
         shapes = [("deepseek-v3", 16), ("llama-3-70b", None), ("deepseek-v3-absorbed", None), ("kimi-k2", None),
                   ("deepseek-v2-lite", None), ("deepseek-v3", 128)]
         seqlens, dtype = [1024, 4096, 16384], torch.bfloat16
-    problems = []
+    problems: dict[str, tuple[AttentionProblem, str]] = {}
     for (model, heads), seqlen, layout, training in (
             (s, n, lay, tr) for s in shapes for n in seqlens for lay in ("bshd", "thd") for tr in (False, True)):
         m = MODELS[model]
@@ -57,10 +58,17 @@ def suite(smoke: bool) -> list[AttentionProblem]:
         hkv = hq if m.kv_heads == m.heads else m.kv_heads
         tokens = 16384 if not smoke else 128
         batch = max(tokens // seqlen, 1)
-        problems.append(AttentionProblem(batch=batch, seqlen_q=seqlen, seqlen_kv=seqlen, heads_q=hq, heads_kv=hkv,
-                                         head_dim_qk=m.head_dim_qk, head_dim_v=m.head_dim_v, dtype=dtype,
-                                         layout=layout, mask="causal", training=training))
+        problem = AttentionProblem(batch=batch, seqlen_q=seqlen, seqlen_kv=seqlen, heads_q=hq, heads_kv=hkv,
+                                   head_dim_qk=m.head_dim_qk, head_dim_v=m.head_dim_v, dtype=dtype,
+                                   layout=layout, mask="causal", training=training)
+        label = model + (f" ({heads} heads)" if heads else "")
+        key = _key(problem)
+        problems[key] = (problem, f"{problems[key][1]}, {label}" if key in problems else label)
     return problems
+
+
+def _key(problem: AttentionProblem) -> str:
+    return json.dumps(problem.to_dict(), sort_keys=True)
 
 
 def useful_tflops(problem: AttentionProblem, ms: float) -> float:
@@ -191,7 +199,7 @@ def report_markdown(report: dict) -> str:
     lines = ["# attnselect bench: every policy on real model shapes\n",
              f"{meta['device']}, {meta['date']}. TFLOP/s on useful causal work (fwd; fwd+bwd counted as 3.5x). "
              "Each cell: the policy's choice and its speed relative to the fastest candidate of that problem.\n",
-             "| problem | " + " | ".join(POLICIES) + " | fastest |", "|---" * (len(POLICIES) + 2) + "|"]
+             "| models | problem | " + " | ".join(POLICIES) + " | fastest |", "|---" * (len(POLICIES) + 3) + "|"]
     for entry in report["results"]:
         cells = []
         for policy in POLICIES:
@@ -204,7 +212,7 @@ def report_markdown(report: dict) -> str:
         best = min((r for r in entry["candidates"].items() if "median_ms" in r[1]), key=lambda r: r[1]["median_ms"],
                    default=(None, {}))
         cells.append(f"{best[0]}: {best[1].get('tflops', 0):.3g}")
-        lines.append(f"| {entry['describe']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {entry.get('models', '')} | {entry['describe']} | " + " | ".join(cells) + " |")
     rechosen = [(e["describe"], p, c) for e in report["results"] for p, c in e["policies"].items() if "was" in c]
     if rechosen:
         lines.append("\n\\* re-derived with the current rules on this run's timings (the rules changed after the "
@@ -221,24 +229,35 @@ def chart(report: dict, path: str) -> bool:
     except ImportError:
         return False
     results = report["results"]
-    fig, ax = plt.subplots(figsize=(max(8, len(results) * 0.6), 5))
-    width = 0.8 / len(POLICIES)
+    fig, ax = plt.subplots(figsize=(10, 1 + len(results) * 0.42))
+    height = 0.8 / len(POLICIES)
     for i, policy in enumerate(POLICIES):
         values = [e["policies"].get(policy, {}).get("tflops", 0) for e in results]
-        ax.bar([x + i * width for x in range(len(results))], values, width, label=policy)
-    ax.set_xticks([x + 0.4 for x in range(len(results))])
-    ax.set_xticklabels([e["describe"][:40] for e in results], rotation=75, ha="right", fontsize=6)
-    ax.set_ylabel("useful TFLOP/s")
-    ax.legend(fontsize=7)
+        ax.barh([y + i * height for y in range(len(results))], values, height, label=policy)
+    ax.set_yticks([y + 0.4 for y in range(len(results))])
+    ax.set_yticklabels([_short_label(e) for e in results], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("useful TFLOP/s (causal; forward+backward counted as 3.5x the forward)")
+    ax.set_title(report["meta"]["device"], fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
+
+
+def _short_label(entry: dict) -> str:
+    p = entry["problem"]
+    model = (entry.get("models") or "").split(", ")[0]
+    return f"{model} {p['layout']} {p['seqlen_q'] // 1024}k {'train' if p['training'] else 'infer'}"
 
 
 def render(out: str, report: Optional[dict] = None) -> dict:
     """Write the markdown table and the PNG chart of ``report`` (default: read from ``out``.json, e.g. again
     where matplotlib is installed)."""
     report = report if report is not None else json.load(open(out + ".json"))
+    labels = {key: models for key, (_, models) in {**suite(smoke=True), **suite(smoke=False)}.items()}
+    for entry in report["results"]:   # results stored before entries named their models
+        entry.setdefault("models", labels.get(_key(AttentionProblem.from_dict(entry["problem"])), ""))
     with open(out + ".md", "w") as f:
         f.write(report_markdown(report))
     chart(report, out + ".png")
@@ -253,16 +272,17 @@ def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0) -> dict:
         print(f"{rechoose(report, target)} stored choices re-derived with the current rules", flush=True)
     report["meta"] = {"device": target.describe(), "arch": arch_family(target), "date": time.strftime("%Y-%m-%d"),
                       "torch": torch.__version__}
+    problems = suite(smoke)
     # Read through AttentionProblem, so results written before a field existed still count as done.
-    done = {json.dumps(AttentionProblem.from_dict(e["problem"]).to_dict(), sort_keys=True) for e in report["results"]}
+    done = {_key(AttentionProblem.from_dict(e["problem"])) for e in report["results"]}
     start = time.time()
-    for problem in suite(smoke):
-        if json.dumps(problem.to_dict(), sort_keys=True) in done:
+    for key, (problem, models) in problems.items():
+        if key in done:
             continue
         if time.time() - start > deadline_s:
             print("deadline reached; run again to continue", flush=True)
             break
-        entry = bench_problem(problem, target)
+        entry = {**bench_problem(problem, target), "models": models}
         report["results"].append(entry)
         print(f"{entry['describe']}: " + ", ".join(f"{p} {c.get('candidate')}" for p, c in entry["policies"].items()),
               flush=True)
