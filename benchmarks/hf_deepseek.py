@@ -6,8 +6,9 @@
 A randomly initialised DeepseekV3ForCausalLM with the real attention geometry (16 heads, q_lora 1536,
 kv_lora 512, d_qk = 128 + 64 = 192, d_v = 128) and two dense layers (the MoE is left out so attention
 dominates), bf16 on CUDA, forward+backward of a causal LM loss on (batch, seqlen) tokens, for
-attnselect's implementation against transformers' own ``sdpa`` and ``flex_attention``. Timed with
-attnselect.measure.time_step (warm-up, calls queued back to back, median and p20..p80).
+attnselect's implementation against transformers' own ``sdpa`` and ``flex_attention``, the three timed
+side by side with attnselect.measure.time_steps (warm-up, then interleaved rounds of calls queued back to
+back, so drift lands on all three alike; median and p20..p80).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import torch
 
 from attnselect.integrations import transformers as attnselect_hf
-from attnselect.measure import time_step
+from attnselect.measure import time_steps
 from attnselect.target import Target
 
 
@@ -55,22 +56,25 @@ def main() -> None:
     rows = []
     for seqlen in seqlens:
         ids = torch.randint(3, 97 if a.smoke else 32000, (a.batch, seqlen), device=device)
+        steps, errors = {}, {}
         for implementation in implementations:
             try:
                 m = model(implementation, a.smoke, device, dtype)
-
-                def step():
-                    m(ids, labels=ids).loss.backward()
-
-                t = time_step(step, torch.device(device), warmup=2, repeats=3 if a.smoke else 10)
+                steps[implementation] = lambda m=m: m(ids, labels=ids).loss.backward()
+            except Exception as exc:   # an implementation that fails is a finding, not a crash
+                errors[implementation] = exc
+        results = {**time_steps(steps, torch.device(device), warmup=2, repeats=3 if a.smoke else 12), **errors}
+        for implementation in implementations:
+            t = results[implementation]
+            if isinstance(t, Exception):
+                rows.append({"seqlen": seqlen, "implementation": implementation,
+                             "error": f"{type(t).__name__}: {str(t)[:200]}"})
+            else:
                 rows.append({"seqlen": seqlen, "implementation": implementation, "median_ms": t.median_ms,
                              "p20_ms": t.low_ms, "p80_ms": t.high_ms,
                              "tokens_per_s": a.batch * seqlen / (t.median_ms * 1e-3)})
-            except Exception as exc:   # an implementation that fails is a finding, not a crash
-                rows.append({"seqlen": seqlen, "implementation": implementation,
-                             "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
             print(rows[-1], flush=True)
-            del m
+        del steps
     report = {"meta": {"device": target.describe(), "transformers": transformers.__version__,
                        "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""), "batch": a.batch,
                        "date": time.strftime("%Y-%m-%d")}, "rows": rows}
@@ -78,7 +82,7 @@ def main() -> None:
         json.dump(report, f, indent=1)
     lines = [f"# DeepSeek-V3 attention geometry in transformers: forward+backward tokens/s\n",
              f"{report['meta']['device']}, transformers {transformers.__version__}, {report['meta']['dtype']}, "
-             f"batch {a.batch}, 2 dense layers, {report['meta']['date']}; median of queued repeats (p20..p80). "
+             f"batch {a.batch}, 2 dense layers, {report['meta']['date']}; median of queued repeats in interleaved rounds (p20..p80). "
              "Produced by `benchmarks/hf_deepseek.py`.\n",
              "| seqlen | implementation | median ms (p20..p80) | tokens/s | vs sdpa |", "|---|---|---|---|---|"]
     for r in rows:

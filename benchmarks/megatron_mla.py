@@ -4,9 +4,10 @@
 
 The layer (DeepSeek-V3 attention geometry: 16 heads, q/k 128 + 64 rope, v 128, kv_lora 512, bf16) runs
 with attnselect's core attention on the 32k-token / 18-sequence packing of benchmarks/thd_bench.py,
-forward+backward, timed with attnselect.measure.time_step (queued repeats, median and p20..p80):
-once with megatron-core's own _prepare_mla_core_attention_value (V zero-padded to 192 on packed input)
-and once after attnselect.integrations.megatron.skip_thd_value_pad() (V stays 128 wide). Both arms
+forward+backward, timed with attnselect.measure.time_steps (interleaved rounds of queued repeats, median
+and p20..p80): with megatron-core's own _prepare_mla_core_attention_value (V zero-padded to 192 on packed
+input) and with attnselect.integrations.megatron's replacement (V stays 128 wide); and the core attention
+alone on the very tensors the layer handed it in each arm (their shapes and strides are reported). Both arms
 pay Megatron's packed-RoPE host syncs (rope_utils .tolist()), so the ratio understates the kernel gain.
 The tests in tests/integrations/test_megatron.py build the layer with :func:`mla_layer`.
 """
@@ -60,6 +61,11 @@ def packed_params(lengths):
                            max_seqlen_kv=max(lengths))
 
 
+def _qkv(args, kwargs) -> tuple:
+    named = dict(zip(("query", "key", "value"), args)) | {n: kwargs[n] for n in ("query", "key", "value") if n in kwargs}
+    return tuple(named[n].detach() for n in ("query", "key", "value"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -67,36 +73,66 @@ def main() -> None:
     import megatron.core
     from thd_bench import packings
     from attnselect.integrations import megatron as integration
-    from attnselect.measure import time_step
+    from attnselect.measure import time_steps
     from attnselect.target import Target
     init_model_parallel()
     name, lengths = next(iter(packings("issue").items()))
     params = packed_params(lengths)
-    rows = []
-    for patched in (False, True):
-        layer = mla_layer(integration, patched)
-        x = torch.randn(sum(lengths), 1, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    arms = {False: "padded to 192 (stock)", True: "native 128 (patched)"}
+    layers, seen = {}, {}
+    for patched in arms:
+        layers[patched] = mla_layer(integration, patched)
+        # What reaches the core attention, to time it alone and to say what it ran.
+        layers[patched].core_attention.register_forward_pre_hook(
+            lambda module, args, kwargs, patched=patched: seen.setdefault(patched, _qkv(args, kwargs)),
+            with_kwargs=True)
+    x = torch.randn(sum(lengths), 1, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def layer_step(patched):
+        def step():
+            integration._mla._prepare_mla_core_attention_value = (integration._prepare_value if patched
+                                                                  else integration._STOCK_PREPARE_VALUE)
+            out, _ = layers[patched](x, None, packed_seq_params=params)
+            out.backward(torch.ones_like(out))
+        return step
+
+    def core_step(patched):
+        q, k, v = (torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+                   .requires_grad_() for t in seen[patched])   # same strides as the layer handed over
+        core = layers[patched].core_attention
 
         def step():
-            out, _ = layer(x, None, packed_seq_params=params)
+            out = core(q, k, v, None, packed_seq_params=params)
             out.backward(torch.ones_like(out))
+        return step
 
-        t = time_step(step, torch.device("cuda"), warmup=3, repeats=15)
-        rows.append({"v": "native 128 (patched)" if patched else "padded to 192 (stock)", "median_ms": t.median_ms,
-                     "p20_ms": t.low_ms, "p80_ms": t.high_ms})
+    for patched in arms:   # one call each fills `seen`
+        layer_step(patched)()
+    steps = {("layer", p): layer_step(p) for p in arms} | {("core attention", p): core_step(p) for p in arms}
+    timings = time_steps(steps, torch.device("cuda"), warmup=3, repeats=15)
+    rows = []
+    for (part, patched), t in timings.items():
+        if isinstance(t, Exception):
+            raise t
+        v = seen[patched][2]
+        rows.append({"part": part, "v": arms[patched], "v_shape": list(v.shape), "v_stride": list(v.stride()),
+                     "median_ms": t.median_ms, "p20_ms": t.low_ms, "p80_ms": t.high_ms})
         print(rows[-1], flush=True)
-    integration.skip_thd_value_pad()
+    integration._mla._prepare_mla_core_attention_value = integration._STOCK_PREPARE_VALUE
     meta = {"device": Target.current().describe(), "megatron_core": megatron.core.__version__,
             "packing": name, "date": time.strftime("%Y-%m-%d")}
     with open(a.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    stock, patched = rows
     lines = ["# megatron-core MLA layer, packed input: V padded (stock) against native (patched)\n",
              f"{meta['device']}, megatron-core {meta['megatron_core']}, {name}, forward+backward, "
-             f"{meta['date']}. Produced by `benchmarks/megatron_mla.py`.\n",
-             "| V | median ms | p20..p80 ms |", "|---|---|---|"]
-    lines += [f"| {r['v']} | {r['median_ms']:.3f} | {r['p20_ms']:.3f}..{r['p80_ms']:.3f} |" for r in rows]
-    lines.append(f"\nNative V is {stock['median_ms'] / patched['median_ms']:.2f}x the speed of the stock pad.")
+             f"{meta['date']}; the layer and its core attention alone (on the inputs the layer handed it), both "
+             "arms timed side by side in interleaved rounds. Produced by `benchmarks/megatron_mla.py`.\n",
+             "| part | V | V shape (stride) | median ms | p20..p80 ms |", "|---|---|---|---|---|"]
+    lines += [f"| {r['part']} | {r['v']} | {r['v_shape']} ({r['v_stride']}) | {r['median_ms']:.3f} | "
+              f"{r['p20_ms']:.3f}..{r['p80_ms']:.3f} |" for r in rows]
+    for part in ("layer", "core attention"):
+        stock, native = (next(r for r in rows if r["part"] == part and r["v"] == arms[p]) for p in arms)
+        lines.append(f"\n{part}: native V is {stock['median_ms'] / native['median_ms']:.2f}x the speed of the stock pad.")
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

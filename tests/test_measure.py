@@ -56,10 +56,60 @@ def test_time_step_counts_warmup_repeats_and_budget():
     assert len(calls) == 7 and 0 <= timing.low_ms <= timing.median_ms <= timing.high_ms
     calls.clear()
     measure.time_step(lambda: calls.append(1), torch.device("cpu"), warmup=0, repeats=50, budget_s=0.0)
-    assert len(calls) == 3   # a spent budget still times three repeats
+    assert len(calls) == 1 + 3   # one call sizes the repeats; a spent budget still times three
     calls.clear()
     measure.time_step(lambda: calls.append(1), torch.device("cpu"), warmup=0, repeats=4, queued=False)
     assert len(calls) == 4
+
+
+def test_time_steps_interleave_rounds_and_report_failures():
+    order = []
+
+    def step(name):
+        return lambda: order.append(name) or torch.ones(1)
+
+    def nan():
+        return torch.full((1,), float("nan"))
+
+    def broken():
+        raise RuntimeError("no kernel")
+
+    results = measure.time_steps({"a": step("a"), "b": step("b"), "nan": nan, "broken": broken},
+                                 torch.device("cpu"), warmup=1, repeats=4, rounds=2, finite=True)
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] * 2   # warm-up, then each round gives every step its turn
+    assert isinstance(results["a"], measure.Timing) and isinstance(results["b"], measure.Timing)
+    assert isinstance(results["nan"], FloatingPointError) and isinstance(results["broken"], RuntimeError)
+    assert list(results) == ["a", "b", "nan", "broken"]
+
+
+def test_time_steps_warm_up_while_half_the_budget_lasts(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])
+
+    def slow():   # each call takes 1 s of the clock
+        now[0] += 1.0
+
+    results = measure.time_steps({"first": slow, "second": slow, "third": slow}, torch.device("cpu"),
+                                 warmup=1, repeats=3, rounds=3, budget_s=4.0)
+    assert list(results) == ["first", "second"]   # warm-up and sizing took 4 s: the third is left out
+    assert all(isinstance(t, measure.Timing) for t in results.values())
+
+
+def test_a_candidate_with_non_finite_output_is_out_of_tuning(monkeypatch, caplog):
+    from attnselect import execution
+    real = execution.run_call
+
+    def nan_for_math(candidate, *args, **kwargs):
+        out, lse = real(candidate, *args, **kwargs)
+        return (out * float("nan"), lse) if candidate.backend == "sdpa_math" else (out, lse)
+
+    monkeypatch.setattr(execution, "run_call", nan_for_math)
+    ranked = attnselect.select(P, target=Target.current("cpu")).ranked
+    with caplog.at_level("WARNING", logger="attnselect"):
+        timings = measure.measure(P, Target.current("cpu"), ranked)
+    assert all(timings[c] is None for c in ranked if c.backend == "sdpa_math")
+    assert all(timings[c] is not None for c in ranked if c.backend != "sdpa_math")
+    assert "failed while tuning" in caplog.text and "non-finite output" in caplog.text
 
 
 def test_time_step_spread_stays_inside_the_samples(monkeypatch):

@@ -1,7 +1,8 @@
 """``attnselect bench``: every candidate and every policy on real model shapes, side by side in one run.
 
-For each problem of the suite it times every supported candidate (forward, or forward+backward
-when training; median and p20..p80 of repeats) and reports the choice of each policy:
+For each problem of the suite it times every supported candidate and torch's default side by side
+(forward, or forward+backward when training; interleaved rounds of repeats, median and p20..p80)
+and reports the choice of each policy:
 
 - ``rules`` and ``measure`` (attnselect's two policies),
 - ``te``: TransformerEngine's selection emulated on our verdicts (shared/research/te_backend_selection.md):
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from attnselect.candidates import Candidate, judge
-from attnselect.measure import random_inputs, time_step
+from attnselect.measure import random_inputs, time_steps
 from attnselect.models import MODELS
 from attnselect.policy import arch_family
 from attnselect.problem import AttentionProblem
@@ -109,14 +110,14 @@ def bench_problem(problem: AttentionProblem, target: Target) -> dict:
     device = torch.device("cuda" if target.is_cuda else "cpu")
     supported = {v.candidate for v in judge(problem, target) if v.supported}
     inputs = random_inputs(problem, device)
-    rows = {}
-    for candidate in sorted(supported, key=str):
-        rows[str(candidate)] = _timed(lambda c=candidate: _run(c, problem, inputs, target), device, problem)
+    steps = {str(c): (lambda c=c: _run(c, problem, inputs, target)) for c in sorted(supported, key=str)}
+    steps[TORCH_DEFAULT] = lambda: _torch_default(problem, inputs)
+    rows = _timed(steps, device, problem)
+    default = rows.pop(TORCH_DEFAULT)
     choices = {policy: _choice(policy, problem, target, supported, rows) for policy in RULE_POLICIES}
     choices["measure"] = _timed_choice(select(problem, target=target, policy="measure").chosen, rows)
-    timing = _timed(lambda: _torch_default(problem, inputs), device, problem)
     choices["torch-default"] = {"candidate": "F.scaled_dot_product_attention" if problem.layout != "thd"
-                                else "varlen_attn, V padded", **timing}
+                                else "varlen_attn, V padded", **default}
     best = min((r for r in rows.values() if "median_ms" in r), key=lambda r: r["median_ms"], default=None)
     return {"problem": problem.to_dict(), "describe": problem.describe(), "candidates": rows,
             "policies": {policy: choices[policy] for policy in POLICIES}, "best_ms": best and best["median_ms"]}
@@ -183,15 +184,21 @@ def _torch_default(problem, inputs):
 
 
 CANDIDATE_BUDGET_S = 2.0   # timing per candidate and problem (at least three repeats): slow kernels stay affordable
+TORCH_DEFAULT = "torch-default"
 
 
-def _timed(step, device, problem) -> dict:
-    try:
-        t = time_step(step, device, warmup=1, repeats=10, budget_s=CANDIDATE_BUDGET_S)
-    except Exception as exc:   # what fails is part of the comparison
-        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-    return {"median_ms": t.median_ms, "p20_ms": t.low_ms, "p80_ms": t.high_ms,
-            "tflops": useful_tflops(problem, t.median_ms)}
+def _timed(steps: dict, device, problem) -> dict:
+    """Every step timed side by side in interleaved rounds (time_steps), so drift lands on all alike."""
+    results = time_steps(steps, device, warmup=1, repeats=12, budget_s=CANDIDATE_BUDGET_S * len(steps))
+    rows = {}
+    for key in steps:
+        t = results.get(key, TimeoutError("not reached within the timing budget"))
+        if isinstance(t, Exception):   # what fails is part of the comparison
+            rows[key] = {"error": f"{type(t).__name__}: {str(t).splitlines()[0][:160]}"}
+        else:
+            rows[key] = {"median_ms": t.median_ms, "p20_ms": t.low_ms, "p80_ms": t.high_ms,
+                         "tflops": useful_tflops(problem, t.median_ms)}
+    return rows
 
 
 def report_markdown(report: dict) -> str:

@@ -1,10 +1,11 @@
 """The measure policy: time the supported candidates on this machine and keep the fastest.
 
 Each candidate runs on random inputs of the problem's shape (forward, or forward+backward
-when training): warm-up, then repeats queued back to back, each timed with CUDA events
-(wall clock on the CPU); its median and 20th..80th percentile spread are kept. The fastest median wins, except that a
-candidate the rules rank higher wins when its median lies inside the fastest one's spread and
-within 2% of it.
+when training): warm-up, then timed repeats in interleaved rounds (every candidate takes its turn
+in each round, so drift of clocks or temperature during tuning lands on all of them alike), each
+repeat timed with CUDA events (wall clock on the CPU); its median and 20th..80th percentile
+spread are kept. The fastest median wins, except that a candidate the rules rank higher wins
+when its median lies inside the fastest one's spread and within 2% of it.
 Packed problems are measured on a bucket (powers of two of batch and lengths) filled with
 full-length sequences, so a loop whose packing changes every step tunes a few times, not
 every step. The time spent per problem is bounded by ``TUNING_BUDGET_S``; candidates not
@@ -32,6 +33,7 @@ log = logging.getLogger("attnselect")
 TUNING_BUDGET_S = 10.0   # per problem
 TIE_TOLERANCE = 0.02     # a rules-preferred candidate this close to the fastest (and inside its spread) wins
 WARMUP, REPEATS = 2, 7
+ROUNDS = 3               # interleaved rounds of repeats: drift lands on every candidate alike
 
 
 @dataclass(frozen=True)
@@ -55,34 +57,35 @@ def bucket(problem: AttentionProblem) -> AttentionProblem:
 
 def measure(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, ...],
             budget_s: float = TUNING_BUDGET_S) -> dict[Candidate, Optional[Timing]]:
-    """Time each candidate in rules order until the budget is spent; None marks a candidate that failed."""
+    """Time the candidates side by side (:func:`time_steps`); None marks a candidate that failed.
+
+    Candidates are warmed up in rules order while half the budget lasts; the rest keep their rules
+    order, and the log says so. The timed rounds share what is left of the budget.
+    """
     from attnselect.execution import kernel_call, run_call
     device = torch.device("cuda" if target.is_cuda else "cpu")
     problem = bucket(problem)
     q, k, v, grad_out, packing = random_inputs(problem, device)
     call = kernel_call(problem)
-    timings: dict[Candidate, Optional[Timing]] = {}
-    start = time.perf_counter()
-    for candidate in ranked:
-        if time.perf_counter() - start > budget_s:
-            log.info("attnselect: tuning budget of %.0f s spent after %d of %d candidates for %s; the rest keep "
-                     "their rules order", budget_s, len(timings), len(ranked), problem.describe())
-            break
 
+    def step_for(candidate):
         def step():
             out, _ = run_call(candidate, problem, call, q, k, v, packing=packing, target=target)
             if problem.training:
                 torch.autograd.grad(out, (q, k, v), grad_out)
             return out
+        return step
 
-        try:
-            if not bool(torch.isfinite(step()).all()):
-                raise FloatingPointError("non-finite output for finite input")
-            timings[candidate] = time_step(step, device)
-        except Exception as exc:   # a candidate that fails while tuning is out, and said so
+    results = time_steps({c: step_for(c) for c in ranked}, device, budget_s=budget_s, finite=True)
+    timings: dict[Candidate, Optional[Timing]] = {}
+    for candidate, result in results.items():
+        if isinstance(result, Exception):   # a candidate that fails while tuning is out, and said so
             log.warning("attnselect: %s failed while tuning %s: %s: %s", candidate, problem.describe(),
-                        type(exc).__name__, exc)
-            timings[candidate] = None
+                        type(result).__name__, result)
+        timings[candidate] = result if isinstance(result, Timing) else None
+    if len(results) < len(ranked):
+        log.info("attnselect: tuning budget of %.0f s spent after warming up %d of %d candidates for %s; the rest "
+                 "keep their rules order", budget_s, len(results), len(ranked), problem.describe())
     return timings
 
 
@@ -104,41 +107,90 @@ def choose(ranked: tuple[Candidate, ...], timings: dict[Candidate, Optional[Timi
 
 def time_step(step, device: torch.device, *, warmup: int = WARMUP, repeats: int = REPEATS,
               budget_s: Optional[float] = None, queued: bool = True) -> Timing:
-    """Median and p20..p80 of timed repeats after warm-up (CUDA events on GPUs, wall clock on the CPU).
+    """Median and p20..p80 of ``step``'s timed repeats after warm-up (:func:`time_steps` of one step, in one
+    round); raises its error if it fails."""
+    result = time_steps({0: step}, device, warmup=warmup, repeats=repeats, rounds=1, budget_s=budget_s,
+                        queued=queued)[0]
+    if isinstance(result, Exception):
+        raise result
+    return result
 
-    ``queued`` (the default) issues the repeats back to back, each between its own pair of events,
-    and waits once at the end, as a training loop does: the host prepares the next call while the
-    GPU runs this one, so a repeat measures the GPU's time unless the host is the slower of the two.
+
+def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repeats: int = REPEATS,
+               rounds: int = ROUNDS, budget_s: Optional[float] = None, queued: bool = True,
+               finite: bool = False) -> dict:
+    """Time several steps side by side: ``{key: Timing}``, or ``{key: the exception}`` where a step failed.
+
+    Each step is warmed up (``finite``: its first output must be finite, or it fails), then every
+    step runs its repeats in ``rounds`` interleaved rounds, so slow drift of clocks or
+    temperature lands on all steps alike; a step's Timing is the median and p20..p80 of all its
+    repeats (CUDA events on GPUs, wall clock on the CPU). ``queued`` (the default) issues a round's
+    repeats back to back, each between its own pair of events, and waits once per round, as a
+    training loop does: a repeat measures the GPU's time unless the host is the slower of the two.
     ``queued=False`` waits after every repeat, which adds each call's host overhead in full (the
-    latency of an isolated call). ``budget_s`` bounds the repeats to about that many seconds (at
-    least three run); queued on a GPU, the first repeat is waited for to size them, since the host
-    would otherwise queue every repeat long before the GPU has run them.
+    latency of an isolated call). ``budget_s`` bounds the time: steps are warmed up while half of
+    it lasts (the rest are left out of the result), and the repeats are sized from one
+    synchronised call of each step so the rounds fit what is left, at least three in all.
     """
-    for _ in range(warmup):
-        step()
-    start, times, events = time.perf_counter(), [], []
-    sized_by_first = device.type == "cuda" and queued and budget_s is not None
-    while len(events) + len(times) < max(repeats, 1):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            step()
-            end.record()
-            events.append((begin, end))
-            if not queued or (sized_by_first and len(events) == 1):
-                end.synchronize()
-            if sized_by_first and len(events) == 1:
-                repeats = min(repeats, max(3, int(budget_s * 1e3 / max(begin.elapsed_time(end), 1e-3))))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-        if (budget_s is not None and not sized_by_first and time.perf_counter() - start > budget_s
-                and len(events) + len(times) >= 3):
+    start = time.perf_counter()
+    results, ready, sizes = {}, {}, {}
+    for key, step in steps.items():
+        if budget_s is not None and ready and time.perf_counter() - start > budget_s / 2:
             break
-    if events:
-        events[-1][1].synchronize()
-        times = [begin.elapsed_time(end) for begin, end in events]
+        try:
+            for i in range(max(warmup, 1 if finite else 0)):
+                out = step()
+                if finite and i == 0 and not bool(torch.isfinite(out).all()):
+                    raise FloatingPointError("non-finite output for finite input")
+            if budget_s is not None:
+                sizes[key] = _one_call_ms(step, device)
+        except Exception as exc:   # a failing step is part of the result
+            results[key] = exc
+            continue
+        ready[key] = step
+    per_round = max(1, -(-max(repeats, 1) // rounds))   # ceil(repeats / rounds)
+    if budget_s is not None and ready:
+        left_ms = max(budget_s - (time.perf_counter() - start), 0.0) * 1e3
+        fits = int(left_ms / (rounds * max(sum(sizes.values()), 1e-3)))
+        per_round = max(-(-3 // rounds), min(per_round, fits))   # at least three repeats in all
+    samples = {key: [] for key in ready}
+    for _ in range(rounds if ready else 0):
+        pending = []
+        for key, step in ready.items():
+            for _ in range(per_round):
+                pending.append((key, _timed_call(step, device, wait=not queued)))
+        for key, sample in pending:
+            samples[key].append(sample())
+    for key, times in samples.items():
+        results[key] = _timing(times)
+    return {key: results[key] for key in steps if key in results}
+
+
+def _one_call_ms(step, device: torch.device) -> float:
+    return _timed_call(step, device, wait=True)()
+
+
+def _timed_call(step, device: torch.device, *, wait: bool):
+    """Run ``step`` once; returns a function that gives its time in ms (waiting for the GPU if needed)."""
+    if device.type == "cuda":
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        step()
+        end.record()
+        if wait:
+            end.synchronize()
+
+        def elapsed():
+            end.synchronize()
+            return begin.elapsed_time(end)
+        return elapsed
+    t0 = time.perf_counter()
+    step()
+    ms = (time.perf_counter() - t0) * 1e3
+    return lambda: ms
+
+
+def _timing(times: list[float]) -> Timing:
     if len(times) < 2:
         return Timing(times[0], times[0], times[0])
     low, _, _, high = statistics.quantiles(times, n=5, method="inclusive")   # within the samples
