@@ -61,9 +61,14 @@ def packed_params(lengths):
                            max_seqlen_kv=max(lengths))
 
 
-def _qkv(args, kwargs) -> tuple:
-    named = dict(zip(("query", "key", "value"), args)) | {n: kwargs[n] for n in ("query", "key", "value") if n in kwargs}
-    return tuple(named[n].detach() for n in ("query", "key", "value"))
+def capture_qkv(seen: dict, key):
+    """A forward pre-hook (with_kwargs=True) that keeps the first query, key and value a module gets in seen[key]."""
+    def hook(module, args, kwargs):
+        names = ("query", "key", "value")
+        named = dict(zip(names, args)) | {n: kwargs[n] for n in names if n in kwargs}
+        seen.setdefault(key, tuple(named[n].detach() for n in names))
+        return None   # the call goes on unchanged
+    return hook
 
 
 def main() -> None:
@@ -83,9 +88,7 @@ def main() -> None:
     for patched in arms:
         layers[patched] = mla_layer(integration, patched)
         # What reaches the core attention, to time it alone and to say what it ran.
-        layers[patched].core_attention.register_forward_pre_hook(
-            lambda module, args, kwargs, patched=patched: seen.setdefault(patched, _qkv(args, kwargs)),
-            with_kwargs=True)
+        layers[patched].core_attention.register_forward_pre_hook(capture_qkv(seen, patched), with_kwargs=True)
     x = torch.randn(sum(lengths), 1, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def layer_step(patched):

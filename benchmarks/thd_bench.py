@@ -165,6 +165,8 @@ def main() -> None:
     ap.add_argument("--skip", default="reference", help="comma list of backends not to time")
     args = ap.parse_args()
     args.skip = set(filter(None, args.skip.split(",")))
+    if args.into and (not args.only or args.into == args.out):
+        ap.error("--into: needs --only and a --out of its own (the earlier report is read after the run)")
     torch._dynamo.config.cache_size_limit = 256
     target = Target.current()
     device = "cuda" if target.is_cuda else "cpu"

@@ -47,4 +47,11 @@ def test_stored_rule_choices_are_re_derived_on_the_stored_timings(tmp_path):
     assert entry["policies"]["rules"]["median_ms"] == entry["candidates"][current]["median_ms"]
     assert f"rules: was {other}" in bench.report_markdown(report)
     assert bench.rechoose(report, Target.current()) == 0
+    third = next(name for name in entry["candidates"] if name not in (current, other))
+    entry["policies"]["rules"] = {"candidate": third, "was": other}   # rules changed twice since the run
+    bench.rechoose(report, Target.current())
+    assert entry["policies"]["rules"]["was"] == other                 # the timed choice is kept
+    entry["policies"]["rules"] = {"candidate": third, "was": current}  # back to what was timed: no mark
+    bench.rechoose(report, Target.current())
+    assert "was" not in entry["policies"]["rules"]
     assert bench._candidate("sdpa_cudnn padded to 192") == Candidate("sdpa_cudnn", 192)

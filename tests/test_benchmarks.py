@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -40,6 +41,25 @@ def test_thd_bench_reruns_one_packing_into_an_earlier_report(tmp_path):
     assert after["results"][:2] == before["results"][:2]
     assert after["meta"]["reruns"][0]["packings"] == ["smoke-equal"]
     assert "after a change of their rules: smoke-equal" in (tmp_path / "bench.md").read_text()
+
+
+def test_megatron_benchmark_hook_captures_query_key_value_and_leaves_the_call_alone():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from megatron_mla import capture_qkv   # importable without megatron-core
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    class Core(torch.nn.Module):
+        def forward(self, query, key, value, attention_mask, packed_seq_params=None):
+            return query + key + value
+
+    seen, core = {}, Core()
+    core.register_forward_pre_hook(capture_qkv(seen, "arm"), with_kwargs=True)
+    q, k, v = torch.ones(2), torch.full((2,), 2.0), torch.full((2,), 3.0)
+    assert torch.equal(core(q, k, value=v, attention_mask=None), torch.full((2,), 6.0))
+    core(q * 0, k * 0, value=v * 0, attention_mask=None)           # only the first call is kept
+    assert [t.tolist() for t in seen["arm"]] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
 
 
 def test_rules_grid_smoke(tmp_path):

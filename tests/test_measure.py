@@ -89,10 +89,27 @@ def test_time_steps_warm_up_while_half_the_budget_lasts(monkeypatch):
     def slow():   # each call takes 1 s of the clock
         now[0] += 1.0
 
-    results = measure.time_steps({"first": slow, "second": slow, "third": slow}, torch.device("cpu"),
-                                 warmup=1, repeats=3, rounds=3, budget_s=4.0)
+    steps = {"first": slow, "second": slow, "third": slow}
+    results = measure.time_steps(steps, torch.device("cpu"), warmup=1, repeats=3, rounds=3, budget_s=4.0,
+                                 warmup_budget_s=2.0)
     assert list(results) == ["first", "second"]   # warm-up and sizing took 4 s: the third is left out
     assert all(isinstance(t, measure.Timing) for t in results.values())
+    now[0] = 0.0   # a budget alone sizes the repeats (three at least) and never leaves a step out
+    assert list(measure.time_steps(steps, torch.device("cpu"), warmup=1, repeats=30, budget_s=1.0)) == list(steps)
+
+
+def test_a_step_failing_in_a_timed_round_leaves_the_rounds_with_its_error():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 4:
+            raise MemoryError("out of memory on the fourth call")
+
+    results = measure.time_steps({"flaky": flaky, "steady": lambda: None}, torch.device("cpu"), warmup=1,
+                                 repeats=6, rounds=3)
+    assert isinstance(results["flaky"], MemoryError) and isinstance(results["steady"], measure.Timing)
+    assert len(calls) == 4   # no more calls after its failure
 
 
 def test_a_candidate_with_non_finite_output_is_out_of_tuning(monkeypatch, caplog):

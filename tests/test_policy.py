@@ -163,21 +163,27 @@ def test_newer_torch_on_hopper_follows_the_newest_cudnn_gate():
     assert verdict(attnselect.select(AttentionProblem(**MLA), target=newer), "sdpa_cudnn").supported
 
 
-@pytest.mark.parametrize("max_seqlen,training,chosen", [
-    (512, True, Candidate("varlen_fa2", 192)),       # short documents: the frontend op's host time dominates
-    (1024, True, Candidate("cudnn_frontend")),
-    (512, False, Candidate("cudnn_frontend")),       # forward only: cuDNN keeps up
+@pytest.mark.parametrize("max_seqlen,heads,training,chosen", [
+    (512, 16, True, Candidate("varlen_fa2", 192)),    # short documents: the frontend op's host time dominates
+    (1024, 16, True, Candidate("cudnn_frontend")),
+    (512, 128, True, Candidate("cudnn_frontend")),    # short, but enough work in the pack to hide the host time
+    (512, 16, False, Candidate("cudnn_frontend")),    # forward only: cuDNN led the uncontended run
 ])
-def test_packed_short_documents_train_on_varlen_on_hopper(max_seqlen, training, chosen):
-    problem = AttentionProblem(**{**MLA, "batch": 32, "seqlen_q": max_seqlen, "seqlen_kv": max_seqlen},
-                               layout="thd", training=training)
+def test_packed_short_documents_train_on_varlen_on_hopper(max_seqlen, heads, training, chosen):
+    problem = AttentionProblem(**{**MLA, "batch": 32, "seqlen_q": max_seqlen, "seqlen_kv": max_seqlen,
+                                  "heads_q": heads, "heads_kv": heads}, layout="thd", training=training)
     d = attnselect.select(problem, target=Target.preset("h200", cudnn_frontend_version="1.32.0"))
     assert d.chosen == chosen
     assert ("short documents" in d.why) == (chosen.backend == "varlen_fa2")
 
 
-def test_absorbed_mla_inference_prefers_the_efficient_kernel_on_hopper():
+def test_absorbed_mla_prefill_prefers_the_efficient_kernel_on_hopper():
+    h200 = Target.preset("h200", cudnn_frontend_version="1.32.0")
     absorbed = AttentionProblem(16, 1024, 1024, 128, 1, 576, 512, mask="causal")
-    d = attnselect.select(absorbed, target=Target.preset("h200", cudnn_frontend_version="1.32.0"))
+    d = attnselect.select(absorbed, target=h200)
     assert d.chosen == Candidate("sdpa_efficient")
     assert "wide heads" in d.why
+    decode = AttentionProblem(16, 1, 4096, 128, 1, 576, 512, mask="causal_bottom_right")   # not measured: general order
+    assert attnselect.select(decode, target=h200).chosen == Candidate("cudnn_frontend")
+    short = AttentionProblem(16, 512, 512, 128, 1, 576, 512, mask="causal")
+    assert "wide heads" not in attnselect.select(short, target=h200).why

@@ -110,8 +110,8 @@ def bench_problem(problem: AttentionProblem, target: Target) -> dict:
     device = torch.device("cuda" if target.is_cuda else "cpu")
     supported = {v.candidate for v in judge(problem, target) if v.supported}
     inputs = random_inputs(problem, device)
-    steps = {str(c): (lambda c=c: _run(c, problem, inputs, target)) for c in sorted(supported, key=str)}
-    steps[TORCH_DEFAULT] = lambda: _torch_default(problem, inputs)
+    steps = {TORCH_DEFAULT: lambda: _torch_default(problem, inputs)}
+    steps.update({str(c): (lambda c=c: _run(c, problem, inputs, target)) for c in sorted(supported, key=str)})
     rows = _timed(steps, device, problem)
     default = rows.pop(TORCH_DEFAULT)
     choices = {policy: _choice(policy, problem, target, supported, rows) for policy in RULE_POLICIES}
@@ -145,8 +145,8 @@ def _candidate(name: str) -> Candidate:
 
 def rechoose(report: dict, target: Target) -> int:
     """Re-derive the untimed policies' choices of stored results with the current rules, on the stored
-    timings of that run (the rules changed after it); the earlier choice is kept as ``was``. Returns
-    how many choices changed."""
+    timings of that run (the rules changed after it); the choice made when the problem was timed is
+    kept as ``was``. Returns how many choices changed."""
     changed = 0
     for entry in report["results"]:
         problem = AttentionProblem.from_dict(entry["problem"])
@@ -155,7 +155,8 @@ def rechoose(report: dict, target: Target) -> int:
             fresh = _choice(policy, problem, target, supported, entry["candidates"])
             old = entry["policies"].get(policy, {})
             if fresh.get("candidate") != old.get("candidate"):
-                entry["policies"][policy] = {**fresh, "was": old.get("candidate")}
+                timed = old.get("was", old.get("candidate"))   # the choice made when the problem was timed
+                entry["policies"][policy] = fresh if fresh.get("candidate") == timed else {**fresh, "was": timed}
                 changed += 1
     return changed
 
@@ -188,11 +189,12 @@ TORCH_DEFAULT = "torch-default"
 
 
 def _timed(steps: dict, device, problem) -> dict:
-    """Every step timed side by side in interleaved rounds (time_steps), so drift lands on all alike."""
+    """Every step timed side by side in interleaved rounds (time_steps), so drift lands on all alike; the
+    budget sizes the repeats and never leaves a step out."""
     results = time_steps(steps, device, warmup=1, repeats=12, budget_s=CANDIDATE_BUDGET_S * len(steps))
     rows = {}
     for key in steps:
-        t = results.get(key, TimeoutError("not reached within the timing budget"))
+        t = results[key]
         if isinstance(t, Exception):   # what fails is part of the comparison
             rows[key] = {"error": f"{type(t).__name__}: {str(t).splitlines()[0][:160]}"}
         else:
@@ -255,7 +257,9 @@ def chart(report: dict, path: str) -> bool:
 def _short_label(entry: dict) -> str:
     p = entry["problem"]
     model = (entry.get("models") or "").split(", ")[0]
-    return f"{model} {p['layout']} {p['seqlen_q'] // 1024}k {'train' if p['training'] else 'infer'}"
+    n = p["seqlen_q"]
+    length = f"{n // 1024}k" if n >= 1024 else str(n)
+    return f"{model} {p['layout']} {length} {'train' if p['training'] else 'infer'}"
 
 
 def render(out: str, report: Optional[dict] = None) -> dict:

@@ -32,7 +32,7 @@ log = logging.getLogger("attnselect")
 
 TUNING_BUDGET_S = 10.0   # per problem
 TIE_TOLERANCE = 0.02     # a rules-preferred candidate this close to the fastest (and inside its spread) wins
-WARMUP, REPEATS = 2, 7
+WARMUP, REPEATS = 2, 9   # repeats: three in each of the ROUNDS
 ROUNDS = 3               # interleaved rounds of repeats: drift lands on every candidate alike
 
 
@@ -76,7 +76,8 @@ def measure(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, 
             return out
         return step
 
-    results = time_steps({c: step_for(c) for c in ranked}, device, budget_s=budget_s, finite=True)
+    results = time_steps({c: step_for(c) for c in ranked}, device, budget_s=budget_s, warmup_budget_s=budget_s / 2,
+                         finite=True)
     timings: dict[Candidate, Optional[Timing]] = {}
     for candidate, result in results.items():
         if isinstance(result, Exception):   # a candidate that fails while tuning is out, and said so
@@ -117,25 +118,27 @@ def time_step(step, device: torch.device, *, warmup: int = WARMUP, repeats: int 
 
 
 def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repeats: int = REPEATS,
-               rounds: int = ROUNDS, budget_s: Optional[float] = None, queued: bool = True,
-               finite: bool = False) -> dict:
+               rounds: int = ROUNDS, budget_s: Optional[float] = None, warmup_budget_s: Optional[float] = None,
+               queued: bool = True, finite: bool = False) -> dict:
     """Time several steps side by side: ``{key: Timing}``, or ``{key: the exception}`` where a step failed.
 
     Each step is warmed up (``finite``: its first output must be finite, or it fails), then every
     step runs its repeats in ``rounds`` interleaved rounds, so slow drift of clocks or
     temperature lands on all steps alike; a step's Timing is the median and p20..p80 of all its
-    repeats (CUDA events on GPUs, wall clock on the CPU). ``queued`` (the default) issues a round's
-    repeats back to back, each between its own pair of events, and waits once per round, as a
-    training loop does: a repeat measures the GPU's time unless the host is the slower of the two.
-    ``queued=False`` waits after every repeat, which adds each call's host overhead in full (the
-    latency of an isolated call). ``budget_s`` bounds the time: steps are warmed up while half of
-    it lasts (the rest are left out of the result), and the repeats are sized from one
-    synchronised call of each step so the rounds fit what is left, at least three in all.
+    repeats (CUDA events on GPUs, wall clock on the CPU). A step that raises, in warm-up or in a
+    round, gets its exception and leaves the later rounds. ``queued`` (the default) issues a
+    round's repeats back to back, each between its own pair of events, and waits once per round,
+    as a training loop does: a repeat measures the GPU's time unless the host is the slower of the
+    two. ``queued=False`` waits after every repeat, which adds each call's host overhead in full
+    (the latency of an isolated call). ``budget_s`` sizes the repeats, from one synchronised call
+    of each step, so that everything fits in that many seconds from the start, with at least
+    three repeats in all; ``warmup_budget_s`` stops warming up further steps once that many
+    seconds have passed (those are left out of the result).
     """
     start = time.perf_counter()
     results, ready, sizes = {}, {}, {}
     for key, step in steps.items():
-        if budget_s is not None and ready and time.perf_counter() - start > budget_s / 2:
+        if warmup_budget_s is not None and ready and time.perf_counter() - start > warmup_budget_s:
             break
         try:
             for i in range(max(warmup, 1 if finite else 0)):
@@ -154,15 +157,22 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
         fits = int(left_ms / (rounds * max(sum(sizes.values()), 1e-3)))
         per_round = max(-(-3 // rounds), min(per_round, fits))   # at least three repeats in all
     samples = {key: [] for key in ready}
-    for _ in range(rounds if ready else 0):
-        pending = []
-        for key, step in ready.items():
-            for _ in range(per_round):
-                pending.append((key, _timed_call(step, device, wait=not queued)))
-        for key, sample in pending:
-            samples[key].append(sample())
-    for key, times in samples.items():
-        results[key] = _timing(times)
+    for _ in range(rounds):
+        pending = {}
+        for key, step in list(ready.items()):
+            try:
+                pending[key] = [_timed_call(step, device, wait=not queued) for _ in range(per_round)]
+            except Exception as exc:
+                results[key] = exc
+                del ready[key]
+        for key, calls in pending.items():
+            try:
+                samples[key] += [elapsed() for elapsed in calls]
+            except Exception as exc:   # an asynchronous error surfaces when its events are read
+                results[key] = exc
+                ready.pop(key, None)
+    for key in ready:
+        results[key] = _timing(samples[key])
     return {key: results[key] for key in steps if key in results}
 
 

@@ -65,17 +65,24 @@ PREFERENCES.update({
                                  "reference", "reference+pad"),
 })
 # Refinements, keyed by the base key plus a name, for problems where the measured order differs.
-# "short documents" (thd, every sequence <= SHORT_DOCUMENTS tokens), sm90 training: the cuDNN frontend's
-# torch op spends about 2 ms of host time per forward+backward call, so with little work per call varlen_attn
-# with V padded is faster (results/h200_thd_crossover.md, 192/128, 16 heads, fwd+bwd ms queued: 16k tokens of
-# 128-token documents 1.02 against 2.04, 256: 1.42 against 2.00, 512: 1.44 against 2.25; at 1024 the two
-# trade places between runs and at 2048 cuDNN leads, 2.16 against 3.36). Forward only, cuDNN keeps up.
-SHORT_DOCUMENTS = 512
+# "short documents" (thd, every sequence <= SHORT_DOCUMENTS tokens and little work in the whole pack), sm90
+# training: the cuDNN frontend's torch op spends about 2 ms of host time per forward+backward call, so when the
+# pack's GPU work is smaller than that, varlen_attn with V padded is faster (192/128, 16 heads, fwd+bwd ms queued:
+# results/h200_thd_bench.md, 16k tokens of 128..512-token documents, 1.40 against 2.02; results/h200_thd_crossover.md,
+# equal documents of 128 / 256 / 512 tokens, 1.02 / 1.42 / 1.44 against 2.04 / 2.00 / 2.25, at 1024 they trade
+# places between runs, and with more work, 16k of 2048-token documents or 32k of 256..1024, cuDNN leads, 2.16 against
+# 3.36 and 2.26 against 3.50). The work bound is H * (d_qk + d_v) * sequences * max_seqlen^2 (the forward's FLOPs
+# with every sequence as long as the longest): 6.7e10 for the 16k pack of 128..512 (51 sequences), 1.7e11 for 2048-token documents.
+# Forward only, the order stays: uncontended, cuDNN led that pack (0.24 ms against 0.39 for flex and varlen); the
+# crossover run, beside another GPU's test suite, had flex ahead on equal short documents, which is unsettled.
+SHORT_DOCUMENTS, SHORT_PACK_WORK = 512, 8e10
 PREFERENCES[("sm90", "training", "thd", "short documents")] = (
     "varlen_fa2", "varlen_fa2+pad", "cudnn_frontend", "cudnn_frontend+pad", "flex", "flex+pad", *_PER_SEQUENCE)
-# "wide heads" (a head dim above 256: absorbed MLA, 576/512 with one key/value head), sm90 inference:
-# results/h200_bench.md, B*S = 16k, 128 query heads, causal: sdpa_efficient 22.0 / 74.8 / 308 ms at 1k / 4k /
-# 16k against the cuDNN frontend's 28.5 / 105 / 427 ms.
+# "wide heads" (a head dim above 256: absorbed MLA, 576/512 with one key/value head), sm90 prefill (as many queries as
+# keys, >= 1024 of them): results/h200_bench.md, B*S = 16k, 128 query heads, causal: sdpa_efficient 22.0 / 74.8 / 308
+# ms at 1k / 4k / 16k against the cuDNN frontend's 28.5 / 105 / 427 ms. Decode (one query against a long cache) is
+# not measured and keeps the general order.
+WIDE_PREFILL = 1024
 PREFERENCES[("sm90", "inference", "wide heads")] = (
     "sdpa_efficient", "cudnn_frontend", "sdpa_efficient+pad", "cudnn_frontend+pad", "sdpa_math", "sdpa_math+pad",
     "reference", "reference+pad")
@@ -102,9 +109,12 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
     key = (arch_family(target), "training" if problem.training else "inference")
     if problem.layout == "thd":
         key += ("thd",)
+    pack_work = (problem.heads_q * (problem.head_dim_qk + problem.head_dim_v) * problem.batch * problem.seqlen_q
+                 * problem.seqlen_kv)
     refinements = {"short documents": problem.layout == "thd" and problem.seqlen_q <= SHORT_DOCUMENTS
-                   and problem.seqlen_kv <= SHORT_DOCUMENTS,
-                   "wide heads": max(problem.head_dim_qk, problem.head_dim_v) > 256}
+                   and problem.seqlen_kv <= SHORT_DOCUMENTS and pack_work <= SHORT_PACK_WORK,
+                   "wide heads": max(problem.head_dim_qk, problem.head_dim_v) > 256
+                   and problem.seqlen_q == problem.seqlen_kv >= WIDE_PREFILL}
     for name, applies in refinements.items():
         if applies and key + (name,) in PREFERENCES:
             return key + (name,), PREFERENCES[key + (name,)]

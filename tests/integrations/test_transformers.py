@@ -139,6 +139,27 @@ def test_position_ids_are_read_once_per_forward_not_per_layer(monkeypatch):
     third, _ = integration.attention_forward(_bare_module(), q, k, v, None, position_ids=positions)
     assert len(reads) == 2
     torch.testing.assert_close(third, integration.attention_forward(_bare_module(), q, k, v, None)[0])
+    with torch.inference_mode():                 # no version counter: read on every call, never remembered
+        packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+        for _ in range(2):
+            torch.testing.assert_close(integration.attention_forward(_bare_module(), q, k, v, None,
+                                                                     position_ids=packed)[0], first)
+    assert len(reads) == 4
+
+
+def test_compiled_calls_follow_new_position_ids():
+    from attnselect.integrations import transformers as integration
+    q = k = v = torch.randn(1, 2, 7, 8)
+
+    def two_layers(q, k, v, positions):
+        once, _ = integration.attention_forward(_bare_module(), q, k, v, None, position_ids=positions)
+        twice, _ = integration.attention_forward(_bare_module(), q, k, v, None, position_ids=positions)
+        return once + twice
+
+    compiled = torch.compile(two_layers, backend="eager")
+    torch._dynamo.reset()
+    for positions in (torch.tensor([[0, 1, 2, 0, 1, 2, 3]]), torch.tensor([[0, 1, 0, 1, 2, 3, 4]]), torch.arange(7)[None]):
+        torch.testing.assert_close(compiled(q, k, v, positions), two_layers(q, k, v, positions))
 
 
 def test_sliding_window_keyword_and_unsupported_features():

@@ -27,6 +27,7 @@ Supported transformers: 4.56 to 5.x (tested: 4.56.2 and 5.24.0).
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -94,7 +95,7 @@ def _packed(query, key, value, kwargs, options):
     return out.unsqueeze(0)                   # (1, T, H, Dv)
 
 
-_last_positions: tuple = (None, -1, {})   # (position_ids, its version, what they said): one read per forward
+_last_positions: tuple = (lambda: None, -1, {})   # (weakref to position_ids, its version, what they said)
 
 
 def _boundaries_from_positions(query, key, position_ids) -> dict:
@@ -103,13 +104,16 @@ def _boundaries_from_positions(query, key, position_ids) -> dict:
     As transformers' FlashAttention path: one row of more than one query whose positions do not
     simply count up is packed; its boundaries are where a position does not follow the previous
     one. Reading that is one host sync, and only for such single-row calls; every layer of a
-    forward gets the same position_ids tensor, so it is read once per forward, not once per layer.
+    forward gets the same position_ids tensor, so it is read once per forward, not once per layer
+    (the same tensor object, unchanged since: its version counter). Inference-mode tensors have no
+    version counter and traced calls no identity, so those are read every time.
     """
     global _last_positions
     if position_ids is None or query.shape[0] != 1 or query.shape[2] < 2 or key.shape[2] != query.shape[2]:
         return {}   # not a single packed row (a KV cache, where keys outnumber queries, is never packed)
+    remember = not torch.compiler.is_compiling() and not position_ids.is_inference()
     seen, version, found = _last_positions
-    if position_ids is seen and position_ids._version == version:
+    if remember and seen() is position_ids and position_ids._version == version:
         return found
     positions = position_ids.reshape(-1)
     restarts = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
@@ -118,7 +122,8 @@ def _boundaries_from_positions(query, key, position_ids) -> dict:
         total = positions.new_tensor([positions.numel()])
         cu = torch.cat([positions.new_zeros(1), restarts, total]).int()
         found = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
-    _last_positions = (position_ids, position_ids._version, found)
+    if remember:
+        _last_positions = (weakref.ref(position_ids), position_ids._version, found)
     return found
 
 
