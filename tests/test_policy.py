@@ -187,3 +187,21 @@ def test_absorbed_mla_prefill_prefers_the_efficient_kernel_on_hopper():
     assert attnselect.select(decode, target=h200).chosen == Candidate("cudnn_frontend")
     short = AttentionProblem(16, 512, 512, 128, 1, 576, 512, mask="causal")
     assert "wide heads" not in attnselect.select(short, target=h200).why
+
+
+def test_rules_choose_what_the_h200_packed_benchmark_measured_fastest():
+    """results/h200_thd_bench.json: on each packing and phase the rules' choice is the fastest candidate there."""
+    import dataclasses
+    import json
+    import pathlib
+    from attnselect.inputs import describe_call
+    report = json.loads((pathlib.Path(__file__).parents[1] / "results" / "h200_thd_bench.json").read_text())
+    h200 = Target.preset("h200", cudnn_frontend_version=report["meta"]["cudnn_frontend"])
+    for entry in report["results"]:
+        lengths, total = entry["lengths"], sum(entry["lengths"])
+        q, k = (torch.empty(total, 16, 192, dtype=torch.bfloat16) for _ in range(2))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        problem, _ = describe_call(q, k, torch.empty(total, 16, 128, dtype=torch.bfloat16), layout="thd",
+                                   cu_seqlens_q=cu, causal=True, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+        problem = dataclasses.replace(problem, training=entry["phase"] == "forward+backward")
+        assert str(attnselect.select(problem, target=h200).chosen) == entry["fastest"], (entry["packing"], entry["phase"])
