@@ -52,7 +52,7 @@ def run_call(candidate: Candidate, problem: AttentionProblem, call: KernelCall, 
     """:func:`run_candidate` with the kernel options already built."""
     backend = backends.get(candidate.backend)
     if problem.layout != "thd":
-        return _run_dense(backend, candidate.pad_to, problem.layout, call, q, k, v)
+        return dense_runner(backend, candidate.pad_to, problem.layout, call)(q, k, v)
     if backend.packs_thd(target or target_for_device(q.device)):
         return _run_packed(backend, candidate.pad_to, call, q, k, v, packing)
     return _run_per_sequence(backend, candidate.pad_to, problem, call, q, k, v, packing)
@@ -63,10 +63,6 @@ def _run_packed(backend, pad_to, call, q, k, v, packing):
         out, lse = _empty_result(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 1, call.return_lse)
         return out[0], (lse[0] if lse is not None else None)                   # (1, H, T) -> (H, T)
     return _padded(lambda q, k, v: backend.run_packed(q, k, v, call, packing), pad_to, q, k, v)
-
-
-def _run_dense(backend, pad_to, layout, call, q, k, v):
-    return dense_runner(backend, pad_to, layout, call)(q, k, v)
 
 
 def dense_runner(backend, pad_to, layout, call):
@@ -132,8 +128,12 @@ def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
 
     Tokens outside every sequence (the gaps of padded offsets) get a zero output and lse -inf.
     """
+    read: dict[int, list[int]] = {}   # one host read per distinct tensor (boundaries and offsets often coincide)
+    for t in (packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv):
+        if id(t) not in read:
+            read[id(t)] = t.tolist()
     bounds_q, bounds_kv, starts_q, starts_kv = (
-        _host(t) for t in (packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv))
+        read[id(t)] for t in (packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv))
     check_boundaries("cu_seqlens_q", bounds_q, None if packing.has_gaps else q.shape[0], problem.seqlen_q,
                      "max_seqlen_q")
     check_boundaries("cu_seqlens_kv", bounds_kv, None if packing.has_gaps else k.shape[0], problem.seqlen_kv,
@@ -143,6 +143,7 @@ def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
         check_offsets("cu_seqlens_kv_padded", starts_kv, lengths_of(bounds_kv), k.shape[0])
     pieces, lses, cursor = [], [], 0
     hq, d_v = q.shape[1], v.shape[-1]
+    run_sequence = dense_runner(backend, pad_to, "bshd", call)
     for i in range(len(bounds_q) - 1):
         q0, n_q = starts_q[i], bounds_q[i + 1] - bounds_q[i]
         k0, n_kv = starts_kv[i], bounds_kv[i + 1] - bounds_kv[i]
@@ -150,8 +151,8 @@ def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
             pieces.append(q.new_zeros(q0 - cursor, hq, d_v))
             lses.append(torch.full((hq, q0 - cursor), float("-inf"), dtype=torch.float32, device=q.device))
         if n_q:
-            out, lse = _run_dense(backend, pad_to, "bshd", call, q[q0:q0 + n_q].unsqueeze(0),
-                                  k[k0:k0 + n_kv].unsqueeze(0), v[k0:k0 + n_kv].unsqueeze(0))
+            out, lse = run_sequence(q[q0:q0 + n_q].unsqueeze(0), k[k0:k0 + n_kv].unsqueeze(0),
+                                    v[k0:k0 + n_kv].unsqueeze(0))
             pieces.append(out.squeeze(0))
             lses.append(lse.squeeze(0) if lse is not None else None)
         cursor = q0 + n_q
@@ -165,6 +166,3 @@ def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
         return out, None
     return out, (torch.cat(lses, dim=1) if lses else torch.zeros(hq, 0, dtype=torch.float32, device=q.device))
 
-
-def _host(t: torch.Tensor) -> list[int]:
-    return t.tolist()

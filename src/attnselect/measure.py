@@ -146,7 +146,7 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
                 if finite and i == 0 and not bool(torch.isfinite(out).all()):
                     raise FloatingPointError("non-finite output for finite input")
             if budget_s is not None:
-                sizes[key] = _one_call_ms(step, device)
+                sizes[key] = _timed_call(step, device, wait=True)()
         except Exception as exc:   # a failing step is part of the result
             results[key] = exc
             continue
@@ -174,10 +174,6 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
     for key in ready:
         results[key] = _timing(samples[key])
     return {key: results[key] for key in steps if key in results}
-
-
-def _one_call_ms(step, device: torch.device) -> float:
-    return _timed_call(step, device, wait=True)()
 
 
 def _timed_call(step, device: torch.device, *, wait: bool):
