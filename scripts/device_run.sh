@@ -8,7 +8,9 @@
 #   bash scripts/device_run.sh bench-short # its short-document packing alone, merged -> $OUT/h200_thd_bench.*
 #   bash scripts/device_run.sh crossover # short equal documents, fast candidates -> $OUT/h200_thd_crossover.*
 #   bash scripts/device_run.sh models  # attnselect bench, resuming results/h200_bench.json -> $OUT/h200_bench.*
-#                                      # (MODELS_DEADLINE seconds, default 480)
+#                                      # (MODELS_DEADLINE seconds, default 480); with SHARD=K/N one shard of
+#                                      # the suite, resuming results/h200_bench_partK.json -> $OUT/h200_bench_partK.*
+#                                      # (join: attnselect bench --out results/h200_bench --merge results/h200_bench_part*.json)
 #   bash scripts/device_run.sh hf      # transformers DeepSeek-V3 geometry, tokens/s     -> $OUT/h200_hf_deepseek.*
 #   bash scripts/device_run.sh megatron # megatron-core MLA layer tests, then stock pad vs native V -> $OUT/h200_megatron_mla.*
 # Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend.
@@ -44,8 +46,10 @@ case "$step" in
     timeout 300 python3 benchmarks/thd_bench.py --packings crossover --skip reference,sdpa_math,sdpa_efficient,sdpa_flash \
       --repeats 10 --budget 1 --out "$OUT/h200_thd_crossover" 2>&1 | grep -E "^[0-9]|queued" ;;
   models)
-    [ -f results/h200_bench.json ] && cp results/h200_bench.json "$OUT/h200_bench.json"
-    timeout 570 python3 -m attnselect.cli bench --out "$OUT/h200_bench" --deadline "${MODELS_DEADLINE:-480}" 2>&1 | grep -v -i warn | tail -30 ;;
+    name=h200_bench${SHARD:+_part${SHARD%/*}}
+    [ -f "results/$name.json" ] && cp "results/$name.json" "$OUT/$name.json"
+    timeout 580 python3 -m attnselect.cli bench --out "$OUT/$name" --shard "${SHARD:-0/1}" \
+      --deadline "${MODELS_DEADLINE:-480}" 2>&1 | grep -v -i warn | tail -30 ;;
   hf)
     timeout 560 python3 benchmarks/hf_deepseek.py --out "$OUT/h200_hf_deepseek" 2>&1 | grep -v -i warn | tail -12 ;;
   megatron)

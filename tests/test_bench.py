@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -55,3 +57,22 @@ def test_stored_rule_choices_are_re_derived_on_the_stored_timings(tmp_path):
     bench.rechoose(report, Target.current())
     assert "was" not in entry["policies"]["rules"]
     assert bench._candidate("sdpa_cudnn padded to 192") == Candidate("sdpa_cudnn", 192)
+
+
+def test_shards_time_disjoint_problems_and_merge_into_one_report(tmp_path, monkeypatch):
+    from attnselect import bench
+    problems = dict(list(bench.suite(smoke=False).items())[:5])
+    monkeypatch.setattr(bench, "suite", lambda smoke: problems)
+    monkeypatch.setattr(bench, "bench_problem", lambda problem, target: {
+        "problem": problem.to_dict(), "describe": problem.describe(), "candidates": {}, "policies": {},
+        "best_ms": None})
+    monkeypatch.setattr(bench, "render", lambda out, report=None: report)
+    parts = [bench.run(str(tmp_path / f"part{k}"), shard=(k, 2)) for k in (0, 1)]
+    assert [len(p["results"]) for p in parts] == [3, 2]
+    merged = bench.merge(str(tmp_path / "all"), [str(tmp_path / f"part{k}.json") for k in (1, 0)])
+    assert [e["problem"] for e in merged["results"]] == [p.to_dict() for p, _ in problems.values()]
+    parts[1]["meta"]["device"] = "another GPU"
+    with open(tmp_path / "part1.json", "w") as f:
+        json.dump(parts[1], f)
+    with pytest.raises(ValueError, match="parts: expected reports of one device"):
+        bench.merge(str(tmp_path / "all"), [str(tmp_path / "part0.json"), str(tmp_path / "part1.json")])

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from attnselect.cli import main
 
 
@@ -75,3 +77,10 @@ def test_bench_smoke_compares_every_policy(tmp_path, monkeypatch, capsys):
     assert main(["bench", "--render", "--out", str(tmp_path / "bench")]) == 0   # no re-run, same table
     assert "| problem | rules | measure | te |" in (tmp_path / "bench.md").read_text()
     assert len(json.loads((tmp_path / "bench.json").read_text())["results"]) == 4
+
+
+@pytest.mark.parametrize("shard", ["2/2", "1", "a/b", "1/0"])
+def test_bench_shard_must_be_k_of_n(shard, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--out", "unused", "--shard", shard])
+    assert "expected K/N with 0 <= K < N" in capsys.readouterr().err

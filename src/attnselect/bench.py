@@ -14,7 +14,8 @@ and reports the choice of each policy:
   for packed input, torch's varlen_attn with V padded.
 
 Output: JSON, a markdown table and, where matplotlib is installed, a PNG chart of TFLOP/s per policy.
-Resumable: problems already in ``--out``.json are skipped; ``--deadline`` stops cleanly.
+Resumable: problems already in ``--out``.json are skipped; ``--deadline`` stops cleanly. ``--shard K/N``
+times every N-th problem from the K-th (one process per GPU), ``--merge`` joins the shards' reports.
 """
 
 from __future__ import annotations
@@ -275,7 +276,9 @@ def render(out: str, report: Optional[dict] = None) -> dict:
     return report
 
 
-def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0) -> dict:
+def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0, shard: tuple[int, int] = (0, 1)) -> dict:
+    """Time the suite's problems not yet in ``out``.json (those of ``shard`` = (k, n): every n-th from the
+    k-th), writing the JSON after each, then the markdown and chart."""
     target = Target.current()
     path = out + ".json"
     report = json.load(open(path)) if os.path.exists(path) else {"results": []}
@@ -287,8 +290,9 @@ def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0) -> dict:
     # Read through AttentionProblem, so results written before a field existed still count as done.
     done = {_key(AttentionProblem.from_dict(e["problem"])) for e in report["results"]}
     start = time.time()
-    for key, (problem, models) in problems.items():
-        if key in done:
+    k, n = shard
+    for index, (key, (problem, models)) in enumerate(problems.items()):
+        if key in done or index % n != k:
             continue
         if time.time() - start > deadline_s:
             print("deadline reached; run again to continue", flush=True)
@@ -300,6 +304,21 @@ def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0) -> dict:
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
     return render(out, report)
+
+
+def merge(out: str, parts: list[str]) -> dict:
+    """Join the reports of ``parts`` (shards run side by side, on GPUs of one kind) into ``out``.json."""
+    reports = [json.load(open(path)) for path in parts]
+    devices = {r["meta"]["device"] for r in reports}
+    if len(devices) != 1:
+        raise ValueError(f"parts: expected reports of one device, got {sorted(devices)}")
+    results = {_key(AttentionProblem.from_dict(e["problem"])): e for r in reports for e in r["results"]}
+    order = {key: i for i, key in enumerate([*suite(smoke=False), *suite(smoke=True)])}   # the suite's order
+    merged = {"meta": reports[0]["meta"],
+              "results": [results[key] for key in sorted(results, key=lambda key: order.get(key, len(order)))]}
+    with open(out + ".json", "w") as f:
+        json.dump(merged, f, indent=1)
+    return render(out, merged)
 
 
 def summary(report: dict) -> dict:

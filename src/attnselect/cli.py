@@ -125,7 +125,12 @@ def cmd_tune(a) -> int:
 def cmd_bench(a) -> int:
     """Every candidate and policy on real model shapes (see attnselect.bench)."""
     from attnselect import bench
-    report = bench.render(a.out) if a.render else bench.run(a.out, smoke=a.smoke, deadline_s=a.deadline)
+    if a.merge:
+        report = bench.merge(a.out, a.merge)
+    elif a.render:
+        report = bench.render(a.out)
+    else:
+        report = bench.run(a.out, smoke=a.smoke, deadline_s=a.deadline, shard=a.shard)
     print(f"{len(report['results'])} problems -> {a.out}.json, .md" + (", .png" if os.path.exists(a.out + ".png") else ""))
     for policy, row in bench.summary(report).items():
         print(f"  {policy:<14} within 2% of the fastest on {row['within_2pct']:.0%}, within 5% on "
@@ -144,6 +149,13 @@ def cmd_backends(a) -> int:
     return 0
 
 
+def _shard(text: str) -> tuple[int, int]:
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+        raise argparse.ArgumentTypeError(f"expected K/N with 0 <= K < N, got {text!r}")
+    return int(k), int(n)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="attnselect", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +167,9 @@ def main(argv=None) -> int:
     bench.add_argument("--smoke", action="store_true", help="one tiny shape (CPU, CI)")
     bench.add_argument("--deadline", type=float, default=540.0, help="seconds; rerun to resume")
     bench.add_argument("--render", action="store_true", help="only rewrite .md and .png from an existing .json")
+    bench.add_argument("--shard", type=_shard, default=(0, 1), metavar="K/N",
+                       help="time every N-th problem from the K-th (one process per GPU)")
+    bench.add_argument("--merge", nargs="+", metavar="PART.json", help="join shards' reports into --out")
     tune = sub.add_parser("tune", help="measure model shapes now and keep the decisions in the cache")
     tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["deepseek-v3"])
     tune.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096])
