@@ -48,8 +48,9 @@ case "$step" in
   models)
     name=h200_bench${SHARD:+_part${SHARD%/*}}
     [ -f "results/$name.json" ] && cp "results/$name.json" "$OUT/$name.json"
-    timeout 580 python3 -m attnselect.cli bench --out "$OUT/$name" --shard "${SHARD:-0/1}" \
-      --deadline "${MODELS_DEADLINE:-480}" 2>&1 | grep -v -i warn | tail -30 ;;
+    ATTNSELECT_DEBUG=1 ATTNSELECT_DEBUG_LEVEL=2 timeout 580 python3 -m attnselect.cli bench --out "$OUT/$name" \
+      --shard "${SHARD:-0/1}" --deadline "${MODELS_DEADLINE:-480}" > "$OUT/$name.log" 2>&1
+    grep -v -i warn "$OUT/$name.log" | grep -v "^\[attnselect" | tail -30 ;;   # measure's timings stay in the log
   hf)
     timeout 560 python3 benchmarks/hf_deepseek.py --out "$OUT/h200_hf_deepseek" 2>&1 | grep -v -i warn | tail -12 ;;
   megatron)

@@ -238,3 +238,28 @@ def test_under_cuda_graph_capture_measure_reuses_the_warm_up_decision(monkeypatc
     with caplog.at_level("INFO", logger="attnselect"):
         cold = attnselect.select(other, policy="measure")
     assert cold.chosen == attnselect.select(other).chosen and "using the rules order" in caplog.text
+
+
+def test_after_the_first_round_only_the_contenders_go_on(monkeypatch):
+    now, calls = [0.0], []
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])
+
+    def takes(name, seconds):
+        def step():
+            calls.append(name)
+            now[0] += seconds
+        return step
+
+    steps = {"fast": takes("fast", 1.0), "close": takes("close", 1.1), "slow": takes("slow", 3.0)}
+    results = measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25)
+    assert calls.count("slow") == 2 and calls.count("fast") == calls.count("close") == 6
+    assert results["slow"].median_ms == pytest.approx(3000.0)   # its first round's timing stands
+
+
+def test_a_failed_step_keeps_its_error_without_the_traceback_that_holds_its_tensors():
+    def broken():
+        big = torch.ones(4)   # noqa: F841  (held by the traceback's frame, were it kept)
+        raise RuntimeError("out of memory")
+
+    error = measure.time_steps({"broken": broken}, torch.device("cpu"), warmup=1)["broken"]
+    assert isinstance(error, RuntimeError) and error.__traceback__ is None

@@ -4,8 +4,10 @@ Each candidate runs on random inputs of the problem's shape (forward, or forward
 when training): warm-up, then timed repeats in interleaved rounds (every candidate takes its turn
 in each round, so drift of clocks or temperature during tuning lands on all of them alike), each
 repeat timed with CUDA events (wall clock on the CPU); its median and 20th..80th percentile
-spread are kept. The fastest median wins, except that a candidate the rules rank higher wins
-when its median lies inside the fastest one's spread and within 2% of it.
+spread are kept; after the first round only the contenders (within 25% of the fastest) go on,
+so the budget buys repeats where they decide something. The fastest median wins, except that a
+candidate the rules rank higher wins when its median lies inside the fastest one's spread and
+within 2% of it.
 Packed problems are measured on a bucket (powers of two of batch and lengths) filled with
 full-length sequences, so a loop whose packing changes every step tunes a few times, not
 every step. The time spent per problem is bounded by ``TUNING_BUDGET_S``; candidates not
@@ -32,8 +34,9 @@ log = logging.getLogger("attnselect")
 
 TUNING_BUDGET_S = 10.0   # per problem
 TIE_TOLERANCE = 0.02     # a rules-preferred candidate this close to the fastest (and inside its spread) wins
-WARMUP, REPEATS = 2, 9   # repeats: three in each of the ROUNDS
+WARMUP, REPEATS = 2, 30  # repeats: ten in each of the ROUNDS, fewer where the budget says so
 ROUNDS = 3               # interleaved rounds of repeats: drift lands on every candidate alike
+CONTENDERS = 1.25        # after the first round, candidates slower than this times the fastest stop
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ def measure(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, 
         return step
 
     results = time_steps({c: step_for(c) for c in ranked}, device, budget_s=budget_s, warmup_budget_s=budget_s / 2,
-                         finite=True)
+                         finite=True, keep_within=CONTENDERS)
     timings: dict[Candidate, Optional[Timing]] = {}
     for candidate, result in results.items():
         if isinstance(result, Exception):   # a candidate that fails while tuning is out, and said so
@@ -119,21 +122,24 @@ def time_step(step, device: torch.device, *, warmup: int = WARMUP, repeats: int 
 
 def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repeats: int = REPEATS,
                rounds: int = ROUNDS, budget_s: Optional[float] = None, warmup_budget_s: Optional[float] = None,
-               queued: bool = True, finite: bool = False) -> dict:
+               queued: bool = True, finite: bool = False, keep_within: Optional[float] = None) -> dict:
     """Time several steps side by side: ``{key: Timing}``, or ``{key: the exception}`` where a step failed.
 
     Each step is warmed up (``finite``: its first output must be finite, or it fails), then every
     step runs its repeats in ``rounds`` interleaved rounds, so slow drift of clocks or
     temperature lands on all steps alike; a step's Timing is the median and p20..p80 of all its
     repeats (CUDA events on GPUs, wall clock on the CPU). A step that raises, in warm-up or in a
-    round, gets its exception and leaves the later rounds. ``queued`` (the default) issues a
-    round's repeats back to back, each between its own pair of events, and waits once per round,
-    as a training loop does: a repeat measures the GPU's time unless the host is the slower of the
-    two. ``queued=False`` waits after every repeat, which adds each call's host overhead in full
-    (the latency of an isolated call). ``budget_s`` sizes the repeats, from one synchronised call
-    of each step, so that everything fits in that many seconds from the start, with at least
-    three repeats in all; ``warmup_budget_s`` stops warming up further steps once that many
-    seconds have passed (those are left out of the result).
+    round, gets its exception (without its traceback, which would hold the step's tensors) and
+    leaves the later rounds. ``queued`` (the default) issues a round's repeats back to back, each
+    between its own pair of events, and waits once per round, as a training loop does: a repeat
+    measures the GPU's time unless the host is the slower of the two. ``queued=False`` waits after
+    every repeat, which adds each call's host overhead in full (the latency of an isolated call).
+    ``budget_s`` sizes the repeats, from one synchronised call of each step, so that everything
+    fits in that many seconds from the start, with at least three repeats in all;
+    ``warmup_budget_s`` stops warming up further steps once that many seconds have passed (those
+    are left out of the result). ``keep_within``: after the first round, steps slower than that
+    factor times the fastest keep their first round's Timing and leave, and the later rounds'
+    repeats are sized for the steps still in contention.
     """
     start = time.perf_counter()
     results, ready, sizes = {}, {}, {}
@@ -148,31 +154,43 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
             if budget_s is not None:
                 sizes[key] = _timed_call(step, device, wait=True)()
         except Exception as exc:   # a failing step is part of the result
-            results[key] = exc
+            results[key] = exc.with_traceback(None)
             continue
         ready[key] = step
-    per_round = max(1, -(-max(repeats, 1) // rounds))   # ceil(repeats / rounds)
-    if budget_s is not None and ready:
+
+    def repeats_per_round(rounds_left: int) -> int:
+        per_round = max(1, -(-max(repeats, 1) // rounds))   # ceil(repeats / rounds)
+        if budget_s is None or not ready:
+            return per_round
         left_ms = max(budget_s - (time.perf_counter() - start), 0.0) * 1e3
-        fits = int(left_ms / (rounds * max(sum(sizes.values()), 1e-3)))
-        per_round = max(-(-3 // rounds), min(per_round, fits))   # at least three repeats in all
+        fits = int(left_ms / (rounds_left * max(sum(sizes[key] for key in ready), 1e-3)))
+        least = -(-3 // rounds) if rounds_left == rounds else 1   # at least three repeats in all
+        return max(least, min(per_round, fits))
+
     samples = {key: [] for key in ready}
-    for _ in range(rounds):
+    per_round = repeats_per_round(rounds)
+    for round_index in range(rounds):
+        if round_index == 1 and keep_within is not None and ready:
+            fastest = min(statistics.median(samples[key]) for key in ready)
+            for key in [key for key in ready if statistics.median(samples[key]) > keep_within * fastest]:
+                del ready[key]
+            per_round = repeats_per_round(rounds - 1)
         pending = {}
         for key, step in list(ready.items()):
             try:
                 pending[key] = [_timed_call(step, device, wait=not queued) for _ in range(per_round)]
             except Exception as exc:
-                results[key] = exc
+                results[key] = exc.with_traceback(None)
                 del ready[key]
         for key, calls in pending.items():
             try:
                 samples[key] += [elapsed() for elapsed in calls]
             except Exception as exc:   # an asynchronous error surfaces when its events are read
-                results[key] = exc
+                results[key] = exc.with_traceback(None)
                 ready.pop(key, None)
-    for key in ready:
-        results[key] = _timing(samples[key])
+    for key, times in samples.items():
+        if key not in results:
+            results[key] = _timing(times)
     return {key: results[key] for key in steps if key in results}
 
 

@@ -152,3 +152,14 @@ def test_flex_packed_under_inference_mode_and_with_empty_packs():
     no_keys = attnselect.attention(q.detach(), k.detach()[:0], v.detach()[:0], layout="thd", cu_seqlens_q=cu,
                                    cu_seqlens_kv=cu_kv, backend="flex", return_lse=True)
     assert torch.all(no_keys[0] == 0) and no_keys[1].shape == (4, 5) and torch.isneginf(no_keys[1]).all()
+
+
+def test_compiled_flex_raises_past_its_recompile_limit_instead_of_running_eagerly(monkeypatch):
+    from attnselect.backends import flex
+    limit = torch._dynamo.config.recompile_limit
+    monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 2)
+    double = flex._failing_past_recompile_limit(torch.compile(lambda x: x * 2, backend="eager", dynamic=False))
+    assert torch.equal(double(torch.ones(1)), torch.full((1,), 2.0)) and double(torch.ones(2)).shape == (2,)
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        double(torch.ones(3))   # a third shape: eagerly, flex would materialise every score
+    assert torch._dynamo.config.recompile_limit == limit   # the user's setting is left as it was

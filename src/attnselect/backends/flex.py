@@ -66,10 +66,23 @@ def _flex(q, k, v, block_mask, call, dynamic):
     return out, lse.float()
 
 
+RECOMPILE_LIMIT = 64   # shapes one process may compile flex_attention for (torch's default is 8)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_flex(dynamic):
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=dynamic)
+    return _failing_past_recompile_limit(torch.compile(flex_attention, dynamic=dynamic))
+
+
+def _failing_past_recompile_limit(compiled):
+    """``compiled`` with room for RECOMPILE_LIMIT shapes, raising past them: torch.compile would otherwise
+    run flex_attention eagerly, which materialises every score (64 GiB for 16k tokens and 64 heads) and is
+    many times slower, silently; raised, the guarded fallback logs it and runs the next candidate."""
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            return compiled(*args, **kwargs)
+    return call
 
 
 def _band_edges(mask, window, device):
