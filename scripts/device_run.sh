@@ -9,7 +9,7 @@
 #   bash scripts/device_run.sh crossover # short equal documents, fast candidates -> $OUT/h200_thd_crossover.*
 #   bash scripts/device_run.sh models  # attnselect bench, resuming results/h200_bench.json -> $OUT/h200_bench.*
 #                                      # (MODELS_DEADLINE seconds, default 480); with SHARD=K/N one shard of
-#                                      # the suite, resuming results/h200_bench_partK.json -> $OUT/h200_bench_partK.*
+#                                      # the suite, resuming results/h200_bench_partK-of-N.json -> $OUT/h200_bench_partK-of-N.*
 #                                      # (join: attnselect bench --out results/h200_bench --merge results/h200_bench_part*.json)
 #   bash scripts/device_run.sh hf      # transformers DeepSeek-V3 geometry, tokens/s     -> $OUT/h200_hf_deepseek.*
 #   bash scripts/device_run.sh megatron # megatron-core MLA layer tests, then stock pad vs native V -> $OUT/h200_megatron_mla.*
@@ -46,9 +46,9 @@ case "$step" in
     timeout 300 python3 benchmarks/thd_bench.py --packings crossover --skip reference,sdpa_math,sdpa_efficient,sdpa_flash \
       --repeats 10 --budget 1 --out "$OUT/h200_thd_crossover" 2>&1 | grep -E "^[0-9]|queued" ;;
   models)
-    name=h200_bench${SHARD:+_part${SHARD%/*}}
+    name=h200_bench${SHARD:+_part${SHARD%/*}-of-${SHARD#*/}}
     [ -f "results/$name.json" ] && cp "results/$name.json" "$OUT/$name.json"
-    ATTNSELECT_DEBUG=1 ATTNSELECT_DEBUG_LEVEL=2 timeout 580 python3 -m attnselect.cli bench --out "$OUT/$name" \
+    ATTNSELECT_DEBUG=1 ATTNSELECT_DEBUG_LEVEL=2 timeout 570 python3 -m attnselect.cli bench --out "$OUT/$name" \
       --shard "${SHARD:-0/1}" --deadline "${MODELS_DEADLINE:-480}" > "$OUT/$name.log" 2>&1
     grep -v -i warn "$OUT/$name.log" | grep -v "^\[attnselect" | tail -30 ;;   # measure's timings stay in the log
   hf)

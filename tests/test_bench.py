@@ -59,7 +59,9 @@ def test_stored_rule_choices_are_re_derived_on_the_stored_timings(tmp_path):
     assert bench._candidate("sdpa_cudnn padded to 192") == Candidate("sdpa_cudnn", 192)
 
 
-def test_shards_time_disjoint_problems_and_merge_into_one_report(tmp_path, monkeypatch):
+@pytest.fixture
+def five_problems(monkeypatch):
+    """The first five problems of the suite, each "timed" instantly."""
     from attnselect import bench
     problems = dict(list(bench.suite(smoke=False).items())[:5])
     monkeypatch.setattr(bench, "suite", lambda smoke: problems)
@@ -67,12 +69,56 @@ def test_shards_time_disjoint_problems_and_merge_into_one_report(tmp_path, monke
         "problem": problem.to_dict(), "describe": problem.describe(), "candidates": {}, "policies": {},
         "best_ms": None})
     monkeypatch.setattr(bench, "render", lambda out, report=None: report)
+    return [problem.to_dict() for problem, _ in problems.values()]
+
+
+def test_shards_stride_through_the_suite_and_merge_in_its_order(tmp_path, five_problems):
+    from attnselect import bench
     parts = [bench.run(str(tmp_path / f"part{k}"), shard=(k, 2)) for k in (0, 1)]
-    assert [len(p["results"]) for p in parts] == [3, 2]
-    merged = bench.merge(str(tmp_path / "all"), [str(tmp_path / f"part{k}.json") for k in (1, 0)])
-    assert [e["problem"] for e in merged["results"]] == [p.to_dict() for p, _ in problems.values()]
-    parts[1]["meta"]["device"] = "another GPU"
+    assert [e["problem"] for e in parts[0]["results"]] == five_problems[0::2]
+    assert [e["problem"] for e in parts[1]["results"]] == five_problems[1::2]
+    assert parts[0]["meta"]["shard"] == "0/2"
+    parts[1]["meta"]["date"] = "2099-01-01"   # a shard finished after midnight
     with open(tmp_path / "part1.json", "w") as f:
         json.dump(parts[1], f)
-    with pytest.raises(ValueError, match="parts: expected reports of one device"):
-        bench.merge(str(tmp_path / "all"), [str(tmp_path / "part0.json"), str(tmp_path / "part1.json")])
+    paths = [str(tmp_path / "part1.json"), str(tmp_path / "part0.json"), str(tmp_path / "part0.json")]
+    merged = bench.merge(str(tmp_path / "all"), paths)   # a part given twice adds nothing
+    assert [e["problem"] for e in merged["results"]] == five_problems
+    assert "shard" not in merged["meta"] and merged["meta"]["date"].endswith(" to 2099-01-01")
+
+
+def test_merge_refuses_parts_of_other_devices_or_other_timings(tmp_path, five_problems):
+    from attnselect import bench
+    from attnselect.errors import InvalidInputError
+    part = bench.run(str(tmp_path / "part0"), shard=(0, 2))
+    other = {**part, "meta": {**part["meta"], "device": "another GPU"}}
+    with open(tmp_path / "other.json", "w") as f:
+        json.dump(other, f)
+    with pytest.raises(InvalidInputError, match="parts: expected reports of one device"):
+        bench.merge(str(tmp_path / "all"), [str(tmp_path / "part0.json"), str(tmp_path / "other.json")])
+    retimed = {**part, "results": [{**part["results"][0], "best_ms": 1.0}]}
+    with open(tmp_path / "retimed.json", "w") as f:
+        json.dump(retimed, f)
+    with pytest.raises(InvalidInputError, match="a second, different timing of"):
+        bench.merge(str(tmp_path / "all"), [str(tmp_path / "part0.json"), str(tmp_path / "retimed.json")])
+
+
+def test_a_part_resumes_only_under_its_own_shard(tmp_path, five_problems):
+    from attnselect import bench
+    from attnselect.errors import InvalidInputError
+    bench.run(str(tmp_path / "part"), shard=(0, 2))
+    with pytest.raises(InvalidInputError, match="holds shard 0/2, not 0/3"):
+        bench.run(str(tmp_path / "part"), shard=(0, 3))
+
+
+def test_a_policy_that_finds_nothing_is_recorded_not_raised(monkeypatch):
+    from attnselect import bench
+    problem = next(iter(bench.suite(smoke=True).values()))[0]
+
+    def nothing(*args, **kwargs):
+        raise RuntimeError()   # no message at all
+
+    monkeypatch.setattr(bench, "select", nothing)
+    entry = bench.bench_problem(problem, Target.current())
+    assert entry["policies"]["measure"] == {"candidate": None, "error": "RuntimeError"}
+    assert "median_ms" in entry["policies"]["torch-default"]

@@ -77,6 +77,15 @@ def test_bench_smoke_compares_every_policy(tmp_path, monkeypatch, capsys):
     assert main(["bench", "--render", "--out", str(tmp_path / "bench")]) == 0   # no re-run, same table
     assert "| problem | rules | measure | te |" in (tmp_path / "bench.md").read_text()
     assert len(json.loads((tmp_path / "bench.json").read_text())["results"]) == 4
+    assert main(["bench", "--out", str(tmp_path / "joined"), "--merge", str(tmp_path / "bench.json")]) == 0
+    assert json.loads((tmp_path / "joined.json").read_text()) == json.loads((tmp_path / "bench.json").read_text())
+    assert "| problem | rules | measure | te |" in (tmp_path / "joined.md").read_text()
+
+
+def test_bench_render_and_merge_exclude_each_other(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--out", "unused", "--render", "--merge", "part.json"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("shard", ["2/2", "1", "a/b", "1/0"])

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -240,26 +241,57 @@ def test_under_cuda_graph_capture_measure_reuses_the_warm_up_decision(monkeypatc
     assert cold.chosen == attnselect.select(other).chosen and "using the rules order" in caplog.text
 
 
-def test_after_the_first_round_only_the_contenders_go_on(monkeypatch):
-    now, calls = [0.0], []
+def _clocked_steps(monkeypatch, seconds: dict):
+    """Steps that each advance a mocked clock by their time, counting their calls."""
+    now, calls = [0.0], {name: 0 for name in seconds}
     monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])
 
-    def takes(name, seconds):
+    def takes(name):
         def step():
-            calls.append(name)
-            now[0] += seconds
+            calls[name] += 1
+            now[0] += seconds[name]
         return step
+    return {name: takes(name) for name in seconds}, calls
 
-    steps = {"fast": takes("fast", 1.0), "close": takes("close", 1.1), "slow": takes("slow", 3.0)}
+
+def test_after_the_first_round_only_the_contenders_go_on(monkeypatch):
+    steps, calls = _clocked_steps(monkeypatch, {"fast": 1.0, "close": 1.1, "slow": 3.0})
     results = measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25)
-    assert calls.count("slow") == 2 and calls.count("fast") == calls.count("close") == 6
+    assert calls == {"fast": 6, "close": 6, "slow": 2}
     assert results["slow"].median_ms == pytest.approx(3000.0)   # its first round's timing stands
 
 
-def test_a_failed_step_keeps_its_error_without_the_traceback_that_holds_its_tensors():
+def test_the_budget_left_after_the_first_round_goes_to_the_contenders(monkeypatch):
+    steps, calls = _clocked_steps(monkeypatch, {"fast": 0.010, "close": 0.011, "slow": 0.050})
+    measure.time_steps(steps, torch.device("cpu"), warmup=1, repeats=30, rounds=3, budget_s=1.0, keep_within=1.25)
+    # warm-up and sizing: 2 calls each (142 ms); round one: 4 each (fits 858 ms / 3 rounds of 71 ms);
+    # then "slow" leaves and the 574 ms left buy the full 10 per round for the two contenders.
+    assert calls == {"fast": 26, "close": 26, "slow": 6}
+
+
+def test_a_failed_step_keeps_its_error_but_not_the_tensors_its_frames_held():
+    held = []
+
     def broken():
-        big = torch.ones(4)   # noqa: F841  (held by the traceback's frame, were it kept)
-        raise RuntimeError("out of memory")
+        big = torch.ones(4)
+        held.append(weakref.ref(big))
+        try:
+            raise MemoryError("out of memory")
+        except MemoryError as inner:
+            raise RuntimeError("allocation failed") from inner
 
     error = measure.time_steps({"broken": broken}, torch.device("cpu"), warmup=1)["broken"]
-    assert isinstance(error, RuntimeError) and error.__traceback__ is None
+    assert isinstance(error, RuntimeError) and isinstance(error.__cause__, MemoryError)
+    assert error.__traceback__ is not None and held[0]() is None   # printable, and the tensor is freed
+
+
+@pytest.mark.gpu
+def test_measure_on_the_gpu_keeps_the_fastest_contender(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    mla = AttentionProblem(batch=2, seqlen_q=1024, seqlen_kv=1024, heads_q=16, heads_kv=16, head_dim_qk=192,
+                           head_dim_v=128, dtype=torch.bfloat16, mask="causal", training=True)
+    decision = attnselect.select(mla, policy="measure")
+    timed = {c: t for c, t in decision.timings.items() if t is not None}
+    fastest = min(t.median_ms for t in timed.values())
+    assert len(timed) >= 2 and decision.chosen in timed
+    assert timed[decision.chosen].median_ms <= fastest * (1 + measure.TIE_TOLERANCE)

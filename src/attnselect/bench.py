@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from attnselect.candidates import Candidate, judge
+from attnselect.errors import InvalidInputError
 from attnselect.measure import random_inputs, time_steps
 from attnselect.models import MODELS
 from attnselect.policy import arch_family
@@ -132,11 +133,15 @@ def _choice(policy: str, problem: AttentionProblem, target: Target, supported: s
         pad = {"always-pad": True, "never-pad": False}.get(policy)
         return _timed_choice(select(problem, target=target, pad=pad).chosen, rows)
     except Exception as exc:   # a policy that finds nothing is part of the comparison
-        return {"candidate": None, "error": str(exc).splitlines()[0]}
+        return {"candidate": None, "error": _first_line(exc)}
 
 
 def _timed_choice(choice: Optional[Candidate], rows: dict) -> dict:
     return {"candidate": str(choice), **rows.get(str(choice), {"error": "not timed"})}
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 def _candidate(name: str) -> Candidate:
@@ -198,7 +203,7 @@ def _timed(steps: dict, device, problem) -> dict:
     for key in steps:
         t = results[key]
         if isinstance(t, Exception):   # what fails is part of the comparison
-            rows[key] = {"error": f"{type(t).__name__}: {str(t).splitlines()[0][:160]}"}
+            rows[key] = {"error": f"{type(t).__name__}: {_first_line(t)[:160]}"}
         else:
             rows[key] = {"median_ms": t.median_ms, "p20_ms": t.low_ms, "p80_ms": t.high_ms,
                          "tflops": useful_tflops(problem, t.median_ms)}
@@ -283,15 +288,19 @@ def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0, shard: tupl
     target = Target.current()
     path = out + ".json"
     report = json.load(open(path)) if os.path.exists(path) else {"results": []}
+    k, n = shard
+    written_by = report.get("meta", {}).get("shard", "0/1")
+    if report["results"] and written_by != f"{k}/{n}":
+        raise InvalidInputError(f"shard: {out}.json holds shard {written_by}, not {k}/{n}; resume it with --shard "
+                                f"{written_by} or write this shard elsewhere")
     if report["results"] and report["meta"]["device"] == target.describe():
         print(f"{rechoose(report, target)} stored choices re-derived with the current rules", flush=True)
     report["meta"] = {"device": target.describe(), "arch": arch_family(target), "date": time.strftime("%Y-%m-%d"),
-                      "torch": torch.__version__}
+                      "torch": torch.__version__, **({"shard": f"{k}/{n}"} if n > 1 else {})}
     problems = suite(smoke)
     # Read through AttentionProblem, so results written before a field existed still count as done.
     done = {_key(AttentionProblem.from_dict(e["problem"])) for e in report["results"]}
     start = time.time()
-    k, n = shard
     for index, (key, (problem, models)) in enumerate(problems.items()):
         if key in done or index % n != k:
             continue
@@ -312,10 +321,20 @@ def merge(out: str, parts: list[str]) -> dict:
     reports = [json.load(open(path)) for path in parts]
     devices = {r["meta"]["device"] for r in reports}
     if len(devices) != 1:
-        raise ValueError(f"parts: expected reports of one device, got {sorted(devices)}")
-    results = {_key(AttentionProblem.from_dict(e["problem"])): e for r in reports for e in r["results"]}
+        raise InvalidInputError(f"parts: expected reports of one device, got {sorted(devices)}")
+    results = {}
+    for path, report in zip(parts, reports):
+        for entry in report["results"]:
+            key = _key(AttentionProblem.from_dict(entry["problem"]))
+            if results.get(key, entry) != entry:   # the same entry twice (a part resumed from another) is fine
+                raise InvalidInputError(f"parts: {path} holds a second, different timing of {entry['describe']}; merge "
+                                 f"the parts of one run")
+            results[key] = entry
+    dates = sorted({report["meta"]["date"] for report in reports})
+    meta = {name: value for name, value in reports[0]["meta"].items() if name != "shard"}
+    meta["date"] = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
     order = {key: i for i, key in enumerate([*suite(smoke=False), *suite(smoke=True)])}   # the suite's order
-    merged = {"meta": reports[0]["meta"],
+    merged = {"meta": meta,
               "results": [results[key] for key in sorted(results, key=lambda key: order.get(key, len(order)))]}
     with open(out + ".json", "w") as f:
         json.dump(merged, f, indent=1)

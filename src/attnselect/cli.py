@@ -166,10 +166,11 @@ def main(argv=None) -> int:
     bench.add_argument("--out", required=True, help="path without extension: .json, .md and .png are written")
     bench.add_argument("--smoke", action="store_true", help="one tiny shape (CPU, CI)")
     bench.add_argument("--deadline", type=float, default=540.0, help="seconds; rerun to resume")
-    bench.add_argument("--render", action="store_true", help="only rewrite .md and .png from an existing .json")
     bench.add_argument("--shard", type=_shard, default=(0, 1), metavar="K/N",
                        help="time every N-th problem from the K-th (one process per GPU)")
-    bench.add_argument("--merge", nargs="+", metavar="PART.json", help="join shards' reports into --out")
+    no_timing = bench.add_mutually_exclusive_group()
+    no_timing.add_argument("--render", action="store_true", help="only rewrite .md and .png from an existing .json")
+    no_timing.add_argument("--merge", nargs="+", metavar="PART.json", help="join shards' reports into --out")
     tune = sub.add_parser("tune", help="measure model shapes now and keep the decisions in the cache")
     tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["deepseek-v3"])
     tune.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096])

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,7 +37,7 @@ TUNING_BUDGET_S = 10.0   # per problem
 TIE_TOLERANCE = 0.02     # a rules-preferred candidate this close to the fastest (and inside its spread) wins
 WARMUP, REPEATS = 2, 30  # repeats: ten in each of the ROUNDS, fewer where the budget says so
 ROUNDS = 3               # interleaved rounds of repeats: drift lands on every candidate alike
-CONTENDERS = 1.25        # after the first round, candidates slower than this times the fastest stop
+CONTENDER_FACTOR = 1.25  # after the first round, candidates slower than this times the fastest stop
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def measure(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, 
         return step
 
     results = time_steps({c: step_for(c) for c in ranked}, device, budget_s=budget_s, warmup_budget_s=budget_s / 2,
-                         finite=True, keep_within=CONTENDERS)
+                         finite=True, keep_within=CONTENDER_FACTOR)
     timings: dict[Candidate, Optional[Timing]] = {}
     for candidate, result in results.items():
         if isinstance(result, Exception):   # a candidate that fails while tuning is out, and said so
@@ -129,17 +130,19 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
     step runs its repeats in ``rounds`` interleaved rounds, so slow drift of clocks or
     temperature lands on all steps alike; a step's Timing is the median and p20..p80 of all its
     repeats (CUDA events on GPUs, wall clock on the CPU). A step that raises, in warm-up or in a
-    round, gets its exception (without its traceback, which would hold the step's tensors) and
-    leaves the later rounds. ``queued`` (the default) issues a round's repeats back to back, each
-    between its own pair of events, and waits once per round, as a training loop does: a repeat
-    measures the GPU's time unless the host is the slower of the two. ``queued=False`` waits after
-    every repeat, which adds each call's host overhead in full (the latency of an isolated call).
-    ``budget_s`` sizes the repeats, from one synchronised call of each step, so that everything
-    fits in that many seconds from the start, with at least three repeats in all;
-    ``warmup_budget_s`` stops warming up further steps once that many seconds have passed (those
-    are left out of the result). ``keep_within``: after the first round, steps slower than that
-    factor times the fastest keep their first round's Timing and leave, and the later rounds'
-    repeats are sized for the steps still in contention.
+    round, gets its exception (its traceback's frames cleared, so the step's tensors are freed)
+    and leaves the later rounds. ``queued`` (the default) issues a round's repeats back to back,
+    each between its own pair of events, and waits once per round, as a training loop does: a
+    repeat measures the GPU's time unless the host is the slower of the two. ``queued=False``
+    waits after every repeat, which adds each call's host overhead in full (the latency of an
+    isolated call). ``budget_s`` sizes the repeats, from one synchronised call of each step, so
+    that everything fits in that many seconds from the start, with at least three repeats for
+    every step that stays to the end; ``warmup_budget_s`` stops warming up further steps once
+    that many seconds have passed (those are left out of the result). ``keep_within``: after the
+    first round, steps slower than that factor times the fastest leave with the first round's
+    Timing (as few as one repeat under a tight budget), and with ``budget_s`` the later rounds'
+    repeats are sized for the steps still in contention. Should those all fail later, the
+    others' first-round Timings stand.
     """
     start = time.perf_counter()
     results, ready, sizes = {}, {}, {}
@@ -151,47 +154,63 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
                 out = step()
                 if finite and i == 0 and not bool(torch.isfinite(out).all()):
                     raise FloatingPointError("non-finite output for finite input")
+                del out   # not held through the rounds
             if budget_s is not None:
                 sizes[key] = _timed_call(step, device, wait=True)()
         except Exception as exc:   # a failing step is part of the result
-            results[key] = exc.with_traceback(None)
+            results[key] = _released(exc)
             continue
         ready[key] = step
 
-    def repeats_per_round(rounds_left: int) -> int:
+    def repeats_per_round(rounds_left: int, least: int) -> int:
         per_round = max(1, -(-max(repeats, 1) // rounds))   # ceil(repeats / rounds)
         if budget_s is None or not ready:
             return per_round
         left_ms = max(budget_s - (time.perf_counter() - start), 0.0) * 1e3
         fits = int(left_ms / (rounds_left * max(sum(sizes[key] for key in ready), 1e-3)))
-        least = -(-3 // rounds) if rounds_left == rounds else 1   # at least three repeats in all
         return max(least, min(per_round, fits))
 
     samples = {key: [] for key in ready}
-    per_round = repeats_per_round(rounds)
-    for round_index in range(rounds):
-        if round_index == 1 and keep_within is not None and ready:
-            fastest = min(statistics.median(samples[key]) for key in ready)
-            for key in [key for key in ready if statistics.median(samples[key]) > keep_within * fastest]:
-                del ready[key]
-            per_round = repeats_per_round(rounds - 1)
+
+    def run_round(per_round: int) -> None:
         pending = {}
         for key, step in list(ready.items()):
             try:
                 pending[key] = [_timed_call(step, device, wait=not queued) for _ in range(per_round)]
             except Exception as exc:
-                results[key] = exc.with_traceback(None)
+                results[key] = _released(exc)
                 del ready[key]
         for key, calls in pending.items():
             try:
                 samples[key] += [elapsed() for elapsed in calls]
             except Exception as exc:   # an asynchronous error surfaces when its events are read
-                results[key] = exc.with_traceback(None)
+                results[key] = _released(exc)
                 ready.pop(key, None)
+
+    per_round = repeats_per_round(rounds, least=-(-3 // rounds))   # three repeats in all, at least
+    run_round(per_round)
+    if keep_within is not None and ready:
+        fastest = min(statistics.median(samples[key]) for key in ready)
+        for key in [key for key in ready if statistics.median(samples[key]) > keep_within * fastest]:
+            del ready[key]
+        per_round = repeats_per_round(rounds - 1, least=-(-(3 - per_round) // max(rounds - 1, 1)))
+    for _ in range(rounds - 1):
+        run_round(per_round)
     for key, times in samples.items():
         if key not in results:
             results[key] = _timing(times)
     return {key: results[key] for key in steps if key in results}
+
+
+def _released(exc: BaseException) -> BaseException:
+    """``exc`` with the frames of its traceback, and of the exceptions it chains, cleared of their locals:
+    kept, they would hold a failed step's tensors (e.g. the parts of an allocation that ran out of memory)."""
+    chained, seen = exc, set()
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        traceback.clear_frames(chained.__traceback__)
+        chained = chained.__cause__ or chained.__context__
+    return exc
 
 
 def _timed_call(step, device: torch.device, *, wait: bool):

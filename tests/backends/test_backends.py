@@ -163,3 +163,15 @@ def test_compiled_flex_raises_past_its_recompile_limit_instead_of_running_eagerl
     with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
         double(torch.ones(3))   # a third shape: eagerly, flex would materialise every score
     assert torch._dynamo.config.recompile_limit == limit   # the user's setting is left as it was
+
+
+def test_flex_recompile_limit_uses_the_setting_names_of_the_installed_torch(monkeypatch):
+    import types
+
+    from attnselect.backends import flex
+    old_torch = types.SimpleNamespace(cache_size_limit=8, fail_on_cache_limit_hit=False)   # before torch 2.7
+    monkeypatch.setattr(torch._dynamo, "config", old_torch)
+    assert flex._recompile_settings() == {"cache_size_limit": flex.RECOMPILE_LIMIT, "fail_on_cache_limit_hit": True}
+    monkeypatch.setattr(torch._dynamo, "config", types.SimpleNamespace())   # neither: torch's own behaviour
+    compiled = object()
+    assert flex._recompile_settings() is None and flex._failing_past_recompile_limit(compiled) is compiled

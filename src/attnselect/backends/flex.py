@@ -6,18 +6,23 @@ in one call with a document mask: a query sees keys of its own sequence only, in
 band, which is placed per sequence (bottom-right bands use that sequence's lengths); tokens
 in the gaps of padded offsets see nothing. Dense block masks are cached per (mask, lengths,
 device); document masks once per cu_seqlens tensor while it and the mask do not change.
-On the CPU flex runs eagerly (unfused, correct, slow). lse is natural-log, float32.
+On the CPU flex runs eagerly (unfused, correct, slow). lse is natural-log, float32. On CUDA one
+process compiles flex_attention for up to RECOMPILE_LIMIT shapes; past them a call raises (and the
+guarded fallback runs the next candidate) rather than running unfused.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 
 import torch
 
 from attnselect import masks
 from attnselect.backends.base import ALL_DTYPES, Backend, KernelCall, Packing, Surface
+
+log = logging.getLogger("attnselect")
 
 _BIG = 1 << 30   # "unbounded" band edge
 
@@ -78,11 +83,28 @@ def _compiled_flex(dynamic):
 def _failing_past_recompile_limit(compiled):
     """``compiled`` with room for RECOMPILE_LIMIT shapes, raising past them: torch.compile would otherwise
     run flex_attention eagerly, which materialises every score (64 GiB for 16k tokens and 64 heads) and is
-    many times slower, silently; raised, the guarded fallback logs it and runs the next candidate."""
+    many times slower, silently; raised, the guarded fallback logs it and runs the next candidate. The
+    settings are patched per call (about 15 us), leaving the user's own torch.compile settings alone."""
+    settings = _recompile_settings()
+    if settings is None:
+        log.info("attnselect: this torch has no dynamo setting to fail past a recompile limit; flex keeps "
+                 "torch's own limit and its eager fallback")
+        return compiled
+
     def call(*args, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+        with torch._dynamo.config.patch(**settings):
             return compiled(*args, **kwargs)
     return call
+
+
+def _recompile_settings():
+    """The dynamo settings for a hard recompile limit, by their names in this torch (renamed in 2.7), or None."""
+    config = torch._dynamo.config
+    for limit, fail in (("recompile_limit", "fail_on_recompile_limit_hit"),
+                        ("cache_size_limit", "fail_on_cache_limit_hit")):
+        if hasattr(config, limit) and hasattr(config, fail):
+            return {limit: RECOMPILE_LIMIT, fail: True}
+    return None
 
 
 def _band_edges(mask, window, device):
