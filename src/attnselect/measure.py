@@ -60,13 +60,14 @@ def bucket(problem: AttentionProblem) -> AttentionProblem:
 
 
 def measure(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, ...],
-            budget_s: float = TUNING_BUDGET_S) -> dict[Candidate, Optional[Timing]]:
+            budget_s: Optional[float] = None) -> dict[Candidate, Optional[Timing]]:
     """Time the candidates side by side (:func:`time_steps`); None marks a candidate that failed.
 
     Candidates are warmed up in rules order while half the budget lasts; the rest keep their rules
     order, and the log says so. The timed rounds share what is left of the budget.
     """
     from attnselect.execution import kernel_call, run_call
+    budget_s = TUNING_BUDGET_S if budget_s is None else budget_s   # read per call: tests and tools may change it
     device = torch.device("cuda" if target.is_cuda else "cpu")
     problem = bucket(problem)
     q, k, v, grad_out, packing = random_inputs(problem, device)
