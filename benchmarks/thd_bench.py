@@ -26,9 +26,8 @@ import torch
 
 import attnselect
 from attnselect.candidates import judge
-from attnselect.execution import run_candidate
 from attnselect.inputs import describe_call
-from attnselect.measure import time_step
+from attnselect.measure import candidate_step, time_step
 from attnselect.target import Target
 
 HEADS, D_QK, D_V = 16, 192, 128
@@ -79,12 +78,7 @@ def bench_packing(name, lengths, training, target, device, dtype, args):
         if not verdict.supported or verdict.candidate.backend in args.skip:
             continue
         candidate = verdict.candidate
-
-        def step():
-            out, _ = run_candidate(candidate, problem, q, k, v, packing=packing, target=target)
-            if training:
-                torch.autograd.grad(out, (q, k, v), grad_out)
-
+        step = candidate_step(candidate, problem, target, (q, k, v, grad_out, packing))
         try:
             queued, alone = (time_step(step, torch.device(device), warmup=args.warmup, repeats=args.repeats, budget_s=args.budget,
                                        queued=mode) for mode in (True, False))

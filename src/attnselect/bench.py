@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from attnselect.candidates import Candidate, judge
 from attnselect.errors import InvalidInputError
-from attnselect.measure import random_inputs, time_steps
+from attnselect.measure import candidate_step, random_inputs, time_steps
 from attnselect.models import MODELS
 from attnselect.policy import arch_family
 from attnselect.problem import AttentionProblem
@@ -113,7 +113,7 @@ def bench_problem(problem: AttentionProblem, target: Target) -> dict:
     supported = {v.candidate for v in judge(problem, target) if v.supported}
     inputs = random_inputs(problem, device)
     steps = {TORCH_DEFAULT: lambda: _torch_default(problem, inputs)}
-    steps.update({str(c): (lambda c=c: _run(c, problem, inputs, target)) for c in sorted(supported, key=str)})
+    steps.update({str(c): candidate_step(c, problem, target, inputs) for c in sorted(supported, key=str)})
     rows = _timed(steps, device, problem)
     default = rows.pop(TORCH_DEFAULT)
     choices = {policy: _choice(policy, problem, target, supported, rows) for policy in (*RULE_POLICIES, "measure")}
@@ -166,14 +166,6 @@ def rechoose(report: dict, target: Target) -> int:
                 entry["policies"][policy] = fresh if fresh.get("candidate") == timed else {**fresh, "was": timed}
                 changed += 1
     return changed
-
-
-def _run(candidate, problem, inputs, target):
-    from attnselect.execution import kernel_call, run_call
-    q, k, v, grad_out, packing = inputs
-    out, _ = run_call(candidate, problem, kernel_call(problem), q, k, v, packing=packing, target=target)
-    if problem.training:
-        torch.autograd.grad(out, (q, k, v), grad_out)
 
 
 def _torch_default(problem, inputs):

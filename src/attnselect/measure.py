@@ -66,23 +66,12 @@ def measure(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, 
     Candidates are warmed up in rules order while half the budget lasts; the rest keep their rules
     order, and the log says so. The timed rounds share what is left of the budget.
     """
-    from attnselect.execution import kernel_call, run_call
     budget_s = TUNING_BUDGET_S if budget_s is None else budget_s   # read per call: tests and tools may change it
     device = torch.device("cuda" if target.is_cuda else "cpu")
     problem = bucket(problem)
-    q, k, v, grad_out, packing = random_inputs(problem, device)
-    call = kernel_call(problem)
-
-    def step_for(candidate):
-        def step():
-            out, _ = run_call(candidate, problem, call, q, k, v, packing=packing, target=target)
-            if problem.training:
-                torch.autograd.grad(out, (q, k, v), grad_out)
-            return out
-        return step
-
-    results = time_steps({c: step_for(c) for c in ranked}, device, budget_s=budget_s, warmup_budget_s=budget_s / 2,
-                         finite=True, keep_within=CONTENDER_FACTOR)
+    inputs = random_inputs(problem, device)
+    results = time_steps({c: candidate_step(c, problem, target, inputs) for c in ranked}, device, budget_s=budget_s,
+                         warmup_budget_s=budget_s / 2, finite=True, keep_within=CONTENDER_FACTOR)
     timings: dict[Candidate, Optional[Timing]] = {}
     for candidate, result in results.items():
         if isinstance(result, Exception):   # a candidate that fails while tuning is out, and said so
@@ -93,6 +82,21 @@ def measure(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, 
         log.info("attnselect: tuning budget of %.0f s spent after warming up %d of %d candidates for %s; the rest "
                  "keep their rules order", budget_s, len(results), len(ranked), problem.describe())
     return timings
+
+
+def candidate_step(candidate: Candidate, problem: AttentionProblem, target: Target, inputs: tuple):
+    """``step()``: one call of ``candidate`` on ``inputs`` (:func:`random_inputs`), with its backward when
+    training; returns the output."""
+    from attnselect.execution import kernel_call, run_call
+    q, k, v, grad_out, packing = inputs
+    call = kernel_call(problem)
+
+    def step():
+        out, _ = run_call(candidate, problem, call, q, k, v, packing=packing, target=target)
+        if problem.training:
+            torch.autograd.grad(out, (q, k, v), grad_out)
+        return out
+    return step
 
 
 def choose(ranked: tuple[Candidate, ...], timings: dict[Candidate, Optional[Timing]]) -> tuple[Candidate, ...]:

@@ -10,16 +10,16 @@ While torch.compile traces :func:`attnselect.attention`, the call becomes
 * an autograd registration whose backward is ``attnselect::attention_backward``. A custom op's body
   runs below autograd, so the forward cannot keep its autograd graph for later; the backward op
   recomputes the candidate's forward with autograd switched back on and differentiates it (one
-  extra forward per backward, the price of an opaque op). With dropout the forward also returns the RNG state it started from, and
-  the backward replays it, so the recomputed forward draws the same mask.
+  extra forward per backward, the price of an opaque op). With dropout the forward also returns
+  the RNG state it started from, and the backward replays it, so the recomputed forward draws the
+  same mask.
 
 Packed (thd) calls need both ``max_seqlen_*`` under tracing: the boundaries cannot be read then, so
 the packing facts are the conservative ones of :func:`attnselect.inputs.packing_facts`. The problem
-says it runs in a compiled graph (``compiled_graph``), which backends that cannot refuse (eager flex
-on the CPU). The
-decision follows the ATTNSELECT_* variables and ``overrides`` blocks in force while tracing; the
-guarded run-time fallback of eager calls does not apply inside a compiled graph (a failing kernel
-raises).
+says it runs in a compiled graph (``compiled_graph``), which backends that cannot run there refuse
+(flex, whose block masks fail under AOTAutograd). The decision follows the ATTNSELECT_* variables
+and ``overrides`` blocks in force while tracing; the guarded run-time fallback of eager calls does
+not apply inside a compiled graph (a failing kernel raises).
 """
 
 from __future__ import annotations
