@@ -2,6 +2,7 @@
 # Steps of the GPU work, for the device tool; several run in order (`device_run.sh tests bench`), and on a
 # machine of two GPUs two invocations can run side by side under CUDA_VISIBLE_DEVICES=0 and =1:
 #   bash scripts/device_run.sh tests   # pytest -m gpu, verbose log            -> $OUT/h200_gpu_tests.txt
+#                                      # (TEST_PATHS=... TEST_PART=name: some of the tests -> h200_gpu_tests_name.txt)
 #   bash scripts/device_run.sh grid    # rules grid, resuming the committed rows -> $OUT/h200_rules_grid.jsonl
 #                                      # (GRID_DEADLINE seconds, default 500)
 #   bash scripts/device_run.sh bench   # packed (thd) benchmark                -> $OUT/h200_thd_bench.{json,md}
@@ -31,8 +32,9 @@ started=$SECONDS
 case "$step" in
   tests)
     { echo "# pytest -m gpu -v on $(python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
-      timeout 540 python3 -m pytest -m gpu -v -p no:cacheprovider -W ignore tests 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E "
-    } | tee "$OUT/h200_gpu_tests.txt" | tail -40 ;;
+      timeout 540 python3 -m pytest -m gpu -v -p no:cacheprovider -W ignore ${TEST_PATHS:-tests} 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|^E "
+    } | tee "$OUT/h200_gpu_tests${TEST_PART:+_$TEST_PART}.txt" | tail -40 ;;
   grid)
     timeout 560 python3 benchmarks/rules_grid.py --resume results/h200_rules_grid.jsonl \
       --out "$OUT/h200_rules_grid.jsonl" --deadline "${GRID_DEADLINE:-500}" 2>&1 | grep -E "DISAGREE|rows|deadline" | cut -c1-400 ;;

@@ -77,7 +77,7 @@ def test_time_steps_interleave_rounds_and_report_failures():
 
     results = measure.time_steps({"a": step("a"), "b": step("b"), "nan": nan, "broken": broken},
                                  torch.device("cpu"), warmup=1, repeats=4, rounds=2, finite=True)
-    assert order == ["a", "b"] + ["a", "a", "b", "b"] * 2   # warm-up, then each round gives every step its turn
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"]   # warm-up, then every step's turn
     assert isinstance(results["a"], measure.Timing) and isinstance(results["b"], measure.Timing)
     assert isinstance(results["nan"], FloatingPointError) and isinstance(results["broken"], RuntimeError)
     assert list(results) == ["a", "b", "nan", "broken"]
@@ -97,6 +97,15 @@ def test_time_steps_warm_up_while_half_the_budget_lasts(monkeypatch):
     assert all(isinstance(t, measure.Timing) for t in results.values())
     now[0] = 0.0   # a budget alone sizes the repeats (three at least) and never leaves a step out
     assert list(measure.time_steps(steps, torch.device("cpu"), warmup=1, repeats=30, budget_s=1.0)) == list(steps)
+
+
+def test_no_step_always_follows_the_same_one():
+    keys = ["torch-default", "a", "b", "c"]
+    orders = [measure._round_order(keys, index) for index in range(4)]
+    assert orders[0] == keys and all(sorted(o) == sorted(keys) for o in orders)
+    before = {tuple(o[i - 1] for i in range(1, len(o)) if o[i] == "torch-default") for o in orders}
+    assert len(before) >= 3   # first of its round, or after two different steps
+    assert measure._round_order([], 3) == []
 
 
 def test_a_step_failing_in_a_timed_round_leaves_the_rounds_with_its_error():

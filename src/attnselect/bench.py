@@ -190,7 +190,7 @@ TORCH_DEFAULT = "torch-default"
 def _timed(steps: dict, device, problem) -> dict:
     """Every step timed side by side in interleaved rounds (time_steps), so drift lands on all alike; the
     budget sizes the repeats and never leaves a step out."""
-    results = time_steps(steps, device, warmup=1, repeats=12, budget_s=CANDIDATE_BUDGET_S * len(steps))
+    results = time_steps(steps, device, warmup=1, repeats=12, rounds=4, budget_s=CANDIDATE_BUDGET_S * len(steps))
     rows = {}
     for key in steps:
         t = results[key]

@@ -2,7 +2,8 @@
 
 Each candidate runs on random inputs of the problem's shape (forward, or forward+backward
 when training): warm-up, then timed repeats in interleaved rounds (every candidate takes its turn
-in each round, so drift of clocks or temperature during tuning lands on all of them alike), each
+in each round, in another order each round, so drift of clocks or temperature during tuning, and
+what ran just before, land on all of them alike), each
 repeat timed with CUDA events (wall clock on the CPU); its median and 20th..80th percentile
 spread are kept; after the first round only the contenders (within 25% of the fastest) go on,
 so the budget buys repeats where they decide something. The fastest median wins, except that a
@@ -133,7 +134,7 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
 
     Each step is warmed up (``finite``: its first output must be finite, or it fails), then every
     step runs its repeats in ``rounds`` interleaved rounds, so slow drift of clocks or
-    temperature lands on all steps alike; a step's Timing is the median and p20..p80 of all its
+    temperature lands on all steps alike (each round in another order, :func:`_round_order`); a step's Timing is the median and p20..p80 of all its
     repeats (CUDA events on GPUs, wall clock on the CPU). A step that raises, in warm-up or in a
     round, gets its exception (its traceback's frames cleared, so the step's tensors are freed)
     and leaves the later rounds. ``queued`` (the default) issues a round's repeats back to back,
@@ -177,9 +178,10 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
 
     samples = {key: [] for key in ready}
 
-    def run_round(per_round: int) -> None:
+    def run_round(index: int, per_round: int) -> None:
         pending = {}
-        for key, step in list(ready.items()):
+        for key in _round_order(list(ready), index):
+            step = ready[key]
             try:
                 pending[key] = [_timed_call(step, device, wait=not queued) for _ in range(per_round)]
             except Exception as exc:
@@ -193,18 +195,30 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
                 ready.pop(key, None)
 
     per_round = repeats_per_round(rounds, least=-(-3 // rounds))   # three repeats in all, at least
-    run_round(per_round)
+    run_round(0, per_round)
     if keep_within is not None and ready:
         fastest = min(statistics.median(samples[key]) for key in ready)
         for key in [key for key in ready if statistics.median(samples[key]) > keep_within * fastest]:
             del ready[key]
         per_round = repeats_per_round(rounds - 1, least=-(-(3 - per_round) // max(rounds - 1, 1)))
-    for _ in range(rounds - 1):
-        run_round(per_round)
+    for index in range(1, rounds):
+        run_round(index, per_round)
     for key, times in samples.items():
         if key not in results:
             results[key] = _timing(times)
     return {key: results[key] for key in steps if key in results}
+
+
+def _round_order(keys: list, index: int) -> list:
+    """The order of round ``index``: it starts at the index-th step and runs forward in even rounds, backward
+    in odd ones, so no step always follows the same one (what runs just before, a hot or an idle GPU,
+    can shift a timing by a few percent)."""
+    if not keys:
+        return keys
+    start = index % len(keys)
+    if index % 2 == 0:
+        return keys[start:] + keys[:start]
+    return [keys[(start - i) % len(keys)] for i in range(len(keys))]
 
 
 def _released(exc: BaseException) -> BaseException:
