@@ -78,3 +78,14 @@ def test_hf_deepseek_smoke(tmp_path):
     for name in ("attnselect", "sdpa"):   # flex has no CPU backward: its failure is recorded, not raised
         assert rows[name]["tokens_per_s"] > 0, rows[name]
     assert "error" in rows["flex_attention"]
+
+
+def test_noise_floor_smoke(tmp_path):
+    _run("benchmarks/noise_floor.py", "--smoke", "--sessions", "2", "--out", str(tmp_path / "noise"))
+    case = json.loads((tmp_path / "noise.json").read_text())["cases"][0]
+    for mode in ("spin", "no spin"):
+        medians = case[mode]["medians_ms"]
+        assert set(medians) == {"sdpa_math native (A)", "sdpa_math native (B)", "reference native", "torch-default"}
+        assert all(len(v) == 2 and all(t > 0 for t in v) for v in medians.values())
+        assert len(case[mode]["a_over_b"]) == 2
+    assert "A/B (the same kernel, spin)" in (tmp_path / "noise.md").read_text()

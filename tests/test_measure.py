@@ -108,6 +108,31 @@ def test_no_step_always_follows_the_same_one():
     assert measure._round_order([], 3) == []
 
 
+def test_on_a_gpu_each_turn_starts_behind_a_spin_long_enough_to_issue_its_repeats(monkeypatch):
+    events, now = [], [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(measure.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(measure.torch.cuda, "_sleep", lambda cycles: events.append(("spin", cycles)))
+
+    def timed_call(step, device, *, wait):
+        step()
+        return lambda: 1.0
+    monkeypatch.setattr(measure, "_timed_call", timed_call)
+
+    def issuing(name, host_s):   # the host needs host_s to issue one call
+        def step():
+            events.append(name)
+            now[0] += host_s
+        return step
+
+    measure.time_steps({"slow_host": issuing("slow_host", 0.002), "fast_host": issuing("fast_host", 0.0001)},
+                       torch.device("cuda"), warmup=1, repeats=6, rounds=2)
+    timed = events[4:]   # after warm-up and the sizing calls
+    assert timed[:4] == [("spin", int(2 * 3 * 2.0 * measure.SPIN_CYCLES_PER_MS) + 1)] + ["slow_host"] * 3
+    assert timed[4][0] == "spin" and timed[4][1] == pytest.approx(2 * 3 * 0.1 * measure.SPIN_CYCLES_PER_MS, rel=1e-6)
+    assert sum(e[0] == "spin" for e in timed) == 4   # one per step and round
+
+
 def test_a_step_failing_in_a_timed_round_leaves_the_rounds_with_its_error():
     calls = []
 

@@ -39,6 +39,7 @@ TIE_TOLERANCE = 0.02     # a rules-preferred candidate this close to the fastest
 WARMUP, REPEATS = 2, 30  # repeats: ten in each of the ROUNDS, fewer where the budget says so
 ROUNDS = 3               # interleaved rounds of repeats: drift lands on every candidate alike
 CONTENDER_FACTOR = 1.25  # after the first round, candidates slower than this times the fastest stop
+SPIN_CYCLES_PER_MS = 2_000_000   # torch.cuda._sleep cycles per ms at a ~2 GHz SM clock (slower clocks spin longer)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ def time_step(step, device: torch.device, *, warmup: int = WARMUP, repeats: int 
 
 def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repeats: int = REPEATS,
                rounds: int = ROUNDS, budget_s: Optional[float] = None, warmup_budget_s: Optional[float] = None,
-               queued: bool = True, finite: bool = False, keep_within: Optional[float] = None) -> dict:
+               queued: bool = True, spin: bool = True, finite: bool = False,
+               keep_within: Optional[float] = None) -> dict:
     """Time several steps side by side: ``{key: Timing}``, or ``{key: the exception}`` where a step failed.
 
     Each step is warmed up (``finite``: its first output must be finite, or it fails), then every
@@ -138,8 +140,11 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
     repeats (CUDA events on GPUs, wall clock on the CPU). A step that raises, in warm-up or in a
     round, gets its exception (its traceback's frames cleared, so the step's tensors are freed)
     and leaves the later rounds. ``queued`` (the default) issues a round's repeats back to back,
-    each between its own pair of events, and waits once per round, as a training loop does: a
-    repeat measures the GPU's time unless the host is the slower of the two. ``queued=False``
+    each between its own pair of events, and waits once per round, as a training loop does; on a
+    GPU each step's turn starts behind a spin (``torch.cuda._sleep``) of twice the host's time to
+    issue its repeats, so a repeat measures the GPU's time even where the host is the slower (a
+    step's host cost is not what is compared; what ran just before does not matter; ``spin=False``
+    leaves it out, and the timings of host-bound steps depend on the queue). ``queued=False``
     waits after every repeat, which adds each call's host overhead in full (the latency of an
     isolated call). ``budget_s`` sizes the repeats, from one synchronised call of each step, so
     that everything fits in that many seconds from the start, with at least three repeats for
@@ -151,7 +156,7 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
     others' first-round Timings stand.
     """
     start = time.perf_counter()
-    results, ready, sizes = {}, {}, {}
+    results, ready, sizes, issue_ms = {}, {}, {}, {}
     for key, step in steps.items():
         if warmup_budget_s is not None and ready and time.perf_counter() - start > warmup_budget_s:
             break
@@ -161,8 +166,10 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
                 if finite and i == 0 and not bool(torch.isfinite(out).all()):
                     raise FloatingPointError("non-finite output for finite input")
                 del out   # not held through the rounds
-            if budget_s is not None:
-                sizes[key] = _timed_call(step, device, wait=True)()
+            if budget_s is not None or (queued and spin and device.type == "cuda"):
+                sizes[key], issued = _sized_call(step, device)
+                if queued and spin and device.type == "cuda":
+                    issue_ms[key] = issued
         except Exception as exc:   # a failing step is part of the result
             results[key] = _released(exc)
             continue
@@ -173,7 +180,8 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
         if budget_s is None or not ready:
             return per_round
         left_ms = max(budget_s - (time.perf_counter() - start), 0.0) * 1e3
-        fits = int(left_ms / (rounds_left * max(sum(sizes[key] for key in ready), 1e-3)))
+        per_repeat = sum(sizes[key] + 2 * issue_ms.get(key, 0.0) for key in ready)   # with the spin
+        fits = int(left_ms / (rounds_left * max(per_repeat, 1e-3)))
         return max(least, min(per_round, fits))
 
     samples = {key: [] for key in ready}
@@ -183,6 +191,8 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
         for key in _round_order(list(ready), index):
             step = ready[key]
             try:
+                if key in issue_ms:   # a backlog, so the host issues every repeat before the GPU needs it
+                    torch.cuda._sleep(int(2 * per_round * issue_ms[key] * SPIN_CYCLES_PER_MS) + 1)
                 pending[key] = [_timed_call(step, device, wait=not queued) for _ in range(per_round)]
             except Exception as exc:
                 results[key] = _released(exc)
@@ -230,6 +240,16 @@ def _released(exc: BaseException) -> BaseException:
         traceback.clear_frames(chained.__traceback__)
         chained = chained.__cause__ or chained.__context__
     return exc
+
+
+def _sized_call(step, device: torch.device) -> tuple[float, float]:
+    """One synchronised call of ``step``: (its time, the host's time to issue it), in ms."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    elapsed = _timed_call(step, device, wait=False)
+    issued = (time.perf_counter() - t0) * 1e3
+    return elapsed(), issued
 
 
 def _timed_call(step, device: torch.device, *, wait: bool):
