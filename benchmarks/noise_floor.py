@@ -4,7 +4,8 @@ For a few problems of the bench suite where the measure policy and the bench dis
 the rules' choice twice as two separate steps ("A" and "B": the same kernel on the same inputs),
 the close candidates and torch's default, side by side with ``attnselect.measure.time_steps`` as
 the bench does (warm-up, four interleaved rounds, about 1.5 s per step), in several independent
-sessions, with and without the spin that lets the host issue a turn's repeats ahead of the GPU.
+sessions, with and without the spin that lets the host issue a turn's repeats ahead of the GPU
+(alternating, so the GPU's warming up lands on both).
 It reports each session's medians, the A/B ratio within a session (what identical kernels differ
 by), the spread of each step's median across sessions (what a second timing, e.g. the measure
 policy's, can differ by) and each step's host time to issue one call.
@@ -73,15 +74,16 @@ def run_case(fragment: str, twice: str, others: list[str], target: Target, sessi
                   if name in supported})
     steps[TORCH_DEFAULT] = lambda: _torch_default(problem, inputs)
     case = {"problem": problem.describe(), "issue_ms": {k: _issue_ms(s, device) for k, s in steps.items()}}
-    for spin in (True, False):
-        medians = {key: [] for key in steps}
-        for _ in range(sessions):
-            timings = time_steps(steps, device, warmup=1, repeats=12, rounds=4, spin=spin,
+    medians = {mode: {key: [] for key in steps} for mode in ("spin", "no spin")}
+    for _ in range(sessions):   # the two ways alternate, so the GPU's warming up lands on both
+        for mode in medians:
+            timings = time_steps(steps, device, warmup=1, repeats=12, rounds=4, spin=mode == "spin",
                                  budget_s=(0.2 if smoke else 1.5) * len(steps))
             for key, t in timings.items():
-                medians[key].append(None if isinstance(t, Exception) else t.median_ms)
+                medians[mode][key].append(None if isinstance(t, Exception) else t.median_ms)
+    for mode, medians in medians.items():
         a, b = medians[f"{twice} (A)"], medians[f"{twice} (B)"]
-        case["spin" if spin else "no spin"] = {
+        case[mode] = {
             "medians_ms": medians,
             "a_over_b": [x / y for x, y in zip(a, b) if x and y],
             "across_sessions": {k: max(v) / min(v) for k, v in medians.items() if v and all(v)},

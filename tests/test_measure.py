@@ -127,9 +127,10 @@ def test_on_a_gpu_each_turn_starts_behind_a_spin_long_enough_to_issue_its_repeat
 
     measure.time_steps({"slow_host": issuing("slow_host", 0.002), "fast_host": issuing("fast_host", 0.0001)},
                        torch.device("cuda"), warmup=1, repeats=6, rounds=2)
-    timed = events[4:]   # after warm-up and the sizing calls
-    assert timed[:4] == [("spin", int(2 * 3 * 2.0 * measure.SPIN_CYCLES_PER_MS) + 1)] + ["slow_host"] * 3
-    assert timed[4][0] == "spin" and timed[4][1] == pytest.approx(2 * 3 * 0.1 * measure.SPIN_CYCLES_PER_MS, rel=1e-6)
+    timed = events[4:]   # after warm-up and the sizing calls (each took 1 ms on the GPU's clock)
+    # slow_host: 2 ms to issue, about 0 on the GPU: twice (2 + 3 repeats x 2) ms; fast_host: twice its 0.1 ms
+    assert timed[:4] == [("spin", int(2 * (2.0 + 3 * 2.0) * measure.SPIN_CYCLES_PER_MS) + 1)] + ["slow_host"] * 3
+    assert timed[4][0] == "spin" and timed[4][1] == pytest.approx(2 * 0.1 * measure.SPIN_CYCLES_PER_MS, rel=1e-5)
     assert sum(e[0] == "spin" for e in timed) == 4   # one per step and round
 
 

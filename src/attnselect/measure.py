@@ -141,8 +141,8 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
     round, gets its exception (its traceback's frames cleared, so the step's tensors are freed)
     and leaves the later rounds. ``queued`` (the default) issues a round's repeats back to back,
     each between its own pair of events, and waits once per round, as a training loop does; on a
-    GPU each step's turn starts behind a spin (``torch.cuda._sleep``) of twice the host's time to
-    issue its repeats, so a repeat measures the GPU's time even where the host is the slower (a
+    GPU each step's turn starts behind a spin (``torch.cuda._sleep``, :func:`_spin_ms`) long enough
+    for the host to issue its repeats ahead, so a repeat measures the GPU's time even where the host is the slower (a
     step's host cost is not what is compared; what ran just before does not matter; ``spin=False``
     leaves it out, and the timings of host-bound steps depend on the queue). ``queued=False``
     waits after every repeat, which adds each call's host overhead in full (the latency of an
@@ -192,7 +192,7 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
             step = ready[key]
             try:
                 if key in issue_ms:   # a backlog, so the host issues every repeat before the GPU needs it
-                    torch.cuda._sleep(int(2 * per_round * issue_ms[key] * SPIN_CYCLES_PER_MS) + 1)
+                    torch.cuda._sleep(int(_spin_ms(sizes[key], issue_ms[key], per_round) * SPIN_CYCLES_PER_MS) + 1)
                 pending[key] = [_timed_call(step, device, wait=not queued) for _ in range(per_round)]
             except Exception as exc:
                 results[key] = _released(exc)
@@ -240,6 +240,14 @@ def _released(exc: BaseException) -> BaseException:
         traceback.clear_frames(chained.__traceback__)
         chained = chained.__cause__ or chained.__context__
     return exc
+
+
+def _spin_ms(size_ms: float, issue_ms: float, repeats: int) -> float:
+    """Twice the host's lead needed to issue ``repeats`` calls before the GPU reaches them: the first call's
+    issue time, plus what each call's issue time exceeds its GPU time (about ``size_ms - issue_ms``, the
+    synchronised call less its issuing) by. Short for GPU-bound steps, so the GPU hardly rests."""
+    gpu_ms = max(size_ms - issue_ms, 0.0)
+    return 2 * (issue_ms + repeats * max(issue_ms - gpu_ms, 0.0))
 
 
 def _sized_call(step, device: torch.device) -> tuple[float, float]:
