@@ -79,8 +79,8 @@ SHORT_DOCUMENTS, SHORT_PACK_WORK = 512, 8e10
 PREFERENCES[("sm90", "training", "thd", "short documents")] = (
     "varlen_fa2", "varlen_fa2+pad", "cudnn_frontend", "cudnn_frontend+pad", "flex", "flex+pad", *_PER_SEQUENCE)
 # "wide heads" (a head dim above 256: absorbed MLA, 576/512 with one key/value head), sm90 prefill (as many queries as
-# keys, >= 1024 of them): results/h200_bench.md, B*S = 16k, 128 query heads, causal: sdpa_efficient 22.0 / 74.8 / 308
-# ms at 1k / 4k / 16k against the cuDNN frontend's 28.5 / 105 / 427 ms. Decode (one query against a long cache) is
+# keys, >= 1024 of them): results/h200_bench.md, B*S = 16k, 128 query heads, causal: sdpa_efficient 21.5 / 71.7 / 301
+# ms at 1k / 4k / 16k against the cuDNN frontend's 28.7 / 105 / 427 ms (2026-11-30). Decode (one query against a long cache) is
 # not measured and keeps the general order.
 WIDE_PREFILL = 1024
 PREFERENCES[("sm90", "inference", "wide heads")] = (
