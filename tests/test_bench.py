@@ -82,8 +82,9 @@ def test_shards_stride_through_the_suite_and_merge_in_its_order(tmp_path, five_p
     with open(tmp_path / "part1.json", "w") as f:
         json.dump(parts[1], f)
     paths = [str(tmp_path / "part1.json"), str(tmp_path / "part0.json"), str(tmp_path / "part0.json")]
-    merged = bench.merge(str(tmp_path / "all"), paths)   # a part given twice adds nothing
+    merged = bench.merge(str(tmp_path / "new" / "all"), paths)   # a part given twice adds nothing
     assert [e["problem"] for e in merged["results"]] == five_problems
+    assert (tmp_path / "new" / "all.json").exists()   # a missing folder is made
     assert "shard" not in merged["meta"] and merged["meta"]["date"].endswith(" to 2099-01-01")
 
 

@@ -279,6 +279,7 @@ def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0, shard: tupl
     k-th), writing the JSON after each, then the markdown and chart."""
     target = Target.current()
     path = out + ".json"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     report = json.load(open(path)) if os.path.exists(path) else {"results": []}
     k, n = shard
     written_by = report.get("meta", {}).get("shard", "0/1")
@@ -328,6 +329,7 @@ def merge(out: str, parts: list[str]) -> dict:
     order = {key: i for i, key in enumerate([*suite(smoke=False), *suite(smoke=True)])}   # the suite's order
     merged = {"meta": meta,
               "results": [results[key] for key in sorted(results, key=lambda key: order.get(key, len(order)))]}
+    os.makedirs(os.path.dirname(out + ".json") or ".", exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump(merged, f, indent=1)
     return render(out, merged)

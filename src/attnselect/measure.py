@@ -136,15 +136,16 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
 
     Each step is warmed up (``finite``: its first output must be finite, or it fails), then every
     step runs its repeats in ``rounds`` interleaved rounds, so slow drift of clocks or
-    temperature lands on all steps alike (each round in another order, :func:`_round_order`); a step's Timing is the median and p20..p80 of all its
-    repeats (CUDA events on GPUs, wall clock on the CPU). A step that raises, in warm-up or in a
-    round, gets its exception (its traceback's frames cleared, so the step's tensors are freed)
-    and leaves the later rounds. ``queued`` (the default) issues a round's repeats back to back,
-    each between its own pair of events, and waits once per round, as a training loop does; on a
-    GPU each step's turn starts behind a spin (``torch.cuda._sleep``, :func:`_spin_ms`) long enough
-    for the host to issue its repeats ahead, so a repeat measures the GPU's time even where the host is the slower (a
-    step's host cost is not what is compared; what ran just before does not matter; ``spin=False``
-    leaves it out, and the timings of host-bound steps depend on the queue). ``queued=False``
+    temperature lands on all steps alike (each round in another order, :func:`_round_order`); a
+    step's Timing is the median and p20..p80 of all its repeats (CUDA events on GPUs, wall clock
+    on the CPU). A step that raises, in warm-up or in a round, gets its exception (its
+    traceback's frames cleared, so the step's tensors are freed) and leaves the later rounds.
+    ``queued`` (the default) issues a round's repeats back to back, each between its own pair of
+    events, and waits once per round, as a training loop does; on a GPU each step's turn starts
+    behind a spin (``torch.cuda._sleep``, :func:`_spin_ms`) long enough for the host to issue its
+    repeats ahead, so a repeat measures the GPU's time even where the host is the slower (a step's
+    host cost is not what is compared; what ran just before does not matter; ``spin=False`` leaves
+    it out, and the timings of host-bound steps then depend on the queue). ``queued=False``
     waits after every repeat, which adds each call's host overhead in full (the latency of an
     isolated call). ``budget_s`` sizes the repeats, from one synchronised call of each step, so
     that everything fits in that many seconds from the start, with at least three repeats for
