@@ -68,8 +68,11 @@ CASES = [
     ("cu_seqlens_kv entries", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu,
                                             "cu_seqlens_kv": torch.tensor([0, 2, 4, 8], dtype=torch.int32)},
      r"cu_seqlens_kv: got 4 entries, expected as many as cu_seqlens_q \(3\)"),
-    ("cu_seqlens_kv not ending at Tk", (tq, tk[:6], tv[:6]), {"layout": "thd", "cu_seqlens_q": cu},
+    ("cu_seqlens_kv not ending at Tk", (tq, tk[:6], tv[:6]), {"layout": "thd", "cu_seqlens_q": cu,
+                                                               "cu_seqlens_kv": cu.clone()},
      r"cu_seqlens_kv: got last entry 8, expected the token count 6"),
+    ("Tq != Tk with shared cu_seqlens", (tq, tk[:6], tv[:6]), {"layout": "thd", "cu_seqlens_q": cu},
+     r"k\.shape\[0\]: got 6, expected q's token count 8"),
     ("padded offsets end", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": torch.tensor([0, 3, 7], dtype=torch.int32),
                                           "cu_seqlens_q_padded": torch.tensor([0, 4, 9], dtype=torch.int32)},
      r"cu_seqlens_q_padded: got first 0, last 9, expected 0 and the token count 8"),
@@ -134,6 +137,9 @@ def test_thd_reads_boundaries_on_the_host_only_without_max_seqlen():
     assert (problem.batch, problem.seqlen_q, problem.varlen_seqlens_match) == (2, 5, True)
     with pytest.raises(Exception, match="meta"):
         attnselect.AttentionProblem.from_tensors(q, k, v, layout="thd", cu_seqlens_q=cu)
+    with pytest.raises(InvalidInputError, match=r"k\.shape\[0\]: got 6, expected q's token count 8"):
+        attnselect.AttentionProblem.from_tensors(q, k[:6], v[:6], layout="thd", cu_seqlens_q=cu, max_seqlen_q=5,
+                                                 max_seqlen_kv=5)   # Tq != Tk under shared boundaries, no read
 
 
 def test_thd_facts_are_exact_from_lengths_and_conservative_without():

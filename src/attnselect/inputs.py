@@ -162,6 +162,8 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv):
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_kv", max_kv)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             _fail(name, value, "an integer >= 0")
+    if same and offsets_kv is offsets_q and k.shape[0] != q.shape[0]:   # shapes alone: no host read
+        _fail("k.shape[0]", k.shape[0], f"q's token count {q.shape[0]} (k shares q's cu_seqlens and offsets)")
     if max_q is not None and max_kv is not None and cu_q.device.type != "cpu":
         # No host read: q/kv lengths are known to match only when they share their boundaries.
         return Packing(cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv), (None, None, same)

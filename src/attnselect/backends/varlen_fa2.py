@@ -22,7 +22,9 @@ class VarlenFa2(Backend):
     # Source: pytorch torch/nn/attention/varlen.py (varlen_attn over aten._flash_attention_forward:
     # "v must have shape (total_k, num_heads_k, head_size_og)", window_size=(left, right) with
     # (-1, 0) for causal, bottom-right aligned as FA2; no dropout argument; lse through
-    # return_aux=AuxRequest(lse=True)). Flash arch and dtype limits as sdpa_flash (sdp_utils.cpp).
+    # return_aux=AuxRequest(lse=True); cu_seq_q/cu_seq_k are both the boundaries and the start offsets,
+    # with no separate padded offsets, so no gaps between sequences). Flash arch and dtype limits as
+    # sdpa_flash (sdp_utils.cpp).
     surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), max_capability=(12, 1), max_head_dim=256,
                                 equal_head_dims=True, dropout=False, deterministic_backward=False,
                                 causal_is_bottom_right=True, dense=False, packed=True)}
