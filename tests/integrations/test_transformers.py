@@ -87,6 +87,58 @@ def test_generate_with_left_padding_gives_eagers_tokens():
     assert torch.equal(tokens[0], tokens[1])
 
 
+def test_a_4d_mask_passed_to_the_model_is_honoured(calls, caplog):
+    # Two documents in one row, each causal within itself: an additive 4-D mask, as eager takes it.
+    ids = torch.randint(3, 97, (1, 10), generator=torch.Generator().manual_seed(7))
+    allowed = torch.zeros(10, 10, dtype=torch.bool)
+    allowed[:6, :6] = allowed[6:, 6:] = True
+    allowed &= torch.ones(10, 10, dtype=torch.bool).tril()
+    mask = torch.zeros(1, 1, 10, 10).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    with caplog.at_level("INFO", logger="attnselect"):
+        ours, eager = (m(ids, attention_mask=mask, position_ids=positions).logits
+                       for m in (_model(NAME), _model("eager")))
+    torch.testing.assert_close(ours, eager)
+    assert calls == []   # the mask is not one attnselect's kernels take: torch's SDPA ran it, and the log says so
+    assert "4-D attention_mask" in caplog.text
+    separate = _model(NAME)(ids[:, 6:]).logits   # the second document alone: the mask kept them apart
+    torch.testing.assert_close(ours[:, 6:], separate)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_interface_matches_transformers_eager_function(causal):
+    """GQA through the module's key/value heads, a non-default scaling, causal or not, padded or not."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+    from attnselect.integrations.transformers import attention_forward
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups, module.training = causal, 2, False
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 4, 7, 24, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, 7, 24, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, 7, 16, generator=g, dtype=torch.float64)
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[1, :3] = False   # left padding in the second row
+    def additive(keep):   # eager's mask carries the causality too
+        allowed = keep[:, None, None, :] & (torch.ones(7, 7, dtype=torch.bool).tril() if causal else True)
+        return torch.zeros(2, 1, 7, 7, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+    for ours_mask, eager_mask, rows in ((None, additive(torch.ones_like(keep)), slice(None)), (keep, additive(keep), keep)):
+        ours, _ = attention_forward(module, q, k, v, ours_mask, scaling=0.37, is_causal=causal)
+        eager, _ = eager_attention_forward(module, q, k, v, eager_mask, scaling=0.37)
+        assert ours.shape == (2, 7, 4, 16)
+        torch.testing.assert_close(ours[rows], eager[rows], rtol=1e-5, atol=1e-6)   # eager's softmax is float32
+
+
+def test_dropout_reaches_the_kernel():
+    from attnselect.integrations.transformers import attention_forward
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = (torch.randn(1, 2, 6, d, generator=torch.Generator().manual_seed(9)) for d in (24, 24, 16))
+    plain, _ = attention_forward(module, q, k, v, None)
+    torch.manual_seed(0)
+    dropped, _ = attention_forward(module, q, k, v, None, dropout=0.5)
+    assert not torch.allclose(plain, dropped)
+
+
 def test_padding_free_packed_batch_matches_separate_sequences():
     from attnselect.integrations.transformers import attention_forward
     module = torch.nn.Module()

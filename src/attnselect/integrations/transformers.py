@@ -9,8 +9,9 @@ The name does not contain "flash", so models that pad V to the query width for F
 "flash_attention_2") hand attnselect the native 128-wide V, and attnselect decides.
 
 The interface (transformers' AttentionInterface): query (B, Hq, Sq, Dqk), key (B, Hkv, Skv, Dqk),
-value (B, Hkv, Skv, Dv); GQA through the module's key/value heads; ``attention_mask`` None or the
-padding mask; ``is_causal``, ``dropout``, ``scaling``; returns ((B, Sq, Hq, Dv), None).
+value (B, Hkv, Skv, Dv); GQA through the module's key/value heads; ``attention_mask`` None, the
+padding mask, or a 4-D mask the caller passed to the model; ``is_causal``, ``dropout``, ``scaling``;
+returns ((B, Sq, Hq, Dv), None).
 
 Masks: the registered mask function is transformers' own FlashAttention one, which hands the
 attention a 2-D padding mask (B, Skv), True for real tokens, or None when nothing is padded. A
@@ -20,13 +21,17 @@ run with bottom-right causal alignment (queries are the last Sq positions of the
 scattered back; padded query rows get zeros. Padding-free packed batches
 (``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments, as DataCollatorWithFlattening makes them)
 run packed directly, as do batches marked only by ``position_ids`` restarting at each document.
-Soft-capping and attention sinks are refused with an error, not ignored.
+A 4-D mask passed to the model (transformers hands it on unchanged) runs through torch's SDPA with
+that mask, V still native, and the log says so once. Soft-capping and attention sinks are refused
+with an error, not ignored.
 
 Supported transformers: 4.56 to 5.x (tested: 4.56.2 and 5.24.0).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import weakref
 from typing import Optional
 
@@ -77,10 +82,36 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is None:
         out = attnselect.attention(query, key, value, layout="bhsd", **options)
         return out.transpose(1, 2), None
+    if attention_mask.dim() == 4:
+        return _with_explicit_mask(query, key, value, attention_mask, dropout, scaling), None
     if attention_mask.dim() != 2:
         raise InvalidInputError(f"attention_mask: got {attention_mask.dim()} dims, expected the 2-D padding mask of "
-                                f"the {NAME!r} mask function (B, Skv)")
+                                f"the {NAME!r} mask function (B, Skv) or a 4-D mask (B, 1 or Hq, Sq, Skv)")
     return _unpadded(query, key, value, attention_mask.bool(), options), None
+
+
+def _with_explicit_mask(query, key, value, mask, dropout, scaling):
+    """A 4-D mask the caller built and passed to the model (transformers hands it on unchanged): bool (True
+    attends) or additive float, (B or 1, 1 or Hq, Sq, >= Skv). attnselect's kernels take causal, window and
+    padding masks, not arbitrary ones, so this runs torch's SDPA with the mask, which carries the causality too
+    (as transformers' own sdpa implementation does); logged once per process."""
+    sq, skv = query.shape[2], key.shape[2]
+    if mask.shape[2] != sq or mask.shape[3] < skv or mask.shape[0] not in (1, query.shape[0]) \
+            or mask.shape[1] not in (1, query.shape[1]):
+        raise InvalidInputError(f"attention_mask: got shape {tuple(mask.shape)}, expected (B or 1, 1 or Hq, Sq, >= Skv) "
+                                f"= ({query.shape[0]}, {query.shape[1]}, {sq}, {skv})")
+    _log_explicit_mask()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask[..., :skv] if mask.dtype == torch.bool else mask[..., :skv].to(query.dtype),
+        dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_explicit_mask() -> None:
+    logging.getLogger("attnselect").info(
+        "attnselect: a 4-D attention_mask was passed to the model; attnselect's kernels take causal, window and "
+        "padding masks only, so these calls run torch's scaled_dot_product_attention with that mask")
 
 
 def _packed(query, key, value, kwargs, options):
