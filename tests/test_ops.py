@@ -279,6 +279,34 @@ def test_a_module_compiles_fullgraph_and_trains_like_eager():
         torch.testing.assert_close(g, p.grad)
 
 
+def test_new_shapes_compile_static_graphs_or_run_eagerly_past_a_graph_break():
+    """The decision is per shape: dynamic=False compiles each shape fullgraph; the default torch.compile makes a
+    second shape dynamic, which the decision cannot take, so that call breaks the graph and attention runs eagerly
+    (with fullgraph=True it raises: README, torch.compile)."""
+    def fn(q, k, v):
+        return attnselect.attention(q, k, v, causal=True)
+
+    def as_static(q, k, v):   # each compiled function its own code object: dynamo caches per code object
+        return fn(q, k, v)
+
+    def as_default(q, k, v):
+        return fn(q, k, v)
+
+    def as_strict(q, k, v):
+        return fn(q, k, v)
+
+    torch._dynamo.reset()
+    static, default = torch.compile(as_static, dynamic=False, fullgraph=True), torch.compile(as_default)
+    for s in (6, 9, 13):
+        q, k, v = (torch.randn(2, s, 2, d, dtype=torch.float64) for d in (24, 24, 16))
+        torch.testing.assert_close(static(q, k, v), fn(q, k, v))
+        torch.testing.assert_close(default(q, k, v), fn(q, k, v))
+    strict = torch.compile(as_strict, fullgraph=True)
+    strict(*(torch.randn(2, 6, 2, d) for d in (24, 24, 16)))
+    with pytest.raises(Exception, match="assume_constant_result"):
+        strict(*(torch.randn(2, 9, 2, d) for d in (24, 24, 16)))
+
+
 def test_shared_boundaries_with_gaps_place_keys_as_eager():
     """Regression: cu_seqlens_kv passed as the very cu_seqlens_q tensor shares the queries' padded offsets."""
     g = torch.Generator().manual_seed(7)
