@@ -16,11 +16,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def clean_state(monkeypatch):
-    """Each test starts with no ATTNSELECT_* variable, an empty decision memo and no recorded failures."""
+def clean_state(monkeypatch, tmp_path_factory):
+    """Each test starts with no ATTNSELECT_* variable but a decision cache of its own (empty), an empty
+    decision memo and no recorded failures."""
     for name in list(os.environ):
         if name.startswith("ATTNSELECT_"):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path_factory.mktemp("attnselect-cache")))
     from attnselect import selection
     attnselect.clear_cache()
     selection._FAILED.clear()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -80,7 +82,27 @@ def test_a_failing_chosen_kernel_falls_back_once_with_a_warning(monkeypatch, cap
     assert len(warnings) == 1 and "sdpa_flash padded to 24 failed" in warnings[0] and "workspace" in warnings[0]
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
     verdict = next(v for v in attnselect.select(problem).verdicts if v.candidate == attnselect.Candidate("sdpa_flash", 24))
-    assert verdict.reasons[0].startswith("failed at run time in this process: _Broken: workspace")
+    assert verdict.reasons[0].startswith("failed at run time on this machine: _Broken: workspace")
+
+
+def test_a_run_time_failure_is_remembered_by_later_processes_on_the_same_target(monkeypatch, caplog):
+    from attnselect import selection
+    _break_sdpa_flash(monkeypatch)
+    q, k, v = _inputs()
+    attnselect.attention(q, k, v, causal=True)          # fails over, and writes the failure to the cache
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
+    broken = attnselect.Candidate("sdpa_flash", 24)
+    selection._FAILED.clear()                            # a new process: only the cache file remembers
+    attnselect.clear_cache()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="attnselect"):
+        attnselect.attention(q, k, v, causal=True)
+    assert not caplog.records                            # not tried again: no second failure, no warning
+    verdict = next(v for v in attnselect.select(problem).verdicts if v.candidate == broken)
+    assert verdict.reasons[0].startswith("failed at run time on this machine: _Broken: workspace")
+    selection._FAILED.clear()                            # another library version: the entry does not apply
+    newer = dataclasses.replace(attnselect.Target.current(), torch_version="99.0")
+    assert broken in {v.candidate for v in attnselect.select(problem, target=newer).verdicts if v.supported}
 
 
 def test_forced_or_strict_failures_raise(monkeypatch):
@@ -94,6 +116,11 @@ def test_forced_or_strict_failures_raise(monkeypatch):
     monkeypatch.setenv("ATTNSELECT_STRICT", "yes")
     with pytest.raises(attnselect.InvalidInputError, match="ATTNSELECT_STRICT"):
         attnselect.attention(q, k, v)
+    monkeypatch.setenv("ATTNSELECT_STRICT", "0")
+    attnselect.attention(q, k, v, backend="reference")   # a memoized decision...
+    monkeypatch.setenv("ATTNSELECT_STRICT", "maybe")      # ...is not reused past a bad value: it is checked
+    with pytest.raises(attnselect.InvalidInputError, match="ATTNSELECT_STRICT: got 'maybe'"):
+        attnselect.attention(q, k, v, backend="reference")
 
 
 @pytest.mark.gpu

@@ -45,7 +45,8 @@ def judge(problem: AttentionProblem, target: Target, overrides: Overrides = Over
           failed: Optional[dict] = None) -> tuple[Verdict, ...]:
     """A verdict for every candidate of every registered backend, in registry order.
 
-    ``failed`` maps candidates that raised at run time in this process to their error.
+    ``failed`` maps candidates that raised at run time on this machine (this process, or an earlier one
+    through the decision cache) to their error.
     """
     verdicts = []
     pad_target = problem.pad_target
@@ -55,7 +56,7 @@ def judge(problem: AttentionProblem, target: Target, overrides: Overrides = Over
             candidate = Candidate(backend.name, pad_to)
             reasons = overrides.reasons(candidate, problem)
             if failed and candidate in failed:
-                reasons = [f"failed at run time in this process: {failed[candidate]}"]
+                reasons = [f"failed at run time on this machine: {failed[candidate]}"]
             if not reasons:
                 reasons = backend.not_supported_reasons(problem if pad_to is None else problem.padded(pad_to), target)
             verdicts.append(Verdict(candidate, tuple(reasons)))

@@ -86,15 +86,29 @@ def clear_cache() -> None:
         clear()
 
 
-# Candidates that raised at run time in this process: (problem, target) -> {candidate: error}.
-# Kept across clear_cache(): they are facts about this machine, not memoized choices.
+# Candidates that raised at run time: (problem, target) -> {candidate: error}, this process's and those the
+# persistent cache holds from earlier processes (read once per problem). Kept across clear_cache(): they are
+# facts about this machine and its library versions (the target fingerprint), not memoized choices.
 _FAILED: dict[tuple, dict] = {}
+FAILED_AT_RUN_TIME = "failed at run time"   # the policy field of their cache entries
+
+
+def failures(problem: AttentionProblem, target: Target) -> dict:
+    """{candidate: error} of the candidates that failed at run time for ``problem`` on ``target``."""
+    if (problem, target) not in _FAILED:
+        entry = store.lookup(store.entry_key(problem, FAILED_AT_RUN_TIME, target)) or {}
+        _FAILED[(problem, target)] = {Candidate(**f["candidate"]): f["error"] for f in entry.get("failed", ())}
+    return _FAILED[(problem, target)]
 
 
 def mark_failed(problem: AttentionProblem, target: Target, candidate: Candidate, error: BaseException) -> None:
-    """Record a run-time failure (one warning) and forget decisions, so the next call re-selects without it."""
+    """Record a run-time failure (one warning), in memory and in the persistent cache, and forget decisions,
+    so the next call, and later processes on this target, select without it."""
     text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-    _FAILED.setdefault((problem, target), {})[candidate] = text
+    failed = failures(problem, target)
+    failed[candidate] = text
+    store.remember(store.entry_key(problem, FAILED_AT_RUN_TIME, target),
+                   {"failed": [{"candidate": c.to_dict(), "error": e} for c, e in failed.items()]})
     debug.LOGGER.warning("attnselect: %s failed on %s (%s); falling back to the next candidate "
                          "(ATTNSELECT_STRICT=1 raises instead)", candidate, problem.describe(), text)
     clear_cache()
@@ -129,7 +143,7 @@ def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy
 
 
 def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overrides) -> Decision:
-    verdicts = judge(problem, target, overrides, _FAILED.get((problem, target), {}))
+    verdicts = judge(problem, target, overrides, failures(problem, target))
     ranked = rules.rank(verdicts, problem, target)
     if not ranked:
         error = ForcedChoiceError if overrides.backend or overrides.pad != "auto" else NoSupportedCandidateError

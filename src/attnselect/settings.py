@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 POLICIES = ("rules", "measure")
 PAD_MODES = ("auto", "always", "never")
 ENV_VARS = ("ATTNSELECT_POLICY", "ATTNSELECT_BACKEND", "ATTNSELECT_PAD", "ATTNSELECT_DISABLE",
-            "ATTNSELECT_DEBUG", "ATTNSELECT_DEBUG_LEVEL")
+            "ATTNSELECT_DEBUG", "ATTNSELECT_DEBUG_LEVEL", "ATTNSELECT_STRICT")
 _NO_SCOPE = (None, None, None, None)
 _SCOPE: ContextVar[tuple] = ContextVar("attnselect_overrides", default=_NO_SCOPE)
 
