@@ -123,12 +123,8 @@ def test_forced_or_strict_failures_raise(monkeypatch):
         attnselect.attention(q, k, v, backend="reference")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["bshd", "thd"])
-def test_a_captured_cuda_graph_replays_like_a_float64_reference(layout):
-    """Static buffers (fixed cu_seqlens for thd), warm-up on a side stream, capture, new data, replay."""
-    from helpers import rel_err
-    g = torch.Generator(device="cuda").manual_seed(0)
+def _capture_inputs(layout):
+    """Static buffers (fixed cu_seqlens for thd) of an MLA-shaped call, with the call's keyword arguments."""
     if layout == "thd":
         cu = torch.tensor([0, 3, 103, 103, 160], dtype=torch.int32, device="cuda")
         shapes = ((160, 8, 192), (160, 8, 192), (160, 8, 128))
@@ -136,18 +132,30 @@ def test_a_captured_cuda_graph_replays_like_a_float64_reference(layout):
     else:
         shapes = ((2, 256, 8, 192), (2, 256, 8, 192), (2, 256, 8, 128))
         kwargs = dict(causal=True)
-    q, k, v = (torch.empty(s, device="cuda", dtype=torch.bfloat16) for s in shapes)
+    return [torch.empty(s, device="cuda", dtype=torch.bfloat16) for s in shapes], kwargs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,backend", [
+    ("bshd", None), ("bshd", "sdpa_cudnn"), ("bshd", "sdpa_flash"), ("bshd", "sdpa_efficient"), ("bshd", "sdpa_math"),
+    ("bshd", "reference"), ("thd", None), ("thd", "varlen_fa2")])
+def test_a_captured_cuda_graph_replays_like_a_float64_reference(layout, backend):
+    """Warm-up on a side stream, capture, new data in the static buffers, replay: the automatic choice and every
+    backend that allows capture (thd: the packed kernels; the per-sequence path reads boundaries on the host)."""
+    from helpers import rel_err
+    g = torch.Generator(device="cuda").manual_seed(0)
+    (q, k, v), kwargs = _capture_inputs(layout)
     for t in (q, k, v):
         t.normal_(generator=g)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            attnselect.attention(q, k, v, **kwargs)
+            attnselect.attention(q, k, v, backend=backend, **kwargs)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attnselect.attention(q, k, v, **kwargs)
+        out = attnselect.attention(q, k, v, backend=backend, **kwargs)
     for _ in range(2):
         for t in (q, k, v):
             t.normal_(generator=g)
@@ -157,10 +165,14 @@ def test_a_captured_cuda_graph_replays_like_a_float64_reference(layout):
 
 
 @pytest.mark.gpu
-def test_capture_refuses_a_backend_it_has_not_verified():
-    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
-    attnselect.attention(q, q, q, backend="sdpa_cudnn")   # CUDA initialised before capture
+@pytest.mark.parametrize("layout,backend", [("bshd", "flex"), ("bshd", "cudnn_frontend"), ("thd", "cudnn_frontend"),
+                                            ("thd", "flex"), ("thd", "sdpa_cudnn")])
+def test_capture_refuses_a_backend_it_has_not_verified(layout, backend):
+    (q, k, v), kwargs = _capture_inputs(layout)
+    for t in (q, k, v):
+        t.normal_()
+    attnselect.attention(q, k, v, backend="reference", **kwargs)   # CUDA initialised before capture
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(attnselect.ForcedChoiceError, match="CUDA graph capture"):
+    with pytest.raises(attnselect.ForcedChoiceError, match="graph capture"):
         with torch.cuda.graph(graph):
-            attnselect.attention(q, q, q, backend="flex")
+            attnselect.attention(q, k, v, backend=backend, **kwargs)

@@ -74,6 +74,59 @@ def test_packed_mla_layer_matches_sequence_by_sequence_and_keeps_v_native(megatr
         megatron.skip_thd_value_pad()
 
 
+def _megatrons_own_mla_layer(ours):
+    """The same MLA self-attention with Megatron's own local core attention (DotProductAttention: baddbmm, its
+    masked softmax, bmm) and our layer's weights. megatron-core 0.19.2's DotProductAttention cannot be built by
+    MLA as it is: MLA passes k_channels/v_channels, which it does not take, and it sizes its output from
+    config.kv_channels (hidden / heads, not v_head_dim). The subclass gives it a config whose kv_channels is the
+    value head dim and drops the two arguments; the arithmetic stays Megatron's. Local refuses packed input, so it
+    runs dense, one sequence at a time."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import build_module
+
+    class MegatronUnfused(DotProductAttention):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+            config = copy.copy(config)
+            config.kv_channels = v_channels
+            super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                             softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True)
+    spec.submodules.self_attention.submodules.core_attention = MegatronUnfused
+    layer = build_module(spec.submodules.self_attention, config=ours.config, layer_number=1).cuda()
+    missing, unexpected = layer.load_state_dict(ours.state_dict(), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    assert isinstance(layer.core_attention, DotProductAttention)
+    return layer
+
+
+def test_packed_layer_matches_megatrons_own_unfused_attention(megatron):
+    """Our core attention on packed input (V native) against Megatron's own local attention run dense per sequence,
+    forward and the input gradient, to bf16 tolerance."""
+    lengths = [5, 1, 300, 77]
+    layer = mla_layer(megatron, patched=True)
+    reference = _megatrons_own_mla_layer(layer)
+    try:
+        x = torch.randn(sum(lengths), 1, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        packed, _ = layer(x, None, packed_seq_params=packed_params(lengths))
+        grad = torch.randn_like(packed)
+        (dx,) = torch.autograd.grad(packed, x, grad)
+        start = 0
+        for n in lengths:
+            piece = x[start:start + n].detach().requires_grad_()
+            theirs, _ = reference(piece, None)
+            (d_theirs,) = torch.autograd.grad(theirs, piece, grad[start:start + n])
+            assert rel_err(packed[start:start + n], theirs) < 2e-2, n
+            assert rel_err(dx[start:start + n], d_theirs) < 2e-2, n
+            start += n
+    finally:
+        megatron.skip_thd_value_pad()
+
+
 def test_core_attention_refuses_what_it_cannot_serve(megatron):
     from megatron.core.transformer.enums import AttnMaskType
     layer = mla_layer(megatron, patched=True)
