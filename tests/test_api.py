@@ -105,6 +105,32 @@ def test_a_run_time_failure_is_remembered_by_later_processes_on_the_same_target(
     assert broken in {v.candidate for v in attnselect.select(problem, target=newer).verdicts if v.supported}
 
 
+def test_a_failing_packed_call_falls_back_too(monkeypatch, caplog):
+    _break_sdpa_flash(monkeypatch)   # the CPU rules' first choice for this pack, run sequence by sequence
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(10, 2, 24, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(10, 2, 16, generator=g, dtype=torch.float64)
+    packing = dict(layout="thd", cu_seqlens_q=torch.tensor([0, 3, 3, 10], dtype=torch.int32), causal=True)
+    with caplog.at_level("WARNING", logger="attnselect"):
+        out = attnselect.attention(q, k, v, **packing)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "sdpa_flash padded to 24 failed on thd" in warnings[0]
+    torch.testing.assert_close(out, attnselect.attention(q, k, v, backend="reference", **packing))
+
+
+def test_a_failing_kernel_inside_a_compiled_graph_raises(monkeypatch):
+    """No fallback inside a compiled graph (the decision is part of the graph): the error surfaces."""
+    _break_sdpa_flash(monkeypatch)
+    q, k, v = _inputs()
+
+    def fn(q, k, v):
+        return attnselect.attention(q, k, v, causal=True)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="workspace allocation failed"):
+        torch.compile(fn, fullgraph=True, dynamic=False)(q, k, v)
+
+
 def test_forced_or_strict_failures_raise(monkeypatch):
     _break_sdpa_flash(monkeypatch)
     q, k, v = _inputs()
