@@ -12,6 +12,12 @@
 #                                      # (MODELS_DEADLINE seconds, default 480); with SHARD=K/N one shard of
 #                                      # the suite, resuming results/h200_bench_partK-of-N.json -> $OUT/h200_bench_partK-of-N.*
 #                                      # (join: attnselect bench --out results/h200_bench --merge results/h200_bench_part*.json)
+#                                      # The full suite takes about 1200 GPU-seconds (training problems twice the
+#                                      # inference ones); on nvidia-h200-x2, two calls of two shards side by side:
+#                                      #   for g in 0 1; do (CUDA_VISIBLE_DEVICES=$g SHARD=$((2*g))/4 bash ... models) & done; wait
+#                                      #   then SHARD=$((2*g+1))/4; K counts from 0 (K/N: every N-th from the K-th)
+#   bash scripts/device_run.sh noise   # benchmarks/noise_floor.py (one kernel as two steps, sessions, spin or not)
+#                                      #                                                -> $OUT/h200_noise_floor.*
 #   bash scripts/device_run.sh hf      # transformers DeepSeek-V3 geometry, tokens/s     -> $OUT/h200_hf_deepseek.*
 #   bash scripts/device_run.sh megatron # megatron-core MLA layer tests, then stock pad vs native V -> $OUT/h200_megatron_mla.*
 # Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend.
@@ -53,12 +59,15 @@ case "$step" in
     ATTNSELECT_DEBUG=1 ATTNSELECT_DEBUG_LEVEL=2 timeout 570 python3 -m attnselect.cli bench --out "$OUT/$name" \
       --shard "${SHARD:-0/1}" --deadline "${MODELS_DEADLINE:-480}" > "$OUT/$name.log" 2>&1
     grep -v -i warn "$OUT/$name.log" | grep -v "^\[attnselect" | tail -30 ;;   # measure's timings stay in the log
+  noise)
+    timeout 400 python3 benchmarks/noise_floor.py --out "$OUT/h200_noise_floor" --sessions "${NOISE_SESSIONS:-2}" 2>&1 \
+      | grep -v -i warn ;;
   hf)
     timeout 560 python3 benchmarks/hf_deepseek.py --out "$OUT/h200_hf_deepseek" 2>&1 | grep -v -i warn | tail -12 ;;
   megatron)
     timeout 240 python3 -m pytest -v -p no:cacheprovider -W ignore tests/integrations/test_megatron.py 2>&1 | tail -15
     timeout 300 python3 benchmarks/megatron_mla.py --out "$OUT/h200_megatron_mla" 2>&1 | grep -v -i warn | tail -12 ;;
-  *) echo "usage: $0 STEP... (tests grid bench bench-short crossover models hf megatron)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests grid bench bench-short crossover models noise hf megatron)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done
