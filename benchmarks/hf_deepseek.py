@@ -63,7 +63,9 @@ def main() -> None:
                 steps[implementation] = lambda m=m: m(ids, labels=ids).loss.backward()
             except Exception as exc:   # an implementation that fails is a finding, not a crash
                 errors[implementation] = exc
-        results = {**time_steps(steps, torch.device(device), warmup=2, repeats=3 if a.smoke else 12), **errors}
+        # Whole model steps: their host time counts, so no spin ahead of each turn.
+        results = {**time_steps(steps, torch.device(device), warmup=2, repeats=3 if a.smoke else 12, spin=False),
+                   **errors}
         for implementation in implementations:
             t = results[implementation]
             if isinstance(t, Exception):

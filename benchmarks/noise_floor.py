@@ -5,7 +5,7 @@ the rules' choice twice as two separate steps ("A" and "B": the same kernel on t
 the close candidates and torch's default, side by side with ``attnselect.measure.time_steps`` as
 the bench does (warm-up, four interleaved rounds, about 1.5 s per step), in several independent
 sessions, with and without the spin that lets the host issue a turn's repeats ahead of the GPU
-(alternating, so the GPU's warming up lands on both).
+(alternating session by session, the spin first in each pair, so the GPU's warming up lands on both).
 It reports each session's medians, the A/B ratio within a session (what identical kernels differ
 by), the spread of each step's median across sessions (what a second timing, e.g. the measure
 policy's, can differ by) and each step's host time to issue one call.
@@ -75,7 +75,7 @@ def run_case(fragment: str, twice: str, others: list[str], target: Target, sessi
     steps[TORCH_DEFAULT] = lambda: _torch_default(problem, inputs)
     case = {"problem": problem.describe(), "issue_ms": {k: _issue_ms(s, device) for k, s in steps.items()}}
     medians = {mode: {key: [] for key in steps} for mode in ("spin", "no spin")}
-    for _ in range(sessions):   # the two ways alternate, so the GPU's warming up lands on both
+    for _ in range(sessions):   # the two ways alternate (the spin first), so the GPU's warming up lands on both
         for mode in medians:
             timings = time_steps(steps, device, warmup=1, repeats=12, rounds=4, spin=mode == "spin",
                                  budget_s=(0.2 if smoke else 1.5) * len(steps))

@@ -26,6 +26,7 @@ def clean_state(monkeypatch, tmp_path_factory):
     from attnselect import selection
     attnselect.clear_cache()
     selection._FAILED.clear()
+    monkeypatch.setattr(selection, "_RECORDED", None)   # the (empty) cache's recorded failures are read afresh
     yield
     attnselect.clear_cache()
     selection._FAILED.clear()

@@ -82,27 +82,60 @@ def test_a_failing_chosen_kernel_falls_back_once_with_a_warning(monkeypatch, cap
     assert len(warnings) == 1 and "sdpa_flash padded to 24 failed" in warnings[0] and "workspace" in warnings[0]
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
     verdict = next(v for v in attnselect.select(problem).verdicts if v.candidate == attnselect.Candidate("sdpa_flash", 24))
-    assert verdict.reasons[0].startswith("failed at run time on this machine: _Broken: workspace")
+    assert verdict.reasons[0].startswith("failed at run time on this target: _Broken: workspace")
+
+
+def _as_a_new_process(monkeypatch):
+    """Forget what this process knows of failures and decisions: only the decision cache file remembers."""
+    from attnselect import selection
+    selection._FAILED.clear()
+    monkeypatch.setattr(selection, "_RECORDED", None)
+    attnselect.clear_cache()
 
 
 def test_a_run_time_failure_is_remembered_by_later_processes_on_the_same_target(monkeypatch, caplog):
-    from attnselect import selection
     _break_sdpa_flash(monkeypatch)
     q, k, v = _inputs()
     attnselect.attention(q, k, v, causal=True)          # fails over, and writes the failure to the cache
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
     broken = attnselect.Candidate("sdpa_flash", 24)
-    selection._FAILED.clear()                            # a new process: only the cache file remembers
-    attnselect.clear_cache()
+    _as_a_new_process(monkeypatch)
     caplog.clear()
     with caplog.at_level("WARNING", logger="attnselect"):
         attnselect.attention(q, k, v, causal=True)
     assert not caplog.records                            # not tried again: no second failure, no warning
     verdict = next(v for v in attnselect.select(problem).verdicts if v.candidate == broken)
-    assert verdict.reasons[0].startswith("failed at run time on this machine: _Broken: workspace")
-    selection._FAILED.clear()                            # another library version: the entry does not apply
+    assert verdict.reasons[0].startswith("failed at run time on this target: _Broken: workspace")
+    _as_a_new_process(monkeypatch)                       # another library version: the entry does not apply
     newer = dataclasses.replace(attnselect.Target.current(), torch_version="99.0")
     assert broken in {v.candidate for v in attnselect.select(problem, target=newer).verdicts if v.supported}
+
+
+def test_out_of_memory_is_not_recorded_for_later_processes(monkeypatch, caplog):
+    from attnselect.backends.sdpa_flash import SdpaFlash
+
+    def run(self, q, k, v, call):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+    monkeypatch.setattr(SdpaFlash, "run", run)
+    q, k, v = _inputs()
+    with caplog.at_level("WARNING", logger="attnselect"):
+        attnselect.attention(q, k, v, causal=True)
+    assert "for this process only: it may pass" in caplog.text
+    _as_a_new_process(monkeypatch)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
+    assert attnselect.select(problem).chosen == attnselect.Candidate("sdpa_flash", 24)   # tried again
+
+
+def test_failures_of_several_processes_on_one_problem_add_up(monkeypatch):
+    from attnselect import selection
+    problem = attnselect.AttentionProblem.from_tensors(*_inputs(), causal=True)
+    target = attnselect.Target.current()
+    first, second = attnselect.Candidate("sdpa_flash", 24), attnselect.Candidate("sdpa_math")
+    selection.mark_failed(problem, target, first, RuntimeError("no kernel image"))
+    _as_a_new_process(monkeypatch)                       # the second process has not seen the first's failure
+    selection.mark_failed(problem, target, second, RuntimeError("illegal instruction"))
+    _as_a_new_process(monkeypatch)
+    assert set(selection.failures(problem, target)) == {first, second}
 
 
 def test_a_failing_packed_call_falls_back_too(monkeypatch, caplog):

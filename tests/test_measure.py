@@ -134,6 +134,32 @@ def test_on_a_gpu_each_turn_starts_behind_a_spin_long_enough_to_issue_its_repeat
     assert sum(e[0] == "spin" for e in timed) == 4   # one per step and round
 
 
+def test_the_budget_counts_the_spins(monkeypatch):
+    events, now = [], [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(measure.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(measure.torch.cuda, "_sleep", lambda cycles: events.append(cycles))
+
+    def timed_call(step, device, *, wait):
+        step()
+        return lambda: 1.0   # 1 ms on the GPU's clock, synchronised
+    monkeypatch.setattr(measure, "_timed_call", timed_call)
+    calls = {"slow_host": 0, "fast_host": 0}
+
+    def issuing(name, host_s):
+        def step():
+            calls[name] += 1
+            now[0] += host_s
+        return step
+
+    measure.time_steps({"slow_host": issuing("slow_host", 0.002), "fast_host": issuing("fast_host", 0.0001)},
+                       torch.device("cuda"), warmup=1, repeats=30, rounds=2, budget_s=0.1)
+    # warm-up and sizing took 4.2 ms; a round of n costs the spins' 4.2 ms plus n x 6 ms (sizes 2 ms, and 4 ms
+    # of the slow host's spin per repeat): (95.8 / 2 - 4.2) / 6 -> 7 repeats a round instead of 15
+    assert calls == {"slow_host": 2 + 2 * 7, "fast_host": 2 + 2 * 7}
+    assert events[0] == int(2 * (2.0 + 7 * 2.0) * measure.SPIN_CYCLES_PER_MS) + 1
+
+
 def test_a_step_failing_in_a_timed_round_leaves_the_rounds_with_its_error():
     calls = []
 

@@ -295,12 +295,17 @@ def test_new_shapes_compile_static_graphs_or_run_eagerly_past_a_graph_break():
     def as_strict(q, k, v):
         return fn(q, k, v)
 
+    from torch._dynamo.utils import counters
     torch._dynamo.reset()
+    counters.clear()
     static, default = torch.compile(as_static, dynamic=False, fullgraph=True), torch.compile(as_default)
     for s in (6, 9, 13):
         q, k, v = (torch.randn(2, s, 2, d, dtype=torch.float64) for d in (24, 24, 16))
         torch.testing.assert_close(static(q, k, v), fn(q, k, v))
         torch.testing.assert_close(default(q, k, v), fn(q, k, v))
+        if s == 6:   # the first shape compiles static and whole; a later one, made dynamic, breaks the graph
+            assert not counters["graph_break"]
+    assert counters["graph_break"]
     strict = torch.compile(as_strict, fullgraph=True)
     strict(*(torch.randn(2, 6, 2, d) for d in (24, 24, 16)))
     with pytest.raises(Exception, match="assume_constant_result"):

@@ -56,7 +56,7 @@ def judge(problem: AttentionProblem, target: Target, overrides: Overrides = Over
             candidate = Candidate(backend.name, pad_to)
             reasons = overrides.reasons(candidate, problem)
             if failed and candidate in failed:
-                reasons = [f"failed at run time on this machine: {failed[candidate]}"]
+                reasons = [f"failed at run time on this target: {failed[candidate]}"]
             if not reasons:
                 reasons = backend.not_supported_reasons(problem if pad_to is None else problem.padded(pad_to), target)
             verdicts.append(Verdict(candidate, tuple(reasons)))

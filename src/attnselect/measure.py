@@ -181,8 +181,10 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
         if budget_s is None or not ready:
             return per_round
         left_ms = max(budget_s - (time.perf_counter() - start), 0.0) * 1e3
-        per_repeat = sum(sizes[key] + 2 * issue_ms.get(key, 0.0) for key in ready)   # with the spin
-        fits = int(left_ms / (rounds_left * max(per_repeat, 1e-3)))
+        # A round of n repeats costs the spins' fixed part plus n times (sizes and the spins' part per repeat).
+        spin_fixed = sum(_spin_ms(sizes[key], issue_ms.get(key, 0.0), 0) for key in ready)
+        per_repeat = sum(sizes[key] + _spin_ms(sizes[key], issue_ms.get(key, 0.0), 1) for key in ready) - spin_fixed
+        fits = int((left_ms / rounds_left - spin_fixed) / max(per_repeat, 1e-3))
         return max(least, min(per_round, fits))
 
     samples = {key: [] for key in ready}

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Optional
+
+import torch
 
 from attnselect import backends, debug, measure, settings, store
 from attnselect import policy as rules
@@ -86,32 +89,61 @@ def clear_cache() -> None:
         clear()
 
 
-# Candidates that raised at run time: (problem, target) -> {candidate: error}, this process's and those the
-# persistent cache holds from earlier processes (read once per problem). Kept across clear_cache(): they are
-# facts about this machine and its library versions (the target fingerprint), not memoized choices.
+# Candidates that raised at run time in this process: (problem, target) -> {candidate: error}. Kept across
+# clear_cache(): they are facts about this machine and its library versions, not memoized choices.
 _FAILED: dict[tuple, dict] = {}
+# Those earlier processes recorded in the decision cache: its entry key -> {candidate: error}, read once per process.
+_RECORDED: Optional[dict] = None
 FAILED_AT_RUN_TIME = "failed at run time"   # the policy field of their cache entries
 
 
 def failures(problem: AttentionProblem, target: Target) -> dict:
-    """{candidate: error} of the candidates that failed at run time for ``problem`` on ``target``."""
-    if (problem, target) not in _FAILED:
-        entry = store.lookup(store.entry_key(problem, FAILED_AT_RUN_TIME, target)) or {}
-        _FAILED[(problem, target)] = {Candidate(**f["candidate"]): f["error"] for f in entry.get("failed", ())}
-    return _FAILED[(problem, target)]
+    """{candidate: error} of the candidates that failed at run time for ``problem`` on ``target``: in this
+    process, or recorded in the decision cache by an earlier one on the same target fingerprint (not under
+    torch.distributed, where ranks could read different cache files and then disagree)."""
+    failed = _FAILED.get((problem, target), {})
+    recorded = _recorded_failures()
+    if not recorded or _distributed():
+        return failed
+    earlier = recorded.get(store.entry_key(problem, FAILED_AT_RUN_TIME, target))
+    return {**earlier, **failed} if earlier else failed
+
+
+def _recorded_failures() -> dict:
+    global _RECORDED
+    if _RECORDED is None:
+        _RECORDED = {key: {Candidate(**f["candidate"]): f["error"] for f in entry.get("failed", ())}
+                     for key, entry in store.entries().items()
+                     if json.loads(key).get("policy") == FAILED_AT_RUN_TIME}
+    return _RECORDED
 
 
 def mark_failed(problem: AttentionProblem, target: Target, candidate: Candidate, error: BaseException) -> None:
-    """Record a run-time failure (one warning), in memory and in the persistent cache, and forget decisions,
-    so the next call, and later processes on this target, select without it."""
+    """Record a run-time failure (one warning) and forget decisions, so the next call re-selects without it.
+
+    Failures that may pass (out of memory) stay in this process; others are also recorded in the decision
+    cache under the target fingerprint, so later processes on the same GPU and library versions skip the
+    candidate too (the fingerprint changes with any version, which retries it)."""
     text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-    failed = failures(problem, target)
-    failed[candidate] = text
-    store.remember(store.entry_key(problem, FAILED_AT_RUN_TIME, target),
-                   {"failed": [{"candidate": c.to_dict(), "error": e} for c, e in failed.items()]})
-    debug.LOGGER.warning("attnselect: %s failed on %s (%s); falling back to the next candidate "
-                         "(ATTNSELECT_STRICT=1 raises instead)", candidate, problem.describe(), text)
+    _FAILED.setdefault((problem, target), {})[candidate] = text
+    transient = isinstance(error, _OUT_OF_MEMORY) or "out of memory" in str(error).lower()
+    if not transient:
+        store.remember(store.entry_key(problem, FAILED_AT_RUN_TIME, target),
+                       {"failed": [{"candidate": candidate.to_dict(), "error": text}]}, combine=_with_earlier)
+    debug.LOGGER.warning("attnselect: %s failed on %s (%s); falling back to the next candidate (%s; "
+                         "ATTNSELECT_STRICT=1 raises instead)", candidate, problem.describe(), text,
+                         "for this process only: it may pass" if transient
+                         else "recorded in the decision cache for this target")
     clear_cache()
+
+
+_OUT_OF_MEMORY = (MemoryError, *((torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()))
+
+
+def _with_earlier(old: Optional[dict], new: dict) -> dict:
+    """A failure entry merged with what the file already holds (another process may have added to it)."""
+    kept = [f for f in (old or {}).get("failed", ()) if f["candidate"] not in [g["candidate"] for g in new["failed"]]]
+    return {"failed": kept + new["failed"]}
 
 
 def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy: Optional[str] = None,
@@ -149,7 +181,8 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
         error = ForcedChoiceError if overrides.backend or overrides.pad != "auto" else NoSupportedCandidateError
         raise error(no_candidate_message(problem, target, verdicts, overrides))
     timings = None
-    if overrides.policy == "measure" and len(ranked) > 1:
+    # Under torch.distributed every rank enters the measurement (and its broadcast), whatever it has left.
+    if overrides.policy == "measure" and (len(ranked) > 1 or _distributed()):
         ranked, timings = _measured(problem, target, ranked)
     return Decision(problem, target, overrides.policy, overrides, ranked[0], ranked, verdicts, timings)
 

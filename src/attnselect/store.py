@@ -53,19 +53,25 @@ def lookup(key: str) -> Optional[dict]:
     return _read(cache_file()).get(key)
 
 
+def entries() -> dict:
+    """Every entry: the file's (one read) and this process's own."""
+    return {**_read(cache_file()), **_memory}
+
+
 def keep(key: str, value: dict) -> None:
     """Add one entry for this process only (a decision another rank measured and wrote)."""
     _memory[key] = value
 
 
-def remember(key: str, value: dict) -> None:
-    """Add one entry: to the file when it can be written, else to this process's memory."""
+def remember(key: str, value: dict, combine=None) -> None:
+    """Add one entry: to the file when it can be written, else to this process's memory. ``combine(old, new)``
+    merges it with the entry already there (read under the lock), instead of replacing it."""
     path = cache_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(path):
             entries = _read(path)
-            entries[key] = value
+            entries[key] = combine(entries.get(key), value) if combine else value
             fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".decisions-", suffix=".json")
             with os.fdopen(fd, "w") as f:
                 json.dump({"format": FORMAT, "entries": entries}, f)
@@ -73,7 +79,7 @@ def remember(key: str, value: dict) -> None:
     except OSError as exc:
         _warn_once(f"write:{path.parent}", "attnselect: cannot write the decision cache in %s (%s); keeping "
                                            "decisions in memory for this process", path.parent, exc)
-        _memory[key] = value
+        _memory[key] = combine(_memory.get(key), value) if combine else value
 
 
 def _read(path: Path) -> dict:
