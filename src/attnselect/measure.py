@@ -158,6 +158,7 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
     """
     start = time.perf_counter()
     results, ready, sizes, issue_ms = {}, {}, {}, {}
+    spinning = queued and spin and device.type == "cuda"
     for key, step in steps.items():
         if warmup_budget_s is not None and ready and time.perf_counter() - start > warmup_budget_s:
             break
@@ -167,9 +168,9 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
                 if finite and i == 0 and not bool(torch.isfinite(out).all()):
                     raise FloatingPointError("non-finite output for finite input")
                 del out   # not held through the rounds
-            if budget_s is not None or (queued and spin and device.type == "cuda"):
+            if budget_s is not None or spinning:
                 sizes[key], issued = _sized_call(step, device)
-                if queued and spin and device.type == "cuda":
+                if spinning:
                     issue_ms[key] = issued
         except Exception as exc:   # a failing step is part of the result
             results[key] = _released(exc)

@@ -142,8 +142,8 @@ _OUT_OF_MEMORY = (MemoryError, *((torch.OutOfMemoryError,) if hasattr(torch, "Ou
 
 def _with_earlier(old: Optional[dict], new: dict) -> dict:
     """A failure entry merged with what the file already holds (another process may have added to it)."""
-    kept = [f for f in (old or {}).get("failed", ()) if f["candidate"] not in [g["candidate"] for g in new["failed"]]]
-    return {"failed": kept + new["failed"]}
+    replaced = [f["candidate"] for f in new["failed"]]
+    return {"failed": [f for f in (old or {}).get("failed", ()) if f["candidate"] not in replaced] + new["failed"]}
 
 
 def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy: Optional[str] = None,
