@@ -79,8 +79,9 @@ def _megatrons_own_mla_layer(ours):
     masked softmax, bmm) and our layer's weights. megatron-core 0.19.2's DotProductAttention cannot be built by
     MLA as it is: MLA passes k_channels/v_channels, which it does not take, and it sizes its output from
     config.kv_channels (hidden / heads, not v_head_dim). The subclass gives it a config whose kv_channels is the
-    value head dim and drops the two arguments; the arithmetic stays Megatron's. Local refuses packed input, so it
-    runs dense, one sequence at a time."""
+    value head dim and drops the two arguments; the arithmetic stays Megatron's. (Attention's base class first
+    builds a core attention without the two, which MLA then replaces: that one takes config.v_head_dim.) Local
+    refuses packed input, so it runs dense, one sequence at a time."""
     import copy
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -91,7 +92,7 @@ def _megatrons_own_mla_layer(ours):
         def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                      softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
             config = copy.copy(config)
-            config.kv_channels = v_channels
+            config.kv_channels = v_channels if v_channels is not None else config.v_head_dim
             super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
                              softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
 
