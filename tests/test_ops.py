@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -279,37 +280,59 @@ def test_a_module_compiles_fullgraph_and_trains_like_eager():
         torch.testing.assert_close(g, p.grad)
 
 
-def test_new_shapes_compile_static_graphs_or_run_eagerly_past_a_graph_break():
-    """The decision is per shape: dynamic=False compiles each shape fullgraph; the default torch.compile makes a
-    second shape dynamic, which the decision cannot take, so that call breaks the graph and attention runs eagerly
-    (with fullgraph=True it raises: README, torch.compile)."""
-    def fn(q, k, v):
-        return attnselect.attention(q, k, v, causal=True)
-
-    def as_static(q, k, v):   # each compiled function its own code object: dynamo caches per code object
-        return fn(q, k, v)
-
-    def as_default(q, k, v):
-        return fn(q, k, v)
-
-    def as_strict(q, k, v):
-        return fn(q, k, v)
-
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_every_new_shape_compiles_a_static_fullgraph_with_its_own_decision(device):
+    """The decision is per shape: under dynamic=False, the default torch.compile (which makes a second size
+    dynamic) and dynamic=True alike, fullgraph=True compiles each new shape whole, specialized, with no graph
+    break, forward and backward; dense and packed with a token total that changes every step."""
     from torch._dynamo.utils import counters
+
+    from helpers import rel_err
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+
+    def dense(q, k, v):
+        return attnselect.attention(q, k, v, causal=True, window=(3, 0), scale=0.3)
+
+    def packed(q, k, v, cu):
+        return attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=64,
+                                    max_seqlen_kv=64, causal=True, dropout_p=0.0)
+
+    def close(got, want):
+        if device == "cpu":
+            torch.testing.assert_close(got, want)
+        else:
+            assert rel_err(got, want) < 1e-2
+
+    for dynamic in (False, None, True):
+        torch._dynamo.reset()
+        counters.clear()
+        # a fresh code object per compile: dynamo caches per code object
+        compiled_dense = torch.compile(lambda *a: dense(*a), dynamic=dynamic, fullgraph=True)
+        compiled_packed = torch.compile(lambda *a: packed(*a), dynamic=dynamic, fullgraph=True)
+        for s in (6, 9, 13):
+            q, k, v = (torch.randn(2, s * 8, 2, d, dtype=dtype, device=device, requires_grad=True)
+                       for d in (192, 192, 128))
+            out = compiled_dense(q, k, v)
+            close(out, dense(q, k, v))
+            grad_out = torch.randn_like(out)
+            for got, want in zip(_grads(out, (q, k, v), grad_out), _grads(dense(q, k, v), (q, k, v), grad_out)):
+                close(got, want)
+            lengths = [s - 5, 64, 3][: 2 + s % 2]                   # totals and sequence counts change
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+            tq, tk, tv = (torch.randn(sum(lengths), 2, d, dtype=dtype, device=device) for d in (192, 192, 128))
+            close(compiled_packed(tq, tk, tv, cu), packed(tq, tk, tv, cu))
+        assert not counters["graph_break"], (dynamic, dict(counters["graph_break"]))
+        assert counters["stats"]["unique_graphs"] >= 6, dynamic   # one static graph per shape, not one dynamic
+
+
+def test_a_size_marked_dynamic_cannot_be_specialized():
+    """A size the caller marks dynamic on purpose cannot take a per-shape decision: dynamo says so (README)."""
     torch._dynamo.reset()
-    counters.clear()
-    static, default = torch.compile(as_static, dynamic=False, fullgraph=True), torch.compile(as_default)
-    for s in (6, 9, 13):
-        q, k, v = (torch.randn(2, s, 2, d, dtype=torch.float64) for d in (24, 24, 16))
-        torch.testing.assert_close(static(q, k, v), fn(q, k, v))
-        torch.testing.assert_close(default(q, k, v), fn(q, k, v))
-        if s == 6:   # the first shape compiles static and whole; a later one, made dynamic, breaks the graph
-            assert not counters["graph_break"]
-    assert counters["graph_break"]
-    strict = torch.compile(as_strict, fullgraph=True)
-    strict(*(torch.randn(2, 6, 2, d) for d in (24, 24, 16)))
-    with pytest.raises(Exception, match="assume_constant_result"):
-        strict(*(torch.randn(2, 9, 2, d) for d in (24, 24, 16)))
+    compiled = torch.compile(lambda q, k, v: attnselect.attention(q, k, v, causal=True), fullgraph=True)
+    q, k, v = (torch.randn(2, 6, 2, d) for d in (24, 24, 16))
+    torch._dynamo.mark_dynamic(q, 1)
+    with pytest.raises(Exception, match="Constraints violated"):
+        compiled(q, k, v)
 
 
 def test_shared_boundaries_with_gaps_place_keys_as_eager():

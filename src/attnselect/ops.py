@@ -4,7 +4,9 @@ While torch.compile traces :func:`attnselect.attention`, the call becomes
 
 * a decision made at trace time (``torch.compiler.assume_constant_result``) from the static shapes,
   dtypes, device and options: validation runs on meta tensors of the same shapes and selection
-  as usual, so the graph holds one fixed candidate and stays static;
+  as usual, so the graph holds one fixed candidate and stays static (sizes torch.compile made
+  dynamic are specialized first, :func:`_static`: a new size recompiles, up to dynamo's
+  ``recompile_limit``, rather than breaking the graph);
 * ``attnselect::attention``, a ``torch.library`` custom op running that candidate, with a fake
   implementation that sizes the output from the *value* head dim ((..., Dv), not (..., Dqk));
 * an autograd registration whose backward is ``attnselect::attention_backward``. A custom op's body
@@ -28,6 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import operator
 from typing import Optional
 
 import torch
@@ -56,17 +59,31 @@ def traced_attention(q, k, v, *, layout, causal, window, scale, dropout_p, cu_se
                                                      cu_seqlens_kv_padded)
     packed = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
     spec = _decide(
-        tuple(tuple(t.shape) for t in (q, k, v)), tuple(str(t.dtype) for t in (q, k, v)),
+        tuple(_static(t.shape) for t in (q, k, v)), tuple(str(t.dtype) for t in (q, k, v)),
         tuple(str(t.device) for t in (q, k, v)),
-        tuple(None if t is None else (str(t.dtype), tuple(t.shape), str(t.device)) for t in packed),
-        shared, layout, causal,
-        None if window is None else tuple(window), dropout_p, max_seqlen_q, max_seqlen_kv, return_lse,
+        tuple(None if t is None else (str(t.dtype), _static(t.shape), str(t.device)) for t in packed),
+        shared, layout, causal, None if window is None else _static(window), _static_float(dropout_p),
+        *(None if n is None else operator.index(n) for n in (max_seqlen_q, max_seqlen_kv)), return_lse,
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
         torch.are_deterministic_algorithms_enabled(), backend, pad,
         disable if disable is None or isinstance(disable, str) else tuple(disable))
     out, lse, _ = torch.ops.attnselect.attention(q, k, v, cu_seqlens_q, cu_kv, offsets_q, offsets_kv, spec,
-                                                  None if scale is None else float(scale))
+                                                  None if scale is None else _static_float(scale))
     return (out, lse.detach()) if return_lse else out   # lse is detached, as in eager calls
+
+
+def _static(shape) -> tuple[int, ...]:
+    """``shape`` as plain ints. A size torch.compile made dynamic (a SymInt: the default compile does so when a
+    second size arrives, ``dynamic=True`` at once) is specialized by ``operator.index``: dynamo guards on its
+    value and recompiles for a new one, so each graph is static with its own decision. A size the caller marked
+    dynamic (``torch._dynamo.mark_dynamic``) cannot be specialized, and dynamo raises ConstraintViolationError."""
+    return tuple(operator.index(n) for n in shape)
+
+
+def _static_float(x) -> float:
+    """``x`` as a plain float. Under ``dynamic=True`` dynamo keeps Python floats symbolic (``float(x)`` too);
+    ``__float__`` specializes them, as ``operator.index`` does sizes."""
+    return x.__float__()
 
 
 @torch.compiler.assume_constant_result
