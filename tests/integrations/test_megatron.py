@@ -107,7 +107,7 @@ def _megatrons_own_mla_layer(ours):
 
 def test_packed_layer_matches_megatrons_own_unfused_attention(megatron):
     """Our core attention on packed input (V native) against Megatron's own local attention run dense per sequence,
-    forward and the input gradient, to bf16 tolerance."""
+    forward, the input gradient and every weight's gradient (summed over the sequences), to bf16 tolerance."""
     lengths = [5, 1, 300, 77]
     layer = mla_layer(megatron, patched=True)
     reference = _megatrons_own_mla_layer(layer)
@@ -115,15 +115,23 @@ def test_packed_layer_matches_megatrons_own_unfused_attention(megatron):
         x = torch.randn(sum(lengths), 1, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         packed, _ = layer(x, None, packed_seq_params=packed_params(lengths))
         grad = torch.randn_like(packed)
-        (dx,) = torch.autograd.grad(packed, x, grad)
+        names, weights = zip(*layer.named_parameters())
+        dx, *d_weights = torch.autograd.grad(packed, (x, *weights), grad)
+        theirs_weights = [p for _, p in reference.named_parameters()]
+        assert [n for n, _ in reference.named_parameters()] == list(names)
+        d_theirs_weights = [torch.zeros_like(p, dtype=torch.float32) for p in theirs_weights]
         start = 0
         for n in lengths:
             piece = x[start:start + n].detach().requires_grad_()
             theirs, _ = reference(piece, None)
-            (d_theirs,) = torch.autograd.grad(theirs, piece, grad[start:start + n])
+            d_theirs, *d_w = torch.autograd.grad(theirs, (piece, *theirs_weights), grad[start:start + n])
             assert rel_err(packed[start:start + n], theirs) < 2e-2, n
             assert rel_err(dx[start:start + n], d_theirs) < 2e-2, n
+            for total, part in zip(d_theirs_weights, d_w):
+                total += part.float()
             start += n
+        for name, ours, theirs in zip(names, d_weights, d_theirs_weights):
+            assert rel_err(ours.float(), theirs) < 2e-2, name
     finally:
         megatron.skip_thd_value_pad()
 
