@@ -325,6 +325,24 @@ def test_every_new_shape_compiles_a_static_fullgraph_with_its_own_decision(devic
         assert counters["stats"]["unique_graphs"] >= 6, dynamic   # one static graph per shape, not one dynamic
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("option, value", [("window", (1.5, 0)), ("window", (True, 0)), ("dropout_p", 1.5),
+                                           ("dropout_p", "0.1"), ("max_seqlen_q", 2.5), ("max_seqlen_q", -1)])
+def test_bad_options_fail_under_compile_with_the_eager_message(dynamic, option, value):
+    """Options are made plain numbers before the decision (dynamic=True keeps them symbolic), and bad ones still
+    reach validation, which names them."""
+    q, k, v = (torch.randn(7, 2, d) for d in (24, 24, 16))
+    kwargs = dict(layout="thd", cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int32), max_seqlen_q=4,
+                  max_seqlen_kv=4, causal=True) | {option: value}
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: attnselect.attention(q, k, v, **kwargs), dynamic=dynamic,
+                             fullgraph=True)
+    with pytest.raises(InvalidInputError, match=option):
+        attnselect.attention(q, k, v, **kwargs)
+    with pytest.raises(Exception, match=f"InvalidInputError: {option}: got"):   # dynamo wraps it, message and all
+        compiled(q, k, v)
+
+
 def test_a_size_marked_dynamic_cannot_be_specialized():
     """A size the caller marks dynamic on purpose cannot take a per-shape decision: dynamo says so (README)."""
     torch._dynamo.reset()

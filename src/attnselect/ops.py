@@ -62,13 +62,13 @@ def traced_attention(q, k, v, *, layout, causal, window, scale, dropout_p, cu_se
         tuple(_static(t.shape) for t in (q, k, v)), tuple(str(t.dtype) for t in (q, k, v)),
         tuple(str(t.device) for t in (q, k, v)),
         tuple(None if t is None else (str(t.dtype), _static(t.shape), str(t.device)) for t in packed),
-        shared, layout, causal, None if window is None else _static(window), _static_float(dropout_p),
-        *(None if n is None else operator.index(n) for n in (max_seqlen_q, max_seqlen_kv)), return_lse,
+        shared, layout, causal, tuple(map(_constant, window)) if isinstance(window, (tuple, list)) else window,
+        _constant(dropout_p), _constant(max_seqlen_q), _constant(max_seqlen_kv), return_lse,
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
         torch.are_deterministic_algorithms_enabled(), backend, pad,
         disable if disable is None or isinstance(disable, str) else tuple(disable))
     out, lse, _ = torch.ops.attnselect.attention(q, k, v, cu_seqlens_q, cu_kv, offsets_q, offsets_kv, spec,
-                                                  None if scale is None else _static_float(scale))
+                                                  None if scale is None else _constant(float(scale)))
     return (out, lse.detach()) if return_lse else out   # lse is detached, as in eager calls
 
 
@@ -80,10 +80,13 @@ def _static(shape) -> tuple[int, ...]:
     return tuple(operator.index(n) for n in shape)
 
 
-def _static_float(x) -> float:
-    """``x`` as a plain float. Under ``dynamic=True`` dynamo keeps Python floats symbolic (``float(x)`` too);
-    ``__float__`` specializes them, as ``operator.index`` does sizes."""
-    return x.__float__()
+def _constant(x):
+    """A number option as a plain Python number: under ``dynamic=True`` dynamo keeps ints and floats symbolic,
+    which the decision cannot take; ``operator.index`` and ``__float__`` specialize them, as :func:`_static`
+    does sizes. Anything else (None, bools, bad values) passes unchanged, for validation to name it."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return x
+    return operator.index(x) if isinstance(x, int) else x.__float__()
 
 
 @torch.compiler.assume_constant_result
