@@ -1,1 +1,11 @@
-"""Integrations with frameworks that run attnselect for you (Ray; more to come). Each is an optional extra."""
+"""Integrations with frameworks that run attnselect for you: Hugging Face transformers, Megatron-core and Ray.
+Each framework is an optional extra; this package holds what the integrations share."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def optional_int(value) -> Optional[int]:
+    """A framework's maximum sequence length (an int, a 0-d tensor or None) as an int or None."""
+    return int(value) if value is not None else None

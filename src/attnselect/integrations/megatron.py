@@ -26,6 +26,7 @@ import math
 
 import attnselect
 from attnselect.errors import InvalidInputError
+from attnselect.integrations import optional_int
 
 try:
     from megatron.core import tensor_parallel
@@ -104,7 +105,7 @@ def _packing(params) -> dict:
     passed), so offsets equal in value are recognised as no gaps.
     """
     args = dict(cu_seqlens_q=params.cu_seqlens_q.int(), cu_seqlens_kv=params.cu_seqlens_kv.int(),
-                max_seqlen_q=_as_int(params.max_seqlen_q), max_seqlen_kv=_as_int(params.max_seqlen_kv))
+                max_seqlen_q=optional_int(params.max_seqlen_q), max_seqlen_kv=optional_int(params.max_seqlen_kv))
     gaps = getattr(params, "pad_between_seqs", None)
     for name, bounds in (("cu_seqlens_q_padded", params.cu_seqlens_q), ("cu_seqlens_kv_padded", params.cu_seqlens_kv)):
         offsets = getattr(params, name)
@@ -114,10 +115,6 @@ def _packing(params) -> dict:
         if gaps is None:
             args.update(max_seqlen_q=None, max_seqlen_kv=None)
     return args
-
-
-def _as_int(value):
-    return int(value) if value is not None else None
 
 
 def layer_spec(spec):

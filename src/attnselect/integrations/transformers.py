@@ -39,6 +39,7 @@ import torch
 
 import attnselect
 from attnselect.errors import InvalidInputError
+from attnselect.integrations import optional_int
 
 NAME = "attnselect"
 
@@ -121,8 +122,8 @@ def _packed(query, key, value, kwargs, options):
     to_thd = lambda t: t[0].transpose(0, 1)   # noqa: E731   (1, H, T, D) -> (T, H, D)
     out = attnselect.attention(to_thd(query), to_thd(key), to_thd(value), layout="thd",
                                cu_seqlens_q=kwargs["cu_seq_lens_q"].int(), cu_seqlens_kv=kwargs["cu_seq_lens_k"].int(),
-                               max_seqlen_q=_as_int(kwargs.get("max_length_q")),
-                               max_seqlen_kv=_as_int(kwargs.get("max_length_k")), **options)
+                               max_seqlen_q=optional_int(kwargs.get("max_length_q")),
+                               max_seqlen_kv=optional_int(kwargs.get("max_length_k")), **options)
     return out.unsqueeze(0)                   # (1, T, H, Dv)
 
 
@@ -173,7 +174,3 @@ def _unpadded(query, key, value, keep, options):
     out = packed.new_zeros(batch, sq, heads, value.shape[-1])
     out[keep_q] = packed
     return out
-
-
-def _as_int(value) -> Optional[int]:
-    return int(value) if value is not None else None
