@@ -281,7 +281,7 @@ def test_a_module_compiles_fullgraph_and_trains_like_eager():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_every_new_shape_compiles_a_static_fullgraph_with_its_own_decision(device):
+def test_every_new_shape_compiles_a_static_fullgraph_with_its_own_decision(device, monkeypatch):
     """The decision is per shape: under dynamic=False, the default torch.compile (which makes a second size
     dynamic) and dynamic=True alike, fullgraph=True compiles each new shape whole, specialized, with no graph
     break, forward and backward; dense and packed with a token total that changes every step."""
@@ -303,10 +303,21 @@ def test_every_new_shape_compiles_a_static_fullgraph_with_its_own_decision(devic
         else:
             assert rel_err(got, want) < 1e-2
 
+    decided = []
+    real_decide = ops._decide
+
+    @torch.compiler.assume_constant_result
+    def spy(*args):
+        spec = real_decide(*args)
+        problem = json.loads(spec)["problem"]
+        decided.append((problem["layout"], problem["batch"], problem["seqlen_q"]))
+        return spec
+    monkeypatch.setattr(ops, "_decide", spy)
+
     for dynamic in (False, None, True):
-        torch._dynamo.reset()
+        torch._dynamo.reset()   # each setting compiles from scratch
         counters.clear()
-        # a fresh code object per compile: dynamo caches per code object
+        decided.clear()
         compiled_dense = torch.compile(lambda *a: dense(*a), dynamic=dynamic, fullgraph=True)
         compiled_packed = torch.compile(lambda *a: packed(*a), dynamic=dynamic, fullgraph=True)
         for s in (6, 9, 13):
@@ -322,12 +333,14 @@ def test_every_new_shape_compiles_a_static_fullgraph_with_its_own_decision(devic
             tq, tk, tv = (torch.randn(sum(lengths), 2, d, dtype=dtype, device=device) for d in (192, 192, 128))
             close(compiled_packed(tq, tk, tv, cu), packed(tq, tk, tv, cu))
         assert not counters["graph_break"], (dynamic, dict(counters["graph_break"]))
-        assert counters["stats"]["unique_graphs"] >= 6, dynamic   # one static graph per shape, not one dynamic
+        assert counters["stats"]["unique_graphs"] == 6, dynamic   # one static graph per shape, not one dynamic
+        assert set(decided) == {("bshd", 2, 48), ("bshd", 2, 72), ("bshd", 2, 104), ("thd", 2, 64), ("thd", 3, 64)}
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("option, value", [("window", (1.5, 0)), ("window", (True, 0)), ("dropout_p", 1.5),
-                                           ("dropout_p", "0.1"), ("max_seqlen_q", 2.5), ("max_seqlen_q", -1)])
+                                           ("dropout_p", "0.1"), ("max_seqlen_q", 2.5), ("max_seqlen_q", -1),
+                                           ("scale", -1.0), ("scale", True)])
 def test_bad_options_fail_under_compile_with_the_eager_message(dynamic, option, value):
     """Options are made plain numbers before the decision (dynamic=True keeps them symbolic), and bad ones still
     reach validation, which names them."""
@@ -339,8 +352,27 @@ def test_bad_options_fail_under_compile_with_the_eager_message(dynamic, option, 
                              fullgraph=True)
     with pytest.raises(InvalidInputError, match=option):
         attnselect.attention(q, k, v, **kwargs)
-    with pytest.raises(Exception, match=f"InvalidInputError: {option}: got"):   # dynamo wraps it, message and all
+    with pytest.raises(Exception, match=rf"InvalidInputError\W+{option}: got"):   # dynamo wraps it, message and all
         compiled(q, k, v)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_options_that_change_or_come_from_sizes_compile(dynamic):
+    """A scale that changes between calls, and causal and return_lse computed from sizes, stay out of the decision's
+    way: dynamo keeps such numbers and bools symbolic; they are specialized like sizes."""
+    def fn(q, k, v, scale):
+        return attnselect.attention(q, k, v, scale=scale, causal=q.shape[1] > 1, return_lse=q.shape[1] > 1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True)
+    for s, scale in ((6, 0.3), (6, 0.5), (9, 2), (1, 0.5)):
+        q, k, v = (torch.randn(2, s, 2, d, dtype=torch.float64) for d in (24, 24, 16))
+        got, want = compiled(q, k, v, scale), fn(q, k, v, scale)
+        if s == 1:
+            torch.testing.assert_close(got, want)
+        else:
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b)
 
 
 def test_a_size_marked_dynamic_cannot_be_specialized():

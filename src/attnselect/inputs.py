@@ -108,7 +108,7 @@ def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_
 def check_scale(scale) -> None:
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale) or scale <= 0):
-        _fail("scale", repr(scale), "None or a finite number > 0")
+        _fail("scale", _describe(scale), "None or a finite number > 0")
 
 
 def packing_facts(mask: str, window, lengths_q: Optional[list[int]], lengths_kv: Optional[list[int]],

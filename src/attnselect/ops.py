@@ -54,6 +54,8 @@ def traced_attention(q, k, v, *, layout, causal, window, scale, dropout_p, cu_se
     if layout == "thd" and (max_seqlen_q is None or max_seqlen_kv is None):
         raise InvalidInputError(f"max_seqlen_q/max_seqlen_kv: got {max_seqlen_q}/{max_seqlen_kv}, expected both "
                                 "integers under torch.compile (cu_seqlens cannot be read while tracing)")
+    # plain Python values for the decision: dynamo keeps numbers and bools symbolic where it can
+    scale, causal, return_lse = _constant(scale), _flag(causal), True if return_lse else False
     check_scale(scale)
     cu_kv, offsets_q, offsets_kv, shared = placement(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                                                      cu_seqlens_kv_padded)
@@ -68,7 +70,7 @@ def traced_attention(q, k, v, *, layout, causal, window, scale, dropout_p, cu_se
         torch.are_deterministic_algorithms_enabled(), backend, pad,
         disable if disable is None or isinstance(disable, str) else tuple(disable))
     out, lse, _ = torch.ops.attnselect.attention(q, k, v, cu_seqlens_q, cu_kv, offsets_q, offsets_kv, spec,
-                                                  None if scale is None else _constant(float(scale)))
+                                                  None if scale is None else float(scale))
     return (out, lse.detach()) if return_lse else out   # lse is detached, as in eager calls
 
 
@@ -81,12 +83,19 @@ def _static(shape) -> tuple[int, ...]:
 
 
 def _constant(x):
-    """A number option as a plain Python number: under ``dynamic=True`` dynamo keeps ints and floats symbolic,
-    which the decision cannot take; ``operator.index`` and ``__float__`` specialize them, as :func:`_static`
-    does sizes. Anything else (None, bools, bad values) passes unchanged, for validation to name it."""
+    """A number option as a plain Python number: dynamo keeps ints and floats symbolic (under ``dynamic=True``,
+    and under the default compile once a second value arrives), which the decision cannot take;
+    ``operator.index`` and ``__float__`` specialize them, as :func:`_static` does sizes. Anything else (None,
+    bools, bad values) passes unchanged, for validation to name it."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return x
     return operator.index(x) if isinstance(x, int) else x.__float__()
+
+
+def _flag(x):
+    """A bool option as a plain bool (one computed from sizes stays symbolic under dynamo; a branch on it
+    specializes it); anything else (a mask name, a bad value) passes unchanged."""
+    return (True if x else False) if isinstance(x, bool) else x
 
 
 @torch.compiler.assume_constant_result
