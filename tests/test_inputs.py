@@ -36,6 +36,8 @@ CASES = [
     ("cu_seqlens on dense", (q, k, v), {"cu_seqlens_q": cu}, r"cu_seqlens_q: .* belong to layout='thd'"),
     ("thd without cu_seqlens", (tq, tk, tv), {"layout": "thd"}, r"cu_seqlens_q: got None"),
     ("thd int64 cu_seqlens", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu.long()}, r"cu_seqlens_q: got tensor\(dtype=torch\.int64"),
+    ("thd empty cu_seqlens", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": cu[:0]},
+     r"cu_seqlens_q: got tensor\(dtype=torch\.int32, shape=\(0,\)\), expected a 1-D torch\.int32 tensor"),
     ("thd decreasing", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": torch.tensor([0, 5, 3, 8], dtype=torch.int32)},
      r"cu_seqlens_q: .* non-decreasing"),
     ("thd not ending at T", (tq, tk, tv), {"layout": "thd", "cu_seqlens_q": torch.tensor([0, 3, 7], dtype=torch.int32)},

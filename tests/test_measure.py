@@ -220,8 +220,18 @@ def test_another_target_fingerprint_ignores_old_entries(cache_dir, monkeypatch):
     assert store.lookup(store.entry_key(measure.bucket(P), "measure", other)) is None
 
 
-def test_corrupt_cache_warns_once_and_is_rebuilt(cache_dir, caplog):
-    (cache_dir / "decisions.json").write_text("{not json")
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "binary", "a list", "another format"])
+def test_corrupt_cache_warns_once_and_is_rebuilt(cache_dir, caplog, damage):
+    path = cache_dir / "decisions.json"
+    attnselect.select(dataclasses.replace(P, seqlen_q=5, seqlen_kv=5), target=Target.current("cpu"), policy="measure")
+    valid = path.read_text()   # a real cache of one entry, for the truncated case
+    attnselect.clear_cache()
+    damaged = {"garbage": "{not json", "truncated": valid[:len(valid) // 2], "a list": "[]",
+               "another format": json.dumps({"format": -1, "entries": {}})}
+    if damage == "binary":
+        path.write_bytes(bytes(range(128, 256)))
+    else:
+        path.write_text(damaged[damage])
     with caplog.at_level("WARNING", logger="attnselect"):
         attnselect.select(P, target=Target.current("cpu"), policy="measure")
         attnselect.clear_cache()
@@ -230,11 +240,16 @@ def test_corrupt_cache_warns_once_and_is_rebuilt(cache_dir, caplog):
     assert len(json.loads((cache_dir / "decisions.json").read_text())["entries"]) == 1
 
 
-def test_read_only_directory_falls_back_to_memory(tmp_path, monkeypatch, caplog):
-    if os.geteuid() == 0:   # root writes anyway: point the cache below a file instead
+@pytest.mark.parametrize("blocked", ["read-only", "missing and uncreatable"])
+def test_read_only_directory_falls_back_to_memory(tmp_path, monkeypatch, caplog, blocked):
+    if blocked == "missing and uncreatable":   # below a file
         blocker = tmp_path / "file"
         blocker.write_text("")
         monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(blocker / "cache"))
+    elif os.geteuid() == 0:   # root writes into a 0o500 directory anyway: refuse the writes as the OS would
+        def refuse(*args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(tmp_path))
+        monkeypatch.setattr(store.tempfile, "mkstemp", refuse)
     else:
         tmp_path.chmod(0o500)
     with caplog.at_level("WARNING", logger="attnselect"):

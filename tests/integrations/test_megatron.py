@@ -41,6 +41,22 @@ def test_import_fails_loudly_without_the_pad_function(monkeypatch):
         importlib.import_module("attnselect.integrations.megatron")
 
 
+def test_layer_spec_is_the_one_line_switch():
+    """layer_spec puts CoreAttention in and keeps V native (skip_thd_value_pad), unless told not to."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from attnselect.integrations import megatron as integration
+    try:
+        integration._mla._prepare_mla_core_attention_value = integration._STOCK_PREPARE_VALUE
+        spec = integration.layer_spec(get_gpt_layer_local_spec(multi_latent_attention=True), keep_value_native=False)
+        assert spec.submodules.self_attention.submodules.core_attention is integration.CoreAttention
+        assert integration._mla._prepare_mla_core_attention_value is integration._STOCK_PREPARE_VALUE
+        integration.layer_spec(get_gpt_layer_local_spec(multi_latent_attention=True))
+        assert integration._mla._prepare_mla_core_attention_value is integration._prepare_value
+    finally:
+        integration.skip_thd_value_pad()
+
+
 def test_packed_mla_layer_matches_sequence_by_sequence_and_keeps_v_native(megatron):
     lengths = [5, 1, 300, 77]
     seen = []

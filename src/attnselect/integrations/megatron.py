@@ -1,15 +1,15 @@
 """Megatron-core: attnselect as the core attention of MLA, and native V on the packed (thd) path.
 
     from attnselect.integrations import megatron as attnselect_mcore
-    spec = attnselect_mcore.layer_spec(get_gpt_layer_local_spec(multi_latent_attention=True))
-    attnselect_mcore.skip_thd_value_pad()
+    spec = attnselect_mcore.layer_spec(get_gpt_layer_local_spec(multi_latent_attention=True))   # V native too
 
 :class:`CoreAttention` implements Megatron's core-attention contract (DotProductAttention /
 TEDotProductAttention): built with (config, layer_number, attn_mask_type, attention_type,
 attention_dropout, softmax_scale, k_channels, v_channels, cp_comm_type, pg_collection); called
 with query [sq, b, np, hn], key/value [sk, b, ng, hn|hv] (or [t, np, hn] packed, with
 ``packed_seq_params`` in thd format and its cu_seqlens), ``attention_mask``, ``attn_mask_type``;
-returns [sq, b, np * hv] (or [t, np * hv]). ``layer_spec`` puts it into a layer spec's attention.
+returns [sq, b, np * hv] (or [t, np * hv]). ``layer_spec`` puts it into a layer spec's attention
+and, unless ``keep_value_native=False``, calls ``skip_thd_value_pad()``.
 
 ``skip_thd_value_pad()`` replaces megatron-core's ``_prepare_mla_core_attention_value`` so that MLA
 hands :class:`CoreAttention` V at its own width on packed input instead of zero-padded to the query
@@ -117,13 +117,17 @@ def _packing(params) -> dict:
     return args
 
 
-def layer_spec(spec):
-    """``spec`` (a ModuleSpec of a transformer layer) with :class:`CoreAttention` as its self-attention's core."""
+def layer_spec(spec, *, keep_value_native: bool = True):
+    """``spec`` (a ModuleSpec of a transformer layer) with :class:`CoreAttention` as its self-attention's core;
+    ``keep_value_native`` (the default) also calls :func:`skip_thd_value_pad`, so this is the one-line switch
+    (the patch leaves layers with other core attentions on Megatron's pad)."""
     attention = getattr(spec.submodules, "self_attention", None)
     if attention is None or not hasattr(attention.submodules, "core_attention"):
         raise InvalidInputError("spec: got a layer spec without self_attention.submodules.core_attention, expected "
                                 "a transformer layer spec such as get_gpt_layer_local_spec(multi_latent_attention=True)")
     attention.submodules.core_attention = CoreAttention
+    if keep_value_native:
+        skip_thd_value_pad()
     return spec
 
 
