@@ -5,7 +5,7 @@ While torch.compile traces :func:`attnselect.attention`, the call becomes
 * a decision made at trace time (``torch.compiler.assume_constant_result``) from the static shapes,
   dtypes, device and options: validation runs on meta tensors of the same shapes and selection
   as usual, so the graph holds one fixed candidate and stays static (sizes torch.compile made
-  dynamic are specialized first, :func:`_static`: a new size recompiles, up to dynamo's
+  dynamic are specialized first, :func:`_constant`: a new size recompiles, up to dynamo's
   ``recompile_limit``, rather than breaking the graph);
 * ``attnselect::attention``, a ``torch.library`` custom op running that candidate, with a fake
   implementation that sizes the output from the *value* head dim ((..., Dv), not (..., Dqk));
@@ -61,9 +61,9 @@ def traced_attention(q, k, v, *, layout, causal, window, scale, dropout_p, cu_se
                                                      cu_seqlens_kv_padded)
     packed = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
     spec = _decide(
-        tuple(_static(t.shape) for t in (q, k, v)), tuple(str(t.dtype) for t in (q, k, v)),
+        tuple(tuple(map(_constant, t.shape)) for t in (q, k, v)), tuple(str(t.dtype) for t in (q, k, v)),
         tuple(str(t.device) for t in (q, k, v)),
-        tuple(None if t is None else (str(t.dtype), _static(t.shape), str(t.device)) for t in packed),
+        tuple(None if t is None else (str(t.dtype), tuple(map(_constant, t.shape)), str(t.device)) for t in packed),
         shared, layout, causal, tuple(map(_constant, window)) if isinstance(window, (tuple, list)) else window,
         _constant(dropout_p), _constant(max_seqlen_q), _constant(max_seqlen_kv), return_lse,
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
@@ -74,19 +74,13 @@ def traced_attention(q, k, v, *, layout, causal, window, scale, dropout_p, cu_se
     return (out, lse.detach()) if return_lse else out   # lse is detached, as in eager calls
 
 
-def _static(shape) -> tuple[int, ...]:
-    """``shape`` as plain ints. A size torch.compile made dynamic (a SymInt: the default compile does so when a
-    second size arrives, ``dynamic=True`` at once) is specialized by ``operator.index``: dynamo guards on its
-    value and recompiles for a new one, so each graph is static with its own decision. A size the caller marked
-    dynamic (``torch._dynamo.mark_dynamic``) cannot be specialized, and dynamo raises ConstraintViolationError."""
-    return tuple(operator.index(n) for n in shape)
-
-
 def _constant(x):
-    """A number option as a plain Python number: dynamo keeps ints and floats symbolic (under ``dynamic=True``,
-    and under the default compile once a second value arrives), which the decision cannot take;
-    ``operator.index`` and ``__float__`` specialize them, as :func:`_static` does sizes. Anything else (None,
-    bools, bad values) passes unchanged, for validation to name it."""
+    """A size or number option as a plain Python number. Dynamo keeps sizes, ints and floats symbolic (under
+    ``dynamic=True``, and under the default compile once a second value arrives), which the decision cannot
+    take; ``operator.index`` and ``__float__`` specialize them: dynamo guards on the value and recompiles for a
+    new one, so each graph is static with its own decision. A size the caller marked dynamic
+    (``torch._dynamo.mark_dynamic``) cannot be specialized, and dynamo raises ConstraintViolationError.
+    Anything else (None, bools, bad values) passes unchanged, for validation to name it."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return x
     return operator.index(x) if isinstance(x, int) else x.__float__()
