@@ -333,16 +333,26 @@ def _clocked_steps(monkeypatch, seconds: dict):
 def test_after_the_first_round_only_the_contenders_go_on(monkeypatch):
     steps, calls = _clocked_steps(monkeypatch, {"fast": 1.0, "close": 1.1, "slow": 3.0})
     results = measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25)
-    assert calls == {"fast": 6, "close": 6, "slow": 2}
+    # one sizing call each; the first round screens with three, then two a round
+    assert calls == {"fast": 1 + 3 + 2 + 2, "close": 1 + 3 + 2 + 2, "slow": 1 + 3}
     assert results["slow"].median_ms == pytest.approx(3000.0)   # its first round's timing stands
 
 
 def test_the_budget_left_after_the_first_round_goes_to_the_contenders(monkeypatch):
-    steps, calls = _clocked_steps(monkeypatch, {"fast": 0.010, "close": 0.011, "slow": 0.050})
-    measure.time_steps(steps, torch.device("cpu"), warmup=1, repeats=30, rounds=3, budget_s=1.0, keep_within=1.25)
-    # warm-up and sizing: 2 calls each (142 ms); round one: 4 each (fits 858 ms / 3 rounds of 71 ms);
-    # then "slow" leaves and the 574 ms left buy the full 10 per round for the two contenders.
-    assert calls == {"fast": 26, "close": 26, "slow": 6}
+    seconds = {"fast": 0.010, "close": 0.011, "slow": 0.020, "far": 0.050}
+    steps, calls = _clocked_steps(monkeypatch, seconds)
+    results = measure.time_steps(steps, torch.device("cpu"), warmup=1, repeats=30, rounds=3, budget_s=1.0,
+                                 keep_within=1.25)
+    # warm-up and sizing: 2 calls each (182 ms); "far" (over 4x the fastest) leaves on its sizing call; the
+    # screening round runs three of the others (123 ms); "slow" leaves, and the 695 ms left buy the full
+    # 10 per round for the two contenders.
+    assert calls == {"fast": 2 + 3 + 20, "close": 2 + 3 + 20, "slow": 2 + 3, "far": 2}
+    assert results["far"].median_ms == pytest.approx(50.0) and results["slow"].median_ms == pytest.approx(20.0)
+    steps, calls = _clocked_steps(monkeypatch, seconds)
+    measure.time_steps(steps, torch.device("cpu"), warmup=1, repeats=30, rounds=3, budget_s=0.3, keep_within=1.25)
+    # 118 ms left after sizing: half of it buys one screening repeat (41 ms each); the contenders still
+    # get three repeats in all
+    assert calls == {"fast": 2 + 1 + 2, "close": 2 + 1 + 2, "slow": 2 + 1, "far": 2}
 
 
 def test_a_failed_step_keeps_its_error_but_not_the_tensors_its_frames_held():

@@ -1,8 +1,9 @@
 """``attnselect bench``: every candidate and every policy on real model shapes, side by side in one run.
 
 For each problem of the suite it times every supported candidate and torch's default side by side
-(forward, or forward+backward when training; interleaved rounds of repeats, median and p20..p80)
-and reports the choice of each policy:
+(forward, or forward+backward when training; interleaved rounds of repeats, median and p20..p80; as the
+measure policy tunes, with twice its rounds: after a screening round, the steps more than 25% behind the
+fastest keep that timing and the rest take many short turns) and reports the choice of each policy:
 
 - ``rules`` and ``measure`` (attnselect's two policies),
 - ``te``: TransformerEngine's selection emulated on our verdicts (shared/research/te_backend_selection.md):
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 
 from attnselect.candidates import Candidate, judge
 from attnselect.errors import InvalidInputError
-from attnselect.measure import candidate_step, random_inputs, time_steps
+from attnselect.measure import (CONTENDER_FACTOR, REPEATS, ROUNDS, WARMUP, candidate_step, random_inputs,
+                                time_steps)
 from attnselect.models import MODELS
 from attnselect.policy import arch_family
 from attnselect.problem import AttentionProblem
@@ -188,9 +190,12 @@ TORCH_DEFAULT = "torch-default"
 
 
 def _timed(steps: dict, device, problem) -> dict:
-    """Every step timed side by side in interleaved rounds (time_steps), so drift lands on all alike; the
-    budget sizes the repeats and never leaves a step out."""
-    results = time_steps(steps, device, warmup=1, repeats=12, rounds=4, budget_s=CANDIDATE_BUDGET_S * len(steps))
+    """Every step timed side by side in interleaved rounds (time_steps), so drift lands on all alike, as measure
+    tunes but with twice its rounds, since the bench judges measure's choice: a screening round, then many
+    short turns of the steps within CONTENDER_FACTOR of the fastest (those further behind keep their
+    screening timing). The budget sizes the repeats and never leaves a step out."""
+    results = time_steps(steps, device, warmup=WARMUP, repeats=2 * REPEATS, rounds=2 * ROUNDS,
+                         budget_s=CANDIDATE_BUDGET_S * len(steps), keep_within=CONTENDER_FACTOR)
     rows = {}
     for key in steps:
         t = results[key]

@@ -5,8 +5,11 @@ when training): warm-up, then timed repeats in interleaved rounds (every candida
 in each round, in another order each round, so drift of clocks or temperature during tuning, and
 what ran just before, land on all of them alike), each
 repeat timed with CUDA events (wall clock on the CPU); its median and 20th..80th percentile
-spread are kept; after the first round only the contenders (within 25% of the fastest) go on,
-so the budget buys repeats where they decide something. The fastest median wins, except that a
+spread are kept. The first round (three repeats each) screens: after it only the contenders
+(within 25% of the fastest) go on, for many short turns rather than a few long ones, since on a
+GPU a kernel's time varies from turn to turn (clock and power state) far more than within one
+turn, so the budget buys turns where they decide something. ``attnselect bench`` times its
+candidates with the same rounds. The fastest median wins, except that a
 candidate the rules rank higher wins when its median lies inside the fastest one's spread and
 within 2% of it.
 Packed problems are measured on a bucket (powers of two of batch and lengths) filled with
@@ -36,9 +39,12 @@ log = logging.getLogger("attnselect")
 
 TUNING_BUDGET_S = 10.0   # per problem
 TIE_TOLERANCE = 0.02     # a rules-preferred candidate this close to the fastest (and inside its spread) wins
-WARMUP, REPEATS = 2, 30  # repeats: ten in each of the ROUNDS, fewer where the budget says so
-ROUNDS = 3               # interleaved rounds of repeats: drift lands on every candidate alike
+WARMUP, REPEATS = 1, 32  # repeats: two in each of the ROUNDS, fewer where the budget says so; the call that
+                         # sizes the repeats (time_steps) follows the warm-up, a second one in effect
+ROUNDS = 16              # interleaved rounds of repeats: drift lands on every candidate alike
 CONTENDER_FACTOR = 1.25  # after the first round, candidates slower than this times the fastest stop
+SCREENING_REPEATS = 3    # with a contender factor, the first round's repeats (fewer under a tight budget)
+FAR_BEHIND = 4.0         # ... and steps whose sizing call took this times the fastest one's skip even that
 SPIN_CYCLES_PER_MS = 2_000_000   # torch.cuda._sleep cycles per ms at a ~2 GHz SM clock (slower clocks spin longer)
 
 
@@ -150,11 +156,13 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
     isolated call). ``budget_s`` sizes the repeats, from one synchronised call of each step, so
     that everything fits in that many seconds from the start, with at least three repeats for
     every step that stays to the end; ``warmup_budget_s`` stops warming up further steps once
-    that many seconds have passed (those are left out of the result). ``keep_within``: after the
-    first round, steps slower than that factor times the fastest leave with the first round's
-    Timing (as few as one repeat under a tight budget), and with ``budget_s`` the later rounds'
-    repeats are sized for the steps still in contention. Should those all fail later, the
-    others' first-round Timings stand.
+    that many seconds have passed (those are left out of the result). ``keep_within``: the
+    first round screens. Steps whose synchronised sizing call took more than FAR_BEHIND times the
+    fastest one's leave before it, with that call's time; the rest run SCREENING_REPEATS repeats
+    (fewer where half the budget left does not buy them); then steps slower than ``keep_within``
+    times the fastest leave with the first round's Timing, and with ``budget_s`` the later
+    rounds' repeats are sized for the steps still in contention. Should the contenders all fail
+    later, the others' first-round Timings stand.
     """
     start = time.perf_counter()
     results, ready, sizes, issue_ms = {}, {}, {}, {}
@@ -168,7 +176,7 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
                 if finite and i == 0 and not bool(torch.isfinite(out).all()):
                     raise FloatingPointError("non-finite output for finite input")
                 del out   # not held through the rounds
-            if budget_s is not None or spinning:
+            if budget_s is not None or spinning or keep_within is not None:
                 sizes[key], issued = _sized_call(step, device)
                 if spinning:
                     issue_ms[key] = issued
@@ -177,16 +185,19 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
             continue
         ready[key] = step
 
-    def repeats_per_round(rounds_left: int, least: int) -> int:
-        per_round = max(1, -(-max(repeats, 1) // rounds))   # ceil(repeats / rounds)
+    def fitting(share: float) -> int:
+        """How many repeats of each ready step fit in ``share`` of the budget left (unbounded without one)."""
         if budget_s is None or not ready:
-            return per_round
+            return 1 << 30
         left_ms = max(budget_s - (time.perf_counter() - start), 0.0) * 1e3
         # A round of n repeats costs the spins' fixed part plus n times (sizes and the spins' part per repeat).
         spin_fixed = sum(_spin_ms(sizes[key], issue_ms.get(key, 0.0), 0) for key in ready)
         per_repeat = sum(sizes[key] + _spin_ms(sizes[key], issue_ms.get(key, 0.0), 1) for key in ready) - spin_fixed
-        fits = int((left_ms / rounds_left - spin_fixed) / max(per_repeat, 1e-3))
-        return max(least, min(per_round, fits))
+        return int((left_ms * share - spin_fixed) / max(per_repeat, 1e-3))
+
+    def repeats_per_round(rounds_left: int, least: int) -> int:
+        per_round = max(1, -(-max(repeats, 1) // rounds))   # ceil(repeats / rounds)
+        return max(least, min(per_round, fitting(1 / rounds_left)))
 
     samples = {key: [] for key in ready}
 
@@ -208,7 +219,14 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
                 results[key] = _released(exc)
                 ready.pop(key, None)
 
-    per_round = repeats_per_round(rounds, least=-(-3 // rounds))   # three repeats in all, at least
+    if keep_within is None:
+        per_round = repeats_per_round(rounds, least=-(-3 // rounds))   # three repeats in all, at least
+    else:   # the screening round: steps far behind on their sizing call leave at once, with that call's time
+        fastest = min((sizes[key] for key in ready), default=0.0)
+        for key in [key for key in ready if sizes[key] > FAR_BEHIND * fastest]:
+            results[key] = Timing(sizes[key], sizes[key], sizes[key])
+            del ready[key]
+        per_round = max(1, min(SCREENING_REPEATS, fitting(1 / 2)))   # at most half of what is left
     run_round(0, per_round)
     if keep_within is not None and ready:
         fastest = min(statistics.median(samples[key]) for key in ready)
