@@ -63,7 +63,9 @@ def _issue_ms(step, device) -> float:
     return statistics.median(times)
 
 
-def run_case(fragment: str, twice: str, others: list[str], target: Target, sessions: int, smoke: bool) -> dict:
+def case_steps(fragment: str, twice: str, others: list[str], target: Target, smoke: bool):
+    """(problem, device, steps): ``twice`` as two steps (A, B) on the same inputs, the supported ``others`` and
+    torch's default, on the bench suite's problem that ``fragment`` names."""
     problem = _problem(fragment, smoke)
     device = torch.device("cuda" if target.is_cuda else "cpu")
     supported = {str(v.candidate) for v in judge(problem, target) if v.supported}
@@ -73,6 +75,11 @@ def run_case(fragment: str, twice: str, others: list[str], target: Target, sessi
     steps.update({name: candidate_step(_candidate(name), problem, target, inputs) for name in others
                   if name in supported})
     steps[TORCH_DEFAULT] = lambda: _torch_default(problem, inputs)
+    return problem, device, steps
+
+
+def run_case(fragment: str, twice: str, others: list[str], target: Target, sessions: int, smoke: bool) -> dict:
+    problem, device, steps = case_steps(fragment, twice, others, target, smoke)
     case = {"problem": problem.describe(), "issue_ms": {k: _issue_ms(s, device) for k, s in steps.items()}}
     medians = {mode: {key: [] for key in steps} for mode in ("spin", "no spin")}
     for _ in range(sessions):   # the two ways alternate (the spin first), so the GPU's warming up lands on both

@@ -18,6 +18,7 @@
 #                                      #   then SHARD=$((2*g+1))/4; K counts from 0 (K/N: every N-th from the K-th)
 #   bash scripts/device_run.sh noise   # benchmarks/noise_floor.py (one kernel as two steps, sessions, spin or not)
 #                                      #                                                -> $OUT/h200_noise_floor.*
+#   bash scripts/device_run.sh convergence # benchmarks/median_convergence.py (bench rounds, then 8x) -> $OUT/h200_median_convergence.*
 #   bash scripts/device_run.sh hf      # transformers DeepSeek-V3 geometry, tokens/s     -> $OUT/h200_hf_deepseek.*
 #   bash scripts/device_run.sh megatron # megatron-core MLA layer tests, then stock pad vs native V -> $OUT/h200_megatron_mla.*
 # Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend.
@@ -62,12 +63,14 @@ case "$step" in
   noise)
     timeout 400 python3 benchmarks/noise_floor.py --out "$OUT/h200_noise_floor" --sessions "${NOISE_SESSIONS:-2}" 2>&1 \
       | grep -v -i warn ;;
+  convergence)
+    timeout 400 python3 benchmarks/median_convergence.py --out "$OUT/h200_median_convergence" 2>&1 | grep -v -i warn ;;
   hf)
     timeout 560 python3 benchmarks/hf_deepseek.py --out "$OUT/h200_hf_deepseek" 2>&1 | grep -v -i warn | tail -12 ;;
   megatron)
     timeout 240 python3 -m pytest -v -p no:cacheprovider -W ignore tests/integrations/test_megatron.py 2>&1 | tail -15
     timeout 300 python3 benchmarks/megatron_mla.py --out "$OUT/h200_megatron_mla" 2>&1 | grep -v -i warn | tail -12 ;;
-  *) echo "usage: $0 STEP... (tests grid bench bench-short crossover models noise hf megatron)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests grid bench bench-short crossover models noise convergence hf megatron)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

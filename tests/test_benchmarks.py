@@ -89,3 +89,15 @@ def test_noise_floor_smoke(tmp_path):
         assert all(len(v) == 2 and all(t > 0 for t in v) for v in medians.values())
         assert len(case[mode]["a_over_b"]) == 2
     assert "A/B (the same kernel, spin)" in (tmp_path / "noise.md").read_text()
+
+
+def test_median_convergence_smoke(tmp_path):
+    _run("benchmarks/median_convergence.py", "--smoke", "--sessions", "2", "--scale", "2", "--out",
+         str(tmp_path / "convergence"))
+    sessions = json.loads((tmp_path / "convergence.json").read_text())["cases"][0]["sessions"]
+    assert [s["rounds"] for s in sessions] == [32, 32, 64]   # the bench's rounds twice, then twice as many
+    for session in sessions:
+        assert set(session["medians_ms"]) == {"sdpa_math native (A)", "sdpa_math native (B)", "reference native",
+                                              "torch-default"}
+        assert session["over_a"]["sdpa_math native (A)"] == 1.0 and all(v > 0 for v in session["over_a"].values())
+    assert "| 64 |" in (tmp_path / "convergence.md").read_text()

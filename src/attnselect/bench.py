@@ -189,13 +189,18 @@ CANDIDATE_BUDGET_S = 2.0   # timing per candidate and problem (at least three re
 TORCH_DEFAULT = "torch-default"
 
 
+def timing_rounds(steps: int) -> dict:
+    """time_steps' options for timing ``steps`` steps as the bench does: as measure tunes but with twice its
+    rounds, since the bench judges measure's choice (a screening round, then many short turns of the steps
+    within CONTENDER_FACTOR of the fastest; those further behind keep their screening timing). The budget
+    sizes the repeats and never leaves a step out."""
+    return {"warmup": WARMUP, "repeats": 2 * REPEATS, "rounds": 2 * ROUNDS, "budget_s": CANDIDATE_BUDGET_S * steps,
+            "keep_within": CONTENDER_FACTOR}
+
+
 def _timed(steps: dict, device, problem) -> dict:
-    """Every step timed side by side in interleaved rounds (time_steps), so drift lands on all alike, as measure
-    tunes but with twice its rounds, since the bench judges measure's choice: a screening round, then many
-    short turns of the steps within CONTENDER_FACTOR of the fastest (those further behind keep their
-    screening timing). The budget sizes the repeats and never leaves a step out."""
-    results = time_steps(steps, device, warmup=WARMUP, repeats=2 * REPEATS, rounds=2 * ROUNDS,
-                         budget_s=CANDIDATE_BUDGET_S * len(steps), keep_within=CONTENDER_FACTOR)
+    """Every step timed side by side in interleaved rounds (time_steps), so drift lands on all alike."""
+    results = time_steps(steps, device, **timing_rounds(len(steps)))
     rows = {}
     for key in steps:
         t = results[key]
