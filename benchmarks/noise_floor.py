@@ -3,7 +3,7 @@
 For a few problems of the bench suite where the measure policy and the bench disagreed, it times
 the rules' choice twice as two separate steps ("A" and "B": the same kernel on the same inputs),
 the close candidates and torch's default, side by side with ``attnselect.measure.time_steps`` as
-the bench does (warm-up, four interleaved rounds, about 1.5 s per step), in several independent
+the bench did before 34878ee (warm-up, four interleaved rounds, about 1.5 s per step), in several independent
 sessions, with and without the spin that lets the host issue a turn's repeats ahead of the GPU
 (alternating session by session, the spin first in each pair, so the GPU's warming up lands on both).
 It reports each session's medians, the A/B ratio within a session (what identical kernels differ

@@ -12,10 +12,11 @@
 #                                      # (MODELS_DEADLINE seconds, default 480); with SHARD=K/N one shard of
 #                                      # the suite, resuming results/h200_bench_partK-of-N.json -> $OUT/h200_bench_partK-of-N.*
 #                                      # (join: attnselect bench --out results/h200_bench --merge results/h200_bench_part*.json)
-#                                      # The full suite takes about 1200 GPU-seconds (training problems twice the
-#                                      # inference ones); on nvidia-h200-x2, two calls of two shards side by side:
-#                                      #   for g in 0 1; do (CUDA_VISIBLE_DEVICES=$g SHARD=$((2*g))/4 bash ... models) & done; wait
-#                                      #   then SHARD=$((2*g+1))/4; K counts from 0 (K/N: every N-th from the K-th)
+#                                      # The full suite took about 1260 GPU-seconds at 34878ee; on nvidia-h200-x2,
+#                                      # two shards side by side, K counting from 0 (K/N: every N-th from the K-th):
+#                                      #   for g in 0 1; do (CUDA_VISIBLE_DEVICES=$g SHARD=$g/2 bash ... models) & done; wait
+#                                      # then the same again to resume what the deadline left (shard 0 holds the
+#                                      # heaviest 128-head training problems: 808 s against shard 1's 449 s)
 #   bash scripts/device_run.sh noise   # benchmarks/noise_floor.py (one kernel as two steps, sessions, spin or not)
 #                                      #                                                -> $OUT/h200_noise_floor.*
 #   bash scripts/device_run.sh convergence # benchmarks/median_convergence.py (bench rounds, then 8x) -> $OUT/h200_median_convergence.*
