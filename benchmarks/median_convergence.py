@@ -3,9 +3,9 @@
 On the problems where ``attnselect bench`` found the measure policy's choice more than 2% behind the
 fastest candidate (dense 16k-token training, where ``sdpa_cudnn`` and the cuDNN frontend run cuDNN's
 kernels and torch's default runs ``sdpa_cudnn``'s), it times the rules' choice twice as two steps (A, B:
-the same kernel on the same inputs), the close candidate and torch's default, with the bench's own rounds
-(``bench.timing_rounds``: a screening round, then short turns of the contenders) in several sessions, and
-then once with ``--scale`` times the rounds. If A/B and torch's default over A come to 1.000 in the
+the same kernel on the same inputs), the close candidate and torch's default, with the bench's rounds as
+that run had them (``bench.timing_rounds`` without its later settling of near-ties: a screening round, then
+32 short turns of the contenders) in several sessions, and then once with ``--scale`` times the rounds. If A/B and torch's default over A come to 1.000 in the
 long session but not in the short ones, the bench's medians are limited by their number of turns;
 the long session's ratio of the close candidate to A is then its speed difference.
 
@@ -44,7 +44,7 @@ def run_case(fragment: str, twice: str, others: list[str], target: Target, sessi
     a = f"{twice} (A)"
     case = {"problem": problem.describe(), "sessions": []}
     for turns in [1] * sessions + [scale]:
-        rounds = timing_rounds(len(steps))
+        rounds = {**timing_rounds(len(steps)), "settle": None}   # the rounds of the run at 34878ee
         rounds.update(repeats=rounds["repeats"] * turns, rounds=rounds["rounds"] * turns,
                       budget_s=rounds["budget_s"] * turns)
         timings = time_steps(steps, device, **rounds)

@@ -12,7 +12,8 @@
 #                                      # (MODELS_DEADLINE seconds, default 480); with SHARD=K/N one shard of
 #                                      # the suite, resuming results/h200_bench_partK-of-N.json -> $OUT/h200_bench_partK-of-N.*
 #                                      # (join: attnselect bench --out results/h200_bench --merge results/h200_bench_part*.json)
-#                                      # The full suite took about 1260 GPU-seconds at 34878ee; on nvidia-h200-x2,
+#                                      # The full suite took about 1260 GPU-seconds at 34878ee (settling near-ties,
+#                                      # added after it, about 250 more, estimated); on nvidia-h200-x2,
 #                                      # two shards side by side, K counting from 0 (K/N: every N-th from the K-th):
 #                                      #   for g in 0 1; do (CUDA_VISIBLE_DEVICES=$g SHARD=$g/2 bash ... models) & done; wait
 #                                      # then the same again to resume what the deadline left (shard 0 holds the

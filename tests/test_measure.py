@@ -355,6 +355,25 @@ def test_the_budget_left_after_the_first_round_goes_to_the_contenders(monkeypatc
     assert calls == {"fast": 2 + 1 + 2, "close": 2 + 1 + 2, "slow": 2 + 1, "far": 2}
 
 
+def test_near_ties_settle_in_more_rounds_until_the_cap_or_the_time(monkeypatch):
+    seconds = {"fast": 0.010, "tie": 0.0102, "close": 0.011}   # "close" contends (within 25%), but no tie (3%)
+    steps, calls = _clocked_steps(monkeypatch, seconds)
+    results = measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25,
+                                 settle=measure.Settle(within=0.03, seconds=60.0, rounds=10))
+    # one sizing call; three in the screening round, two in each of the two others; then 7 settling rounds of two
+    assert calls == {"fast": 1 + 3 + 4 + 14, "tie": 1 + 3 + 4 + 14, "close": 1 + 3 + 4}
+    assert results["close"].median_ms == pytest.approx(11.0) and results["tie"].median_ms == pytest.approx(10.2)
+    steps, calls = _clocked_steps(monkeypatch, seconds)
+    measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25,
+                       settle=measure.Settle(within=0.03, seconds=0.1, rounds=100))
+    # 100 ms of settling: each round of the tied pair takes 40.4 ms, so a third round starts at 80.8 ms
+    assert calls["fast"] == 1 + 3 + 4 + 2 * 3 and calls["close"] == 1 + 3 + 4
+    steps, calls = _clocked_steps(monkeypatch, {"fast": 0.010, "close": 0.011})
+    measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25,
+                       settle=measure.Settle(within=0.03, seconds=60.0, rounds=10))
+    assert calls == {"fast": 1 + 3 + 4, "close": 1 + 3 + 4}   # no tie, nothing to settle
+
+
 def test_a_failed_step_keeps_its_error_but_not_the_tensors_its_frames_held():
     held = []
 

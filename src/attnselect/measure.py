@@ -58,6 +58,16 @@ class Timing:
         return f"{self.median_ms:.3f} ms ({self.low_ms:.3f}..{self.high_ms:.3f})"
 
 
+@dataclass(frozen=True)
+class Settle:
+    """After :func:`time_steps`' rounds, more rounds of the steps whose median lies within ``within`` of the
+    fastest one's, until ``seconds`` have passed or ``rounds`` rounds have run in all: near-ties get the
+    turns that rank them (``attnselect bench``, which judges choices 2% apart, settles them)."""
+    within: float
+    seconds: float
+    rounds: int
+
+
 def bucket(problem: AttentionProblem) -> AttentionProblem:
     """The problem a packed call is tuned as: batch and lengths rounded up to powers of two."""
     if problem.layout != "thd":
@@ -137,7 +147,7 @@ def time_step(step, device: torch.device, *, warmup: int = WARMUP, repeats: int 
 def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repeats: int = REPEATS,
                rounds: int = ROUNDS, budget_s: Optional[float] = None, warmup_budget_s: Optional[float] = None,
                queued: bool = True, spin: bool = True, finite: bool = False,
-               keep_within: Optional[float] = None) -> dict:
+               keep_within: Optional[float] = None, settle: Optional[Settle] = None) -> dict:
     """Time several steps side by side: ``{key: Timing}``, or ``{key: the exception}`` where a step failed.
 
     Each step is warmed up (``finite``: its first output must be finite, or it fails), then every
@@ -162,7 +172,8 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
     (fewer where half the budget left does not buy them); then steps slower than ``keep_within``
     times the fastest leave with the first round's Timing, and with ``budget_s`` the later
     rounds' repeats are sized for the steps still in contention. Should the contenders all fail
-    later, the others' first-round Timings stand.
+    later, the others' first-round Timings stand. ``settle`` (:class:`Settle`) then runs more
+    rounds of the near-tied steps, on top of the budget.
     """
     start = time.perf_counter()
     results, ready, sizes, issue_ms = {}, {}, {}, {}
@@ -235,6 +246,14 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
         per_round = repeats_per_round(rounds - 1, least=-(-(3 - per_round) // max(rounds - 1, 1)))
     for index in range(1, rounds):
         run_round(index, per_round)
+    if settle is not None and len(ready) > 1:
+        fastest = min(statistics.median(samples[key]) for key in ready)
+        for key in [key for key in ready if statistics.median(samples[key]) > (1 + settle.within) * fastest]:
+            del ready[key]
+        until, index = time.perf_counter() + settle.seconds, rounds
+        while len(ready) > 1 and index < settle.rounds and time.perf_counter() < until:
+            run_round(index, max(per_round, 1))
+            index += 1
     for key, times in samples.items():
         if key not in results:
             results[key] = _timing(times)
