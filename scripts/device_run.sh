@@ -18,6 +18,7 @@
 #                                      #   for g in 0 1; do (CUDA_VISIBLE_DEVICES=$g SHARD=$g/2 bash ... models) & done; wait
 #                                      # then the same again to resume what the deadline left (shard 0 holds the
 #                                      # heaviest 128-head training problems: 808 s against shard 1's 449 s)
+#   bash scripts/device_run.sh settle-check # attnselect bench --only the two 16k training problems -> $OUT/h200_bench_settle_check.*
 #   bash scripts/device_run.sh noise   # benchmarks/noise_floor.py (one kernel as two steps, sessions, spin or not)
 #                                      #                                                -> $OUT/h200_noise_floor.*
 #   bash scripts/device_run.sh convergence # benchmarks/median_convergence.py (bench rounds, then 8x) -> $OUT/h200_median_convergence.*
@@ -62,6 +63,13 @@ case "$step" in
     ATTNSELECT_DEBUG=1 ATTNSELECT_DEBUG_LEVEL=2 timeout 570 python3 -m attnselect.cli bench --out "$OUT/$name" \
       --shard "${SHARD:-0/1}" --deadline "${MODELS_DEADLINE:-480}" > "$OUT/$name.log" 2>&1
     grep -v -i warn "$OUT/$name.log" | grep -v "^\[attnselect" | tail -30 ;;   # measure's timings stay in the log
+  settle-check)   # the bench, settling near-ties, on the two 16k training problems measure missed at 34878ee
+    ATTNSELECT_DEBUG=1 ATTNSELECT_DEBUG_LEVEL=2 timeout 420 python3 -m attnselect.cli bench --deadline 300 \
+      --out "$OUT/h200_bench_settle_check" \
+      --only "bshd B=1 Sq=16384 Skv=16384 Hq=16 Hkv=16 d_qk=192 d_v=128 bfloat16 mask=causal training" \
+      --only "bshd B=1 Sq=16384 Skv=16384 Hq=64 Hkv=8 d_qk=128 d_v=128 bfloat16 mask=causal training" \
+      > "$OUT/h200_bench_settle_check.log" 2>&1
+    grep -v "^\[attnselect" "$OUT/h200_bench_settle_check.log" | grep -v -i warn | tail -12 ;;
   noise)
     timeout 400 python3 benchmarks/noise_floor.py --out "$OUT/h200_noise_floor" --sessions "${NOISE_SESSIONS:-2}" 2>&1 \
       | grep -v -i warn ;;
@@ -72,7 +80,7 @@ case "$step" in
   megatron)
     timeout 240 python3 -m pytest -v -p no:cacheprovider -W ignore tests/integrations/test_megatron.py 2>&1 | tail -15
     timeout 300 python3 benchmarks/megatron_mla.py --out "$OUT/h200_megatron_mla" 2>&1 | grep -v -i warn | tail -12 ;;
-  *) echo "usage: $0 STEP... (tests grid bench bench-short crossover models noise convergence hf megatron)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests grid bench bench-short crossover models settle-check noise convergence hf megatron)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

@@ -88,6 +88,14 @@ def test_shards_stride_through_the_suite_and_merge_in_its_order(tmp_path, five_p
     assert "shard" not in merged["meta"] and merged["meta"]["date"].endswith(" to 2099-01-01")
 
 
+def test_only_times_the_problems_whose_description_or_models_match(tmp_path, five_problems):
+    from attnselect import bench
+    report = bench.run(str(tmp_path / "some"), only=("thd 16 seqs", "no such problem"))
+    assert [e["problem"]["layout"] for e in report["results"]] == ["thd", "thd"]   # inference and training
+    assert [e["problem"] for e in bench.run(str(tmp_path / "by_model"), only=("deepseek-v3",))["results"]] == \
+        five_problems   # the first five problems are all DeepSeek-V3's
+
+
 def test_merge_refuses_parts_of_other_devices_or_other_timings(tmp_path, five_problems):
     from attnselect import bench
     from attnselect.errors import InvalidInputError

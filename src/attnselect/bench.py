@@ -291,9 +291,11 @@ def render(out: str, report: Optional[dict] = None) -> dict:
     return report
 
 
-def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0, shard: tuple[int, int] = (0, 1)) -> dict:
+def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0, shard: tuple[int, int] = (0, 1),
+        only: tuple[str, ...] = ()) -> dict:
     """Time the suite's problems not yet in ``out``.json (those of ``shard`` = (k, n): every n-th from the
-    k-th), writing the JSON after each, then the markdown and chart."""
+    k-th; with ``only``, those whose description or models contain one of its texts), writing the JSON after
+    each, then the markdown and chart."""
     target = Target.current()
     path = out + ".json"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -312,7 +314,7 @@ def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0, shard: tupl
     done = {_key(AttentionProblem.from_dict(e["problem"])) for e in report["results"]}
     start = time.time()
     for index, (key, (problem, models)) in enumerate(problems.items()):
-        if key in done or index % n != k:
+        if key in done or index % n != k or (only and not any(t in f"{problem.describe()} {models}" for t in only)):
             continue
         if time.time() - start > deadline_s:
             print("deadline reached; run again to continue", flush=True)

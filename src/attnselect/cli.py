@@ -130,7 +130,7 @@ def cmd_bench(a) -> int:
     elif a.render:
         report = bench.render(a.out)
     else:
-        report = bench.run(a.out, smoke=a.smoke, deadline_s=a.deadline, shard=a.shard)
+        report = bench.run(a.out, smoke=a.smoke, deadline_s=a.deadline, shard=a.shard, only=tuple(a.only))
     print(f"{len(report['results'])} problems -> {a.out}.json, .md" + (", .png" if os.path.exists(a.out + ".png") else ""))
     for policy, row in bench.summary(report).items():
         print(f"  {policy:<14} within 2% of the fastest on {row['within_2pct']:.0%}, within 5% on "
@@ -168,6 +168,8 @@ def main(argv=None) -> int:
     bench.add_argument("--deadline", type=float, default=540.0, help="seconds; rerun to resume")
     bench.add_argument("--shard", type=_shard, default=(0, 1), metavar="K/N",
                        help="time every N-th problem from the K-th (one process per GPU)")
+    bench.add_argument("--only", action="append", default=[], metavar="TEXT",
+                       help="time only the problems whose description or models contain TEXT (repeatable)")
     no_timing = bench.add_mutually_exclusive_group()
     no_timing.add_argument("--render", action="store_true", help="only rewrite .md and .png from an existing .json")
     no_timing.add_argument("--merge", nargs="+", metavar="PART.json", help="join shards' reports into --out")
