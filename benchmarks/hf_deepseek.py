@@ -64,7 +64,8 @@ def main() -> None:
             except Exception as exc:   # an implementation that fails is a finding, not a crash
                 errors[implementation] = exc
         # Whole model steps: their host time counts, so no spin ahead of each turn.
-        results = {**time_steps(steps, torch.device(device), warmup=2, repeats=3 if a.smoke else 12, spin=False),
+        results = {**time_steps(steps, torch.device(device), warmup=2, repeats=3 if a.smoke else 12, rounds=3,
+                                spin=False),
                    **errors}
         for implementation in implementations:
             t = results[implementation]

@@ -5,7 +5,7 @@ fastest candidate (dense 16k-token training, where ``sdpa_cudnn`` and the cuDNN 
 kernels and torch's default runs ``sdpa_cudnn``'s), it times the rules' choice twice as two steps (A, B:
 the same kernel on the same inputs), the close candidate and torch's default, with the bench's rounds as
 that run had them (``bench.timing_rounds`` without its later settling of near-ties: a screening round, then
-32 short turns of the contenders) in several sessions, and then once with ``--scale`` times the rounds. If A/B and torch's default over A come to 1.000 in the
+31 short turns of the contenders) in several sessions, and then once with ``--scale`` times the rounds. If A/B and torch's default over A come to 1.000 in the
 long session but not in the short ones, the bench's medians are limited by their number of turns;
 the long session's ratio of the close candidate to A is then its speed difference.
 

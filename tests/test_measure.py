@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -359,19 +360,85 @@ def test_near_ties_settle_in_more_rounds_until_the_cap_or_the_time(monkeypatch):
     seconds = {"fast": 0.010, "tie": 0.0102, "close": 0.011}   # "close" contends (within 25%), but no tie (3%)
     steps, calls = _clocked_steps(monkeypatch, seconds)
     results = measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25,
-                                 settle=measure.Settle(within=0.03, seconds=60.0, rounds=10))
+                                 settle=measure.Settle(within=1.03, seconds=60.0, rounds=10))
     # one sizing call; three in the screening round, two in each of the two others; then 7 settling rounds of two
     assert calls == {"fast": 1 + 3 + 4 + 14, "tie": 1 + 3 + 4 + 14, "close": 1 + 3 + 4}
     assert results["close"].median_ms == pytest.approx(11.0) and results["tie"].median_ms == pytest.approx(10.2)
     steps, calls = _clocked_steps(monkeypatch, seconds)
     measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25,
-                       settle=measure.Settle(within=0.03, seconds=0.1, rounds=100))
+                       settle=measure.Settle(within=1.03, seconds=0.1, rounds=100))
     # 100 ms of settling: each round of the tied pair takes 40.4 ms, so a third round starts at 80.8 ms
     assert calls["fast"] == 1 + 3 + 4 + 2 * 3 and calls["close"] == 1 + 3 + 4
     steps, calls = _clocked_steps(monkeypatch, {"fast": 0.010, "close": 0.011})
     measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25,
-                       settle=measure.Settle(within=0.03, seconds=60.0, rounds=10))
+                       settle=measure.Settle(within=1.03, seconds=60.0, rounds=10))
     assert calls == {"fast": 1 + 3 + 4, "close": 1 + 3 + 4}   # no tie, nothing to settle
+
+
+def test_one_round_with_contenders_is_the_screening_alone(monkeypatch):
+    steps, calls = _clocked_steps(monkeypatch, {"fast": 0.010, "close": 0.011})
+    for budget in (None, 1.0):
+        calls.update(fast=0, close=0)
+        results = measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=1, budget_s=budget,
+                                     keep_within=1.25)
+        assert calls == {"fast": 1 + 3, "close": 1 + 3} and results["fast"].repeats == 3
+
+
+def test_only_gpu_time_puts_a_step_far_behind_on_its_sizing_call(monkeypatch):
+    now, last = [0.0], [None]
+    host_s = {"fast": 0.0001, "host_bound": 0.005, "far": 0.0001}
+    gpu_ms = {"fast": 1.0, "host_bound": 5.2, "far": 10.0}   # host_bound: the GPU waits on its 5 ms of issuing
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(measure.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(measure.torch.cuda, "_sleep", lambda cycles: None)
+
+    def timed_call(step, device, *, wait):
+        step()
+        elapsed = gpu_ms[last[0]]
+        return lambda: elapsed
+    monkeypatch.setattr(measure, "_timed_call", timed_call)
+
+    def issuing(name):
+        def step():
+            last[0] = name
+            now[0] += host_s[name]
+        return step
+    results = measure.time_steps({name: issuing(name) for name in host_s}, torch.device("cuda"), warmup=0,
+                                 repeats=6, rounds=3, keep_within=10.0)
+    assert results["far"].repeats == 1 and results["far"].median_ms == 10.0   # 9.9 ms on the GPU: over 4x
+    assert results["host_bound"].repeats == 3 + 4   # 5.2 ms in all, but 0.2 on the GPU: screened, and contends
+
+
+def test_a_budget_short_of_a_repeat_a_round_runs_fewer_rounds_not_empty_ones(monkeypatch):
+    steps, calls = _clocked_steps(monkeypatch, {"fast": 0.100, "close": 0.105})
+    results = measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=32, rounds=16, budget_s=2.0,
+                                 keep_within=1.25)
+    # sizing 205 ms, screening three (615 ms); the 1180 ms left buy five more rounds of one, not 15 rounds of none
+    assert calls == {"fast": 1 + 3 + 5, "close": 1 + 3 + 5} and results["close"].repeats == 8
+
+
+def test_a_step_failing_while_settling_keeps_its_earlier_timing(monkeypatch, caplog):
+    steps, calls = _clocked_steps(monkeypatch, {"fast": 0.010, "tie": 0.0102})
+    steady = steps["tie"]
+
+    def tie():
+        if calls["tie"] >= 12:   # fine through the rounds and two settling rounds, then fails in the third
+            raise RuntimeError("launch failure")
+        steady()
+    steps["tie"] = tie
+    with caplog.at_level(logging.WARNING, logger="attnselect"):
+        results = measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25,
+                                     settle=measure.Settle(within=1.03, seconds=60.0, rounds=10))
+    assert isinstance(results["tie"], measure.Timing) and results["tie"].repeats == 3 + 4 + 4
+    assert calls["fast"] == 1 + 3 + 4 + 2 * 3   # settling stops when no near-tie is left
+    assert "tie failed while settling a near-tie, after 11 timed calls; those stand" in caplog.text
+
+
+def test_no_settling_when_its_rounds_are_spent_already(monkeypatch):
+    steps, calls = _clocked_steps(monkeypatch, {"fast": 0.010, "tie": 0.0102})
+    measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25,
+                       settle=measure.Settle(within=1.03, seconds=60.0, rounds=3))
+    assert calls == {"fast": 1 + 3 + 4, "tie": 1 + 3 + 4}
 
 
 def test_a_failed_step_keeps_its_error_but_not_the_tensors_its_frames_held():

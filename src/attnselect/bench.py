@@ -186,14 +186,15 @@ def _torch_default(problem, inputs):
         torch.autograd.grad(out, (q, k, v), grad_out)
 
 
-CANDIDATE_BUDGET_S = 2.0   # timing per candidate and problem (at least three repeats): slow kernels stay affordable
+CANDIDATE_BUDGET_S = 2.0   # timing per candidate and problem, warm-up included: slow kernels stay affordable (those
+                           # far behind may rest on one to three calls; each row counts its repeats)
 TORCH_DEFAULT = "torch-default"
 
 
 # Near-ties (within 3% of the fastest) decide the 2% and 3% goals, and on a long kernel this H200's turn-to-turn
 # spread (p20..p80 4% to 8% on 9..28 ms training steps) leaves the bench's 32 rounds about 1% apart on one kernel;
 # 256 rounds settled them within 0.3% (results/h200_median_convergence.md). Up to that, in at most 20 s a problem.
-SETTLE = Settle(within=0.03, seconds=20.0, rounds=8 * 2 * ROUNDS)
+SETTLE = Settle(within=1.03, seconds=20.0, rounds=8 * 2 * ROUNDS)
 
 
 def timing_rounds(steps: int) -> dict:
@@ -214,7 +215,7 @@ def _timed(steps: dict, device, problem) -> dict:
         if isinstance(t, Exception):   # what fails is part of the comparison
             rows[key] = {"error": f"{type(t).__name__}: {_first_line(t)[:160]}"}
         else:
-            rows[key] = {"median_ms": t.median_ms, "p20_ms": t.low_ms, "p80_ms": t.high_ms,
+            rows[key] = {"median_ms": t.median_ms, "p20_ms": t.low_ms, "p80_ms": t.high_ms, "repeats": t.repeats,
                          "tflops": useful_tflops(problem, t.median_ms)}
     return rows
 

@@ -53,6 +53,7 @@ class Timing:
     median_ms: float
     low_ms: float    # 20th percentile
     high_ms: float   # 80th percentile
+    repeats: int = 0   # the timed calls it rests on (0: not recorded, as in the decision cache)
 
     def __str__(self) -> str:
         return f"{self.median_ms:.3f} ms ({self.low_ms:.3f}..{self.high_ms:.3f})"
@@ -60,9 +61,10 @@ class Timing:
 
 @dataclass(frozen=True)
 class Settle:
-    """After :func:`time_steps`' rounds, more rounds of the steps whose median lies within ``within`` of the
-    fastest one's, until ``seconds`` have passed or ``rounds`` rounds have run in all: near-ties get the
-    turns that rank them (``attnselect bench``, which judges choices 2% apart, settles them)."""
+    """After :func:`time_steps`' rounds, more rounds of the steps whose median lies within ``within`` times the
+    fastest one's (a factor, as ``keep_within``), until ``seconds`` have passed or ``rounds`` rounds have run
+    in all: near-ties get the turns that rank them (``attnselect bench``, which judges choices 2% apart,
+    settles them). A step that fails while settling keeps its earlier timing, and the log says so."""
     within: float
     seconds: float
     rounds: int
@@ -164,16 +166,17 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
     it out, and the timings of host-bound steps then depend on the queue). ``queued=False``
     waits after every repeat, which adds each call's host overhead in full (the latency of an
     isolated call). ``budget_s`` sizes the repeats, from one synchronised call of each step, so
-    that everything fits in that many seconds from the start, with at least three repeats for
-    every step that stays to the end; ``warmup_budget_s`` stops warming up further steps once
-    that many seconds have passed (those are left out of the result). ``keep_within``: the
-    first round screens. Steps whose synchronised sizing call took more than FAR_BEHIND times the
-    fastest one's leave before it, with that call's time; the rest run SCREENING_REPEATS repeats
-    (fewer where half the budget left does not buy them); then steps slower than ``keep_within``
-    times the fastest leave with the first round's Timing, and with ``budget_s`` the later
-    rounds' repeats are sized for the steps still in contention. Should the contenders all fail
-    later, the others' first-round Timings stand. ``settle`` (:class:`Settle`) then runs more
-    rounds of the near-tied steps, on top of the budget.
+    that everything fits in that many seconds from the start (where it buys less than one repeat
+    a round, fewer rounds run), with at least three repeats for every step that stays to the end;
+    ``warmup_budget_s`` stops warming up further steps once that many seconds have passed (those
+    are left out of the result). ``keep_within``: the first round screens. Steps whose
+    synchronised sizing call, less the host's time to issue it, took more than FAR_BEHIND times
+    the fastest one's call leave before it, with that call's time; the rest run SCREENING_REPEATS
+    repeats (fewer where half the budget left does not buy them); then steps slower than
+    ``keep_within`` times the fastest leave with the first round's Timing, and with ``budget_s``
+    the later rounds' repeats are sized for the steps still in contention. Should the contenders
+    all fail later, the others' first-round Timings stand. ``settle`` (:class:`Settle`) then runs
+    more rounds of the near-tied steps, on top of the budget. Each Timing counts its repeats.
     """
     start = time.perf_counter()
     results, ready, sizes, issue_ms = {}, {}, {}, {}
@@ -206,13 +209,23 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
         per_repeat = sum(sizes[key] + _spin_ms(sizes[key], issue_ms.get(key, 0.0), 1) for key in ready) - spin_fixed
         return int((left_ms * share - spin_fixed) / max(per_repeat, 1e-3))
 
-    def repeats_per_round(rounds_left: int, least: int) -> int:
+    def schedule(rounds_left: int, least: int) -> tuple[int, int]:
+        """(rounds, repeats in each) for up to ``rounds_left`` rounds: ceil(repeats / rounds) a round, fewer
+        where the budget says so; where it buys less than one a round, as many rounds of one as it buys (about:
+        one round's spins counted); ``least`` repeats in all at least."""
         per_round = max(1, -(-max(repeats, 1) // rounds))   # ceil(repeats / rounds)
-        return max(least, min(per_round, fitting(1 / rounds_left)))
+        if rounds_left < 1:
+            return 0, 0
+        fits = fitting(1 / rounds_left)
+        if fits >= 1:
+            return rounds_left, max(min(per_round, fits), -(-least // rounds_left))
+        count = min(rounds_left, max(fitting(1.0), least))
+        return count, (-(-least // count) if count else 0) or 1
 
     samples = {key: [] for key in ready}
 
-    def run_round(index: int, per_round: int) -> None:
+    def run_round(index: int, per_round: int, settling: bool = False) -> None:
+        failed = {}
         pending = {}
         for key in _round_order(list(ready), index):
             step = ready[key]
@@ -221,38 +234,46 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
                     torch.cuda._sleep(int(_spin_ms(sizes[key], issue_ms[key], per_round) * SPIN_CYCLES_PER_MS) + 1)
                 pending[key] = [_timed_call(step, device, wait=not queued) for _ in range(per_round)]
             except Exception as exc:
-                results[key] = _released(exc)
-                del ready[key]
+                failed[key] = exc
         for key, calls in pending.items():
             try:
                 samples[key] += [elapsed() for elapsed in calls]
             except Exception as exc:   # an asynchronous error surfaces when its events are read
+                failed[key] = exc
+        for key, exc in failed.items():
+            ready.pop(key, None)
+            if settling:   # its rounds so far stand
+                log.warning("attnselect: %s failed while settling a near-tie, after %d timed calls; those stand: "
+                            "%s: %s", key, len(samples[key]), type(exc).__name__, exc)
+            else:
                 results[key] = _released(exc)
-                ready.pop(key, None)
 
+    index = 0
     if keep_within is None:
-        per_round = repeats_per_round(rounds, least=-(-3 // rounds))   # three repeats in all, at least
-    else:   # the screening round: steps far behind on their sizing call leave at once, with that call's time
+        count, per_round = schedule(rounds, least=3)
+    else:   # the screening round; steps far behind on their sizing call, even less their host's time, skip it
         fastest = min((sizes[key] for key in ready), default=0.0)
-        for key in [key for key in ready if sizes[key] > FAR_BEHIND * fastest]:
-            results[key] = Timing(sizes[key], sizes[key], sizes[key])
+        for key in [key for key in ready if sizes[key] - issue_ms.get(key, 0.0) > FAR_BEHIND * fastest]:
+            results[key] = Timing(sizes[key], sizes[key], sizes[key], repeats=1)
             del ready[key]
-        per_round = max(1, min(SCREENING_REPEATS, fitting(1 / 2)))   # at most half of what is left
-    run_round(0, per_round)
-    if keep_within is not None and ready:
-        fastest = min(statistics.median(samples[key]) for key in ready)
-        for key in [key for key in ready if statistics.median(samples[key]) > keep_within * fastest]:
-            del ready[key]
-        per_round = repeats_per_round(rounds - 1, least=-(-(3 - per_round) // max(rounds - 1, 1)))
-    for index in range(1, rounds):
+        screening = max(1, min(SCREENING_REPEATS, fitting(1 / 2)))   # at most half of what is left
+        run_round(0, screening)
+        index = 1
+        if ready:
+            fastest = min(statistics.median(samples[key]) for key in ready)
+            for key in [key for key in ready if statistics.median(samples[key]) > keep_within * fastest]:
+                del ready[key]
+        count, per_round = schedule(rounds - 1, least=max(3 - screening, 0))
+    for _ in range(count):
         run_round(index, per_round)
+        index += 1
     if settle is not None and len(ready) > 1:
         fastest = min(statistics.median(samples[key]) for key in ready)
-        for key in [key for key in ready if statistics.median(samples[key]) > (1 + settle.within) * fastest]:
+        for key in [key for key in ready if statistics.median(samples[key]) > settle.within * fastest]:
             del ready[key]
-        until, index = time.perf_counter() + settle.seconds, rounds
+        until = time.perf_counter() + settle.seconds
         while len(ready) > 1 and index < settle.rounds and time.perf_counter() < until:
-            run_round(index, max(per_round, 1))
+            run_round(index, max(per_round, 1), settling=True)
             index += 1
     for key, times in samples.items():
         if key not in results:
@@ -323,9 +344,9 @@ def _timed_call(step, device: torch.device, *, wait: bool):
 
 def _timing(times: list[float]) -> Timing:
     if len(times) < 2:
-        return Timing(times[0], times[0], times[0])
+        return Timing(times[0], times[0], times[0], repeats=len(times))
     low, _, _, high = statistics.quantiles(times, n=5, method="inclusive")   # within the samples
-    return Timing(statistics.median(times), low, high)
+    return Timing(statistics.median(times), low, high, repeats=len(times))
 
 
 def random_inputs(problem: AttentionProblem, device: torch.device):
