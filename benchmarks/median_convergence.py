@@ -5,9 +5,10 @@ fastest candidate (dense 16k-token training, where ``sdpa_cudnn`` and the cuDNN 
 kernels and torch's default runs ``sdpa_cudnn``'s), it times the rules' choice twice as two steps (A, B:
 the same kernel on the same inputs), the close candidate and torch's default, with the bench's rounds as
 that run had them (``bench.timing_rounds`` without its later settling of near-ties: a screening round, then
-31 short turns of the contenders) in several sessions, and then once with ``--scale`` times the rounds. If A/B and torch's default over A come to 1.000 in the
-long session but not in the short ones, the bench's medians are limited by their number of turns;
-the long session's ratio of the close candidate to A is then its speed difference.
+31 short turns of the contenders) in several sessions, and then once with ``--scale`` times the rounds.
+If A/B and torch's default over A come to 1.000 in the long session but not in the short ones, the
+bench's medians are limited by their number of turns; the long session's ratio of the close candidate
+to A is then its speed difference.
 
     python benchmarks/median_convergence.py --out results/h200_median_convergence [--sessions 3] [--scale 8]
 """
@@ -15,18 +16,14 @@ the long session's ratio of the close candidate to A is then its speed differenc
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-
-import torch
 
 from attnselect import Target
 from attnselect.bench import timing_rounds
 from attnselect.measure import time_steps
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from noise_floor import case_steps  # noqa: E402
+from noise_floor import case_steps, write_cases  # noqa: E402
 
 CASES = [
     ("bshd B=1 Sq=16384 Skv=16384 Hq=16 Hkv=16 d_qk=192 d_v=128 bfloat16 mask=causal training",
@@ -78,17 +75,10 @@ def main(argv=None) -> int:
     parser.add_argument("--scale", type=int, default=8, help="the last session's rounds, as a multiple")
     parser.add_argument("--smoke", action="store_true", help="a tiny CPU case (tests)")
     a = parser.parse_args(argv)
-    target = Target.current()
-    report = {"meta": {"device": target.describe(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__},
-              "cases": []}
-    for fragment, twice, others in (SMOKE_CASES if a.smoke else CASES):
-        report["cases"].append(run_case(fragment, twice, others, target, a.sessions, a.scale, a.smoke))
-        print(report["cases"][-1]["problem"], [{k: round(v, 4) for k, v in s["over_a"].items()}
-                                               for s in report["cases"][-1]["sessions"]], flush=True)
-        with open(a.out + ".json", "w") as f:
-            json.dump(report, f, indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write(markdown(report))
+    write_cases(a.out, SMOKE_CASES if a.smoke else CASES,
+                lambda fragment, twice, others, target: run_case(fragment, twice, others, target, a.sessions, a.scale,
+                                                                 a.smoke),
+                lambda case: [{k: round(v, 4) for k, v in s["over_a"].items()} for s in case["sessions"]], markdown)
     return 0
 
 

@@ -126,19 +126,26 @@ def main(argv=None) -> int:
     parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="a tiny CPU case (tests)")
     a = parser.parse_args(argv)
+    write_cases(a.out, SMOKE_CASES if a.smoke else CASES,
+                lambda fragment, twice, others, target: run_case(fragment, twice, others, target, a.sessions, a.smoke),
+                lambda case: {m: case[m]["a_over_b"] for m in ("spin", "no spin")}, markdown)
+    return 0
+
+
+def write_cases(out: str, cases: list, run, summary, markdown) -> dict:
+    """``run(fragment, twice, others, target)`` for each case, printing its problem and ``summary(case)`` and
+    writing OUT.json after each, then ``markdown(report)`` to OUT.md."""
     target = Target.current()
-    cases = SMOKE_CASES if a.smoke else CASES
     report = {"meta": {"device": target.describe(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__},
               "cases": []}
     for fragment, twice, others in cases:
-        report["cases"].append(run_case(fragment, twice, others, target, a.sessions, a.smoke))
-        print(report["cases"][-1]["problem"], {m: report["cases"][-1][m]["a_over_b"] for m in ("spin", "no spin")},
-              flush=True)
-        with open(a.out + ".json", "w") as f:
+        report["cases"].append(run(fragment, twice, others, target))
+        print(report["cases"][-1]["problem"], summary(report["cases"][-1]), flush=True)
+        with open(out + ".json", "w") as f:
             json.dump(report, f, indent=1)
-    with open(a.out + ".md", "w") as f:
+    with open(out + ".md", "w") as f:
         f.write(markdown(report))
-    return 0
+    return report
 
 
 if __name__ == "__main__":

@@ -213,14 +213,20 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
         """(rounds, repeats in each) for up to ``rounds_left`` rounds: ceil(repeats / rounds) a round, fewer
         where the budget says so; where it buys less than one a round, as many rounds of one as it buys (about:
         one round's spins counted); ``least`` repeats in all at least."""
-        per_round = max(1, -(-max(repeats, 1) // rounds))   # ceil(repeats / rounds)
         if rounds_left < 1:
             return 0, 0
+        per_round = max(1, -(-max(repeats, 1) // rounds))   # ceil(repeats / rounds)
         fits = fitting(1 / rounds_left)
         if fits >= 1:
             return rounds_left, max(min(per_round, fits), -(-least // rounds_left))
         count = min(rounds_left, max(fitting(1.0), least))
-        return count, (-(-least // count) if count else 0) or 1
+        return count, max(1, -(-least // max(count, 1)))
+
+    def keep_within_of_fastest(factor: float) -> None:
+        """Only the ready steps whose median lies within ``factor`` times the fastest one's go on."""
+        fastest = min(statistics.median(samples[key]) for key in ready)
+        for key in [key for key in ready if statistics.median(samples[key]) > factor * fastest]:
+            del ready[key]
 
     samples = {key: [] for key in ready}
 
@@ -260,17 +266,13 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
         run_round(0, screening)
         index = 1
         if ready:
-            fastest = min(statistics.median(samples[key]) for key in ready)
-            for key in [key for key in ready if statistics.median(samples[key]) > keep_within * fastest]:
-                del ready[key]
+            keep_within_of_fastest(keep_within)
         count, per_round = schedule(rounds - 1, least=max(3 - screening, 0))
     for _ in range(count):
         run_round(index, per_round)
         index += 1
     if settle is not None and len(ready) > 1:
-        fastest = min(statistics.median(samples[key]) for key in ready)
-        for key in [key for key in ready if statistics.median(samples[key]) > settle.within * fastest]:
-            del ready[key]
+        keep_within_of_fastest(settle.within)
         until = time.perf_counter() + settle.seconds
         while len(ready) > 1 and index < settle.rounds and time.perf_counter() < until:
             run_round(index, max(per_round, 1), settling=True)
