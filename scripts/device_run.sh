@@ -12,12 +12,12 @@
 #                                      # (MODELS_DEADLINE seconds, default 480); with SHARD=K/N one shard of
 #                                      # the suite, resuming results/h200_bench_partK-of-N.json -> $OUT/h200_bench_partK-of-N.*
 #                                      # (join: attnselect bench --out results/h200_bench --merge results/h200_bench_part*.json)
-#                                      # The full suite took about 1260 GPU-seconds at 34878ee (settling near-ties,
-#                                      # added after it, about 250 more, estimated); on nvidia-h200-x2,
-#                                      # two shards side by side, K counting from 0 (K/N: every N-th from the K-th):
-#                                      #   for g in 0 1; do (CUDA_VISIBLE_DEVICES=$g SHARD=$g/2 bash ... models) & done; wait
-#                                      # then the same again to resume what the deadline left (shard 0 holds the
-#                                      # heaviest 128-head training problems: 808 s against shard 1's 449 s)
+#                                      # The full suite took 1440 GPU-seconds at 4bdf09b, settling near-ties
+#                                      # included; on nvidia-h200-x2, two shards side by side, K counting from 0
+#                                      # (K/N: every N-th from the K-th):
+#                                      #   for g in 0 1; do (CUDA_VISIBLE_DEVICES=$g SHARD=$g/2 MODELS_DEADLINE=470 bash ... models) & done; wait
+#                                      # then the same again to resume what the deadline left (shard 0: 791 s,
+#                                      # shard 1: 649 s; two calls of 543 and 291 s wall)
 #   bash scripts/device_run.sh settle-check # attnselect bench --only the two 16k training problems -> $OUT/h200_bench_settle_check.*
 #   bash scripts/device_run.sh noise   # benchmarks/noise_floor.py (one kernel as two steps, sessions, spin or not)
 #                                      #                                                -> $OUT/h200_noise_floor.*
