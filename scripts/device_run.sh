@@ -24,6 +24,8 @@
 #   bash scripts/device_run.sh convergence # benchmarks/median_convergence.py (bench rounds, then 8x) -> $OUT/h200_median_convergence.*
 #   bash scripts/device_run.sh hf      # transformers DeepSeek-V3 geometry, tokens/s     -> $OUT/h200_hf_deepseek.*
 #   bash scripts/device_run.sh megatron # megatron-core MLA layer tests, then stock pad vs native V -> $OUT/h200_megatron_mla.*
+#   bash scripts/device_run.sh loop    # benchmarks/training_loop.py, a new packing every step -> $OUT/h200_training_loop.*
+#   bash scripts/device_run.sh buckets # benchmarks/packing_buckets.py (BUCKET_SCHEMES=...) -> $OUT/h200_packing_buckets.*
 # Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,7 +82,12 @@ case "$step" in
   megatron)
     timeout 240 python3 -m pytest -v -p no:cacheprovider -W ignore tests/integrations/test_megatron.py 2>&1 | tail -15
     timeout 300 python3 benchmarks/megatron_mla.py --out "$OUT/h200_megatron_mla" 2>&1 | grep -v -i warn | tail -12 ;;
-  *) echo "usage: $0 STEP... (tests grid bench bench-short crossover models settle-check noise convergence hf megatron)"; exit 2 ;;
+  loop)
+    timeout 500 python3 benchmarks/training_loop.py --out "$OUT/h200_training_loop" 2>&1 | grep -v -i warn | tail -60 ;;
+  buckets)
+    timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
+      ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
+  *) echo "usage: $0 STEP... (tests grid bench bench-short crossover models settle-check noise convergence hf megatron loop buckets)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

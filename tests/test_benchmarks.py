@@ -101,3 +101,40 @@ def test_median_convergence_smoke(tmp_path):
                                               "torch-default"}
         assert session["over_a"]["sdpa_math native (A)"] == 1.0 and all(v > 0 for v in session["over_a"].values())
     assert "| 64 |" in (tmp_path / "convergence.md").read_text()
+
+
+def test_training_loop_smoke(tmp_path):
+    _run("benchmarks/training_loop.py", "--smoke", "--steps", "11", "--warmup", "1", "--rounds", "2",
+         "--out", str(tmp_path / "loop"))
+    report = json.loads((tmp_path / "loop.json").read_text())
+    default = report["rows"]["attnselect default, max_seqlen given"]["smoke"]
+    assert default["steps"] == 22 and default["rounds"] == 2 and default["median_ms"] > 0 and default["tflops"] > 0
+    assert len(default["step_ms"]) == 2 and default["worst_after_10_over_median"] > 0
+    assert "error" in report["rows"]["torch varlen_attn, V padded"]["smoke"]   # no CPU kernel: said, not hidden
+    assert report["goals"][0]["distribution"] == "smoke" and "## Goals" in (tmp_path / "loop.md").read_text()
+
+
+def test_training_loop_packings_fill_every_step_and_repeat_by_seed():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import training_loop
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for spec in training_loop.DISTRIBUTIONS.values():
+        loop = training_loop.packings(spec, training_loop.TOKENS, 5)
+        assert all(sum(p) == training_loop.TOKENS and max(p) <= spec["high"] for p in loop)
+        assert loop == training_loop.packings(spec, training_loop.TOKENS, 5)
+
+
+def test_packing_buckets_choose_the_least_expected_step():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import packing_buckets
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    row = dict(distribution="d", keys_built=10, ms_per_build=100.0)
+    rows = [dict(row, counts="exact", max_seqlen="exact", steady_median_ms=5.0, keys_in_2000_steps=2000),
+            dict(row, counts="pow2", max_seqlen="pow2", steady_median_ms=5.5, keys_in_2000_steps=10),
+            dict(row, counts="pow2", max_seqlen="tokens", steady_median_ms=8.0, keys_in_2000_steps=1)]
+    chosen = packing_buckets.choose(rows)
+    assert (chosen["counts"], chosen["max_seqlen"], chosen["build_ms"]) == ("pow2", "pow2", 100.0)

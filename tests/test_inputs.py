@@ -150,3 +150,37 @@ def test_thd_facts_are_exact_from_lengths_and_conservative_without():
     assert packing_facts("causal", None, None, None)["varlen_rows_without_keys"]
     assert not packing_facts("causal_bottom_right", None, [2, 0, 3], [2, 0, 5])["varlen_rows_without_keys"]
     assert packing_facts("none", None, [2, 1], [2, 0])["varlen_rows_without_keys"]
+
+
+def test_equal_boundaries_in_tensors_of_their_own_are_recognised_once_per_pair(monkeypatch):
+    """Collators, TE and Megatron pass cu_seqlens_kv as a copy of cu_seqlens_q: self-attention, not keyless rows."""
+    meta = torch.device("meta")   # stands in for the GPU: no value can be read by accident
+    q, k, v = (torch.empty(8, 2, d, device=meta) for d in (24, 24, 16))
+    cu_q, cu_kv = (torch.empty(3, dtype=torch.int32, device=meta) for _ in range(2))
+    compared = []
+
+    def equal(a, b):
+        compared.append((a, b))
+        return answer
+    monkeypatch.setattr(torch, "equal", equal)
+    answer = True
+    call = dict(layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=5, max_seqlen_kv=5)
+    for _ in range(3):   # every layer of a step: one comparison
+        problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True, window=(4, 0), **call)
+    assert len(compared) == 1 and problem.varlen_seqlens_match and not problem.varlen_rows_without_keys
+    answer = False
+    other = torch.empty(3, dtype=torch.int32, device=meta)
+    with pytest.raises(InvalidInputError, match="window"):   # different boundaries: top-left with a window is refused
+        attnselect.AttentionProblem.from_tensors(q, k, v, causal=True, window=(4, 0), **dict(call, cu_seqlens_kv=other))
+    assert len(compared) == 2
+    unequal_max = attnselect.AttentionProblem.from_tensors(q, k, v, **dict(call, cu_seqlens_kv=other, max_seqlen_kv=6))
+    assert len(compared) == 2 and unequal_max.varlen_rows_without_keys   # told apart without a read
+
+
+def test_equal_boundaries_read_on_the_host_are_shared():
+    q = torch.randn(9, 2, 16)
+    cu_q, cu_kv = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+    from attnselect.inputs import describe_call
+    problem, packing = describe_call(q, q, q, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, causal=True,
+                                     window=(2, 0))
+    assert problem.varlen_seqlens_match and packing.cu_seqlens_kv is cu_q and not packing.has_gaps

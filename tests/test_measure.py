@@ -470,3 +470,38 @@ def test_measure_on_the_gpu_keeps_the_fastest_contender(tmp_path, monkeypatch):
     fastest = min(t.median_ms for t in timed.values())
     assert len(timed) >= 2 and decision.chosen in timed
     assert timed[decision.chosen].median_ms <= fastest * (1 + measure.TIE_TOLERANCE)
+
+
+@pytest.mark.parametrize("batch,sq,skv", [(32, 512, 512), (4, 64, 256), (8, 100, 60), (1, 128, 128)])
+def test_measure_times_a_new_packing_of_the_bucket_every_call(batch, sq, skv):
+    problem = AttentionProblem(batch, sq, skv, 2, 2, 16, 16, layout="thd", mask="causal", training=True)
+    q, k, v, grad_out, packings = measure.random_inputs(problem, torch.device("cpu"))
+    assert q.shape[0] == packings.tokens_q and k.shape[0] == v.shape[0] == packings.tokens_kv == grad_out.shape[0] * skv // sq
+    seen = set()
+    for _ in range(measure.NewPackings.COUNT):
+        p = packings()
+        lengths_q, lengths_kv = (torch.diff(cu).tolist() for cu in (p.cu_seqlens_q, p.cu_seqlens_kv))
+        assert sum(lengths_q) == q.shape[0] and sum(lengths_kv) == k.shape[0]
+        assert max(lengths_q) == p.max_seqlen_q <= sq and max(lengths_kv) == p.max_seqlen_kv <= skv
+        assert (p.cu_seqlens_kv is p.cu_seqlens_q) == (sq == skv)
+        if batch > 1:
+            assert batch // 2 < len(lengths_q) <= batch and p.max_seqlen_q > sq // 2
+            assert [n * skv for n in lengths_q] == [n * sq for n in lengths_kv]   # the problem's ratio, per sequence
+        seen.add(tuple(lengths_q))
+    assert packings().cu_seqlens_q is not packings().cu_seqlens_q   # new tensors every call
+    assert len(seen) >= (1 if batch == 1 else measure.NewPackings.COUNT // 2)
+
+
+def test_a_candidate_that_builds_per_packing_pays_for_it_in_its_measurement(monkeypatch):
+    """candidate_step hands every call the next packing, so a per-packing cost lands in every timed call."""
+    problem = AttentionProblem(8, 64, 64, 2, 2, 16, 16, layout="thd", mask="causal")
+    inputs = measure.random_inputs(problem, torch.device("cpu"))
+    handed = []
+    from attnselect import execution
+    real = execution.run_call
+    monkeypatch.setattr(execution, "run_call", lambda *a, packing, **kw: handed.append(packing) or real(
+        *a, packing=packing, **kw))
+    step = measure.candidate_step(Candidate("reference"), problem, Target.current("cpu"), inputs)
+    for _ in range(3):
+        step()
+    assert len({id(p.cu_seqlens_q) for p in handed}) == 3

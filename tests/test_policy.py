@@ -205,3 +205,19 @@ def test_rules_choose_what_the_h200_packed_benchmark_measured_fastest():
                                    cu_seqlens_q=cu, causal=True, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
         problem = dataclasses.replace(problem, training=entry["phase"] == "forward+backward")
         assert str(attnselect.select(problem, target=h200).chosen) == entry["fastest"], (entry["packing"], entry["phase"])
+
+
+def test_on_packed_input_a_per_packing_rebuilder_ranks_after_the_stable_packed_candidates():
+    """flex builds a document mask for every new packing; varlen_attn builds nothing: in a loop that packs anew
+    the table's forward order (flex first once the frontend is absent) must not stand."""
+    packed = AttentionProblem(**{**MLA, "batch": 18, "seqlen_q": 4096, "seqlen_kv": 4096}, layout="thd")
+    d = attnselect.select(packed, target=Target.preset("h200"))
+    assert d.chosen == Candidate("varlen_fa2", 192)
+    assert d.rank_of(Candidate("flex")) == d.rank_of(Candidate("varlen_fa2", 192)) + 1
+    dense = attnselect.select(AttentionProblem(**MLA), target=Target.preset("h200"))   # dense keeps the table
+    assert dense.rank_of(Candidate("flex")) < dense.rank_of(Candidate("sdpa_flash", 192))
+    per_sequence = [c.backend for c in d.ranked if c.backend in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient")]
+    assert per_sequence.index("sdpa_cudnn") > per_sequence.index("sdpa_efficient")   # a graph per new length
+    float32 = attnselect.select(AttentionProblem(**{**MLA, "dtype": torch.float32}, layout="thd"),
+                                target=Target.preset("h200"))
+    assert float32.chosen == Candidate("flex")   # the only packed kernel for float32 keeps its place

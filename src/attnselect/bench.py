@@ -172,9 +172,10 @@ def rechoose(report: dict, target: Target) -> int:
 
 
 def _torch_default(problem, inputs):
-    q, k, v, grad_out, packing = inputs
+    q, k, v, grad_out, packings = inputs
     if problem.layout == "thd":
         from torch.nn.attention.varlen import varlen_attn
+        packing = packings()
         pad = problem.head_dim_qk - problem.head_dim_v
         v_padded = F.pad(v, (0, pad)) if pad > 0 else v
         out = varlen_attn(q, k, v_padded, packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.max_seqlen_q,

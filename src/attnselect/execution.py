@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from attnselect import backends
 from attnselect.backends.base import KernelCall, Packing
+from attnselect.backends.shape_cache import bucketed
 from attnselect.candidates import Candidate
 from attnselect.inputs import check_boundaries, check_offsets, lengths_of
 from attnselect.problem import AttentionProblem
@@ -62,6 +63,8 @@ def _run_packed(backend, pad_to, call, q, k, v, packing):
     if q.shape[0] == 0 or k.shape[0] == 0:
         out, lse = _empty_result(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 1, call.return_lse)
         return out[0], (lse[0] if lse is not None else None)                   # (1, H, T) -> (H, T)
+    if backend.shape_cache is not None and backend.shape_cache.buckets is not None:   # few distinct shapes
+        packing = bucketed(packing, backend.shape_cache.buckets)
     return _padded(lambda q, k, v: backend.run_packed(q, k, v, call, packing), pad_to, q, k, v)
 
 

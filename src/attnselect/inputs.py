@@ -15,6 +15,7 @@ from attnselect import masks
 from attnselect.backends.base import Packing
 from attnselect.errors import InvalidInputError
 from attnselect.problem import DTYPES, LAYOUTS, AttentionProblem, mask_from_arguments
+from attnselect.tensor_memo import TensorMemo
 
 # (batch, seq, heads) positions of each dense layout; thd is (tokens, heads, dim).
 DENSE_AXES = {"bshd": (0, 1, 2), "sbhd": (1, 0, 2), "bhsd": (0, 2, 1)}
@@ -165,10 +166,15 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv):
     if same and offsets_kv is offsets_q and k.shape[0] != q.shape[0]:   # shapes alone: no host read
         _fail("k.shape[0]", k.shape[0], f"q's token count {q.shape[0]} (k shares q's cu_seqlens and offsets)")
     if max_q is not None and max_kv is not None and cu_q.device.type != "cpu":
-        # No host read: q/kv lengths are known to match only when they share their boundaries.
+        # No host read: q/kv lengths are known to match only when they share their boundaries (or hold equal ones).
+        if not same and offsets_q is cu_q and offsets_kv is cu_kv and _equal_boundaries(cu_q, cu_kv, max_q,
+                                                                                         max_kv, q, k):
+            cu_kv, offsets_kv, same = cu_q, cu_q, True
         return Packing(cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv), (None, None, same)
     bounds_q = cu_q.tolist()                      # host sync on CUDA
     bounds_kv = bounds_q if same else cu_kv.tolist()
+    if not same and bounds_kv == bounds_q and offsets_kv is cu_kv and offsets_q is cu_q:   # equal values: share
+        cu_kv, offsets_kv, same = cu_q, cu_q, True
     lengths_q, lengths_kv = lengths_of(bounds_q), lengths_of(bounds_kv)
     sq = max(lengths_q, default=0) if max_q is None else max_q
     skv = max(lengths_kv, default=0) if max_kv is None else max_kv
@@ -184,6 +190,20 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv):
             check_offsets(f"{name}_padded", starts, lengths_of(bounds), total)
         placed.append(offsets)
     return Packing(cu_q, cu_kv, sq, skv, *placed), (lengths_q, lengths_kv, same)
+
+
+# Whether a pair of boundary tensors holds equal values, once per pair (attnselect.tensor_memo).
+_EQUAL = TensorMemo()
+
+
+def _equal_boundaries(cu_q, cu_kv, max_q, max_kv, q, k) -> bool:
+    """Whether ``cu_kv``, a tensor of its own, holds the values of ``cu_q`` (collators, TE and Megatron often
+    pass such a copy for self-attention). Only asked where nothing else tells them apart (both max_seqlen
+    given and equal, as many keys as queries): one host read (a sync on CUDA) per new pair of tensors, shared
+    by every layer that gets the same pair; pass the same tensor, or cu_seqlens_kv=None, to avoid it."""
+    if max_q != max_kv or k.shape[0] != q.shape[0]:
+        return False   # told apart without a read
+    return _EQUAL.get((cu_q, cu_kv), None, lambda: torch.equal(cu_q, cu_kv))
 
 
 def lengths_of(bounds: list[int]) -> list[int]:

@@ -12,9 +12,10 @@ turn, so the budget buys turns where they decide something. ``attnselect bench``
 candidates with the same rounds. The fastest median wins, except that a
 candidate the rules rank higher wins when its median lies inside the fastest one's spread and
 within 2% of it.
-Packed problems are measured on a bucket (powers of two of batch and lengths) filled with
-full-length sequences, so a loop whose packing changes every step tunes a few times, not
-every step. The time spent per problem is bounded by ``TUNING_BUDGET_S``; candidates not
+Packed problems are measured on a bucket (powers of two of batch and lengths), so a loop whose
+packing changes every step tunes a few times, not every step, and on a new packing of that bucket
+for every call (:class:`NewPackings`), as such a loop brings them: a candidate that builds something
+per packing pays for it in its timing. The time spent per problem is bounded by ``TUNING_BUDGET_S``; candidates not
 reached by then keep their rules order behind the measured ones, and the log says so.
 """
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import random
 import statistics
 import time
 import traceback
@@ -112,7 +115,8 @@ def candidate_step(candidate: Candidate, problem: AttentionProblem, target: Targ
     call = kernel_call(problem)
 
     def step():
-        out, _ = run_call(candidate, problem, call, q, k, v, packing=packing, target=target)
+        out, _ = run_call(candidate, problem, call, q, k, v, target=target,
+                          packing=packing() if callable(packing) else packing)
         if problem.training:
             torch.autograd.grad(out, (q, k, v), grad_out)
         return out
@@ -352,29 +356,85 @@ def _timing(times: list[float]) -> Timing:
 
 
 def random_inputs(problem: AttentionProblem, device: torch.device):
-    """q, k, v (requiring grad when training), an output gradient and, for thd, a full-length packing."""
+    """q, k, v (requiring grad when training), an output gradient and, for thd, :class:`NewPackings` of the
+    problem's size (a packing per call) or None."""
     from attnselect.inputs import DENSE_AXES
 
-    def shape(seqlen: int, heads: int, head_dim: int) -> tuple:
-        if problem.layout == "thd":
-            return problem.batch * seqlen, heads, head_dim
-        dims = [0, 0, 0, head_dim]
-        for axis, size in zip(DENSE_AXES[problem.layout], (problem.batch, seqlen, heads)):
-            dims[axis] = size
-        return tuple(dims)
+    packings = NewPackings(problem, device) if problem.layout == "thd" else None
 
-    def make(*size, grad=problem.training):
-        return torch.randn(shape(*size), device=device, dtype=problem.dtype).requires_grad_(grad)
+    def make(side: str, heads: int, head_dim: int, grad=problem.training):
+        if packings is not None:
+            shape = (packings.tokens_q if side == "q" else packings.tokens_kv, heads, head_dim)
+        else:
+            dims = [0, 0, 0, head_dim]
+            sizes = (problem.batch, problem.seqlen_q if side == "q" else problem.seqlen_kv, heads)
+            for axis, size in zip(DENSE_AXES[problem.layout], sizes):
+                dims[axis] = size
+            shape = tuple(dims)
+        return torch.randn(shape, device=device, dtype=problem.dtype).requires_grad_(grad)
 
-    q = make(problem.seqlen_q, problem.heads_q, problem.head_dim_qk)
-    k = make(problem.seqlen_kv, problem.heads_kv, problem.head_dim_qk)
-    v = make(problem.seqlen_kv, problem.heads_kv, problem.head_dim_v)
-    grad_out = make(problem.seqlen_q, problem.heads_q, problem.head_dim_v, grad=False)
-    packing = None
-    if problem.layout == "thd":
-        def cu(seqlen):
-            return torch.arange(0, (problem.batch + 1) * seqlen, max(seqlen, 1), dtype=torch.int32,
-                                device=device)[:problem.batch + 1]
-        cu_q, cu_kv = cu(problem.seqlen_q), cu(problem.seqlen_kv)
-        packing = Packing(cu_q, cu_kv, problem.seqlen_q, problem.seqlen_kv, cu_q, cu_kv)
-    return q, k, v, grad_out, packing
+    q = make("q", problem.heads_q, problem.head_dim_qk)
+    k = make("kv", problem.heads_kv, problem.head_dim_qk)
+    v = make("kv", problem.heads_kv, problem.head_dim_v)
+    grad_out = make("q", problem.heads_q, problem.head_dim_v, grad=False)
+    return q, k, v, grad_out, packings
+
+
+class NewPackings:
+    """``packings()``: the next of ``COUNT`` packings of a thd problem's size, as new boundary tensors each call.
+
+    A data loader brings a new packing every step; so does this, within the problem's size: with batch B and
+    lengths Sq, Skv, each packing has between B/2 + 1 and B sequences (B when B is 1) whose longest lies in
+    (S/2, S], over fixed token totals of B * S / 2 (S for one sequence), so that each call does about the
+    work of a typical packing of that size. Query and key lengths keep the problem's ratio (both are whole
+    multiples of one length per sequence, their greatest common divisor's share); they share one boundary
+    tensor when Sq == Skv. The packings are drawn once (seeded) and copied to the device before timing;
+    every call clones its boundaries, so per-tensor caches see a new packing.
+    """
+
+    COUNT = 64
+
+    def __init__(self, problem: AttentionProblem, device: torch.device, seed: int = 0):
+        rng = random.Random(seed)
+        batch = max(problem.batch, 1)
+        sq, skv = max(problem.seqlen_q, 1), max(problem.seqlen_kv, 1)
+        unit = math.gcd(sq, skv)
+        factors = (sq // unit, skv // unit)
+        units = unit if batch == 1 else batch * unit // 2
+        self.tokens_q, self.tokens_kv = units * factors[0], units * factors[1]
+        self._shared, self._next, self._packings = sq == skv, 0, []
+        for _ in range(self.COUNT):
+            lengths = _lengths(rng, batch, unit, units)
+            cu_q, cu_kv = (torch.tensor(_prefix_sums([n * f for n in lengths]), dtype=torch.int32, device=device)
+                           for f in factors)
+            self._packings.append((cu_q, cu_kv, max(lengths) * factors[0], max(lengths) * factors[1]))
+
+    def __call__(self) -> Packing:
+        cu_q, cu_kv, max_q, max_kv = self._packings[self._next % self.COUNT]
+        self._next += 1
+        cu_q = cu_q.clone()
+        cu_kv = cu_q if self._shared else cu_kv.clone()
+        return Packing(cu_q, cu_kv, max_q, max_kv, cu_q, cu_kv)
+
+
+def _lengths(rng, batch: int, longest: int, tokens: int) -> list[int]:
+    """``count`` in (batch/2, batch] lengths summing to ``tokens``, the longest in (longest/2, longest]."""
+    if batch == 1:
+        return [tokens]
+    count = rng.randint(batch // 2 + 1, batch)
+    top = rng.randint(max(longest // 2 + 1, -(-tokens // count)), longest)
+    rest, left = [top], tokens - top
+    for i in range(count - 1, 0, -1):   # i sequences still to place, each at most top, together `left`
+        low, high = max(left - (i - 1) * top, 0), min(top, left)
+        n = rng.randint(low, high) if i > 1 else left
+        rest.append(n)
+        left -= n
+    rng.shuffle(rest)
+    return rest
+
+
+def _prefix_sums(lengths: list[int]) -> list[int]:
+    sums = [0]
+    for n in lengths:
+        sums.append(sums[-1] + n)
+    return sums

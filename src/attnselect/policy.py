@@ -2,11 +2,16 @@
 
 A table lists candidates fastest first ("name" = native, "name+pad" = padded). Padding wins
 only where a padded entry ranks above every supported native one. Supported candidates the
-table does not list rank last, in registry order.
+table does not list rank last, in registry order. On packed (thd) input a candidate whose backend
+builds something for every new packing (:class:`~attnselect.backends.shape_cache.ShapeCache`,
+``rebuilds_per_packing``) then moves down to just after the last candidate on its path (one packed call,
+or sequence by sequence) that does not, since a training loop packs anew every step: on the H200 loop
+(results/h200_training_loop.md) no such candidate was faster with its rebuild than those without one.
 """
 
 from __future__ import annotations
 
+from attnselect import backends
 from attnselect.candidates import Candidate, Verdict
 from attnselect.problem import AttentionProblem
 from attnselect.target import Target
@@ -131,4 +136,27 @@ def rank(verdicts: tuple[Verdict, ...], problem: AttentionProblem, target: Targe
         entry = c.backend + ("+pad" if c.padded else "")
         return (position.get(entry, len(table)), supported.index(c))
 
-    return tuple(sorted(supported, key=key))
+    ordered = sorted(supported, key=key)
+    return tuple(_stable_across_packings(ordered, target) if problem.layout == "thd" else ordered)
+
+
+def _stable_across_packings(ordered: list[Candidate], target: Target) -> list[Candidate]:
+    """``ordered`` with each candidate that rebuilds per new packing moved to just after the last candidate on
+    its path (packed, or per sequence) that does not."""
+    def rebuilds(c: Candidate) -> bool:
+        cache = backends.get(c.backend).shape_cache
+        return cache is not None and cache.rebuilds_per_packing
+
+    def packed(c: Candidate) -> bool:
+        return backends.get(c.backend).packs_thd(target)
+
+    result = [c for c in ordered if not rebuilds(c)]
+    moved: list[Candidate] = []
+    for c in (c for c in ordered if rebuilds(c)):
+        after = [i for i, other in enumerate(result) if packed(other) == packed(c)
+                 and (not rebuilds(other) or other in moved)]
+        if not any(not rebuilds(result[i]) for i in after):   # nothing on its path is stable: it keeps its place
+            after = [i for i, other in enumerate(result) if ordered.index(other) < ordered.index(c)]
+        result.insert(after[-1] + 1 if after else 0, c)
+        moved.append(c)
+    return result

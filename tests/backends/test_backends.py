@@ -122,19 +122,20 @@ def test_flex_document_masks_are_reused_per_cu_seqlens_and_dropped_with_it():
     q, k, v = (t.detach() for t in (q, k, v))
     first = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="flex")
     causal = ("causal", None, 8, 8)
-    cached = flex._DOCUMENT_MASKS[id(cu)][causal][2]
+    masks = flex._DOCUMENT_MASKS.remembered
+    cached = masks(cu)[causal]
     again = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="flex")
-    assert flex._DOCUMENT_MASKS[id(cu)][causal][2] is cached and torch.equal(first, again)
+    assert masks(cu)[causal] is cached and torch.equal(first, again)
     other = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, backend="flex")   # second mask, same owner
-    assert flex._DOCUMENT_MASKS[id(cu)][causal][2] is cached and len(flex._DOCUMENT_MASKS[id(cu)]) == 2
+    assert masks(cu)[causal] is cached and len(masks(cu)) == 2
     assert not torch.equal(first, other)
     cu.add_(0)                                                    # changed in place: a new version misses
     attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="flex")
-    assert flex._DOCUMENT_MASKS[id(cu)][causal][2] is not cached
+    assert masks(cu)[causal] is not cached
     key = id(cu)
     del cu
     gc.collect()
-    assert key not in flex._DOCUMENT_MASKS
+    assert key not in flex._DOCUMENT_MASKS._entries
 
 
 

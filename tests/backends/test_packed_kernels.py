@@ -188,3 +188,70 @@ def test_cudnn_frontend_refuses_the_backward_of_one_query_and_one_key(layout):
     assert any("s_q = s_kv = 1" in r for r in get("cudnn_frontend").not_supported_reasons(single, h200))
     for served in (dataclasses.replace(single, training=False), dataclasses.replace(single, seqlen_kv=2)):
         assert not get("cudnn_frontend").not_supported_reasons(served, h200)
+
+
+def _recording_stub(monkeypatch):
+    """The cudnn stand-in, recording the sequence count and max_seqlen of every packed call."""
+    seen = []
+
+    def recording(q, k, v, **kwargs):
+        if kwargs.get("cu_seqlens_q") is not None:
+            seen.append((kwargs["cu_seqlens_q"].numel() - 1, kwargs["max_seqlen_q"], kwargs["cu_seqlens_kv"].numel() - 1,
+                         kwargs["max_seqlen_kv"]))
+        return cudnn_sdpa_torch(q, k, v, **kwargs)
+    stub = types.ModuleType("cudnn")
+    stub.sdpa_torch = recording
+    monkeypatch.setitem(sys.modules, "cudnn", stub)
+    return seen
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=["same-lengths", "kv-longer"])
+@pytest.mark.parametrize("kwargs", [dict(causal="bottom_right", return_lse=True), dict(window=(2, 1), return_lse=True)])
+def test_cudnn_frontend_bucketed_packing_equals_unbucketed(lengths, kwargs, monkeypatch):
+    """Empty trailing sequences and a larger max_seqlen change nothing: output, lse and all three gradients."""
+    from attnselect.backends.shape_cache import PackingBuckets, Rounding
+    seen = _recording_stub(monkeypatch)
+    frontend = get("cudnn_frontend")
+    (q, k, v), cu_q, cu_kv = thd_inputs(*lengths, dqk=24, dv=16)
+    problem, packing = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
+    runs = []
+    for buckets in (PackingBuckets(Rounding(floor=16), Rounding(floor=64)), None):
+        monkeypatch.setattr(frontend, "shape_cache", dataclasses.replace(type(frontend).shape_cache, buckets=buckets))
+        out, lse = run_candidate(Candidate("cudnn_frontend"), problem, q, k, v, packing=packing,
+                                 target=attnselect.Target.preset("h200"))
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        runs.append((out, lse, grads))
+    assert seen == [(16, 64, 16, 64), (5, max(lengths[0]), 5, max(lengths[1]))]   # what the op was handed
+    (out, lse, grads), (out0, lse0, grads0) = runs
+    assert torch.equal(out, out0) and torch.equal(lse, lse0) and all(map(torch.equal, grads, grads0))
+    assert cu_q.tolist() == [0, 5, 6, 6, 15, 18]   # the caller's boundaries are untouched
+
+
+def test_bucketed_boundaries_are_made_once_per_tensor(monkeypatch):
+    from attnselect.backends.shape_cache import PackingBuckets, Rounding, bucketed
+    from attnselect.backends.base import Packing
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    buckets = PackingBuckets(Rounding(floor=8), Rounding(floor=16))
+    first, again = bucketed(Packing(cu, cu, 4, 4, cu, cu), buckets), bucketed(Packing(cu, cu, 4, 4, cu, cu), buckets)
+    assert first.cu_seqlens_q.tolist() == [0, 3, 7, 7, 7, 7, 7, 7, 7] and first.max_seqlen_q == 16
+    assert again.cu_seqlens_q is first.cu_seqlens_q and first.cu_seqlens_kv is first.cu_seqlens_q
+    assert not first.has_gaps   # offsets that were the boundaries stay the (bucketed) boundaries
+
+
+@pytest.mark.parametrize("n,rounding,expected", [
+    (5, dict(), 8), (16, dict(floor=16), 16), (17, dict(floor=16), 32), (3, dict(floor=16), 16),
+    (4097, dict(floor=128, per_doubling=2, multiple=64), 5824), (9000, dict(floor=8, per_doubling=0, multiple=8), 9000),
+    (9001, dict(floor=8, per_doubling=0, multiple=8), 9008)])
+def test_rounding_covers_and_stays_on_its_series(n, rounding, expected):
+    from attnselect.backends.shape_cache import Rounding
+    assert Rounding(**rounding)(n) == expected
+
+
+def test_every_backend_states_what_a_new_shape_costs_it():
+    from attnselect.backends import all_backends
+    stated = {b.name: b.shape_cache for b in all_backends() if b.shape_cache is not None}
+    assert {"cudnn_frontend", "flex", "sdpa_cudnn", "flash_attn4"} <= set(stated)
+    for cache in stated.values():
+        assert cache.source and cache.keyed_on and cache.describe()
+    assert stated["cudnn_frontend"].buckets is not None and not stated["cudnn_frontend"].rebuilds_per_packing
+    assert stated["flex"].rebuilds_per_packing

@@ -60,3 +60,42 @@ def test_thd_candidate_matches_float64(backend, pad_to, kwargs, shape):
         assert torch.isfinite(g).all() and rel_err(g, rg) < 2e-2
     if kwargs.get("return_lse"):
         assert lse.shape == ref_lse.shape == (q.shape[1], q.shape[0]) and rel_err(lse, ref_lse) < 1e-2
+
+
+def _frontend_installed():
+    return torch.cuda.is_available() and Target.current().cudnn_frontend_version is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [dict(causal=True, return_lse=True), dict(window=(48, 0), return_lse=True)])
+def test_cudnn_frontend_bucketed_packing_equals_unbucketed_on_the_gpu(kwargs, monkeypatch):
+    """Empty trailing sequences and a larger max_seqlen leave output, lse and gradients as they were."""
+    import dataclasses
+    from attnselect.backends import get
+    if not _frontend_installed():
+        pytest.skip("nvidia-cudnn-frontend is not installed here (scripts/fetch_device_wheels.sh)")
+    frontend = get("cudnn_frontend")
+    (q, k, v), cu_q, _ = thd_inputs(LENGTHS_Q[1:], hq=8, hkv=2, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
+    grad_out = torch.randn(q.shape[0], 8, 128, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for buckets in (type(frontend).shape_cache.buckets, None):
+        monkeypatch.setattr(frontend, "shape_cache", dataclasses.replace(type(frontend).shape_cache, buckets=buckets))
+        out, lse = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu_q, backend="cudnn_frontend",
+                                        max_seqlen_q=max(LENGTHS_Q), max_seqlen_kv=max(LENGTHS_Q), **kwargs)
+        runs.append((out, lse, torch.autograd.grad(out, (q, k, v), grad_out)))
+    (out, lse, grads), (out0, lse0, grads0) = runs
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    for g, g0 in zip(grads, grads0):
+        assert rel_err(g, g0) < 1e-3, "gradients moved with the bucket"
+
+
+@pytest.mark.gpu
+def test_a_copy_of_cu_seqlens_q_as_cu_seqlens_kv_is_self_attention_on_the_gpu():
+    """Both max_seqlen given (as Megatron passes them) and cu_seqlens_kv a tensor of its own, equal in value."""
+    (q, k, v), cu_q, _ = thd_inputs([37, 256, 5], hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
+    problem, _ = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q.clone(), causal=True,
+                               window=(48, 0), max_seqlen_q=256, max_seqlen_kv=256)
+    assert problem.varlen_seqlens_match and not problem.varlen_rows_without_keys
+    if _frontend_installed():   # not refused as unverified for keyless rows
+        verdict = next(v for v in attnselect.select(problem).verdicts if v.candidate == attnselect.Candidate("cudnn_frontend"))
+        assert verdict.supported, verdict.reasons

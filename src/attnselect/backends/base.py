@@ -14,6 +14,7 @@ from typing import ClassVar, Optional
 
 import torch
 
+from attnselect.backends.shape_cache import ShapeCache
 from attnselect.problem import MASKS, AttentionProblem, dtype_name
 from attnselect.target import Target
 
@@ -135,6 +136,7 @@ class Backend:
     layout: ClassVar[str] = "bhsd"                     # dense layout that run() takes
     surfaces: ClassVar[dict[str, Surface]]             # keyed by device type ("cuda", "cpu")
     package: ClassVar[Optional[tuple[str, str]]] = None  # (Target version field, pip name)
+    shape_cache: ClassVar[Optional[ShapeCache]] = None   # None: nothing is built per shape
 
     def not_supported_reasons(self, problem: AttentionProblem, target: Target) -> list[str]:
         """Why this backend cannot serve ``problem`` on ``target``; empty when it can."""

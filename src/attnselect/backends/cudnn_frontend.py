@@ -11,6 +11,7 @@ import torch
 
 from attnselect import masks
 from attnselect.backends.base import HALF, Backend, KernelCall, Packing, Surface
+from attnselect.backends.shape_cache import PackingBuckets, Rounding, ShapeCache
 
 
 class CudnnFrontend(Backend):
@@ -30,6 +31,22 @@ class CudnnFrontend(Backend):
     # The H200 grid (results/h200_rules_grid.md, cuDNN 9.19) ran and matched absorbed MLA 576/512 and
     # its padded 576/576 forward; other dims above 256 are unmeasured, so refused.
     wide_forward = frozenset({(576, 512), (576, 576)})
+    # Source: cudnn-frontend 1.32 python/cudnn/sdpa/fwd/torch_op.py, _graph_cache (a FIFO of 128 graphs): the
+    # forward's key holds B (the sequence count of a packed call), the head counts, S_q and S_kv (max_seqlen),
+    # the head dims, the strides, the scale and the mask flags; the backward's also the token totals rounded
+    # to 64. A new key cost 110-130 ms of graph build on the H200 (shared/research/h200-measurements-2026-12.md),
+    # so a loop whose packing changes every step built a graph every step. Buckets (results/h200_packing_buckets.md,
+    # MLA 16 heads, 32k tokens a step): max_seqlen rounded to a power of two costs nothing measurable (6.50 against
+    # 6.78 ms for a long-tailed packing), twice that 5-15% and the token total up to 2.5x on short documents;
+    # sequence counts rounded to a power of two (at least 16) cost up to 8% at twice the documents. Of eight
+    # schemes, this one had the least expected step over 2000 steps (steady step plus 122 ms a build): 8 graphs
+    # in 2000 long-tailed steps instead of 1857.
+    shape_cache = ShapeCache(
+        builds="a cuDNN graph (and one for the backward when training)",
+        keyed_on="the sequence count, max_seqlen, heads, head dims, strides, scale and mask (the backward also on "
+                 "the token totals rounded to 64)",
+        source="cudnn-frontend 1.32 cudnn/sdpa/fwd/torch_op.py (_graph_cache, FIFO of 128)", new_key_ms=120.0,
+        buckets=PackingBuckets(sequences=Rounding(floor=16), max_seqlen=Rounding(floor=128)))
 
     def extra_reasons(self, p, t):
         r = []

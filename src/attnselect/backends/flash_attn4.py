@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from attnselect.backends._flash_attn import FlashAttnPackageBackend
 from attnselect.backends.base import HALF, Surface
+from attnselect.backends.shape_cache import ShapeCache
 
 
 class FlashAttn4(FlashAttnPackageBackend):
@@ -19,6 +20,13 @@ class FlashAttn4(FlashAttnPackageBackend):
     # are not on the H200 our capture tests (tests/test_api.py) run on.
     surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(9, 0), max_capability=(11, 9), head_dim_multiple=8,
                                 max_head_dim=512, dropout=False, causal_is_bottom_right=True, cuda_graphs=False)}
+
+    # interface.py _flash_attn_fwd: cute.compile once per compile_key (dtype, head dims, GQA ratio, causal,
+    # window, varlen, lse, tile sizes and split choices derived from the lengths), not per length.
+    shape_cache = ShapeCache(builds="a CuTe DSL kernel compile",
+                             keyed_on="dtype, head dims, GQA ratio, causal, window, varlen and the tile sizes "
+                                      "chosen from the lengths, not the lengths themselves",
+                             source="flash-attention flash_attn/cute/interface.py (compile_key)")
 
     def extra_reasons(self, p, t):
         r = []

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 
 import torch
 
 from attnselect import masks
 from attnselect.backends.base import ALL_DTYPES, Backend, KernelCall, Packing, Surface
+from attnselect.backends.shape_cache import ShapeCache
+from attnselect.tensor_memo import TensorMemo
 
 log = logging.getLogger("attnselect")
 
@@ -46,6 +47,15 @@ class Flex(Backend):
         "cpu": Surface(dtypes=ALL_DTYPES, dropout=False, backward=False, packed=True, gaps=True,
                        compiled_graphs=False),
     }
+
+    # A packed call builds a document mask for every new boundary tensor: 3 to 26 ms a packing on the H200
+    # (results/h200_thd_bench.md, 2026-11-29), paid every step of a loop that packs anew; on CUDA a new token
+    # total also recompiles until torch.compile makes the totals dynamic (from the second, dynamic=None).
+    shape_cache = ShapeCache(builds="a block mask (on CUDA also a Triton compile per new shape)",
+                             keyed_on="the boundary tensors themselves (document masks) and the token totals "
+                                      "(the compile)",
+                             source="attnselect.backends.flex (_document_block_mask, _compiled_flex)",
+                             rebuilds_per_packing=True)
 
     def run(self, q, k, v, call: KernelCall):
         block_mask = _band_block_mask(call.mask, call.window, q.shape[-2], k.shape[-2], q.device)
@@ -140,35 +150,14 @@ def _documents(cu_seqlens, offsets, total, device):
     return torch.where(position < length, doc, -1), position, length
 
 
-# id(cu_seqlens_q) -> {(mask, window, totals): (versions, weak references to the packing tensors,
-# block mask)}, a few configurations per tensor (layers may alternate masks). Entries leave when
-# their cu_seqlens_q tensor is freed, so a new tensor at a reused address never hits them; a
-# tensor changed in place has a new _version and misses. Changes that bypass the version counter
-# (through .data or DLPack) are not seen. Inference tensors have no version counter: their masks
-# are rebuilt on every call. (A WeakKeyDictionary would compare tensors with ==, elementwise.)
-_DOCUMENT_MASKS: dict[int, dict] = {}
-_CONFIGURATIONS_PER_TENSOR = 8
+# Document masks, once per packing tensor while it and the mask do not change (attnselect.tensor_memo).
+_DOCUMENT_MASKS = TensorMemo()
 
 
 def _document_block_mask(packing: Packing, mask, window, total_q, total_kv, device):
-    owner = packing.cu_seqlens_q
-    tensors = (owner, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv)
-    if any(t.is_inference() for t in tensors):
-        return _build_document_mask(packing, mask, window, total_q, total_kv, device)
-    versions = tuple(t._version for t in tensors)
-    config = (mask, window, total_q, total_kv)
-    entries = _DOCUMENT_MASKS.get(id(owner))
-    hit = entries.get(config) if entries else None
-    if hit is not None and hit[0] == versions and all(ref() is t for ref, t in zip(hit[1], tensors)):
-        return hit[2]
-    block_mask = _build_document_mask(packing, mask, window, total_q, total_kv, device)
-    if entries is None:
-        entries = _DOCUMENT_MASKS[id(owner)] = {}
-        weakref.finalize(owner, _DOCUMENT_MASKS.pop, id(owner), None)
-    if len(entries) >= _CONFIGURATIONS_PER_TENSOR and config not in entries:
-        entries.pop(next(iter(entries)))
-    entries[config] = (versions, [weakref.ref(t) for t in tensors], block_mask)
-    return block_mask
+    tensors = (packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv)
+    return _DOCUMENT_MASKS.get(tensors, (mask, window, total_q, total_kv),
+                               lambda: _build_document_mask(packing, mask, window, total_q, total_kv, device))
 
 
 def _build_document_mask(packing, mask, window, total_q, total_kv, device):

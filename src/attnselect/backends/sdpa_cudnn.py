@@ -6,6 +6,7 @@ from torch.nn.attention import SDPBackend
 
 from attnselect.backends._sdpa import SdpaBackend
 from attnselect.backends.base import HALF, Surface
+from attnselect.backends.shape_cache import ShapeCache
 from attnselect.target import version_tuple
 
 # cuDNN backward head-dim pairs above 128 on sm10x: cudnn-frontend
@@ -23,6 +24,14 @@ class SdpaCudnn(SdpaBackend):
     # (check_cudnn_deterministic), head dims multiples of 8 (check_cudnn_tensor_shapes).
     surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), max_capability=(12, 1), head_dim_multiple=8,
                                 lse=False, deterministic_backward=False, context_parallel=True)}
+
+    # PyTorch caches one cuDNN graph per MHAParams (aten/src/ATen/native/cudnn/MHA.cpp: batch, heads, s_q,
+    # s_kv, head dims, strides, dropout, causal); packed input runs sequence by sequence, so every new
+    # sequence length of a loop that packs anew builds a graph.
+    shape_cache = ShapeCache(builds="a cuDNN graph", keyed_on="batch, heads, both sequence lengths, head dims, "
+                             "strides, dropout and causal (packed input runs per sequence: every new length)",
+                             source="pytorch aten/src/ATen/native/cudnn/MHA.cpp (MHAParams)",
+                             rebuilds_per_packing=True)
 
     def extra_reasons(self, p, t):
         r = []

@@ -1,0 +1,120 @@
+"""What a new shape costs a backend, and the packing buckets that keep a backend's shapes few.
+
+Some kernels are built per shape: the cuDNN frontend's torch op builds a cuDNN graph for every new
+(sequence count, max_seqlen, ...) of a packed call, flex builds a block mask for every new packing,
+FlashAttention-4 compiles each configuration on first use. A training loop brings a new packing every
+step, so a backend whose cache keys on what changes from step to step rebuilds every step. Each backend
+states its cache as a :class:`ShapeCache`; where the cache keys on the sequence count and max_seqlen,
+:class:`PackingBuckets` round them up before the call (empty trailing sequences, a larger bound), which
+changes no result: an empty sequence adds no token, and max_seqlen only bounds the lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attnselect.tensor_memo import TensorMemo
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """Round a count up to a value of a short series, so a loop meets few distinct values.
+
+    ``per_doubling`` > 0: the geometric series ``floor * 2**(k / per_doubling)``, each value rounded up to a
+    ``multiple`` (1: powers of two times ``floor``); 0: the multiples of ``multiple``. Values at or below
+    ``floor`` become ``floor``.
+    """
+
+    floor: int = 1
+    per_doubling: int = 1
+    multiple: int = 1
+
+    def __call__(self, n: int) -> int:
+        return _rounded(n, self.floor, self.per_doubling, self.multiple)
+
+    def describe(self) -> str:
+        if self.per_doubling == 0:
+            return f"a multiple of {self.multiple} (at least {self.floor})"
+        series = "powers of two" if self.per_doubling == 1 else f"{self.per_doubling} steps per doubling"
+        return f"{series} from {self.floor}" + (f", multiples of {self.multiple}" if self.multiple > 1 else "")
+
+
+@functools.lru_cache(maxsize=8192)
+def _rounded(n: int, floor: int, per_doubling: int, multiple: int) -> int:
+    if n <= floor:
+        return floor
+    if per_doubling == 0:
+        return -(-n // multiple) * multiple
+    k = max(math.ceil(per_doubling * math.log2(n / floor)) - 1, 0)
+    while True:   # the float log may land one step low; step up until the value covers n
+        value = -(-math.ceil(floor * 2 ** (k / per_doubling)) // multiple) * multiple
+        if value >= n:
+            return value
+        k += 1
+
+
+@dataclass(frozen=True)
+class PackingBuckets:
+    """How a packed call's sequence count and max_seqlen are rounded before a backend sees them."""
+
+    sequences: Rounding
+    max_seqlen: Rounding
+
+    def describe(self) -> str:
+        return (f"sequence count rounded up to {self.sequences.describe()} (empty trailing sequences), "
+                f"max_seqlen to {self.max_seqlen.describe()}")
+
+
+@dataclass(frozen=True)
+class ShapeCache:
+    """What a backend builds per shape, what that cache keys on, and what a new key costs.
+
+    ``rebuilds_per_packing``: whether a new packing (new boundary values, at sizes already seen) costs a
+    build, after ``buckets`` where given; the rules rank such a candidate after those on the same path
+    that do not (:mod:`attnselect.policy`). ``new_key_ms``: the measured cost of one new key, where measured.
+    """
+
+    builds: str
+    keyed_on: str
+    source: str
+    rebuilds_per_packing: bool = False
+    new_key_ms: Optional[float] = None
+    buckets: Optional[PackingBuckets] = None
+
+    def describe(self) -> str:
+        cost = f", about {self.new_key_ms:g} ms each" if self.new_key_ms else ""
+        text = f"builds {self.builds} per new key{cost}; keyed on {self.keyed_on}"
+        if self.buckets:
+            text += f"; attnselect rounds the {self.buckets.describe()}"
+        return text + ("; every new packing pays it" if self.rebuilds_per_packing else "")
+
+
+# The bucketed boundaries of a packing tensor, once per tensor (every layer of a step shares them).
+_PADDED_BOUNDARIES = TensorMemo()
+
+
+def bucketed(packing, buckets: PackingBuckets):
+    """``packing`` (an :class:`attnselect.backends.base.Packing`) with its sequence count and max_seqlen rounded
+    up: the boundaries gain empty trailing sequences (their last entry repeated, on the device: no host sync)."""
+    count = packing.cu_seqlens_q.numel() - 1
+    target = buckets.sequences(max(count, 1))
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        if target == count:
+            return t
+        return _PADDED_BOUNDARIES.get((t,), target, lambda: torch.cat([t, t[-1:].expand(target - count)]))
+
+    cu_q = padded(packing.cu_seqlens_q)
+    cu_kv = cu_q if packing.cu_seqlens_kv is packing.cu_seqlens_q else padded(packing.cu_seqlens_kv)
+    done = {id(packing.cu_seqlens_q): cu_q, id(packing.cu_seqlens_kv): cu_kv}   # offsets often are the boundaries
+    offsets_q, offsets_kv = (done[id(t)] if id(t) in done else padded(t) for t in (packing.offsets_q,
+                                                                                 packing.offsets_kv))
+    return dataclasses.replace(packing, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, offsets_q=offsets_q,
+                               offsets_kv=offsets_kv, max_seqlen_q=buckets.max_seqlen(max(packing.max_seqlen_q, 1)),
+                               max_seqlen_kv=buckets.max_seqlen(max(packing.max_seqlen_kv, 1)))
