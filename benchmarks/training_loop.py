@@ -317,14 +317,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of every row, in turn (each a process per row)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (any device): a check that it runs")
-    ap.add_argument("--rows", help="comma list of rows to run (default: all)")
+    ap.add_argument("--rows", help="rows to run, separated by ';' (default: all)")
     ap.add_argument("--row", help=argparse.SUPPRESS)   # internal: run one row here and print its JSON
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.row:
         print(json.dumps(run_row(a.row, device, a.steps, a.warmup, a.smoke)))
         return
-    rows = a.rows.split(",") if a.rows else row_names(device, a.smoke)
+    rows = a.rows.split(";") if a.rows else row_names(device, a.smoke)
     report = {"meta": meta(device, a), "distributions": SMOKE_DISTRIBUTIONS if a.smoke else DISTRIBUTIONS,
               "choices": choices(device, a.smoke), "rows": {}}
     runs = {row: [] for row in rows}

@@ -26,17 +26,35 @@
 #   bash scripts/device_run.sh megatron # megatron-core MLA layer tests, then stock pad vs native V -> $OUT/h200_megatron_mla.*
 #   bash scripts/device_run.sh loop    # benchmarks/training_loop.py, a new packing every step -> $OUT/h200_training_loop.*
 #   bash scripts/device_run.sh buckets # benchmarks/packing_buckets.py (BUCKET_SCHEMES=...) -> $OUT/h200_packing_buckets.*
-# Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend.
+#   FlashAttention-4 (scripts/fetch_device_wheels.sh fa4), in two calls back to back on one warm machine (it is kept
+#   about 30 s after a call): carry .fa4-stage1 and run `fa4-stage1` (its files go to /tmp), then carry .fa4-stage2
+#   and .whl-core and run `fa4-stage2 STEP...`, which joins the parts and installs FA4 for the steps after it:
+#   bash scripts/device_run.sh fa4-tests    # tests/backends/test_flash_attn4_gpu.py and every FA4 case of the GPU tests
+#   bash scripts/device_run.sh fa4-loop     # the training loop's FA4 rows (forced, direct) beside the default and torch's
+#   bash scripts/device_run.sh fa4-compile  # benchmarks/fa4_compile_cost.py           -> $OUT/h200_fa4_compile.*
+# Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend (or `.whl-core`: it alone).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpu=${CUDA_VISIBLE_DEVICES:-all}
 export ATTNSELECT_CACHE_DIR=/tmp/attnselect-cache-$gpu   # side-by-side runs keep separate decision caches
-if ls .whl/*.whl >/dev/null 2>&1; then
+wheels=$(ls .whl/*.whl .whl-core/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "/tmp/site-$gpu" \
-    .whl/*.whl || { echo "wheel install failed"; exit 1; }
+    $wheels || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site-$gpu
 fi
+FA4_WHEELS=/tmp/fa4-wheels FA4_SITE=/tmp/fa4-site
+if [ -d "$FA4_SITE/flash_attn" ]; then   # installed by an earlier fa4-stage2 on this machine
+  export PYTHONPATH=$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+fi
+need_fa4() {
+  python3 -c 'import flash_attn.cute' 2>/dev/null && return 0
+  echo "FlashAttention-4 is not installed on this machine: run fa4-stage1 (carrying .fa4-stage1), then at once, while"
+  echo "the machine is still warm, fa4-stage2 (carrying .fa4-stage2 and .whl-core); a machine given back in between"
+  echo "has lost the first stage's files in $FA4_WHEELS."
+  return 1
+}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c 'import attnselect; print(attnselect.Target.current().describe())'
 for step in "$@"; do
@@ -82,12 +100,41 @@ case "$step" in
   megatron)
     timeout 240 python3 -m pytest -v -p no:cacheprovider -W ignore tests/integrations/test_megatron.py 2>&1 | tail -15
     timeout 300 python3 benchmarks/megatron_mla.py --out "$OUT/h200_megatron_mla" 2>&1 | grep -v -i warn | tail -12 ;;
+  fa4-stage1)
+    mkdir -p "$FA4_WHEELS" && cp .fa4-stage1/* "$FA4_WHEELS/" && ls "$FA4_WHEELS" ;;
+  fa4-stage2)
+    if ! ls "$FA4_WHEELS"/*.part-aa >/dev/null 2>&1; then
+      echo "fa4-stage2: the first stage's files are gone from $FA4_WHEELS (the machine was given back since"
+      echo "fa4-stage1): run fa4-stage1 again, then fa4-stage2 at once."; exit 1
+    fi
+    cp .fa4-stage2/* "$FA4_WHEELS/"
+    part=$(ls "$FA4_WHEELS"/*.part-aa); cat "${part%.part-aa}".part-* > "${part%.part-aa}" && rm "$FA4_WHEELS"/*.part-*
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$FA4_SITE" \
+      "$FA4_WHEELS"/*.whl || { echo "FA4 install failed"; exit 1; }
+    # --target skips the wheel's .pth file, which puts dsl_packages (the cutlass module) on the path
+    export PYTHONPATH=$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+    python3 -c 'import attnselect; print(attnselect.Target.current().describe())' ;;
+  fa4-tests)
+    need_fa4 || exit 1
+    { echo "# pytest -m gpu -k flash_attn4 on $(python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
+      timeout 280 python3 -m pytest -m gpu -v -p no:cacheprovider -W ignore -k "flash_attn4" ${TEST_PATHS:-tests} 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " | cut -c1-300
+    } | tee "$OUT/h200_gpu_tests_fa4.txt" | tail -40 ;;
+  fa4-loop)
+    need_fa4 || exit 1   # every row shares one FA4 compile cache (its first-call cost: fa4-compile)
+    FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$ATTNSELECT_CACHE_DIR/flash_attn_cute \
+    timeout 400 python3 benchmarks/training_loop.py --steps 30 --out "$OUT/h200_training_loop_fa4" --rows "attnselect default, \
+max_seqlen given;flash_attn4 native;FA4 flash_attn_varlen_func, called directly;torch varlen_attn, V padded" 2>&1 \
+      | grep -v -i warn | tail -40 ;;
+  fa4-compile)
+    need_fa4 || exit 1
+    timeout 400 python3 benchmarks/fa4_compile_cost.py --out "$OUT/h200_fa4_compile" 2>&1 | grep -v -i warn | tail -12 ;;
   loop)
-    timeout 500 python3 benchmarks/training_loop.py --out "$OUT/h200_training_loop" 2>&1 | grep -v -i warn | tail -60 ;;
+    timeout 500 python3 benchmarks/training_loop.py --steps 30 --out "$OUT/h200_training_loop" 2>&1 | grep -v -i warn | tail -60 ;;
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests grid bench bench-short crossover models settle-check noise convergence hf megatron loop buckets)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests grid bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-tests fa4-loop fa4-compile)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

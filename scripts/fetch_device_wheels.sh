@@ -1,22 +1,41 @@
 #!/usr/bin/env bash
-# Fetch the cp312 wheels the GPU machine lacks into .whl/ (git-ignored), so GPU runs can be repeated:
-#   bash scripts/fetch_device_wheels.sh
-# then, in the device command (with `.whl` carried):
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
-# nvidia-cudnn-frontend's cudnn.sdpa_torch op serves the cudnn_frontend backend; transformers (and the
-# dependencies the GPU image lacks) serves tests/integrations/test_transformers.py and benchmarks/hf_deepseek.py. Its dependency
-# nvidia-cutlass-dsl (the CuTe DSL kernels) is too large for a 64 MiB carry and is left out; the H200
-# research measurements ran the op with the frontend wheel alone.
+# Fetch the cp312 wheels the GPU machine lacks, so GPU runs can be repeated (all folders git-ignored):
+#   bash scripts/fetch_device_wheels.sh          # .whl/: the cuDNN frontend, megatron-core, transformers (~46 MB)
+#   bash scripts/fetch_device_wheels.sh fa4      # FlashAttention-4 in two carries of under 64 MiB each:
+#                                                #   .fa4-stage1/ (the small wheels and the first part of the 92 MB
+#                                                #   nvidia-cutlass-dsl-libs-cu13 wheel), .fa4-stage2/ (its second part)
+#                                                #   and .whl-core/ (the cuDNN frontend alone; apache-tvm-ffi, which
+#                                                #   it needs too, comes with stage 1)
+# scripts/device_run.sh installs what is carried: `.whl` or `.whl-core` at each call, and FA4 through its steps
+# fa4-stage1 and fa4-stage2 (two back-to-back calls on one warm machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p .whl
-grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo '/.whl/' >> .git/info/exclude; }
 platforms=()
-for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
   platforms+=(--platform "$p")
 done
-python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${platforms[@]}" -d .whl "nvidia-cudnn-frontend==1.32.0" "apache-tvm-ffi>=0.1.11" "megatron-core==0.19.2"
+download() { python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platforms[@]}" --platform any "$@"; }
+CORE=("nvidia-cudnn-frontend==1.32.0" "apache-tvm-ffi==0.1.15.post2")
+if [ "${1:-}" = fa4 ]; then
+  # Tested together on the H200 (torch 2.11, CUDA 13): the attnselect[fa4] extra pins the same versions.
+  rm -rf .fa4-stage1 .fa4-stage2 .whl-core && mkdir -p .fa4-stage1 .fa4-stage2 .whl-core
+  tmp=$(mktemp -d)
+  download -d "$tmp" "flash-attn-4==4.0.0b36" "nvidia-cutlass-dsl==4.8.1" "nvidia-cutlass-dsl-libs-base==4.8.1" \
+    "nvidia-cutlass-dsl-libs-core==4.8.1" "nvidia-cutlass-dsl-libs-cu13==4.8.1" "quack-kernels==0.6.5" \
+    "torch-c-dlpack-ext==0.1.5" "apache-tvm-ffi==0.1.15.post2"
+  big=$(ls "$tmp"/nvidia_cutlass_dsl_libs_cu13-*.whl)
+  (cd "$tmp" && split -b 47000000 "$(basename "$big")" "$(basename "$big").part-")
+  mv "$tmp"/*.part-aa .fa4-stage1/ && mv "$tmp"/*.part-ab .fa4-stage2/ && rm "$big"
+  mv "$tmp"/*.whl .fa4-stage1/
+  download -d .whl-core "${CORE[0]}"
+  rm -rf "$tmp"
+  du -sh .fa4-stage1 .fa4-stage2 .whl-core
+  exit 0
+fi
+mkdir -p .whl
+download -d .whl "${CORE[@]}" "megatron-core==0.19.2"
 # transformers with its dependency closure, less what the GPU image has (torch and its stack, numpy).
 tmp=$(mktemp -d)
 python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \

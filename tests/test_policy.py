@@ -221,3 +221,12 @@ def test_on_packed_input_a_per_packing_rebuilder_ranks_after_the_stable_packed_c
     float32 = attnselect.select(AttentionProblem(**{**MLA, "dtype": torch.float32}, layout="thd"),
                                 target=Target.preset("h200"))
     assert float32.chosen == Candidate("flex")   # the only packed kernel for float32 keeps its place
+
+
+def test_every_rules_table_names_each_candidate_once_and_only_registered_backends():
+    from attnselect import backends
+    from attnselect.policy import PREFERENCES
+    known = {b.name for b in backends.all_backends()}
+    for key, table in PREFERENCES.items():
+        assert len(table) == len(set(table)), (key, [e for e in table if table.count(e) > 1])
+        assert {entry.removesuffix("+pad") for entry in table} <= known, key

@@ -22,15 +22,18 @@ PREFERENCES: dict[tuple[str, str], tuple[str, ...]] = {
     # H200, torch 2.11, cuDNN 9.19 (shared/research/h200-measurements.md), fwd+bwd TFLOP/s, 192/128:
     # cuDNN 392 (frontend 399) > cuDNN padded 275 > FA2 padded 189 > flex 154 > efficient 45 > padded 36;
     # 128/128: cuDNN 425 > flex 327 > FA2 236 > efficient 117. TransformerEngine (utils.py) drops
-    # FlashAttention when fused attention also serves on sm90+, so FA3/FA4 follow cuDNN.
-    ("sm90", "training"): ("sdpa_cudnn", "cudnn_frontend", "flash_attn3", "flash_attn4",
-                           "sdpa_cudnn+pad", "cudnn_frontend+pad", "flash_attn3+pad", "flash_attn4+pad",
+    # FlashAttention when fused attention also serves on sm90+, so FA3 follows cuDNN. FA4 (flash-attn-4 4.0.0b36)
+    # led cuDNN on every dense problem measured on the same H200 (shared/research/h200-measurements-2026-12.md,
+    # fwd+bwd TFLOP/s, causal bf16: B2 S4k H16 192/128 455 against 414; B1 S8k H128 493/478; B1 S16k H16 502/493;
+    # 128/128 542/481; 192/192 523/372; forward 629/507 to 701/570).
+    ("sm90", "training"): ("flash_attn4", "sdpa_cudnn", "cudnn_frontend", "flash_attn3",
+                           "flash_attn4+pad", "sdpa_cudnn+pad", "cudnn_frontend+pad", "flash_attn3+pad",
                            "flash_attn2+pad", "sdpa_flash+pad", "flex", "flash_attn2", "sdpa_flash", "flex+pad",
                            *_SLOW_TAIL),
     # Same machine, forward TFLOP/s, 192/128: cuDNN 500 (frontend 514) > cuDNN padded 473 > flex 273 >
     # FA2 padded 222 > efficient 135 > padded 100; 128/128: cuDNN 514 > flex 335 > FA2 269 > efficient 150.
-    ("sm90", "inference"): ("sdpa_cudnn", "cudnn_frontend", "flash_attn3", "flash_attn4",
-                            "sdpa_cudnn+pad", "cudnn_frontend+pad", "flash_attn3+pad", "flash_attn4+pad",
+    ("sm90", "inference"): ("flash_attn4", "sdpa_cudnn", "cudnn_frontend", "flash_attn3",
+                            "flash_attn4+pad", "sdpa_cudnn+pad", "cudnn_frontend+pad", "flash_attn3+pad",
                             "flex", "flash_attn2", "sdpa_flash", "flash_attn2+pad", "sdpa_flash+pad", "flex+pad",
                             *_SLOW_TAIL),
     # A100: no fused cuDNN kernel above head dim 128 (TE fused_attn.cpp); Megatron-LM #6241 measured
@@ -39,7 +42,9 @@ PREFERENCES: dict[tuple[str, str], tuple[str, ...]] = {
                            "sdpa_cudnn", "cudnn_frontend", "sdpa_cudnn+pad", "cudnn_frontend+pad",
                            "flex", "flex+pad", *_SLOW_TAIL),
     # Blackwell: Megatron-LM #6241 on sm103, core attention 0.35 ms native against 0.45 ms padded;
-    # padded 192/192 has no cuDNN backward (sdpa_cudnn rules). TE prefers fused attention on sm90+.
+    # padded 192/192 has no cuDNN backward (sdpa_cudnn rules). TE prefers fused attention on sm90+; the cuDNN
+    # frontend's GB200 DSv3 results (dsv3_20260724_041401.csv, causal 8k) put cuDNN ahead of FA4 too (fwd 1646
+    # against 1576, bwd 1257 against 1101 TFLOP/s), so FA4 follows cuDNN there.
     ("sm100", "training"): ("sdpa_cudnn", "cudnn_frontend", "flash_attn4", "sdpa_cudnn+pad", "cudnn_frontend+pad",
                             "flash_attn4+pad", "flash_attn2", "sdpa_flash", "flash_attn2+pad", "sdpa_flash+pad",
                             "flex", "flex+pad", *_SLOW_TAIL),
@@ -52,19 +57,21 @@ PREFERENCES: dict[tuple[str, str], tuple[str, ...]] = {
 # packed ones ("per-sequence" below). H200, 32k tokens in 18 sequences, 192/128 causal bf16
 # (shared/research/h200-measurements.md), fwd+bwd TFLOP/s: cuDNN frontend THD 357 > padded 233 >
 # varlen_attn V padded 186 > flex document mask 147 > per-sequence SDPA 87; forward: 471 > 376 >
-# flex 266 > varlen padded 215 > per-sequence 199.
-_PER_SEQUENCE = ("sdpa_cudnn", "flash_attn3", "flash_attn4", "sdpa_cudnn+pad", "flash_attn2", "sdpa_flash",
+# flex 266 > varlen padded 215 > per-sequence 199. FA4's varlen kernel, same GPU (h200-measurements-2026-12.md):
+# 570 / 435 against the frontend's 461 / 390 on that packing, and 5.2 against 7.6 ms a step in a loop that packs
+# anew (long-tailed documents; 1.6 against 2.0 ms on short chat turns).
+_PER_SEQUENCE = ("sdpa_cudnn", "flash_attn3", "sdpa_cudnn+pad", "flash_attn2", "sdpa_flash",
                  "flash_attn2+pad", "sdpa_flash+pad", *_SLOW_TAIL)
 PREFERENCES.update({
-    ("sm90", "training", "thd"): ("cudnn_frontend", "cudnn_frontend+pad", "varlen_fa2+pad", "flex", "varlen_fa2",
-                                  "flex+pad", *_PER_SEQUENCE),
-    ("sm90", "inference", "thd"): ("cudnn_frontend", "cudnn_frontend+pad", "flex", "varlen_fa2+pad", "varlen_fa2",
-                                   "flex+pad", *_PER_SEQUENCE),
+    ("sm90", "training", "thd"): ("flash_attn4", "cudnn_frontend", "flash_attn4+pad", "cudnn_frontend+pad",
+                                  "varlen_fa2+pad", "flex", "varlen_fa2", "flex+pad", *_PER_SEQUENCE),
+    ("sm90", "inference", "thd"): ("flash_attn4", "cudnn_frontend", "flash_attn4+pad", "cudnn_frontend+pad", "flex",
+                                   "varlen_fa2+pad", "varlen_fa2", "flex+pad", *_PER_SEQUENCE),
     # A100: FA2 first as for dense input; Blackwell: cuDNN first (padded 192/192 cannot train there).
     ("sm80", "training", "thd"): ("varlen_fa2", "varlen_fa2+pad", "cudnn_frontend", "cudnn_frontend+pad", "flex",
                                   "flex+pad", *_PER_SEQUENCE),
-    ("sm100", "training", "thd"): ("cudnn_frontend", "cudnn_frontend+pad", "varlen_fa2", "varlen_fa2+pad", "flex",
-                                   "flex+pad", *_PER_SEQUENCE),
+    ("sm100", "training", "thd"): ("cudnn_frontend", "cudnn_frontend+pad", "flash_attn4", "flash_attn4+pad",
+                                   "varlen_fa2", "varlen_fa2+pad", "flex", "flex+pad", *_PER_SEQUENCE),
     # CPU: eager flex would materialise a T x T score matrix for the whole pack; per sequence is smaller.
     ("cpu", "training", "thd"): ("sdpa_flash", "sdpa_flash+pad", "sdpa_math", "sdpa_math+pad", "flex", "flex+pad",
                                  "reference", "reference+pad"),
@@ -82,7 +89,8 @@ PREFERENCES.update({
 # crossover run, beside another GPU's test suite, had flex ahead on equal short documents, which is unsettled.
 SHORT_DOCUMENTS, SHORT_PACK_WORK = 512, 8e10
 PREFERENCES[("sm90", "training", "thd", "short documents")] = (
-    "varlen_fa2", "varlen_fa2+pad", "cudnn_frontend", "cudnn_frontend+pad", "flex", "flex+pad", *_PER_SEQUENCE)
+    "flash_attn4", "flash_attn4+pad", "varlen_fa2", "varlen_fa2+pad", "cudnn_frontend", "cudnn_frontend+pad", "flex",
+    "flex+pad", *_PER_SEQUENCE)
 # "wide heads" (a head dim above 256: absorbed MLA, 576/512 with one key/value head), sm90 prefill (as many queries as
 # keys, >= 1024 of them): results/h200_bench.md, B*S = 16k, 128 query heads, causal: sdpa_efficient 21.5 / 71.7 / 301
 # ms at 1k / 4k / 16k against the cuDNN frontend's 28.7 / 105 / 427 ms (2026-11-30). Decode (one query against a long cache) is

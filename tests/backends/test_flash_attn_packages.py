@@ -7,6 +7,7 @@ keys) check the argument mapping and the lse conversion against the reference ba
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -77,3 +78,73 @@ def test_argument_mapping_matches_the_reference(backend, kwargs, monkeypatch):
     if kwargs.get("return_lse"):
         assert lse.dtype == torch.float32 and rel_err(lse, ref_lse) < 1e-6
         assert torch.isneginf(lse).any() == torch.isneginf(ref_lse).any()
+
+
+def _documented_flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                                       max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None),
+                                       deterministic=False, return_lse=False):
+    """flash_attn.cute.flash_attn_varlen_func as documented: (T, H, D) in and out, lse (H, T), per sequence."""
+    dense = _documented_flash_attn_func(None, "return_lse", True)
+    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    assert max_seqlen_q >= max(b - a for a, b in zip(bq, bq[1:])) and max_seqlen_k >= max(b - a for a, b in zip(bk, bk[1:]))
+    outs, lses = [], []
+    for i in range(len(bq) - 1):
+        o, lse = dense(*(t.unsqueeze(0) for t in (q[bq[i]:bq[i + 1]], k[bk[i]:bk[i + 1]], v[bk[i]:bk[i + 1]])),
+                       softmax_scale=softmax_scale, causal=causal, window_size=window_size, return_lse=True)
+        outs.append(o[0])
+        lses.append(lse[0].masked_fill(torch.isposinf(lse[0]), float("-inf")))   # FA4 writes -inf
+    return torch.cat(outs), (torch.cat(lses, dim=1) if return_lse else None)
+
+
+@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(causal="bottom_right", return_lse=True),
+                                    dict(window=(2, 1), return_lse=True), dict(window=(3, 0), causal="bottom_right")])
+@pytest.mark.parametrize("lengths", [([5, 1, 0, 9, 3], None), ([5, 1, 0, 9, 3], [7, 2, 0, 12, 3])],
+                         ids=["same-lengths", "kv-longer"])
+def test_flash_attn4_packed_mapping_matches_the_reference(kwargs, lengths, monkeypatch):
+    from attnselect.inputs import describe_call
+    from helpers import thd_inputs
+    stub = types.ModuleType("flash_attn.cute")
+    stub.flash_attn_varlen_func = _documented_flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", stub)
+    if kwargs.get("causal") is True:
+        lengths = (lengths[0], None)   # top-left causal is served where it equals bottom-right: same lengths
+    (q, k, v), cu_q, cu_kv = thd_inputs(*lengths, hq=4, hkv=2, dqk=24, dv=16)
+    q, k, v = (t.detach() for t in (q, k, v))
+    problem, packing = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
+    fa4 = attnselect.Target.preset("h200", flash_attn4_version="4.0.0b36")
+    assert attnselect.backends.get("flash_attn4").packs_thd(fa4)
+    out, lse = run_candidate(Candidate("flash_attn4"), problem, q, k, v, packing=packing, target=fa4)
+    ref, ref_lse = run_candidate(Candidate("reference"), problem, q, k, v, packing=packing)
+    assert rel_err(out, ref) < 1e-12
+    if kwargs.get("return_lse"):
+        assert lse.shape == ref_lse.shape == (4, q.shape[0]) and rel_err(lse, ref_lse) < 1e-6
+
+
+def test_flash_attn4_leads_on_hopper_where_installed_dense_and_packed():
+    """The H200 measured FA4 ahead of cuDNN on every dense problem and on packed MLA (h200-measurements-2026-12)."""
+    fa4 = attnselect.Target.preset("h200", flash_attn4_version="4.0.0b36", cudnn_frontend_version="1.32.0")
+    mla = dict(batch=2, seqlen_q=4096, seqlen_kv=4096, heads_q=16, heads_kv=16, head_dim_qk=192, head_dim_v=128,
+               mask="causal")
+    for layout in ("bshd", "thd"):
+        for training in (True, False):
+            problem = attnselect.AttentionProblem(**mla, layout=layout, training=training)
+            assert attnselect.select(problem, target=fa4).chosen == Candidate("flash_attn4")
+    non_square = attnselect.AttentionProblem(**dict(mla, seqlen_q=1024), training=True)   # top-left, Sq < Skv
+    assert attnselect.select(non_square, target=fa4).chosen == Candidate("sdpa_cudnn")
+    blackwell = attnselect.Target.preset("b200", flash_attn4_version="4.0.0b36")
+    assert attnselect.select(attnselect.AttentionProblem(**mla, training=True), target=blackwell).chosen == Candidate(
+        "sdpa_cudnn")
+
+
+def test_flash_attn4_keeps_its_compiled_kernels_under_attnselects_cache(monkeypatch, tmp_path):
+    from attnselect.backends import flash_attn4
+    monkeypatch.delenv(flash_attn4.CACHE_ENABLED, raising=False)
+    monkeypatch.delenv(flash_attn4.CACHE_DIR, raising=False)
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    flash_attn4._enable_compile_cache()
+    assert os.environ[flash_attn4.CACHE_ENABLED] == "1"
+    assert os.environ[flash_attn4.CACHE_DIR] == str(tmp_path / "flash_attn_cute")
+    monkeypatch.setenv(flash_attn4.CACHE_ENABLED, "0")   # the caller's choice stands
+    monkeypatch.setenv(flash_attn4.CACHE_DIR, "/elsewhere")
+    flash_attn4._enable_compile_cache()
+    assert os.environ[flash_attn4.CACHE_ENABLED] == "0" and os.environ[flash_attn4.CACHE_DIR] == "/elsewhere"

@@ -1,8 +1,10 @@
 """Shared mechanism of the FlashAttention package backends (flash-attn 2, 3 and 4).
 
-Each package exposes ``flash_attn_func(q, k, v, ...)`` on (B, S, H, D) tensors with a
-bottom-right causal flag and a (left, right) window; they differ in the module path, in
-how they spell "unbounded" and in how they return the log-sum-exp.
+Each package exposes ``flash_attn_func(q, k, v, ...)`` on (B, S, H, D) tensors, and
+``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)`` on packed
+(T, H, D) tensors, with a bottom-right causal flag and a (left, right) window; they differ in the module
+path, in how they spell "unbounded" and in how they return the log-sum-exp ((B, H, S) dense, (H, T) packed).
+Which of them serves packed input in one call is each backend's ``Surface.packed``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from attnselect import masks
-from attnselect.backends.base import Backend, KernelCall
+from attnselect.backends.base import Backend, KernelCall, Packing
 
 
 class FlashAttnPackageBackend(Backend):
@@ -23,23 +25,36 @@ class FlashAttnPackageBackend(Backend):
     dropout_argument: ClassVar[bool] = False
     lse_argument: ClassVar[str]          # keyword that asks for the lse
 
+    def _module(self):
+        """The package's module, imported on first use."""
+        return importlib.import_module(self.module)
+
     def run(self, q, k, v, call: KernelCall):
-        fn = importlib.import_module(self.module).flash_attn_func
-        band = masks.band(call.mask, call.window, q.shape[1], k.shape[1])
+        return self._lse(call, self._module().flash_attn_func(q, k, v, **self._options(call, q.shape[1], k.shape[1])))
+
+    def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
+        result = self._module().flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_k=packing.cu_seqlens_kv,
+            max_seqlen_q=packing.max_seqlen_q, max_seqlen_k=packing.max_seqlen_kv, **self._options(call, 1, 1))
+        return self._lse(call, result)
+
+    def _options(self, call: KernelCall, sq: int, skv: int) -> dict:
         causal = call.mask in ("causal", "causal_bottom_right")
         window = (self.unbounded, self.unbounded)
         if call.mask == "sliding_window":
-            left, right = band[1:]
+            left, right = masks.band(call.mask, call.window, sq, skv)[1:]
             window = (self.unbounded if left is None else left, self.unbounded if right is None else right)
-        kwargs = {"softmax_scale": call.scale, "causal": causal, "window_size": window,
-                  "deterministic": call.deterministic, self.lse_argument: call.return_lse}
+        options = {"softmax_scale": call.scale, "causal": causal, "window_size": window,
+                   "deterministic": call.deterministic, self.lse_argument: call.return_lse}
         if self.dropout_argument:
-            kwargs["dropout_p"] = call.dropout_p
-        result = fn(q, k, v, **kwargs)
+            options["dropout_p"] = call.dropout_p
+        return options
+
+    def _lse(self, call: KernelCall, result):
         out, lse = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
         if not call.return_lse:
             return out, None
         if lse is None:
-            raise RuntimeError(f"{self.module}.flash_attn_func returned no log-sum-exp although it was requested")
-        # FlashAttention writes +inf for rows that see no key (softmax.h: sum == 0 ? INFINITY); ours is -inf.
+            raise RuntimeError(f"{self.module} returned no log-sum-exp although it was requested")
+        # FlashAttention-2 writes +inf for rows that see no key (softmax.h: sum == 0 ? INFINITY); ours is -inf.
         return out, lse.float().masked_fill(torch.isposinf(lse), float("-inf"))

@@ -1,26 +1,43 @@
-"""``flash_attn4``: FlashAttention-4 (CuTe DSL), module flash_attn.cute, when it is installed."""
+"""``flash_attn4``: FlashAttention-4 (CuTe DSL), module flash_attn.cute, when it is installed.
+
+Dense ``flash_attn_func`` and packed ``flash_attn_varlen_func`` (cu_seqlens, max_seqlen), forward and
+backward, GQA, bottom-right causal and (left, right) windows, lse, deterministic backward. FA4 compiles
+each configuration on first use; attnselect switches on its on-disk cache of compiled kernels under
+attnselect's cache directory unless the caller set FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED /
+FLASH_ATTENTION_CUTE_DSL_CACHE_DIR (read when flash_attn.cute is first imported).
+"""
 
 from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
 
 from attnselect.backends._flash_attn import FlashAttnPackageBackend
 from attnselect.backends.base import HALF, Surface
 from attnselect.backends.shape_cache import ShapeCache
 
+log = logging.getLogger("attnselect")
+
+CACHE_ENABLED, CACHE_DIR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
+
 
 class FlashAttn4(FlashAttnPackageBackend):
     name = "flash_attn4"
-    summary = "FlashAttention-4 (flash_attn.cute) flash_attn_func: sm90-sm11x, 192/128 natively"
+    summary = "FlashAttention-4 (flash_attn.cute): dense and packed thd, sm90-sm11x, 192/128 natively, fwd+bwd"
     package = ("flash_attn4_version", "flash-attn-4")
     module = "flash_attn.cute"
     unbounded = None
     lse_argument = "return_lse"          # always returns (out, lse)
-    # Source: Dao-AILab/flash-attention flash_attn/cute/interface.py: fp16/bf16, arch 9.x-11.x,
-    # head dims multiples of 8; backward arch 9-12; no dropout argument.
-    # cuda_graphs=False: refused under CUDA graph capture until a GPU run verifies it; the flash-attn packages
-    # are not on the H200 our capture tests (tests/test_api.py) run on.
+    # Source: Dao-AILab/flash-attention flash_attn/cute/interface.py: fp16/bf16; forward arch 8.x-12.x
+    # (_flash_attn_fwd), backward 9.x-12.x (_flash_attn_bwd); head dims multiples of 16 bytes (8 in 16 bit);
+    # no dropout argument; flash_attn_varlen_func takes cu_seqlens_q/k and max_seqlen_q/k, whose sequences
+    # sit back to back (no separate padded offsets, so no gaps); deterministic backward except on sm120.
+    # cuda_graphs=False: refused under CUDA graph capture until a GPU run verifies it.
     surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(9, 0), max_capability=(11, 9), head_dim_multiple=8,
-                                max_head_dim=512, dropout=False, causal_is_bottom_right=True, cuda_graphs=False)}
-
+                                max_head_dim=512, dropout=False, causal_is_bottom_right=True, packed=True,
+                                cuda_graphs=False)}
     # interface.py _flash_attn_fwd: cute.compile once per compile_key (dtype, head dims, GQA ratio, causal,
     # window, varlen, lse, tile sizes and split choices derived from the lengths), not per length.
     shape_cache = ShapeCache(builds="a CuTe DSL kernel compile",
@@ -31,13 +48,30 @@ class FlashAttn4(FlashAttnPackageBackend):
     def extra_reasons(self, p, t):
         r = []
         dqk, dv = p.head_dim_qk, p.head_dim_v
-        # interface.py _validate_head_dims: SM90 any pair in 8..256; SM100/110 both <= 128,
-        # 192/128, (64 or dv)/512 and 256/256.
+        # interface.py _validate_head_dims: SM90 any pair in 8..256; SM100/110 both <= 128, 192/128 (its
+        # backward: flash-attention PR #2270), (64 or dv)/512 and 256/256.
         if t.capability[0] == 9:
-            ok = max(dqk, dv) <= 256
+            ok = 8 <= min(dqk, dv) and max(dqk, dv) <= 256
         else:
-            ok = (max(dqk, dv) <= 128 or (dqk, dv) in ((192, 128), (256, 256))
-                  or (dv == 512 and dqk in (64, 512)))
+            ok = (8 <= min(dqk, dv) and max(dqk, dv) <= 128) or (dqk, dv) in ((192, 128), (256, 256)) \
+                or (dv == 512 and dqk in (64, 512))
         if not ok:
-            r.append(f"head dims {dqk}/{dv} are not served on {t.arch}")
+            r.append(f"head dims {dqk}/{dv} are not served on {t.arch} (sm90: both in 8..256; sm100: both <= 128, "
+                     "192/128, 256/256 or 64/512)")
         return r
+
+    def _module(self):
+        if self.module not in sys.modules:
+            _enable_compile_cache()
+        return importlib.import_module(self.module)
+
+
+def _enable_compile_cache() -> None:
+    """FA4's on-disk cache of compiled kernels under attnselect's cache directory, unless the caller chose."""
+    from attnselect import store
+    if CACHE_ENABLED in os.environ or CACHE_DIR in os.environ:
+        return
+    directory = store.cache_file().parent / "flash_attn_cute"
+    os.environ[CACHE_ENABLED], os.environ[CACHE_DIR] = "1", str(directory)
+    log.info("attnselect: FlashAttention-4 keeps its compiled kernels in %s (set %s=0 to switch that off)",
+             directory, CACHE_ENABLED)

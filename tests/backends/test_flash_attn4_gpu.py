@@ -1,0 +1,118 @@
+"""FlashAttention-4 on the GPU, where the package is installed: against float64, under CUDA graph capture and
+inside torch.compile(fullgraph=True). Skipped where flash-attn-4 is absent (scripts/device_run.sh fa4-*)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import attnselect
+from attnselect.backends import get
+from attnselect.target import Target
+from helpers import dense_inputs, rel_err, thd_inputs
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _installed():
+    if Target.current().flash_attn4_version is None:
+        pytest.skip("flash-attn-4 is not installed here")
+
+
+def _compare(q, k, v, grad=True, **kwargs):
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    runs = []
+    for tensors, choice in (((q, k, v), dict(backend="flash_attn4", pad=False)), (exact, dict(backend="reference"))):
+        result = attnselect.attention(*tensors, **kwargs, **choice)
+        out, lse = result if isinstance(result, tuple) else (result, None)
+        grads = torch.autograd.grad(out, tensors, torch.ones_like(out)) if grad else ()
+        runs.append((out, lse, grads))
+    (out, lse, grads), (ref, ref_lse, ref_grads) = runs
+    assert torch.isfinite(out).all() and rel_err(out, ref) < 2e-2
+    for g, rg in zip(grads, ref_grads):
+        assert torch.isfinite(g).all() and rel_err(g, rg) < 2e-2
+    if lse is not None:
+        assert lse.shape == ref_lse.shape and rel_err(lse, ref_lse) < 1e-2
+
+
+@pytest.mark.parametrize("kwargs,shape", [
+    (dict(causal=True), dict(sq=256, skv=256, hq=8, hkv=8, dqk=192, dv=128)),
+    (dict(causal="bottom_right", return_lse=True), dict(sq=200, skv=64, hq=8, hkv=2, dqk=192, dv=128)),   # keyless
+    (dict(window=(32, 0), return_lse=True), dict(sq=128, skv=128, hq=8, hkv=2, dqk=192, dv=128)),
+])
+def test_dense_matches_float64(kwargs, shape):
+    q, k, v = dense_inputs(**shape, dtype=torch.bfloat16, device="cuda")
+    _compare(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,lengths", [
+    (dict(causal=True), ([0, 1, 37, 256, 5, 130, 64], None)),
+    (dict(causal="bottom_right", return_lse=True), ([0, 1, 37, 256, 5], [3, 1, 20, 300, 0])),   # keyless queries
+    (dict(window=(48, 0), return_lse=True), ([1, 37, 256, 5], None)),
+])
+def test_packed_matches_float64(kwargs, lengths):
+    (q, k, v), cu_q, cu_kv = thd_inputs(*lengths, hq=8, hkv=2, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
+    assert get("flash_attn4").packs_thd(Target.current())
+    _compare(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
+
+
+def test_deterministic_backward_repeats_bit_for_bit():
+    (q, k, v), cu, _ = thd_inputs([37, 256, 5, 130], hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads = []
+        for _ in range(2):
+            out = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="flash_attn4")
+            grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_compiled_fullgraph_matches_eager():
+    (q, k, v), cu, _ = thd_inputs([1, 37, 256, 5], hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
+    dense = dense_inputs(sq=256, skv=256, hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
+    for tensors, kwargs in (((q, k, v), dict(layout="thd", cu_seqlens_q=cu, max_seqlen_q=256, max_seqlen_kv=256)),
+                            (dense, {})):
+        def fn(q, k, v):
+            return attnselect.attention(q, k, v, causal=True, backend="flash_attn4", **kwargs)
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True)(*tensors)
+        eager = fn(*tensors)
+        assert rel_err(compiled, eager) < 1e-2
+        for got, want in zip(torch.autograd.grad(compiled, tensors, torch.ones_like(eager)),
+                             torch.autograd.grad(eager, tensors, torch.ones_like(eager))):
+            assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_a_captured_cuda_graph_replays_like_float64(layout, monkeypatch):
+    """With capture allowed for the test: does a captured FA4 call replay correctly on new data?"""
+    fa4 = get("flash_attn4")
+    monkeypatch.setattr(fa4, "surfaces", {"cuda": dataclasses.replace(type(fa4).surfaces["cuda"], cuda_graphs=True)})
+    attnselect.clear_cache()
+    if layout == "thd":
+        cu = torch.tensor([0, 3, 103, 103, 160], dtype=torch.int32, device="cuda")
+        shapes, kwargs = ((160, 8, 192), (160, 8, 192), (160, 8, 128)), dict(layout="thd", cu_seqlens_q=cu,
+                                                                               max_seqlen_q=100, max_seqlen_kv=100)
+    else:
+        shapes, kwargs = ((2, 256, 8, 192), (2, 256, 8, 192), (2, 256, 8, 128)), {}
+    q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            attnselect.attention(q, k, v, causal=True, backend="flash_attn4", **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attnselect.attention(q, k, v, causal=True, backend="flash_attn4", **kwargs)
+    for _ in range(2):
+        for t in (q, k, v):
+            t.normal_()
+        graph.replay()
+        reference = attnselect.attention(q.double(), k.double(), v.double(), causal=True, backend="reference", **kwargs)
+        assert rel_err(out, reference) < 2e-2
