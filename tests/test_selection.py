@@ -179,12 +179,15 @@ def test_cuda_graph_capture_keeps_only_capturable_candidates():
     d = attnselect.select(packed, target=h200)
     assert d.chosen == Candidate("varlen_fa2", 192)   # packed kernels only: no per-sequence host reads
     assert any("sequence by sequence" in r for v in d.verdicts if v.candidate.backend == "sdpa_cudnn" for r in v.reasons)
-    # the flash-attn packages' kernels were never captured on our H200 (not installed there): refused, with the reason
+    # flash-attn 2 and 3 were never captured on our H200 (not installed there): refused, with the reason; FA4 was
+    # (results/h200_gpu_tests_fa4.txt) and serves under capture
     with_fa = Target.preset("h200", flash_attn_version="2.8.3", flash_attn3_version="3.0.0", flash_attn4_version="4.0.0")
     equal = AttentionProblem(2, 1024, 1024, 16, 16, 128, 128, mask="causal", training=True, cuda_graph_capture=True)
-    for backend in ("flash_attn2", "flash_attn3", "flash_attn4"):
+    assert attnselect.select(equal, target=with_fa, backend="flash_attn4").chosen == Candidate("flash_attn4")
+    for backend in ("flash_attn2", "flash_attn3"):
         uncaptured = attnselect.select(dataclasses.replace(equal, cuda_graph_capture=False), target=with_fa,
                                        backend=backend)
         assert uncaptured.chosen.backend == backend
         with pytest.raises(attnselect.ForcedChoiceError, match="not verified under CUDA graph capture"):
             attnselect.select(equal, target=with_fa, backend=backend)
+

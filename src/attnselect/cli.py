@@ -146,6 +146,8 @@ def cmd_backends(a) -> int:
         installed = not (backend.package and getattr(target, backend.package[0]) is None)
         runs_here = installed and target.device_type in backend.surfaces
         print(f"  {backend.name:<15} {'available' if runs_here else 'unavailable':<12} {backend.summary}")
+        if backend.shape_cache is not None:
+            print(f"  {'':<15} {'':<12} new shape: {backend.shape_cache.describe()}")
     return 0
 
 

@@ -7,6 +7,7 @@ keys) check the argument mapping and the lse conversion against the reference ba
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import types
@@ -148,3 +149,14 @@ def test_flash_attn4_keeps_its_compiled_kernels_under_attnselects_cache(monkeypa
     monkeypatch.setenv(flash_attn4.CACHE_DIR, "/elsewhere")
     flash_attn4._enable_compile_cache()
     assert os.environ[flash_attn4.CACHE_ENABLED] == "0" and os.environ[flash_attn4.CACHE_DIR] == "/elsewhere"
+
+
+def test_flash_attn4_refuses_the_sm90_gqa_backward_of_unequal_head_dims():
+    fa4 = attnselect.Target.preset("h200", flash_attn4_version="4.0.0b36")
+    gqa = attnselect.AttentionProblem(2, 128, 128, 8, 2, 192, 128, mask="causal", training=True)
+    reasons = attnselect.backends.get("flash_attn4").not_supported_reasons(gqa, fa4)
+    assert any("GQA" in r and "padding to 192" in r for r in reasons)
+    decision = attnselect.select(gqa, target=fa4)
+    assert Candidate("flash_attn4", 192) in decision.ranked
+    for served in (dataclasses.replace(gqa, training=False), dataclasses.replace(gqa, heads_kv=8), gqa.padded(192)):
+        assert not attnselect.backends.get("flash_attn4").not_supported_reasons(served, fa4)

@@ -34,16 +34,18 @@ class FlashAttn4(FlashAttnPackageBackend):
     # (_flash_attn_fwd), backward 9.x-12.x (_flash_attn_bwd); head dims multiples of 16 bytes (8 in 16 bit);
     # no dropout argument; flash_attn_varlen_func takes cu_seqlens_q/k and max_seqlen_q/k, whose sequences
     # sit back to back (no separate padded offsets, so no gaps); deterministic backward except on sm120.
-    # cuda_graphs=False: refused under CUDA graph capture until a GPU run verifies it.
+    # Captured into CUDA graphs and inside torch.compile(fullgraph=True), dense and packed, it matched float64 on
+    # the H200 (results/h200_gpu_tests_fa4.txt, 4.0.0b36), bit-identical gradients under deterministic mode too.
     surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(9, 0), max_capability=(11, 9), head_dim_multiple=8,
-                                max_head_dim=512, dropout=False, causal_is_bottom_right=True, packed=True,
-                                cuda_graphs=False)}
+                                max_head_dim=512, dropout=False, causal_is_bottom_right=True, packed=True)}
     # interface.py _flash_attn_fwd: cute.compile once per compile_key (dtype, head dims, GQA ratio, causal,
-    # window, varlen, lse, tile sizes and split choices derived from the lengths), not per length.
-    shape_cache = ShapeCache(builds="a CuTe DSL kernel compile",
+    # window, varlen, lse, tile sizes and split choices derived from the lengths), not per length. A process's
+    # first forward+backward of a 192/128 configuration took 13 s (dense) and 19 s (packed) with an empty disk
+    # cache, 6.5 and 10 s with a filled one, on the H200 (results/h200_fa4_compile.md).
+    shape_cache = ShapeCache(builds="compiled CuTe DSL kernels",
                              keyed_on="dtype, head dims, GQA ratio, causal, window, varlen and the tile sizes "
                                       "chosen from the lengths, not the lengths themselves",
-                             source="flash-attention flash_attn/cute/interface.py (compile_key)")
+                             source="flash-attention flash_attn/cute/interface.py (compile_key)", new_key_ms=13000.0)
 
     def extra_reasons(self, p, t):
         r = []
@@ -58,6 +60,11 @@ class FlashAttn4(FlashAttnPackageBackend):
         if not ok:
             r.append(f"head dims {dqk}/{dv} are not served on {t.arch} (sm90: both in 8..256; sm100: both <= 128, "
                      "192/128, 256/256 or 64/512)")
+        # 4.0.0b36 on the H200 (results/h200_gpu_tests_fa4.txt): the sm90 backward raises "GQA backward requires
+        # head_dim == head_dim_v" for grouped K/V heads with d_qk != d_v; its padded candidate serves them.
+        if p.training and t.capability[0] == 9 and p.heads_q != p.heads_kv and dqk != dv:
+            r.append(f"its sm90 backward needs d_qk == d_v with grouped K/V heads (GQA), got {dqk}/{dv} with "
+                     f"{p.heads_q}/{p.heads_kv} heads; padding to {max(dqk, dv)} serves it")
         return r
 
     def _module(self):

@@ -67,8 +67,8 @@ class PackingBuckets:
     max_seqlen: Rounding
 
     def describe(self) -> str:
-        return (f"sequence count rounded up to {self.sequences.describe()} (empty trailing sequences), "
-                f"max_seqlen to {self.max_seqlen.describe()}")
+        return (f"the sequence count up to {self.sequences.describe()} (empty trailing sequences) and max_seqlen up "
+                f"to {self.max_seqlen.describe()}")
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class ShapeCache:
         cost = f", about {self.new_key_ms:g} ms each" if self.new_key_ms else ""
         text = f"builds {self.builds} per new key{cost}; keyed on {self.keyed_on}"
         if self.buckets:
-            text += f"; attnselect rounds the {self.buckets.describe()}"
+            text += f"; attnselect rounds {self.buckets.describe()}"
         return text + ("; every new packing pays it" if self.rebuilds_per_packing else "")
 
 
