@@ -191,3 +191,37 @@ def test_cuda_graph_capture_keeps_only_capturable_candidates():
         with pytest.raises(attnselect.ForcedChoiceError, match="not verified under CUDA graph capture"):
             attnselect.select(equal, target=with_fa, backend=backend)
 
+
+@pytest.mark.parametrize("installed", [{}, {"cudnn_frontend_version": "1.32.0"},
+                                       {"cudnn_frontend_version": "1.32.0", "flash_attn4_version": "4.0.0b36"}])
+def test_packed_decisions_carried_across_sizes_choose_what_a_fresh_selection_chooses(installed):
+    """select_packed reuses a packed problem's decision at new sizes only where a full selection agrees: sizes that
+    cross a rule (one key, short documents, a key sequence of length 1) are selected afresh."""
+    import random
+    from attnselect.selection import select_packed
+    rng = random.Random(0)
+    for target in (Target.preset("h200", **installed), Target.preset("a100"), Target.preset("cpu")):
+        for _ in range(300):
+            seqlen = rng.choice([1, 2, 37, 300, 512, 513, 2048, 9000])
+            problem = AttentionProblem(rng.choice([1, 3, 18, 120]), seqlen, rng.choice([seqlen, 1, 2 * seqlen]), 16,
+                                       rng.choice([16, 4]), 192, rng.choice([128, 192]), layout="thd",
+                                       mask=rng.choice(["causal", "causal_bottom_right", "none"]),
+                                       training=rng.random() < 0.7, varlen_single_key=rng.random() < 0.3,
+                                       dtype=torch.float32 if not target.is_cuda else torch.bfloat16)
+            try:
+                fresh = attnselect.select(problem, target=target).chosen
+            except attnselect.NoSupportedCandidateError:
+                continue
+            assert select_packed(problem, target=target).chosen == fresh, problem.describe()
+
+
+def test_packed_decisions_at_new_sizes_judge_no_candidate_again(monkeypatch):
+    from attnselect import candidates, selection
+    h200 = Target.preset("h200", cudnn_frontend_version="1.32.0")
+    judged = []
+    real = candidates.judge
+    monkeypatch.setattr(selection, "judge", lambda *a, **k: judged.append(1) or real(*a, **k))
+    for batch, seqlen in ((18, 4096), (25, 9000), (13, 16384), (40, 3000)):
+        problem = AttentionProblem(batch, seqlen, seqlen, 16, 16, 192, 128, layout="thd", mask="causal", training=True)
+        assert selection.select_packed(problem, target=h200).chosen == Candidate("cudnn_frontend")
+    assert len(judged) == 1

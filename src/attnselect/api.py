@@ -14,7 +14,7 @@ from attnselect.errors import AttnSelectError, ForcedChoiceError, NoSupportedCan
 from attnselect.execution import dense_runner, kernel_call, run_call
 from attnselect.inputs import check_scale, describe_call
 from attnselect.problem import AttentionProblem
-from attnselect.selection import MEMO_SIZE, Decision, mark_failed, register_cache, select
+from attnselect.selection import MEMO_SIZE, Decision, mark_failed, register_cache, select, select_packed
 from attnselect.settings import strict
 from attnselect.target import Target, target_for_device
 
@@ -80,7 +80,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
                                          return_lse=return_lse, scale=scale, cu_seqlens_q_padded=cu_seqlens_q_padded,
                                          cu_seqlens_kv_padded=cu_seqlens_kv_padded)
         target = target_for_device(q.device)
-        decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
+        decision = (select(problem, target=target, backend=backend, pad=pad, disable=disable) if packing is None else
+                    select_packed(problem, target=target, backend=backend, pad=pad, disable=disable))
         default_call = kernel_call(problem)
         runner = (dense_runner(backends.get(decision.chosen.backend), decision.chosen.pad_to, layout, default_call)
                   if layout != "thd" else None)

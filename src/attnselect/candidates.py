@@ -50,6 +50,7 @@ def judge(problem: AttentionProblem, target: Target, overrides: Overrides = Over
     """
     verdicts = []
     pad_target = problem.pad_target
+    padded = problem if pad_target is None else problem.padded(pad_target)
     for backend in backends.all_backends():
         options = [None] if pad_target is None else [None, pad_target]
         for pad_to in options:
@@ -58,6 +59,6 @@ def judge(problem: AttentionProblem, target: Target, overrides: Overrides = Over
             if failed and candidate in failed:
                 reasons = [f"failed at run time on this target: {failed[candidate]}"]
             if not reasons:
-                reasons = backend.not_supported_reasons(problem if pad_to is None else problem.padded(pad_to), target)
+                reasons = backend.not_supported_reasons(problem if pad_to is None else padded, target)
             verdicts.append(Verdict(candidate, tuple(reasons)))
     return tuple(verdicts)

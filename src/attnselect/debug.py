@@ -63,7 +63,8 @@ def _apply(level: int) -> None:
 def log_decision(decision: "Decision") -> None:
     """Log a new decision: one INFO line; with level 2 every candidate at DEBUG."""
     _apply(debug_level())
-    LOGGER.info("%s | %s", decision.problem.describe(), decision.why)
+    if LOGGER.isEnabledFor(logging.INFO):   # the prose costs more than the decision
+        LOGGER.info("%s | %s", decision.problem.describe(), decision.why)
     if LOGGER.isEnabledFor(logging.DEBUG):
         timings = decision.timings or {}
         for verdict in decision.verdicts:

@@ -134,15 +134,20 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
     return key, PREFERENCES[key]
 
 
+def entry(c: Candidate) -> str:
+    """A candidate as the tables name it: "name" native, "name+pad" padded."""
+    return c.backend + ("+pad" if c.padded else "")
+
+
 def rank(verdicts: tuple[Verdict, ...], problem: AttentionProblem, target: Target) -> tuple[Candidate, ...]:
     """Supported candidates, best first."""
     _, table = table_for(problem, target)
     position = {entry: i for i, entry in enumerate(table)}
     supported = [v.candidate for v in verdicts if v.supported]
+    registry_order = {c: i for i, c in enumerate(supported)}
 
     def key(c: Candidate) -> tuple[int, int]:
-        entry = c.backend + ("+pad" if c.padded else "")
-        return (position.get(entry, len(table)), supported.index(c))
+        return (position.get(entry(c), len(table)), registry_order[c])
 
     ordered = sorted(supported, key=key)
     return tuple(_stable_across_packings(ordered, target) if problem.layout == "thd" else ordered)
@@ -151,20 +156,16 @@ def rank(verdicts: tuple[Verdict, ...], problem: AttentionProblem, target: Targe
 def _stable_across_packings(ordered: list[Candidate], target: Target) -> list[Candidate]:
     """``ordered`` with each candidate that rebuilds per new packing moved to just after the last candidate on
     its path (packed, or per sequence) that does not."""
-    def rebuilds(c: Candidate) -> bool:
-        cache = backends.get(c.backend).shape_cache
-        return cache is not None and cache.rebuilds_per_packing
-
-    def packed(c: Candidate) -> bool:
-        return backends.get(c.backend).packs_thd(target)
-
-    result = [c for c in ordered if not rebuilds(c)]
-    moved: list[Candidate] = []
-    for c in (c for c in ordered if rebuilds(c)):
-        after = [i for i, other in enumerate(result) if packed(other) == packed(c)
-                 and (not rebuilds(other) or other in moved)]
-        if not any(not rebuilds(result[i]) for i in after):   # nothing on its path is stable: it keeps its place
-            after = [i for i, other in enumerate(result) if ordered.index(other) < ordered.index(c)]
+    rebuilds, packed = {}, {}
+    for c in ordered:
+        backend = backends.get(c.backend)
+        rebuilds[c] = backend.shape_cache is not None and backend.shape_cache.rebuilds_per_packing
+        packed[c] = backend.packs_thd(target)
+    result = [c for c in ordered if not rebuilds[c]]
+    place = {c: i for i, c in enumerate(ordered)}
+    for c in (c for c in ordered if rebuilds[c]):
+        after = [i for i, other in enumerate(result) if packed[other] == packed[c]]
+        if not any(not rebuilds[result[i]] for i in after):   # nothing on its path is stable: it keeps its place
+            after = [i for i, other in enumerate(result) if place[other] < place[c]]
         result.insert(after[-1] + 1 if after else 0, c)
-        moved.append(c)
     return result

@@ -69,7 +69,7 @@ class AttentionProblem:
                      getattr(self, name), "an integer >= 1")
         _require(self.heads_q % self.heads_kv == 0, "heads_q",
                  f"{self.heads_q} with heads_kv={self.heads_kv}", "a multiple of heads_kv (GQA/MQA)")
-        _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {_names(DTYPES)}")
+        _require(self.dtype in DTYPES, "dtype", self.dtype, _DTYPE_CHOICES)
         _require(self.layout in LAYOUTS, "layout", repr(self.layout), f"one of {LAYOUTS}")
         _require(self.mask in MASKS, "mask", repr(self.mask), f"one of {MASKS}")
         if self.mask == "sliding_window":
@@ -174,6 +174,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _names(dtypes) -> str:
     return ", ".join(sorted(dtype_name(d) for d in dtypes))
+
+
+_DTYPE_CHOICES = f"one of {_names(DTYPES)}"
 
 
 def _require(ok: bool, name: str, seen, expected: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -172,6 +173,56 @@ def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy
                 _MEMO.popitem(last=False)
         debug.log_decision(decision)
     return decision
+
+
+# Packed problems change their sizes (sequence count, max lengths) every step of a loop: their last decision per
+# problem with the sizes left out, revalidated for new sizes by select_packed.
+_PACKED: "OrderedDict[tuple, Decision]" = OrderedDict()
+_CLEARERS.append(_PACKED.clear)
+
+
+def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pad=None, disable=None) -> Decision:
+    """:func:`select` for a packed call, without judging every candidate again when only the sizes changed.
+
+    The decision made for the same problem at other sizes stands (it is returned, describing those sizes) when the
+    rules chose it, the rules table for the new sizes is the same, its choice still serves them and has not failed
+    for them, and no candidate that was refused there and that the table puts above the choice (any refused one,
+    where the choice rebuilds per packing) serves them now. Otherwise, or under the measure policy, :func:`select`.
+    """
+    try:
+        key = (dataclasses.replace(problem, batch=0, seqlen_q=0, seqlen_kv=0), target, backend, pad, disable,
+               settings.environment(), settings.scope(), backends.registry_version())
+        earlier = _PACKED.get(key)
+    except TypeError:   # an unhashable control: select() names it
+        return select(problem, target=target, backend=backend, pad=pad, disable=disable)
+    if earlier is not None and _still_stands(earlier, problem, target):
+        return earlier
+    decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
+    _PACKED[key] = decision
+    if len(_PACKED) > MEMO_SIZE:
+        _PACKED.popitem(last=False)
+    return decision
+
+
+def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) -> bool:
+    if earlier.policy != "rules" or rules.table_for(problem, target)[0] != rules.table_for(earlier.problem, target)[0]:
+        return False
+    chosen = earlier.chosen
+
+    def serves(c: Candidate) -> bool:
+        return not backends.get(c.backend).not_supported_reasons(
+            problem if c.pad_to is None else problem.padded(c.pad_to), target)
+
+    if not serves(chosen) or chosen in failures(problem, target):
+        return False
+    _, table = rules.table_for(problem, target)
+    position = {entry: i for i, entry in enumerate(table)}
+    cache = backends.get(chosen.backend).shape_cache
+    above = len(table) if cache is not None and cache.rebuilds_per_packing else position.get(rules.entry(chosen),
+                                                                                               len(table))
+    refused = (v.candidate for v in earlier.verdicts if not v.supported and not earlier.overrides.reasons(
+        v.candidate, problem))
+    return not any(serves(c) for c in refused if position.get(rules.entry(c), len(table)) <= above)
 
 
 def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overrides) -> Decision:

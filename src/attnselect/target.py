@@ -24,6 +24,7 @@ DEFAULT_TORCH = "2.11.0"
 DEFAULT_CUDNN = "9.19.0"
 
 
+@functools.lru_cache(maxsize=256)
 def version_tuple(version: Optional[str]) -> tuple[int, ...]:
     """'9.19.0' -> (9, 19, 0); '2.11.0+cu130' -> (2, 11, 0); None -> ()."""
     if not version:
