@@ -123,7 +123,7 @@ case "$step" in
   fa4-loop)
     need_fa4 || exit 1   # every row shares one FA4 compile cache (its first-call cost: fa4-compile)
     FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$ATTNSELECT_CACHE_DIR/flash_attn_cute \
-    timeout 400 python3 benchmarks/training_loop.py --steps 30 --out "$OUT/h200_training_loop_fa4" --rows "attnselect default, \
+    timeout 400 python3 benchmarks/training_loop.py --steps 30 --rounds "${LOOP_ROUNDS:-2}" --out "$OUT/h200_training_loop_fa4" --rows "attnselect default, \
 max_seqlen given;flash_attn4 native;FA4 flash_attn_varlen_func, called directly;torch varlen_attn, V padded" 2>&1 \
       | grep -v -i warn | tail -40 ;;
   fa4-compile)
