@@ -194,8 +194,9 @@ def summary(rounds: list[dict]) -> dict:
             "first_10_total_ms": max(sum(r["step_ms"][:10]) for r in rounds),
             "worst_after_10_over_median": max(max(r["step_ms"][10:] or r["step_ms"]) / statistics.median(r["step_ms"])
                                               for r in rounds),
-            "worst_after_10_over_work": max(t / (f * rate) for r in rounds for t, f in
-                                            zip(r["step_ms"][10:], r["flops"][10:])),
+            "worst_after_10_over_work": max((t / (f * rate) for r in rounds for t, f in
+                                             zip(r["step_ms"][10:] or r["step_ms"], r["flops"][10:] or r["flops"])),
+                                            default=None),
             "tflops": sum(f for r in rounds for f in r["flops"]) / (sum(times) * 1e-3) / 1e12,
             "gpu_median_ms": statistics.median(gpu) if gpu else None, "steps": len(times), "rounds": len(rounds),
             "documents": rounds[0]["documents"], "max_seqlen": rounds[0]["max_seqlen"],

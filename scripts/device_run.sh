@@ -38,7 +38,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpu=${CUDA_VISIBLE_DEVICES:-all}
 export ATTNSELECT_CACHE_DIR=/tmp/attnselect-cache-$gpu   # side-by-side runs keep separate decision caches
-wheels=$(ls .whl/*.whl .whl-core/*.whl 2>/dev/null)
+wheels=$(ls .whl/*.whl 2>/dev/null || ls .whl-core/*.whl 2>/dev/null)   # .whl holds .whl-core's wheel too
 if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "/tmp/site-$gpu" \
     $wheels || { echo "wheel install failed"; exit 1; }
@@ -104,8 +104,8 @@ case "$step" in
     mkdir -p "$FA4_WHEELS" && cp .fa4-stage1/* "$FA4_WHEELS/" && ls "$FA4_WHEELS" ;;
   fa4-stage2)
     if ! ls "$FA4_WHEELS"/*.part-aa >/dev/null 2>&1; then
-      echo "fa4-stage2: the first stage's files are gone from $FA4_WHEELS (the machine was given back since"
-      echo "fa4-stage1): run fa4-stage1 again, then fa4-stage2 at once."; exit 1
+      echo "fa4-stage2: the first stage's files are not in $FA4_WHEELS (gone with a machine given back since"
+      echo "fa4-stage1, or joined by an earlier fa4-stage2): run fa4-stage1 again, then fa4-stage2 at once."; exit 1
     fi
     cp .fa4-stage2/* "$FA4_WHEELS/"
     part=$(ls "$FA4_WHEELS"/*.part-aa); cat "${part%.part-aa}".part-* > "${part%.part-aa}" && rm "$FA4_WHEELS"/*.part-*

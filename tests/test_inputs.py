@@ -163,6 +163,8 @@ def test_equal_boundaries_in_tensors_of_their_own_are_recognised_once_per_pair(m
         compared.append((a, b))
         return answer
     monkeypatch.setattr(torch, "equal", equal)
+    from attnselect import inputs
+    monkeypatch.setattr(inputs, "_comparable", lambda cu_q, cu_kv, capturing: True)
     answer = True
     call = dict(layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=5, max_seqlen_kv=5)
     for _ in range(3):   # every layer of a step: one comparison
@@ -184,3 +186,27 @@ def test_equal_boundaries_read_on_the_host_are_shared():
     problem, packing = describe_call(q, q, q, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, causal=True,
                                      window=(2, 0))
     assert problem.varlen_seqlens_match and packing.cu_seqlens_kv is cu_q and not packing.has_gaps
+
+
+def test_boundaries_are_compared_by_value_only_where_a_read_is_allowed_and_remembered():
+    from attnselect.inputs import _comparable
+    meta = torch.empty(3, dtype=torch.int32, device="meta")   # a traced call's tensors: no values to read
+    assert not _comparable(meta, meta.clone(), capturing=False)
+    with torch.inference_mode():
+        frozen = torch.zeros(3, dtype=torch.int32)
+    for cu in (frozen, torch.zeros(3, dtype=torch.int32)):   # inference tensors (no version), and the CPU
+        assert not _comparable(cu, cu.clone(), capturing=False)
+    assert not _comparable(meta, meta, capturing=True)
+
+
+def test_a_copy_of_cu_seqlens_q_compiles_as_before():
+    """Under torch.compile validation runs on meta tensors: a copied cu_seqlens_kv must not be read there."""
+    (q, k, v), cu, _ = __import__("helpers").thd_inputs([3, 5], hq=2, hkv=2, dqk=16, dv=8)
+    copy = cu.clone()
+
+    def fn(q, k, v):
+        return attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=copy, max_seqlen_q=5,
+                                    max_seqlen_kv=5, causal="bottom_right", backend="reference")
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.allclose(out, fn(q, k, v))

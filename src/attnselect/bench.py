@@ -77,8 +77,10 @@ def _key(problem: AttentionProblem) -> str:
     return json.dumps(problem.to_dict(), sort_keys=True)
 
 
-def useful_tflops(problem: AttentionProblem, ms: float) -> float:
-    pairs = problem.batch * problem.seqlen_q * (problem.seqlen_q + 1) / 2
+def useful_tflops(problem: AttentionProblem, ms: float, pairs: Optional[float] = None) -> float:
+    """TFLOP/s on useful causal work: ``pairs`` visible (query, key) pairs a call (packed calls: the mean over the
+    packings timed, measure.NewPackings.causal_pairs), by default B full-length sequences."""
+    pairs = problem.batch * problem.seqlen_q * (problem.seqlen_q + 1) / 2 if pairs is None else pairs
     flops = 2 * problem.heads_q * (problem.head_dim_qk + problem.head_dim_v) * pairs
     return flops * (3.5 if problem.training else 1.0) / (ms * 1e-3) / 1e12
 
@@ -117,7 +119,7 @@ def bench_problem(problem: AttentionProblem, target: Target) -> dict:
     inputs = random_inputs(problem, device)
     steps = {TORCH_DEFAULT: lambda: _torch_default(problem, inputs)}
     steps.update({str(c): candidate_step(c, problem, target, inputs) for c in sorted(supported, key=str)})
-    rows = _timed(steps, device, problem)
+    rows = _timed(steps, device, problem, inputs[4].causal_pairs() if inputs[4] is not None else None)
     default = rows.pop(TORCH_DEFAULT)
     choices = {policy: _choice(policy, problem, target, supported, rows) for policy in (*RULE_POLICIES, "measure")}
     choices["torch-default"] = {"candidate": "F.scaled_dot_product_attention" if problem.layout != "thd"
@@ -207,7 +209,7 @@ def timing_rounds(steps: int) -> dict:
             "keep_within": CONTENDER_FACTOR, "settle": SETTLE}
 
 
-def _timed(steps: dict, device, problem) -> dict:
+def _timed(steps: dict, device, problem, pairs: Optional[float] = None) -> dict:
     """Every step timed side by side in interleaved rounds (time_steps), so drift lands on all alike."""
     results = time_steps(steps, device, **timing_rounds(len(steps)))
     rows = {}
@@ -217,7 +219,7 @@ def _timed(steps: dict, device, problem) -> dict:
             rows[key] = {"error": f"{type(t).__name__}: {_first_line(t)[:160]}"}
         else:
             rows[key] = {"median_ms": t.median_ms, "p20_ms": t.low_ms, "p80_ms": t.high_ms, "repeats": t.repeats,
-                         "tflops": useful_tflops(problem, t.median_ms)}
+                         "tflops": useful_tflops(problem, t.median_ms, pairs)}
     return rows
 
 

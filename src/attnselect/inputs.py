@@ -67,7 +67,7 @@ def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_
                   "both integers under CUDA graph capture (reading cu_seqlens would need a host sync)")
         seq_axis, head_axis = 0, 1
         packing, lengths = _packing(q, k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                                    cu_seqlens_q_padded, cu_seqlens_kv_padded)
+                                    cu_seqlens_q_padded, cu_seqlens_kv_padded, capturing)
         batch, sq, skv = packing.cu_seqlens_q.numel() - 1, packing.max_seqlen_q, packing.max_seqlen_kv
     else:
         b_axis, seq_axis, head_axis = DENSE_AXES[layout]
@@ -142,7 +142,7 @@ def placement(cu_q, cu_kv, offsets_q, offsets_kv):
     return cu_kv, offsets_q, offsets_kv, same
 
 
-def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv):
+def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv, capturing=False):
     """The packing of a thd call and the (q, kv) lengths with whether they share their boundaries.
 
     The boundaries are read on the host (one sync on CUDA) unless both max_seqlen_* are given
@@ -167,8 +167,8 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv):
         _fail("k.shape[0]", k.shape[0], f"q's token count {q.shape[0]} (k shares q's cu_seqlens and offsets)")
     if max_q is not None and max_kv is not None and cu_q.device.type != "cpu":
         # No host read: q/kv lengths are known to match only when they share their boundaries (or hold equal ones).
-        if not same and offsets_q is cu_q and offsets_kv is cu_kv and _equal_boundaries(cu_q, cu_kv, max_q,
-                                                                                         max_kv, q, k):
+        if (not same and offsets_q is cu_q and offsets_kv is cu_kv and _comparable(cu_q, cu_kv, capturing)
+                and _equal_boundaries(cu_q, cu_kv, max_q, max_kv, q, k)):
             cu_kv, offsets_kv, same = cu_q, cu_q, True
         return Packing(cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv), (None, None, same)
     bounds_q = cu_q.tolist()                      # host sync on CUDA
@@ -194,6 +194,14 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv):
 
 # Whether a pair of boundary tensors holds equal values, once per pair (attnselect.tensor_memo).
 _EQUAL = TensorMemo()
+
+
+def _comparable(cu_q, cu_kv, capturing: bool) -> bool:
+    """Whether two boundary tensors may be compared by value here: on a GPU (not the meta tensors of a traced call),
+    not while a CUDA graph is captured (no host read then), and not for inference tensors, whose lack of a version
+    counter would make the comparison run again for every layer. Elsewhere they count as different boundaries."""
+    return (cu_q.device.type == "cuda" and not capturing and not cu_q.is_inference()
+            and not cu_kv.is_inference())
 
 
 def _equal_boundaries(cu_q, cu_kv, max_q, max_kv, q, k) -> bool:

@@ -409,6 +409,11 @@ class NewPackings:
                            for f in factors)
             self._packings.append((cu_q, cu_kv, max(lengths) * factors[0], max(lengths) * factors[1]))
 
+    def causal_pairs(self) -> float:
+        """The mean over the packings of the (query, key) pairs top-left causal leaves visible, sum n (n + 1) / 2."""
+        pairs = [sum(n * (n + 1) / 2 for n in torch.diff(cu_q).tolist()) for cu_q, *_ in self._packings]
+        return sum(pairs) / len(pairs)
+
     def __call__(self) -> Packing:
         cu_q, cu_kv, max_q, max_kv = self._packings[self._next % self.COUNT]
         self._next += 1
