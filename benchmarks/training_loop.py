@@ -22,6 +22,7 @@ varies several fold: a rebuild shows as a step far slower than its work explains
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -162,7 +163,7 @@ def _step(attend, q, k, v, grad_out, lengths, device):
         torch.cuda.synchronize()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
-    cu = torch.tensor([0, *_cumulative(lengths)], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
     if cuda:
         begin.record()
     out = attend(q, k, v, cu, max(lengths))
@@ -172,14 +173,6 @@ def _step(attend, q, k, v, grad_out, lengths, device):
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3
     return wall, (begin.elapsed_time(end) if cuda else None)
-
-
-def _cumulative(lengths):
-    total, sums = 0, []
-    for n in lengths:
-        total += n
-        sums.append(total)
-    return sums
 
 
 def summary(rounds: list[dict]) -> dict:

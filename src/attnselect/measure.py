@@ -22,6 +22,7 @@ reached by then keep their rules order behind the measured ones, and the log say
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import random
@@ -34,6 +35,7 @@ from typing import Optional
 import torch
 
 from attnselect.backends.base import Packing
+from attnselect.backends.shape_cache import Rounding
 from attnselect.candidates import Candidate
 from attnselect.problem import AttentionProblem
 from attnselect.target import Target
@@ -77,7 +79,7 @@ def bucket(problem: AttentionProblem) -> AttentionProblem:
     """The problem a packed call is tuned as: batch and lengths rounded up to powers of two."""
     if problem.layout != "thd":
         return problem
-    up = lambda n: 1 << max(n - 1, 0).bit_length()   # noqa: E731
+    up = Rounding()   # powers of two
     return dataclasses.replace(problem, batch=up(problem.batch), seqlen_q=up(problem.seqlen_q),
                                seqlen_kv=up(problem.seqlen_kv))
 
@@ -405,8 +407,8 @@ class NewPackings:
         self._shared, self._next, self._packings = sq == skv, 0, []
         for _ in range(self.COUNT):
             lengths = _lengths(rng, batch, unit, units)
-            cu_q, cu_kv = (torch.tensor(_prefix_sums([n * f for n in lengths]), dtype=torch.int32, device=device)
-                           for f in factors)
+            cu_q, cu_kv = (torch.tensor([0, *itertools.accumulate(n * f for n in lengths)], dtype=torch.int32,
+                                        device=device) for f in factors)
             self._packings.append((cu_q, cu_kv, max(lengths) * factors[0], max(lengths) * factors[1]))
 
     def causal_pairs(self) -> float:
@@ -437,9 +439,3 @@ def _lengths(rng, batch: int, longest: int, tokens: int) -> list[int]:
     rng.shuffle(rest)
     return rest
 
-
-def _prefix_sums(lengths: list[int]) -> list[int]:
-    sums = [0]
-    for n in lengths:
-        sums.append(sums[-1] + n)
-    return sums

@@ -175,9 +175,9 @@ def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy
     return decision
 
 
-# Packed problems change their sizes (sequence count, max lengths) every step of a loop: their last decision per
-# problem with the sizes left out, revalidated for new sizes by select_packed.
-_PACKED: "OrderedDict[tuple, Decision]" = OrderedDict()
+# Packed problems change their sizes (sequence count, max lengths) every step of a loop: per problem with the sizes
+# left out, the last decision and the problem it was last found to hold for (every layer of a step repeats it).
+_PACKED: "OrderedDict[tuple, tuple[Decision, AttentionProblem]]" = OrderedDict()
 _CLEARERS.append(_PACKED.clear)
 
 
@@ -192,20 +192,22 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     try:
         key = (dataclasses.replace(problem, batch=0, seqlen_q=0, seqlen_kv=0), target, backend, pad, disable,
                settings.environment(), settings.scope(), backends.registry_version())
-        earlier = _PACKED.get(key)
+        earlier, held_for = _PACKED.get(key, (None, None))
     except TypeError:   # an unhashable control: select() names it
         return select(problem, target=target, backend=backend, pad=pad, disable=disable)
-    if earlier is not None and _still_stands(earlier, problem, target):
+    if earlier is not None and (problem == held_for or _still_stands(earlier, problem, target)):
+        _PACKED[key] = (earlier, problem)
         return earlier
     decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
-    _PACKED[key] = decision
+    _PACKED[key] = (decision, problem)
     if len(_PACKED) > MEMO_SIZE:
         _PACKED.popitem(last=False)
     return decision
 
 
 def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) -> bool:
-    if earlier.policy != "rules" or rules.table_for(problem, target)[0] != rules.table_for(earlier.problem, target)[0]:
+    table_key, table = rules.table_for(problem, target)
+    if earlier.policy != "rules" or table_key != rules.table_for(earlier.problem, target)[0]:
         return False
     chosen = earlier.chosen
 
@@ -215,7 +217,6 @@ def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) 
 
     if not serves(chosen) or chosen in failures(problem, target):
         return False
-    _, table = rules.table_for(problem, target)
     position = {entry: i for i, entry in enumerate(table)}
     cache = backends.get(chosen.backend).shape_cache
     above = len(table) if cache is not None and cache.rebuilds_per_packing else position.get(rules.entry(chosen),

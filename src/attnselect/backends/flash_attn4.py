@@ -51,12 +51,12 @@ class FlashAttn4(FlashAttnPackageBackend):
         r = []
         dqk, dv = p.head_dim_qk, p.head_dim_v
         # interface.py _validate_head_dims: SM90 any pair in 8..256; SM100/110 both <= 128, 192/128 (its
-        # backward: flash-attention PR #2270), (64 or dv)/512 and 256/256.
+        # backward: flash-attention PR #2270), (64 or dv)/512 and 256/256 (the lower bound of 8: the surface's
+        # head_dim_multiple).
         if t.capability[0] == 9:
-            ok = 8 <= min(dqk, dv) and max(dqk, dv) <= 256
+            ok = max(dqk, dv) <= 256
         else:
-            ok = (8 <= min(dqk, dv) and max(dqk, dv) <= 128) or (dqk, dv) in ((192, 128), (256, 256)) \
-                or (dv == 512 and dqk in (64, 512))
+            ok = max(dqk, dv) <= 128 or (dqk, dv) in ((192, 128), (256, 256)) or (dv == 512 and dqk in (64, 512))
         if not ok:
             r.append(f"head dims {dqk}/{dv} are not served on {t.arch} (sm90: both in 8..256; sm100: both <= 128, "
                      "192/128, 256/256 or 64/512)")
