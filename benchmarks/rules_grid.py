@@ -6,6 +6,7 @@ backward, when training), and do the output and the three gradients match a floa
 reference to bf16 tolerance. A row agrees when prediction and reality are the same.
 
     python benchmarks/rules_grid.py --out results/h200_rules_grid.jsonl [--resume FILE] [--deadline S]
+        [--section main|odd|fa4] [--backends a,b | --skip a,b]
 
 Rows are appended as they are measured, so a run cut short keeps what it did; --resume
 skips the rows already in a file. ``benchmarks/grid_report.py`` turns the rows into the
@@ -59,20 +60,53 @@ THD_SCENARIOS = [
 TOLERANCE = 2e-2   # relative Frobenius error; bf16/fp16 operands land between 1e-3 and 1e-2
 
 
-def grid():
-    """(problem, (lengths_q, lengths_kv) for thd or None): 216 dense problems, then 80 packed ones."""
-    for (dqk, dv), dtype, training, scenario in itertools.product(HEAD_DIMS, DTYPES, (False, True), SCENARIOS):
+# Head dims the main grid lacks: below 16 and not multiples of 8 (flex refuses < 16 on CUDA, FA2's varlen kernel
+# and cuDNN need multiples of 8), with the scenarios most kernels differ on; their padded candidates round up.
+ODD_HEAD_DIMS = [(8, 8), (15, 15), (59, 59)]
+ODD_SCENARIOS = [SCENARIOS[0], SCENARIOS[1], SCENARIOS[3]]
+# FlashAttention-4 compiles every configuration on first use (6-19 s, results/h200_fa4_compile.md), so its rows
+# cover a chosen part of the grid: bf16, the head dims MLA and its controls use, GQA, bottom-right causal, windows,
+# packed sequences of length 0 and 1 and keyless queries, training and inference; and the odd head dims.
+FA4_HEAD_DIMS = [(128, 128), (192, 128), (192, 192)]
+FA4_SCENARIOS = [SCENARIOS[1], SCENARIOS[3], SCENARIOS[7]]
+FA4_THD_HEAD_DIMS = [(128, 128), (192, 128)]
+FA4_THD_SCENARIOS = [THD_SCENARIOS[0], THD_SCENARIOS[4]]
+SECTIONS = ("main", "odd", "fa4")
+
+
+def _dense(head_dims, dtypes, scenarios):
+    for (dqk, dv), dtype, training, scenario in itertools.product(head_dims, dtypes, (False, True), scenarios):
         mask, window, sq, skv, hkv, dropout = scenario
         yield AttentionProblem(batch=2, seqlen_q=sq, seqlen_kv=skv, heads_q=8, heads_kv=hkv, head_dim_qk=dqk,
                                head_dim_v=dv, dtype=dtype, layout="bshd", mask=mask, window=window,
                                dropout_p=dropout, training=training), None
-    for (dqk, dv), dtype, training, scenario in itertools.product(THD_HEAD_DIMS, DTYPES, (False, True),
-                                                                  THD_SCENARIOS):
+
+
+def _packed(head_dims, dtypes, scenarios):
+    for (dqk, dv), dtype, training, scenario in itertools.product(head_dims, dtypes, (False, True), scenarios):
         mask, window, lengths_q, lengths_kv, hkv = scenario
         yield AttentionProblem(batch=len(lengths_q), seqlen_q=max(lengths_q), seqlen_kv=max(lengths_kv), heads_q=8,
                                heads_kv=hkv, head_dim_qk=dqk, head_dim_v=dv, dtype=dtype, layout="thd", mask=mask,
                                window=window, training=training,
                                **packing_facts(mask, window, lengths_q, lengths_kv)), (lengths_q, lengths_kv)
+
+
+def grid(section: str = "main"):
+    """(problem, (lengths_q, lengths_kv) for thd or None). main: 216 dense problems, then 80 packed ones;
+    odd: 18 dense and 4 packed of the odd head dims; fa4: FlashAttention-4's 18 dense, 4 odd and 8 packed."""
+    bf16 = [torch.bfloat16]
+    if section == "main":
+        yield from _dense(HEAD_DIMS, DTYPES, SCENARIOS)
+        yield from _packed(THD_HEAD_DIMS, DTYPES, THD_SCENARIOS)
+    elif section == "odd":
+        yield from _dense(ODD_HEAD_DIMS, bf16, ODD_SCENARIOS)
+        yield from _packed(ODD_HEAD_DIMS[1:], bf16, THD_SCENARIOS[:1])
+    elif section == "fa4":
+        yield from _dense(FA4_HEAD_DIMS, bf16, FA4_SCENARIOS)
+        yield from _dense(ODD_HEAD_DIMS[1:], bf16, SCENARIOS[1:2])
+        yield from _packed(FA4_THD_HEAD_DIMS, bf16, FA4_THD_SCENARIOS)
+    else:
+        raise ValueError(f"section: got {section!r}, expected one of {', '.join(SECTIONS)}")
 
 
 def row_key(problem: dict, lengths, backend: str, pad_to) -> tuple:
@@ -162,6 +196,8 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds; stop cleanly after this")
     ap.add_argument("--limit", type=int, help="only the first N problems (smoke test)")
     ap.add_argument("--backends", help="comma list (default: every backend the machine has)")
+    ap.add_argument("--skip", default="", help="comma list of backends left out")
+    ap.add_argument("--section", choices=SECTIONS, default="main", help="which problems (see grid())")
     a = ap.parse_args()
     torch._dynamo.config.cache_size_limit = 4096
     torch._dynamo.config.accumulated_cache_size_limit = 8192
@@ -169,20 +205,24 @@ def main() -> None:
     target = Target.current()
     device = "cuda" if target.is_cuda else "cpu"
     wanted = set(a.backends.split(",")) if a.backends else None
+    skipped = set(filter(None, a.skip.split(",")))
     done = set()
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "a") as sink:
-        if a.resume and os.path.exists(a.resume) and os.path.abspath(a.resume) != os.path.abspath(a.out):
+        if a.resume and os.path.exists(a.resume):
+            same = os.path.abspath(a.resume) == os.path.abspath(a.out)   # resuming in place: nothing to copy
             for line in open(a.resume):
                 row = json.loads(line)
                 done.add(row_key(row["problem"], row.get("lengths"), row["backend"], row["pad_to"]))
-                sink.write(line)
-        for problem, lengths in itertools.islice(grid(), a.limit):
+                if not same:
+                    sink.write(line)
+        for problem, lengths in itertools.islice(grid(a.section), a.limit):
             verdicts = [v for v in judge(problem, target)
                         if not (backends.get(v.candidate.backend).package
                                 and v.reasons == (f"package {backends.get(v.candidate.backend).package[1]} "
                                                   "is not installed",))
-                        and (wanted is None or v.candidate.backend in wanted)]
+                        and (wanted is None or v.candidate.backend in wanted)
+                        and v.candidate.backend not in skipped]
             todo = [v for v in verdicts
                     if row_key(problem.to_dict(), lengths, v.candidate.backend, v.candidate.pad_to) not in done]
             if not todo:

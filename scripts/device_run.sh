@@ -5,6 +5,8 @@
 #                                      # (TEST_PATHS=... TEST_PART=name: some of the tests -> h200_gpu_tests_name.txt)
 #   bash scripts/device_run.sh grid    # rules grid, resuming the committed rows -> $OUT/h200_rules_grid.jsonl
 #                                      # (GRID_DEADLINE seconds, default 500)
+#   bash scripts/device_run.sh grid-odd # its head dims below 16 and not multiples of 8, every backend but FA4,
+#                                      # resuming $OUT's rows where an earlier step of this call wrote them
 #   bash scripts/device_run.sh bench   # packed (thd) benchmark                -> $OUT/h200_thd_bench.{json,md}
 #   bash scripts/device_run.sh bench-short # its short-document packing alone, merged -> $OUT/h200_thd_bench.*
 #   bash scripts/device_run.sh crossover # short equal documents, fast candidates -> $OUT/h200_thd_crossover.*
@@ -32,6 +34,8 @@
 #   bash scripts/device_run.sh fa4-tests    # tests/backends/test_flash_attn4_gpu.py and every FA4 case of the GPU tests
 #   bash scripts/device_run.sh fa4-loop     # the training loop's FA4 rows (forced, direct) beside the default and torch's
 #   bash scripts/device_run.sh fa4-compile  # benchmarks/fa4_compile_cost.py           -> $OUT/h200_fa4_compile.*
+#   bash scripts/device_run.sh fa4-grid     # the rules grid's FA4 section (FA4 rows only) -> $OUT/h200_rules_grid.jsonl
+#   bash scripts/device_run.sh fa4-bench    # attnselect bench on the suite's 4k problems  -> $OUT/h200_bench_fa4.*
 # Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend (or `.whl-core`: it alone).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +52,11 @@ FA4_WHEELS=/tmp/fa4-wheels FA4_SITE=/tmp/fa4-site
 if [ -d "$FA4_SITE/flash_attn" ]; then   # installed by an earlier fa4-stage2 on this machine
   export PYTHONPATH=$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 fi
+grid_rows() {   # the rules grid, resuming this call's rows if an earlier step wrote them, else the committed ones
+  local rows=results/h200_rules_grid.jsonl; [ -f "$OUT/h200_rules_grid.jsonl" ] && rows=$OUT/h200_rules_grid.jsonl
+  timeout "$1" python3 benchmarks/rules_grid.py --resume "$rows" --out "$OUT/h200_rules_grid.jsonl" "${@:2}" 2>&1 \
+    | grep -E "DISAGREE|rows|deadline" | cut -c1-400
+}
 need_fa4() {
   python3 -c 'import flash_attn.cute' 2>/dev/null && return 0
   echo "FlashAttention-4 is not installed on this machine: run fa4-stage1 (carrying .fa4-stage1), then at once, while"
@@ -66,8 +75,17 @@ case "$step" in
         | grep -E "PASSED|FAILED|ERROR|passed|failed|^E "
     } | tee "$OUT/h200_gpu_tests${TEST_PART:+_$TEST_PART}.txt" | tail -40 ;;
   grid)
-    timeout 560 python3 benchmarks/rules_grid.py --resume results/h200_rules_grid.jsonl \
-      --out "$OUT/h200_rules_grid.jsonl" --deadline "${GRID_DEADLINE:-500}" 2>&1 | grep -E "DISAGREE|rows|deadline" | cut -c1-400 ;;
+    grid_rows 560 --deadline "${GRID_DEADLINE:-500}" ;;
+  grid-odd)
+    grid_rows 300 --section odd --skip flash_attn4 --deadline "${GRID_DEADLINE:-240}" ;;
+  fa4-grid)
+    need_fa4 || exit 1
+    grid_rows 400 --section fa4 --backends flash_attn4 --deadline "${GRID_DEADLINE:-330}" ;;
+  fa4-bench)
+    need_fa4 || exit 1
+    ATTNSELECT_DEBUG=1 ATTNSELECT_DEBUG_LEVEL=2 timeout 570 python3 -m attnselect.cli bench --out "$OUT/h200_bench_fa4" \
+      --only "Sq=4096" --only "max sq=4096" --deadline "${MODELS_DEADLINE:-420}" > "$OUT/h200_bench_fa4.log" 2>&1
+    grep -v -i warn "$OUT/h200_bench_fa4.log" | grep -v "^\[attnselect" | tail -30 ;;
   bench)
     timeout 560 python3 benchmarks/thd_bench.py --out "$OUT/h200_thd_bench" 2>&1 | grep -v -i warn | tail -60 ;;
   bench-short)   # the short-document packing alone (after a change of its rules)
@@ -124,7 +142,8 @@ case "$step" in
     need_fa4 || exit 1   # every row shares one FA4 compile cache (its first-call cost: fa4-compile)
     FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$ATTNSELECT_CACHE_DIR/flash_attn_cute \
     timeout 400 python3 benchmarks/training_loop.py --steps 30 --rounds "${LOOP_ROUNDS:-2}" --out "$OUT/h200_training_loop_fa4" --rows "attnselect default, \
-max_seqlen given;flash_attn4 native;FA4 flash_attn_varlen_func, called directly;torch varlen_attn, V padded" 2>&1 \
+max_seqlen given;attnselect default, FA4 disabled;flash_attn4 native;FA4 flash_attn_varlen_func, called directly;\
+cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
       | grep -v -i warn | tail -40 ;;
   fa4-compile)
     need_fa4 || exit 1
@@ -134,7 +153,7 @@ max_seqlen given;flash_attn4 native;FA4 flash_attn_varlen_func, called directly;
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests grid bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-tests fa4-loop fa4-compile)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests grid grid-odd bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

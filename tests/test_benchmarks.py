@@ -138,3 +138,24 @@ def test_packing_buckets_choose_the_least_expected_step():
             dict(row, counts="pow2", max_seqlen="tokens", steady_median_ms=8.0, keys_in_2000_steps=1)]
     chosen = packing_buckets.choose(rows)
     assert (chosen["counts"], chosen["max_seqlen"], chosen["build_ms"]) == ("pow2", "pow2", 100.0)
+
+
+def test_training_loop_goals_judge_the_default_without_fa4_against_the_rows_without_fa4():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import training_loop as loop
+    finally:
+        sys.path.pop(0)
+
+    def row(ms):
+        return {"median_ms": ms, "step_ms": [[ms] * 4], "worst_after_10_over_median": 1.0}
+
+    rows = {loop.DEFAULT_GIVEN: row(5.0), loop.WITHOUT_FA4: row(8.0), loop.FA4: row(5.1),
+            "flash_attn4 native": row(5.0), "cudnn_frontend native": row(7.8), loop.TORCH_DEFAULT: row(12.0)}
+    report = {"distributions": {"RL rollouts": {}}, "choices": {},
+              "rows": {name: {"RL rollouts": r} for name, r in rows.items()}}
+    (goal,) = loop.goals(report)
+    assert goal["fastest_forced"] == "flash_attn4 native" and goal["within_5_percent"]
+    assert goal["vs_torch_default"] == 12.0 / 5.0 and not goal["vs_torch_met"]   # 2.4x < 2.5x
+    assert goal["without_fa4_fastest"] == "cudnn_frontend native"
+    assert goal["without_fa4_vs_fastest"] == 7.8 / 8.0 and goal["without_fa4_within_5_percent"]

@@ -230,3 +230,21 @@ def test_every_rules_table_names_each_candidate_once_and_only_registered_backend
     for key, table in PREFERENCES.items():
         assert len(table) == len(set(table)), (key, [e for e in table if table.count(e) > 1])
         assert {entry.removesuffix("+pad") for entry in table} <= known, key
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+@pytest.mark.parametrize("head_dim,pad_to", [(59, 64), (15, 16)])
+def test_head_dims_a_kernel_takes_only_rounded_up_run_padded_on_a_fast_kernel(layout, head_dim, pad_to):
+    # The H200 (results/h200_rules_grid.md, odd head dims): varlen_attn raises "head_size must be a multiple of 8"
+    # for 59, inductor's flex template refuses head dims below 16; their padded candidates serve.
+    p = AttentionProblem(**{**MLA, "head_dim_qk": head_dim, "head_dim_v": head_dim, "layout": layout,
+                            "training": True})
+    d = attnselect.select(p, target=Target.preset("h200"))
+    assert d.chosen == Candidate("sdpa_cudnn" if layout == "bshd" else "varlen_fa2", pad_to)   # no frontend, no FA4
+    assert verdict(d, "sdpa_cudnn").reasons and not verdict(d, "sdpa_cudnn", pad_to).reasons
+    if layout == "thd":
+        assert any("multiples of 8" in r for r in verdict(d, "varlen_fa2").reasons)
+        assert not verdict(d, "varlen_fa2", pad_to).reasons
+    if head_dim < 16:
+        assert any("at least 16" in r for r in verdict(d, "flex").reasons)
+    assert "padding wins" in d.why

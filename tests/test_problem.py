@@ -23,6 +23,10 @@ def test_padded_variant():
     odd = dataclasses.replace(P, head_dim_qk=100, head_dim_v=60)
     assert odd.pad_target == 104
     assert dataclasses.replace(P, head_dim_v=192).pad_target is None
+    # Equal head dims that are not multiples of 8 pad too (the kernels that need multiples of 8 then serve them).
+    assert dataclasses.replace(P, head_dim_qk=59, head_dim_v=59).pad_target == 64
+    assert dataclasses.replace(P, head_dim_qk=15, head_dim_v=15).pad_target == 16
+    assert dataclasses.replace(P, head_dim_qk=8, head_dim_v=8).pad_target is None
     with pytest.raises(InvalidInputError, match="head_dim: got 128"):
         P.padded(128)
 

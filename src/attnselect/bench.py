@@ -42,6 +42,7 @@ from attnselect.selection import select
 from attnselect.target import Target
 
 POLICIES = ("rules", "measure", "te", "always-pad", "never-pad", "torch-default")
+NAMED_BACKENDS = ("flash_attn4",)   # each gets a column (its fastest candidate) where it was timed
 
 
 def suite(smoke: bool) -> dict[str, tuple[AttentionProblem, str]]:
@@ -225,10 +226,14 @@ def _timed(steps: dict, device, problem, pairs: Optional[float] = None) -> dict:
 
 def report_markdown(report: dict) -> str:
     meta = report["meta"]
+    # Columns for the backends a user compares against by name, where the run timed them (installed).
+    named = [b for b in NAMED_BACKENDS if any(c.startswith(b + " ") for e in report["results"] for c in e["candidates"])]
     lines = ["# attnselect bench: every policy on real model shapes\n",
              f"{meta['device']}, {meta['date']}. TFLOP/s on useful causal work (fwd; fwd+bwd counted as 3.5x). "
-             "Each cell: the policy's choice and its speed relative to the fastest candidate of that problem.\n",
-             "| models | problem | " + " | ".join(POLICIES) + " | fastest |", "|---" * (len(POLICIES) + 3) + "|"]
+             "Each cell: the policy's choice and its speed relative to the fastest candidate of that problem"
+             + (f"; {', '.join(named)}: its fastest candidate, forced" if named else "") + ".\n",
+             "| models | problem | " + " | ".join((*POLICIES, *named)) + " | fastest |",
+             "|---" * (len(POLICIES) + len(named) + 3) + "|"]
     for entry in report["results"]:
         cells = []
         for policy in POLICIES:
@@ -238,6 +243,12 @@ def report_markdown(report: dict) -> str:
                 cells.append(f"{c['candidate']}{mark}: {c['tflops']:.3g} ({entry['best_ms'] / c['median_ms']:.0%})")
             else:
                 cells.append(f"{c.get('candidate')}: {c.get('error', 'n/a')}"[:60])
+        for backend in named:
+            timed = [(name, r) for name, r in entry["candidates"].items()
+                     if name.startswith(backend + " ") and "median_ms" in r]
+            name, r = min(timed, key=lambda item: item[1]["median_ms"], default=(None, {}))
+            cells.append(f"{name.partition(' ')[2]}: {r['tflops']:.3g} ({entry['best_ms'] / r['median_ms']:.0%})"
+                         if name and entry["best_ms"] else "-")
         best = min((r for r in entry["candidates"].items() if "median_ms" in r[1]), key=lambda r: r[1]["median_ms"],
                    default=(None, {}))
         cells.append(f"{best[0]}: {best[1].get('tflops', 0):.3g}")

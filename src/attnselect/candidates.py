@@ -1,7 +1,8 @@
 """Candidates, (backend, pad_to) pairs, and their verdicts.
 
-Every registered backend gives a native candidate and, when d_qk != d_v, a padded one:
-Q/K/V zero-padded to max(d_qk, d_v) rounded up to a multiple of 8, the output trimmed back.
+Every registered backend gives a native candidate and, when the head dims differ or are not multiples of 8
+(59/59, 15/15), a padded one: Q/K/V zero-padded to max(d_qk, d_v) rounded up to a multiple of 8
+(:attr:`AttentionProblem.pad_target`), the output trimmed back.
 """
 
 from __future__ import annotations

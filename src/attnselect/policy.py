@@ -44,7 +44,9 @@ PREFERENCES: dict[tuple[str, str], tuple[str, ...]] = {
     # Blackwell: Megatron-LM #6241 on sm103, core attention 0.35 ms native against 0.45 ms padded;
     # padded 192/192 has no cuDNN backward (sdpa_cudnn rules). TE prefers fused attention on sm90+; the cuDNN
     # frontend's GB200 DSv3 results (dsv3_20260724_041401.csv, causal 8k) put cuDNN ahead of FA4 too (fwd 1646
-    # against 1576, bwd 1257 against 1101 TFLOP/s), so FA4 follows cuDNN there.
+    # against 1576, bwd 1257 against 1101 TFLOP/s), so FA4 follows cuDNN there. FA4 serves MLA's 192/128 natively on
+    # sm100, forward and backward (flash_attn/cute/interface.py _validate_head_dims; the backward: flash-attention
+    # PR #2270), so flash_attn4 ranks above every padded candidate.
     ("sm100", "training"): ("sdpa_cudnn", "cudnn_frontend", "flash_attn4", "sdpa_cudnn+pad", "cudnn_frontend+pad",
                             "flash_attn4+pad", "flash_attn2", "sdpa_flash", "flash_attn2+pad", "sdpa_flash+pad",
                             "flex", "flex+pad", *_SLOW_TAIL),

@@ -126,10 +126,10 @@ class AttentionProblem:
 
     @property
     def pad_target(self) -> Optional[int]:
-        """The one head dim padding may go to: max(d_qk, d_v) rounded up to a multiple of 8."""
-        if not self.different_head_dims:
-            return None
-        return -(-max(self.head_dim_qk, self.head_dim_v) // 8) * 8
+        """The one head dim padding may go to: max(d_qk, d_v) rounded up to a multiple of 8, the granule most
+        kernels need (16 bytes of a 16-bit dtype); None when both head dims already are that (nothing to pad)."""
+        target = -(-max(self.head_dim_qk, self.head_dim_v) // 8) * 8
+        return None if self.head_dim_qk == self.head_dim_v == target else target
 
     def padded(self, head_dim: int) -> "AttentionProblem":
         """The problem after zero-padding Q, K and V to ``head_dim`` on the last dim."""

@@ -47,12 +47,12 @@ class Decision:
             because = f"the caller forced backend {self.overrides.backend!r} and " + because
         natives = [c for c in self.ranked if not c.padded]
         padded = [c for c in self.ranked if c.padded]
-        if self.overrides.pad != "auto" and self.problem.different_head_dims:
+        if self.overrides.pad != "auto" and self.problem.pad_target is not None:
             because += f"; the caller set pad={self.overrides.pad!r}"
         elif self.chosen.padded:
             because += (f"; padding wins over the best native candidate, {natives[0].backend}" if natives
                         else "; no native candidate is supported")
-        elif self.problem.different_head_dims:
+        elif self.problem.pad_target is not None:
             because += (f"; the best padded candidate, {padded[0]}, ranks lower" if padded
                         else "; no padded candidate is supported")
         return f"running {self.chosen.backend}, {how}, because {because}"

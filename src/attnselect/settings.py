@@ -97,7 +97,7 @@ class Overrides:
             return [f"the caller forced backend {self.backend!r}"]
         if self.pad == "never" and candidate.padded:
             return ["padding is switched off (pad='never')"]
-        if self.pad == "always" and not candidate.padded and problem.different_head_dims:
+        if self.pad == "always" and not candidate.padded and problem.pad_target is not None:
             return ["padding is forced (pad='always')"]
         return []
 

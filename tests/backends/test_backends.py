@@ -85,6 +85,9 @@ GPU_CASES = [
     ("mla-bottom-right", dict(causal="bottom_right"), dict(sq=64, skv=200, hq=8, hkv=8, dqk=192, dv=128)),
     ("mla-window-lse", dict(window=(32, 0), return_lse=True), dict(sq=128, skv=128, hq=8, hkv=2, dqk=192, dv=128)),
     ("rows-without-keys", dict(causal="bottom_right"), dict(sq=200, skv=64, hq=8, hkv=8, dqk=192, dv=128)),
+    # Head dims that are not multiples of 8 or are below 16: kernels that need those take them padded (to 64, 16).
+    ("odd-59-gqa-causal", dict(causal=True), dict(sq=128, skv=128, hq=8, hkv=2, dqk=59, dv=59)),
+    ("below-16", dict(), dict(sq=128, skv=128, hq=8, hkv=8, dqk=15, dv=15)),
 ]
 _CUDA = torch.cuda.is_available()
 

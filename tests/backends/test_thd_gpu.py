@@ -25,6 +25,7 @@ CASES = [  # (label, attention kwargs, input kwargs)
     ("mla-gqa-bottom-right", dict(causal="bottom_right"),
      dict(lengths_q=LENGTHS_Q, lengths_kv=LENGTHS_KV_LONGER, hq=8, hkv=2, dqk=192, dv=128)),
     ("mla-window-lse", dict(window=(48, 0), return_lse=True), dict(lengths_q=LENGTHS_Q, hq=8, hkv=2, dqk=192, dv=128)),
+    ("odd-59-causal", dict(causal=True), dict(lengths_q=LENGTHS_Q, hq=8, hkv=8, dqk=59, dv=59)),
 ]
 
 

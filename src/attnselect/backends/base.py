@@ -30,6 +30,7 @@ class Surface:
     min_capability: Optional[tuple[int, int]] = None
     max_capability: Optional[tuple[int, int]] = None
     max_head_dim: Optional[int] = None          # for both d_qk and d_v
+    min_head_dim: int = 1
     head_dim_multiple: int = 1
     equal_head_dims: bool = False               # True: d_qk must equal d_v
     masks: frozenset = frozenset(MASKS)
@@ -75,6 +76,8 @@ class Surface:
             r.append(f"needs equal head dims, got d_qk={p.head_dim_qk} and d_v={p.head_dim_v}")
         if self.max_head_dim and max(p.head_dim_qk, p.head_dim_v) > self.max_head_dim:
             r.append(f"head dims up to {self.max_head_dim} only, got d_qk={p.head_dim_qk}, d_v={p.head_dim_v}")
+        if min(p.head_dim_qk, p.head_dim_v) < self.min_head_dim:
+            r.append(f"head dims of at least {self.min_head_dim} only, got d_qk={p.head_dim_qk}, d_v={p.head_dim_v}")
         if self.head_dim_multiple > 1 and (p.head_dim_qk % self.head_dim_multiple or p.head_dim_v % self.head_dim_multiple):
             r.append(f"head dims must be multiples of {self.head_dim_multiple}, got {p.head_dim_qk}/{p.head_dim_v}")
         if p.mask not in self.masks:

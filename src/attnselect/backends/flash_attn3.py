@@ -13,11 +13,12 @@ class FlashAttn3(FlashAttnPackageBackend):
     module = "flash_attn_interface"
     lse_argument = "return_attn_probs"   # returns (out, softmax_lse)
     # Source: Dao-AILab/flash-attention hopper/flash_api.cpp and hopper/flash_attn_interface.py:
-    # Hopper only for different V head dims, head dims <= 256, no dropout argument.
+    # Hopper only for different V head dims, head dims <= 256, no dropout argument; head dims multiples of
+    # 16 bytes ("head_size should be a multiple of 8" in 16 bit; its interface does not pad them, FA2's does).
     # cuda_graphs=False: refused under CUDA graph capture until a GPU run verifies it; the flash-attn packages
     # are not on the H200 our capture tests (tests/test_api.py) run on.
     surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(9, 0), max_capability=(9, 0), max_head_dim=512,
-                                dropout=False, context_parallel=True, causal_is_bottom_right=True,
+                                head_dim_multiple=8, dropout=False, context_parallel=True, causal_is_bottom_right=True,
                                 cuda_graphs=False)}
 
     def extra_reasons(self, p, t):

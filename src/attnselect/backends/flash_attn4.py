@@ -64,7 +64,7 @@ class FlashAttn4(FlashAttnPackageBackend):
         # head_dim == head_dim_v" for grouped K/V heads with d_qk != d_v; its padded candidate serves them.
         if p.training and t.capability[0] == 9 and p.heads_q != p.heads_kv and dqk != dv:
             r.append(f"its sm90 backward needs d_qk == d_v with grouped K/V heads (GQA), got {dqk}/{dv} with "
-                     f"{p.heads_q}/{p.heads_kv} heads; padding to {max(dqk, dv)} serves it")
+                     f"{p.heads_q}/{p.heads_kv} heads; padding to {p.pad_target} serves it")
         return r
 
     def _module(self):

@@ -40,8 +40,11 @@ class Flex(Backend):
         # Its block masks are built with functorch's vmap, which fails under the dispatch mode AOTAutograd
         # keeps active while a compiled graph runs ("NYI: querying is_contiguous inside of vmap", and for
         # document masks a fake-tensor error in create_block_mask): measured on the H200 with torch 2.11
-        # and on the CPU with torch 2.13, so no compiled graphs on either.
-        "cuda": Surface(dtypes=ALL_DTYPES - {torch.float64}, min_capability=(8, 0), max_head_dim=256, dropout=False,
+        # and on the CPU with torch 2.13, so no compiled graphs on either. Inductor's flex template
+        # (torch/_inductor/kernel/flex_attention.py) refuses head dims below 16: "NYI: embedding dimension of the
+        # query, key, and value must be at least 16".
+        "cuda": Surface(dtypes=ALL_DTYPES - {torch.float64}, min_capability=(8, 0), max_head_dim=256, min_head_dim=16,
+                        dropout=False,
                         packed=True, gaps=True, cuda_graphs=False, compiled_graphs=False),
         # Eager (unfused) on the CPU: "FlexAttention does not support backward on CPU" (torch 2.13).
         "cpu": Surface(dtypes=ALL_DTYPES, dropout=False, backward=False, packed=True, gaps=True,

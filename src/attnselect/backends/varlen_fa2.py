@@ -24,9 +24,11 @@ class VarlenFa2(Backend):
     # (-1, 0) for causal, bottom-right aligned as FA2; no dropout argument; lse through
     # return_aux=AuxRequest(lse=True); cu_seq_q/cu_seq_k are both the boundaries and the start offsets,
     # with no separate padded offsets, so no gaps between sequences). Flash arch and dtype limits as
-    # sdpa_flash (sdp_utils.cpp).
+    # sdpa_flash (sdp_utils.cpp). Unlike SDPA, which pads the head dim to a multiple of 8 before its flash
+    # kernel (attention.cpp, pad_last_dim), varlen_attn hands q/k/v to the kernel as they are, and FA2's
+    # mha_varlen_fwd (flash_api.cpp) raises "head_size must be a multiple of 8".
     surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), max_capability=(12, 1), max_head_dim=256,
-                                equal_head_dims=True, dropout=False, deterministic_backward=False,
+                                head_dim_multiple=8, equal_head_dims=True, dropout=False, deterministic_backward=False,
                                 causal_is_bottom_right=True, dense=False, packed=True)}
 
     def extra_reasons(self, p, t):
