@@ -71,8 +71,9 @@ FA4_HEAD_DIMS = [(128, 128), (192, 128), (192, 192)]
 FA4_SCENARIOS = [SCENARIOS[1], SCENARIOS[3], SCENARIOS[7]]
 FA4_THD_HEAD_DIMS = [(128, 128), (192, 128)]
 FA4_THD_SCENARIOS = [THD_SCENARIOS[0], THD_SCENARIOS[4]]
-# Small head dims, where FA4's sm90 backward returned wrong gradients for 16 (padded from 15) on the H200.
-FA4_SMALL_HEAD_DIMS = [(8, 8), (16, 16), (24, 24), (32, 32), (48, 48)]
+# Head dims below 128 other than 64, where FA4's sm90 backward returned wrong gradients for 8, 16 and 48 on the H200.
+FA4_SMALL_HEAD_DIMS = [(8, 8), (16, 16), (24, 24), (32, 32), (40, 40), (48, 48), (56, 56), (80, 80), (96, 96),
+                       (112, 112)]
 SECTIONS = ("main", "odd", "fa4")
 
 
@@ -95,7 +96,7 @@ def _packed(head_dims, dtypes, scenarios):
 
 def grid(section: str = "main"):
     """(problem, (lengths_q, lengths_kv) for thd or None). main: 216 dense problems, then 80 packed ones;
-    odd: 18 dense and 4 packed of the odd head dims; fa4: FlashAttention-4's 18 dense, 4 odd, 8 packed and 10 of
+    odd: 18 dense and 4 packed of the odd head dims; fa4: FlashAttention-4's 18 dense, 4 odd, 8 packed and 20 of
     small head dims."""
     bf16 = [torch.bfloat16]
     if section == "main":

@@ -27,6 +27,7 @@
 #   bash scripts/device_run.sh hf      # transformers DeepSeek-V3 geometry, tokens/s     -> $OUT/h200_hf_deepseek.*
 #   bash scripts/device_run.sh megatron # megatron-core MLA layer tests, then stock pad vs native V -> $OUT/h200_megatron_mla.*
 #   bash scripts/device_run.sh loop    # benchmarks/training_loop.py, a new packing every step -> $OUT/h200_training_loop.*
+#   bash scripts/device_run.sh overhead # benchmarks/packed_overhead.py (with FA4 where installed) -> $OUT/h200_packed_overhead.*
 #   bash scripts/device_run.sh buckets # benchmarks/packing_buckets.py (BUCKET_SCHEMES=...) -> $OUT/h200_packing_buckets.*
 #   FlashAttention-4 (scripts/fetch_device_wheels.sh fa4), in two calls back to back on one warm machine (it is kept
 #   about 30 s after a call): carry .fa4-stage1 and run `fa4-stage1` (its files go to /tmp), then carry .fa4-stage2
@@ -83,6 +84,7 @@ case "$step" in
     grid_rows 400 --section fa4 --backends flash_attn4 --deadline "${GRID_DEADLINE:-330}" ;;
   fa4-bench)
     need_fa4 || exit 1
+    [ -f results/h200_bench_fa4.json ] && cp results/h200_bench_fa4.json "$OUT/"   # resume the committed problems
     ATTNSELECT_DEBUG=1 ATTNSELECT_DEBUG_LEVEL=2 timeout 570 python3 -m attnselect.cli bench --out "$OUT/h200_bench_fa4" \
       --only "Sq=4096" --only "max sq=4096" --deadline "${MODELS_DEADLINE:-420}" > "$OUT/h200_bench_fa4.log" 2>&1
     grep -v -i warn "$OUT/h200_bench_fa4.log" | grep -v "^\[attnselect" | tail -30 ;;
@@ -148,12 +150,14 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   fa4-compile)
     need_fa4 || exit 1
     timeout 400 python3 benchmarks/fa4_compile_cost.py --out "$OUT/h200_fa4_compile" 2>&1 | grep -v -i warn | tail -12 ;;
+  overhead)
+    timeout 300 python3 benchmarks/packed_overhead.py --out "$OUT/h200_packed_overhead" 2>&1 | grep -v -i warn | tail -14 ;;
   loop)
     timeout 500 python3 benchmarks/training_loop.py --steps 30 --out "$OUT/h200_training_loop" 2>&1 | grep -v -i warn | tail -60 ;;
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests grid grid-odd bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests grid grid-odd overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done
