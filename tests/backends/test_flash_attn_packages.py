@@ -160,3 +160,15 @@ def test_flash_attn4_refuses_the_sm90_gqa_backward_of_unequal_head_dims():
     assert Candidate("flash_attn4", 192) in decision.ranked
     for served in (dataclasses.replace(gqa, training=False), dataclasses.replace(gqa, heads_kv=8), gqa.padded(192)):
         assert not attnselect.backends.get("flash_attn4").not_supported_reasons(served, fa4)
+
+
+@pytest.mark.parametrize("head_dim,trains", [(16, False), (48, False), (112, False), (32, True), (96, True),
+                                             (128, True)])
+def test_flash_attn4_trains_on_sm90_only_the_head_dims_whose_gradients_matched_on_the_h200(head_dim, trains):
+    fa4 = attnselect.Target.preset("h200", flash_attn4_version="4.0.0b36")
+    p = attnselect.AttentionProblem(2, 128, 128, 8, 8, head_dim, head_dim, mask="causal", training=True)
+    reasons = attnselect.backends.get("flash_attn4").not_supported_reasons(p, fa4)
+    assert (not reasons) == trains and all("wrong gradients" in r for r in reasons)
+    assert not attnselect.backends.get("flash_attn4").not_supported_reasons(dataclasses.replace(p, training=False), fa4)
+    b200 = attnselect.Target.preset("b200", flash_attn4_version="4.0.0b36")   # measured on sm90 only
+    assert not attnselect.backends.get("flash_attn4").not_supported_reasons(p, b200)
