@@ -10,7 +10,7 @@ import torch
 from attnselect import backends, settings
 from attnselect.backends.base import KernelCall
 from attnselect.candidates import Candidate
-from attnselect.errors import AttnSelectError, ForcedChoiceError, NoSupportedCandidateError
+from attnselect.errors import AttnSelectError
 from attnselect.execution import dense_runner, kernel_call, run_call
 from attnselect.inputs import check_scale, describe_call
 from attnselect.problem import AttentionProblem
@@ -149,12 +149,12 @@ def _dense_call_key(q, k, v, layout, causal, window, dropout_p, cu_q, cu_kv, cu_
 
 def explain(problem: AttentionProblem, *, target: Optional[Target] = None, backend: Optional[str] = None,
             pad=None, disable=None) -> str:
-    """A readable report: the problem, the target, every candidate's verdict and rank, the choice."""
-    try:
-        decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
-    except (NoSupportedCandidateError, ForcedChoiceError) as exc:  # the report is the list of reasons
-        return f"{type(exc).__name__}: {exc}"
-    return format_report(decision)
+    """A readable report: the problem, the target, every candidate's verdict and rank, the choice.
+
+    Raises what :func:`select` raises, e.g. :class:`ForcedChoiceError` when a forced backend cannot serve (its
+    message lists the reasons) and :class:`NoSupportedCandidateError` when nothing can.
+    """
+    return format_report(select(problem, target=target, backend=backend, pad=pad, disable=disable))
 
 
 def format_report(decision: Decision) -> str:

@@ -6,6 +6,8 @@ value seen and what was expected, before any kernel runs.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 from typing import Optional
 
@@ -27,6 +29,12 @@ def _fail(name: str, seen, expected: str):
 
 def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call_arguments) -> AttentionProblem:
     """Validate q, k, v and the call arguments (those of :func:`describe_call`), and describe the call."""
+    accepted = _CALL_ARGUMENTS
+    for name in call_arguments:
+        if name not in accepted:
+            close = difflib.get_close_matches(name, accepted, n=1)
+            _fail(name, "an argument", "one of " + ", ".join(accepted)
+                  + (f" (did you mean {close[0]!r}?)" if close else ""))
     return describe_call(q, k, v, **call_arguments)[0]
 
 
@@ -85,7 +93,9 @@ def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_
     hq, hkv = q.shape[head_axis], k.shape[head_axis]
     if v.shape[head_axis] != hkv:
         _fail("v heads", v.shape[head_axis], f"k's head count {hkv}")
-    if hkv == 0 or hq % hkv:
+    if hq == 0 or hkv == 0:
+        _fail("q/k heads", f"q {hq}, k {hkv}", "at least one head each")
+    if hq % hkv:
         _fail("q heads", hq, f"a multiple of the k/v head count {hkv} (GQA/MQA)")
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         _fail("dropout_p", dropout_p, "a number in [0, 1)")
@@ -96,14 +106,20 @@ def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_
         _fail("window", window, "no window with top-left causal unless every sequence has as many queries as "
                                 "keys; windows are bottom-right aligned: use causal='bottom_right'")
     check_scale(scale)
+    if not isinstance(return_lse, bool):
+        _fail("return_lse", repr(return_lse), "True or False")
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return AttentionProblem(
         batch=batch, seqlen_q=sq, seqlen_kv=skv, heads_q=hq, heads_kv=hkv,
         head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, layout=layout, mask=mask,
         window=window, dropout_p=float(dropout_p), training=training,
-        deterministic=torch.are_deterministic_algorithms_enabled(), return_lse=bool(return_lse),
+        deterministic=torch.are_deterministic_algorithms_enabled(), return_lse=return_lse,
         context_parallel_size=context_parallel_size, varlen_gaps=packing is not None and packing.has_gaps,
         cuda_graph_capture=capturing, **facts), packing
+
+
+_CALL_ARGUMENTS = tuple(name for name, parameter in inspect.signature(describe_call).parameters.items()
+                        if parameter.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def check_scale(scale) -> None:

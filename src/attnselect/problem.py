@@ -62,10 +62,10 @@ class AttentionProblem:
 
     def __post_init__(self) -> None:
         for name in ("batch", "seqlen_q", "seqlen_kv"):
-            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name,
+            _require(_integer(getattr(self, name)) and getattr(self, name) >= 0, name,
                      getattr(self, name), "an integer >= 0")
         for name in ("heads_q", "heads_kv", "head_dim_qk", "head_dim_v", "context_parallel_size"):
-            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name,
+            _require(_integer(getattr(self, name)) and getattr(self, name) >= 1, name,
                      getattr(self, name), "an integer >= 1")
         _require(self.heads_q % self.heads_kv == 0, "heads_q",
                  f"{self.heads_q} with heads_kv={self.heads_kv}", "a multiple of heads_kv (GQA/MQA)")
@@ -80,10 +80,14 @@ class AttentionProblem:
             _require(self.window is None, "window", self.window, "None unless mask='sliding_window'")
         _require(isinstance(self.dropout_p, float) and 0.0 <= self.dropout_p < 1.0, "dropout_p",
                  self.dropout_p, "a float in [0, 1)")
+        for f in dataclasses.fields(self):
+            if f.type in ("bool", bool):
+                _require(isinstance(getattr(self, f.name), bool), f.name, repr(getattr(self, f.name)), "True or False")
 
     @classmethod
     def from_tensors(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call_arguments) -> "AttentionProblem":
-        """Describe a call from its tensors and the keyword arguments of :func:`attnselect.attention`."""
+        """Describe a call from its tensors and the call's keyword arguments (those of :func:`attnselect.attention`
+        that shape the problem: layout, causal, window, dropout_p, cu_seqlens_*, max_seqlen_*, return_lse, scale)."""
         from attnselect.inputs import problem_from_tensors
         return problem_from_tensors(q, k, v, **call_arguments)
 
@@ -177,6 +181,10 @@ def _names(dtypes) -> str:
 
 
 _DTYPE_CHOICES = f"one of {_names(DTYPES)}"
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _require(ok: bool, name: str, seen, expected: str) -> None:

@@ -155,7 +155,11 @@ def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy
     excludes backends; each defaults to its ATTNSELECT_* variable. Raises
     :class:`NoSupportedCandidateError` or :class:`ForcedChoiceError` listing every reason.
     """
-    target = target or Target.current()
+    if not isinstance(problem, AttentionProblem):
+        hint = (" (AttentionProblem.from_tensors(q, k, v, ...) describes a call from its tensors)"
+                if isinstance(problem, torch.Tensor) else "")
+        raise InvalidInputError(f"problem: got {type(problem).__name__}, expected an AttentionProblem{hint}")
+    target = Target.of(target)
     env, scoped = settings.environment(), settings.scope()
     if disable is not None and not isinstance(disable, str):
         disable = settings.names(disable, "disable")

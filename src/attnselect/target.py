@@ -24,6 +24,10 @@ DEFAULT_TORCH = "2.11.0"
 DEFAULT_CUDNN = "9.19.0"
 
 
+# A release number (at least major.minor) with an optional PEP 440 / local suffix: 9.19.0, 2.11.0+cu130, 4.0.0b36.
+_VERSION = re.compile(r"\d+(\.\d+)+([.+\-]?[0-9A-Za-z]+)*")
+
+
 @functools.lru_cache(maxsize=256)
 def version_tuple(version: Optional[str]) -> tuple[int, ...]:
     """'9.19.0' -> (9, 19, 0); '2.11.0+cu130' -> (2, 11, 0); None -> ()."""
@@ -51,6 +55,12 @@ class Target:
     flash_attn4_version: Optional[str] = None     # FlashAttention-4, module flash_attn.cute
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_version") and value is not None and not (
+                    isinstance(value, str) and _VERSION.fullmatch(value)):
+                raise InvalidInputError(f"{f.name}: got {value!r}, expected None or a version string such as "
+                                        "'9.19.0' or '2.11.0+cu130'")
         if self.device_type not in ("cuda", "cpu"):
             raise InvalidInputError(f"device_type: got {self.device_type!r}, expected 'cuda' or 'cpu'")
         cc = self.capability
@@ -98,9 +108,21 @@ class Target:
     @classmethod
     def preset(cls, name: str, **versions: Optional[str]) -> "Target":
         """A simulated target: one of :data:`PRESETS`, with library versions overridable."""
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise InvalidInputError(f"target: got {name!r}, expected one of {sorted(PRESETS)} or 'current'")
         return PRESETS[name].with_versions(**versions) if versions else PRESETS[name]
+
+    @classmethod
+    def of(cls, target: "Target | str | None", argument: str = "target") -> "Target":
+        """``target`` as a Target: None is the live machine, a string a preset name or 'current'."""
+        if target is None or target == "current":
+            return cls.current()
+        if isinstance(target, str):
+            return cls.preset(target)
+        if not isinstance(target, Target):
+            raise InvalidInputError(f"{argument}: got {type(target).__name__} {target!r}, expected a Target, a preset "
+                                    f"name ({', '.join(sorted(PRESETS))}), 'current' or None")
+        return target
 
     @classmethod
     def current(cls, device: "torch.device | str | int | None" = None) -> "Target":

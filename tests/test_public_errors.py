@@ -1,0 +1,70 @@
+"""Every public entry point answers a wrong argument with attnselect's own error, naming the argument."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import attnselect
+from attnselect import AttentionProblem, InvalidInputError, Target
+
+P = AttentionProblem(1, 64, 64, 4, 4, 24, 16, torch.float32)
+
+
+def test_a_preset_name_is_taken_wherever_a_target_is():
+    assert attnselect.select(P, target="b200").target == Target.preset("b200")
+    assert "b200" in attnselect.explain(P, target="b200").lower()
+    with pytest.raises(InvalidInputError, match="target: got 'b2000'"):
+        attnselect.explain(P, target="b2000")
+    with pytest.raises(InvalidInputError, match="target: got int"):
+        attnselect.select(P, target=3)
+
+
+def test_select_names_a_tensor_given_for_the_problem():
+    with pytest.raises(InvalidInputError, match="problem: got Tensor.*from_tensors"):
+        attnselect.select(torch.zeros(1, 4, 2, 8))
+
+
+def test_from_tensors_names_a_misspelt_argument():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(InvalidInputError, match="casual.*did you mean 'causal'"):
+        AttentionProblem.from_tensors(q, q, q, casual=True)
+
+
+@pytest.mark.parametrize("version", ["abc", "9", "", 9.1])
+def test_versions_are_validated(version):
+    with pytest.raises(InvalidInputError, match="cudnn_version: got"):
+        Target.preset("b200", cudnn_version=version)
+    assert Target.preset("b200", cudnn_version="9.19.0").cudnn_version == "9.19.0"
+    assert Target.preset("h200", flash_attn4_version="4.0.0b36", torch_version="2.11.0+cu130")
+
+
+def test_booleans_are_booleans():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(InvalidInputError, match="return_lse: got 'yes'"):
+        attnselect.attention(q, q, q, return_lse="yes")
+    with pytest.raises(InvalidInputError, match="training: got 1"):
+        dataclasses.replace(P, training=1)
+    with pytest.raises(InvalidInputError, match="batch: got True"):
+        dataclasses.replace(P, batch=True)
+
+
+def test_zero_heads_say_so():
+    q, k = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 0, 16)
+    with pytest.raises(InvalidInputError, match="at least one head each"):
+        attnselect.attention(q, k, k)
+
+
+def test_explain_raises_on_a_backend_that_does_not_exist_or_cannot_serve():
+    with pytest.raises(attnselect.ForcedChoiceError, match="sdpa_cuddn"):
+        attnselect.explain(P, target="cpu", backend="sdpa_cuddn")
+    with pytest.raises(attnselect.ForcedChoiceError, match="runs on cuda"):
+        attnselect.explain(P, target="cpu", backend="sdpa_cudnn")
+
+
+def test_the_cli_prints_a_forced_choice_that_cannot_serve(capsys):
+    from attnselect.cli import main
+    assert main(["explain", "--target", "cpu", "--backend", "sdpa_cudnn"]) == 2
+    assert "ForcedChoiceError" in capsys.readouterr().err
