@@ -22,8 +22,9 @@ from pathlib import Path
 
 CONFIGS = {
     "dense 192/128 causal, fwd+bwd (B2 S1024 H16)": dict(layout="bshd", dqk=192, dv=128, training=True),
-    "packed 192/128 causal, fwd+bwd (4096 tokens, 5 sequences, H16)": dict(layout="thd", dqk=192, dv=128,
-                                                                             training=True),
+    "packed 192/128 causal, fwd+bwd (4096 tokens, 5 sequences, H16)": dict(
+        layout="thd", dqk=192, dv=128, training=True
+    ),
 }
 
 
@@ -31,6 +32,7 @@ def child(config: dict) -> dict:
     import torch
 
     import attnselect
+
     g = torch.Generator(device="cuda").manual_seed(0)
     if config["layout"] == "thd":
         shapes = [(4096, 16, config["dqk"]), (4096, 16, config["dqk"]), (4096, 16, config["dv"])]
@@ -39,8 +41,10 @@ def child(config: dict) -> dict:
     else:
         shapes = [(2, 1024, 16, config["dqk"]), (2, 1024, 16, config["dqk"]), (2, 1024, 16, config["dv"])]
         kwargs = {}
-    q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(config["training"])
-               for s in shapes)
+    q, k, v = (
+        torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(config["training"])
+        for s in shapes
+    )
 
     def call():
         out = attnselect.attention(q, k, v, causal=True, backend="flash_attn4", **kwargs)
@@ -65,8 +69,10 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(CONFIGS[a.child])))
         return
-    import attnselect
     import torch
+
+    import attnselect
+
     target = attnselect.Target.current()
     rows = []
     for name in CONFIGS:
@@ -77,24 +83,39 @@ def main() -> None:
                 env["ATTNSELECT_CACHE_DIR"] = cache
                 if mode == "cache off":
                     env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "0"
-                done = subprocess.run([sys.executable, __file__, "--out", a.out, "--child", name], env=env,
-                                      capture_output=True, text=True)
-                row[mode] = (json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else
-                             {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]})
+                done = subprocess.run(
+                    [sys.executable, __file__, "--out", a.out, "--child", name], env=env, capture_output=True, text=True
+                )
+                row[mode] = (
+                    json.loads(done.stdout.strip().splitlines()[-1])
+                    if done.returncode == 0
+                    else {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+                )
                 print(name, mode, row[mode], flush=True)
             rows.append(row)
-    report = {"meta": {"device": target.name, "torch": torch.__version__, "flash_attn4": target.flash_attn4_version,
-                       "date": time.strftime("%Y-%m-%d")}, "rows": rows}
+    report = {
+        "meta": {
+            "device": target.name,
+            "torch": torch.__version__,
+            "flash_attn4": target.flash_attn4_version,
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "rows": rows,
+    }
     Path(a.out + ".json").write_text(json.dumps(report, indent=1))
-    lines = ["# FlashAttention-4: the cost of a configuration's first call\n",
-             f"{report['meta']['device']}, torch {report['meta']['torch']}, flash-attn-4 {report['meta']['flash_attn4']}, "
-             f"{report['meta']['date']}. First call and the median of five later ones, synchronised wall ms, each in "
-             "a fresh process. Produced by `benchmarks/fa4_compile_cost.py`.\n",
-             "| configuration | cold cache: first / later | warm cache: first / later | cache off: first / later |",
-             "|---|---|---|---|"]
+    lines = [
+        "# FlashAttention-4: the cost of a configuration's first call\n",
+        f"{report['meta']['device']}, torch {report['meta']['torch']}, flash-attn-4 {report['meta']['flash_attn4']}, "
+        f"{report['meta']['date']}. First call and the median of five later ones, synchronised wall ms, each in "
+        "a fresh process. Produced by `benchmarks/fa4_compile_cost.py`.\n",
+        "| configuration | cold cache: first / later | warm cache: first / later | cache off: first / later |",
+        "|---|---|---|---|",
+    ]
     for row in rows:
-        cells = [f"{r['first_ms']:.0f} / {r['later_ms']:.2f}" if "first_ms" in r else f"failed: {r['error'][:80]}"
-                 for r in (row["cold cache"], row["warm cache"], row["cache off"])]
+        cells = [
+            f"{r['first_ms']:.0f} / {r['later_ms']:.2f}" if "first_ms" in r else f"failed: {r['error'][:80]}"
+            for r in (row["cold cache"], row["warm cache"], row["cache off"])
+        ]
         lines.append(f"| {row['config']} | " + " | ".join(cells) + " |")
     Path(a.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -32,7 +32,7 @@ def agreement(rows: list[dict], target: Target) -> list[dict]:
     verdicts = {}
     out = []
     for r in rows:
-        key = json.dumps([r["problem"], r.get("lengths")], sort_keys=True)   # judging needs the problem only
+        key = json.dumps([r["problem"], r.get("lengths")], sort_keys=True)  # judging needs the problem only
         if key not in verdicts:
             verdicts[key] = {v.candidate: v for v in judge(problem_of(r["problem"], r.get("lengths")), target)}
         v = verdicts[key][Candidate(r["backend"], r["pad_to"])]
@@ -55,13 +55,19 @@ def main(path: str) -> None:
     rows = agreement([json.loads(line) for line in open(path)], target)
     problems = {(json.dumps(r["problem"], sort_keys=True), json.dumps(r.get("lengths"))) for r in rows}
     agree = sum(r["agrees"] for r in rows)
-    print(f"# Rules against {target.name}\n\nMeasured {meta['date']} on {meta['device']} (CUDA {meta['cuda']}) by "
-          f"`benchmarks/rules_grid.py`; predictions re-made by `benchmarks/grid_report.py` with the current rules.\n")
-    print(f"**{len(problems)} problems, {len(rows)} (problem, backend, padding) rows: the rules agree with the machine "
-          f"on {agree}/{len(rows)} = {100 * agree / len(rows):.2f}%.**\n")
-    print("A row is *really supported* when the forward (and, in training, the backward) runs and the output and "
-          f"all three gradients match a float64 reference within a relative error of {meta['tolerance']} "
-          "(dropout rows: finite and visibly dropped).\n")
+    print(
+        f"# Rules against {target.name}\n\nMeasured {meta['date']} on {meta['device']} (CUDA {meta['cuda']}) by "
+        f"`benchmarks/rules_grid.py`; predictions re-made by `benchmarks/grid_report.py` with the current rules.\n"
+    )
+    print(
+        f"**{len(problems)} problems, {len(rows)} (problem, backend, padding) rows: the rules agree with the machine "
+        f"on {agree}/{len(rows)} = {100 * agree / len(rows):.2f}%.**\n"
+    )
+    print(
+        "A row is *really supported* when the forward (and, in training, the backward) runs and the output and "
+        f"all three gradients match a float64 reference within a relative error of {meta['tolerance']} "
+        "(dropout rows: finite and visibly dropped).\n"
+    )
     print("| backend | padded to | head dims | rows | predicted supported | really supported | agree |")
     print("|---|---|---|---|---|---|---|")
     groups = collections.defaultdict(list)
@@ -73,15 +79,19 @@ def main(path: str) -> None:
         if packed and print_header:
             print("| **packed (thd)** | | | | | | |")
             print_header = False
-        print(f"| {backend} | {pad or '-'} | {dqk}/{dv} | {len(rs)} | {sum(r['predicted'] for r in rs)} | "
-              f"{sum(r['really'] for r in rs)} | {sum(r['agrees'] for r in rs)} |")
+        print(
+            f"| {backend} | {pad or '-'} | {dqk}/{dv} | {len(rs)} | {sum(r['predicted'] for r in rs)} | "
+            f"{sum(r['really'] for r in rs)} | {sum(r['agrees'] for r in rs)} |"
+        )
     wrong = [r for r in rows if not r["agrees"]]
     print(f"\n## Disagreements ({len(wrong)})\n")
     for r in wrong:
         p = problem_of(r["problem"], r.get("lengths"))
-        print(f"- {p.describe()} | {r['backend']} {'padded to ' + str(r['pad_to']) if r['pad_to'] else 'native'}: "
-              f"predicted {'supported' if r['predicted'] else 'unsupported'} ({'; '.join(r['reasons']) or 'no reason'}), "
-              f"really {'supported' if r['really'] else 'unsupported'} ({r['error'] or 'ran and matched'})")
+        print(
+            f"- {p.describe()} | {r['backend']} {'padded to ' + str(r['pad_to']) if r['pad_to'] else 'native'}: "
+            f"predicted {'supported' if r['predicted'] else 'unsupported'} ({'; '.join(r['reasons']) or 'no reason'}), "
+            f"really {'supported' if r['really'] else 'unsupported'} ({r['error'] or 'ran and matched'})"
+        )
     errors = collections.Counter((r["backend"], (r["error"] or "")[:110]) for r in rows if r["error"])
     print("\n## How unsupported rows failed\n")
     for (backend, error), n in errors.most_common():

@@ -32,7 +32,9 @@ def main() -> None:
 
     def direct():
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(
+                1, 2
+            )
 
     def ours():
         return attnselect.attention(q, k, v)
@@ -43,17 +45,29 @@ def main() -> None:
         t_ours = timeit.timeit(ours, number=a.calls) / a.calls * 1e6
         t_direct = timeit.timeit(direct, number=a.calls) / a.calls * 1e6
         added.append(t_ours - t_direct)
-    print(f"direct {t_direct:.1f} us/call; attnselect adds {statistics.median(added):.1f} us/call "
-          f"(min {min(added):.1f}, max {max(added):.1f} over {a.repeats} repeats of {a.calls} calls) "
-          f"on torch {torch.__version__}")
+    print(
+        f"direct {t_direct:.1f} us/call; attnselect adds {statistics.median(added):.1f} us/call "
+        f"(min {min(added):.1f}, max {max(added):.1f} over {a.repeats} repeats of {a.calls} calls) "
+        f"on torch {torch.__version__}"
+    )
     # Packed calls are validated on every call (their boundaries may change each step): its cost.
     tq, tk, tv = torch.randn(12, 2, 16), torch.randn(12, 2, 16), torch.randn(12, 2, 16)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    validate = lambda: describe_call(tq, tk, tv, layout="thd", cu_seqlens_q=cu, causal=True,  # noqa: E731
-                                     max_seqlen_q=7, max_seqlen_kv=7)
+    validate = lambda: describe_call(
+        tq,
+        tk,
+        tv,
+        layout="thd",
+        cu_seqlens_q=cu,
+        causal=True,  # noqa: E731
+        max_seqlen_q=7,
+        max_seqlen_kv=7,
+    )
     costs = [timeit.timeit(validate, number=a.calls) / a.calls * 1e6 for _ in range(a.repeats)]
-    print(f"packed (thd) validation: {statistics.median(costs):.1f} us/call (min {min(costs):.1f}, "
-          f"max {max(costs):.1f}; CPU boundaries, read and checked on the host)")
+    print(
+        f"packed (thd) validation: {statistics.median(costs):.1f} us/call (min {min(costs):.1f}, "
+        f"max {max(costs):.1f}; CPU boundaries, read and checked on the host)"
+    )
 
 
 if __name__ == "__main__":

@@ -26,44 +26,72 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from noise_floor import case_steps, write_cases  # noqa: E402
 
 CASES = [
-    ("bshd B=1 Sq=16384 Skv=16384 Hq=16 Hkv=16 d_qk=192 d_v=128 bfloat16 mask=causal training",
-     "sdpa_cudnn native", ["cudnn_frontend native"]),
-    ("bshd B=1 Sq=16384 Skv=16384 Hq=64 Hkv=8 d_qk=128 d_v=128 bfloat16 mask=causal training",
-     "sdpa_cudnn native", ["cudnn_frontend native"]),
+    (
+        "bshd B=1 Sq=16384 Skv=16384 Hq=16 Hkv=16 d_qk=192 d_v=128 bfloat16 mask=causal training",
+        "sdpa_cudnn native",
+        ["cudnn_frontend native"],
+    ),
+    (
+        "bshd B=1 Sq=16384 Skv=16384 Hq=64 Hkv=8 d_qk=128 d_v=128 bfloat16 mask=causal training",
+        "sdpa_cudnn native",
+        ["cudnn_frontend native"],
+    ),
 ]
-SMOKE_CASES = [("bshd B=2 Sq=64 Skv=64 Hq=4 Hkv=4 d_qk=192 d_v=128 float32 mask=causal inference",
-                "sdpa_math native", ["reference native"])]
+SMOKE_CASES = [
+    (
+        "bshd B=2 Sq=64 Skv=64 Hq=4 Hkv=4 d_qk=192 d_v=128 float32 mask=causal inference",
+        "sdpa_math native",
+        ["reference native"],
+    )
+]
 
 
-def run_case(fragment: str, twice: str, others: list[str], target: Target, sessions: int, scale: int,
-             smoke: bool) -> dict:
+def run_case(
+    fragment: str, twice: str, others: list[str], target: Target, sessions: int, scale: int, smoke: bool
+) -> dict:
     problem, device, steps = case_steps(fragment, twice, others, target, smoke)
     a = f"{twice} (A)"
     case = {"problem": problem.describe(), "sessions": []}
     for turns in [1] * sessions + [scale]:
-        rounds = {**timing_rounds(len(steps)), "settle": None}   # the rounds of the run at 34878ee
-        rounds.update(repeats=rounds["repeats"] * turns, rounds=rounds["rounds"] * turns,
-                      budget_s=rounds["budget_s"] * turns)
+        rounds = {**timing_rounds(len(steps)), "settle": None}  # the rounds of the run at 34878ee
+        rounds.update(
+            repeats=rounds["repeats"] * turns, rounds=rounds["rounds"] * turns, budget_s=rounds["budget_s"] * turns
+        )
         timings = time_steps(steps, device, **rounds)
         medians = {k: (None if isinstance(t, Exception) else t.median_ms) for k, t in timings.items()}
         spreads = {k: (None if isinstance(t, Exception) else [t.low_ms, t.high_ms]) for k, t in timings.items()}
-        case["sessions"].append({"rounds": rounds["rounds"], "medians_ms": medians, "p20_p80_ms": spreads,
-                                 "over_a": {k: m / medians[a] for k, m in medians.items() if m and medians[a]}})
+        case["sessions"].append(
+            {
+                "rounds": rounds["rounds"],
+                "medians_ms": medians,
+                "p20_p80_ms": spreads,
+                "over_a": {k: m / medians[a] for k, m in medians.items() if m and medians[a]},
+            }
+        )
     return case
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Do more turns settle the medians?\n\n{report['meta']['device']}, {report['meta']['date']}. "
-             "Produced by `benchmarks/median_convergence.py`: the same kernel timed as two steps (A, B) beside "
-             "a close candidate and torch's default (which runs A's kernel), with the bench's rounds in short "
-             "sessions and then with many times as many rounds. Each cell: the median in ms and its ratio to A.\n"]
+    lines = [
+        f"# Do more turns settle the medians?\n\n{report['meta']['device']}, {report['meta']['date']}. "
+        "Produced by `benchmarks/median_convergence.py`: the same kernel timed as two steps (A, B) beside "
+        "a close candidate and torch's default (which runs A's kernel), with the bench's rounds in short "
+        "sessions and then with many times as many rounds. Each cell: the median in ms and its ratio to A.\n"
+    ]
     for case in report["cases"]:
         keys = list(case["sessions"][0]["medians_ms"])
-        lines += [f"\n## {case['problem']}\n", "| session (rounds) | " + " | ".join(keys) + " |",
-                  "|---" * (len(keys) + 1) + "|"]
+        lines += [
+            f"\n## {case['problem']}\n",
+            "| session (rounds) | " + " | ".join(keys) + " |",
+            "|---" * (len(keys) + 1) + "|",
+        ]
         for session in case["sessions"]:
-            cells = [f"{session['medians_ms'][k]:.3f} ({session['over_a'].get(k, float('nan')):.3f})"
-                     if session["medians_ms"][k] else "failed" for k in keys]
+            cells = [
+                f"{session['medians_ms'][k]:.3f} ({session['over_a'].get(k, float('nan')):.3f})"
+                if session["medians_ms"][k]
+                else "failed"
+                for k in keys
+            ]
             lines.append(f"| {session['rounds']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -75,10 +103,13 @@ def main(argv=None) -> int:
     parser.add_argument("--scale", type=int, default=8, help="the last session's rounds, as a multiple")
     parser.add_argument("--smoke", action="store_true", help="a tiny CPU case (tests)")
     a = parser.parse_args(argv)
-    write_cases(a.out, SMOKE_CASES if a.smoke else CASES,
-                lambda fragment, twice, others, target: run_case(fragment, twice, others, target, a.sessions, a.scale,
-                                                                 a.smoke),
-                lambda case: [{k: round(v, 4) for k, v in s["over_a"].items()} for s in case["sessions"]], markdown)
+    write_cases(
+        a.out,
+        SMOKE_CASES if a.smoke else CASES,
+        lambda fragment, twice, others, target: run_case(fragment, twice, others, target, a.sessions, a.scale, a.smoke),
+        lambda case: [{k: round(v, 4) for k, v in s["over_a"].items()} for s in case["sessions"]],
+        markdown,
+    )
     return 0
 
 

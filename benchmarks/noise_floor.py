@@ -31,15 +31,29 @@ from attnselect.measure import candidate_step, random_inputs, time_steps
 # (bench suite key fragment, the rules' choice timed twice, the other candidates timed)
 CASES = [
     ("bshd B=1 Sq=16384 Skv=16384 Hq=64 Hkv=8 d_qk=128", "sdpa_cudnn native", ["cudnn_frontend native"]),
-    ("thd 16 seqs, max sq=1024 skv=1024 Hq=16 Hkv=16 d_qk=192 d_v=128 bfloat16 mask=causal inference",
-     "cudnn_frontend native", ["flex native", "varlen_fa2 padded to 192"]),
-    ("thd 4 seqs, max sq=4096 skv=4096 Hq=128 Hkv=128 d_qk=192 d_v=128 bfloat16 mask=causal inference",
-     "cudnn_frontend native", ["sdpa_cudnn native"]),
-    ("bshd B=1 Sq=16384 Skv=16384 Hq=16 Hkv=16 d_qk=192 d_v=128 bfloat16 mask=causal training",
-     "sdpa_cudnn native", ["cudnn_frontend native"]),
+    (
+        "thd 16 seqs, max sq=1024 skv=1024 Hq=16 Hkv=16 d_qk=192 d_v=128 bfloat16 mask=causal inference",
+        "cudnn_frontend native",
+        ["flex native", "varlen_fa2 padded to 192"],
+    ),
+    (
+        "thd 4 seqs, max sq=4096 skv=4096 Hq=128 Hkv=128 d_qk=192 d_v=128 bfloat16 mask=causal inference",
+        "cudnn_frontend native",
+        ["sdpa_cudnn native"],
+    ),
+    (
+        "bshd B=1 Sq=16384 Skv=16384 Hq=16 Hkv=16 d_qk=192 d_v=128 bfloat16 mask=causal training",
+        "sdpa_cudnn native",
+        ["cudnn_frontend native"],
+    ),
 ]
-SMOKE_CASES = [("bshd B=2 Sq=64 Skv=64 Hq=4 Hkv=4 d_qk=192 d_v=128 float32 mask=causal inference",
-                "sdpa_math native", ["reference native"])]
+SMOKE_CASES = [
+    (
+        "bshd B=2 Sq=64 Skv=64 Hq=4 Hkv=4 d_qk=192 d_v=128 float32 mask=causal inference",
+        "sdpa_math native",
+        ["reference native"],
+    )
+]
 
 
 def _problem(fragment: str, smoke: bool):
@@ -70,10 +84,13 @@ def case_steps(fragment: str, twice: str, others: list[str], target: Target, smo
     device = torch.device("cuda" if target.is_cuda else "cpu")
     supported = {str(v.candidate) for v in judge(problem, target) if v.supported}
     inputs = random_inputs(problem, device)
-    steps = {f"{twice} (A)": candidate_step(_candidate(twice), problem, target, inputs),
-             f"{twice} (B)": candidate_step(_candidate(twice), problem, target, inputs)}
-    steps.update({name: candidate_step(_candidate(name), problem, target, inputs) for name in others
-                  if name in supported})
+    steps = {
+        f"{twice} (A)": candidate_step(_candidate(twice), problem, target, inputs),
+        f"{twice} (B)": candidate_step(_candidate(twice), problem, target, inputs),
+    }
+    steps.update(
+        {name: candidate_step(_candidate(name), problem, target, inputs) for name in others if name in supported}
+    )
     steps[TORCH_DEFAULT] = lambda: _torch_default(problem, inputs)
     return problem, device, steps
 
@@ -82,37 +99,54 @@ def run_case(fragment: str, twice: str, others: list[str], target: Target, sessi
     problem, device, steps = case_steps(fragment, twice, others, target, smoke)
     case = {"problem": problem.describe(), "issue_ms": {k: _issue_ms(s, device) for k, s in steps.items()}}
     medians = {mode: {key: [] for key in steps} for mode in ("spin", "no spin")}
-    for _ in range(sessions):   # the two ways alternate (the spin first), so the GPU's warming up lands on both
+    for _ in range(sessions):  # the two ways alternate (the spin first), so the GPU's warming up lands on both
         for mode in medians:
-            timings = time_steps(steps, device, warmup=1, repeats=12, rounds=4, spin=mode == "spin",
-                                 budget_s=(0.2 if smoke else 1.5) * len(steps))
+            timings = time_steps(
+                steps,
+                device,
+                warmup=1,
+                repeats=12,
+                rounds=4,
+                spin=mode == "spin",
+                budget_s=(0.2 if smoke else 1.5) * len(steps),
+            )
             for key, t in timings.items():
                 medians[mode][key].append(None if isinstance(t, Exception) else t.median_ms)
-    for mode, medians in medians.items():
-        a, b = medians[f"{twice} (A)"], medians[f"{twice} (B)"]
+    for mode, per_step in medians.items():
+        a, b = per_step[f"{twice} (A)"], per_step[f"{twice} (B)"]
         case[mode] = {
-            "medians_ms": medians,
+            "medians_ms": per_step,
             "a_over_b": [x / y for x, y in zip(a, b) if x and y],
-            "across_sessions": {k: max(v) / min(v) for k, v in medians.items() if v and all(v)},
+            "across_sessions": {k: max(v) / min(v) for k, v in per_step.items() if v and all(v)},
         }
     return case
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Noise floor of the timings\n\n{report['meta']['device']}, {report['meta']['date']}. "
-             "Produced by `benchmarks/noise_floor.py`: the same kernel timed as two steps (A, B) beside the "
-             "close candidates and torch's default, in independent sessions as `attnselect bench` times them; "
-             "with and without the spin that lets the host issue a turn's repeats ahead of the GPU.\n"]
+    lines = [
+        f"# Noise floor of the timings\n\n{report['meta']['device']}, {report['meta']['date']}. "
+        "Produced by `benchmarks/noise_floor.py`: the same kernel timed as two steps (A, B) beside the "
+        "close candidates and torch's default, in independent sessions as `attnselect bench` times them; "
+        "with and without the spin that lets the host issue a turn's repeats ahead of the GPU.\n"
+    ]
     for case in report["cases"]:
-        lines += [f"\n## {case['problem']}\n", "| step | host ms to issue a call | " + " | ".join(
-            f"{mode}: session medians (ms) | {mode}: max/min across sessions" for mode in ("spin", "no spin")) + " |",
-            "|---|---|" + "---|---|" * 2]
+        lines += [
+            f"\n## {case['problem']}\n",
+            "| step | host ms to issue a call | "
+            + " | ".join(
+                f"{mode}: session medians (ms) | {mode}: max/min across sessions" for mode in ("spin", "no spin")
+            )
+            + " |",
+            "|---|---|" + "---|---|" * 2,
+        ]
         for key, issue in case["issue_ms"].items():
             cells = []
             for mode in ("spin", "no spin"):
                 values = case[mode]["medians_ms"][key]
-                cells += [", ".join("failed" if v is None else f"{v:.3f}" for v in values),
-                          f"{case[mode]['across_sessions'].get(key, float('nan')):.3f}"]
+                cells += [
+                    ", ".join("failed" if v is None else f"{v:.3f}" for v in values),
+                    f"{case[mode]['across_sessions'].get(key, float('nan')):.3f}",
+                ]
             lines.append(f"| {key} | {issue:.3f} | " + " | ".join(cells) + " |")
         for mode in ("spin", "no spin"):
             ratios = ", ".join(f"{r:.3f}" for r in case[mode]["a_over_b"])
@@ -126,9 +160,13 @@ def main(argv=None) -> int:
     parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="a tiny CPU case (tests)")
     a = parser.parse_args(argv)
-    write_cases(a.out, SMOKE_CASES if a.smoke else CASES,
-                lambda fragment, twice, others, target: run_case(fragment, twice, others, target, a.sessions, a.smoke),
-                lambda case: {m: case[m]["a_over_b"] for m in ("spin", "no spin")}, markdown)
+    write_cases(
+        a.out,
+        SMOKE_CASES if a.smoke else CASES,
+        lambda fragment, twice, others, target: run_case(fragment, twice, others, target, a.sessions, a.smoke),
+        lambda case: {m: case[m]["a_over_b"] for m in ("spin", "no spin")},
+        markdown,
+    )
     return 0
 
 
@@ -136,8 +174,10 @@ def write_cases(out: str, cases: list, run, summary, markdown) -> dict:
     """``run(fragment, twice, others, target)`` for each case, printing its problem and ``summary(case)`` and
     writing OUT.json after each, then ``markdown(report)`` to OUT.md."""
     target = Target.current()
-    report = {"meta": {"device": target.describe(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__},
-              "cases": []}
+    report = {
+        "meta": {"device": target.describe(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__},
+        "cases": [],
+    }
     for fragment, twice, others in cases:
         report["cases"].append(run(fragment, twice, others, target))
         print(report["cases"][-1]["problem"], summary(report["cases"][-1]), flush=True)

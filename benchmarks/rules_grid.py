@@ -44,7 +44,7 @@ SCENARIOS = [
     ("none", None, 256, 256, 8, 0.125),
     ("causal", None, 512, 512, 1, 0.0),
     ("sliding_window", (96, 32), 256, 256, 8, 0.0),
-    ("causal_bottom_right", None, 256, 128, 8, 0.0),   # the first 128 queries see no key
+    ("causal_bottom_right", None, 256, 128, 8, 0.0),  # the first 128 queries see no key
 ]
 # Packed (thd): (mask, window, lengths_q, lengths_kv, heads_kv); mixed lengths with 1 and 0.
 LENGTHS = [0, 1, 37, 256, 5, 130, 64]
@@ -57,7 +57,7 @@ THD_SCENARIOS = [
     # Queries without keys: fewer keys than queries (bottom-right) and an empty key sequence.
     ("causal_bottom_right", None, LENGTHS, [0, 1, 20, 128, 5, 0, 64], 2),
 ]
-TOLERANCE = 2e-2   # relative Frobenius error; bf16/fp16 operands land between 1e-3 and 1e-2
+TOLERANCE = 2e-2  # relative Frobenius error; bf16/fp16 operands land between 1e-3 and 1e-2
 
 
 # Head dims the main grid lacks: below 16 and not multiples of 8 (flex refuses < 16 on CUDA, FA2's varlen kernel
@@ -72,26 +72,65 @@ FA4_SCENARIOS = [SCENARIOS[1], SCENARIOS[3], SCENARIOS[7]]
 FA4_THD_HEAD_DIMS = [(128, 128), (192, 128)]
 FA4_THD_SCENARIOS = [THD_SCENARIOS[0], THD_SCENARIOS[4]]
 # Head dims below 128 other than 64, where FA4's sm90 backward returned wrong gradients for 8, 16 and 48 on the H200.
-FA4_SMALL_HEAD_DIMS = [(8, 8), (16, 16), (24, 24), (32, 32), (40, 40), (48, 48), (56, 56), (80, 80), (96, 96),
-                       (112, 112)]
+FA4_SMALL_HEAD_DIMS = [
+    (8, 8),
+    (16, 16),
+    (24, 24),
+    (32, 32),
+    (40, 40),
+    (48, 48),
+    (56, 56),
+    (80, 80),
+    (96, 96),
+    (112, 112),
+]
 SECTIONS = ("main", "odd", "fa4")
 
 
 def _dense(head_dims, dtypes, scenarios):
     for (dqk, dv), dtype, training, scenario in itertools.product(head_dims, dtypes, (False, True), scenarios):
         mask, window, sq, skv, hkv, dropout = scenario
-        yield AttentionProblem(batch=2, seqlen_q=sq, seqlen_kv=skv, heads_q=8, heads_kv=hkv, head_dim_qk=dqk,
-                               head_dim_v=dv, dtype=dtype, layout="bshd", mask=mask, window=window,
-                               dropout_p=dropout, training=training), None
+        yield (
+            AttentionProblem(
+                batch=2,
+                seqlen_q=sq,
+                seqlen_kv=skv,
+                heads_q=8,
+                heads_kv=hkv,
+                head_dim_qk=dqk,
+                head_dim_v=dv,
+                dtype=dtype,
+                layout="bshd",
+                mask=mask,
+                window=window,
+                dropout_p=dropout,
+                training=training,
+            ),
+            None,
+        )
 
 
 def _packed(head_dims, dtypes, scenarios):
     for (dqk, dv), dtype, training, scenario in itertools.product(head_dims, dtypes, (False, True), scenarios):
         mask, window, lengths_q, lengths_kv, hkv = scenario
-        yield AttentionProblem(batch=len(lengths_q), seqlen_q=max(lengths_q), seqlen_kv=max(lengths_kv), heads_q=8,
-                               heads_kv=hkv, head_dim_qk=dqk, head_dim_v=dv, dtype=dtype, layout="thd", mask=mask,
-                               window=window, training=training,
-                               **packing_facts(mask, window, lengths_q, lengths_kv)), (lengths_q, lengths_kv)
+        yield (
+            AttentionProblem(
+                batch=len(lengths_q),
+                seqlen_q=max(lengths_q),
+                seqlen_kv=max(lengths_kv),
+                heads_q=8,
+                heads_kv=hkv,
+                head_dim_qk=dqk,
+                head_dim_v=dv,
+                dtype=dtype,
+                layout="thd",
+                mask=mask,
+                window=window,
+                training=training,
+                **packing_facts(mask, window, lengths_q, lengths_kv),
+            ),
+            (lengths_q, lengths_kv),
+        )
 
 
 def grid(section: str = "main"):
@@ -117,8 +156,11 @@ def grid(section: str = "main"):
 def row_key(problem: dict, lengths, backend: str, pad_to) -> tuple:
     """A row's identity. Read through AttentionProblem, so rows written before a field existed get its
     default; the thd facts (varlen_*) follow from the lengths, so they are left out."""
-    shape = {name: value for name, value in AttentionProblem.from_dict(problem).to_dict().items()
-             if not name.startswith("varlen_")}
+    shape = {
+        name: value
+        for name, value in AttentionProblem.from_dict(problem).to_dict().items()
+        if not name.startswith("varlen_")
+    }
     return json.dumps(shape, sort_keys=True), json.dumps(lengths), backend, pad_to
 
 
@@ -167,10 +209,10 @@ def make_inputs(problem, lengths, device):
     g = torch.Generator(device=device).manual_seed(hash(problem) % (1 << 31))
     packing = None
     if lengths is None:
-        shape = lambda s, h, d: (problem.batch, s, h, d)   # noqa: E731
+        shape = lambda s, h, d: (problem.batch, s, h, d)  # noqa: E731
         sq, skv = problem.seqlen_q, problem.seqlen_kv
     else:
-        shape = lambda t, h, d: (t, h, d)                  # noqa: E731
+        shape = lambda t, h, d: (t, h, d)  # noqa: E731
         sq, skv = sum(lengths[0]), sum(lengths[1])
         cu = [torch.tensor([0, *itertools.accumulate(ls)], dtype=torch.int32, device=device) for ls in lengths]
         packing = Packing(cu[0], cu[1], problem.seqlen_q, problem.seqlen_kv, cu[0], cu[1])
@@ -183,6 +225,7 @@ def make_inputs(problem, lengths, device):
 
 def float64_reference(problem, inputs):
     from attnselect.candidates import Candidate
+
     *tensors, packing = inputs
     q, k, v, grad_out = (t.double() for t in tensors)
     leaves = [t.requires_grad_(problem.training) for t in (q, k, v)]
@@ -215,21 +258,28 @@ def main() -> None:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "a") as sink:
         if a.resume and os.path.exists(a.resume):
-            same = os.path.abspath(a.resume) == os.path.abspath(a.out)   # resuming in place: nothing to copy
+            same = os.path.abspath(a.resume) == os.path.abspath(a.out)  # resuming in place: nothing to copy
             for line in open(a.resume):
                 row = json.loads(line)
                 done.add(row_key(row["problem"], row.get("lengths"), row["backend"], row["pad_to"]))
                 if not same:
                     sink.write(line)
         for problem, lengths in itertools.islice(grid(a.section), a.limit):
-            verdicts = [v for v in judge(problem, target)
-                        if not (backends.get(v.candidate.backend).package
-                                and v.reasons == (f"package {backends.get(v.candidate.backend).package[1]} "
-                                                  "is not installed",))
-                        and (wanted is None or v.candidate.backend in wanted)
-                        and v.candidate.backend not in skipped]
-            todo = [v for v in verdicts
-                    if row_key(problem.to_dict(), lengths, v.candidate.backend, v.candidate.pad_to) not in done]
+            verdicts = [
+                v
+                for v in judge(problem, target)
+                if not (
+                    backends.get(v.candidate.backend).package
+                    and v.reasons == (f"package {backends.get(v.candidate.backend).package[1]} is not installed",)
+                )
+                and (wanted is None or v.candidate.backend in wanted)
+                and v.candidate.backend not in skipped
+            ]
+            todo = [
+                v
+                for v in verdicts
+                if row_key(problem.to_dict(), lengths, v.candidate.backend, v.candidate.pad_to) not in done
+            ]
             if not todo:
                 continue
             if time.time() - start > a.deadline:
@@ -241,26 +291,45 @@ def main() -> None:
                 t0 = time.time()
                 row = measure(problem, verdict.candidate, inputs, reference)
                 really = row["ran_forward"] and row["ran_backward"] is not False and row["matches"]
-                row.update(problem=problem.to_dict(), lengths=lengths, backend=verdict.candidate.backend,
-                           pad_to=verdict.candidate.pad_to, predicted=verdict.supported,
-                           reasons=list(verdict.reasons), really=bool(really),
-                           agrees=verdict.supported == bool(really), seconds=round(time.time() - t0, 3))
+                row.update(
+                    problem=problem.to_dict(),
+                    lengths=lengths,
+                    backend=verdict.candidate.backend,
+                    pad_to=verdict.candidate.pad_to,
+                    predicted=verdict.supported,
+                    reasons=list(verdict.reasons),
+                    really=bool(really),
+                    agrees=verdict.supported == bool(really),
+                    seconds=round(time.time() - t0, 3),
+                )
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 if not row["agrees"]:
-                    print(f"DISAGREE {problem.describe()} | {verdict.candidate} predicted={verdict.supported} "
-                          f"really={bool(really)} {row['error'] or ''} out_err={row['out_err']} "
-                          f"grad_err={row['grad_err']}", flush=True)
-    meta = {"device": target.describe(), "target": target.to_dict(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": target.cudnn_version, "date": time.strftime("%Y-%m-%d"), "tolerance": TOLERANCE}
+                    print(
+                        f"DISAGREE {problem.describe()} | {verdict.candidate} predicted={verdict.supported} "
+                        f"really={bool(really)} {row['error'] or ''} out_err={row['out_err']} "
+                        f"grad_err={row['grad_err']}",
+                        flush=True,
+                    )
+    meta = {
+        "device": target.describe(),
+        "target": target.to_dict(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": target.cudnn_version,
+        "date": time.strftime("%Y-%m-%d"),
+        "tolerance": TOLERANCE,
+    }
     with open(a.out + ".meta.json", "w") as f:
         json.dump(meta, f, indent=1)
     rows = [json.loads(line) for line in open(a.out)]
     agree = sum(r["agrees"] for r in rows)
     problems = {row_key(r["problem"], r.get("lengths"), "", None) for r in rows}
-    print(f"{len(rows)} rows, {len(problems)} problems, "
-          f"agreement {agree}/{len(rows)} = {100 * agree / max(len(rows), 1):.2f}% "
-          f"on {target.describe()} in {time.time() - start:.0f} s")
+    print(
+        f"{len(rows)} rows, {len(problems)} problems, "
+        f"agreement {agree}/{len(rows)} = {100 * agree / max(len(rows), 1):.2f}% "
+        f"on {target.describe()} in {time.time() - start:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ choice, every packed candidate forced, torch's own `varlen_attn` with V padded (
 writes), and FlashAttention-4's `flash_attn_varlen_func` called directly where installed. Reported: the
 median step, the p90 step, the total of the first 10 timed steps, the slowest later step over the median
 (raw, and over the time the row's median rate gives that step's work, since the long-tailed steps' work
-varies several fold: a rebuild shows as a step far slower than its work explains), and TFLOP/s on useful causal work (3.5 x 2 * H * (d_qk + d_v) * sum n(n+1)/2 a step, forward+backward).
+varies several fold: a rebuild shows as a step far slower than its work explains), and TFLOP/s on useful
+causal work (3.5 x 2 * H * (d_qk + d_v) * sum n(n+1)/2 a step, forward+backward).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ DISTRIBUTIONS = {
 SMOKE_DISTRIBUTIONS = {"smoke": dict(kind="uniform", low=1, high=40, seed=4)}
 TORCH_DEFAULT, FA4 = "torch varlen_attn, V padded", "FA4 flash_attn_varlen_func, called directly"
 DEFAULT_GIVEN, DEFAULT_READ = "attnselect default, max_seqlen given", "attnselect default, max_seqlen read"
-WITHOUT_FA4 = "attnselect default, FA4 disabled"   # what a machine without FA4 gets, side by side with one that has it
+WITHOUT_FA4 = "attnselect default, FA4 disabled"  # what a machine without FA4 gets, side by side with one that has it
 
 
 def packings(spec: dict, tokens: int, count: int) -> list[list[int]]:
@@ -74,13 +75,27 @@ def row_names(device: str, smoke: bool) -> list[str]:
     import attnselect
     from attnselect import backends
     from attnselect.candidates import judge
+
     geometry = SMOKE if smoke else dict(heads=HEADS, d_qk=D_QK, d_v=D_V, tokens=TOKENS)
     target = attnselect.Target.current(device)
-    problem = attnselect.AttentionProblem(8, 4096, 4096, geometry["heads"], geometry["heads"], geometry["d_qk"],
-                                          geometry["d_v"], dtype=_dtype(device), layout="thd", mask="causal",
-                                          training=True)
-    forced = [str(v.candidate) for v in judge(problem, target)
-              if v.supported and backends.get(v.candidate.backend).packs_thd(target)]
+    problem = attnselect.AttentionProblem(
+        8,
+        4096,
+        4096,
+        geometry["heads"],
+        geometry["heads"],
+        geometry["d_qk"],
+        geometry["d_v"],
+        dtype=_dtype(device),
+        layout="thd",
+        mask="causal",
+        training=True,
+    )
+    forced = [
+        str(v.candidate)
+        for v in judge(problem, target)
+        if v.supported and backends.get(v.candidate.backend).packs_thd(target)
+    ]
     rows = [DEFAULT_GIVEN, DEFAULT_READ, *forced, TORCH_DEFAULT]
     if device == "cuda" and _fa4() is not None:
         rows += [FA4, WITHOUT_FA4]
@@ -102,17 +117,27 @@ def _fa4():
 def attention_for(row: str):
     """``attend(q, k, v, cu, max_seqlen) -> out`` for one row."""
     import attnselect
+
     if row in (DEFAULT_GIVEN, DEFAULT_READ, WITHOUT_FA4):
         read, disable = row == DEFAULT_READ, ("flash_attn4",) if row == WITHOUT_FA4 else None
         return lambda q, k, v, cu, m: attnselect.attention(
-            q, k, v, layout="thd", cu_seqlens_q=cu, causal=True,
-            max_seqlen_q=None if read else m, max_seqlen_kv=None if read else m, disable=disable)
+            q,
+            k,
+            v,
+            layout="thd",
+            cu_seqlens_q=cu,
+            causal=True,
+            max_seqlen_q=None if read else m,
+            max_seqlen_kv=None if read else m,
+            disable=disable,
+        )
     if row == TORCH_DEFAULT:
         from torch.nn.attention.varlen import varlen_attn
 
         def torch_default(q, k, v, cu, m):
             padded = F.pad(v, (0, q.shape[-1] - v.shape[-1])) if q.shape[-1] > v.shape[-1] else v
-            return varlen_attn(q, k, padded, cu, cu, m, m, window_size=(-1, 0))[..., :v.shape[-1]]
+            return varlen_attn(q, k, padded, cu, cu, m, m, window_size=(-1, 0))[..., : v.shape[-1]]
+
         return torch_default
     if row == FA4:
         fa4 = _fa4()
@@ -120,11 +145,13 @@ def attention_for(row: str):
         def flash_attn4(q, k, v, cu, m):
             out = fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, causal=True)
             return out[0] if isinstance(out, tuple) else out
+
         return flash_attn4
     backend, _, padded = row.partition(" ")
     pad = padded.startswith("padded")
-    return lambda q, k, v, cu, m: attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True,
-                                                       max_seqlen_q=m, max_seqlen_kv=m, backend=backend, pad=pad)
+    return lambda q, k, v, cu, m: attnselect.attention(
+        q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=m, max_seqlen_kv=m, backend=backend, pad=pad
+    )
 
 
 def run_row(row: str, device: str, steps: int, warmup: int, smoke: bool) -> dict:
@@ -132,8 +159,10 @@ def run_row(row: str, device: str, steps: int, warmup: int, smoke: bool) -> dict
     geometry = SMOKE if smoke else dict(heads=HEADS, d_qk=D_QK, d_v=D_V, tokens=TOKENS)
     dtype, heads, tokens = _dtype(device), geometry["heads"], geometry["tokens"]
     g = torch.Generator(device=device).manual_seed(0)
-    q, k = (torch.randn(tokens, heads, geometry["d_qk"], device=device, dtype=dtype, generator=g).requires_grad_()
-            for _ in range(2))
+    q, k = (
+        torch.randn(tokens, heads, geometry["d_qk"], device=device, dtype=dtype, generator=g).requires_grad_()
+        for _ in range(2)
+    )
     v = torch.randn(tokens, heads, geometry["d_v"], device=device, dtype=dtype, generator=g).requires_grad_()
     grad_out = torch.randn(tokens, heads, geometry["d_v"], device=device, dtype=dtype, generator=g)
     attend = attention_for(row)
@@ -148,12 +177,16 @@ def run_row(row: str, device: str, steps: int, warmup: int, smoke: bool) -> dict
                     times.append(ms)
                     gpu.append(gpu_ms)
                     flops.append(useful_flops(lengths, heads, geometry["d_qk"], geometry["d_v"]))
-        except Exception as exc:   # a row that cannot run this loop is itself a finding
+        except Exception as exc:  # a row that cannot run this loop is itself a finding
             results[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
             continue
-        results[name] = {"step_ms": times, "gpu_ms": gpu, "flops": flops,
-                         "documents": [min(map(len, loop[warmup:])), max(map(len, loop[warmup:]))],
-                         "max_seqlen": [min(map(max, loop[warmup:])), max(map(max, loop[warmup:]))]}
+        results[name] = {
+            "step_ms": times,
+            "gpu_ms": gpu,
+            "flops": flops,
+            "documents": [min(map(len, loop[warmup:])), max(map(len, loop[warmup:]))],
+            "max_seqlen": [min(map(max, loop[warmup:])), max(map(max, loop[warmup:]))],
+        }
     return results
 
 
@@ -181,20 +214,33 @@ def summary(rounds: list[dict]) -> dict:
     if any("error" in r for r in rounds):
         return next(r for r in rounds if "error" in r)
     times = [t for r in rounds for t in r["step_ms"]]
-    rate = statistics.median(t / f for r in rounds for t, f in zip(r["step_ms"], r["flops"]))   # ms per FLOP
+    rate = statistics.median(t / f for r in rounds for t, f in zip(r["step_ms"], r["flops"]))  # ms per FLOP
     gpu = [t for r in rounds for t in r["gpu_ms"] if t is not None]
     median = statistics.median(times)
-    return {"median_ms": median, "p90_ms": _quantile(times, 0.9),
-            "first_10_total_ms": max(sum(r["step_ms"][:10]) for r in rounds),
-            "worst_after_10_over_median": max(max(r["step_ms"][10:] or r["step_ms"]) / statistics.median(r["step_ms"])
-                                              for r in rounds),
-            "worst_after_10_over_work": max((t / (f * rate) for r in rounds for t, f in
-                                             zip(r["step_ms"][10:] or r["step_ms"], r["flops"][10:] or r["flops"])),
-                                            default=None),
-            "tflops": sum(f for r in rounds for f in r["flops"]) / (sum(times) * 1e-3) / 1e12,
-            "gpu_median_ms": statistics.median(gpu) if gpu else None, "steps": len(times), "rounds": len(rounds),
-            "documents": rounds[0]["documents"], "max_seqlen": rounds[0]["max_seqlen"],
-            "step_ms": [r["step_ms"] for r in rounds], "flops": rounds[0]["flops"]}
+    return {
+        "median_ms": median,
+        "p90_ms": _quantile(times, 0.9),
+        "first_10_total_ms": max(sum(r["step_ms"][:10]) for r in rounds),
+        "worst_after_10_over_median": max(
+            max(r["step_ms"][10:] or r["step_ms"]) / statistics.median(r["step_ms"]) for r in rounds
+        ),
+        "worst_after_10_over_work": max(
+            (
+                t / (f * rate)
+                for r in rounds
+                for t, f in zip(r["step_ms"][10:] or r["step_ms"], r["flops"][10:] or r["flops"])
+            ),
+            default=None,
+        ),
+        "tflops": sum(f for r in rounds for f in r["flops"]) / (sum(times) * 1e-3) / 1e12,
+        "gpu_median_ms": statistics.median(gpu) if gpu else None,
+        "steps": len(times),
+        "rounds": len(rounds),
+        "documents": rounds[0]["documents"],
+        "max_seqlen": rounds[0]["max_seqlen"],
+        "step_ms": [r["step_ms"] for r in rounds],
+        "flops": rounds[0]["flops"],
+    }
 
 
 def paired(a: dict, b: dict) -> float:
@@ -225,38 +271,55 @@ def goals(report: dict) -> list[dict]:
         fastest = min(forced, key=forced.get) if forced else None
         torch_ratio = paired(rows[TORCH_DEFAULT], default) if TORCH_DEFAULT in rows else None
         need = 1.5 if name == "short chat turns" else 2.5
-        goal = {"distribution": name, "choice": report["choices"].get(name),
-                "default_vs_fastest_forced": fastest and forced[fastest], "fastest_forced": fastest,
-                "within_5_percent": bool(fastest) and forced[fastest] >= 0.95,
-                "vs_torch_default": torch_ratio, "vs_torch_needed": need,
-                "vs_torch_met": bool(torch_ratio) and torch_ratio >= need,
-                "worst_after_10_over_median": default["worst_after_10_over_median"],
-                "no_spikes": default["worst_after_10_over_median"] <= 1.5,
-                "worst_after_10_over_work": default.get("worst_after_10_over_work"),
-                "no_spikes_for_the_work": (default.get("worst_after_10_over_work") or 99) <= 1.5}
+        goal = {
+            "distribution": name,
+            "choice": report["choices"].get(name),
+            "default_vs_fastest_forced": fastest and forced[fastest],
+            "fastest_forced": fastest,
+            "within_5_percent": bool(fastest) and forced[fastest] >= 0.95,
+            "vs_torch_default": torch_ratio,
+            "vs_torch_needed": need,
+            "vs_torch_met": bool(torch_ratio) and torch_ratio >= need,
+            "worst_after_10_over_median": default["worst_after_10_over_median"],
+            "no_spikes": default["worst_after_10_over_median"] <= 1.5,
+            "worst_after_10_over_work": default.get("worst_after_10_over_work"),
+            "no_spikes_for_the_work": (default.get("worst_after_10_over_work") or 99) <= 1.5,
+        }
         if WITHOUT_FA4 in rows:
-            others = {row: paired(r, rows[WITHOUT_FA4]) for row, r in rows.items()
-                      if row not in (*attnselect_rows, TORCH_DEFAULT, FA4) and not row.startswith("flash_attn4")}
+            others = {
+                row: paired(r, rows[WITHOUT_FA4])
+                for row, r in rows.items()
+                if row not in (*attnselect_rows, TORCH_DEFAULT, FA4) and not row.startswith("flash_attn4")
+            }
             best = min(others, key=others.get) if others else None
-            goal.update(without_fa4_vs_fastest=best and others[best], without_fa4_fastest=best,
-                        without_fa4_within_5_percent=bool(best) and others[best] >= 0.95)
+            goal.update(
+                without_fa4_vs_fastest=best and others[best],
+                without_fa4_fastest=best,
+                without_fa4_within_5_percent=bool(best) and others[best] >= 0.95,
+            )
         out.append(goal)
     return out
 
 
 def markdown(report: dict) -> str:
     meta = report["meta"]
-    lines = ["# Training loop with a new packing every step\n",
-             f"{meta['device']}, torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN {meta['cudnn']}, "
-             f"cudnn-frontend {meta['cudnn_frontend']}, FA4 {meta['flash_attn4']}, {meta['date']}, attnselect at "
-             f"{meta['commit']}. {meta['geometry']}. {meta['steps']} timed steps after {meta['warmup']} of warm-up, "
-             f"each row in a process of its own, {meta['rounds']} rounds of every row in turn (steps pooled). Wall time per step, host included (boundaries copied, forward, "
-             f"backward, one sync). Produced by `benchmarks/training_loop.py`.\n"]
+    lines = [
+        "# Training loop with a new packing every step\n",
+        f"{meta['device']}, torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN {meta['cudnn']}, "
+        f"cudnn-frontend {meta['cudnn_frontend']}, FA4 {meta['flash_attn4']}, {meta['date']}, attnselect at "
+        f"{meta['commit']}. {meta['geometry']}. {meta['steps']} timed steps after {meta['warmup']} of warm-up, "
+        f"each row in a process of its own, {meta['rounds']} rounds of every row in turn (steps pooled). "
+        "Wall time per step, host included (boundaries copied, forward, "
+        f"backward, one sync). Produced by `benchmarks/training_loop.py`.\n",
+    ]
     for name in report["distributions"]:
         spec = report["distributions"][name]
-        lines += [f"\n## {name} ({_describe(spec)})\n",
-                  "| row | median ms | p90 ms | first 10 steps ms | slowest later step / median | ... / its work's time "
-                  "| TFLOP/s | GPU median ms |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"\n## {name} ({_describe(spec)})\n",
+            "| row | median ms | p90 ms | first 10 steps ms | slowest later step / median | ... / its work's time "
+            "| TFLOP/s | GPU median ms |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for row, results in report["rows"].items():
             r = results.get(name, {"error": "not run"})
             if "error" in r:
@@ -264,32 +327,48 @@ def markdown(report: dict) -> str:
                 continue
             gpu = f"{r['gpu_median_ms']:.2f}" if r["gpu_median_ms"] is not None else "-"
             work = f"{r['worst_after_10_over_work']:.2f}" if r.get("worst_after_10_over_work") else "-"
-            lines.append(f"| {row} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {r['first_10_total_ms']:.0f} | "
-                         f"{r['worst_after_10_over_median']:.2f} | {work} | {r['tflops']:.0f} | {gpu} |")
+            lines.append(
+                f"| {row} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {r['first_10_total_ms']:.0f} | "
+                f"{r['worst_after_10_over_median']:.2f} | {work} | {r['tflops']:.0f} | {gpu} |"
+            )
         first = next((r[name] for r in report["rows"].values() if "documents" in r.get(name, {})), None)
         if first:
-            lines.append(f"\nDocuments a step: {first['documents'][0]}-{first['documents'][1]}; max_seqlen "
-                         f"{first['max_seqlen'][0]}-{first['max_seqlen'][1]}. attnselect chose: "
-                         f"{report['choices'].get(name)}.")
-    lines += ["\n## Goals\n", "Ratios are medians of per-step ratios on the same packings (a row's step time over the "
-              "default's).\n", "| distribution | fastest other row vs default | within 5% | torch default vs default "
-              "(needed) | slowest later step / median (<= 1.5) | ... / its work's time |", "|---|---|---|---|---|---|"]
+            lines.append(
+                f"\nDocuments a step: {first['documents'][0]}-{first['documents'][1]}; max_seqlen "
+                f"{first['max_seqlen'][0]}-{first['max_seqlen'][1]}. attnselect chose: "
+                f"{report['choices'].get(name)}."
+            )
+    lines += [
+        "\n## Goals\n",
+        "Ratios are medians of per-step ratios on the same packings (a row's step time over the default's).\n",
+        "| distribution | fastest other row vs default | within 5% | torch default vs default "
+        "(needed) | slowest later step / median (<= 1.5) | ... / its work's time |",
+        "|---|---|---|---|---|---|",
+    ]
     for g in report["goals"]:
         if "error" in g:
             lines.append(f"| {g['distribution']} | {g['error']} | | | | |")
             continue
         vs_fastest = f"{g['default_vs_fastest_forced']:.3f} ({g['fastest_forced']})" if g["fastest_forced"] else "-"
         vs_torch = f"{g['vs_torch_default']:.2f}x" if g["vs_torch_default"] else "-"
-        lines.append(f"| {g['distribution']} | {vs_fastest} | {'met' if g['within_5_percent'] else 'missed'} | "
-                     f"{vs_torch} ({g['vs_torch_needed']}x: {'met' if g['vs_torch_met'] else 'missed'}) | "
-                     f"{g['worst_after_10_over_median']:.2f} ({'met' if g['no_spikes'] else 'missed'}) | "
-                     + (f"{g['worst_after_10_over_work']:.2f} |" if g.get("worst_after_10_over_work") else "- |"))
+        lines.append(
+            f"| {g['distribution']} | {vs_fastest} | {'met' if g['within_5_percent'] else 'missed'} | "
+            f"{vs_torch} ({g['vs_torch_needed']}x: {'met' if g['vs_torch_met'] else 'missed'}) | "
+            f"{g['worst_after_10_over_median']:.2f} ({'met' if g['no_spikes'] else 'missed'}) | "
+            + (f"{g['worst_after_10_over_work']:.2f} |" if g.get("worst_after_10_over_work") else "- |")
+        )
     without = [g for g in report["goals"] if g.get("without_fa4_fastest")]
     if without:
-        lines += [f"\nWith FA4 disabled ({WITHOUT_FA4!r}), against the fastest row without FA4 (within 5%):\n",
-                  "| distribution | fastest row without FA4 vs that default | within 5% |", "|---|---|---|"]
-        lines += [f"| {g['distribution']} | {g['without_fa4_vs_fastest']:.3f} ({g['without_fa4_fastest']}) | "
-                  f"{'met' if g['without_fa4_within_5_percent'] else 'missed'} |" for g in without]
+        lines += [
+            f"\nWith FA4 disabled ({WITHOUT_FA4!r}), against the fastest row without FA4 (within 5%):\n",
+            "| distribution | fastest row without FA4 vs that default | within 5% |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {g['distribution']} | {g['without_fa4_vs_fastest']:.3f} ({g['without_fa4_fastest']}) | "
+            f"{'met' if g['without_fa4_within_5_percent'] else 'missed'} |"
+            for g in without
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -302,12 +381,19 @@ def render(path: str, out: str) -> None:
     for name, spec in report["distributions"].items():
         loop = packings(spec, geometry["tokens"], warmup + report["meta"]["steps"])[warmup:]
         flops = [useful_flops(p, geometry["heads"], geometry["d_qk"], geometry["d_v"]) for p in loop]
-        for row, results in report["rows"].items():
+        for results in report["rows"].values():
             r = results.get(name, {})
             if "step_ms" in r:
-                rounds = [{"step_ms": times, "gpu_ms": [r["gpu_median_ms"]] if r["gpu_median_ms"] else [],
-                           "flops": flops, "documents": r["documents"], "max_seqlen": r["max_seqlen"]}
-                          for times in r["step_ms"]]
+                rounds = [
+                    {
+                        "step_ms": times,
+                        "gpu_ms": [r["gpu_median_ms"]] if r["gpu_median_ms"] else [],
+                        "flops": flops,
+                        "documents": r["documents"],
+                        "max_seqlen": r["max_seqlen"],
+                    }
+                    for times in r["step_ms"]
+                ]
                 results[name] = summary(rounds)
                 results[name]["gpu_median_ms"] = r["gpu_median_ms"]
     report["goals"] = goals(report)
@@ -325,29 +411,52 @@ def _describe(spec: dict) -> str:
 def choices(device: str, smoke: bool) -> dict:
     """attnselect's choice for each distribution's first timed packing (max_seqlen given)."""
     import attnselect
+
     geometry = SMOKE if smoke else dict(heads=HEADS, d_qk=D_QK, d_v=D_V, tokens=TOKENS)
     out = {}
     for name, spec in (SMOKE_DISTRIBUTIONS if smoke else DISTRIBUTIONS).items():
         lengths = packings(spec, geometry["tokens"], 4)[3]
-        problem = attnselect.AttentionProblem(len(lengths), max(lengths), max(lengths), geometry["heads"],
-                                              geometry["heads"], geometry["d_qk"], geometry["d_v"],
-                                              dtype=_dtype(device), layout="thd", mask="causal", training=True)
+        problem = attnselect.AttentionProblem(
+            len(lengths),
+            max(lengths),
+            max(lengths),
+            geometry["heads"],
+            geometry["heads"],
+            geometry["d_qk"],
+            geometry["d_v"],
+            dtype=_dtype(device),
+            layout="thd",
+            mask="causal",
+            training=True,
+        )
         out[name] = str(attnselect.select(problem, target=attnselect.Target.current(device)).chosen)
     return out
 
 
 def meta(device: str, a) -> dict:
     import attnselect
+
     target = attnselect.Target.current(device)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     geometry = SMOKE if a.smoke else dict(heads=HEADS, d_qk=D_QK, d_v=D_V, tokens=TOKENS)
-    return {"device": target.name, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": target.cudnn_version, "cudnn_frontend": target.cudnn_frontend_version,
-            "flash_attn4": target.flash_attn4_version, "date": time.strftime("%Y-%m-%d"), "commit": commit or "?",
-            "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds,
-            "geometry": (f"MLA {geometry['heads']} heads, d_qk={geometry['d_qk']}, d_v={geometry['d_v']}, causal, "
-                         f"{str(_dtype(device)).replace('torch.', '')}, {geometry['tokens']} tokens a step, "
-                         "forward+backward")}
+    return {
+        "device": target.name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": target.cudnn_version,
+        "cudnn_frontend": target.cudnn_frontend_version,
+        "flash_attn4": target.flash_attn4_version,
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit or "?",
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "rounds": a.rounds,
+        "geometry": (
+            f"MLA {geometry['heads']} heads, d_qk={geometry['d_qk']}, d_v={geometry['d_v']}, causal, "
+            f"{str(_dtype(device)).replace('torch.', '')}, {geometry['tokens']} tokens a step, "
+            "forward+backward"
+        ),
+    }
 
 
 def main() -> None:
@@ -358,7 +467,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of every row, in turn (each a process per row)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (any device): a check that it runs")
     ap.add_argument("--rows", help="rows to run, separated by ';' (default: all)")
-    ap.add_argument("--row", help=argparse.SUPPRESS)   # internal: run one row here and print its JSON
+    ap.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row here and print its JSON
     ap.add_argument("--render", help="re-make the report from this JSON (its packings re-drawn from their seeds)")
     a = ap.parse_args()
     if a.render:
@@ -369,25 +478,47 @@ def main() -> None:
         print(json.dumps(run_row(a.row, device, a.steps, a.warmup, a.smoke)))
         return
     rows = a.rows.split(";") if a.rows else row_names(device, a.smoke)
-    report = {"meta": meta(device, a), "distributions": SMOKE_DISTRIBUTIONS if a.smoke else DISTRIBUTIONS,
-              "choices": choices(device, a.smoke), "rows": {}}
+    report = {
+        "meta": meta(device, a),
+        "distributions": SMOKE_DISTRIBUTIONS if a.smoke else DISTRIBUTIONS,
+        "choices": choices(device, a.smoke),
+        "rows": {},
+    }
     runs = {row: [] for row in rows}
     for turn in range(a.rounds):
-        for row in (rows if turn % 2 == 0 else rows[::-1]):
+        for row in rows if turn % 2 == 0 else rows[::-1]:
             started = time.perf_counter()
-            command = [sys.executable, __file__, "--out", a.out, "--row", row, "--steps", str(a.steps),
-                       "--warmup", str(a.warmup)] + (["--smoke"] if a.smoke else [])
+            command = [
+                sys.executable,
+                __file__,
+                "--out",
+                a.out,
+                "--row",
+                row,
+                "--steps",
+                str(a.steps),
+                "--warmup",
+                str(a.warmup),
+            ] + (["--smoke"] if a.smoke else [])
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode:
                 error = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
                 runs[row].append({name: {"error": error} for name in report["distributions"]})
             else:
                 runs[row].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"round {turn + 1}, {row}: {time.perf_counter() - started:.0f} s; " + "; ".join(
-                f"{name} {statistics.median(r['step_ms']):.2f} ms" if "step_ms" in r else f"{name} {r['error'][:80]}"
-                for name, r in runs[row][-1].items()), flush=True)
-    report["rows"] = {row: {name: summary([run[name] for run in runs[row]]) for name in report["distributions"]}
-                      for row in rows}
+            print(
+                f"round {turn + 1}, {row}: {time.perf_counter() - started:.0f} s; "
+                + "; ".join(
+                    f"{name} {statistics.median(r['step_ms']):.2f} ms"
+                    if "step_ms" in r
+                    else f"{name} {r['error'][:80]}"
+                    for name, r in runs[row][-1].items()
+                ),
+                flush=True,
+            )
+    report["rows"] = {
+        row: {name: summary([run[name] for run in runs[row]]) for name in report["distributions"]} for row in rows
+    }
     report["goals"] = goals(report)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".json").write_text(json.dumps(report, indent=1))

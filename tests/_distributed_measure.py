@@ -18,7 +18,7 @@ def main(rank: int, world: int, port: str, cache: str) -> None:
     p = attnselect.AttentionProblem(2, 64, 64, 4, 4, 24, 16, torch.float32, mask="causal")
     chosen = str(attnselect.select(p, target=attnselect.Target.current("cpu"), policy="measure").chosen)
     print(f"rank {rank}: {chosen}", flush=True)
-    dist.barrier()                  # both ranks done before either tears gloo down
+    dist.barrier()  # both ranks done before either tears gloo down
     dist.destroy_process_group()
 
 

@@ -24,9 +24,10 @@ def clean_state(monkeypatch, tmp_path_factory):
             monkeypatch.delenv(name)
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path_factory.mktemp("attnselect-cache")))
     from attnselect import selection
+
     attnselect.clear_cache()
     selection._FAILED.clear()
-    monkeypatch.setattr(selection, "_RECORDED", None)   # the (empty) cache's recorded failures are read afresh
+    monkeypatch.setattr(selection, "_RECORDED", None)  # the (empty) cache's recorded failures are read afresh
     yield
     attnselect.clear_cache()
     selection._FAILED.clear()

@@ -6,12 +6,27 @@ import torch
 
 import attnselect
 
-SHAPES = {"bshd": lambda b, s, h, d: (b, s, h, d), "sbhd": lambda b, s, h, d: (s, b, h, d),
-          "bhsd": lambda b, s, h, d: (b, h, s, d)}
+SHAPES = {
+    "bshd": lambda b, s, h, d: (b, s, h, d),
+    "sbhd": lambda b, s, h, d: (s, b, h, d),
+    "bhsd": lambda b, s, h, d: (b, h, s, d),
+}
 
 
-def dense_inputs(layout="bshd", b=2, sq=33, skv=33, hq=4, hkv=4, dqk=24, dv=16, dtype=torch.float64,
-                 device="cpu", requires_grad=True, seed=0):
+def dense_inputs(
+    layout="bshd",
+    b=2,
+    sq=33,
+    skv=33,
+    hq=4,
+    hkv=4,
+    dqk=24,
+    dv=16,
+    dtype=torch.float64,
+    device="cpu",
+    requires_grad=True,
+    seed=0,
+):
     g = torch.Generator().manual_seed(seed)
     make = SHAPES[layout]
     q = torch.randn(make(b, sq, hq, dqk), generator=g, dtype=torch.float64)

@@ -67,6 +67,7 @@ def _break_sdpa_flash(monkeypatch):
 
     monkeypatch.setattr(SdpaFlash, "run", run)
     from attnselect import selection
+
     monkeypatch.setattr(selection, "_FAILED", {})
 
 
@@ -81,13 +82,16 @@ def test_a_failing_chosen_kernel_falls_back_once_with_a_warning(monkeypatch, cap
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "sdpa_flash padded to 24 failed" in warnings[0] and "workspace" in warnings[0]
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
-    verdict = next(v for v in attnselect.select(problem).verdicts if v.candidate == attnselect.Candidate("sdpa_flash", 24))
+    verdict = next(
+        v for v in attnselect.select(problem).verdicts if v.candidate == attnselect.Candidate("sdpa_flash", 24)
+    )
     assert verdict.reasons[0].startswith("failed at run time on this target: _Broken: workspace")
 
 
 def _as_a_new_process(monkeypatch):
     """Forget what this process knows of failures and decisions: only the decision cache file remembers."""
     from attnselect import selection
+
     selection._FAILED.clear()
     monkeypatch.setattr(selection, "_RECORDED", None)
     attnselect.clear_cache()
@@ -96,17 +100,17 @@ def _as_a_new_process(monkeypatch):
 def test_a_run_time_failure_is_remembered_by_later_processes_on_the_same_target(monkeypatch, caplog):
     _break_sdpa_flash(monkeypatch)
     q, k, v = _inputs()
-    attnselect.attention(q, k, v, causal=True)          # fails over, and writes the failure to the cache
+    attnselect.attention(q, k, v, causal=True)  # fails over, and writes the failure to the cache
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
     broken = attnselect.Candidate("sdpa_flash", 24)
     _as_a_new_process(monkeypatch)
     caplog.clear()
     with caplog.at_level("WARNING", logger="attnselect"):
         attnselect.attention(q, k, v, causal=True)
-    assert not caplog.records                            # not tried again: no second failure, no warning
+    assert not caplog.records  # not tried again: no second failure, no warning
     verdict = next(v for v in attnselect.select(problem).verdicts if v.candidate == broken)
     assert verdict.reasons[0].startswith("failed at run time on this target: _Broken: workspace")
-    _as_a_new_process(monkeypatch)                       # another library version: the entry does not apply
+    _as_a_new_process(monkeypatch)  # another library version: the entry does not apply
     newer = dataclasses.replace(attnselect.Target.current(), torch_version="99.0")
     assert broken in {v.candidate for v in attnselect.select(problem, target=newer).verdicts if v.supported}
 
@@ -116,6 +120,7 @@ def test_out_of_memory_is_not_recorded_for_later_processes(monkeypatch, caplog):
 
     def run(self, q, k, v, call):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
     monkeypatch.setattr(SdpaFlash, "run", run)
     q, k, v = _inputs()
     with caplog.at_level("WARNING", logger="attnselect"):
@@ -123,23 +128,24 @@ def test_out_of_memory_is_not_recorded_for_later_processes(monkeypatch, caplog):
     assert "for this process only: it may pass" in caplog.text
     _as_a_new_process(monkeypatch)
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
-    assert attnselect.select(problem).chosen == attnselect.Candidate("sdpa_flash", 24)   # tried again
+    assert attnselect.select(problem).chosen == attnselect.Candidate("sdpa_flash", 24)  # tried again
 
 
 def test_failures_of_several_processes_on_one_problem_add_up(monkeypatch):
     from attnselect import selection
+
     problem = attnselect.AttentionProblem.from_tensors(*_inputs(), causal=True)
     target = attnselect.Target.current()
     first, second = attnselect.Candidate("sdpa_flash", 24), attnselect.Candidate("sdpa_math")
     selection.mark_failed(problem, target, first, RuntimeError("no kernel image"))
-    _as_a_new_process(monkeypatch)                       # the second process has not seen the first's failure
+    _as_a_new_process(monkeypatch)  # the second process has not seen the first's failure
     selection.mark_failed(problem, target, second, RuntimeError("illegal instruction"))
     _as_a_new_process(monkeypatch)
     assert set(selection.failures(problem, target)) == {first, second}
 
 
 def test_a_failing_packed_call_falls_back_too(monkeypatch, caplog):
-    _break_sdpa_flash(monkeypatch)   # the CPU rules' first choice for this pack, run sequence by sequence
+    _break_sdpa_flash(monkeypatch)  # the CPU rules' first choice for this pack, run sequence by sequence
     g = torch.Generator().manual_seed(3)
     q, k = (torch.randn(10, 2, 24, generator=g, dtype=torch.float64) for _ in range(2))
     v = torch.randn(10, 2, 16, generator=g, dtype=torch.float64)
@@ -176,8 +182,8 @@ def test_forced_or_strict_failures_raise(monkeypatch):
     with pytest.raises(attnselect.InvalidInputError, match="ATTNSELECT_STRICT"):
         attnselect.attention(q, k, v)
     monkeypatch.setenv("ATTNSELECT_STRICT", "0")
-    attnselect.attention(q, k, v, backend="reference")   # a memoized decision...
-    monkeypatch.setenv("ATTNSELECT_STRICT", "maybe")      # ...is not reused past a bad value: it is checked
+    attnselect.attention(q, k, v, backend="reference")  # a memoized decision...
+    monkeypatch.setenv("ATTNSELECT_STRICT", "maybe")  # ...is not reused past a bad value: it is checked
     with pytest.raises(attnselect.InvalidInputError, match="ATTNSELECT_STRICT: got 'maybe'"):
         attnselect.attention(q, k, v, backend="reference")
 
@@ -195,13 +201,24 @@ def _capture_inputs(layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,backend", [
-    ("bshd", None), ("bshd", "sdpa_cudnn"), ("bshd", "sdpa_flash"), ("bshd", "sdpa_efficient"), ("bshd", "sdpa_math"),
-    ("bshd", "reference"), ("thd", None), ("thd", "varlen_fa2")])
+@pytest.mark.parametrize(
+    "layout,backend",
+    [
+        ("bshd", None),
+        ("bshd", "sdpa_cudnn"),
+        ("bshd", "sdpa_flash"),
+        ("bshd", "sdpa_efficient"),
+        ("bshd", "sdpa_math"),
+        ("bshd", "reference"),
+        ("thd", None),
+        ("thd", "varlen_fa2"),
+    ],
+)
 def test_a_captured_cuda_graph_replays_like_a_float64_reference(layout, backend):
     """Warm-up on a side stream, capture, new data in the static buffers, replay: the automatic choice and every
     backend that allows capture (thd: the packed kernels; the per-sequence path reads boundaries on the host)."""
     from helpers import rel_err
+
     g = torch.Generator(device="cuda").manual_seed(0)
     (q, k, v), kwargs = _capture_inputs(layout)
     for t in (q, k, v):
@@ -224,13 +241,15 @@ def test_a_captured_cuda_graph_replays_like_a_float64_reference(layout, backend)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,backend", [("bshd", "flex"), ("bshd", "cudnn_frontend"), ("thd", "cudnn_frontend"),
-                                            ("thd", "flex"), ("thd", "sdpa_cudnn")])
+@pytest.mark.parametrize(
+    "layout,backend",
+    [("bshd", "flex"), ("bshd", "cudnn_frontend"), ("thd", "cudnn_frontend"), ("thd", "flex"), ("thd", "sdpa_cudnn")],
+)
 def test_capture_refuses_a_backend_it_has_not_verified(layout, backend):
     (q, k, v), kwargs = _capture_inputs(layout)
     for t in (q, k, v):
         t.normal_()
-    attnselect.attention(q, k, v, backend="reference", **kwargs)   # CUDA initialised before capture
+    attnselect.attention(q, k, v, backend="reference", **kwargs)  # CUDA initialised before capture
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(attnselect.ForcedChoiceError, match="graph capture"):
         with torch.cuda.graph(graph):

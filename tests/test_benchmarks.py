@@ -18,26 +18,48 @@ def _run(*args):
 
 
 def test_thd_bench_smoke(tmp_path):
-    _run("benchmarks/thd_bench.py", "--packings", "smoke", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path / "bench"))
+    _run(
+        "benchmarks/thd_bench.py",
+        "--packings",
+        "smoke",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        str(tmp_path / "bench"),
+    )
     report = json.loads((tmp_path / "bench.json").read_text())
     assert {r["phase"] for r in report["results"]} == {"forward", "forward+backward"}
     for entry in report["results"]:
         assert entry["rules_choice"] and entry["candidates"] and entry["choice_vs_fastest"]
-        for row in entry["candidates"]:   # every CPU candidate runs: none may fail
+        for row in entry["candidates"]:  # every CPU candidate runs: none may fail
             assert row["median_ms"] > 0 and row["alone_median_ms"] > 0 and row["tflops"] > 0, row
     assert "| candidate | queued ms |" in (tmp_path / "bench.md").read_text()
 
 
 def test_thd_bench_reruns_one_packing_into_an_earlier_report(tmp_path):
-    common = ("benchmarks/thd_bench.py", "--packings", "smoke", "--repeats", "2", "--warmup", "1", "--skip",
-              "reference,sdpa_math,sdpa_efficient")
+    common = (
+        "benchmarks/thd_bench.py",
+        "--packings",
+        "smoke",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--skip",
+        "reference,sdpa_math,sdpa_efficient",
+    )
     _run(*common, "--out", str(tmp_path / "bench"))
     before = json.loads((tmp_path / "bench.json").read_text())
     _run(*common, "--only", "equal", "--out", str(tmp_path / "rerun"), "--into", str(tmp_path / "bench"))
     after = json.loads((tmp_path / "bench.json").read_text())
     assert [(e["packing"], e["phase"]) for e in after["results"]] == [
-        ("smoke-mixed", "forward"), ("smoke-mixed", "forward+backward"),
-        ("smoke-equal", "forward"), ("smoke-equal", "forward+backward")]
+        ("smoke-mixed", "forward"),
+        ("smoke-mixed", "forward+backward"),
+        ("smoke-equal", "forward"),
+        ("smoke-equal", "forward+backward"),
+    ]
     assert after["results"][:2] == before["results"][:2]
     assert after["meta"]["reruns"][0]["packings"] == ["smoke-equal"]
     assert "after a change of their rules: smoke-equal" in (tmp_path / "bench.md").read_text()
@@ -46,7 +68,7 @@ def test_thd_bench_reruns_one_packing_into_an_earlier_report(tmp_path):
 def test_megatron_benchmark_hook_captures_query_key_value_and_leaves_the_call_alone():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from megatron_mla import capture_qkv   # importable without megatron-core
+        from megatron_mla import capture_qkv  # importable without megatron-core
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
 
@@ -58,7 +80,7 @@ def test_megatron_benchmark_hook_captures_query_key_value_and_leaves_the_call_al
     core.register_forward_pre_hook(capture_qkv(seen, "arm"), with_kwargs=True)
     q, k, v = torch.ones(2), torch.full((2,), 2.0), torch.full((2,), 3.0)
     assert torch.equal(core(q, k, value=v, attention_mask=None), torch.full((2,), 6.0))
-    core(q * 0, k * 0, value=v * 0, attention_mask=None)           # only the first call is kept
+    core(q * 0, k * 0, value=v * 0, attention_mask=None)  # only the first call is kept
     assert [t.tolist() for t in seen["arm"]] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
 
 
@@ -75,7 +97,7 @@ def test_hf_deepseek_smoke(tmp_path):
     pytest.importorskip("transformers", reason="the test extra installs transformers")
     _run("benchmarks/hf_deepseek.py", "--smoke", "--out", str(tmp_path / "hf"))
     rows = {r["implementation"]: r for r in json.loads((tmp_path / "hf.json").read_text())["rows"]}
-    for name in ("attnselect", "sdpa"):   # flex has no CPU backward: its failure is recorded, not raised
+    for name in ("attnselect", "sdpa"):  # flex has no CPU backward: its failure is recorded, not raised
         assert rows[name]["tokens_per_s"] > 0, rows[name]
     assert "error" in rows["flex_attention"]
 
@@ -92,25 +114,47 @@ def test_noise_floor_smoke(tmp_path):
 
 
 def test_median_convergence_smoke(tmp_path):
-    _run("benchmarks/median_convergence.py", "--smoke", "--sessions", "2", "--scale", "2", "--out",
-         str(tmp_path / "convergence"))
+    _run(
+        "benchmarks/median_convergence.py",
+        "--smoke",
+        "--sessions",
+        "2",
+        "--scale",
+        "2",
+        "--out",
+        str(tmp_path / "convergence"),
+    )
     sessions = json.loads((tmp_path / "convergence.json").read_text())["cases"][0]["sessions"]
-    assert [s["rounds"] for s in sessions] == [32, 32, 64]   # the bench's rounds twice, then twice as many
+    assert [s["rounds"] for s in sessions] == [32, 32, 64]  # the bench's rounds twice, then twice as many
     for session in sessions:
-        assert set(session["medians_ms"]) == {"sdpa_math native (A)", "sdpa_math native (B)", "reference native",
-                                              "torch-default"}
+        assert set(session["medians_ms"]) == {
+            "sdpa_math native (A)",
+            "sdpa_math native (B)",
+            "reference native",
+            "torch-default",
+        }
         assert session["over_a"]["sdpa_math native (A)"] == 1.0 and all(v > 0 for v in session["over_a"].values())
     assert "| 64 |" in (tmp_path / "convergence.md").read_text()
 
 
 def test_training_loop_smoke(tmp_path):
-    _run("benchmarks/training_loop.py", "--smoke", "--steps", "11", "--warmup", "1", "--rounds", "2",
-         "--out", str(tmp_path / "loop"))
+    _run(
+        "benchmarks/training_loop.py",
+        "--smoke",
+        "--steps",
+        "11",
+        "--warmup",
+        "1",
+        "--rounds",
+        "2",
+        "--out",
+        str(tmp_path / "loop"),
+    )
     report = json.loads((tmp_path / "loop.json").read_text())
     default = report["rows"]["attnselect default, max_seqlen given"]["smoke"]
     assert default["steps"] == 22 and default["rounds"] == 2 and default["median_ms"] > 0 and default["tflops"] > 0
     assert len(default["step_ms"]) == 2 and default["worst_after_10_over_median"] > 0
-    assert "error" in report["rows"]["torch varlen_attn, V padded"]["smoke"]   # no CPU kernel: said, not hidden
+    assert "error" in report["rows"]["torch varlen_attn, V padded"]["smoke"]  # no CPU kernel: said, not hidden
     assert report["goals"][0]["distribution"] == "smoke" and "## Goals" in (tmp_path / "loop.md").read_text()
 
 
@@ -133,9 +177,11 @@ def test_packing_buckets_choose_the_least_expected_step():
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     row = dict(distribution="d", keys_built=10, ms_per_build=100.0)
-    rows = [dict(row, counts="exact", max_seqlen="exact", steady_median_ms=5.0, keys_in_2000_steps=2000),
-            dict(row, counts="pow2", max_seqlen="pow2", steady_median_ms=5.5, keys_in_2000_steps=10),
-            dict(row, counts="pow2", max_seqlen="tokens", steady_median_ms=8.0, keys_in_2000_steps=1)]
+    rows = [
+        dict(row, counts="exact", max_seqlen="exact", steady_median_ms=5.0, keys_in_2000_steps=2000),
+        dict(row, counts="pow2", max_seqlen="pow2", steady_median_ms=5.5, keys_in_2000_steps=10),
+        dict(row, counts="pow2", max_seqlen="tokens", steady_median_ms=8.0, keys_in_2000_steps=1),
+    ]
     chosen = packing_buckets.choose(rows)
     assert (chosen["counts"], chosen["max_seqlen"], chosen["build_ms"]) == ("pow2", "pow2", 100.0)
 
@@ -150,12 +196,21 @@ def test_training_loop_goals_judge_the_default_without_fa4_against_the_rows_with
     def row(ms):
         return {"median_ms": ms, "step_ms": [[ms] * 4], "worst_after_10_over_median": 1.0}
 
-    rows = {loop.DEFAULT_GIVEN: row(5.0), loop.WITHOUT_FA4: row(8.0), loop.FA4: row(5.1),
-            "flash_attn4 native": row(5.0), "cudnn_frontend native": row(7.8), loop.TORCH_DEFAULT: row(12.0)}
-    report = {"distributions": {"RL rollouts": {}}, "choices": {},
-              "rows": {name: {"RL rollouts": r} for name, r in rows.items()}}
+    rows = {
+        loop.DEFAULT_GIVEN: row(5.0),
+        loop.WITHOUT_FA4: row(8.0),
+        loop.FA4: row(5.1),
+        "flash_attn4 native": row(5.0),
+        "cudnn_frontend native": row(7.8),
+        loop.TORCH_DEFAULT: row(12.0),
+    }
+    report = {
+        "distributions": {"RL rollouts": {}},
+        "choices": {},
+        "rows": {name: {"RL rollouts": r} for name, r in rows.items()},
+    }
     (goal,) = loop.goals(report)
     assert goal["fastest_forced"] == "flash_attn4 native" and goal["within_5_percent"]
-    assert goal["vs_torch_default"] == 12.0 / 5.0 and not goal["vs_torch_met"]   # 2.4x < 2.5x
+    assert goal["vs_torch_default"] == 12.0 / 5.0 and not goal["vs_torch_met"]  # 2.4x < 2.5x
     assert goal["without_fa4_fastest"] == "cudnn_frontend native"
     assert goal["without_fa4_vs_fastest"] == 7.8 / 8.0 and goal["without_fa4_within_5_percent"]

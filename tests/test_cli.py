@@ -29,9 +29,35 @@ def test_explain_table_defaults_to_embedded_target(capsys):
 
 
 def test_explain_explicit_shape_and_cudnn_override(capsys):
-    assert main(["explain", "--target", "b200", "--cudnn-version", "9.10.0", "--head-dim-qk", "192",
-                 "--head-dim-v", "128", "--heads", "16", "--kv-heads", "4", "--seqlen", "1024", "--batch", "1",
-                 "--layout", "thd", "--train", "--dtype", "fp16"]) == 0
+    assert (
+        main(
+            [
+                "explain",
+                "--target",
+                "b200",
+                "--cudnn-version",
+                "9.10.0",
+                "--head-dim-qk",
+                "192",
+                "--head-dim-v",
+                "128",
+                "--heads",
+                "16",
+                "--kv-heads",
+                "4",
+                "--seqlen",
+                "1024",
+                "--batch",
+                "1",
+                "--layout",
+                "thd",
+                "--train",
+                "--dtype",
+                "fp16",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "cuDNN 9.10.0" in out and "Hkv=4" in out and "thd" in out and "chosen:  varlen_fa2 padded to 192" in out
 
@@ -50,6 +76,7 @@ def test_demo_runs_a_real_attention(capsys):
 
 def test_backends_lists_every_backend(capsys):
     from attnselect.backends import all_backends
+
     assert main(["backends"]) == 0
     out = capsys.readouterr().out
     assert all(b.name in out for b in all_backends()) and "available" in out
@@ -65,6 +92,7 @@ def test_tune_measures_and_stores(tmp_path, monkeypatch, capsys):
 
 def test_bench_smoke_compares_every_policy(tmp_path, monkeypatch, capsys):
     from attnselect.bench import POLICIES
+
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
     assert main(["bench", "--smoke", "--out", str(tmp_path / "bench")]) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -74,7 +102,7 @@ def test_bench_smoke_compares_every_policy(tmp_path, monkeypatch, capsys):
     assert "| problem | rules | measure | te |" in (tmp_path / "bench.md").read_text()
     assert "measure" in capsys.readouterr().out
     (tmp_path / "bench.md").unlink()
-    assert main(["bench", "--render", "--out", str(tmp_path / "bench")]) == 0   # no re-run, same table
+    assert main(["bench", "--render", "--out", str(tmp_path / "bench")]) == 0  # no re-run, same table
     assert "| problem | rules | measure | te |" in (tmp_path / "bench.md").read_text()
     assert len(json.loads((tmp_path / "bench.json").read_text())["results"]) == 4
     assert main(["bench", "--out", str(tmp_path / "joined"), "--merge", str(tmp_path / "bench.json")]) == 0

@@ -8,8 +8,9 @@ import torch
 import attnselect
 from attnselect import AttentionProblem, Target
 
-P = AttentionProblem(batch=1, seqlen_q=8, seqlen_kv=8, heads_q=2, heads_kv=2, head_dim_qk=24, head_dim_v=16,
-                     dtype=torch.float32)
+P = AttentionProblem(
+    batch=1, seqlen_q=8, seqlen_kv=8, heads_q=2, heads_kv=2, head_dim_qk=24, head_dim_v=16, dtype=torch.float32
+)
 
 
 def test_level_1_logs_one_line_per_new_decision(monkeypatch, capsys):

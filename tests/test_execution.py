@@ -27,13 +27,16 @@ def test_padding_is_exact_in_float64(label, kwargs, shape, padded_backend):
     lse_wanted = padded_backend == "reference"
     native = run_with_grads(q, k, v, backend="reference", return_lse=lse_wanted, **kwargs)
     padded = run_with_grads(q, k, v, backend=padded_backend, pad=True, return_lse=lse_wanted, **kwargs)
-    decision = attnselect.select(attnselect.AttentionProblem.from_tensors(q, k, v, return_lse=lse_wanted, **kwargs),
-                                 backend=padded_backend, pad=True)
+    decision = attnselect.select(
+        attnselect.AttentionProblem.from_tensors(q, k, v, return_lse=lse_wanted, **kwargs),
+        backend=padded_backend,
+        pad=True,
+    )
     assert decision.chosen.pad_to == -(-max(q.shape[-1], v.shape[-1]) // 8) * 8
     assert padded[0].shape == native[0].shape and padded[0].shape[-1] == v.shape[-1]
     assert rel_err(padded[0], native[0]) < EXACT
     for g, gn, t in zip(padded[2], native[2], (q, k, v)):
-        assert g.shape == t.shape          # gradients reach only the original widths
+        assert g.shape == t.shape  # gradients reach only the original widths
         assert rel_err(g, gn) < EXACT
     if lse_wanted:
         assert rel_err(padded[1], native[1]) < EXACT
@@ -49,11 +52,11 @@ def test_padded_lse_equals_native_lse_through_flex():
 
 def test_scale_stays_that_of_the_original_head_dim():
     q, k, v = dense_inputs(dqk=24, dv=16, requires_grad=False)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 24 ** 0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 24**0.5
     expected = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
     assert rel_err(attnselect.attention(q, k, v, backend="sdpa_flash", pad=True), expected) < EXACT
     custom = attnselect.attention(q, k, v, scale=0.5, backend="sdpa_flash", pad=True)
-    expected = torch.einsum("bhqk,bkhd->bqhd", (scores * 24 ** 0.5 * 0.5).softmax(-1), v)
+    expected = torch.einsum("bhqk,bkhd->bqhd", (scores * 24**0.5 * 0.5).softmax(-1), v)
     assert rel_err(custom, expected) < EXACT
 
 
@@ -72,7 +75,7 @@ def _per_sequence_reference(q, k, v, cu_q, cu_kv, **kwargs):
     outs, lses = [], []
     bq, bk = cu_q.tolist(), cu_kv.tolist()
     for i in range(len(bq) - 1):
-        qi, ki, vi = (t.unsqueeze(0) for t in (q[bq[i]:bq[i + 1]], k[bk[i]:bk[i + 1]], v[bk[i]:bk[i + 1]]))
+        qi, ki, vi = (t.unsqueeze(0) for t in (q[bq[i] : bq[i + 1]], k[bk[i] : bk[i + 1]], v[bk[i] : bk[i + 1]]))
         if qi.shape[1] == 0:
             continue
         out, lse = attnselect.attention(qi, ki, vi, backend="reference", return_lse=True, **kwargs)
@@ -82,16 +85,28 @@ def _per_sequence_reference(q, k, v, cu_q, cu_kv, **kwargs):
 
 
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
-@pytest.mark.parametrize("backend,pad", [("reference", False), ("reference", True), ("sdpa_flash", True),
-                                         ("sdpa_math", False), ("flex", False)])
+@pytest.mark.parametrize(
+    "backend,pad",
+    [("reference", False), ("reference", True), ("sdpa_flash", True), ("sdpa_math", False), ("flex", False)],
+)
 def test_thd_matches_a_per_sequence_reference(causal, backend, pad):
     lengths_q, lengths_kv = [5, 1, 0, 9, 3], [5, 1, 0, 9, 3] if causal != "bottom_right" else [7, 1, 2, 12, 3]
     (q, k, v), cu_q, cu_kv = thd_inputs(lengths_q, lengths_kv)
     want_lse = backend in ("reference", "flex")
-    if backend == "flex":   # no backward on the CPU
+    if backend == "flex":  # no backward on the CPU
         q, k, v = (t.detach() for t in (q, k, v))
-    result = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, causal=causal,
-                                  backend=backend, pad=pad, return_lse=want_lse)
+    result = attnselect.attention(
+        q,
+        k,
+        v,
+        layout="thd",
+        cu_seqlens_q=cu_q,
+        cu_seqlens_kv=cu_kv,
+        causal=causal,
+        backend=backend,
+        pad=pad,
+        return_lse=want_lse,
+    )
     out, lse = result if want_lse else (result, None)
     ref_out, ref_lse = _per_sequence_reference(q.detach(), k.detach(), v.detach(), cu_q, cu_kv, causal=causal)
     assert out.shape == (18, 4, 16)
@@ -103,8 +118,9 @@ def test_thd_matches_a_per_sequence_reference(causal, backend, pad):
 def test_thd_padding_is_exact_including_gradients():
     (q, k, v), cu, _ = thd_inputs([4, 0, 1, 7])
     native = run_with_grads(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="reference", return_lse=True)
-    padded = run_with_grads(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="reference", pad=True,
-                            return_lse=True)
+    padded = run_with_grads(
+        q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="reference", pad=True, return_lse=True
+    )
     assert rel_err(padded[0], native[0]) < EXACT and rel_err(padded[1], native[1]) < EXACT
     for g, gn in zip(padded[2], native[2]):
         assert rel_err(g, gn) < EXACT
@@ -128,8 +144,13 @@ def test_last_dim_not_contiguous_is_copied_for_the_kernel():
     q = k = v = base[..., ::2]
     assert q.stride(-1) == 2
     for backend in ("sdpa_flash", "sdpa_math", "reference"):
-        assert rel_err(attnselect.attention(q, k, v, backend=backend),
-                       attnselect.attention(q.contiguous(), k.contiguous(), v.contiguous(), backend="reference")) < EXACT
+        assert (
+            rel_err(
+                attnselect.attention(q, k, v, backend=backend),
+                attnselect.attention(q.contiguous(), k.contiguous(), v.contiguous(), backend="reference"),
+            )
+            < EXACT
+        )
 
 
 def test_zero_keys_dense():
@@ -149,7 +170,7 @@ def _gapped(lengths, gaps, hq=4, hkv=2, dqk=24, dv=16):
         cursor += n + gap
         starts.append(cursor)
     index = torch.tensor(rows, dtype=torch.long)
-    spread = lambda t: t.new_zeros(cursor, *t.shape[1:]).index_copy(0, index, t)   # noqa: E731
+    spread = lambda t: t.new_zeros(cursor, *t.shape[1:]).index_copy(0, index, t)  # noqa: E731
     return (q, k, v, cu), (spread(q), spread(k), spread(v), torch.tensor(starts, dtype=torch.int32)), index
 
 
@@ -158,10 +179,20 @@ def _gapped(lengths, gaps, hq=4, hkv=2, dqk=24, dv=16):
 def test_padded_offsets_leave_gaps_untouched(backend, causal):
     (q, k, v, cu), (gq, gk, gv, offsets), index = _gapped([5, 0, 3, 1], [2, 1, 0, 3])
     want_lse = backend != "sdpa_math"
-    dense = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=causal, backend="reference",
-                                 return_lse=True)
-    result = attnselect.attention(gq, gk, gv, layout="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=offsets,
-                                  causal=causal, backend=backend, return_lse=want_lse)
+    dense = attnselect.attention(
+        q, k, v, layout="thd", cu_seqlens_q=cu, causal=causal, backend="reference", return_lse=True
+    )
+    result = attnselect.attention(
+        gq,
+        gk,
+        gv,
+        layout="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_q_padded=offsets,
+        causal=causal,
+        backend=backend,
+        return_lse=want_lse,
+    )
     out, lse = result if want_lse else (result, None)
     assert out.shape == (gq.shape[0], 4, 16)
     assert rel_err(out[index], dense[0]) < EXACT
@@ -172,15 +203,19 @@ def test_padded_offsets_leave_gaps_untouched(backend, causal):
         assert rel_err(lse[:, index], dense[1]) < EXACT and torch.all(torch.isneginf(lse[:, gap]))
 
 
-@pytest.mark.parametrize("offsets,message", [
-    ([0, 7, 8, 11, 15], r"cu_seqlens_q_padded: got room 1 for sequence 1"),
-    ([0, 7, 8, 11, 14], r"cu_seqlens_q_padded: got first 0, last 14, expected 0 and the token count 15"),
-])
+@pytest.mark.parametrize(
+    "offsets,message",
+    [
+        ([0, 7, 8, 11, 15], r"cu_seqlens_q_padded: got room 1 for sequence 1"),
+        ([0, 7, 8, 11, 14], r"cu_seqlens_q_padded: got first 0, last 14, expected 0 and the token count 15"),
+    ],
+)
 def test_bad_padded_offsets_name_the_argument(offsets, message):
     (_, _, _, cu), (gq, gk, gv, _), _ = _gapped([5, 2, 3, 1], [2, 0, 0, 2])
     with pytest.raises(attnselect.InvalidInputError, match=message):
-        attnselect.attention(gq, gk, gv, layout="thd", cu_seqlens_q=cu,
-                             cu_seqlens_q_padded=torch.tensor(offsets, dtype=torch.int32))
+        attnselect.attention(
+            gq, gk, gv, layout="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=torch.tensor(offsets, dtype=torch.int32)
+        )
 
 
 def test_max_seqlen_given_on_cpu_still_checks_values():
@@ -191,8 +226,9 @@ def test_max_seqlen_given_on_cpu_still_checks_values():
 
 def test_padded_offsets_equal_to_the_boundaries_mean_no_gaps():
     (q, k, v), cu, _ = thd_inputs([4, 0, 6])
-    problem, packing = attnselect.inputs.describe_call(q, k, v, layout="thd", cu_seqlens_q=cu,
-                                                       cu_seqlens_q_padded=cu.clone(), cu_seqlens_kv_padded=cu.clone())
+    problem, packing = attnselect.inputs.describe_call(
+        q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu.clone(), cu_seqlens_kv_padded=cu.clone()
+    )
     assert not problem.varlen_gaps and not packing.has_gaps
 
 

@@ -8,15 +8,28 @@ import torch
 from attnselect import masks
 
 CPU = torch.device("cpu")
-MASKS = [("none", None), ("causal", None), ("causal_bottom_right", None), ("sliding_window", (3, 0)),
-         ("sliding_window", (0, 2)), ("sliding_window", (-1, -1)), ("sliding_window", (2, -1))]
+MASKS = [
+    ("none", None),
+    ("causal", None),
+    ("causal_bottom_right", None),
+    ("sliding_window", (3, 0)),
+    ("sliding_window", (0, 2)),
+    ("sliding_window", (-1, -1)),
+    ("sliding_window", (2, -1)),
+]
 
 
 def test_mask_meanings():
-    assert masks.visible("causal", None, 2, 4, CPU).tolist() == [[True, False, False, False], [True, True, False, False]]
+    assert masks.visible("causal", None, 2, 4, CPU).tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+    ]
     assert masks.visible("causal_bottom_right", None, 2, 4, CPU).tolist() == [[True, True, True, False], [True] * 4]
     assert masks.visible("sliding_window", (1, 0), 3, 3, CPU).tolist() == [
-        [True, False, False], [True, True, False], [False, True, True]]
+        [True, False, False],
+        [True, True, False],
+        [False, True, True],
+    ]
     assert masks.visible("none", None, 2, 2, CPU) is None
 
 

@@ -16,8 +16,17 @@ import torch
 import attnselect
 from attnselect import AttentionProblem, Candidate, Target, measure, store
 
-P = AttentionProblem(batch=2, seqlen_q=64, seqlen_kv=64, heads_q=4, heads_kv=4, head_dim_qk=24, head_dim_v=16,
-                     dtype=torch.float32, mask="causal")
+P = AttentionProblem(
+    batch=2,
+    seqlen_q=64,
+    seqlen_kv=64,
+    heads_q=4,
+    heads_kv=4,
+    head_dim_qk=24,
+    head_dim_v=16,
+    dtype=torch.float32,
+    mask="causal",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -42,12 +51,11 @@ def test_measure_times_every_supported_candidate_and_keeps_the_fastest(caplog, m
 
 def test_ties_inside_the_spread_go_to_the_rules_order():
     ranked = (Candidate("sdpa_flash", 24), Candidate("sdpa_math"), Candidate("reference"))
-    timings = {ranked[0]: measure.Timing(1.015, 1.0, 1.1), ranked[1]: measure.Timing(1.0, 0.9, 1.08),
-               ranked[2]: None}
+    timings = {ranked[0]: measure.Timing(1.015, 1.0, 1.1), ranked[1]: measure.Timing(1.0, 0.9, 1.08), ranked[2]: None}
     assert measure.choose(ranked, timings) == (ranked[0], ranked[1])
-    timings[ranked[0]] = measure.Timing(1.05, 1.0, 1.1)    # inside the spread, but 5% slower: no tie
+    timings[ranked[0]] = measure.Timing(1.05, 1.0, 1.1)  # inside the spread, but 5% slower: no tie
     assert measure.choose(ranked, timings) == (ranked[1], ranked[0])
-    timings[ranked[1]] = measure.Timing(1.0, 0.99, 1.01)   # a tight spread decides below 2%
+    timings[ranked[1]] = measure.Timing(1.0, 0.99, 1.01)  # a tight spread decides below 2%
     timings[ranked[0]] = measure.Timing(1.015, 1.0, 1.1)
     assert measure.choose(ranked, timings) == (ranked[1], ranked[0])
 
@@ -58,7 +66,7 @@ def test_time_step_counts_warmup_repeats_and_budget():
     assert len(calls) == 7 and 0 <= timing.low_ms <= timing.median_ms <= timing.high_ms
     calls.clear()
     measure.time_step(lambda: calls.append(1), torch.device("cpu"), warmup=0, repeats=50, budget_s=0.0)
-    assert len(calls) == 1 + 3   # one call sizes the repeats; a spent budget still times three
+    assert len(calls) == 1 + 3  # one call sizes the repeats; a spent budget still times three
     calls.clear()
     measure.time_step(lambda: calls.append(1), torch.device("cpu"), warmup=0, repeats=4, queued=False)
     assert len(calls) == 4
@@ -76,9 +84,15 @@ def test_time_steps_interleave_rounds_and_report_failures():
     def broken():
         raise RuntimeError("no kernel")
 
-    results = measure.time_steps({"a": step("a"), "b": step("b"), "nan": nan, "broken": broken},
-                                 torch.device("cpu"), warmup=1, repeats=4, rounds=2, finite=True)
-    assert order == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"]   # warm-up, then every step's turn
+    results = measure.time_steps(
+        {"a": step("a"), "b": step("b"), "nan": nan, "broken": broken},
+        torch.device("cpu"),
+        warmup=1,
+        repeats=4,
+        rounds=2,
+        finite=True,
+    )
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"]  # warm-up, then every step's turn
     assert isinstance(results["a"], measure.Timing) and isinstance(results["b"], measure.Timing)
     assert isinstance(results["nan"], FloatingPointError) and isinstance(results["broken"], RuntimeError)
     assert list(results) == ["a", "b", "nan", "broken"]
@@ -88,15 +102,16 @@ def test_time_steps_warm_up_while_half_the_budget_lasts(monkeypatch):
     now = [0.0]
     monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])
 
-    def slow():   # each call takes 1 s of the clock
+    def slow():  # each call takes 1 s of the clock
         now[0] += 1.0
 
     steps = {"first": slow, "second": slow, "third": slow}
-    results = measure.time_steps(steps, torch.device("cpu"), warmup=1, repeats=3, rounds=3, budget_s=4.0,
-                                 warmup_budget_s=2.0)
-    assert list(results) == ["first", "second"]   # warm-up and sizing took 4 s: the third is left out
+    results = measure.time_steps(
+        steps, torch.device("cpu"), warmup=1, repeats=3, rounds=3, budget_s=4.0, warmup_budget_s=2.0
+    )
+    assert list(results) == ["first", "second"]  # warm-up and sizing took 4 s: the third is left out
     assert all(isinstance(t, measure.Timing) for t in results.values())
-    now[0] = 0.0   # a budget alone sizes the repeats (three at least) and never leaves a step out
+    now[0] = 0.0  # a budget alone sizes the repeats (three at least) and never leaves a step out
     assert list(measure.time_steps(steps, torch.device("cpu"), warmup=1, repeats=30, budget_s=1.0)) == list(steps)
 
 
@@ -105,7 +120,7 @@ def test_no_step_always_follows_the_same_one():
     orders = [measure._round_order(keys, index) for index in range(4)]
     assert orders[0] == keys and all(sorted(o) == sorted(keys) for o in orders)
     before = {tuple(o[i - 1] for i in range(1, len(o)) if o[i] == "torch-default") for o in orders}
-    assert len(before) >= 3   # first of its round, or after two different steps
+    assert len(before) >= 3  # first of its round, or after two different steps
     assert measure._round_order([], 3) == []
 
 
@@ -118,21 +133,28 @@ def test_on_a_gpu_each_turn_starts_behind_a_spin_long_enough_to_issue_its_repeat
     def timed_call(step, device, *, wait):
         step()
         return lambda: 1.0
+
     monkeypatch.setattr(measure, "_timed_call", timed_call)
 
-    def issuing(name, host_s):   # the host needs host_s to issue one call
+    def issuing(name, host_s):  # the host needs host_s to issue one call
         def step():
             events.append(name)
             now[0] += host_s
+
         return step
 
-    measure.time_steps({"slow_host": issuing("slow_host", 0.002), "fast_host": issuing("fast_host", 0.0001)},
-                       torch.device("cuda"), warmup=1, repeats=6, rounds=2)
-    timed = events[4:]   # after warm-up and the sizing calls (each took 1 ms on the GPU's clock)
+    measure.time_steps(
+        {"slow_host": issuing("slow_host", 0.002), "fast_host": issuing("fast_host", 0.0001)},
+        torch.device("cuda"),
+        warmup=1,
+        repeats=6,
+        rounds=2,
+    )
+    timed = events[4:]  # after warm-up and the sizing calls (each took 1 ms on the GPU's clock)
     # slow_host: 2 ms to issue, about 0 on the GPU: twice (2 + 3 repeats x 2) ms; fast_host: twice its 0.1 ms
     assert timed[:4] == [("spin", int(2 * (2.0 + 3 * 2.0) * measure.SPIN_CYCLES_PER_MS) + 1)] + ["slow_host"] * 3
     assert timed[4][0] == "spin" and timed[4][1] == pytest.approx(2 * 0.1 * measure.SPIN_CYCLES_PER_MS, rel=1e-5)
-    assert sum(e[0] == "spin" for e in timed) == 4   # one per step and round
+    assert sum(e[0] == "spin" for e in timed) == 4  # one per step and round
 
 
 def test_the_budget_counts_the_spins(monkeypatch):
@@ -143,7 +165,8 @@ def test_the_budget_counts_the_spins(monkeypatch):
 
     def timed_call(step, device, *, wait):
         step()
-        return lambda: 1.0   # 1 ms on the GPU's clock, synchronised
+        return lambda: 1.0  # 1 ms on the GPU's clock, synchronised
+
     monkeypatch.setattr(measure, "_timed_call", timed_call)
     calls = {"slow_host": 0, "fast_host": 0}
 
@@ -151,10 +174,17 @@ def test_the_budget_counts_the_spins(monkeypatch):
         def step():
             calls[name] += 1
             now[0] += host_s
+
         return step
 
-    measure.time_steps({"slow_host": issuing("slow_host", 0.002), "fast_host": issuing("fast_host", 0.0001)},
-                       torch.device("cuda"), warmup=1, repeats=30, rounds=2, budget_s=0.1)
+    measure.time_steps(
+        {"slow_host": issuing("slow_host", 0.002), "fast_host": issuing("fast_host", 0.0001)},
+        torch.device("cuda"),
+        warmup=1,
+        repeats=30,
+        rounds=2,
+        budget_s=0.1,
+    )
     # warm-up and sizing took 4.2 ms; a round of n costs the spins' 4.2 ms plus n x 6 ms (sizes 2 ms, and 4 ms
     # of the slow host's spin per repeat): (95.8 / 2 - 4.2) / 6 -> 7 repeats a round instead of 15
     assert calls == {"slow_host": 2 + 2 * 7, "fast_host": 2 + 2 * 7}
@@ -169,14 +199,16 @@ def test_a_step_failing_in_a_timed_round_leaves_the_rounds_with_its_error():
         if len(calls) == 4:
             raise MemoryError("out of memory on the fourth call")
 
-    results = measure.time_steps({"flaky": flaky, "steady": lambda: None}, torch.device("cpu"), warmup=1,
-                                 repeats=6, rounds=3)
+    results = measure.time_steps(
+        {"flaky": flaky, "steady": lambda: None}, torch.device("cpu"), warmup=1, repeats=6, rounds=3
+    )
     assert isinstance(results["flaky"], MemoryError) and isinstance(results["steady"], measure.Timing)
-    assert len(calls) == 4   # no more calls after its failure
+    assert len(calls) == 4  # no more calls after its failure
 
 
 def test_a_candidate_with_non_finite_output_is_out_of_tuning(monkeypatch, caplog):
     from attnselect import execution
+
     real = execution.run_call
 
     def nan_for_math(candidate, *args, **kwargs):
@@ -193,22 +225,29 @@ def test_a_candidate_with_non_finite_output_is_out_of_tuning(monkeypatch, caplog
 
 
 def test_time_step_spread_stays_inside_the_samples(monkeypatch):
-    clock = iter([0.0, 0.0, 0.001, 0.001, 0.003, 0.003, 0.004])   # start, then repeats of 1, 2 and 1 ms
+    clock = iter([0.0, 0.0, 0.001, 0.001, 0.003, 0.003, 0.004])  # start, then repeats of 1, 2 and 1 ms
     monkeypatch.setattr(measure.time, "perf_counter", lambda: next(clock))
     timing = measure.time_step(lambda: None, torch.device("cpu"), warmup=0, repeats=3)
-    assert (timing.low_ms, timing.median_ms, timing.high_ms) == pytest.approx((1.0, 1.0, 1.6))   # not beyond 1..2
+    assert (timing.low_ms, timing.median_ms, timing.high_ms) == pytest.approx((1.0, 1.0, 1.6))  # not beyond 1..2
 
 
 def test_decisions_persist_across_processes(cache_dir):
     attnselect.select(P, target=Target.current("cpu"), policy="measure")
     entries = json.loads((cache_dir / "decisions.json").read_text())["entries"]
     assert len(entries) == 1
-    code = ("import torch, attnselect, attnselect.measure as m\n"
-            "m.measure = lambda *a, **k: (_ for _ in ()).throw(AssertionError('measured again'))\n"
-            "p = attnselect.AttentionProblem(2, 64, 64, 4, 4, 24, 16, torch.float32, mask='causal')\n"
-            "print(attnselect.select(p, target=attnselect.Target.current('cpu'), policy='measure').chosen)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "ATTNSELECT_CACHE_DIR": str(cache_dir)}).stdout.strip()
+    code = (
+        "import torch, attnselect, attnselect.measure as m\n"
+        "m.measure = lambda *a, **k: (_ for _ in ()).throw(AssertionError('measured again'))\n"
+        "p = attnselect.AttentionProblem(2, 64, 64, 4, 4, 24, 16, torch.float32, mask='causal')\n"
+        "print(attnselect.select(p, target=attnselect.Target.current('cpu'), policy='measure').chosen)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "ATTNSELECT_CACHE_DIR": str(cache_dir)},
+    ).stdout.strip()
     assert out == str(attnselect.select(P, target=Target.current("cpu"), policy="measure").chosen)
 
 
@@ -225,10 +264,14 @@ def test_another_target_fingerprint_ignores_old_entries(cache_dir, monkeypatch):
 def test_corrupt_cache_warns_once_and_is_rebuilt(cache_dir, caplog, damage):
     path = cache_dir / "decisions.json"
     attnselect.select(dataclasses.replace(P, seqlen_q=5, seqlen_kv=5), target=Target.current("cpu"), policy="measure")
-    valid = path.read_text()   # a real cache of one entry, for the truncated case
+    valid = path.read_text()  # a real cache of one entry, for the truncated case
     attnselect.clear_cache()
-    damaged = {"garbage": "{not json", "truncated": valid[:len(valid) // 2], "a list": "[]",
-               "another format": json.dumps({"format": -1, "entries": {}})}
+    damaged = {
+        "garbage": "{not json",
+        "truncated": valid[: len(valid) // 2],
+        "a list": "[]",
+        "another format": json.dumps({"format": -1, "entries": {}}),
+    }
     if damage == "binary":
         path.write_bytes(bytes(range(128, 256)))
     else:
@@ -243,13 +286,15 @@ def test_corrupt_cache_warns_once_and_is_rebuilt(cache_dir, caplog, damage):
 
 @pytest.mark.parametrize("blocked", ["read-only", "missing and uncreatable"])
 def test_read_only_directory_falls_back_to_memory(tmp_path, monkeypatch, caplog, blocked):
-    if blocked == "missing and uncreatable":   # below a file
+    if blocked == "missing and uncreatable":  # below a file
         blocker = tmp_path / "file"
         blocker.write_text("")
         monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(blocker / "cache"))
-    elif os.geteuid() == 0:   # root writes into a 0o500 directory anyway: refuse the writes as the OS would
+    elif os.geteuid() == 0:  # root writes into a 0o500 directory anyway: refuse the writes as the OS would
+
         def refuse(*args, **kwargs):
             raise PermissionError(13, "Permission denied", str(tmp_path))
+
         monkeypatch.setattr(store.tempfile, "mkstemp", refuse)
     else:
         tmp_path.chmod(0o500)
@@ -283,10 +328,16 @@ def test_measure_through_attention_and_environment(monkeypatch):
 
 
 def test_eight_processes_writing_at_once_keep_every_entry(cache_dir):
-    code = ("import sys, attnselect.store as s\n"
-            "for i in range(20): s.remember(f'{sys.argv[1]}-{i}', {'ranked': [], 'timings': {}})")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(n)], env={**os.environ,
-                              "ATTNSELECT_CACHE_DIR": str(cache_dir)}) for n in range(8)]
+    code = (
+        "import sys, attnselect.store as s\n"
+        "for i in range(20): s.remember(f'{sys.argv[1]}-{i}', {'ranked': [], 'timings': {}})"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(n)], env={**os.environ, "ATTNSELECT_CACHE_DIR": str(cache_dir)}
+        )
+        for n in range(8)
+    ]
     assert all(p.wait(timeout=120) == 0 for p in procs)
     entries = json.loads((cache_dir / "decisions.json").read_text())["entries"]
     assert set(entries) == {f"{n}-{i}" for n in range(8) for i in range(20)}
@@ -294,12 +345,20 @@ def test_eight_processes_writing_at_once_keep_every_entry(cache_dir):
 
 def test_ranks_share_rank_zeros_measurement(tmp_path):
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     script = os.path.join(os.path.dirname(__file__), "_distributed_measure.py")
-    procs = [subprocess.Popen([sys.executable, script, str(rank), "2", port, str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(rank), "2", port, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     results = [p.communicate(timeout=180) for p in procs]
     assert all(p.returncode == 0 for p in procs), results
     lines = sorted(out.strip().splitlines()[-1] for out, _ in results)
@@ -312,7 +371,7 @@ def test_under_cuda_graph_capture_measure_reuses_the_warm_up_decision(monkeypatc
     captured = attnselect.select(dataclasses.replace(P, cuda_graph_capture=True), policy="measure")
     assert captured.chosen == warm.chosen and captured.timings
     store._memory.clear()
-    other = dataclasses.replace(P, seqlen_q=32, seqlen_kv=32, cuda_graph_capture=True)   # never warmed up
+    other = dataclasses.replace(P, seqlen_q=32, seqlen_kv=32, cuda_graph_capture=True)  # never warmed up
     with caplog.at_level("INFO", logger="attnselect"):
         cold = attnselect.select(other, policy="measure")
     assert cold.chosen == attnselect.select(other).chosen and "using the rules order" in caplog.text
@@ -327,7 +386,9 @@ def _clocked_steps(monkeypatch, seconds: dict):
         def step():
             calls[name] += 1
             now[0] += seconds[name]
+
         return step
+
     return {name: takes(name) for name in seconds}, calls
 
 
@@ -336,14 +397,15 @@ def test_after_the_first_round_only_the_contenders_go_on(monkeypatch):
     results = measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25)
     # one sizing call each; the first round screens with three, then two a round
     assert calls == {"fast": 1 + 3 + 2 + 2, "close": 1 + 3 + 2 + 2, "slow": 1 + 3}
-    assert results["slow"].median_ms == pytest.approx(3000.0)   # its first round's timing stands
+    assert results["slow"].median_ms == pytest.approx(3000.0)  # its first round's timing stands
 
 
 def test_the_budget_left_after_the_first_round_goes_to_the_contenders(monkeypatch):
     seconds = {"fast": 0.010, "close": 0.011, "slow": 0.020, "far": 0.050}
     steps, calls = _clocked_steps(monkeypatch, seconds)
-    results = measure.time_steps(steps, torch.device("cpu"), warmup=1, repeats=30, rounds=3, budget_s=1.0,
-                                 keep_within=1.25)
+    results = measure.time_steps(
+        steps, torch.device("cpu"), warmup=1, repeats=30, rounds=3, budget_s=1.0, keep_within=1.25
+    )
     # warm-up and sizing: 2 calls each (182 ms); "far" (over 4x the fastest) leaves on its sizing call; the
     # screening round runs three of the others (123 ms); "slow" leaves, and the 695 ms left buy the full
     # 10 per round for the two contenders.
@@ -357,37 +419,59 @@ def test_the_budget_left_after_the_first_round_goes_to_the_contenders(monkeypatc
 
 
 def test_near_ties_settle_in_more_rounds_until_the_cap_or_the_time(monkeypatch):
-    seconds = {"fast": 0.010, "tie": 0.0102, "close": 0.011}   # "close" contends (within 25%), but no tie (3%)
+    seconds = {"fast": 0.010, "tie": 0.0102, "close": 0.011}  # "close" contends (within 25%), but no tie (3%)
     steps, calls = _clocked_steps(monkeypatch, seconds)
-    results = measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25,
-                                 settle=measure.Settle(within=1.03, seconds=60.0, rounds=10))
+    results = measure.time_steps(
+        steps,
+        torch.device("cpu"),
+        warmup=0,
+        repeats=6,
+        rounds=3,
+        keep_within=1.25,
+        settle=measure.Settle(within=1.03, seconds=60.0, rounds=10),
+    )
     # one sizing call; three in the screening round, two in each of the two others; then 7 settling rounds of two
     assert calls == {"fast": 1 + 3 + 4 + 14, "tie": 1 + 3 + 4 + 14, "close": 1 + 3 + 4}
     assert results["close"].median_ms == pytest.approx(11.0) and results["tie"].median_ms == pytest.approx(10.2)
     steps, calls = _clocked_steps(monkeypatch, seconds)
-    measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25,
-                       settle=measure.Settle(within=1.03, seconds=0.1, rounds=100))
+    measure.time_steps(
+        steps,
+        torch.device("cpu"),
+        warmup=0,
+        repeats=6,
+        rounds=3,
+        keep_within=1.25,
+        settle=measure.Settle(within=1.03, seconds=0.1, rounds=100),
+    )
     # 100 ms of settling: each round of the tied pair takes 40.4 ms, so a third round starts at 80.8 ms
     assert calls["fast"] == 1 + 3 + 4 + 2 * 3 and calls["close"] == 1 + 3 + 4
     steps, calls = _clocked_steps(monkeypatch, {"fast": 0.010, "close": 0.011})
-    measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25,
-                       settle=measure.Settle(within=1.03, seconds=60.0, rounds=10))
-    assert calls == {"fast": 1 + 3 + 4, "close": 1 + 3 + 4}   # no tie, nothing to settle
+    measure.time_steps(
+        steps,
+        torch.device("cpu"),
+        warmup=0,
+        repeats=6,
+        rounds=3,
+        keep_within=1.25,
+        settle=measure.Settle(within=1.03, seconds=60.0, rounds=10),
+    )
+    assert calls == {"fast": 1 + 3 + 4, "close": 1 + 3 + 4}  # no tie, nothing to settle
 
 
 def test_one_round_with_contenders_is_the_screening_alone(monkeypatch):
     steps, calls = _clocked_steps(monkeypatch, {"fast": 0.010, "close": 0.011})
     for budget in (None, 1.0):
         calls.update(fast=0, close=0)
-        results = measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=1, budget_s=budget,
-                                     keep_within=1.25)
+        results = measure.time_steps(
+            steps, torch.device("cpu"), warmup=0, repeats=6, rounds=1, budget_s=budget, keep_within=1.25
+        )
         assert calls == {"fast": 1 + 3, "close": 1 + 3} and results["fast"].repeats == 3
 
 
 def test_only_gpu_time_puts_a_step_far_behind_on_its_sizing_call(monkeypatch):
     now, last = [0.0], [None]
     host_s = {"fast": 0.0001, "host_bound": 0.005, "far": 0.0001}
-    gpu_ms = {"fast": 1.0, "host_bound": 5.2, "far": 10.0}   # host_bound: the GPU waits on its 5 ms of issuing
+    gpu_ms = {"fast": 1.0, "host_bound": 5.2, "far": 10.0}  # host_bound: the GPU waits on its 5 ms of issuing
     monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(measure.torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(measure.torch.cuda, "_sleep", lambda cycles: None)
@@ -396,23 +480,28 @@ def test_only_gpu_time_puts_a_step_far_behind_on_its_sizing_call(monkeypatch):
         step()
         elapsed = gpu_ms[last[0]]
         return lambda: elapsed
+
     monkeypatch.setattr(measure, "_timed_call", timed_call)
 
     def issuing(name):
         def step():
             last[0] = name
             now[0] += host_s[name]
+
         return step
-    results = measure.time_steps({name: issuing(name) for name in host_s}, torch.device("cuda"), warmup=0,
-                                 repeats=6, rounds=3, keep_within=10.0)
-    assert results["far"].repeats == 1 and results["far"].median_ms == 10.0   # 9.9 ms on the GPU: over 4x
-    assert results["host_bound"].repeats == 3 + 4   # 5.2 ms in all, but 0.2 on the GPU: screened, and contends
+
+    results = measure.time_steps(
+        {name: issuing(name) for name in host_s}, torch.device("cuda"), warmup=0, repeats=6, rounds=3, keep_within=10.0
+    )
+    assert results["far"].repeats == 1 and results["far"].median_ms == 10.0  # 9.9 ms on the GPU: over 4x
+    assert results["host_bound"].repeats == 3 + 4  # 5.2 ms in all, but 0.2 on the GPU: screened, and contends
 
 
 def test_a_budget_short_of_a_repeat_a_round_runs_fewer_rounds_not_empty_ones(monkeypatch):
     steps, calls = _clocked_steps(monkeypatch, {"fast": 0.100, "close": 0.105})
-    results = measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=32, rounds=16, budget_s=2.0,
-                                 keep_within=1.25)
+    results = measure.time_steps(
+        steps, torch.device("cpu"), warmup=0, repeats=32, rounds=16, budget_s=2.0, keep_within=1.25
+    )
     # sizing 205 ms, screening three (615 ms); the 1180 ms left buy five more rounds of one, not 15 rounds of none
     assert calls == {"fast": 1 + 3 + 5, "close": 1 + 3 + 5} and results["close"].repeats == 8
 
@@ -422,22 +511,37 @@ def test_a_step_failing_while_settling_keeps_its_earlier_timing(monkeypatch, cap
     steady = steps["tie"]
 
     def tie():
-        if calls["tie"] >= 12:   # fine through the rounds and two settling rounds, then fails in the third
+        if calls["tie"] >= 12:  # fine through the rounds and two settling rounds, then fails in the third
             raise RuntimeError("launch failure")
         steady()
+
     steps["tie"] = tie
     with caplog.at_level(logging.WARNING, logger="attnselect"):
-        results = measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25,
-                                     settle=measure.Settle(within=1.03, seconds=60.0, rounds=10))
+        results = measure.time_steps(
+            steps,
+            torch.device("cpu"),
+            warmup=0,
+            repeats=6,
+            rounds=3,
+            keep_within=1.25,
+            settle=measure.Settle(within=1.03, seconds=60.0, rounds=10),
+        )
     assert isinstance(results["tie"], measure.Timing) and results["tie"].repeats == 3 + 4 + 4
-    assert calls["fast"] == 1 + 3 + 4 + 2 * 3   # settling stops when no near-tie is left
+    assert calls["fast"] == 1 + 3 + 4 + 2 * 3  # settling stops when no near-tie is left
     assert "tie failed while settling a near-tie, after 11 timed calls; those stand" in caplog.text
 
 
 def test_no_settling_when_its_rounds_are_spent_already(monkeypatch):
     steps, calls = _clocked_steps(monkeypatch, {"fast": 0.010, "tie": 0.0102})
-    measure.time_steps(steps, torch.device("cpu"), warmup=0, repeats=6, rounds=3, keep_within=1.25,
-                       settle=measure.Settle(within=1.03, seconds=60.0, rounds=3))
+    measure.time_steps(
+        steps,
+        torch.device("cpu"),
+        warmup=0,
+        repeats=6,
+        rounds=3,
+        keep_within=1.25,
+        settle=measure.Settle(within=1.03, seconds=60.0, rounds=3),
+    )
     assert calls == {"fast": 1 + 3 + 4, "tie": 1 + 3 + 4}
 
 
@@ -454,7 +558,7 @@ def test_a_failed_step_keeps_its_error_but_not_the_tensors_its_frames_held():
 
     error = measure.time_steps({"broken": broken}, torch.device("cpu"), warmup=1)["broken"]
     assert isinstance(error, RuntimeError) and isinstance(error.__cause__, MemoryError)
-    assert error.__traceback__ is not None and held[0]() is None   # printable, and the tensor is freed
+    assert error.__traceback__ is not None and held[0]() is None  # printable, and the tensor is freed
 
 
 @pytest.mark.gpu
@@ -463,8 +567,18 @@ def test_measure_on_the_gpu_keeps_the_fastest_contender(tmp_path, monkeypatch):
     # Room for a cold process: first calls compile (cuDNN's runtime kernels, flex) for seconds, which under the
     # default budget can end warm-up after the first candidate (as the log then says); this checks the choice.
     monkeypatch.setattr(measure, "TUNING_BUDGET_S", 120.0)
-    mla = AttentionProblem(batch=2, seqlen_q=1024, seqlen_kv=1024, heads_q=16, heads_kv=16, head_dim_qk=192,
-                           head_dim_v=128, dtype=torch.bfloat16, mask="causal", training=True)
+    mla = AttentionProblem(
+        batch=2,
+        seqlen_q=1024,
+        seqlen_kv=1024,
+        heads_q=16,
+        heads_kv=16,
+        head_dim_qk=192,
+        head_dim_v=128,
+        dtype=torch.bfloat16,
+        mask="causal",
+        training=True,
+    )
     decision = attnselect.select(mla, policy="measure")
     timed = {c: t for c, t in decision.timings.items() if t is not None}
     fastest = min(t.median_ms for t in timed.values())
@@ -476,7 +590,10 @@ def test_measure_on_the_gpu_keeps_the_fastest_contender(tmp_path, monkeypatch):
 def test_measure_times_a_new_packing_of_the_bucket_every_call(batch, sq, skv):
     problem = AttentionProblem(batch, sq, skv, 2, 2, 16, 16, layout="thd", mask="causal", training=True)
     q, k, v, grad_out, packings = measure.random_inputs(problem, torch.device("cpu"))
-    assert q.shape[0] == packings.tokens_q and k.shape[0] == v.shape[0] == packings.tokens_kv == grad_out.shape[0] * skv // sq
+    assert (
+        q.shape[0] == packings.tokens_q
+        and k.shape[0] == v.shape[0] == packings.tokens_kv == grad_out.shape[0] * skv // sq
+    )
     seen = set()
     for _ in range(measure.NewPackings.COUNT):
         p = packings()
@@ -486,9 +603,9 @@ def test_measure_times_a_new_packing_of_the_bucket_every_call(batch, sq, skv):
         assert (p.cu_seqlens_kv is p.cu_seqlens_q) == (sq == skv)
         if batch > 1:
             assert batch // 2 < len(lengths_q) <= batch and p.max_seqlen_q > sq // 2
-            assert [n * skv for n in lengths_q] == [n * sq for n in lengths_kv]   # the problem's ratio, per sequence
+            assert [n * skv for n in lengths_q] == [n * sq for n in lengths_kv]  # the problem's ratio, per sequence
         seen.add(tuple(lengths_q))
-    assert packings().cu_seqlens_q is not packings().cu_seqlens_q   # new tensors every call
+    assert packings().cu_seqlens_q is not packings().cu_seqlens_q  # new tensors every call
     assert len(seen) >= (1 if batch == 1 else measure.NewPackings.COUNT // 2)
 
 
@@ -498,9 +615,11 @@ def test_a_candidate_that_builds_per_packing_pays_for_it_in_its_measurement(monk
     inputs = measure.random_inputs(problem, torch.device("cpu"))
     handed = []
     from attnselect import execution
+
     real = execution.run_call
-    monkeypatch.setattr(execution, "run_call", lambda *a, packing, **kw: handed.append(packing) or real(
-        *a, packing=packing, **kw))
+    monkeypatch.setattr(
+        execution, "run_call", lambda *a, packing, **kw: handed.append(packing) or real(*a, packing=packing, **kw)
+    )
     step = measure.candidate_step(Candidate("reference"), problem, Target.current("cpu"), inputs)
     for _ in range(3):
         step()

@@ -26,6 +26,7 @@ def _compiled_graph_ops(fn, *args, compiler="aot_eager"):
     fake implementations and the backward op are traced too) and ``compiler``; return its result and
     the ops of its graph."""
     from torch._dynamo.backends.registry import lookup_backend
+
     seen, compile_graph = [], lookup_backend(compiler)
 
     def backend(gm, example_inputs):
@@ -70,11 +71,14 @@ def test_dense_compiles_to_one_op_and_matches_eager(name):
 
 
 def test_compiled_cpu_graphs_leave_flex_out():
-    q, k, v = _dense(grad=False)   # inference with lse: flex would rank above reference in eager calls
-    compiled, _ = _compiled_graph_ops(lambda q, k, v: attnselect.attention(q, k, v, causal=True, return_lse=True),
-                                      q, k, v)
+    q, k, v = _dense(grad=False)  # inference with lse: flex would rank above reference in eager calls
+    compiled, _ = _compiled_graph_ops(
+        lambda q, k, v: attnselect.attention(q, k, v, causal=True, return_lse=True), q, k, v
+    )
     torch.testing.assert_close(compiled[0], attnselect.attention(q, k, v, causal=True, backend="reference"))
-    assert attnselect.select(AttentionProblem.from_tensors(q, k, v, causal=True, return_lse=True)).chosen.backend == "flex"
+    assert (
+        attnselect.select(AttentionProblem.from_tensors(q, k, v, causal=True, return_lse=True)).chosen.backend == "flex"
+    )
     _forced_flex_refuses_to_compile(q, k, v, "CPU")
 
 
@@ -86,14 +90,16 @@ def _forced_flex_refuses_to_compile(q, k, v, device_name):
 
 
 def test_thd_compiles_with_max_seqlen_and_matches_eager():
-    (q, k, v), cu_q, cu_kv = thd_inputs(lengths_q=[0, 1, 5, 3], hq=4, hkv=2, dqk=24, dv=16, dtype=torch.float64,
-                                        device="cpu")
+    (q, k, v), cu_q, cu_kv = thd_inputs(
+        lengths_q=[0, 1, 5, 3], hq=4, hkv=2, dqk=24, dv=16, dtype=torch.float64, device="cpu"
+    )
     for t in (q, k, v):
         t.requires_grad_()
 
     def fn(q, k, v, cu_q):
-        return attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu_q, causal=True, max_seqlen_q=5,
-                                    max_seqlen_kv=5, return_lse=True)
+        return attnselect.attention(
+            q, k, v, layout="thd", cu_seqlens_q=cu_q, causal=True, max_seqlen_q=5, max_seqlen_kv=5, return_lse=True
+        )
 
     (out, lse), graph_ops = _compiled_graph_ops(fn, q, k, v, cu_q)
     assert "attnselect.attention" in graph_ops
@@ -107,8 +113,9 @@ def test_thd_compiles_with_max_seqlen_and_matches_eager():
 
 def test_thd_under_compile_needs_max_seqlen():
     (q, k, v), cu_q, _ = thd_inputs(lengths_q=[2, 3], hq=2, hkv=2, dqk=8, dv=8, dtype=torch.float32, device="cpu")
-    compiled = torch.compile(lambda q, k, v, cu: attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu),
-                             fullgraph=True)
+    compiled = torch.compile(
+        lambda q, k, v, cu: attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu), fullgraph=True
+    )
     torch._dynamo.reset()
     with pytest.raises(Exception, match="max_seqlen_q/max_seqlen_kv: got None/None"):
         compiled(q, k, v, cu_q)
@@ -134,7 +141,7 @@ def test_dropout_backward_replays_the_forward_mask():
     got = _grads(compiled, (q, k, v), grad_out)
     torch.manual_seed(1)
     eager = fn(q, k, v)
-    torch.testing.assert_close(compiled, eager)   # the same draws from the same RNG state
+    torch.testing.assert_close(compiled, eager)  # the same draws from the same RNG state
     for g, want in zip(got, _grads(eager, (q, k, v), grad_out)):
         torch.testing.assert_close(g, want)
 
@@ -162,8 +169,9 @@ def test_opcheck(label, fields, candidate):
     fields = dict(fields)
     training = fields.pop("training", True)
     if fields.get("layout") == "thd":
-        (q, k, v), cu, _ = thd_inputs(lengths_q=[2, 0, 4], hq=4, hkv=2, dqk=24, dv=16, dtype=torch.float64,
-                                      device="cpu")
+        (q, k, v), cu, _ = thd_inputs(
+            lengths_q=[2, 0, 4], hq=4, hkv=2, dqk=24, dv=16, dtype=torch.float64, device="cpu"
+        )
         problem = AttentionProblem(3, 4, 4, 4, 2, 24, 16, dtype=torch.float64, training=training, **fields)
         packing = (cu, cu, cu, cu)
     else:
@@ -176,14 +184,17 @@ def test_opcheck(label, fields, candidate):
     if training:
         grad_out = torch.randn(*q.shape[:-1], 16, dtype=torch.float64)
         rng = torch.empty(0, dtype=torch.uint8)
-        torch.library.opcheck(torch.ops.attnselect.attention_backward,
-                              (grad_out, q.detach(), k.detach(), v.detach(), *packing, rng, spec, 0.3))
+        torch.library.opcheck(
+            torch.ops.attnselect.attention_backward,
+            (grad_out, q.detach(), k.detach(), v.detach(), *packing, rng, spec, 0.3),
+        )
 
 
 def test_fake_output_takes_the_value_head_dim():
     problem = AttentionProblem(2, 6, 6, 4, 2, 24, 16, dtype=torch.float32, layout="bhsd", return_lse=True)
     spec = _spec(problem, Candidate("sdpa_math"))
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     with FakeTensorMode():
         q, k = torch.empty(2, 4, 6, 24), torch.empty(2, 2, 6, 24)
         v = torch.empty(2, 2, 6, 16)
@@ -206,8 +217,25 @@ def test_eager_calls_do_not_use_the_ops(monkeypatch):
 
 def test_the_trace_time_decision_validates_on_meta_tensors():
     with pytest.raises(InvalidInputError, match=r"k\.shape\[-1\]: got 8"):
-        ops._decide(((2, 6, 4, 24), (2, 6, 2, 8), (2, 6, 2, 16)), ("torch.float64",) * 3, ("cpu",) * 3,
-                    (None,) * 4, True, "bshd", True, None, 0.0, None, None, False, False, False, None, None, None)
+        ops._decide(
+            ((2, 6, 4, 24), (2, 6, 2, 8), (2, 6, 2, 16)),
+            ("torch.float64",) * 3,
+            ("cpu",) * 3,
+            (None,) * 4,
+            True,
+            "bshd",
+            True,
+            None,
+            0.0,
+            None,
+            None,
+            False,
+            False,
+            False,
+            None,
+            None,
+            None,
+        )
 
 
 @pytest.mark.gpu
@@ -215,14 +243,18 @@ def test_the_trace_time_decision_validates_on_meta_tensors():
 def test_gpu_backends_compile_to_one_op(layout):
     """On the GPU the traced op runs the GPU choice (cuDNN, the packed kernels), forward and backward."""
     from helpers import rel_err
+
     if layout == "thd":
-        (q, k, v), cu, _ = thd_inputs(lengths_q=[0, 1, 100, 37, 256], hq=8, hkv=8, dqk=192, dv=128,
-                                      dtype=torch.bfloat16, device="cuda")
+        (q, k, v), cu, _ = thd_inputs(
+            lengths_q=[0, 1, 100, 37, 256], hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda"
+        )
         kwargs = dict(layout="thd", cu_seqlens_q=cu, max_seqlen_q=256, max_seqlen_kv=256, causal=True)
     else:
         g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(2, 512, 8, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-                   for d in (192, 192, 128))
+        q, k, v = (
+            torch.randn(2, 512, 8, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for d in (192, 192, 128)
+        )
         kwargs = dict(causal=True)
 
     def fn(q, k, v):
@@ -243,8 +275,11 @@ def test_compiled_gpu_graphs_leave_flex_out():
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 256, 8, d, device="cuda", dtype=torch.bfloat16, generator=g) for d in (64, 64, 64))
     problem = AttentionProblem.from_tensors(q, k, v, causal=True)
-    flex = [v for v in judge(dataclasses.replace(problem, compiled_graph=True), attnselect.Target.current())
-            if v.candidate.backend == "flex"]
+    flex = [
+        v
+        for v in judge(dataclasses.replace(problem, compiled_graph=True), attnselect.Target.current())
+        if v.candidate.backend == "flex"
+    ]
     assert flex and not any(v.supported for v in flex)
     _forced_flex_refuses_to_compile(q, k, v, "CUDA")
 
@@ -259,8 +294,9 @@ class _MLABlock(torch.nn.Module):
 
     def forward(self, x):
         b, s, _ = x.shape
-        o = attnselect.attention(self.q(x).view(b, s, 4, 24), self.k(x).view(b, s, 2, 24),
-                                 self.v(x).view(b, s, 2, 16), causal=True)
+        o = attnselect.attention(
+            self.q(x).view(b, s, 4, 24), self.k(x).view(b, s, 2, 24), self.v(x).view(b, s, 2, 16), causal=True
+        )
         return self.out(o.reshape(b, s, 64))
 
 
@@ -288,14 +324,25 @@ def test_every_new_shape_compiles_a_static_fullgraph_with_its_own_decision(devic
     from torch._dynamo.utils import counters
 
     from helpers import rel_err
+
     dtype = torch.float64 if device == "cpu" else torch.bfloat16
 
     def dense(q, k, v):
         return attnselect.attention(q, k, v, causal=True, window=(3, 0), scale=0.3)
 
     def packed(q, k, v, cu):
-        return attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=64,
-                                    max_seqlen_kv=64, causal=True, dropout_p=0.0)
+        return attnselect.attention(
+            q,
+            k,
+            v,
+            layout="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=64,
+            max_seqlen_kv=64,
+            causal=True,
+            dropout_p=0.0,
+        )
 
     def close(got, want):
         if device == "cpu":
@@ -312,47 +359,63 @@ def test_every_new_shape_compiles_a_static_fullgraph_with_its_own_decision(devic
         problem = json.loads(spec)["problem"]
         decided.append((problem["layout"], problem["batch"], problem["seqlen_q"]))
         return spec
+
     monkeypatch.setattr(ops, "_decide", spy)
 
     for dynamic in (False, None, True):
-        torch._dynamo.reset()   # each setting compiles from scratch
+        torch._dynamo.reset()  # each setting compiles from scratch
         counters.clear()
         decided.clear()
         compiled_dense = torch.compile(lambda *a: dense(*a), dynamic=dynamic, fullgraph=True)
         compiled_packed = torch.compile(lambda *a: packed(*a), dynamic=dynamic, fullgraph=True)
         for s in (6, 9, 13):
-            q, k, v = (torch.randn(2, s * 8, 2, d, dtype=dtype, device=device, requires_grad=True)
-                       for d in (192, 192, 128))
+            q, k, v = (
+                torch.randn(2, s * 8, 2, d, dtype=dtype, device=device, requires_grad=True) for d in (192, 192, 128)
+            )
             out = compiled_dense(q, k, v)
             close(out, dense(q, k, v))
             grad_out = torch.randn_like(out)
             for got, want in zip(_grads(out, (q, k, v), grad_out), _grads(dense(q, k, v), (q, k, v), grad_out)):
                 close(got, want)
-            lengths = [s - 5, 64, 3][: 2 + s % 2]                   # totals and sequence counts change
+            lengths = [s - 5, 64, 3][: 2 + s % 2]  # totals and sequence counts change
             cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
             tq, tk, tv = (torch.randn(sum(lengths), 2, d, dtype=dtype, device=device) for d in (192, 192, 128))
             close(compiled_packed(tq, tk, tv, cu), packed(tq, tk, tv, cu))
         assert not counters["graph_break"], (dynamic, dict(counters["graph_break"]))
-        assert counters["stats"]["unique_graphs"] == 6, dynamic   # one static graph per shape, not one dynamic
+        assert counters["stats"]["unique_graphs"] == 6, dynamic  # one static graph per shape, not one dynamic
         assert set(decided) == {("bshd", 2, 48), ("bshd", 2, 72), ("bshd", 2, 104), ("thd", 2, 64), ("thd", 3, 64)}
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize("option, value", [("window", (1.5, 0)), ("window", (True, 0)), ("dropout_p", 1.5),
-                                           ("dropout_p", "0.1"), ("max_seqlen_q", 2.5), ("max_seqlen_q", -1),
-                                           ("scale", -1.0), ("scale", True)])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("window", (1.5, 0)),
+        ("window", (True, 0)),
+        ("dropout_p", 1.5),
+        ("dropout_p", "0.1"),
+        ("max_seqlen_q", 2.5),
+        ("max_seqlen_q", -1),
+        ("scale", -1.0),
+        ("scale", True),
+    ],
+)
 def test_bad_options_fail_under_compile_with_the_eager_message(dynamic, option, value):
     """Options are made plain numbers before the decision (dynamic=True keeps them symbolic), and bad ones still
     reach validation, which names them."""
     q, k, v = (torch.randn(7, 2, d) for d in (24, 24, 16))
-    kwargs = dict(layout="thd", cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int32), max_seqlen_q=4,
-                  max_seqlen_kv=4, causal=True) | {option: value}
+    kwargs = dict(
+        layout="thd",
+        cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int32),
+        max_seqlen_q=4,
+        max_seqlen_kv=4,
+        causal=True,
+    ) | {option: value}
     torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v: attnselect.attention(q, k, v, **kwargs), dynamic=dynamic,
-                             fullgraph=True)
+    compiled = torch.compile(lambda q, k, v: attnselect.attention(q, k, v, **kwargs), dynamic=dynamic, fullgraph=True)
     with pytest.raises(InvalidInputError, match=option):
         attnselect.attention(q, k, v, **kwargs)
-    with pytest.raises(Exception, match=rf"InvalidInputError\W+{option}: got"):   # dynamo wraps it, message and all
+    with pytest.raises(Exception, match=rf"InvalidInputError\W+{option}: got"):  # dynamo wraps it, message and all
         compiled(q, k, v)
 
 
@@ -360,6 +423,7 @@ def test_bad_options_fail_under_compile_with_the_eager_message(dynamic, option, 
 def test_options_that_change_or_come_from_sizes_compile(dynamic):
     """A scale that changes between calls, and causal and return_lse computed from sizes, stay out of the decision's
     way: dynamo keeps such numbers and bools symbolic; they are specialized like sizes."""
+
     def fn(q, k, v, scale):
         return attnselect.attention(q, k, v, scale=scale, causal=q.shape[1] > 1, return_lse=q.shape[1] > 1)
 
@@ -393,8 +457,18 @@ def test_shared_boundaries_with_gaps_place_keys_as_eager():
     cu, padded = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
 
     def fn(q, k, v):
-        return attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
-                                    max_seqlen_q=4, max_seqlen_kv=4, causal=True)
+        return attnselect.attention(
+            q,
+            k,
+            v,
+            layout="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=padded,
+            max_seqlen_q=4,
+            max_seqlen_kv=4,
+            causal=True,
+        )
 
     compiled, _ = _compiled_graph_ops(fn, q, k, v)
     torch.testing.assert_close(compiled, fn(q, k, v))
@@ -403,7 +477,7 @@ def test_shared_boundaries_with_gaps_place_keys_as_eager():
 def test_compiled_lse_is_detached_and_scale_is_checked():
     q, k, v = _dense()
     (_, lse), _ = _compiled_graph_ops(lambda q, k, v: attnselect.attention(q, k, v, return_lse=True), q, k, v)
-    assert not lse.requires_grad                 # as eager calls return it
+    assert not lse.requires_grad  # as eager calls return it
     bad = torch.compile(lambda q, k, v: attnselect.attention(q, k, v, scale=-1.0), fullgraph=True)
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"scale: got -1\.0"):
@@ -412,9 +486,9 @@ def test_compiled_lse_is_detached_and_scale_is_checked():
 
 def test_inductor_compiles_the_op_with_matching_strides():
     q, k, v = _dense(dtype=torch.float32)
-    (out, lse), graph_ops = _compiled_graph_ops(lambda q, k, v: attnselect.attention(q, k, v, causal=True,
-                                                                                      return_lse=True),
-                                                q, k, v, compiler="inductor")
+    (out, lse), graph_ops = _compiled_graph_ops(
+        lambda q, k, v: attnselect.attention(q, k, v, causal=True, return_lse=True), q, k, v, compiler="inductor"
+    )
     want_out, want_lse = attnselect.attention(q, k, v, causal=True, return_lse=True)
     torch.testing.assert_close(out, want_out)
     torch.testing.assert_close(lse, want_lse)

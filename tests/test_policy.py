@@ -8,8 +8,17 @@ import torch
 import attnselect
 from attnselect import AttentionProblem, Candidate, Target
 
-MLA = dict(batch=2, seqlen_q=4096, seqlen_kv=4096, heads_q=16, heads_kv=16, head_dim_qk=192, head_dim_v=128,
-           dtype=torch.bfloat16, mask="causal")
+MLA = dict(
+    batch=2,
+    seqlen_q=4096,
+    seqlen_kv=4096,
+    heads_q=16,
+    heads_kv=16,
+    head_dim_qk=192,
+    head_dim_v=128,
+    dtype=torch.bfloat16,
+    mask="causal",
+)
 
 
 def verdict(decision, backend, pad_to=None):
@@ -88,7 +97,7 @@ def test_f_cpu_target_chooses_a_cpu_candidate_that_runs():
     k = torch.randn(1, 16, 2, 24, requires_grad=True)
     v = torch.randn(1, 16, 2, 16, requires_grad=True)
     d = attnselect.select(AttentionProblem.from_tensors(q, k, v, causal=True), target=Target.preset("cpu"))
-    assert d.chosen == Candidate("sdpa_flash", 24)      # SDPA's C++ flash kernel, padded to equal dims
+    assert d.chosen == Candidate("sdpa_flash", 24)  # SDPA's C++ flash kernel, padded to equal dims
     out = attnselect.attention(q, k, v, causal=True)
     out.sum().backward()
     assert out.shape == (1, 16, 2, 16) and q.grad is not None
@@ -103,7 +112,7 @@ def test_rtx_pro_6000_mla_training_pads_for_flash():
 def test_absorbed_mla_on_hopper_uses_the_only_kernel_that_fits():
     p = AttentionProblem(**{**MLA, "head_dim_qk": 576, "head_dim_v": 512})
     d = attnselect.select(p, target=Target.preset("h200"))
-    assert d.chosen == Candidate("sdpa_efficient")   # measured: cuDNN, flash and flex refuse 576/512
+    assert d.chosen == Candidate("sdpa_efficient")  # measured: cuDNN, flash and flex refuse 576/512
 
 
 def test_installed_fa3_on_hopper_follows_cudnn_like_transformer_engine():
@@ -121,19 +130,21 @@ def test_thd_per_sequence_facts_reach_the_rules():
     same = attnselect.select(AttentionProblem(**top_left), target=fa2)
     assert same.chosen == Candidate("varlen_fa2") and verdict(same, "flash_attn2").supported
     differ = attnselect.select(AttentionProblem(**top_left, varlen_seqlens_match=False), target=fa2)
-    for name in ("varlen_fa2", "flash_attn2"):   # bottom-right causal kernels, packed or per sequence
+    for name in ("varlen_fa2", "flash_attn2"):  # bottom-right causal kernels, packed or per sequence
         assert any("every sequence" in r for r in verdict(differ, name).reasons)
     h200 = Target.preset("h200")
     assert verdict(attnselect.select(AttentionProblem(**THD), target=h200), "sdpa_cudnn").supported
     longer_keys = attnselect.select(AttentionProblem(**THD, varlen_seqlens_match=False), target=h200)
-    assert verdict(longer_keys, "sdpa_cudnn").supported   # every query still sees a key
+    assert verdict(longer_keys, "sdpa_cudnn").supported  # every query still sees a key
     for facts in ({"varlen_seqlens_match": False, "varlen_rows_without_keys": True}, {"varlen_single_key": True}):
         d = attnselect.select(AttentionProblem(**THD, **facts), target=h200)
         assert not verdict(d, "sdpa_cudnn").supported
 
 
-@pytest.mark.parametrize("installed,chosen", [({}, Candidate("varlen_fa2", 192)),
-                                              ({"cudnn_frontend_version": "1.32.0"}, Candidate("cudnn_frontend"))])
+@pytest.mark.parametrize(
+    "installed,chosen",
+    [({}, Candidate("varlen_fa2", 192)), ({"cudnn_frontend_version": "1.32.0"}, Candidate("cudnn_frontend"))],
+)
 def test_thd_mla_training_on_hopper(installed, chosen):
     # H200, 32k tokens / 18 sequences, fwd+bwd: cuDNN frontend THD 357 TFLOP/s > varlen_attn V padded 186
     # > flex 147 > per-sequence SDPA 87 (research measurements).
@@ -149,11 +160,11 @@ def test_thd_facts_are_read_from_cu_seqlens():
     cu_kv = torch.tensor([0, 1, 9], dtype=torch.int32)
     other = AttentionProblem.from_tensors(q, q, q, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
     assert not other.varlen_seqlens_match and other.varlen_single_key and other.seqlen_kv == 8
-    assert not other.varlen_rows_without_keys   # no mask: every query sees its sequence's keys
-    bottom_right = AttentionProblem.from_tensors(q, q, q, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
-                                                 causal="bottom_right")
-    assert bottom_right.varlen_rows_without_keys   # 4 queries, 1 key: the first 3 see none
-
+    assert not other.varlen_rows_without_keys  # no mask: every query sees its sequence's keys
+    bottom_right = AttentionProblem.from_tensors(
+        q, q, q, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, causal="bottom_right"
+    )
+    assert bottom_right.varlen_rows_without_keys  # 4 queries, 1 key: the first 3 see none
 
 
 def test_newer_torch_on_hopper_follows_the_newest_cudnn_gate():
@@ -163,15 +174,21 @@ def test_newer_torch_on_hopper_follows_the_newest_cudnn_gate():
     assert verdict(attnselect.select(AttentionProblem(**MLA), target=newer), "sdpa_cudnn").supported
 
 
-@pytest.mark.parametrize("max_seqlen,heads,training,chosen", [
-    (512, 16, True, Candidate("varlen_fa2", 192)),    # short documents: the frontend op's host time dominates
-    (1024, 16, True, Candidate("cudnn_frontend")),
-    (512, 128, True, Candidate("cudnn_frontend")),    # short, but enough work in the pack to hide the host time
-    (512, 16, False, Candidate("cudnn_frontend")),    # forward only: cuDNN led the uncontended run
-])
+@pytest.mark.parametrize(
+    "max_seqlen,heads,training,chosen",
+    [
+        (512, 16, True, Candidate("varlen_fa2", 192)),  # short documents: the frontend op's host time dominates
+        (1024, 16, True, Candidate("cudnn_frontend")),
+        (512, 128, True, Candidate("cudnn_frontend")),  # short, but enough work in the pack to hide the host time
+        (512, 16, False, Candidate("cudnn_frontend")),  # forward only: cuDNN led the uncontended run
+    ],
+)
 def test_packed_short_documents_train_on_varlen_on_hopper(max_seqlen, heads, training, chosen):
-    problem = AttentionProblem(**{**MLA, "batch": 32, "seqlen_q": max_seqlen, "seqlen_kv": max_seqlen,
-                                  "heads_q": heads, "heads_kv": heads}, layout="thd", training=training)
+    problem = AttentionProblem(
+        **{**MLA, "batch": 32, "seqlen_q": max_seqlen, "seqlen_kv": max_seqlen, "heads_q": heads, "heads_kv": heads},
+        layout="thd",
+        training=training,
+    )
     d = attnselect.select(problem, target=Target.preset("h200", cudnn_frontend_version="1.32.0"))
     assert d.chosen == chosen
     assert ("short documents" in d.why) == (chosen.backend == "varlen_fa2")
@@ -183,7 +200,7 @@ def test_absorbed_mla_prefill_prefers_the_efficient_kernel_on_hopper():
     d = attnselect.select(absorbed, target=h200)
     assert d.chosen == Candidate("sdpa_efficient")
     assert "wide heads" in d.why
-    decode = AttentionProblem(16, 1, 4096, 128, 1, 576, 512, mask="causal_bottom_right")   # not measured: general order
+    decode = AttentionProblem(16, 1, 4096, 128, 1, 576, 512, mask="causal_bottom_right")  # not measured: general order
     assert attnselect.select(decode, target=h200).chosen == Candidate("cudnn_frontend")
     short = AttentionProblem(16, 512, 512, 128, 1, 576, 512, mask="causal")
     assert "wide heads" not in attnselect.select(short, target=h200).why
@@ -194,17 +211,30 @@ def test_rules_choose_what_the_h200_packed_benchmark_measured_fastest():
     import dataclasses
     import json
     import pathlib
+
     from attnselect.inputs import describe_call
+
     report = json.loads((pathlib.Path(__file__).parents[1] / "results" / "h200_thd_bench.json").read_text())
     h200 = Target.preset("h200", cudnn_frontend_version=report["meta"]["cudnn_frontend"])
     for entry in report["results"]:
         lengths, total = entry["lengths"], sum(entry["lengths"])
         q, k = (torch.empty(total, 16, 192, dtype=torch.bfloat16) for _ in range(2))
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        problem, _ = describe_call(q, k, torch.empty(total, 16, 128, dtype=torch.bfloat16), layout="thd",
-                                   cu_seqlens_q=cu, causal=True, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+        problem, _ = describe_call(
+            q,
+            k,
+            torch.empty(total, 16, 128, dtype=torch.bfloat16),
+            layout="thd",
+            cu_seqlens_q=cu,
+            causal=True,
+            max_seqlen_q=max(lengths),
+            max_seqlen_kv=max(lengths),
+        )
         problem = dataclasses.replace(problem, training=entry["phase"] == "forward+backward")
-        assert str(attnselect.select(problem, target=h200).chosen) == entry["fastest"], (entry["packing"], entry["phase"])
+        assert str(attnselect.select(problem, target=h200).chosen) == entry["fastest"], (
+            entry["packing"],
+            entry["phase"],
+        )
 
 
 def test_on_packed_input_a_per_packing_rebuilder_ranks_after_the_stable_packed_candidates():
@@ -214,18 +244,20 @@ def test_on_packed_input_a_per_packing_rebuilder_ranks_after_the_stable_packed_c
     d = attnselect.select(packed, target=Target.preset("h200"))
     assert d.chosen == Candidate("varlen_fa2", 192)
     assert d.rank_of(Candidate("flex")) == d.rank_of(Candidate("varlen_fa2", 192)) + 1
-    dense = attnselect.select(AttentionProblem(**MLA), target=Target.preset("h200"))   # dense keeps the table
+    dense = attnselect.select(AttentionProblem(**MLA), target=Target.preset("h200"))  # dense keeps the table
     assert dense.rank_of(Candidate("flex")) < dense.rank_of(Candidate("sdpa_flash", 192))
     per_sequence = [c.backend for c in d.ranked if c.backend in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient")]
-    assert per_sequence.index("sdpa_cudnn") > per_sequence.index("sdpa_efficient")   # a graph per new length
-    float32 = attnselect.select(AttentionProblem(**{**MLA, "dtype": torch.float32}, layout="thd"),
-                                target=Target.preset("h200"))
-    assert float32.chosen == Candidate("flex")   # the only packed kernel for float32 keeps its place
+    assert per_sequence.index("sdpa_cudnn") > per_sequence.index("sdpa_efficient")  # a graph per new length
+    float32 = attnselect.select(
+        AttentionProblem(**{**MLA, "dtype": torch.float32}, layout="thd"), target=Target.preset("h200")
+    )
+    assert float32.chosen == Candidate("flex")  # the only packed kernel for float32 keeps its place
 
 
 def test_every_rules_table_names_each_candidate_once_and_only_registered_backends():
     from attnselect import backends
     from attnselect.policy import PREFERENCES
+
     known = {b.name for b in backends.all_backends()}
     for key, table in PREFERENCES.items():
         assert len(table) == len(set(table)), (key, [e for e in table if table.count(e) > 1])
@@ -237,10 +269,9 @@ def test_every_rules_table_names_each_candidate_once_and_only_registered_backend
 def test_head_dims_a_kernel_takes_only_rounded_up_run_padded_on_a_fast_kernel(layout, head_dim, pad_to):
     # The H200 (results/h200_rules_grid.md, odd head dims): varlen_attn raises "head_size must be a multiple of 8"
     # for 59, inductor's flex template refuses head dims below 16; their padded candidates serve.
-    p = AttentionProblem(**{**MLA, "head_dim_qk": head_dim, "head_dim_v": head_dim, "layout": layout,
-                            "training": True})
+    p = AttentionProblem(**{**MLA, "head_dim_qk": head_dim, "head_dim_v": head_dim, "layout": layout, "training": True})
     d = attnselect.select(p, target=Target.preset("h200"))
-    assert d.chosen == Candidate("sdpa_cudnn" if layout == "bshd" else "varlen_fa2", pad_to)   # no frontend, no FA4
+    assert d.chosen == Candidate("sdpa_cudnn" if layout == "bshd" else "varlen_fa2", pad_to)  # no frontend, no FA4
     assert verdict(d, "sdpa_cudnn").reasons and not verdict(d, "sdpa_cudnn", pad_to).reasons
     if layout == "thd":
         assert any("multiples of 8" in r for r in verdict(d, "varlen_fa2").reasons)

@@ -36,7 +36,15 @@ def test_from_tensors_reads_the_call():
     k = torch.randn(3, 1, 12, 24)
     v = torch.randn(3, 1, 12, 8)
     p = AttentionProblem.from_tensors(q, k, v, layout="bhsd", causal="bottom_right", dropout_p=0.1, return_lse=True)
-    assert (p.batch, p.seqlen_q, p.seqlen_kv, p.heads_q, p.heads_kv, p.head_dim_qk, p.head_dim_v) == (3, 10, 12, 2, 1, 24, 8)
+    assert (p.batch, p.seqlen_q, p.seqlen_kv, p.heads_q, p.heads_kv, p.head_dim_qk, p.head_dim_v) == (
+        3,
+        10,
+        12,
+        2,
+        1,
+        24,
+        8,
+    )
     assert p.mask == "causal_bottom_right" and p.training and p.return_lse and p.dtype == torch.float32
     with torch.no_grad():
         assert not AttentionProblem.from_tensors(q, k, v, layout="bhsd").training
@@ -48,12 +56,18 @@ def test_window_from_arguments():
     assert p.mask == "sliding_window" and p.window == (3, 0)
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("heads_q", 6, "heads_q: got 6 with heads_kv=4"), ("layout", "bhs", "layout: got 'bhs'"),
-    ("mask", "causal_top", "mask: got 'causal_top'"), ("dropout_p", 1.5, "dropout_p: got 1.5"),
-    ("window", (1, 2), "window: got (1, 2), expected None unless"), ("dtype", torch.int8, "dtype: got torch.int8"),
-    ("head_dim_v", 0, "head_dim_v: got 0"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("heads_q", 6, "heads_q: got 6 with heads_kv=4"),
+        ("layout", "bhs", "layout: got 'bhs'"),
+        ("mask", "causal_top", "mask: got 'causal_top'"),
+        ("dropout_p", 1.5, "dropout_p: got 1.5"),
+        ("window", (1, 2), "window: got (1, 2), expected None unless"),
+        ("dtype", torch.int8, "dtype: got torch.int8"),
+        ("head_dim_v", 0, "head_dim_v: got 0"),
+    ],
+)
 def test_bad_fields(field, value, message):
     with pytest.raises(InvalidInputError) as err:
         dataclasses.replace(P, **{field: value})

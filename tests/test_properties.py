@@ -19,9 +19,12 @@ from attnselect.target import Target
 
 CPU = Target.preset("cpu")
 HEAD_DIMS = [(8, 8), (16, 8), (8, 16), (24, 16), (12, 20)]
-MASKS = st.one_of(st.just((False, None)), st.just((True, None)), st.just(("bottom_right", None)),
-                  st.tuples(st.sampled_from([False, "bottom_right"]),
-                            st.tuples(st.integers(-1, 4), st.integers(-1, 4))))
+MASKS = st.one_of(
+    st.just((False, None)),
+    st.just((True, None)),
+    st.just(("bottom_right", None)),
+    st.tuples(st.sampled_from([False, "bottom_right"]), st.tuples(st.integers(-1, 4), st.integers(-1, 4))),
+)
 
 
 @st.composite
@@ -33,24 +36,27 @@ def calls(draw):
     causal, window = draw(MASKS)
     if window is not None and causal:
         window = (window[0], 0)
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 16)))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     kwargs = dict(layout=layout, causal=causal, window=window, return_lse=draw(st.booleans()))
     if layout == "thd":
         lengths_q = draw(st.lists(st.integers(0, 7), min_size=1, max_size=4))
         same = draw(st.booleans())
         lengths_kv = lengths_q if same else [draw(st.integers(0, 7)) for _ in lengths_q]
-        cu = lambda ls: torch.tensor([0, *itertools.accumulate(ls)], dtype=torch.int32)   # noqa: E731
+        cu = lambda ls: torch.tensor([0, *itertools.accumulate(ls)], dtype=torch.int32)  # noqa: E731
         kwargs["cu_seqlens_q"] = cu(lengths_q)
         if not same:
             kwargs["cu_seqlens_kv"] = cu(lengths_kv)
         shapes = [(sum(lengths_q), hq, dqk), (sum(lengths_kv), hkv, dqk), (sum(lengths_kv), hkv, dv)]
     else:
         b, sq, skv = draw(st.integers(1, 2)), draw(st.integers(0, 9)), draw(st.integers(0, 9))
-        order = {"bshd": lambda s, h, d: (b, s, h, d), "sbhd": lambda s, h, d: (s, b, h, d),
-                 "bhsd": lambda s, h, d: (b, h, s, d)}[layout]
+        order = {
+            "bshd": lambda s, h, d: (b, s, h, d),
+            "sbhd": lambda s, h, d: (s, b, h, d),
+            "bhsd": lambda s, h, d: (b, h, s, d),
+        }[layout]
         shapes = [order(sq, hq, dqk), order(skv, hkv, dqk), order(skv, hkv, dv)]
     tensors = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
-    return tensors, kwargs, draw(st.booleans()), draw(st.integers(0, 10 ** 6))
+    return tensors, kwargs, draw(st.booleans()), draw(st.integers(0, 10**6))
 
 
 def _rel(a, b) -> float:
@@ -59,7 +65,7 @@ def _rel(a, b) -> float:
     if not torch.equal(torch.isneginf(a), torch.isneginf(b)):
         return float("inf")
     a, b = a[~torch.isneginf(b)], b[~torch.isneginf(b)]
-    return ((a - b).norm() / b.norm().clamp_min(1.0)).item()   # absolute where the reference is ~0
+    return ((a - b).norm() / b.norm().clamp_min(1.0)).item()  # absolute where the reference is ~0
 
 
 def _run(tensors, kwargs, training, **choice):
@@ -69,8 +75,9 @@ def _run(tensors, kwargs, training, **choice):
     grads = None
     if training:
         g = torch.Generator().manual_seed(7)
-        grads = torch.autograd.grad(out, leaves, torch.randn(out.shape, generator=g, dtype=out.dtype),
-                                    allow_unused=True)
+        grads = torch.autograd.grad(
+            out, leaves, torch.randn(out.shape, generator=g, dtype=out.dtype), allow_unused=True
+        )
         grads = [torch.zeros_like(t) if d is None else d for t, d in zip(leaves, grads)]
     return out.detach(), lse, grads
 

@@ -66,5 +66,6 @@ def test_explain_raises_on_a_backend_that_does_not_exist_or_cannot_serve():
 
 def test_the_cli_prints_a_forced_choice_that_cannot_serve(capsys):
     from attnselect.cli import main
+
     assert main(["explain", "--target", "cpu", "--backend", "sdpa_cudnn"]) == 2
     assert "ForcedChoiceError" in capsys.readouterr().err

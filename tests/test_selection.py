@@ -11,8 +11,18 @@ import attnselect
 from attnselect import AttentionProblem, Candidate, Target, backends
 from attnselect.backends.sdpa_math import SdpaMath
 
-P = AttentionProblem(batch=1, seqlen_q=64, seqlen_kv=64, heads_q=2, heads_kv=2, head_dim_qk=24, head_dim_v=16,
-                     dtype=torch.float32, mask="causal", training=True)
+P = AttentionProblem(
+    batch=1,
+    seqlen_q=64,
+    seqlen_kv=64,
+    heads_q=2,
+    heads_kv=2,
+    head_dim_qk=24,
+    head_dim_v=16,
+    dtype=torch.float32,
+    mask="causal",
+    training=True,
+)
 CPU = Target.preset("cpu")
 
 
@@ -78,8 +88,10 @@ def test_unknown_forced_backend_lists_known_ones(monkeypatch):
         attnselect.select(P, target=CPU)
 
 
-@pytest.mark.parametrize("variable,value", [("ATTNSELECT_PAD", "sometimes"), ("ATTNSELECT_POLICY", "guess"),
-                                            ("ATTNSELECT_DISABLE", "sdpa_fast")])
+@pytest.mark.parametrize(
+    "variable,value",
+    [("ATTNSELECT_PAD", "sometimes"), ("ATTNSELECT_POLICY", "guess"), ("ATTNSELECT_DISABLE", "sdpa_fast")],
+)
 def test_bad_environment_values_name_the_variable(monkeypatch, variable, value):
     monkeypatch.setenv(variable, value)
     with pytest.raises(attnselect.InvalidInputError, match=variable):
@@ -116,8 +128,15 @@ def test_disable_iterator_does_not_poison_the_memo():
     assert attnselect.select(P, target=CPU).chosen.backend == "sdpa_flash"
 
 
-@pytest.mark.parametrize("kwargs,name", [({"pad": ["always"]}, "pad"), ({"backend": ["reference"]}, "backend"),
-                                         ({"disable": [1]}, "disable"), ({"policy": 3}, "policy")])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"pad": ["always"]}, "pad"),
+        ({"backend": ["reference"]}, "backend"),
+        ({"disable": [1]}, "disable"),
+        ({"policy": 3}, "policy"),
+    ],
+)
 def test_control_of_the_wrong_type_names_the_argument(kwargs, name):
     with pytest.raises(attnselect.InvalidInputError, match=f"^{name}: got"):
         attnselect.select(P, target=CPU, **kwargs)
@@ -125,6 +144,7 @@ def test_control_of_the_wrong_type_names_the_argument(kwargs, name):
 
 def test_memo_is_bounded(monkeypatch):
     from attnselect import selection
+
     monkeypatch.setattr(selection, "MEMO_SIZE", 3)
     for s in range(1, 8):
         attnselect.select(AttentionProblem(1, s, s, 1, 1, 8, 8, torch.float32), target=CPU)
@@ -139,11 +159,11 @@ def test_overrides_block_like_sdpa_kernel(monkeypatch):
     assert attnselect.select(P, target=CPU).chosen == Candidate("sdpa_flash", 24)
     with attnselect.overrides(pad=False):
         assert attnselect.select(P, target=CPU).chosen == Candidate("sdpa_math")
-        with attnselect.overrides(backend="reference"):          # nested: adds a field, keeps pad
+        with attnselect.overrides(backend="reference"):  # nested: adds a field, keeps pad
             assert attnselect.select(P, target=CPU).chosen == Candidate("reference")
-        assert attnselect.select(P, target=CPU, pad=True).chosen == Candidate("sdpa_flash", 24)   # keyword wins
+        assert attnselect.select(P, target=CPU, pad=True).chosen == Candidate("sdpa_flash", 24)  # keyword wins
     monkeypatch.setenv("ATTNSELECT_BACKEND", "sdpa_math")
-    with attnselect.overrides(backend="reference"):              # the block wins over the environment
+    with attnselect.overrides(backend="reference"):  # the block wins over the environment
         assert attnselect.select(P, target=CPU).chosen.backend == "reference"
     assert attnselect.select(P, target=CPU).chosen.backend == "sdpa_math"
 
@@ -163,6 +183,7 @@ def test_overrides_reach_the_attention_fast_path():
     with attnselect.overrides(backend="reference", disable="sdpa_flash"):
         inside = attnselect.attention(q, k, v)
     from attnselect import api
+
     assert {entry[1].backend for entry in api._CALLS.values()} == {"sdpa_flash", "reference"}
     assert torch.allclose(inside, attnselect.attention(q, k, v), atol=1e-12)
 
@@ -174,40 +195,59 @@ def test_cuda_graph_capture_keeps_only_capturable_candidates():
     refused = {v.candidate.backend: v.reasons for v in d.verdicts if not v.supported}
     assert "CUDA graph capture" in refused["flex"][0] and "CUDA graph capture" in refused["cudnn_frontend"][0]
     assert d.chosen == Candidate("sdpa_cudnn") and "under CUDA graph capture" in mla.describe()
-    packed = AttentionProblem(4, 4096, 4096, 16, 16, 192, 128, layout="thd", mask="causal", training=True,
-                              cuda_graph_capture=True)
+    packed = AttentionProblem(
+        4, 4096, 4096, 16, 16, 192, 128, layout="thd", mask="causal", training=True, cuda_graph_capture=True
+    )
     d = attnselect.select(packed, target=h200)
-    assert d.chosen == Candidate("varlen_fa2", 192)   # packed kernels only: no per-sequence host reads
-    assert any("sequence by sequence" in r for v in d.verdicts if v.candidate.backend == "sdpa_cudnn" for r in v.reasons)
+    assert d.chosen == Candidate("varlen_fa2", 192)  # packed kernels only: no per-sequence host reads
+    assert any(
+        "sequence by sequence" in r for v in d.verdicts if v.candidate.backend == "sdpa_cudnn" for r in v.reasons
+    )
     # flash-attn 2 and 3 were never captured on our H200 (not installed there): refused, with the reason; FA4 was
     # (results/h200_gpu_tests_fa4.txt) and serves under capture
-    with_fa = Target.preset("h200", flash_attn_version="2.8.3", flash_attn3_version="3.0.0", flash_attn4_version="4.0.0")
+    with_fa = Target.preset(
+        "h200", flash_attn_version="2.8.3", flash_attn3_version="3.0.0", flash_attn4_version="4.0.0"
+    )
     equal = AttentionProblem(2, 1024, 1024, 16, 16, 128, 128, mask="causal", training=True, cuda_graph_capture=True)
     assert attnselect.select(equal, target=with_fa, backend="flash_attn4").chosen == Candidate("flash_attn4")
     for backend in ("flash_attn2", "flash_attn3"):
-        uncaptured = attnselect.select(dataclasses.replace(equal, cuda_graph_capture=False), target=with_fa,
-                                       backend=backend)
+        uncaptured = attnselect.select(
+            dataclasses.replace(equal, cuda_graph_capture=False), target=with_fa, backend=backend
+        )
         assert uncaptured.chosen.backend == backend
         with pytest.raises(attnselect.ForcedChoiceError, match="not verified under CUDA graph capture"):
             attnselect.select(equal, target=with_fa, backend=backend)
 
 
-@pytest.mark.parametrize("installed", [{}, {"cudnn_frontend_version": "1.32.0"},
-                                       {"cudnn_frontend_version": "1.32.0", "flash_attn4_version": "4.0.0b36"}])
+@pytest.mark.parametrize(
+    "installed",
+    [{}, {"cudnn_frontend_version": "1.32.0"}, {"cudnn_frontend_version": "1.32.0", "flash_attn4_version": "4.0.0b36"}],
+)
 def test_packed_decisions_carried_across_sizes_choose_what_a_fresh_selection_chooses(installed):
     """select_packed reuses a packed problem's decision at new sizes only where a full selection agrees: sizes that
     cross a rule (one key, short documents, a key sequence of length 1) are selected afresh."""
     import random
+
     from attnselect.selection import select_packed
+
     rng = random.Random(0)
     for target in (Target.preset("h200", **installed), Target.preset("a100"), Target.preset("cpu")):
         for _ in range(300):
             seqlen = rng.choice([1, 2, 37, 300, 512, 513, 2048, 9000])
-            problem = AttentionProblem(rng.choice([1, 3, 18, 120]), seqlen, rng.choice([seqlen, 1, 2 * seqlen]), 16,
-                                       rng.choice([16, 4]), 192, rng.choice([128, 192]), layout="thd",
-                                       mask=rng.choice(["causal", "causal_bottom_right", "none"]),
-                                       training=rng.random() < 0.7, varlen_single_key=rng.random() < 0.3,
-                                       dtype=torch.float32 if not target.is_cuda else torch.bfloat16)
+            problem = AttentionProblem(
+                rng.choice([1, 3, 18, 120]),
+                seqlen,
+                rng.choice([seqlen, 1, 2 * seqlen]),
+                16,
+                rng.choice([16, 4]),
+                192,
+                rng.choice([128, 192]),
+                layout="thd",
+                mask=rng.choice(["causal", "causal_bottom_right", "none"]),
+                training=rng.random() < 0.7,
+                varlen_single_key=rng.random() < 0.3,
+                dtype=torch.float32 if not target.is_cuda else torch.bfloat16,
+            )
             try:
                 fresh = attnselect.select(problem, target=target).chosen
             except attnselect.NoSupportedCandidateError:
@@ -217,6 +257,7 @@ def test_packed_decisions_carried_across_sizes_choose_what_a_fresh_selection_cho
 
 def test_packed_decisions_at_new_sizes_judge_no_candidate_again(monkeypatch):
     from attnselect import candidates, selection
+
     h200 = Target.preset("h200", cudnn_frontend_version="1.32.0")
     judged = []
     real = candidates.judge

@@ -7,11 +7,22 @@ import sys
 import pytest
 import torch
 
-from attnselect import InvalidInputError, Target, target as target_module
+from attnselect import InvalidInputError, Target
+from attnselect import target as target_module
 
 
-@pytest.mark.parametrize("name,cc", [("a100", (8, 0)), ("h100", (9, 0)), ("h200", (9, 0)), ("b200", (10, 0)),
-                                     ("b300", (10, 3)), ("rtx-pro-6000", (12, 0)), ("cpu", None)])
+@pytest.mark.parametrize(
+    "name,cc",
+    [
+        ("a100", (8, 0)),
+        ("h100", (9, 0)),
+        ("h200", (9, 0)),
+        ("b200", (10, 0)),
+        ("b300", (10, 3)),
+        ("rtx-pro-6000", (12, 0)),
+        ("cpu", None),
+    ],
+)
 def test_presets(name, cc):
     t = Target.preset(name)
     assert t.capability == cc and (t.is_cuda == (cc is not None))
@@ -54,11 +65,14 @@ def test_describe_and_dict():
     assert t.arch == "sm90" and "cuDNN 9.19.0" in t.describe() and t.to_dict()["capability"] == [9, 0]
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(name="x"), "capability: got None, expected a (major, minor) pair"),
-    (dict(name="x", device_type="cpu", capability=(9, 0)), "capability: got (9, 0), expected None"),
-    (dict(name="x", device_type="tpu"), "device_type: got 'tpu'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(name="x"), "capability: got None, expected a (major, minor) pair"),
+        (dict(name="x", device_type="cpu", capability=(9, 0)), "capability: got (9, 0), expected None"),
+        (dict(name="x", device_type="tpu"), "device_type: got 'tpu'"),
+    ],
+)
 def test_inconsistent_targets_are_refused(kwargs, message):
     with pytest.raises(InvalidInputError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Target(**kwargs)
@@ -106,7 +120,8 @@ print(tuple(attnselect.attention(q, k, v, causal=True).shape))
 @pytest.mark.parametrize("mode", ["hidden", "broken"])
 def test_import_targets_and_selection_work_without_cuda(mode, tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", ATTNSELECT_CACHE_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", _HIDDEN_OR_BROKEN, mode], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _HIDDEN_OR_BROKEN, mode], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["sdpa_cudnn native", "chosen:  sdpa_flash padded to 192", "(1, 6, 2, 16)"]

@@ -15,6 +15,18 @@ from attnselect.target import Target
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "select", "explain", "AttentionProblem", "Target", "Decision", "Candidate", "Verdict",
-    "clear_cache", "overrides", "AttnSelectError", "InvalidInputError", "NoSupportedCandidateError", "ForcedChoiceError",
+    "attention",
+    "select",
+    "explain",
+    "AttentionProblem",
+    "Target",
+    "Decision",
+    "Candidate",
+    "Verdict",
+    "clear_cache",
+    "overrides",
+    "AttnSelectError",
+    "InvalidInputError",
+    "NoSupportedCandidateError",
+    "ForcedChoiceError",
 ]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -18,16 +19,30 @@ from attnselect.selection import MEMO_SIZE, Decision, mark_failed, register_cach
 from attnselect.settings import strict
 from attnselect.target import Target, target_for_device
 
-Causal = Union[bool, str]
+Causal = bool | str
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bshd",
-              causal: Causal = False, window: Optional[tuple[int, int]] = None, scale: Optional[float] = None,
-              dropout_p: float = 0.0, cu_seqlens_q: Optional[torch.Tensor] = None,
-              cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
-              max_seqlen_kv: Optional[int] = None, cu_seqlens_q_padded: Optional[torch.Tensor] = None,
-              cu_seqlens_kv_padded: Optional[torch.Tensor] = None, return_lse: bool = False,
-              backend: Optional[str] = None, pad: Union[bool, str, None] = None, disable=None):
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "bshd",
+    causal: Causal = False,
+    window: tuple[int, int] | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_kv: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
+    cu_seqlens_q_padded: torch.Tensor | None = None,
+    cu_seqlens_kv_padded: torch.Tensor | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+    pad: bool | str | None = None,
+    disable=None,
+):
     """Scaled dot-product attention on the fastest candidate that serves the call.
 
     Shapes (layout): ``bshd`` q (B, Sq, Hq, Dqk), k (B, Skv, Hkv, Dqk), v (B, Skv, Hkv, Dv);
@@ -59,40 +74,90 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
     raises, attnselect logs one warning, marks the candidate failed for this problem and runs
     the next one; a forced backend, or ATTNSELECT_STRICT=1, re-raises instead.
     """
-    if torch.compiler.is_compiling():   # one custom op, decided from the traced shapes (attnselect.ops)
+    if torch.compiler.is_compiling():  # one custom op, decided from the traced shapes (attnselect.ops)
         from attnselect.ops import traced_attention
-        return traced_attention(q, k, v, layout=layout, causal=causal, window=window, scale=scale,
-                                dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                                max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-                                cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-                                return_lse=return_lse, backend=backend, pad=pad, disable=disable)
-    call_key = _dense_call_key(q, k, v, layout, causal, window, dropout_p, cu_seqlens_q, cu_seqlens_kv,
-                               cu_seqlens_q_padded, cu_seqlens_kv_padded, return_lse, backend, pad, disable)
+
+        return traced_attention(
+            q,
+            k,
+            v,
+            layout=layout,
+            causal=causal,
+            window=window,
+            scale=scale,
+            dropout_p=dropout_p,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv,
+            cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+            return_lse=return_lse,
+            backend=backend,
+            pad=pad,
+            disable=disable,
+        )
+    call_key = _dense_call_key(
+        q,
+        k,
+        v,
+        layout,
+        causal,
+        window,
+        dropout_p,
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        cu_seqlens_q_padded,
+        cu_seqlens_kv_padded,
+        return_lse,
+        backend,
+        pad,
+        disable,
+    )
     try:
         known = _CALLS.get(call_key) if call_key is not None else None
-    except TypeError:   # an unhashable argument: the slow path validates and names it
+    except TypeError:  # an unhashable argument: the slow path validates and names it
         known = call_key = None
     packing = None
-    if known is None:   # else the same shapes, dtypes, devices and options were validated and decided before
-        problem, packing = describe_call(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
-                                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                                         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-                                         return_lse=return_lse, scale=scale, cu_seqlens_q_padded=cu_seqlens_q_padded,
-                                         cu_seqlens_kv_padded=cu_seqlens_kv_padded)
+    if known is None:  # else the same shapes, dtypes, devices and options were validated and decided before
+        problem, packing = describe_call(
+            q,
+            k,
+            v,
+            layout=layout,
+            causal=causal,
+            window=window,
+            dropout_p=dropout_p,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv,
+            return_lse=return_lse,
+            scale=scale,
+            cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+        )
         target = target_for_device(q.device)
-        decision = (select(problem, target=target, backend=backend, pad=pad, disable=disable) if packing is None else
-                    select_packed(problem, target=target, backend=backend, pad=pad, disable=disable))
+        decision = (
+            select(problem, target=target, backend=backend, pad=pad, disable=disable)
+            if packing is None
+            else select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)
+        )
         default_call = kernel_call(problem)
-        runner = (dense_runner(backends.get(decision.chosen.backend), decision.chosen.pad_to, layout, default_call)
-                  if layout != "thd" else None)
-        known = _KnownCall(problem, decision.chosen, target, default_call, decision.overrides.backend is not None,
-                           runner)
+        runner = (
+            dense_runner(backends.get(decision.chosen.backend), decision.chosen.pad_to, layout, default_call)
+            if layout != "thd"
+            else None
+        )
+        known = _KnownCall(
+            problem, decision.chosen, target, default_call, decision.overrides.backend is not None, runner
+        )
         if call_key is not None:
             _CALLS[call_key] = known
             if len(_CALLS) > MEMO_SIZE:
                 _CALLS.popitem(last=False)
     try:
-        if scale is None and known.runner is not None:   # the hottest path: a prepared dense runner
+        if scale is None and known.runner is not None:  # the hottest path: a prepared dense runner
             out, lse = known.runner(q, k, v)
         else:
             check_scale(scale)
@@ -100,15 +165,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
             out, lse = run_call(known.chosen, known.problem, call, q, k, v, packing=packing, target=known.target)
     except AttnSelectError:
         raise
-    except Exception as exc:   # a kernel that fails at run time: fall back unless told to be strict
+    except Exception as exc:  # a kernel that fails at run time: fall back unless told to be strict
         if known.forced or strict():
             raise
         mark_failed(known.problem, known.target, known.chosen, exc)
-        return attention(q, k, v, layout=layout, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
-                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-                         max_seqlen_kv=max_seqlen_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
-                         cu_seqlens_kv_padded=cu_seqlens_kv_padded, return_lse=return_lse, backend=backend,
-                         pad=pad, disable=disable)
+        return attention(
+            q,
+            k,
+            v,
+            layout=layout,
+            causal=causal,
+            window=window,
+            scale=scale,
+            dropout_p=dropout_p,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv,
+            cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+            return_lse=return_lse,
+            backend=backend,
+            pad=pad,
+            disable=disable,
+        )
     return (out, lse) if return_lse else out
 
 
@@ -118,37 +198,74 @@ class _KnownCall(NamedTuple):
     problem: AttentionProblem
     chosen: Candidate
     target: Target
-    call: KernelCall                 # kernel options with the default scale
-    forced: bool                     # the caller forced the backend: failures re-raise
-    runner: Optional[Callable]       # dense: run(q, k, v) with the layout work prepared
+    call: KernelCall  # kernel options with the default scale
+    forced: bool  # the caller forced the backend: failures re-raise
+    runner: Callable | None  # dense: run(q, k, v) with the layout work prepared
 
 
 # Dense calls already validated and decided: call key -> _KnownCall. The key holds everything
 # validation and selection read, so a hit skips both.
-_CALLS: "OrderedDict[tuple, _KnownCall]" = OrderedDict()
+_CALLS: OrderedDict[tuple, _KnownCall] = OrderedDict()
 register_cache(_CALLS.clear)
 
 
-def _dense_call_key(q, k, v, layout, causal, window, dropout_p, cu_q, cu_kv, cu_q_padded, cu_kv_padded,
-                    return_lse, backend, pad, disable) -> Optional[tuple]:
+def _dense_call_key(
+    q,
+    k,
+    v,
+    layout,
+    causal,
+    window,
+    dropout_p,
+    cu_q,
+    cu_kv,
+    cu_q_padded,
+    cu_kv_padded,
+    return_lse,
+    backend,
+    pad,
+    disable,
+) -> tuple | None:
     """A hashable key of a dense call, or None where the fast path does not apply (thd, odd arguments)."""
     if layout == "thd" or not (cu_q is None and cu_kv is None and cu_q_padded is None and cu_kv_padded is None):
         return None
     if not (disable is None or isinstance(disable, str)) or isinstance(window, list):
-        return None   # an iterator would be consumed here; the slow path normalises these
+        return None  # an iterator would be consumed here; the slow path normalises these
     try:
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
-               window, dropout_p, return_lse, backend, pad, disable, grad,
-               torch.are_deterministic_algorithms_enabled(), settings.environment_key(), settings.scope(),
-               backends.registry_version(), q.is_cuda and torch.cuda.is_current_stream_capturing())
+        key = (
+            q.shape,
+            k.shape,
+            v.shape,
+            q.dtype,
+            k.dtype,
+            v.dtype,
+            q.device,
+            k.device,
+            v.device,
+            layout,
+            causal,
+            window,
+            dropout_p,
+            return_lse,
+            backend,
+            pad,
+            disable,
+            grad,
+            torch.are_deterministic_algorithms_enabled(),
+            settings.environment_key(),
+            settings.scope(),
+            backends.registry_version(),
+            q.is_cuda and torch.cuda.is_current_stream_capturing(),
+        )
     except AttributeError:
         return None
     return key
 
 
-def explain(problem: AttentionProblem, *, target: Optional[Target] = None, backend: Optional[str] = None,
-            pad=None, disable=None) -> str:
+def explain(
+    problem: AttentionProblem, *, target: Target | None = None, backend: str | None = None, pad=None, disable=None
+) -> str:
     """A readable report: the problem, the target, every candidate's verdict and rank, the choice.
 
     Raises what :func:`select` raises, e.g. :class:`ForcedChoiceError` when a forced backend cannot serve (its
@@ -162,8 +279,15 @@ def format_report(decision: Decision) -> str:
     for verdict in decision.verdicts:
         c = verdict.candidate
         rank = decision.rank_of(c)
-        rows.append((c.backend, str(c.pad_to) if c.padded else "-", "yes" if verdict.supported else "no",
-                     str(rank) if rank else "-", "; ".join(verdict.reasons)))
+        rows.append(
+            (
+                c.backend,
+                str(c.pad_to) if c.padded else "-",
+                "yes" if verdict.supported else "no",
+                str(rank) if rank else "-",
+                "; ".join(verdict.reasons),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [f"problem: {decision.problem.describe()}", f"target:  {decision.target.describe()}", ""]
     for r in rows:

@@ -26,15 +26,22 @@ import json
 import os
 import statistics
 import time
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from attnselect.candidates import Candidate, judge
 from attnselect.errors import InvalidInputError
-from attnselect.measure import (CONTENDER_FACTOR, REPEATS, ROUNDS, WARMUP, Settle, candidate_step,
-                                random_inputs, time_steps)
+from attnselect.measure import (
+    CONTENDER_FACTOR,
+    REPEATS,
+    ROUNDS,
+    WARMUP,
+    Settle,
+    candidate_step,
+    random_inputs,
+    time_steps,
+)
 from attnselect.models import MODELS
 from attnselect.policy import arch_family
 from attnselect.problem import AttentionProblem
@@ -42,7 +49,7 @@ from attnselect.selection import select
 from attnselect.target import Target
 
 POLICIES = ("rules", "measure", "te", "always-pad", "never-pad", "torch-default")
-NAMED_BACKENDS = ("flash_attn4",)   # each gets a column (its fastest candidate) where it was timed
+NAMED_BACKENDS = ("flash_attn4",)  # each gets a column (its fastest candidate) where it was timed
 
 
 def suite(smoke: bool) -> dict[str, tuple[AttentionProblem, str]]:
@@ -52,22 +59,39 @@ def suite(smoke: bool) -> dict[str, tuple[AttentionProblem, str]]:
         shapes, seqlens, dtype = [("deepseek-v2-lite", 4)], [64], torch.float32
     else:
         # Most telling first, so a run cut short by its deadline (it resumes) has the key shapes.
-        shapes = [("deepseek-v3", 16), ("llama-3-70b", None), ("deepseek-v3-absorbed", None), ("kimi-k2", None),
-                  ("deepseek-v2-lite", None), ("deepseek-v3", 128)]
+        shapes = [
+            ("deepseek-v3", 16),
+            ("llama-3-70b", None),
+            ("deepseek-v3-absorbed", None),
+            ("kimi-k2", None),
+            ("deepseek-v2-lite", None),
+            ("deepseek-v3", 128),
+        ]
         seqlens, dtype = [1024, 4096, 16384], torch.bfloat16
     problems: dict[str, tuple[AttentionProblem, str]] = {}
     for (model, heads), seqlen, layout, training in (
-            (s, n, lay, tr) for s in shapes for n in seqlens for lay in ("bshd", "thd") for tr in (False, True)):
+        (s, n, lay, tr) for s in shapes for n in seqlens for lay in ("bshd", "thd") for tr in (False, True)
+    ):
         m = MODELS[model]
         if model == "deepseek-v3-absorbed" and (training or layout == "thd"):
-            continue   # absorbed MLA is an inference (decode/prefill) shape
+            continue  # absorbed MLA is an inference (decode/prefill) shape
         hq = heads or m.heads
         hkv = hq if m.kv_heads == m.heads else m.kv_heads
         tokens = 16384 if not smoke else 128
         batch = max(tokens // seqlen, 1)
-        problem = AttentionProblem(batch=batch, seqlen_q=seqlen, seqlen_kv=seqlen, heads_q=hq, heads_kv=hkv,
-                                   head_dim_qk=m.head_dim_qk, head_dim_v=m.head_dim_v, dtype=dtype,
-                                   layout=layout, mask="causal", training=training)
+        problem = AttentionProblem(
+            batch=batch,
+            seqlen_q=seqlen,
+            seqlen_kv=seqlen,
+            heads_q=hq,
+            heads_kv=hkv,
+            head_dim_qk=m.head_dim_qk,
+            head_dim_v=m.head_dim_v,
+            dtype=dtype,
+            layout=layout,
+            mask="causal",
+            training=training,
+        )
         label = model + (f" ({heads} heads)" if heads else "")
         key = _key(problem)
         problems[key] = (problem, f"{problems[key][1]}, {label}" if key in problems else label)
@@ -78,7 +102,7 @@ def _key(problem: AttentionProblem) -> str:
     return json.dumps(problem.to_dict(), sort_keys=True)
 
 
-def useful_tflops(problem: AttentionProblem, ms: float, pairs: Optional[float] = None) -> float:
+def useful_tflops(problem: AttentionProblem, ms: float, pairs: float | None = None) -> float:
     """TFLOP/s on useful causal work: ``pairs`` visible (query, key) pairs a call (packed calls: the mean over the
     packings timed, measure.NewPackings.causal_pairs), by default B full-length sequences."""
     pairs = problem.batch * problem.seqlen_q * (problem.seqlen_q + 1) / 2 if pairs is None else pairs
@@ -86,14 +110,14 @@ def useful_tflops(problem: AttentionProblem, ms: float, pairs: Optional[float] =
     return flops * (3.5 if problem.training else 1.0) / (ms * 1e-3) / 1e12
 
 
-def te_choice(problem: AttentionProblem, target: Target, supported: set) -> Optional[Candidate]:
+def te_choice(problem: AttentionProblem, target: Target, supported: set) -> Candidate | None:
     """TransformerEngine's choice with PR #3339's pad decision, on our verdicts."""
     packed = problem.layout == "thd"
     flash = "varlen_fa2" if packed else "sdpa_flash"
     fused = "cudnn_frontend" if packed and Candidate("cudnn_frontend") in supported else "sdpa_cudnn"
 
     def backend_for(pad_to):
-        has = lambda name: Candidate(name, pad_to) in supported   # noqa: E731
+        has = lambda name: Candidate(name, pad_to) in supported  # noqa: E731
         if has(flash) and has(fused) and target.is_cuda and target.capability >= (9, 0):
             return fused
         for name in (flash, fused):
@@ -106,12 +130,12 @@ def te_choice(problem: AttentionProblem, target: Target, supported: set) -> Opti
     if pad_to is not None:
         if native == "sdpa_math" and backend_for(pad_to) != "sdpa_math":
             return Candidate(backend_for(pad_to), pad_to)
-        if native == flash:   # FlashAttention-2 needs equal head dims: TE pads for it
+        if native == flash:  # FlashAttention-2 needs equal head dims: TE pads for it
             return Candidate(flash, pad_to)
     return Candidate(native) if Candidate(native) in supported else None
 
 
-RULE_POLICIES = ("rules", "te", "always-pad", "never-pad")   # decided without timing: re-derivable
+RULE_POLICIES = ("rules", "te", "always-pad", "never-pad")  # decided without timing: re-derivable
 
 
 def bench_problem(problem: AttentionProblem, target: Target) -> dict:
@@ -123,26 +147,33 @@ def bench_problem(problem: AttentionProblem, target: Target) -> dict:
     rows = _timed(steps, device, problem, inputs[4].causal_pairs() if inputs[4] is not None else None)
     default = rows.pop(TORCH_DEFAULT)
     choices = {policy: _choice(policy, problem, target, supported, rows) for policy in (*RULE_POLICIES, "measure")}
-    choices["torch-default"] = {"candidate": "F.scaled_dot_product_attention" if problem.layout != "thd"
-                                else "varlen_attn, V padded", **default}
+    choices["torch-default"] = {
+        "candidate": "F.scaled_dot_product_attention" if problem.layout != "thd" else "varlen_attn, V padded",
+        **default,
+    }
     best = min((r for r in rows.values() if "median_ms" in r), key=lambda r: r["median_ms"], default=None)
-    return {"problem": problem.to_dict(), "describe": problem.describe(), "candidates": rows,
-            "policies": {policy: choices[policy] for policy in POLICIES}, "best_ms": best and best["median_ms"]}
+    return {
+        "problem": problem.to_dict(),
+        "describe": problem.describe(),
+        "candidates": rows,
+        "policies": {policy: choices[policy] for policy in POLICIES},
+        "best_ms": best and best["median_ms"],
+    }
 
 
 def _choice(policy: str, problem: AttentionProblem, target: Target, supported: set, rows: dict) -> dict:
     if policy == "te":
         return _timed_choice(te_choice(problem, target, supported), rows)
     try:
-        if policy == "measure":   # times the candidates again, as a user's first call would
+        if policy == "measure":  # times the candidates again, as a user's first call would
             return _timed_choice(select(problem, target=target, policy="measure").chosen, rows)
         pad = {"always-pad": True, "never-pad": False}.get(policy)
         return _timed_choice(select(problem, target=target, pad=pad).chosen, rows)
-    except Exception as exc:   # a policy that finds nothing is part of the comparison
+    except Exception as exc:  # a policy that finds nothing is part of the comparison
         return {"candidate": None, "error": _first_line(exc)}
 
 
-def _timed_choice(choice: Optional[Candidate], rows: dict) -> dict:
+def _timed_choice(choice: Candidate | None, rows: dict) -> dict:
     return {"candidate": str(choice), **rows.get(str(choice), {"error": "not timed"})}
 
 
@@ -168,7 +199,7 @@ def rechoose(report: dict, target: Target) -> int:
             fresh = _choice(policy, problem, target, supported, entry["candidates"])
             old = entry["policies"].get(policy, {})
             if fresh.get("candidate") != old.get("candidate"):
-                timed = old.get("was", old.get("candidate"))   # the choice made when the problem was timed
+                timed = old.get("was", old.get("candidate"))  # the choice made when the problem was timed
                 entry["policies"][policy] = fresh if fresh.get("candidate") == timed else {**fresh, "was": timed}
                 changed += 1
     return changed
@@ -178,20 +209,34 @@ def _torch_default(problem, inputs):
     q, k, v, grad_out, packings = inputs
     if problem.layout == "thd":
         from torch.nn.attention.varlen import varlen_attn
+
         packing = packings()
         pad = problem.head_dim_qk - problem.head_dim_v
         v_padded = F.pad(v, (0, pad)) if pad > 0 else v
-        out = varlen_attn(q, k, v_padded, packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.max_seqlen_q,
-                          packing.max_seqlen_kv, window_size=(-1, 0))[..., :problem.head_dim_v]
+        out = varlen_attn(
+            q,
+            k,
+            v_padded,
+            packing.cu_seqlens_q,
+            packing.cu_seqlens_kv,
+            packing.max_seqlen_q,
+            packing.max_seqlen_kv,
+            window_size=(-1, 0),
+        )[..., : problem.head_dim_v]
     else:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             enable_gqa=problem.heads_q != problem.heads_kv).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=problem.heads_q != problem.heads_kv,
+        ).transpose(1, 2)
     if problem.training:
         torch.autograd.grad(out, (q, k, v), grad_out)
 
 
-CANDIDATE_BUDGET_S = 2.0   # timing per candidate and problem, warm-up included: slow kernels stay affordable (those
-                           # far behind may rest on one to three calls; each row counts its repeats)
+CANDIDATE_BUDGET_S = 2.0  # timing per candidate and problem, warm-up included: slow kernels stay affordable (those
+# far behind may rest on one to three calls; each row counts its repeats)
 TORCH_DEFAULT = "torch-default"
 
 
@@ -206,34 +251,50 @@ def timing_rounds(steps: int) -> dict:
     rounds, since the bench judges measure's choice (a screening round, then many short turns of the steps
     within CONTENDER_FACTOR of the fastest; those further behind keep their screening timing), then SETTLE's
     rounds for the near-ties. The budget sizes the repeats and never leaves a step out."""
-    return {"warmup": WARMUP, "repeats": 2 * REPEATS, "rounds": 2 * ROUNDS, "budget_s": CANDIDATE_BUDGET_S * steps,
-            "keep_within": CONTENDER_FACTOR, "settle": SETTLE}
+    return {
+        "warmup": WARMUP,
+        "repeats": 2 * REPEATS,
+        "rounds": 2 * ROUNDS,
+        "budget_s": CANDIDATE_BUDGET_S * steps,
+        "keep_within": CONTENDER_FACTOR,
+        "settle": SETTLE,
+    }
 
 
-def _timed(steps: dict, device, problem, pairs: Optional[float] = None) -> dict:
+def _timed(steps: dict, device, problem, pairs: float | None = None) -> dict:
     """Every step timed side by side in interleaved rounds (time_steps), so drift lands on all alike."""
     results = time_steps(steps, device, **timing_rounds(len(steps)))
     rows = {}
     for key in steps:
         t = results[key]
-        if isinstance(t, Exception):   # what fails is part of the comparison
+        if isinstance(t, Exception):  # what fails is part of the comparison
             rows[key] = {"error": f"{type(t).__name__}: {_first_line(t)[:160]}"}
         else:
-            rows[key] = {"median_ms": t.median_ms, "p20_ms": t.low_ms, "p80_ms": t.high_ms, "repeats": t.repeats,
-                         "tflops": useful_tflops(problem, t.median_ms, pairs)}
+            rows[key] = {
+                "median_ms": t.median_ms,
+                "p20_ms": t.low_ms,
+                "p80_ms": t.high_ms,
+                "repeats": t.repeats,
+                "tflops": useful_tflops(problem, t.median_ms, pairs),
+            }
     return rows
 
 
 def report_markdown(report: dict) -> str:
     meta = report["meta"]
     # Columns for the backends a user compares against by name, where the run timed them (installed).
-    named = [b for b in NAMED_BACKENDS if any(c.startswith(b + " ") for e in report["results"] for c in e["candidates"])]
-    lines = ["# attnselect bench: every policy on real model shapes\n",
-             f"{meta['device']}, {meta['date']}. TFLOP/s on useful causal work (fwd; fwd+bwd counted as 3.5x). "
-             "Each cell: the policy's choice and its speed relative to the fastest candidate of that problem"
-             + (f"; {', '.join(named)}: its fastest candidate, forced" if named else "") + ".\n",
-             "| models | problem | " + " | ".join((*POLICIES, *named)) + " | fastest |",
-             "|---" * (len(POLICIES) + len(named) + 3) + "|"]
+    named = [
+        b for b in NAMED_BACKENDS if any(c.startswith(b + " ") for e in report["results"] for c in e["candidates"])
+    ]
+    lines = [
+        "# attnselect bench: every policy on real model shapes\n",
+        f"{meta['device']}, {meta['date']}. TFLOP/s on useful causal work (fwd; fwd+bwd counted as 3.5x). "
+        "Each cell: the policy's choice and its speed relative to the fastest candidate of that problem"
+        + (f"; {', '.join(named)}: its fastest candidate, forced" if named else "")
+        + ".\n",
+        "| models | problem | " + " | ".join((*POLICIES, *named)) + " | fastest |",
+        "|---" * (len(POLICIES) + len(named) + 3) + "|",
+    ]
     for entry in report["results"]:
         cells = []
         for policy in POLICIES:
@@ -244,26 +305,37 @@ def report_markdown(report: dict) -> str:
             else:
                 cells.append(f"{c.get('candidate')}: {c.get('error', 'n/a')}"[:60])
         for backend in named:
-            timed = [(name, r) for name, r in entry["candidates"].items()
-                     if name.startswith(backend + " ") and "median_ms" in r]
+            timed = [
+                (name, r)
+                for name, r in entry["candidates"].items()
+                if name.startswith(backend + " ") and "median_ms" in r
+            ]
             name, r = min(timed, key=lambda item: item[1]["median_ms"], default=(None, {}))
-            cells.append(f"{name.partition(' ')[2]}: {r['tflops']:.3g} ({entry['best_ms'] / r['median_ms']:.0%})"
-                         if name and entry["best_ms"] else "-")
-        best = min((r for r in entry["candidates"].items() if "median_ms" in r[1]), key=lambda r: r[1]["median_ms"],
-                   default=(None, {}))
+            cells.append(
+                f"{name.partition(' ')[2]}: {r['tflops']:.3g} ({entry['best_ms'] / r['median_ms']:.0%})"
+                if name and entry["best_ms"]
+                else "-"
+            )
+        best = min(
+            (r for r in entry["candidates"].items() if "median_ms" in r[1]),
+            key=lambda r: r[1]["median_ms"],
+            default=(None, {}),
+        )
         cells.append(f"{best[0]}: {best[1].get('tflops', 0):.3g}")
         lines.append(f"| {entry.get('models', '')} | {entry['describe']} | " + " | ".join(cells) + " |")
     rechosen = [(e["describe"], p, c) for e in report["results"] for p, c in e["policies"].items() if "was" in c]
     if rechosen:
-        lines.append("\n\\* re-derived with the current rules on this run's timings (the rules changed after the "
-                     "problem was timed; `bench.rechoose`): " + "; ".join(
-                         f"{d}, {p}: was {c['was']}" for d, p, c in rechosen))
+        lines.append(
+            "\n\\* re-derived with the current rules on this run's timings (the rules changed after the "
+            "problem was timed; `bench.rechoose`): " + "; ".join(f"{d}, {p}: was {c['was']}" for d, p, c in rechosen)
+        )
     return "\n".join(lines) + "\n"
 
 
 def chart(report: dict, path: str) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -293,12 +365,12 @@ def _short_label(entry: dict) -> str:
     return f"{model} {p['layout']} {length} {'train' if p['training'] else 'infer'}"
 
 
-def render(out: str, report: Optional[dict] = None) -> dict:
+def render(out: str, report: dict | None = None) -> dict:
     """Write the markdown table and the PNG chart of ``report`` (default: read from ``out``.json, e.g. again
     where matplotlib is installed)."""
     report = report if report is not None else json.load(open(out + ".json"))
     labels = {key: models for key, (_, models) in {**suite(smoke=True), **suite(smoke=False)}.items()}
-    for entry in report["results"]:   # results stored before entries named their models
+    for entry in report["results"]:  # results stored before entries named their models
         entry.setdefault("models", labels.get(_key(AttentionProblem.from_dict(entry["problem"])), ""))
     with open(out + ".md", "w") as f:
         f.write(report_markdown(report))
@@ -306,8 +378,14 @@ def render(out: str, report: Optional[dict] = None) -> dict:
     return report
 
 
-def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0, shard: tuple[int, int] = (0, 1),
-        only: tuple[str, ...] = ()) -> dict:
+def run(
+    out: str,
+    *,
+    smoke: bool = False,
+    deadline_s: float = 540.0,
+    shard: tuple[int, int] = (0, 1),
+    only: tuple[str, ...] = (),
+) -> dict:
     """Time the suite's problems not yet in ``out``.json (those of ``shard`` = (k, n): every n-th from the
     k-th; with ``only``, those whose description or models contain one of its texts), writing the JSON after
     each, then the markdown and chart."""
@@ -318,12 +396,19 @@ def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0, shard: tupl
     k, n = shard
     written_by = report.get("meta", {}).get("shard", "0/1")
     if report["results"] and written_by != f"{k}/{n}":
-        raise InvalidInputError(f"shard: {out}.json holds shard {written_by}, not {k}/{n}; resume it with --shard "
-                                f"{written_by} or write this shard elsewhere")
+        raise InvalidInputError(
+            f"shard: {out}.json holds shard {written_by}, not {k}/{n}; resume it with --shard "
+            f"{written_by} or write this shard elsewhere"
+        )
     if report["results"] and report["meta"]["device"] == target.describe():
         print(f"{rechoose(report, target)} stored choices re-derived with the current rules", flush=True)
-    report["meta"] = {"device": target.describe(), "arch": arch_family(target), "date": time.strftime("%Y-%m-%d"),
-                      "torch": torch.__version__, **({"shard": f"{k}/{n}"} if n > 1 else {})}
+    report["meta"] = {
+        "device": target.describe(),
+        "arch": arch_family(target),
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        **({"shard": f"{k}/{n}"} if n > 1 else {}),
+    }
     problems = suite(smoke)
     # Read through AttentionProblem, so results written before a field existed still count as done.
     done = {_key(AttentionProblem.from_dict(e["problem"])) for e in report["results"]}
@@ -336,10 +421,12 @@ def run(out: str, *, smoke: bool = False, deadline_s: float = 540.0, shard: tupl
             break
         began = time.time()
         entry = {**bench_problem(problem, target), "models": models}
-        entry["seconds"] = round(time.time() - began, 1)   # the problem's share of the run, for planning runs
+        entry["seconds"] = round(time.time() - began, 1)  # the problem's share of the run, for planning runs
         report["results"].append(entry)
-        print(f"{entry['describe']}: " + ", ".join(f"{p} {c.get('candidate')}" for p, c in entry["policies"].items()),
-              flush=True)
+        print(
+            f"{entry['describe']}: " + ", ".join(f"{p} {c.get('candidate')}" for p, c in entry["policies"].items()),
+            flush=True,
+        )
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
     return render(out, report)
@@ -355,16 +442,19 @@ def merge(out: str, parts: list[str]) -> dict:
     for path, report in zip(parts, reports):
         for entry in report["results"]:
             key = _key(AttentionProblem.from_dict(entry["problem"]))
-            if results.get(key, entry) != entry:   # the same entry twice (a part resumed from another) is fine
-                raise InvalidInputError(f"parts: {path} holds a second, different timing of {entry['describe']}; merge "
-                                 f"the parts of one run")
+            if results.get(key, entry) != entry:  # the same entry twice (a part resumed from another) is fine
+                raise InvalidInputError(
+                    f"parts: {path} holds a second, different timing of {entry['describe']}; merge the parts of one run"
+                )
             results[key] = entry
     dates = sorted({report["meta"]["date"] for report in reports})
     meta = {name: value for name, value in reports[0]["meta"].items() if name != "shard"}
     meta["date"] = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
-    order = {key: i for i, key in enumerate([*suite(smoke=False), *suite(smoke=True)])}   # the suite's order
-    merged = {"meta": meta,
-              "results": [results[key] for key in sorted(results, key=lambda key: order.get(key, len(order)))]}
+    order = {key: i for i, key in enumerate([*suite(smoke=False), *suite(smoke=True)])}  # the suite's order
+    merged = {
+        "meta": meta,
+        "results": [results[key] for key in sorted(results, key=lambda key: order.get(key, len(order)))],
+    }
     os.makedirs(os.path.dirname(out + ".json") or ".", exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump(merged, f, indent=1)
@@ -375,12 +465,17 @@ def summary(report: dict) -> dict:
     """Per policy: the share of problems within 2% / 5% of the fastest candidate, and the worst ratio."""
     out = {}
     for policy in POLICIES:
-        ratios = [e["best_ms"] / e["policies"][policy]["median_ms"] for e in report["results"]
-                  if e["best_ms"] and "median_ms" in e["policies"].get(policy, {})]
+        ratios = [
+            e["best_ms"] / e["policies"][policy]["median_ms"]
+            for e in report["results"]
+            if e["best_ms"] and "median_ms" in e["policies"].get(policy, {})
+        ]
         if ratios:
-            out[policy] = {"problems": len(ratios), "within_2pct": sum(r >= 0.98 for r in ratios) / len(ratios),
-                           "within_5pct": sum(r >= 0.95 for r in ratios) / len(ratios),
-                           "median_ratio": statistics.median(ratios), "worst_ratio": min(ratios)}
+            out[policy] = {
+                "problems": len(ratios),
+                "within_2pct": sum(r >= 0.98 for r in ratios) / len(ratios),
+                "within_5pct": sum(r >= 0.95 for r in ratios) / len(ratios),
+                "median_ratio": statistics.median(ratios),
+                "worst_ratio": min(ratios),
+            }
     return out
-
-

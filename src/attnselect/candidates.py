@@ -8,18 +8,19 @@ Every registered backend gives a native candidate and, when the head dims differ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from attnselect import backends
 from attnselect.problem import AttentionProblem
 from attnselect.settings import Overrides
 from attnselect.target import Target
 
+NO_OVERRIDES = Overrides()
+
 
 @dataclass(frozen=True)
 class Candidate:
     backend: str
-    pad_to: Optional[int] = None
+    pad_to: int | None = None
 
     @property
     def padded(self) -> bool:
@@ -42,8 +43,9 @@ class Verdict:
         return not self.reasons
 
 
-def judge(problem: AttentionProblem, target: Target, overrides: Overrides = Overrides(),
-          failed: Optional[dict] = None) -> tuple[Verdict, ...]:
+def judge(
+    problem: AttentionProblem, target: Target, overrides: Overrides = NO_OVERRIDES, failed: dict | None = None
+) -> tuple[Verdict, ...]:
     """A verdict for every candidate of every registered backend, in registry order.
 
     ``failed`` maps candidates that raised at run time on this machine (this process, or an earlier one

@@ -1,4 +1,5 @@
-"""Command line: ``attnselect explain`` (which kernel, and why), ``demo`` (a real run), ``backends``, ``tune``, ``bench``."""
+"""Command line: ``attnselect explain`` (which kernel, and why), ``demo`` (a real run), ``backends``, ``tune``,
+``bench``."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ DEFAULT_TARGET = "h200"
 
 def _explain_parser(sub) -> None:
     p = sub.add_parser("explain", help="judge every candidate for one problem and show the choice")
-    p.add_argument("--target", default=DEFAULT_TARGET, help=f"preset {sorted(PRESETS)} or 'current' "
-                                                            f"(default {DEFAULT_TARGET})")
+    p.add_argument(
+        "--target", default=DEFAULT_TARGET, help=f"preset {sorted(PRESETS)} or 'current' (default {DEFAULT_TARGET})"
+    )
     p.add_argument("--cudnn-version", help="override the target's cuDNN version, e.g. 9.10.0")
     p.add_argument("--model", choices=sorted(MODELS), help="take heads and head dims from a model")
     p.add_argument("--head-dim-qk", type=int, default=192)
@@ -36,8 +38,9 @@ def _explain_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--layout", default="bshd", choices=["bshd", "sbhd", "bhsd", "thd"])
     p.add_argument("--train", action="store_true", help="backward needed")
-    p.add_argument("--causal", nargs="?", const="top_left", default="none",
-                   choices=["none", "top_left", "bottom_right"])
+    p.add_argument(
+        "--causal", nargs="?", const="top_left", default="none", choices=["none", "top_left", "bottom_right"]
+    )
     p.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"))
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--dropout", type=float, default=0.0)
@@ -53,12 +56,27 @@ def problem_from_args(a) -> AttentionProblem:
     if a.model:
         m = MODELS[a.model]
         heads, kv_heads, dqk, dv = m.heads, m.kv_heads, m.head_dim_qk, m.head_dim_v
-    mask, window = mask_from_arguments({"none": False, "top_left": True, "bottom_right": "bottom_right"}[a.causal],
-                                       tuple(a.window) if a.window else None)
-    return AttentionProblem(batch=a.batch, seqlen_q=a.seqlen, seqlen_kv=a.seqlen_kv or a.seqlen, heads_q=heads,
-                            heads_kv=kv_heads, head_dim_qk=dqk, head_dim_v=dv, dtype=DTYPES[a.dtype],
-                            layout=a.layout, mask=mask, window=window, dropout_p=a.dropout, training=a.train,
-                            return_lse=a.lse, context_parallel_size=a.cp)
+    mask, window = mask_from_arguments(
+        {"none": False, "top_left": True, "bottom_right": "bottom_right"}[a.causal],
+        tuple(a.window) if a.window else None,
+    )
+    return AttentionProblem(
+        batch=a.batch,
+        seqlen_q=a.seqlen,
+        seqlen_kv=a.seqlen_kv or a.seqlen,
+        heads_q=heads,
+        heads_kv=kv_heads,
+        head_dim_qk=dqk,
+        head_dim_v=dv,
+        dtype=DTYPES[a.dtype],
+        layout=a.layout,
+        mask=mask,
+        window=window,
+        dropout_p=a.dropout,
+        training=a.train,
+        return_lse=a.lse,
+        context_parallel_size=a.cp,
+    )
 
 
 def target_from_args(a) -> Target:
@@ -97,8 +115,10 @@ def cmd_demo(a) -> int:
     print(f"target:  {target.describe()}")
     print(f"problem: {problem.describe()}")
     print(select(problem, target=target).why)
-    print("relative error against a float64 reference: " +
-          ", ".join(f"{name} {e:.1e}" for name, e in zip(("out", "dq", "dk", "dv"), errors)))
+    print(
+        "relative error against a float64 reference: "
+        + ", ".join(f"{name} {e:.1e}" for name, e in zip(("out", "dq", "dk", "dv"), errors))
+    )
     return 0 if max(errors) < 2e-2 else 1
 
 
@@ -109,11 +129,22 @@ def cmd_tune(a) -> int:
     for model in a.model:
         m = MODELS[model]
         for seqlen in a.seqlen:
-            for training in ([False, True] if a.phase == "both" else [a.phase == "training"]):
-                problems.append(AttentionProblem(
-                    batch=a.batch, seqlen_q=seqlen, seqlen_kv=seqlen, heads_q=m.heads, heads_kv=m.kv_heads,
-                    head_dim_qk=m.head_dim_qk, head_dim_v=m.head_dim_v, dtype=DTYPES[a.dtype], layout=a.layout,
-                    mask="causal", training=training))
+            for training in [False, True] if a.phase == "both" else [a.phase == "training"]:
+                problems.append(
+                    AttentionProblem(
+                        batch=a.batch,
+                        seqlen_q=seqlen,
+                        seqlen_kv=seqlen,
+                        heads_q=m.heads,
+                        heads_kv=m.kv_heads,
+                        head_dim_qk=m.head_dim_qk,
+                        head_dim_v=m.head_dim_v,
+                        dtype=DTYPES[a.dtype],
+                        layout=a.layout,
+                        mask="causal",
+                        training=training,
+                    )
+                )
     print(f"tuning {len(problems)} problems on {target.describe()}")
     for i, problem in enumerate(problems, 1):
         decision = select(problem, target=target, policy="measure")
@@ -125,16 +156,21 @@ def cmd_tune(a) -> int:
 def cmd_bench(a) -> int:
     """Every candidate and policy on real model shapes (see attnselect.bench)."""
     from attnselect import bench
+
     if a.merge:
         report = bench.merge(a.out, a.merge)
     elif a.render:
         report = bench.render(a.out)
     else:
         report = bench.run(a.out, smoke=a.smoke, deadline_s=a.deadline, shard=a.shard, only=tuple(a.only))
-    print(f"{len(report['results'])} problems -> {a.out}.json, .md" + (", .png" if os.path.exists(a.out + ".png") else ""))
+    print(
+        f"{len(report['results'])} problems -> {a.out}.json, .md" + (", .png" if os.path.exists(a.out + ".png") else "")
+    )
     for policy, row in bench.summary(report).items():
-        print(f"  {policy:<14} within 2% of the fastest on {row['within_2pct']:.0%}, within 5% on "
-              f"{row['within_5pct']:.0%} of {row['problems']} problems; worst {row['worst_ratio']:.0%}")
+        print(
+            f"  {policy:<14} within 2% of the fastest on {row['within_2pct']:.0%}, within 5% on "
+            f"{row['within_5pct']:.0%} of {row['problems']} problems; worst {row['worst_ratio']:.0%}"
+        )
     return 0
 
 
@@ -168,10 +204,20 @@ def main(argv=None) -> int:
     bench.add_argument("--out", required=True, help="path without extension: .json, .md and .png are written")
     bench.add_argument("--smoke", action="store_true", help="one tiny shape (CPU, CI)")
     bench.add_argument("--deadline", type=float, default=540.0, help="seconds; rerun to resume")
-    bench.add_argument("--shard", type=_shard, default=(0, 1), metavar="K/N",
-                       help="time every N-th problem from the K-th (one process per GPU)")
-    bench.add_argument("--only", action="append", default=[], metavar="TEXT",
-                       help="time only the problems whose description or models contain TEXT (repeatable)")
+    bench.add_argument(
+        "--shard",
+        type=_shard,
+        default=(0, 1),
+        metavar="K/N",
+        help="time every N-th problem from the K-th (one process per GPU)",
+    )
+    bench.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="time only the problems whose description or models contain TEXT (repeatable)",
+    )
     no_timing = bench.add_mutually_exclusive_group()
     no_timing.add_argument("--render", action="store_true", help="only rewrite .md and .png from an existing .json")
     no_timing.add_argument("--merge", nargs="+", metavar="PART.json", help="join shards' reports into --out")
@@ -184,8 +230,13 @@ def main(argv=None) -> int:
     tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     a = parser.parse_args(argv)
     try:
-        return {"explain": cmd_explain, "demo": cmd_demo, "backends": cmd_backends, "tune": cmd_tune,
-                "bench": cmd_bench}[a.command](a)
+        return {
+            "explain": cmd_explain,
+            "demo": cmd_demo,
+            "backends": cmd_backends,
+            "tune": cmd_tune,
+            "bench": cmd_bench,
+        }[a.command](a)
     except AttnSelectError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 LOGGER = logging.getLogger("attnselect")
 _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
-_handler: "logging.Handler | None" = None
+_handler: logging.Handler | None = None
 
 
 def debug_level() -> int:
@@ -60,10 +60,10 @@ def _apply(level: int) -> None:
         LOGGER.setLevel(_LEVELS[level])
 
 
-def log_decision(decision: "Decision") -> None:
+def log_decision(decision: Decision) -> None:
     """Log a new decision: one INFO line; with level 2 every candidate at DEBUG."""
     _apply(debug_level())
-    if LOGGER.isEnabledFor(logging.INFO):   # the prose costs more than the decision
+    if LOGGER.isEnabledFor(logging.INFO):  # the prose costs more than the decision
         LOGGER.info("%s | %s", decision.problem.describe(), decision.why)
     if LOGGER.isEnabledFor(logging.DEBUG):
         timings = decision.timings or {}

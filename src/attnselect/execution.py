@@ -7,8 +7,6 @@ the gradients reach only the original widths (F.pad's backward slices).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -22,18 +20,32 @@ from attnselect.target import Target, target_for_device
 
 # Permutation taking a dense layout to another: _PERMUTE[(src, dst)].
 _PERMUTE = {
-    ("bshd", "bhsd"): (0, 2, 1, 3), ("sbhd", "bhsd"): (1, 2, 0, 3), ("bhsd", "bhsd"): None,
-    ("bshd", "bshd"): None, ("sbhd", "bshd"): (1, 0, 2, 3), ("bhsd", "bshd"): (0, 2, 1, 3),
+    ("bshd", "bhsd"): (0, 2, 1, 3),
+    ("sbhd", "bhsd"): (1, 2, 0, 3),
+    ("bhsd", "bhsd"): None,
+    ("bshd", "bshd"): None,
+    ("sbhd", "bshd"): (1, 0, 2, 3),
+    ("bhsd", "bshd"): (0, 2, 1, 3),
 }
 _INVERSE = {
-    ("bhsd", "bshd"): (0, 2, 1, 3), ("bhsd", "sbhd"): (2, 0, 1, 3), ("bshd", "sbhd"): (1, 0, 2, 3),
+    ("bhsd", "bshd"): (0, 2, 1, 3),
+    ("bhsd", "sbhd"): (2, 0, 1, 3),
+    ("bshd", "sbhd"): (1, 0, 2, 3),
     ("bshd", "bhsd"): (0, 2, 1, 3),
 }
 
 
-def run_candidate(candidate: Candidate, problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, *, scale: Optional[float] = None, packing: Optional[Packing] = None,
-                  target: Optional[Target] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def run_candidate(
+    candidate: Candidate,
+    problem: AttentionProblem,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    packing: Packing | None = None,
+    target: Target | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``candidate`` on validated tensors; returns (out, lse or None) in the caller's layout.
 
     ``packing`` is required for thd (see :func:`attnselect.inputs.describe_call`).
@@ -41,15 +53,28 @@ def run_candidate(candidate: Candidate, problem: AttentionProblem, q: torch.Tens
     return run_call(candidate, problem, kernel_call(problem, scale), q, k, v, packing=packing, target=target)
 
 
-def kernel_call(problem: AttentionProblem, scale: Optional[float] = None) -> KernelCall:
-    return KernelCall(mask=problem.mask, window=problem.window,
-                      scale=problem.default_scale if scale is None else float(scale),
-                      dropout_p=problem.dropout_p, return_lse=problem.return_lse,
-                      deterministic=problem.deterministic)
+def kernel_call(problem: AttentionProblem, scale: float | None = None) -> KernelCall:
+    return KernelCall(
+        mask=problem.mask,
+        window=problem.window,
+        scale=problem.default_scale if scale is None else float(scale),
+        dropout_p=problem.dropout_p,
+        return_lse=problem.return_lse,
+        deterministic=problem.deterministic,
+    )
 
 
-def run_call(candidate: Candidate, problem: AttentionProblem, call: KernelCall, q, k, v, *,
-             packing: Optional[Packing] = None, target: Optional[Target] = None):
+def run_call(
+    candidate: Candidate,
+    problem: AttentionProblem,
+    call: KernelCall,
+    q,
+    k,
+    v,
+    *,
+    packing: Packing | None = None,
+    target: Target | None = None,
+):
     """:func:`run_candidate` with the kernel options already built."""
     backend = backends.get(candidate.backend)
     if problem.layout != "thd":
@@ -62,8 +87,8 @@ def run_call(candidate: Candidate, problem: AttentionProblem, call: KernelCall, 
 def _run_packed(backend, pad_to, call, q, k, v, packing):
     if q.shape[0] == 0 or k.shape[0] == 0:
         out, lse = _empty_result(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 1, call.return_lse)
-        return out[0], (lse[0] if lse is not None else None)                   # (1, H, T) -> (H, T)
-    if backend.shape_cache is not None and backend.shape_cache.buckets is not None:   # few distinct shapes
+        return out[0], (lse[0] if lse is not None else None)  # (1, H, T) -> (H, T)
+    if backend.shape_cache is not None and backend.shape_cache.buckets is not None:  # few distinct shapes
         packing = bucketed(packing, backend.shape_cache.buckets)
     return _padded(lambda q, k, v: backend.run_packed(q, k, v, call, packing), pad_to, q, k, v)
 
@@ -131,16 +156,19 @@ def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
 
     Tokens outside every sequence (the gaps of padded offsets) get a zero output and lse -inf.
     """
-    read: dict[int, list[int]] = {}   # one host read per distinct tensor (boundaries and offsets often coincide)
+    read: dict[int, list[int]] = {}  # one host read per distinct tensor (boundaries and offsets often coincide)
     for t in (packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv):
         if id(t) not in read:
             read[id(t)] = t.tolist()
     bounds_q, bounds_kv, starts_q, starts_kv = (
-        read[id(t)] for t in (packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv))
-    check_boundaries("cu_seqlens_q", bounds_q, None if packing.has_gaps else q.shape[0], problem.seqlen_q,
-                     "max_seqlen_q")
-    check_boundaries("cu_seqlens_kv", bounds_kv, None if packing.has_gaps else k.shape[0], problem.seqlen_kv,
-                     "max_seqlen_kv")
+        read[id(t)] for t in (packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv)
+    )
+    check_boundaries(
+        "cu_seqlens_q", bounds_q, None if packing.has_gaps else q.shape[0], problem.seqlen_q, "max_seqlen_q"
+    )
+    check_boundaries(
+        "cu_seqlens_kv", bounds_kv, None if packing.has_gaps else k.shape[0], problem.seqlen_kv, "max_seqlen_kv"
+    )
     if packing.has_gaps:
         check_offsets("cu_seqlens_q_padded", starts_q, lengths_of(bounds_q), q.shape[0])
         check_offsets("cu_seqlens_kv_padded", starts_kv, lengths_of(bounds_kv), k.shape[0])
@@ -150,22 +178,22 @@ def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
     for i in range(len(bounds_q) - 1):
         q0, n_q = starts_q[i], bounds_q[i + 1] - bounds_q[i]
         k0, n_kv = starts_kv[i], bounds_kv[i + 1] - bounds_kv[i]
-        if q0 > cursor:   # a gap before this sequence
+        if q0 > cursor:  # a gap before this sequence
             pieces.append(q.new_zeros(q0 - cursor, hq, d_v))
             lses.append(torch.full((hq, q0 - cursor), float("-inf"), dtype=torch.float32, device=q.device))
         if n_q:
-            out, lse = run_sequence(q[q0:q0 + n_q].unsqueeze(0), k[k0:k0 + n_kv].unsqueeze(0),
-                                    v[k0:k0 + n_kv].unsqueeze(0))
+            out, lse = run_sequence(
+                q[q0 : q0 + n_q].unsqueeze(0), k[k0 : k0 + n_kv].unsqueeze(0), v[k0 : k0 + n_kv].unsqueeze(0)
+            )
             pieces.append(out.squeeze(0))
             lses.append(lse.squeeze(0) if lse is not None else None)
         cursor = q0 + n_q
-    if cursor < q.shape[0]:   # trailing padding
+    if cursor < q.shape[0]:  # trailing padding
         pieces.append(q.new_zeros(q.shape[0] - cursor, hq, d_v))
         lses.append(torch.full((hq, q.shape[0] - cursor), float("-inf"), dtype=torch.float32, device=q.device))
     out = torch.cat(pieces) if pieces else q.new_zeros(0, hq, d_v)
     if not out.requires_grad and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out = out + _connected_zeros((), q, k, v)   # no sequence had a query: only gaps or nothing
+        out = out + _connected_zeros((), q, k, v)  # no sequence had a query: only gaps or nothing
     if not call.return_lse:
         return out, None
     return out, (torch.cat(lses, dim=1) if lses else torch.zeros(hq, 0, dtype=torch.float32, device=q.device))
-

@@ -9,7 +9,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
-from typing import Optional
 
 import torch
 
@@ -33,15 +32,33 @@ def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **ca
     for name in call_arguments:
         if name not in accepted:
             close = difflib.get_close_matches(name, accepted, n=1)
-            _fail(name, "an argument", "one of " + ", ".join(accepted)
-                  + (f" (did you mean {close[0]!r}?)" if close else ""))
+            _fail(
+                name,
+                "an argument",
+                "one of " + ", ".join(accepted) + (f" (did you mean {close[0]!r}?)" if close else ""),
+            )
     return describe_call(q, k, v, **call_arguments)[0]
 
 
-def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_p=0.0, cu_seqlens_q=None,
-                  cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, return_lse=False,
-                  context_parallel_size=1, scale=None, cu_seqlens_q_padded=None,
-                  cu_seqlens_kv_padded=None) -> tuple[AttentionProblem, Optional[Packing]]:
+def describe_call(
+    q,
+    k,
+    v,
+    *,
+    layout="bshd",
+    causal=False,
+    window=None,
+    dropout_p=0.0,
+    cu_seqlens_q=None,
+    cu_seqlens_kv=None,
+    max_seqlen_q=None,
+    max_seqlen_kv=None,
+    return_lse=False,
+    context_parallel_size=1,
+    scale=None,
+    cu_seqlens_q_padded=None,
+    cu_seqlens_kv_padded=None,
+) -> tuple[AttentionProblem, Packing | None]:
     """Validate q, k, v and the call arguments; return the problem and, for thd, the packing.
 
     ``training`` is true when grad mode is on and any input requires grad; ``deterministic``
@@ -61,8 +78,11 @@ def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_
     if not (q.device == k.device == v.device):
         _fail("k.device/v.device", f"q {q.device}, k {k.device}, v {v.device}", "the same device as q")
     rank = 3 if layout == "thd" else 4
-    shape_hint = "(T, H, D)" if layout == "thd" else {"bshd": "(B, S, H, D)", "sbhd": "(S, B, H, D)",
-                                                      "bhsd": "(B, H, S, D)"}[layout]
+    shape_hint = (
+        "(T, H, D)"
+        if layout == "thd"
+        else {"bshd": "(B, S, H, D)", "sbhd": "(S, B, H, D)", "bhsd": "(B, H, S, D)"}[layout]
+    )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != rank:
             _fail(f"{name}.shape", tuple(t.shape), f"{rank} dims {shape_hint} for layout={layout!r}")
@@ -71,19 +91,36 @@ def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_
     capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if layout == "thd":
         if capturing and (max_seqlen_q is None or max_seqlen_kv is None):
-            _fail("max_seqlen_q/max_seqlen_kv", f"{max_seqlen_q}/{max_seqlen_kv}",
-                  "both integers under CUDA graph capture (reading cu_seqlens would need a host sync)")
+            _fail(
+                "max_seqlen_q/max_seqlen_kv",
+                f"{max_seqlen_q}/{max_seqlen_kv}",
+                "both integers under CUDA graph capture (reading cu_seqlens would need a host sync)",
+            )
         seq_axis, head_axis = 0, 1
-        packing, lengths = _packing(q, k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                                    cu_seqlens_q_padded, cu_seqlens_kv_padded, capturing)
+        packing, lengths = _packing(
+            q,
+            k,
+            cu_seqlens_q,
+            cu_seqlens_kv,
+            max_seqlen_q,
+            max_seqlen_kv,
+            cu_seqlens_q_padded,
+            cu_seqlens_kv_padded,
+            capturing,
+        )
         batch, sq, skv = packing.cu_seqlens_q.numel() - 1, packing.max_seqlen_q, packing.max_seqlen_kv
     else:
         b_axis, seq_axis, head_axis = DENSE_AXES[layout]
         if not (q.shape[b_axis] == k.shape[b_axis] == v.shape[b_axis]):
-            _fail("k/v batch size", f"q {q.shape[b_axis]}, k {k.shape[b_axis]}, v {v.shape[b_axis]}", "equal batch sizes")
-        for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv),
-                            ("cu_seqlens_q_padded", cu_seqlens_q_padded),
-                            ("cu_seqlens_kv_padded", cu_seqlens_kv_padded)):
+            _fail(
+                "k/v batch size", f"q {q.shape[b_axis]}, k {k.shape[b_axis]}, v {v.shape[b_axis]}", "equal batch sizes"
+            )
+        for name, value in (
+            ("cu_seqlens_q", cu_seqlens_q),
+            ("cu_seqlens_kv", cu_seqlens_kv),
+            ("cu_seqlens_q_padded", cu_seqlens_q_padded),
+            ("cu_seqlens_kv_padded", cu_seqlens_kv_padded),
+        ):
             if value is not None:
                 _fail(name, "a tensor", f"None for layout={layout!r} (cu_seqlens belong to layout='thd')")
         batch, sq, skv = q.shape[b_axis], q.shape[seq_axis], k.shape[seq_axis]
@@ -103,33 +140,56 @@ def describe_call(q, k, v, *, layout="bshd", causal=False, window=None, dropout_
     facts = packing_facts(mask, window, *lengths) if layout == "thd" else {}
     square = facts["varlen_seqlens_match"] if layout == "thd" else sq == skv
     if window is not None and causal in (True, "top_left") and not square:
-        _fail("window", window, "no window with top-left causal unless every sequence has as many queries as "
-                                "keys; windows are bottom-right aligned: use causal='bottom_right'")
+        _fail(
+            "window",
+            window,
+            "no window with top-left causal unless every sequence has as many queries as "
+            "keys; windows are bottom-right aligned: use causal='bottom_right'",
+        )
     check_scale(scale)
     if not isinstance(return_lse, bool):
         _fail("return_lse", repr(return_lse), "True or False")
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return AttentionProblem(
-        batch=batch, seqlen_q=sq, seqlen_kv=skv, heads_q=hq, heads_kv=hkv,
-        head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, layout=layout, mask=mask,
-        window=window, dropout_p=float(dropout_p), training=training,
-        deterministic=torch.are_deterministic_algorithms_enabled(), return_lse=return_lse,
-        context_parallel_size=context_parallel_size, varlen_gaps=packing is not None and packing.has_gaps,
-        cuda_graph_capture=capturing, **facts), packing
+        batch=batch,
+        seqlen_q=sq,
+        seqlen_kv=skv,
+        heads_q=hq,
+        heads_kv=hkv,
+        head_dim_qk=q.shape[-1],
+        head_dim_v=v.shape[-1],
+        dtype=q.dtype,
+        layout=layout,
+        mask=mask,
+        window=window,
+        dropout_p=float(dropout_p),
+        training=training,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        return_lse=return_lse,
+        context_parallel_size=context_parallel_size,
+        varlen_gaps=packing is not None and packing.has_gaps,
+        cuda_graph_capture=capturing,
+        **facts,
+    ), packing
 
 
-_CALL_ARGUMENTS = tuple(name for name, parameter in inspect.signature(describe_call).parameters.items()
-                        if parameter.kind is inspect.Parameter.KEYWORD_ONLY)
+_CALL_ARGUMENTS = tuple(
+    name
+    for name, parameter in inspect.signature(describe_call).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+)
 
 
 def check_scale(scale) -> None:
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale) or scale <= 0):
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0
+    ):
         _fail("scale", _describe(scale), "None or a finite number > 0")
 
 
-def packing_facts(mask: str, window, lengths_q: Optional[list[int]], lengths_kv: Optional[list[int]],
-                  shared_boundaries: bool = False) -> dict:
+def packing_facts(
+    mask: str, window, lengths_q: list[int] | None, lengths_kv: list[int] | None, shared_boundaries: bool = False
+) -> dict:
     """The thd facts of an :class:`AttentionProblem` (its ``varlen_*`` fields) from the sequence lengths.
 
     Exact when the lengths were read; without them (None) they are taken conservatively:
@@ -137,11 +197,18 @@ def packing_facts(mask: str, window, lengths_q: Optional[list[int]], lengths_kv:
     and some query may see no key unless the lengths match (every mask keeps the diagonal).
     """
     if lengths_q is None:
-        return {"varlen_seqlens_match": shared_boundaries, "varlen_single_key": True,
-                "varlen_rows_without_keys": not shared_boundaries}
-    return {"varlen_seqlens_match": lengths_q == lengths_kv, "varlen_single_key": 1 in lengths_kv,
-            "varlen_rows_without_keys": any(masks.has_rows_without_keys(mask, window, n_q, n_kv)
-                                            for n_q, n_kv in set(zip(lengths_q, lengths_kv)))}
+        return {
+            "varlen_seqlens_match": shared_boundaries,
+            "varlen_single_key": True,
+            "varlen_rows_without_keys": not shared_boundaries,
+        }
+    return {
+        "varlen_seqlens_match": lengths_q == lengths_kv,
+        "varlen_single_key": 1 in lengths_kv,
+        "varlen_rows_without_keys": any(
+            masks.has_rows_without_keys(mask, window, n_q, n_kv) for n_q, n_kv in set(zip(lengths_q, lengths_kv))
+        ),
+    }
 
 
 def placement(cu_q, cu_kv, offsets_q, offsets_kv):
@@ -168,8 +235,12 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv, capturing=
     if cu_q is None:
         _fail("cu_seqlens_q", None, "an int32 tensor of sequence boundaries for layout='thd'")
     cu_kv, offsets_q, offsets_kv, same = placement(cu_q, cu_kv, offsets_q, offsets_kv)
-    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv), ("cu_seqlens_q_padded", offsets_q),
-                     ("cu_seqlens_kv_padded", offsets_kv)):
+    for name, cu in (
+        ("cu_seqlens_q", cu_q),
+        ("cu_seqlens_kv", cu_kv),
+        ("cu_seqlens_q_padded", offsets_q),
+        ("cu_seqlens_kv_padded", offsets_kv),
+    ):
         if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
             _fail(name, _describe(cu), "a 1-D torch.int32 tensor [0, ..., T]")
         if cu.device != q.device:
@@ -179,27 +250,33 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv, capturing=
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_kv", max_kv)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             _fail(name, value, "an integer >= 0")
-    if same and offsets_kv is offsets_q and k.shape[0] != q.shape[0]:   # shapes alone: no host read
+    if same and offsets_kv is offsets_q and k.shape[0] != q.shape[0]:  # shapes alone: no host read
         _fail("k.shape[0]", k.shape[0], f"q's token count {q.shape[0]} (k shares q's cu_seqlens and offsets)")
     if max_q is not None and max_kv is not None and cu_q.device.type != "cpu":
         # No host read: q/kv lengths are known to match only when they share their boundaries (or hold equal ones).
-        if (not same and offsets_q is cu_q and offsets_kv is cu_kv and _comparable(cu_q, cu_kv, capturing)
-                and _equal_boundaries(cu_q, cu_kv, max_q, max_kv, q, k)):
+        if (
+            not same
+            and offsets_q is cu_q
+            and offsets_kv is cu_kv
+            and _comparable(cu_q, cu_kv, capturing)
+            and _equal_boundaries(cu_q, cu_kv, max_q, max_kv, q, k)
+        ):
             cu_kv, offsets_kv, same = cu_q, cu_q, True
         return Packing(cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv), (None, None, same)
-    bounds_q = cu_q.tolist()                      # host sync on CUDA
+    bounds_q = cu_q.tolist()  # host sync on CUDA
     bounds_kv = bounds_q if same else cu_kv.tolist()
-    if not same and bounds_kv == bounds_q and offsets_kv is cu_kv and offsets_q is cu_q:   # equal values: share
+    if not same and bounds_kv == bounds_q and offsets_kv is cu_kv and offsets_q is cu_q:  # equal values: share
         cu_kv, offsets_kv, same = cu_q, cu_q, True
     lengths_q, lengths_kv = lengths_of(bounds_q), lengths_of(bounds_kv)
     sq = max(lengths_q, default=0) if max_q is None else max_q
     skv = max(lengths_kv, default=0) if max_kv is None else max_kv
     placed = []
     for name, bounds, cu, offsets, total, longest, max_name in (
-            ("cu_seqlens_q", bounds_q, cu_q, offsets_q, q.shape[0], sq, "max_seqlen_q"),
-            ("cu_seqlens_kv", bounds_kv, cu_kv, offsets_kv, k.shape[0], skv, "max_seqlen_kv")):
+        ("cu_seqlens_q", bounds_q, cu_q, offsets_q, q.shape[0], sq, "max_seqlen_q"),
+        ("cu_seqlens_kv", bounds_kv, cu_kv, offsets_kv, k.shape[0], skv, "max_seqlen_kv"),
+    ):
         starts = bounds if offsets is cu_q or offsets is cu_kv else offsets.tolist()
-        if starts == bounds:   # padded offsets equal to the boundaries (as Megatron passes them): no gaps
+        if starts == bounds:  # padded offsets equal to the boundaries (as Megatron passes them): no gaps
             offsets = cu
         check_boundaries(name, bounds, None if offsets is not cu else total, longest, max_name)
         if offsets is not cu:
@@ -216,8 +293,7 @@ def _comparable(cu_q, cu_kv, capturing: bool) -> bool:
     """Whether two boundary tensors may be compared by value here: on a GPU (not the meta tensors of a traced call),
     not while a CUDA graph is captured (no host read then), and not for inference tensors, whose lack of a version
     counter would make the comparison run again for every layer. Elsewhere they count as different boundaries."""
-    return (cu_q.device.type == "cuda" and not capturing and not cu_q.is_inference()
-            and not cu_kv.is_inference())
+    return cu_q.device.type == "cuda" and not capturing and not cu_q.is_inference() and not cu_kv.is_inference()
 
 
 def _equal_boundaries(cu_q, cu_kv, max_q, max_kv, q, k) -> bool:
@@ -226,7 +302,7 @@ def _equal_boundaries(cu_q, cu_kv, max_q, max_kv, q, k) -> bool:
     given and equal, as many keys as queries): one host read (a sync on CUDA) per new pair of tensors, shared
     by every layer that gets the same pair; pass the same tensor, or cu_seqlens_kv=None, to avoid it."""
     if max_q != max_kv or k.shape[0] != q.shape[0]:
-        return False   # told apart without a read
+        return False  # told apart without a read
     return _EQUAL.get((cu_q, cu_kv), None, lambda: torch.equal(cu_q, cu_kv))
 
 
@@ -239,7 +315,7 @@ def _describe(x) -> str:
     return f"tensor(dtype={x.dtype}, shape={tuple(x.shape)})" if isinstance(x, torch.Tensor) else repr(x)
 
 
-def check_boundaries(name: str, bounds: list[int], total: Optional[int], longest: int, max_name: str) -> None:
+def check_boundaries(name: str, bounds: list[int], total: int | None, longest: int, max_name: str) -> None:
     """Host-side checks of cu_seqlens values; ``total`` None when padded offsets place the sequences."""
     if bounds[0] != 0:
         _fail(name, bounds[:4], "a first entry of 0")

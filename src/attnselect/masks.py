@@ -6,14 +6,12 @@ i when ``i + offset - left <= j <= i + offset + right``. ``None`` bounds are unb
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-Band = tuple[int, Optional[int], Optional[int]]  # (offset, left, right)
+Band = tuple[int, int | None, int | None]  # (offset, left, right)
 
 
-def band(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_kv: int) -> Optional[Band]:
+def band(mask: str, window: tuple[int, int] | None, seqlen_q: int, seqlen_kv: int) -> Band | None:
     """The band of a mask, or None when nothing is masked."""
     if mask == "none":
         return None
@@ -36,8 +34,9 @@ def needs_explicit_mask(mask: str, square: bool) -> bool:
     return not (mask == "causal_bottom_right" and square)
 
 
-def visible(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_kv: int,
-            device: torch.device) -> Optional[torch.Tensor]:
+def visible(
+    mask: str, window: tuple[int, int] | None, seqlen_q: int, seqlen_kv: int, device: torch.device
+) -> torch.Tensor | None:
     """Boolean (seqlen_q, seqlen_kv) tensor, True where a key is visible; None for no mask."""
     b = band(mask, window, seqlen_q, seqlen_kv)
     if b is None:
@@ -54,7 +53,7 @@ def visible(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_
     return allowed
 
 
-def _keyless_rows(mask, window, seqlen_q: int, seqlen_kv: int) -> Optional[tuple[int, int]]:
+def _keyless_rows(mask, window, seqlen_q: int, seqlen_kv: int) -> tuple[int, int] | None:
     """(front, back): queries i < front or i >= back see no key; None when every query sees one.
 
     Host arithmetic on the band: query i sees nothing when its band ends before key 0
@@ -73,12 +72,13 @@ def _keyless_rows(mask, window, seqlen_q: int, seqlen_kv: int) -> Optional[tuple
     return (front, back) if seqlen_kv > 0 else (seqlen_q, seqlen_q)
 
 
-def has_rows_without_keys(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_kv: int) -> bool:
+def has_rows_without_keys(mask: str, window: tuple[int, int] | None, seqlen_q: int, seqlen_kv: int) -> bool:
     return _keyless_rows(mask, window, seqlen_q, seqlen_kv) is not None
 
 
-def rows_without_keys(mask: str, window: Optional[tuple[int, int]], seqlen_q: int, seqlen_kv: int,
-                      device: torch.device) -> Optional[torch.Tensor]:
+def rows_without_keys(
+    mask: str, window: tuple[int, int] | None, seqlen_q: int, seqlen_kv: int, device: torch.device
+) -> torch.Tensor | None:
     """Boolean (seqlen_q, 1) tensor, True for queries that see no key; None when every query sees one."""
     rows = _keyless_rows(mask, window, seqlen_q, seqlen_kv)
     if rows is None:

@@ -30,7 +30,6 @@ import statistics
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -42,23 +41,23 @@ from attnselect.target import Target
 
 log = logging.getLogger("attnselect")
 
-TUNING_BUDGET_S = 10.0   # per problem
-TIE_TOLERANCE = 0.02     # a rules-preferred candidate this close to the fastest (and inside its spread) wins
+TUNING_BUDGET_S = 10.0  # per problem
+TIE_TOLERANCE = 0.02  # a rules-preferred candidate this close to the fastest (and inside its spread) wins
 WARMUP, REPEATS = 1, 32  # repeats: two in each of the ROUNDS, fewer where the budget says so; the call that
-                         # sizes the repeats (time_steps) follows the warm-up, a second one in effect
-ROUNDS = 16              # interleaved rounds of repeats: drift lands on every candidate alike
+# sizes the repeats (time_steps) follows the warm-up, a second one in effect
+ROUNDS = 16  # interleaved rounds of repeats: drift lands on every candidate alike
 CONTENDER_FACTOR = 1.25  # after the first round, candidates slower than this times the fastest stop
-SCREENING_REPEATS = 3    # with a contender factor, the first round's repeats (fewer under a tight budget)
-FAR_BEHIND = 4.0         # ... and steps whose sizing call took this times the fastest one's skip even that
-SPIN_CYCLES_PER_MS = 2_000_000   # torch.cuda._sleep cycles per ms at a ~2 GHz SM clock (slower clocks spin longer)
+SCREENING_REPEATS = 3  # with a contender factor, the first round's repeats (fewer under a tight budget)
+FAR_BEHIND = 4.0  # ... and steps whose sizing call took this times the fastest one's skip even that
+SPIN_CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep cycles per ms at a ~2 GHz SM clock (slower clocks spin longer)
 
 
 @dataclass(frozen=True)
 class Timing:
     median_ms: float
-    low_ms: float    # 20th percentile
-    high_ms: float   # 80th percentile
-    repeats: int = 0   # the timed calls it rests on (0: not recorded, as in the decision cache)
+    low_ms: float  # 20th percentile
+    high_ms: float  # 80th percentile
+    repeats: int = 0  # the timed calls it rests on (0: not recorded, as in the decision cache)
 
     def __str__(self) -> str:
         return f"{self.median_ms:.3f} ms ({self.low_ms:.3f}..{self.high_ms:.3f})"
@@ -70,6 +69,7 @@ class Settle:
     fastest one's (a factor, as ``keep_within``), until ``seconds`` have passed or ``rounds`` rounds have run
     in all: near-ties get the turns that rank them (``attnselect bench``, which judges choices 2% apart,
     settles them). A step that fails while settling keeps its earlier timing, and the log says so."""
+
     within: float
     seconds: float
     rounds: int
@@ -79,33 +79,52 @@ def bucket(problem: AttentionProblem) -> AttentionProblem:
     """The problem a packed call is tuned as: batch and lengths rounded up to powers of two."""
     if problem.layout != "thd":
         return problem
-    up = Rounding()   # powers of two
-    return dataclasses.replace(problem, batch=up(problem.batch), seqlen_q=up(problem.seqlen_q),
-                               seqlen_kv=up(problem.seqlen_kv))
+    up = Rounding()  # powers of two
+    return dataclasses.replace(
+        problem, batch=up(problem.batch), seqlen_q=up(problem.seqlen_q), seqlen_kv=up(problem.seqlen_kv)
+    )
 
 
-def measure(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, ...],
-            budget_s: Optional[float] = None) -> dict[Candidate, Optional[Timing]]:
+def measure(
+    problem: AttentionProblem, target: Target, ranked: tuple[Candidate, ...], budget_s: float | None = None
+) -> dict[Candidate, Timing | None]:
     """Time the candidates side by side (:func:`time_steps`); None marks a candidate that failed.
 
     Candidates are warmed up in rules order while half the budget lasts; the rest keep their rules
     order, and the log says so. The timed rounds share what is left of the budget.
     """
-    budget_s = TUNING_BUDGET_S if budget_s is None else budget_s   # read per call: tests and tools may change it
+    budget_s = TUNING_BUDGET_S if budget_s is None else budget_s  # read per call: tests and tools may change it
     device = torch.device("cuda" if target.is_cuda else "cpu")
     problem = bucket(problem)
     inputs = random_inputs(problem, device)
-    results = time_steps({c: candidate_step(c, problem, target, inputs) for c in ranked}, device, budget_s=budget_s,
-                         warmup_budget_s=budget_s / 2, finite=True, keep_within=CONTENDER_FACTOR)
-    timings: dict[Candidate, Optional[Timing]] = {}
+    results = time_steps(
+        {c: candidate_step(c, problem, target, inputs) for c in ranked},
+        device,
+        budget_s=budget_s,
+        warmup_budget_s=budget_s / 2,
+        finite=True,
+        keep_within=CONTENDER_FACTOR,
+    )
+    timings: dict[Candidate, Timing | None] = {}
     for candidate, result in results.items():
-        if isinstance(result, Exception):   # a candidate that fails while tuning is out, and said so
-            log.warning("attnselect: %s failed while tuning %s: %s: %s", candidate, problem.describe(),
-                        type(result).__name__, result)
+        if isinstance(result, Exception):  # a candidate that fails while tuning is out, and said so
+            log.warning(
+                "attnselect: %s failed while tuning %s: %s: %s",
+                candidate,
+                problem.describe(),
+                type(result).__name__,
+                result,
+            )
         timings[candidate] = result if isinstance(result, Timing) else None
     if len(results) < len(ranked):
-        log.info("attnselect: tuning budget of %.0f s spent after warming up %d of %d candidates for %s; the rest "
-                 "keep their rules order", budget_s, len(results), len(ranked), problem.describe())
+        log.info(
+            "attnselect: tuning budget of %.0f s spent after warming up %d of %d candidates for %s; the rest "
+            "keep their rules order",
+            budget_s,
+            len(results),
+            len(ranked),
+            problem.describe(),
+        )
     return timings
 
 
@@ -113,19 +132,22 @@ def candidate_step(candidate: Candidate, problem: AttentionProblem, target: Targ
     """``step()``: one call of ``candidate`` on ``inputs`` (:func:`random_inputs`), with its backward when
     training; returns the output."""
     from attnselect.execution import kernel_call, run_call
+
     q, k, v, grad_out, packing = inputs
     call = kernel_call(problem)
 
     def step():
-        out, _ = run_call(candidate, problem, call, q, k, v, target=target,
-                          packing=packing() if callable(packing) else packing)
+        out, _ = run_call(
+            candidate, problem, call, q, k, v, target=target, packing=packing() if callable(packing) else packing
+        )
         if problem.training:
             torch.autograd.grad(out, (q, k, v), grad_out)
         return out
+
     return step
 
 
-def choose(ranked: tuple[Candidate, ...], timings: dict[Candidate, Optional[Timing]]) -> tuple[Candidate, ...]:
+def choose(ranked: tuple[Candidate, ...], timings: dict[Candidate, Timing | None]) -> tuple[Candidate, ...]:
     """The candidates best first: measured by time, then the unmeasured in rules order; failed ones are dropped.
 
     A tie goes to the rules order: a median inside the fastest one's spread (p80) and within
@@ -141,21 +163,40 @@ def choose(ranked: tuple[Candidate, ...], timings: dict[Candidate, Optional[Timi
     return (winner, *by_time, *(c for c in ranked if c not in timings))
 
 
-def time_step(step, device: torch.device, *, warmup: int = WARMUP, repeats: int = REPEATS,
-              budget_s: Optional[float] = None, queued: bool = True) -> Timing:
+def time_step(
+    step,
+    device: torch.device,
+    *,
+    warmup: int = WARMUP,
+    repeats: int = REPEATS,
+    budget_s: float | None = None,
+    queued: bool = True,
+) -> Timing:
     """Median and p20..p80 of ``step``'s timed repeats after warm-up (:func:`time_steps` of one step, in one
     round); raises its error if it fails."""
-    result = time_steps({0: step}, device, warmup=warmup, repeats=repeats, rounds=1, budget_s=budget_s,
-                        queued=queued)[0]
+    result = time_steps({0: step}, device, warmup=warmup, repeats=repeats, rounds=1, budget_s=budget_s, queued=queued)[
+        0
+    ]
     if isinstance(result, Exception):
         raise result
     return result
 
 
-def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repeats: int = REPEATS,
-               rounds: int = ROUNDS, budget_s: Optional[float] = None, warmup_budget_s: Optional[float] = None,
-               queued: bool = True, spin: bool = True, finite: bool = False,
-               keep_within: Optional[float] = None, settle: Optional[Settle] = None) -> dict:
+def time_steps(
+    steps: dict,
+    device: torch.device,
+    *,
+    warmup: int = WARMUP,
+    repeats: int = REPEATS,
+    rounds: int = ROUNDS,
+    budget_s: float | None = None,
+    warmup_budget_s: float | None = None,
+    queued: bool = True,
+    spin: bool = True,
+    finite: bool = False,
+    keep_within: float | None = None,
+    settle: Settle | None = None,
+) -> dict:
     """Time several steps side by side: ``{key: Timing}``, or ``{key: the exception}`` where a step failed.
 
     Each step is warmed up (``finite``: its first output must be finite, or it fails), then every
@@ -195,12 +236,12 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
                 out = step()
                 if finite and i == 0 and not bool(torch.isfinite(out).all()):
                     raise FloatingPointError("non-finite output for finite input")
-                del out   # not held through the rounds
+                del out  # not held through the rounds
             if budget_s is not None or spinning or keep_within is not None:
                 sizes[key], issued = _sized_call(step, device)
                 if spinning:
                     issue_ms[key] = issued
-        except Exception as exc:   # a failing step is part of the result
+        except Exception as exc:  # a failing step is part of the result
             results[key] = _released(exc)
             continue
         ready[key] = step
@@ -221,7 +262,7 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
         one round's spins counted); ``least`` repeats in all at least."""
         if rounds_left < 1:
             return 0, 0
-        per_round = max(1, -(-max(repeats, 1) // rounds))   # ceil(repeats / rounds)
+        per_round = max(1, -(-max(repeats, 1) // rounds))  # ceil(repeats / rounds)
         fits = fitting(1 / rounds_left)
         if fits >= 1:
             return rounds_left, max(min(per_round, fits), -(-least // rounds_left))
@@ -242,7 +283,7 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
         for key in _round_order(list(ready), index):
             step = ready[key]
             try:
-                if key in issue_ms:   # a backlog, so the host issues every repeat before the GPU needs it
+                if key in issue_ms:  # a backlog, so the host issues every repeat before the GPU needs it
                     torch.cuda._sleep(int(_spin_ms(sizes[key], issue_ms[key], per_round) * SPIN_CYCLES_PER_MS) + 1)
                 pending[key] = [_timed_call(step, device, wait=not queued) for _ in range(per_round)]
             except Exception as exc:
@@ -250,25 +291,30 @@ def time_steps(steps: dict, device: torch.device, *, warmup: int = WARMUP, repea
         for key, calls in pending.items():
             try:
                 samples[key] += [elapsed() for elapsed in calls]
-            except Exception as exc:   # an asynchronous error surfaces when its events are read
+            except Exception as exc:  # an asynchronous error surfaces when its events are read
                 failed[key] = exc
         for key, exc in failed.items():
             ready.pop(key, None)
-            if settling:   # its rounds so far stand
-                log.warning("attnselect: %s failed while settling a near-tie, after %d timed calls; those stand: "
-                            "%s: %s", key, len(samples[key]), type(exc).__name__, exc)
+            if settling:  # its rounds so far stand
+                log.warning(
+                    "attnselect: %s failed while settling a near-tie, after %d timed calls; those stand: %s: %s",
+                    key,
+                    len(samples[key]),
+                    type(exc).__name__,
+                    exc,
+                )
             else:
                 results[key] = _released(exc)
 
     index = 0
     if keep_within is None:
         count, per_round = schedule(rounds, least=3)
-    else:   # the screening round; steps far behind on their sizing call, even less their host's time, skip it
+    else:  # the screening round; steps far behind on their sizing call, even less their host's time, skip it
         fastest = min((sizes[key] for key in ready), default=0.0)
         for key in [key for key in ready if sizes[key] - issue_ms.get(key, 0.0) > FAR_BEHIND * fastest]:
             results[key] = Timing(sizes[key], sizes[key], sizes[key], repeats=1)
             del ready[key]
-        screening = max(1, min(SCREENING_REPEATS, fitting(1 / 2)))   # at most half of what is left
+        screening = max(1, min(SCREENING_REPEATS, fitting(1 / 2)))  # at most half of what is left
         run_round(0, screening)
         index = 1
         if ready:
@@ -343,6 +389,7 @@ def _timed_call(step, device: torch.device, *, wait: bool):
         def elapsed():
             end.synchronize()
             return begin.elapsed_time(end)
+
         return elapsed
     t0 = time.perf_counter()
     step()
@@ -353,7 +400,7 @@ def _timed_call(step, device: torch.device, *, wait: bool):
 def _timing(times: list[float]) -> Timing:
     if len(times) < 2:
         return Timing(times[0], times[0], times[0], repeats=len(times))
-    low, _, _, high = statistics.quantiles(times, n=5, method="inclusive")   # within the samples
+    low, _, _, high = statistics.quantiles(times, n=5, method="inclusive")  # within the samples
     return Timing(statistics.median(times), low, high, repeats=len(times))
 
 
@@ -407,8 +454,10 @@ class NewPackings:
         self._shared, self._next, self._packings = sq == skv, 0, []
         for _ in range(self.COUNT):
             lengths = _lengths(rng, batch, unit, units)
-            cu_q, cu_kv = (torch.tensor([0, *itertools.accumulate(n * f for n in lengths)], dtype=torch.int32,
-                                        device=device) for f in factors)
+            cu_q, cu_kv = (
+                torch.tensor([0, *itertools.accumulate(n * f for n in lengths)], dtype=torch.int32, device=device)
+                for f in factors
+            )
             self._packings.append((cu_q, cu_kv, max(lengths) * factors[0], max(lengths) * factors[1]))
 
     def causal_pairs(self) -> float:
@@ -431,11 +480,10 @@ def _lengths(rng, batch: int, longest: int, tokens: int) -> list[int]:
     count = rng.randint(batch // 2 + 1, batch)
     top = rng.randint(max(longest // 2 + 1, -(-tokens // count)), longest)
     rest, left = [top], tokens - top
-    for i in range(count - 1, 0, -1):   # i sequences still to place, each at most top, together `left`
+    for i in range(count - 1, 0, -1):  # i sequences still to place, each at most top, together `left`
         low, high = max(left - (i - 1) * top, 0), min(top, left)
         n = rng.randint(low, high) if i > 1 else left
         rest.append(n)
         left -= n
     rng.shuffle(rest)
     return rest
-

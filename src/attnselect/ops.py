@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import json
 import operator
-from typing import Optional
 
 import torch
 
@@ -47,31 +46,63 @@ from attnselect.target import target_for_device
 Tensor = torch.Tensor
 
 
-def traced_attention(q, k, v, *, layout, causal, window, scale, dropout_p, cu_seqlens_q, cu_seqlens_kv,
-                     max_seqlen_q, max_seqlen_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, return_lse,
-                     backend, pad, disable):
+def traced_attention(
+    q,
+    k,
+    v,
+    *,
+    layout,
+    causal,
+    window,
+    scale,
+    dropout_p,
+    cu_seqlens_q,
+    cu_seqlens_kv,
+    max_seqlen_q,
+    max_seqlen_kv,
+    cu_seqlens_q_padded,
+    cu_seqlens_kv_padded,
+    return_lse,
+    backend,
+    pad,
+    disable,
+):
     """:func:`attnselect.attention` while torch.compile traces it (same arguments, same results)."""
     if layout == "thd" and (max_seqlen_q is None or max_seqlen_kv is None):
-        raise InvalidInputError(f"max_seqlen_q/max_seqlen_kv: got {max_seqlen_q}/{max_seqlen_kv}, expected both "
-                                "integers under torch.compile (cu_seqlens cannot be read while tracing)")
+        raise InvalidInputError(
+            f"max_seqlen_q/max_seqlen_kv: got {max_seqlen_q}/{max_seqlen_kv}, expected both "
+            "integers under torch.compile (cu_seqlens cannot be read while tracing)"
+        )
     # plain Python values for the decision: dynamo keeps numbers and bools symbolic where it can
     scale, causal, return_lse = _constant(scale), _flag(causal), True if return_lse else False
     check_scale(scale)
-    cu_kv, offsets_q, offsets_kv, shared = placement(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                                                     cu_seqlens_kv_padded)
+    cu_kv, offsets_q, offsets_kv, shared = placement(
+        cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded
+    )
     packed = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
     spec = _decide(
-        tuple(tuple(map(_constant, t.shape)) for t in (q, k, v)), tuple(str(t.dtype) for t in (q, k, v)),
+        tuple(tuple(map(_constant, t.shape)) for t in (q, k, v)),
+        tuple(str(t.dtype) for t in (q, k, v)),
         tuple(str(t.device) for t in (q, k, v)),
         tuple(None if t is None else (str(t.dtype), tuple(map(_constant, t.shape)), str(t.device)) for t in packed),
-        shared, layout, causal, tuple(map(_constant, window)) if isinstance(window, (tuple, list)) else window,
-        _constant(dropout_p), _constant(max_seqlen_q), _constant(max_seqlen_kv), return_lse,
+        shared,
+        layout,
+        causal,
+        tuple(map(_constant, window)) if isinstance(window, (tuple, list)) else window,
+        _constant(dropout_p),
+        _constant(max_seqlen_q),
+        _constant(max_seqlen_kv),
+        return_lse,
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-        torch.are_deterministic_algorithms_enabled(), backend, pad,
-        disable if disable is None or isinstance(disable, str) else tuple(disable))
-    out, lse, _ = torch.ops.attnselect.attention(q, k, v, cu_seqlens_q, cu_kv, offsets_q, offsets_kv, spec,
-                                                  None if scale is None else float(scale))
-    return (out, lse.detach()) if return_lse else out   # lse is detached, as in eager calls
+        torch.are_deterministic_algorithms_enabled(),
+        backend,
+        pad,
+        disable if disable is None or isinstance(disable, str) else tuple(disable),
+    )
+    out, lse, _ = torch.ops.attnselect.attention(
+        q, k, v, cu_seqlens_q, cu_kv, offsets_q, offsets_kv, spec, None if scale is None else float(scale)
+    )
+    return (out, lse.detach()) if return_lse else out  # lse is detached, as in eager calls
 
 
 def _constant(x):
@@ -93,9 +124,27 @@ def _flag(x):
 
 
 @torch.compiler.assume_constant_result
-def _decide(shapes, dtypes, devices, packed, shared_boundaries, layout, causal, window, dropout_p, max_seqlen_q,
-            max_seqlen_kv, return_lse, training, deterministic, backend, pad, disable) -> str:
+def _decide(
+    shapes,
+    dtypes,
+    devices,
+    packed,
+    shared_boundaries,
+    layout,
+    causal,
+    window,
+    dropout_p,
+    max_seqlen_q,
+    max_seqlen_kv,
+    return_lse,
+    training,
+    deterministic,
+    backend,
+    pad,
+    disable,
+) -> str:
     """Validate and select on meta tensors of the traced shapes; the spec string the op runs."""
+
     def meta(shape, dtype):
         return torch.empty(shape, dtype=getattr(torch, dtype.replace("torch.", "")), device="meta")
 
@@ -103,19 +152,33 @@ def _decide(shapes, dtypes, devices, packed, shared_boundaries, layout, causal, 
     cu = [None if p is None else meta(p[1], p[0]) for p in packed]
     if shared_boundaries and cu[0] is not None:
         cu[1] = None
-    problem, _ = describe_call(q, k, v, layout=layout, causal=causal, window=window, dropout_p=dropout_p,
-                               cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], max_seqlen_q=max_seqlen_q,
-                               max_seqlen_kv=max_seqlen_kv, return_lse=return_lse, cu_seqlens_q_padded=cu[2],
-                               cu_seqlens_kv_padded=cu[3])
+    problem, _ = describe_call(
+        q,
+        k,
+        v,
+        layout=layout,
+        causal=causal,
+        window=window,
+        dropout_p=dropout_p,
+        cu_seqlens_q=cu[0],
+        cu_seqlens_kv=cu[1],
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
+        return_lse=return_lse,
+        cu_seqlens_q_padded=cu[2],
+        cu_seqlens_kv_padded=cu[3],
+    )
     # What the meta tensors cannot carry: the traced call's grad mode and determinism, and its graph.
     problem = dataclasses.replace(problem, training=training, deterministic=deterministic, compiled_graph=True)
     for name, device in zip(("k", "v"), devices[1:]):
         if device != devices[0]:
             raise InvalidInputError(f"{name}.device: got {device}, expected q's device {devices[0]}")
-    decision = select(problem, target=target_for_device(torch.device(devices[0])), backend=backend, pad=pad,
-                      disable=disable)
-    return json.dumps({"problem": problem.to_dict(), "backend": decision.chosen.backend,
-                       "pad_to": decision.chosen.pad_to})
+    decision = select(
+        problem, target=target_for_device(torch.device(devices[0])), backend=backend, pad=pad, disable=disable
+    )
+    return json.dumps(
+        {"problem": problem.to_dict(), "backend": decision.chosen.backend, "pad_to": decision.chosen.pad_to}
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -129,14 +192,23 @@ def _run(spec, scale, q, k, v, cu_q, cu_kv, offsets_q, offsets_kv):
     packing = None
     if problem.layout == "thd":
         packing = Packing(cu_q, cu_kv, problem.seqlen_q, problem.seqlen_kv, offsets_q, offsets_kv)
-    return run_call(candidate, problem, kernel_call(problem, scale), q, k, v, packing=packing,
-                    target=target_for_device(q.device))
+    return run_call(
+        candidate, problem, kernel_call(problem, scale), q, k, v, packing=packing, target=target_for_device(q.device)
+    )
 
 
 @torch.library.custom_op("attnselect::attention", mutates_args=())
-def attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
-                 offsets_q: Optional[Tensor], offsets_kv: Optional[Tensor], spec: str,
-                 scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+def attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_kv: Tensor | None,
+    offsets_q: Tensor | None,
+    offsets_kv: Tensor | None,
+    spec: str,
+    scale: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(out, lse or an empty tensor, the RNG state dropout started from or an empty tensor)."""
     problem, _ = _parse(spec)
     rng = _rng_state(q.device) if problem.dropout_p else _no_rng_state()
@@ -149,7 +221,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor]
 @attention_op.register_fake
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_kv, offsets_q, offsets_kv, spec, scale):
     problem, _ = _parse(spec)
-    out = q.new_empty(*q.shape[:-1], v.shape[-1])                    # the value head dim, not d_qk
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])  # the value head dim, not d_qk
     if not problem.return_lse:
         lse = _no_lse(q)
     elif problem.layout == "thd":
@@ -157,20 +229,27 @@ def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_kv, offsets_q, offsets_kv,
     else:
         b, s, h = (q.shape[axis] for axis in DENSE_AXES[problem.layout])
         lse = q.new_empty(b, h, s, dtype=torch.float32)
-    rng = (torch.empty(_rng_state_size(q.device.type), dtype=torch.uint8) if problem.dropout_p
-           else _no_rng_state())
+    rng = torch.empty(_rng_state_size(q.device.type), dtype=torch.uint8) if problem.dropout_p else _no_rng_state()
     return out, lse, rng
 
 
 @torch.library.custom_op("attnselect::attention_backward", mutates_args=())
-def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
-                          cu_seqlens_kv: Optional[Tensor], offsets_q: Optional[Tensor],
-                          offsets_kv: Optional[Tensor], rng: Tensor, spec: str,
-                          scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+def attention_backward_op(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_kv: Tensor | None,
+    offsets_q: Tensor | None,
+    offsets_kv: Tensor | None,
+    rng: Tensor,
+    spec: str,
+    scale: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv: the candidate's forward recomputed with autograd (from the forward's RNG state)."""
     devices = [q.device] if q.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, enabled=rng.numel() > 0), _autograd_inside_op(), \
-            torch.enable_grad():
+    with torch.random.fork_rng(devices=devices, enabled=rng.numel() > 0), _autograd_inside_op(), torch.enable_grad():
         if rng.numel():
             _set_rng_state(rng, q.device)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -180,8 +259,7 @@ def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, cu_
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, offsets_q, offsets_kv, rng, spec,
-                             scale):
+def _attention_backward_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, offsets_q, offsets_kv, rng, spec, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -194,8 +272,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse, grad_rng):
     # lse is returned detached (as in eager calls), so its gradient is not propagated.
     q, k, v, cu_q, cu_kv, offsets_q, offsets_kv, rng = ctx.saved_tensors
-    dq, dk, dv = torch.ops.attnselect.attention_backward(grad_out, q, k, v, cu_q, cu_kv, offsets_q, offsets_kv, rng,
-                                                         ctx.spec, ctx.scale)
+    dq, dk, dv = torch.ops.attnselect.attention_backward(
+        grad_out, q, k, v, cu_q, cu_kv, offsets_q, offsets_kv, rng, ctx.spec, ctx.scale
+    )
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -214,8 +293,10 @@ def _autograd_inside_op():
     """
     keys = torch._C.DispatchKey
     exclude = torch._C._dispatch_tls_local_exclude_set()
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
-                                         exclude.remove(keys.AutogradFunctionality).remove(keys.ADInplaceOrView)):
+    with torch._C._ForceDispatchKeyGuard(
+        torch._C._dispatch_tls_local_include_set(),
+        exclude.remove(keys.AutogradFunctionality).remove(keys.ADInplaceOrView),
+    ):
         yield
 
 
@@ -238,7 +319,6 @@ def _set_rng_state(state: Tensor, device: torch.device) -> None:
         torch.set_rng_state(state)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rng_state_size(device_type: str) -> int:
     return (torch.cuda.get_rng_state() if device_type == "cuda" else torch.get_rng_state()).numel()
-

@@ -26,34 +26,90 @@ PREFERENCES: dict[tuple[str, str], tuple[str, ...]] = {
     # led cuDNN on every dense problem measured on the same H200 (shared/research/h200-measurements-2026-12.md,
     # fwd+bwd TFLOP/s, causal bf16: B2 S4k H16 192/128 455 against 414; B1 S8k H128 493/478; B1 S16k H16 502/493;
     # 128/128 542/481; 192/192 523/372; forward 629/507 to 701/570).
-    ("sm90", "training"): ("flash_attn4", "sdpa_cudnn", "cudnn_frontend", "flash_attn3",
-                           "flash_attn4+pad", "sdpa_cudnn+pad", "cudnn_frontend+pad", "flash_attn3+pad",
-                           "flash_attn2+pad", "sdpa_flash+pad", "flex", "flash_attn2", "sdpa_flash", "flex+pad",
-                           *_SLOW_TAIL),
+    ("sm90", "training"): (
+        "flash_attn4",
+        "sdpa_cudnn",
+        "cudnn_frontend",
+        "flash_attn3",
+        "flash_attn4+pad",
+        "sdpa_cudnn+pad",
+        "cudnn_frontend+pad",
+        "flash_attn3+pad",
+        "flash_attn2+pad",
+        "sdpa_flash+pad",
+        "flex",
+        "flash_attn2",
+        "sdpa_flash",
+        "flex+pad",
+        *_SLOW_TAIL,
+    ),
     # Same machine, forward TFLOP/s, 192/128: cuDNN 500 (frontend 514) > cuDNN padded 473 > flex 273 >
     # FA2 padded 222 > efficient 135 > padded 100; 128/128: cuDNN 514 > flex 335 > FA2 269 > efficient 150.
-    ("sm90", "inference"): ("flash_attn4", "sdpa_cudnn", "cudnn_frontend", "flash_attn3",
-                            "flash_attn4+pad", "sdpa_cudnn+pad", "cudnn_frontend+pad", "flash_attn3+pad",
-                            "flex", "flash_attn2", "sdpa_flash", "flash_attn2+pad", "sdpa_flash+pad", "flex+pad",
-                            *_SLOW_TAIL),
+    ("sm90", "inference"): (
+        "flash_attn4",
+        "sdpa_cudnn",
+        "cudnn_frontend",
+        "flash_attn3",
+        "flash_attn4+pad",
+        "sdpa_cudnn+pad",
+        "cudnn_frontend+pad",
+        "flash_attn3+pad",
+        "flex",
+        "flash_attn2",
+        "sdpa_flash",
+        "flash_attn2+pad",
+        "sdpa_flash+pad",
+        "flex+pad",
+        *_SLOW_TAIL,
+    ),
     # A100: no fused cuDNN kernel above head dim 128 (TE fused_attn.cpp); Megatron-LM #6241 measured
     # padded FA2 0.96 ms against 113.7 ms for the native fallback. TE prefers FlashAttention below sm90.
-    ("sm80", "training"): ("flash_attn2", "sdpa_flash", "flash_attn2+pad", "sdpa_flash+pad",
-                           "sdpa_cudnn", "cudnn_frontend", "sdpa_cudnn+pad", "cudnn_frontend+pad",
-                           "flex", "flex+pad", *_SLOW_TAIL),
+    ("sm80", "training"): (
+        "flash_attn2",
+        "sdpa_flash",
+        "flash_attn2+pad",
+        "sdpa_flash+pad",
+        "sdpa_cudnn",
+        "cudnn_frontend",
+        "sdpa_cudnn+pad",
+        "cudnn_frontend+pad",
+        "flex",
+        "flex+pad",
+        *_SLOW_TAIL,
+    ),
     # Blackwell: Megatron-LM #6241 on sm103, core attention 0.35 ms native against 0.45 ms padded;
     # padded 192/192 has no cuDNN backward (sdpa_cudnn rules). TE prefers fused attention on sm90+; the cuDNN
     # frontend's GB200 DSv3 results (dsv3_20260724_041401.csv, causal 8k) put cuDNN ahead of FA4 too (fwd 1646
     # against 1576, bwd 1257 against 1101 TFLOP/s), so FA4 follows cuDNN there. FA4 serves MLA's 192/128 natively on
     # sm100, forward and backward (flash_attn/cute/interface.py _validate_head_dims; the backward: flash-attention
     # PR #2270), so flash_attn4 ranks above every padded candidate.
-    ("sm100", "training"): ("sdpa_cudnn", "cudnn_frontend", "flash_attn4", "sdpa_cudnn+pad", "cudnn_frontend+pad",
-                            "flash_attn4+pad", "flash_attn2", "sdpa_flash", "flash_attn2+pad", "sdpa_flash+pad",
-                            "flex", "flex+pad", *_SLOW_TAIL),
+    ("sm100", "training"): (
+        "sdpa_cudnn",
+        "cudnn_frontend",
+        "flash_attn4",
+        "sdpa_cudnn+pad",
+        "cudnn_frontend+pad",
+        "flash_attn4+pad",
+        "flash_attn2",
+        "sdpa_flash",
+        "flash_attn2+pad",
+        "sdpa_flash+pad",
+        "flex",
+        "flex+pad",
+        *_SLOW_TAIL,
+    ),
     # CPU: SDPA's C++ flash kernel is the fused path; math and reference materialise the scores and
     # eager flex is an unfused fallback.
-    ("cpu", "training"): ("sdpa_flash", "sdpa_flash+pad", "sdpa_math", "sdpa_math+pad", "flex", "flex+pad",
-                          "reference", "reference+pad"),
+    ("cpu", "training"): (
+        "sdpa_flash",
+        "sdpa_flash+pad",
+        "sdpa_math",
+        "sdpa_math+pad",
+        "flex",
+        "flex+pad",
+        "reference",
+        "reference+pad",
+    ),
 }
 # Packed (thd) input. Backends without a packed kernel run sequence by sequence and rank after the
 # packed ones ("per-sequence" below). H200, 32k tokens in 18 sequences, 192/128 causal bf16
@@ -62,22 +118,74 @@ PREFERENCES: dict[tuple[str, str], tuple[str, ...]] = {
 # flex 266 > varlen padded 215 > per-sequence 199. FA4's varlen kernel, same GPU (h200-measurements-2026-12.md):
 # 570 / 435 against the frontend's 461 / 390 on that packing, and 5.2 against 7.6 ms a step in a loop that packs
 # anew (long-tailed documents; 1.6 against 2.0 ms on short chat turns).
-_PER_SEQUENCE = ("sdpa_cudnn", "flash_attn3", "sdpa_cudnn+pad", "flash_attn2", "sdpa_flash",
-                 "flash_attn2+pad", "sdpa_flash+pad", *_SLOW_TAIL)
-PREFERENCES.update({
-    ("sm90", "training", "thd"): ("flash_attn4", "cudnn_frontend", "flash_attn4+pad", "cudnn_frontend+pad",
-                                  "varlen_fa2+pad", "flex", "varlen_fa2", "flex+pad", *_PER_SEQUENCE),
-    ("sm90", "inference", "thd"): ("flash_attn4", "cudnn_frontend", "flash_attn4+pad", "cudnn_frontend+pad", "flex",
-                                   "varlen_fa2+pad", "varlen_fa2", "flex+pad", *_PER_SEQUENCE),
-    # A100: FA2 first as for dense input; Blackwell: cuDNN first (padded 192/192 cannot train there).
-    ("sm80", "training", "thd"): ("varlen_fa2", "varlen_fa2+pad", "cudnn_frontend", "cudnn_frontend+pad", "flex",
-                                  "flex+pad", *_PER_SEQUENCE),
-    ("sm100", "training", "thd"): ("cudnn_frontend", "cudnn_frontend+pad", "flash_attn4", "flash_attn4+pad",
-                                   "varlen_fa2", "varlen_fa2+pad", "flex", "flex+pad", *_PER_SEQUENCE),
-    # CPU: eager flex would materialise a T x T score matrix for the whole pack; per sequence is smaller.
-    ("cpu", "training", "thd"): ("sdpa_flash", "sdpa_flash+pad", "sdpa_math", "sdpa_math+pad", "flex", "flex+pad",
-                                 "reference", "reference+pad"),
-})
+_PER_SEQUENCE = (
+    "sdpa_cudnn",
+    "flash_attn3",
+    "sdpa_cudnn+pad",
+    "flash_attn2",
+    "sdpa_flash",
+    "flash_attn2+pad",
+    "sdpa_flash+pad",
+    *_SLOW_TAIL,
+)
+PREFERENCES.update(
+    {
+        ("sm90", "training", "thd"): (
+            "flash_attn4",
+            "cudnn_frontend",
+            "flash_attn4+pad",
+            "cudnn_frontend+pad",
+            "varlen_fa2+pad",
+            "flex",
+            "varlen_fa2",
+            "flex+pad",
+            *_PER_SEQUENCE,
+        ),
+        ("sm90", "inference", "thd"): (
+            "flash_attn4",
+            "cudnn_frontend",
+            "flash_attn4+pad",
+            "cudnn_frontend+pad",
+            "flex",
+            "varlen_fa2+pad",
+            "varlen_fa2",
+            "flex+pad",
+            *_PER_SEQUENCE,
+        ),
+        # A100: FA2 first as for dense input; Blackwell: cuDNN first (padded 192/192 cannot train there).
+        ("sm80", "training", "thd"): (
+            "varlen_fa2",
+            "varlen_fa2+pad",
+            "cudnn_frontend",
+            "cudnn_frontend+pad",
+            "flex",
+            "flex+pad",
+            *_PER_SEQUENCE,
+        ),
+        ("sm100", "training", "thd"): (
+            "cudnn_frontend",
+            "cudnn_frontend+pad",
+            "flash_attn4",
+            "flash_attn4+pad",
+            "varlen_fa2",
+            "varlen_fa2+pad",
+            "flex",
+            "flex+pad",
+            *_PER_SEQUENCE,
+        ),
+        # CPU: eager flex would materialise a T x T score matrix for the whole pack; per sequence is smaller.
+        ("cpu", "training", "thd"): (
+            "sdpa_flash",
+            "sdpa_flash+pad",
+            "sdpa_math",
+            "sdpa_math+pad",
+            "flex",
+            "flex+pad",
+            "reference",
+            "reference+pad",
+        ),
+    }
+)
 # Refinements, keyed by the base key plus a name, for problems where the measured order differs.
 # "short documents" (thd, every sequence <= SHORT_DOCUMENTS tokens and little work in the whole pack), sm90
 # training: the cuDNN frontend's torch op spends about 2 ms of host time per forward+backward call, so when the
@@ -86,24 +194,41 @@ PREFERENCES.update({
 # equal documents of 128 / 256 / 512 tokens, 1.02 / 1.42 / 1.44 against 2.04 / 2.00 / 2.25, at 1024 they trade
 # places between runs, and with more work, 16k of 2048-token documents or 32k of 256..1024, cuDNN leads, 2.16 against
 # 3.36 and 2.26 against 3.50). The work bound is H * (d_qk + d_v) * sequences * max_seqlen^2 (the forward's FLOPs
-# with every sequence as long as the longest): 6.7e10 for the 16k pack of 128..512 (51 sequences), 1.7e11 for 2048-token documents.
+# with every sequence as long as the longest): 6.7e10 for the 16k pack of 128..512 (51 sequences), 1.7e11 for
+# 2048-token documents.
 # Forward only, the order stays: uncontended, cuDNN led that pack (0.24 ms against 0.39 for flex and varlen); the
 # crossover run, beside another GPU's test suite, had flex ahead on equal short documents, which is unsettled.
 SHORT_DOCUMENTS, SHORT_PACK_WORK = 512, 8e10
 PREFERENCES[("sm90", "training", "thd", "short documents")] = (
-    "flash_attn4", "flash_attn4+pad", "varlen_fa2", "varlen_fa2+pad", "cudnn_frontend", "cudnn_frontend+pad", "flex",
-    "flex+pad", *_PER_SEQUENCE)
+    "flash_attn4",
+    "flash_attn4+pad",
+    "varlen_fa2",
+    "varlen_fa2+pad",
+    "cudnn_frontend",
+    "cudnn_frontend+pad",
+    "flex",
+    "flex+pad",
+    *_PER_SEQUENCE,
+)
 # "wide heads" (a head dim above 256: absorbed MLA, 576/512 with one key/value head), sm90 prefill (as many queries as
 # keys, >= 1024 of them): results/h200_bench.md, B*S = 16k, 128 query heads, causal: sdpa_efficient 21.5 / 71.7 / 301
-# ms at 1k / 4k / 16k against the cuDNN frontend's 28.7 / 105 / 427 ms (2026-11-30). Decode (one query against a long cache) is
-# not measured and keeps the general order.
+# ms at 1k / 4k / 16k against the cuDNN frontend's 28.7 / 105 / 427 ms (2026-11-30). Decode (one query against a long
+# cache) is not measured and keeps the general order.
 WIDE_PREFILL = 1024
 PREFERENCES[("sm90", "inference", "wide heads")] = (
-    "sdpa_efficient", "cudnn_frontend", "sdpa_efficient+pad", "cudnn_frontend+pad", "sdpa_math", "sdpa_math+pad",
-    "reference", "reference+pad")
+    "sdpa_efficient",
+    "cudnn_frontend",
+    "sdpa_efficient+pad",
+    "cudnn_frontend+pad",
+    "sdpa_math",
+    "sdpa_math+pad",
+    "reference",
+    "reference+pad",
+)
 for _family in ("sm80", "sm100", "sm120", "cpu"):
-    PREFERENCES[(_family, "inference", "thd")] = PREFERENCES[("sm100" if _family == "sm120" else _family,
-                                                             "training", "thd")]
+    PREFERENCES[(_family, "inference", "thd")] = PREFERENCES[
+        ("sm100" if _family == "sm120" else _family, "training", "thd")
+    ]
 PREFERENCES[("sm120", "training", "thd")] = PREFERENCES[("sm100", "training", "thd")]
 PREFERENCES[("sm80", "inference")] = PREFERENCES[("sm80", "training")]
 PREFERENCES[("sm100", "inference")] = PREFERENCES[("sm100", "training")]
@@ -124,12 +249,21 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
     key = (arch_family(target), "training" if problem.training else "inference")
     if problem.layout == "thd":
         key += ("thd",)
-    pack_work = (problem.heads_q * (problem.head_dim_qk + problem.head_dim_v) * problem.batch * problem.seqlen_q
-                 * problem.seqlen_kv)
-    refinements = {"short documents": problem.layout == "thd" and problem.seqlen_q <= SHORT_DOCUMENTS
-                   and problem.seqlen_kv <= SHORT_DOCUMENTS and pack_work <= SHORT_PACK_WORK,
-                   "wide heads": max(problem.head_dim_qk, problem.head_dim_v) > 256
-                   and problem.seqlen_q == problem.seqlen_kv >= WIDE_PREFILL}
+    pack_work = (
+        problem.heads_q
+        * (problem.head_dim_qk + problem.head_dim_v)
+        * problem.batch
+        * problem.seqlen_q
+        * problem.seqlen_kv
+    )
+    refinements = {
+        "short documents": problem.layout == "thd"
+        and problem.seqlen_q <= SHORT_DOCUMENTS
+        and problem.seqlen_kv <= SHORT_DOCUMENTS
+        and pack_work <= SHORT_PACK_WORK,
+        "wide heads": max(problem.head_dim_qk, problem.head_dim_v) > 256
+        and problem.seqlen_q == problem.seqlen_kv >= WIDE_PREFILL,
+    }
     for name, applies in refinements.items():
         if applies and key + (name,) in PREFERENCES:
             return key + (name,), PREFERENCES[key + (name,)]
@@ -167,7 +301,7 @@ def _stable_across_packings(ordered: list[Candidate], target: Target) -> list[Ca
     place = {c: i for i, c in enumerate(ordered)}
     for c in (c for c in ordered if rebuilds[c]):
         after = [i for i, other in enumerate(result) if packed[other] == packed[c]]
-        if not any(not rebuilds[result[i]] for i in after):   # nothing on its path is stable: it keeps its place
+        if not any(not rebuilds[result[i]] for i in after):  # nothing on its path is stable: it keeps its place
             after = [i for i, other in enumerate(result) if place[other] < place[c]]
         result.insert(after[-1] + 1 if after else 0, c)
     return result

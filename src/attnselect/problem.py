@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -42,15 +41,15 @@ class AttentionProblem:
     dtype: torch.dtype = torch.bfloat16
     layout: str = "bshd"
     mask: str = "none"
-    window: Optional[tuple[int, int]] = None
+    window: tuple[int, int] | None = None
     dropout_p: float = 0.0
     training: bool = False
     deterministic: bool = False
     return_lse: bool = False
     context_parallel_size: int = 1
     fp8: bool = False
-    cuda_graph_capture: bool = False   # the call is being captured into a CUDA graph (no host syncs, no timing)
-    compiled_graph: bool = False       # the call runs inside a torch.compile graph (attnselect.ops)
+    cuda_graph_capture: bool = False  # the call is being captured into a CUDA graph (no host syncs, no timing)
+    compiled_graph: bool = False  # the call runs inside a torch.compile graph (attnselect.ops)
     # thd only, facts about the packed sequences (dense problems derive them from the lengths):
     # every sequence has as many queries as keys; some key sequence has exactly one key; some
     # query of some sequence sees no key under the mask; sequences sit at padded offsets with
@@ -62,33 +61,48 @@ class AttentionProblem:
 
     def __post_init__(self) -> None:
         for name in ("batch", "seqlen_q", "seqlen_kv"):
-            _require(_integer(getattr(self, name)) and getattr(self, name) >= 0, name,
-                     getattr(self, name), "an integer >= 0")
+            _require(
+                _integer(getattr(self, name)) and getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0"
+            )
         for name in ("heads_q", "heads_kv", "head_dim_qk", "head_dim_v", "context_parallel_size"):
-            _require(_integer(getattr(self, name)) and getattr(self, name) >= 1, name,
-                     getattr(self, name), "an integer >= 1")
-        _require(self.heads_q % self.heads_kv == 0, "heads_q",
-                 f"{self.heads_q} with heads_kv={self.heads_kv}", "a multiple of heads_kv (GQA/MQA)")
+            _require(
+                _integer(getattr(self, name)) and getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1"
+            )
+        _require(
+            self.heads_q % self.heads_kv == 0,
+            "heads_q",
+            f"{self.heads_q} with heads_kv={self.heads_kv}",
+            "a multiple of heads_kv (GQA/MQA)",
+        )
         _require(self.dtype in DTYPES, "dtype", self.dtype, _DTYPE_CHOICES)
         _require(self.layout in LAYOUTS, "layout", repr(self.layout), f"one of {LAYOUTS}")
         _require(self.mask in MASKS, "mask", repr(self.mask), f"one of {MASKS}")
         if self.mask == "sliding_window":
             w = self.window
-            _require(isinstance(w, tuple) and len(w) == 2 and all(isinstance(x, int) and x >= -1 for x in w),
-                     "window", w, "a (left, right) pair of integers >= -1 (-1 = unbounded)")
+            _require(
+                isinstance(w, tuple) and len(w) == 2 and all(isinstance(x, int) and x >= -1 for x in w),
+                "window",
+                w,
+                "a (left, right) pair of integers >= -1 (-1 = unbounded)",
+            )
         else:
             _require(self.window is None, "window", self.window, "None unless mask='sliding_window'")
-        _require(isinstance(self.dropout_p, float) and 0.0 <= self.dropout_p < 1.0, "dropout_p",
-                 self.dropout_p, "a float in [0, 1)")
+        _require(
+            isinstance(self.dropout_p, float) and 0.0 <= self.dropout_p < 1.0,
+            "dropout_p",
+            self.dropout_p,
+            "a float in [0, 1)",
+        )
         for f in dataclasses.fields(self):
             if f.type in ("bool", bool):
                 _require(isinstance(getattr(self, f.name), bool), f.name, repr(getattr(self, f.name)), "True or False")
 
     @classmethod
-    def from_tensors(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call_arguments) -> "AttentionProblem":
+    def from_tensors(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call_arguments) -> AttentionProblem:
         """Describe a call from its tensors and the call's keyword arguments (those of :func:`attnselect.attention`
         that shape the problem: layout, causal, window, dropout_p, cu_seqlens_*, max_seqlen_*, return_lse, scale)."""
         from attnselect.inputs import problem_from_tensors
+
         return problem_from_tensors(q, k, v, **call_arguments)
 
     # -- derived facts -------------------------------------------------------------------
@@ -110,6 +124,7 @@ class AttentionProblem:
         (``varlen_rows_without_keys``); the tokens in gaps between sequences see no key either.
         """
         from attnselect import masks
+
         if self.layout == "thd":
             return self.varlen_rows_without_keys or self.varlen_gaps
         return masks.has_rows_without_keys(self.mask, self.window, self.seqlen_q, self.seqlen_kv)
@@ -118,6 +133,7 @@ class AttentionProblem:
     def needs_mask_tensor(self) -> bool:
         """SDPA-style kernels (is_causal = top-left) need an explicit mask for this mask."""
         from attnselect import masks
+
         return masks.needs_explicit_mask(self.mask, self.square)
 
     @property
@@ -129,16 +145,20 @@ class AttentionProblem:
         return 1.0 / math.sqrt(self.head_dim_qk)
 
     @property
-    def pad_target(self) -> Optional[int]:
+    def pad_target(self) -> int | None:
         """The one head dim padding may go to: max(d_qk, d_v) rounded up to a multiple of 8, the granule most
         kernels need (16 bytes of a 16-bit dtype); None when both head dims already are that (nothing to pad)."""
         target = -(-max(self.head_dim_qk, self.head_dim_v) // 8) * 8
         return None if self.head_dim_qk == self.head_dim_v == target else target
 
-    def padded(self, head_dim: int) -> "AttentionProblem":
+    def padded(self, head_dim: int) -> AttentionProblem:
         """The problem after zero-padding Q, K and V to ``head_dim`` on the last dim."""
-        _require(head_dim >= max(self.head_dim_qk, self.head_dim_v), "head_dim", head_dim,
-                 f">= max(head_dim_qk, head_dim_v) = {max(self.head_dim_qk, self.head_dim_v)}")
+        _require(
+            head_dim >= max(self.head_dim_qk, self.head_dim_v),
+            "head_dim",
+            head_dim,
+            f">= max(head_dim_qk, head_dim_v) = {max(self.head_dim_qk, self.head_dim_v)}",
+        )
         return dataclasses.replace(self, head_dim_qk=head_dim, head_dim_v=head_dim)
 
     def describe(self) -> str:
@@ -148,16 +168,21 @@ class AttentionProblem:
         if self.layout == "thd" and self.varlen_gaps:
             mask += " (gaps between sequences)"
         phase = "training" if self.training else "inference"
-        seq = (f"{self.batch} seqs, max sq={self.seqlen_q} skv={self.seqlen_kv}" if self.layout == "thd"
-               else f"B={self.batch} Sq={self.seqlen_q} Skv={self.seqlen_kv}")
+        seq = (
+            f"{self.batch} seqs, max sq={self.seqlen_q} skv={self.seqlen_kv}"
+            if self.layout == "thd"
+            else f"B={self.batch} Sq={self.seqlen_q} Skv={self.seqlen_kv}"
+        )
         extras = [f"dropout={self.dropout_p}"] if self.dropout_p else []
         extras += [n for n in ("deterministic", "return_lse", "fp8") if getattr(self, n)]
         extras += ["under CUDA graph capture"] if self.cuda_graph_capture else []
         extras += ["in a compiled graph"] if self.compiled_graph else []
         extras += [f"cp={self.context_parallel_size}"] if self.context_parallel_size > 1 else []
-        return (f"{self.layout} {seq} Hq={self.heads_q} Hkv={self.heads_kv} "
-                f"d_qk={self.head_dim_qk} d_v={self.head_dim_v} {dtype_name(self.dtype)} "
-                f"mask={mask} {phase}" + (" " + " ".join(extras) if extras else ""))
+        return (
+            f"{self.layout} {seq} Hq={self.heads_q} Hkv={self.heads_kv} "
+            f"d_qk={self.head_dim_qk} d_v={self.head_dim_v} {dtype_name(self.dtype)} "
+            f"mask={mask} {phase}" + (" " + " ".join(extras) if extras else "")
+        )
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -166,7 +191,7 @@ class AttentionProblem:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "AttentionProblem":
+    def from_dict(cls, d: dict) -> AttentionProblem:
         """The inverse of :meth:`to_dict`."""
         return cls(**dict(d, dtype=getattr(torch, d["dtype"]), window=tuple(d["window"]) if d["window"] else None))
 
@@ -192,24 +217,37 @@ def _require(ok: bool, name: str, seen, expected: str) -> None:
         raise InvalidInputError(f"{name}: got {seen}, expected {expected}")
 
 
-def mask_from_arguments(causal: bool | str, window: Optional[tuple[int, int]]) -> tuple[str, Optional[tuple[int, int]]]:
+def mask_from_arguments(causal: bool | str, window: tuple[int, int] | None) -> tuple[str, tuple[int, int] | None]:
     """Turn the user-facing ``causal=`` / ``window=`` arguments into (mask, window).
 
     ``causal`` is False, True (top-left, as SDPA), "top_left" or "bottom_right".
     A window is bottom-right aligned; with causal it must have right == 0 (or -1, taken as 0).
     """
     kinds = {False: "none", True: "causal", "top_left": "causal", "bottom_right": "causal_bottom_right"}
-    _require(isinstance(causal, (bool, str)) and causal in kinds, "causal", repr(causal),
-             "False, True, 'top_left' or 'bottom_right'")
+    _require(
+        isinstance(causal, (bool, str)) and causal in kinds,
+        "causal",
+        repr(causal),
+        "False, True, 'top_left' or 'bottom_right'",
+    )
     mask = kinds[causal]
     if window is None:
         return mask, None
-    _require(isinstance(window, (tuple, list)) and len(window) == 2
-             and all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window),
-             "window", window, "a (left, right) pair of integers >= -1 (-1 = unbounded)")
+    _require(
+        isinstance(window, (tuple, list))
+        and len(window) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window),
+        "window",
+        window,
+        "a (left, right) pair of integers >= -1 (-1 = unbounded)",
+    )
     left, right = window
     if mask != "none":
-        _require(right in (0, -1), "window", window,
-                 f"right = 0 or -1 with causal={causal!r} (a causal window cannot look ahead)")
+        _require(
+            right in (0, -1),
+            "window",
+            window,
+            f"right = 0 or -1 with causal={causal!r} (a causal window cannot look ahead)",
+        )
         right = 0
     return "sliding_window", (left, right)

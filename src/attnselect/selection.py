@@ -6,7 +6,6 @@ import dataclasses
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 
@@ -16,6 +15,7 @@ from attnselect.candidates import Candidate, Verdict, judge
 from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.problem import AttentionProblem
 from attnselect.target import Target
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -28,21 +28,23 @@ class Decision:
     chosen: Candidate
     ranked: tuple[Candidate, ...]
     verdicts: tuple[Verdict, ...]
-    timings: Optional[dict] = None   # measure policy: Candidate -> Timing, or None where it failed
+    timings: dict | None = None  # measure policy: Candidate -> Timing, or None where it failed
 
     @property
     def why(self) -> str:
         key, _ = rules.table_for(self.problem, self.target)
         how = f"padded to {self.chosen.pad_to}" if self.chosen.padded else "native"
-        because = (f"it ranks first of {len(self.ranked)} supported candidates in the {self.policy} "
-                   f"table for {' '.join(key)}")
+        because = (
+            f"it ranks first of {len(self.ranked)} supported candidates in the {self.policy} table for {' '.join(key)}"
+        )
         if self.timings:
             timed = {c: t for c, t in self.timings.items() if t is not None}
             fastest = min(timed, key=lambda c: timed[c].median_ms)
-            because = (f"it measured {timed[self.chosen]} against {len(timed)} timed candidates"
-                       + (" (the fastest)" if fastest == self.chosen else
-                          f", inside the spread of the fastest, {fastest} at {timed[fastest]}, and ranks higher "
-                          "in the rules"))
+            because = f"it measured {timed[self.chosen]} against {len(timed)} timed candidates" + (
+                " (the fastest)"
+                if fastest == self.chosen
+                else f", inside the spread of the fastest, {fastest} at {timed[fastest]}, and ranks higher in the rules"
+            )
         if self.overrides.backend:
             because = f"the caller forced backend {self.overrides.backend!r} and " + because
         natives = [c for c in self.ranked if not c.padded]
@@ -50,14 +52,20 @@ class Decision:
         if self.overrides.pad != "auto" and self.problem.pad_target is not None:
             because += f"; the caller set pad={self.overrides.pad!r}"
         elif self.chosen.padded:
-            because += (f"; padding wins over the best native candidate, {natives[0].backend}" if natives
-                        else "; no native candidate is supported")
+            because += (
+                f"; padding wins over the best native candidate, {natives[0].backend}"
+                if natives
+                else "; no native candidate is supported"
+            )
         elif self.problem.pad_target is not None:
-            because += (f"; the best padded candidate, {padded[0]}, ranks lower" if padded
-                        else "; no padded candidate is supported")
+            because += (
+                f"; the best padded candidate, {padded[0]}, ranks lower"
+                if padded
+                else "; no padded candidate is supported"
+            )
         return f"running {self.chosen.backend}, {how}, because {because}"
 
-    def rank_of(self, candidate: Candidate) -> Optional[int]:
+    def rank_of(self, candidate: Candidate) -> int | None:
         return self.ranked.index(candidate) + 1 if candidate in self.ranked else None
 
     def to_dict(self) -> dict:
@@ -67,13 +75,20 @@ class Decision:
             "policy": self.policy,
             "chosen": self.chosen.to_dict(),
             "why": self.why,
-            "candidates": [{**v.candidate.to_dict(), "supported": v.supported, "reasons": list(v.reasons),
-                            "rank": self.rank_of(v.candidate)} for v in self.verdicts],
+            "candidates": [
+                {
+                    **v.candidate.to_dict(),
+                    "supported": v.supported,
+                    "reasons": list(v.reasons),
+                    "rank": self.rank_of(v.candidate),
+                }
+                for v in self.verdicts
+            ],
         }
 
 
-_MEMO: "OrderedDict[tuple, Decision]" = OrderedDict()
-MEMO_SIZE = 4096   # distinct (problem, target, controls) decisions kept; the oldest go first
+_MEMO: OrderedDict[tuple, Decision] = OrderedDict()
+MEMO_SIZE = 4096  # distinct (problem, target, controls) decisions kept; the oldest go first
 
 
 _CLEARERS = [_MEMO.clear]
@@ -94,8 +109,8 @@ def clear_cache() -> None:
 # clear_cache(): they are facts about this machine and its library versions, not memoized choices.
 _FAILED: dict[tuple, dict] = {}
 # Those earlier processes recorded in the decision cache: its entry key -> {candidate: error}, read once per process.
-_RECORDED: Optional[dict] = None
-FAILED_AT_RUN_TIME = "failed at run time"   # the policy field of their cache entries
+_RECORDED: dict | None = None
+FAILED_AT_RUN_TIME = "failed at run time"  # the policy field of their cache entries
 
 
 def failures(problem: AttentionProblem, target: Target) -> dict:
@@ -113,9 +128,11 @@ def failures(problem: AttentionProblem, target: Target) -> dict:
 def _recorded_failures() -> dict:
     global _RECORDED
     if _RECORDED is None:
-        _RECORDED = {key: {Candidate(**f["candidate"]): f["error"] for f in entry.get("failed", ())}
-                     for key, entry in store.entries().items()
-                     if json.loads(key).get("policy") == FAILED_AT_RUN_TIME}
+        _RECORDED = {
+            key: {Candidate(**f["candidate"]): f["error"] for f in entry.get("failed", ())}
+            for key, entry in store.entries().items()
+            if json.loads(key).get("policy") == FAILED_AT_RUN_TIME
+        }
     return _RECORDED
 
 
@@ -129,26 +146,39 @@ def mark_failed(problem: AttentionProblem, target: Target, candidate: Candidate,
     _FAILED.setdefault((problem, target), {})[candidate] = text
     transient = isinstance(error, _OUT_OF_MEMORY) or "out of memory" in str(error).lower()
     if not transient:
-        store.remember(store.entry_key(problem, FAILED_AT_RUN_TIME, target),
-                       {"failed": [{"candidate": candidate.to_dict(), "error": text}]}, combine=_with_earlier)
-    debug.LOGGER.warning("attnselect: %s failed on %s (%s); falling back to the next candidate (%s; "
-                         "ATTNSELECT_STRICT=1 raises instead)", candidate, problem.describe(), text,
-                         "for this process only: it may pass" if transient
-                         else "recorded in the decision cache for this target")
+        store.remember(
+            store.entry_key(problem, FAILED_AT_RUN_TIME, target),
+            {"failed": [{"candidate": candidate.to_dict(), "error": text}]},
+            combine=_with_earlier,
+        )
+    debug.LOGGER.warning(
+        "attnselect: %s failed on %s (%s); falling back to the next candidate (%s; ATTNSELECT_STRICT=1 raises instead)",
+        candidate,
+        problem.describe(),
+        text,
+        "for this process only: it may pass" if transient else "recorded in the decision cache for this target",
+    )
     clear_cache()
 
 
 _OUT_OF_MEMORY = (MemoryError, *((torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()))
 
 
-def _with_earlier(old: Optional[dict], new: dict) -> dict:
+def _with_earlier(old: dict | None, new: dict) -> dict:
     """A failure entry merged with what the file already holds (another process may have added to it)."""
     replaced = [f["candidate"] for f in new["failed"]]
     return {"failed": [f for f in (old or {}).get("failed", ()) if f["candidate"] not in replaced] + new["failed"]}
 
 
-def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy: Optional[str] = None,
-           backend: Optional[str] = None, pad=None, disable=None) -> Decision:
+def select(
+    problem: AttentionProblem,
+    *,
+    target: Target | None = None,
+    policy: str | None = None,
+    backend: str | None = None,
+    pad=None,
+    disable=None,
+) -> Decision:
     """Choose a candidate for ``problem`` on ``target`` (default: the live machine).
 
     ``backend`` forces a backend, ``pad`` is "auto", "always"/True or "never"/False, ``disable``
@@ -156,8 +186,11 @@ def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy
     :class:`NoSupportedCandidateError` or :class:`ForcedChoiceError` listing every reason.
     """
     if not isinstance(problem, AttentionProblem):
-        hint = (" (AttentionProblem.from_tensors(q, k, v, ...) describes a call from its tensors)"
-                if isinstance(problem, torch.Tensor) else "")
+        hint = (
+            " (AttentionProblem.from_tensors(q, k, v, ...) describes a call from its tensors)"
+            if isinstance(problem, torch.Tensor)
+            else ""
+        )
         raise InvalidInputError(f"problem: got {type(problem).__name__}, expected an AttentionProblem{hint}")
     target = Target.of(target)
     env, scoped = settings.environment(), settings.scope()
@@ -166,11 +199,14 @@ def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy
     key = (problem, target, policy, backend, pad, disable, env, scoped, backends.registry_version())
     try:
         decision = _MEMO.get(key)
-    except TypeError:   # an unhashable control: resolve() names it
+    except TypeError:  # an unhashable control: resolve() names it
         decision, key = None, None
     if decision is None:
-        decision = _decide(problem, target, settings.resolve(policy=policy, backend=backend, pad=pad,
-                                                              disable=disable, env=env, scoped=scoped))
+        decision = _decide(
+            problem,
+            target,
+            settings.resolve(policy=policy, backend=backend, pad=pad, disable=disable, env=env, scoped=scoped),
+        )
         if key is not None:
             _MEMO[key] = decision
             if len(_MEMO) > MEMO_SIZE:
@@ -181,7 +217,7 @@ def select(problem: AttentionProblem, *, target: Optional[Target] = None, policy
 
 # Packed problems change their sizes (sequence count, max lengths) every step of a loop: per problem with the sizes
 # left out, the last decision and the problem it was last found to hold for (every layer of a step repeats it).
-_PACKED: "OrderedDict[tuple, tuple[Decision, AttentionProblem]]" = OrderedDict()
+_PACKED: OrderedDict[tuple, tuple[Decision, AttentionProblem]] = OrderedDict()
 _CLEARERS.append(_PACKED.clear)
 
 
@@ -194,10 +230,18 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     where the choice rebuilds per packing) serves them now. Otherwise, or under the measure policy, :func:`select`.
     """
     try:
-        key = (dataclasses.replace(problem, batch=0, seqlen_q=0, seqlen_kv=0), target, backend, pad, disable,
-               settings.environment(), settings.scope(), backends.registry_version())
+        key = (
+            dataclasses.replace(problem, batch=0, seqlen_q=0, seqlen_kv=0),
+            target,
+            backend,
+            pad,
+            disable,
+            settings.environment(),
+            settings.scope(),
+            backends.registry_version(),
+        )
         earlier, held_for = _PACKED.get(key, (None, None))
-    except TypeError:   # an unhashable control: select() names it
+    except TypeError:  # an unhashable control: select() names it
         return select(problem, target=target, backend=backend, pad=pad, disable=disable)
     if earlier is not None and (problem == held_for or _still_stands(earlier, problem, target)):
         _PACKED[key] = (earlier, problem)
@@ -217,16 +261,21 @@ def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) 
 
     def serves(c: Candidate) -> bool:
         return not backends.get(c.backend).not_supported_reasons(
-            problem if c.pad_to is None else problem.padded(c.pad_to), target)
+            problem if c.pad_to is None else problem.padded(c.pad_to), target
+        )
 
     if not serves(chosen) or chosen in failures(problem, target):
         return False
     position = {entry: i for i, entry in enumerate(table)}
     cache = backends.get(chosen.backend).shape_cache
-    above = len(table) if cache is not None and cache.rebuilds_per_packing else position.get(rules.entry(chosen),
-                                                                                               len(table))
-    refused = (v.candidate for v in earlier.verdicts if not v.supported and not earlier.overrides.reasons(
-        v.candidate, problem))
+    above = (
+        len(table)
+        if cache is not None and cache.rebuilds_per_packing
+        else position.get(rules.entry(chosen), len(table))
+    )
+    refused = (
+        v.candidate for v in earlier.verdicts if not v.supported and not earlier.overrides.reasons(v.candidate, problem)
+    )
     return not any(serves(c) for c in refused if position.get(rules.entry(c), len(table)) <= above)
 
 
@@ -247,17 +296,21 @@ def _measured(problem: AttentionProblem, target: Target, ranked: tuple[Candidate
     """Rank by measurement: from the persistent cache, else timed here (by rank 0 under torch.distributed,
     then broadcast, so every rank runs the same kernel)."""
     if target not in (Target.current(), Target.current("cpu")):
-        raise InvalidInputError(f"policy: 'measure' times kernels on this machine, but the target is "
-                                f"{target.describe()}; use policy='rules' to simulate other machines")
+        raise InvalidInputError(
+            f"policy: 'measure' times kernels on this machine, but the target is "
+            f"{target.describe()}; use policy='rules' to simulate other machines"
+        )
     # A call under CUDA graph capture shares the measurement of the same call outside capture (its warm-up),
     # restricted to the candidates capture allows; nothing can be timed or broadcast while capturing.
     key = store.entry_key(measure.bucket(replace(problem, cuda_graph_capture=False)), "measure", target)
     if problem.cuda_graph_capture:
         found = _from_store(store.lookup(key), ranked)
         if found is None:
-            debug.LOGGER.info("attnselect: no measured decision for %s to reuse under CUDA graph capture (kernels "
-                              "cannot be timed while capturing); using the rules order. Warm up before capturing.",
-                              problem.describe())
+            debug.LOGGER.info(
+                "attnselect: no measured decision for %s to reuse under CUDA graph capture (kernels "
+                "cannot be timed while capturing); using the rules order. Warm up before capturing.",
+                problem.describe(),
+            )
             return ranked, None
         return found
     distributed = _distributed()
@@ -270,7 +323,7 @@ def _measured(problem: AttentionProblem, target: Target, ranked: tuple[Candidate
     if distributed:
         entry = _broadcast_from_rank_zero(entry)
         if _rank() != 0:
-            store.keep(key, entry)   # rank 0 wrote it; every rank finds it later (e.g. under CUDA graph capture)
+            store.keep(key, entry)  # rank 0 wrote it; every rank finds it later (e.g. under CUDA graph capture)
     return _from_store(entry, ranked)
 
 
@@ -278,10 +331,13 @@ def _measure_entry(problem, target, ranked) -> dict:
     timings = measure.measure(problem, target, ranked)
     order = measure.choose(ranked, timings)
     if not order:
-        raise NoSupportedCandidateError(f"every supported candidate failed while tuning {problem.describe()}: "
-                                        + "; ".join(str(c) for c in timings))
-    return {"ranked": [c.to_dict() for c in order],
-            "timings": {str(c): None if t is None else [t.median_ms, t.low_ms, t.high_ms] for c, t in timings.items()}}
+        raise NoSupportedCandidateError(
+            f"every supported candidate failed while tuning {problem.describe()}: " + "; ".join(str(c) for c in timings)
+        )
+    return {
+        "ranked": [c.to_dict() for c in order],
+        "timings": {str(c): None if t is None else [t.median_ms, t.low_ms, t.high_ms] for c, t in timings.items()},
+    }
 
 
 def _from_store(entry, ranked):
@@ -292,27 +348,33 @@ def _from_store(entry, ranked):
     order = tuple(supported[str(Candidate(**c))] for c in entry["ranked"] if str(Candidate(**c)) in supported)
     if not order:
         return None
-    timings = {supported[name]: (None if t is None else measure.Timing(*t))
-               for name, t in entry["timings"].items() if name in supported}
+    timings = {
+        supported[name]: (None if t is None else measure.Timing(*t))
+        for name, t in entry["timings"].items()
+        if name in supported
+    }
     return order, timings
 
 
 def _distributed() -> bool:
     import torch.distributed as dist
+
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _rank() -> int:
     import torch.distributed as dist
+
     return dist.get_rank()
 
 
-def _broadcast_from_rank_zero(entry: Optional[dict]) -> dict:
+def _broadcast_from_rank_zero(entry: dict | None) -> dict:
     """Rank 0's entry on every rank, as JSON bytes in a tensor (object collectives would need numpy)."""
     import json
 
     import torch
     import torch.distributed as dist
+
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     data = torch.tensor(list(json.dumps(entry).encode()) if _rank() == 0 else [], dtype=torch.uint8, device=device)
     length = torch.tensor([data.numel()], dtype=torch.long, device=device)
@@ -324,9 +386,14 @@ def _broadcast_from_rank_zero(entry: Optional[dict]) -> dict:
 
 
 def no_candidate_message(problem, target, verdicts, overrides) -> str:
-    forced = [f"backend={overrides.backend!r}"] * bool(overrides.backend) + [f"pad={overrides.pad!r}"] * (overrides.pad != "auto")
-    head = (f"No attention candidate can serve {problem.describe()} on {target.describe()}"
-            + (f" with {', '.join(forced)}" if forced else "") + ". Every candidate and why not:")
+    forced = [f"backend={overrides.backend!r}"] * bool(overrides.backend) + [f"pad={overrides.pad!r}"] * (
+        overrides.pad != "auto"
+    )
+    head = (
+        f"No attention candidate can serve {problem.describe()} on {target.describe()}"
+        + (f" with {', '.join(forced)}" if forced else "")
+        + ". Every candidate and why not:"
+    )
     lines = [head]
     for v in verdicts:
         if overrides.backend and v.candidate.backend != overrides.backend:

@@ -10,7 +10,7 @@ import contextlib
 import os
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from attnselect.errors import ForcedChoiceError, InvalidInputError
 
@@ -20,8 +20,15 @@ if TYPE_CHECKING:
 
 POLICIES = ("rules", "measure")
 PAD_MODES = ("auto", "always", "never")
-ENV_VARS = ("ATTNSELECT_POLICY", "ATTNSELECT_BACKEND", "ATTNSELECT_PAD", "ATTNSELECT_DISABLE",
-            "ATTNSELECT_DEBUG", "ATTNSELECT_DEBUG_LEVEL", "ATTNSELECT_STRICT")
+ENV_VARS = (
+    "ATTNSELECT_POLICY",
+    "ATTNSELECT_BACKEND",
+    "ATTNSELECT_PAD",
+    "ATTNSELECT_DISABLE",
+    "ATTNSELECT_DEBUG",
+    "ATTNSELECT_DEBUG_LEVEL",
+    "ATTNSELECT_STRICT",
+)
 _NO_SCOPE = (None, None, None, None)
 _SCOPE: ContextVar[tuple] = ContextVar("attnselect_overrides", default=_NO_SCOPE)
 
@@ -40,7 +47,7 @@ def scope() -> tuple:
 
 
 @contextlib.contextmanager
-def overrides(*, policy: Optional[str] = None, backend: Optional[str] = None, pad=None, disable=None):
+def overrides(*, policy: str | None = None, backend: str | None = None, pad=None, disable=None):
     """Controls for every attnselect call in the block, like ``torch.nn.attention.sdpa_kernel``.
 
     ``with attnselect.overrides(backend="sdpa_flash", pad=True): ...`` forces a backend and
@@ -76,8 +83,9 @@ def environment_key() -> tuple:
 
 def environment() -> tuple:
     """The ATTNSELECT_* variables attnselect reads, as a hashable snapshot (part of the memo key)."""
-    return tuple(value if value is None or isinstance(value, str) else os.fsdecode(value)
-                 for value in environment_key())
+    return tuple(
+        value if value is None or isinstance(value, str) else os.fsdecode(value) for value in environment_key()
+    )
 
 
 @dataclass(frozen=True)
@@ -85,11 +93,11 @@ class Overrides:
     """The effective controls of one selection."""
 
     policy: str = "rules"
-    backend: Optional[str] = None
+    backend: str | None = None
     pad: str = "auto"
     disable: frozenset = frozenset()
 
-    def reasons(self, candidate: "Candidate", problem: "AttentionProblem") -> list[str]:
+    def reasons(self, candidate: Candidate, problem: AttentionProblem) -> list[str]:
         """Why the controls exclude a candidate (empty when they allow it)."""
         if candidate.backend in self.disable:
             return ["disabled by the caller (disable / ATTNSELECT_DISABLE)"]
@@ -113,13 +121,15 @@ def names(values, argument: str) -> tuple:
     return tuple(sorted(set(values)))
 
 
-def resolve(*, policy=None, backend=None, pad=None, disable=None, env: tuple = (), scoped: tuple = _NO_SCOPE
-            ) -> Overrides:
+def resolve(
+    *, policy=None, backend=None, pad=None, disable=None, env: tuple = (), scoped: tuple = _NO_SCOPE
+) -> Overrides:
     """Merge keyword arguments, an :func:`overrides` scope and the environment snapshot ``env``."""
     from attnselect import backends
 
     env_policy, env_backend, env_pad, env_disable = [
-        s if s is not None else e for s, e in zip(scoped, (env or environment())[:4])]
+        s if s is not None else e for s, e in zip(scoped, (env or environment())[:4])
+    ]
     policy, source = _pick(policy, env_policy, "policy", "ATTNSELECT_POLICY")
     if not isinstance(policy, (str, type(None))) or (policy or "rules") not in POLICIES:
         raise InvalidInputError(f"{source}: got {policy!r}, expected one of {POLICIES}")
@@ -140,9 +150,10 @@ def resolve(*, policy=None, backend=None, pad=None, disable=None, env: tuple = (
     unknown = sorted(set(disable or ()) - set(known))
     if unknown:
         raise InvalidInputError(f"{source}: got unknown backend(s) {unknown}, expected names from {known}")
-    strict()   # read only when a kernel fails; checked here so a bad value fails before any kernel runs
-    return Overrides(policy=policy or "rules", backend=backend or None, pad=pad or "auto",
-                     disable=frozenset(disable or ()))
+    strict()  # read only when a kernel fails; checked here so a bad value fails before any kernel runs
+    return Overrides(
+        policy=policy or "rules", backend=backend or None, pad=pad or "auto", disable=frozenset(disable or ())
+    )
 
 
 def _pick(value, env_value, argument: str, variable: str):

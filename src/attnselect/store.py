@@ -17,7 +17,6 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -31,23 +30,30 @@ def cache_file() -> Path:
     directory = os.environ.get("ATTNSELECT_CACHE_DIR")
     if not directory:
         import platformdirs
+
         directory = platformdirs.user_cache_dir("attnselect")
     return Path(directory) / "decisions.json"
 
 
 def fingerprint(target) -> dict:
-    return {"name": target.name, "capability": list(target.capability) if target.capability else None,
-            "cuda": torch.version.cuda, "torch": target.torch_version, "cudnn": target.cudnn_version,
-            "cudnn_frontend": target.cudnn_frontend_version, "flash_attn": target.flash_attn_version,
-            "flash_attn3": target.flash_attn3_version, "flash_attn4": target.flash_attn4_version}
+    return {
+        "name": target.name,
+        "capability": list(target.capability) if target.capability else None,
+        "cuda": torch.version.cuda,
+        "torch": target.torch_version,
+        "cudnn": target.cudnn_version,
+        "cudnn_frontend": target.cudnn_frontend_version,
+        "flash_attn": target.flash_attn_version,
+        "flash_attn3": target.flash_attn3_version,
+        "flash_attn4": target.flash_attn4_version,
+    }
 
 
 def entry_key(problem, policy: str, target) -> str:
-    return json.dumps({"problem": problem.to_dict(), "policy": policy, "target": fingerprint(target)},
-                      sort_keys=True)
+    return json.dumps({"problem": problem.to_dict(), "policy": policy, "target": fingerprint(target)}, sort_keys=True)
 
 
-def lookup(key: str) -> Optional[dict]:
+def lookup(key: str) -> dict | None:
     if key in _memory:
         return _memory[key]
     return _read(cache_file()).get(key)
@@ -77,8 +83,12 @@ def remember(key: str, value: dict, combine=None) -> None:
                 json.dump({"format": FORMAT, "entries": entries}, f)
             os.replace(temporary, path)
     except OSError as exc:
-        _warn_once(f"write:{path.parent}", "attnselect: cannot write the decision cache in %s (%s); keeping "
-                                           "decisions in memory for this process", path.parent, exc)
+        _warn_once(
+            f"write:{path.parent}",
+            "attnselect: cannot write the decision cache in %s (%s); keeping decisions in memory for this process",
+            path.parent,
+            exc,
+        )
         _memory[key] = combine(_memory.get(key), value) if combine else value
 
 
@@ -91,8 +101,9 @@ def _read(path: Path) -> dict:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        _warn_once(f"read:{path}", "attnselect: ignoring the unreadable decision cache %s (%s); it will be rebuilt",
-                   path, exc)
+        _warn_once(
+            f"read:{path}", "attnselect: ignoring the unreadable decision cache %s (%s); it will be rebuilt", path, exc
+        )
         return {}
 
 
@@ -100,7 +111,7 @@ def _read(path: Path) -> dict:
 def _locked(path: Path):
     try:
         import fcntl
-    except ImportError:   # not POSIX: atomic replacement still keeps the file whole
+    except ImportError:  # not POSIX: atomic replacement still keeps the file whole
         yield
         return
     with open(path.with_suffix(".lock"), "a") as lock:

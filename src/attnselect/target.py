@@ -9,7 +9,6 @@ import importlib.util
 import logging
 import re
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -29,7 +28,7 @@ _VERSION = re.compile(r"\d+(\.\d+)+([.+\-]?[0-9A-Za-z]+)*")
 
 
 @functools.lru_cache(maxsize=256)
-def version_tuple(version: Optional[str]) -> tuple[int, ...]:
+def version_tuple(version: str | None) -> tuple[int, ...]:
     """'9.19.0' -> (9, 19, 0); '2.11.0+cu130' -> (2, 11, 0); None -> ()."""
     if not version:
         return ()
@@ -46,26 +45,31 @@ class Target:
 
     name: str
     device_type: str = "cuda"
-    capability: Optional[tuple[int, int]] = None
+    capability: tuple[int, int] | None = None
     torch_version: str = DEFAULT_TORCH
-    cudnn_version: Optional[str] = DEFAULT_CUDNN
-    cudnn_frontend_version: Optional[str] = None
-    flash_attn_version: Optional[str] = None      # FlashAttention-2, package flash-attn
-    flash_attn3_version: Optional[str] = None     # FlashAttention-3, module flash_attn_interface
-    flash_attn4_version: Optional[str] = None     # FlashAttention-4, module flash_attn.cute
+    cudnn_version: str | None = DEFAULT_CUDNN
+    cudnn_frontend_version: str | None = None
+    flash_attn_version: str | None = None  # FlashAttention-2, package flash-attn
+    flash_attn3_version: str | None = None  # FlashAttention-3, module flash_attn_interface
+    flash_attn4_version: str | None = None  # FlashAttention-4, module flash_attn.cute
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name.endswith("_version") and value is not None and not (
-                    isinstance(value, str) and _VERSION.fullmatch(value)):
-                raise InvalidInputError(f"{f.name}: got {value!r}, expected None or a version string such as "
-                                        "'9.19.0' or '2.11.0+cu130'")
+            if (
+                f.name.endswith("_version")
+                and value is not None
+                and not (isinstance(value, str) and _VERSION.fullmatch(value))
+            ):
+                raise InvalidInputError(
+                    f"{f.name}: got {value!r}, expected None or a version string such as '9.19.0' or '2.11.0+cu130'"
+                )
         if self.device_type not in ("cuda", "cpu"):
             raise InvalidInputError(f"device_type: got {self.device_type!r}, expected 'cuda' or 'cpu'")
         cc = self.capability
-        if self.device_type == "cuda" and not (isinstance(cc, tuple) and len(cc) == 2
-                                               and all(isinstance(x, int) for x in cc)):
+        if self.device_type == "cuda" and not (
+            isinstance(cc, tuple) and len(cc) == 2 and all(isinstance(x, int) for x in cc)
+        ):
             raise InvalidInputError(f"capability: got {cc!r}, expected a (major, minor) pair for a cuda target")
         if self.device_type == "cpu" and cc is not None:
             raise InvalidInputError(f"capability: got {cc!r}, expected None for a cpu target")
@@ -83,11 +87,13 @@ class Target:
         have = getattr(self, field)
         return have is not None and version_tuple(have) >= version_tuple(version)
 
-    def with_versions(self, **versions: Optional[str]) -> "Target":
+    def with_versions(self, **versions: str | None) -> Target:
         """A copy with some library versions replaced, e.g. ``cudnn_version="9.10.0"``."""
         unknown = set(versions) - {f.name for f in dataclasses.fields(self) if f.name.endswith("_version")}
         if unknown:
-            raise InvalidInputError(f"versions: got unknown field(s) {sorted(unknown)}, expected *_version fields of Target")
+            raise InvalidInputError(
+                f"versions: got unknown field(s) {sorted(unknown)}, expected *_version fields of Target"
+            )
         return dataclasses.replace(self, **versions)
 
     def to_dict(self) -> dict:
@@ -97,47 +103,54 @@ class Target:
 
     def describe(self) -> str:
         libs = [f"torch {self.torch_version}"]
-        for label, field in (("cuDNN", "cudnn_version"), ("cudnn-frontend", "cudnn_frontend_version"),
-                             ("flash-attn", "flash_attn_version"), ("FA3", "flash_attn3_version"),
-                             ("FA4", "flash_attn4_version")):
+        for label, field in (
+            ("cuDNN", "cudnn_version"),
+            ("cudnn-frontend", "cudnn_frontend_version"),
+            ("flash-attn", "flash_attn_version"),
+            ("FA3", "flash_attn3_version"),
+            ("FA4", "flash_attn4_version"),
+        ):
             if getattr(self, field):
                 libs.append(f"{label} {getattr(self, field)}")
         return f"{self.name} ({self.arch}), " + ", ".join(libs)
 
     # -- constructors --------------------------------------------------------------------
     @classmethod
-    def preset(cls, name: str, **versions: Optional[str]) -> "Target":
+    def preset(cls, name: str, **versions: str | None) -> Target:
         """A simulated target: one of :data:`PRESETS`, with library versions overridable."""
         if not isinstance(name, str) or name not in PRESETS:
             raise InvalidInputError(f"target: got {name!r}, expected one of {sorted(PRESETS)} or 'current'")
         return PRESETS[name].with_versions(**versions) if versions else PRESETS[name]
 
     @classmethod
-    def of(cls, target: "Target | str | None", argument: str = "target") -> "Target":
+    def of(cls, target: Target | str | None, argument: str = "target") -> Target:
         """``target`` as a Target: None is the live machine, a string a preset name or 'current'."""
         if target is None or target == "current":
             return cls.current()
         if isinstance(target, str):
             return cls.preset(target)
         if not isinstance(target, Target):
-            raise InvalidInputError(f"{argument}: got {type(target).__name__} {target!r}, expected a Target, a preset "
-                                    f"name ({', '.join(sorted(PRESETS))}), 'current' or None")
+            raise InvalidInputError(
+                f"{argument}: got {type(target).__name__} {target!r}, expected a Target, a preset "
+                f"name ({', '.join(sorted(PRESETS))}), 'current' or None"
+            )
         return target
 
     @classmethod
-    def current(cls, device: "torch.device | str | int | None" = None) -> "Target":
+    def current(cls, device: torch.device | str | int | None = None) -> Target:
         """The live machine. Never raises: without a usable CUDA device it is the CPU target."""
         if device is None:
             return _cuda_target(_current_cuda_index()) if _cuda_usable() else _cpu_target()
         try:
             dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         except (RuntimeError, TypeError) as exc:
-            raise InvalidInputError(f"device: got {device!r}, expected a torch.device, 'cpu', 'cuda[:N]' or an index "
-                                    f"({exc})") from None
+            raise InvalidInputError(
+                f"device: got {device!r}, expected a torch.device, 'cpu', 'cuda[:N]' or an index ({exc})"
+            ) from None
         return target_for_device(dev)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def target_for_device(device: torch.device) -> Target:
     """The target of the device tensors live on (memoized: cheap on the hot path)."""
     if device.type != "cuda" or not _cuda_usable():
@@ -160,7 +173,7 @@ def _current_cuda_index() -> int:
         return 0
 
 
-def _package_version(distribution: str, module: str, *, shared_module: bool = False) -> Optional[str]:
+def _package_version(distribution: str, module: str, *, shared_module: bool = False) -> str | None:
     """The installed version of ``distribution`` if ``module`` imports, else None.
 
     Without package metadata the version is "unknown", except for a module that several
@@ -196,13 +209,19 @@ def cudnn_version_string(number: int) -> str:
     return f"{number // 1000}.{number // 100 % 10}.{number % 100}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_target() -> Target:
-    return Target(name="cpu", device_type="cpu", capability=None, torch_version=torch.__version__,
-                  cudnn_version=None, **_installed_packages())
+    return Target(
+        name="cpu",
+        device_type="cpu",
+        capability=None,
+        torch_version=torch.__version__,
+        cudnn_version=None,
+        **_installed_packages(),
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_target(index: int) -> Target:
     try:
         capability = tuple(torch.cuda.get_device_capability(index))
@@ -212,8 +231,14 @@ def _cuda_target(index: int) -> Target:
         log.warning("attnselect: could not read CUDA device %d (%s); using the cpu target", index, exc)
         return _cpu_target()
     cudnn_version = cudnn_version_string(cudnn) if cudnn else None
-    return Target(name=name, device_type="cuda", capability=capability, torch_version=torch.__version__,
-                  cudnn_version=cudnn_version, **_installed_packages())
+    return Target(
+        name=name,
+        device_type="cuda",
+        capability=capability,
+        torch_version=torch.__version__,
+        cudnn_version=cudnn_version,
+        **_installed_packages(),
+    )
 
 
 #: Simulation presets. GPU presets assume DEFAULT_TORCH and DEFAULT_CUDNN and no optional

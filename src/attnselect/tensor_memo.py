@@ -14,7 +14,7 @@ from them is remembered. (A WeakKeyDictionary would compare tensors with ==, ele
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -23,8 +23,8 @@ class TensorMemo:
     """``get(tensors, config, compute)``: ``compute()``'s value, computed once per unchanged ``tensors``."""
 
     def __init__(self, per_owner: int = 8):
-        self._entries: dict[int, dict] = {}   # id(owner) -> {config: (versions, weak references, value)}
-        self._per_owner = per_owner          # configurations kept per owner (layers may alternate masks)
+        self._entries: dict[int, dict] = {}  # id(owner) -> {config: (versions, weak references, value)}
+        self._per_owner = per_owner  # configurations kept per owner (layers may alternate masks)
 
     def get(self, tensors: tuple[torch.Tensor, ...], config: Hashable, compute: Callable):
         owner = tensors[0]

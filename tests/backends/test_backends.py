@@ -72,10 +72,15 @@ def test_cpu_inference_matches_reference(backend, pad_to, kwargs, shape):
 
 def test_every_cpu_capable_backend_is_exercised():
     exercised = {p.values[0] for p in _supported("cpu", CPU_CASES, torch.float32, False)}
-    cpu_capable = {b.name for b in backends.all_backends()
-                   if "cpu" in b.surfaces and b.name != "reference"
-                   and not b.not_supported_reasons(attnselect.AttentionProblem(1, 8, 8, 1, 1, 16, 16, torch.float32),
-                                                   Target.preset("cpu"))}
+    cpu_capable = {
+        b.name
+        for b in backends.all_backends()
+        if "cpu" in b.surfaces
+        and b.name != "reference"
+        and not b.not_supported_reasons(
+            attnselect.AttentionProblem(1, 8, 8, 1, 1, 16, 16, torch.float32), Target.preset("cpu")
+        )
+    }
     assert cpu_capable == exercised == {"sdpa_flash", "sdpa_math", "flex"}
 
 
@@ -93,15 +98,17 @@ _CUDA = torch.cuda.is_available()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,pad_to,kwargs,shape",
-                         _supported("cuda", GPU_CASES, torch.bfloat16, True) if _CUDA else [])
+@pytest.mark.parametrize(
+    "backend,pad_to,kwargs,shape", _supported("cuda", GPU_CASES, torch.bfloat16, True) if _CUDA else []
+)
 def test_gpu_training_matches_reference(backend, pad_to, kwargs, shape):
     _check(backend, pad_to, kwargs, shape, torch.bfloat16, "cuda", True, 2e-2)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,pad_to,kwargs,shape",
-                         _supported("cuda", GPU_CASES, torch.float16, False) if _CUDA else [])
+@pytest.mark.parametrize(
+    "backend,pad_to,kwargs,shape", _supported("cuda", GPU_CASES, torch.float16, False) if _CUDA else []
+)
 def test_gpu_inference_matches_reference(backend, pad_to, kwargs, shape):
     _check(backend, pad_to, kwargs, shape, torch.float16, "cuda", False, 2e-2)
 
@@ -113,7 +120,7 @@ def test_gpu_mla_choice_on_hopper_is_native():
         pytest.skip(f"Hopper-specific expectation; this GPU is {target.arch}")
     q, k, v = dense_inputs(sq=256, skv=256, hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
     decision = attnselect.select(attnselect.AttentionProblem.from_tensors(q, k, v, causal=True))
-    expected = "flash_attn4" if target.flash_attn4_version else "sdpa_cudnn"   # FA4 leads where installed
+    expected = "flash_attn4" if target.flash_attn4_version else "sdpa_cudnn"  # FA4 leads where installed
     assert decision.chosen == attnselect.Candidate(expected)
 
 
@@ -122,6 +129,7 @@ def test_flex_document_masks_are_reused_per_cu_seqlens_and_dropped_with_it():
 
     from attnselect.backends import flex
     from helpers import thd_inputs
+
     (q, k, v), cu, _ = thd_inputs([3, 0, 5])
     q, k, v = (t.detach() for t in (q, k, v))
     first = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="flex")
@@ -130,10 +138,10 @@ def test_flex_document_masks_are_reused_per_cu_seqlens_and_dropped_with_it():
     cached = masks(cu)[causal]
     again = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="flex")
     assert masks(cu)[causal] is cached and torch.equal(first, again)
-    other = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, backend="flex")   # second mask, same owner
+    other = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, backend="flex")  # second mask, same owner
     assert masks(cu)[causal] is cached and len(masks(cu)) == 2
     assert not torch.equal(first, other)
-    cu.add_(0)                                                    # changed in place: a new version misses
+    cu.add_(0)  # changed in place: a new version misses
     attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, backend="flex")
     assert masks(cu)[causal] is not cached
     key = id(cu)
@@ -142,41 +150,53 @@ def test_flex_document_masks_are_reused_per_cu_seqlens_and_dropped_with_it():
     assert key not in flex._DOCUMENT_MASKS._entries
 
 
-
 def test_flex_packed_under_inference_mode_and_with_empty_packs():
     from helpers import thd_inputs
+
     (q, k, v), cu, _ = thd_inputs([3, 2])
     with torch.inference_mode():
         qi, ki, vi, cui = (t.detach().clone() for t in (q, k, v, cu))
-        out, lse = attnselect.attention(qi, ki, vi, layout="thd", cu_seqlens_q=cui, causal=True, backend="flex",
-                                        return_lse=True)
-        ref, ref_lse = attnselect.attention(qi, ki, vi, layout="thd", cu_seqlens_q=cui, causal=True,
-                                            backend="reference", return_lse=True)
+        out, lse = attnselect.attention(
+            qi, ki, vi, layout="thd", cu_seqlens_q=cui, causal=True, backend="flex", return_lse=True
+        )
+        ref, ref_lse = attnselect.attention(
+            qi, ki, vi, layout="thd", cu_seqlens_q=cui, causal=True, backend="reference", return_lse=True
+        )
     assert rel_err(out, ref) < 1e-12 and rel_err(lse, ref_lse) < 1e-6
     cu_kv = torch.zeros(3, dtype=torch.int32)
-    no_keys = attnselect.attention(q.detach(), k.detach()[:0], v.detach()[:0], layout="thd", cu_seqlens_q=cu,
-                                   cu_seqlens_kv=cu_kv, backend="flex", return_lse=True)
+    no_keys = attnselect.attention(
+        q.detach(),
+        k.detach()[:0],
+        v.detach()[:0],
+        layout="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu_kv,
+        backend="flex",
+        return_lse=True,
+    )
     assert torch.all(no_keys[0] == 0) and no_keys[1].shape == (4, 5) and torch.isneginf(no_keys[1]).all()
 
 
 def test_compiled_flex_raises_past_its_recompile_limit_instead_of_running_eagerly(monkeypatch):
     from attnselect.backends import flex
+
     limit = torch._dynamo.config.recompile_limit
     monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 2)
     double = flex._failing_past_recompile_limit(torch.compile(lambda x: x * 2, backend="eager", dynamic=False))
     assert torch.equal(double(torch.ones(1)), torch.full((1,), 2.0)) and double(torch.ones(2)).shape == (2,)
     with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
-        double(torch.ones(3))   # a third shape: eagerly, flex would materialise every score
-    assert torch._dynamo.config.recompile_limit == limit   # the user's setting is left as it was
+        double(torch.ones(3))  # a third shape: eagerly, flex would materialise every score
+    assert torch._dynamo.config.recompile_limit == limit  # the user's setting is left as it was
 
 
 def test_flex_recompile_limit_uses_the_setting_names_of_the_installed_torch(monkeypatch):
     import types
 
     from attnselect.backends import flex
-    old_torch = types.SimpleNamespace(cache_size_limit=8, fail_on_cache_limit_hit=False)   # before torch 2.7
+
+    old_torch = types.SimpleNamespace(cache_size_limit=8, fail_on_cache_limit_hit=False)  # before torch 2.7
     monkeypatch.setattr(torch._dynamo, "config", old_torch)
     assert flex._recompile_settings() == {"cache_size_limit": flex.RECOMPILE_LIMIT, "fail_on_cache_limit_hit": True}
-    monkeypatch.setattr(torch._dynamo, "config", types.SimpleNamespace())   # neither: torch's own behaviour
+    monkeypatch.setattr(torch._dynamo, "config", types.SimpleNamespace())  # neither: torch's own behaviour
     compiled = object()
     assert flex._recompile_settings() is None and flex._failing_past_recompile_limit(compiled) is compiled

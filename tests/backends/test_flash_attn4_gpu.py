@@ -40,12 +40,15 @@ def _compare(q, k, v, grad=True, **kwargs):
         assert lse.shape == ref_lse.shape and rel_err(lse, ref_lse) < 1e-2
 
 
-@pytest.mark.parametrize("kwargs,shape", [
-    (dict(causal=True), dict(sq=256, skv=256, hq=8, hkv=8, dqk=192, dv=128)),
-    (dict(causal="bottom_right", return_lse=True), dict(sq=200, skv=64, hq=8, hkv=8, dqk=192, dv=128)),   # keyless
-    (dict(window=(32, 0), return_lse=True), dict(sq=128, skv=128, hq=8, hkv=8, dqk=192, dv=128)),
-    (dict(window=(32, 0), return_lse=True), dict(sq=128, skv=128, hq=8, hkv=2, dqk=128, dv=128)),   # GQA, equal dims
-])
+@pytest.mark.parametrize(
+    "kwargs,shape",
+    [
+        (dict(causal=True), dict(sq=256, skv=256, hq=8, hkv=8, dqk=192, dv=128)),
+        (dict(causal="bottom_right", return_lse=True), dict(sq=200, skv=64, hq=8, hkv=8, dqk=192, dv=128)),  # keyless
+        (dict(window=(32, 0), return_lse=True), dict(sq=128, skv=128, hq=8, hkv=8, dqk=192, dv=128)),
+        (dict(window=(32, 0), return_lse=True), dict(sq=128, skv=128, hq=8, hkv=2, dqk=128, dv=128)),  # GQA, equal dims
+    ],
+)
 def test_dense_matches_float64(kwargs, shape):
     q, k, v = dense_inputs(**shape, dtype=torch.bfloat16, device="cuda")
     _compare(q, k, v, **kwargs)
@@ -61,16 +64,20 @@ def test_gqa_mla_training_is_refused_and_runs_padded():
     out = attnselect.attention(q, k, v, causal=True, backend="flash_attn4", pad=True)
     ref = attnselect.attention(*exact, causal=True, backend="reference")
     assert rel_err(out, ref) < 2e-2
-    for g, rg in zip(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)),
-                     torch.autograd.grad(ref, exact, torch.ones_like(ref))):
+    for g, rg in zip(
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out)), torch.autograd.grad(ref, exact, torch.ones_like(ref))
+    ):
         assert rel_err(g, rg) < 2e-2
 
 
-@pytest.mark.parametrize("kwargs,lengths", [
-    (dict(causal=True), ([0, 1, 37, 256, 5, 130, 64], None)),
-    (dict(causal="bottom_right", return_lse=True), ([0, 1, 37, 256, 5], [3, 1, 20, 300, 0])),   # keyless queries
-    (dict(window=(48, 0), return_lse=True), ([1, 37, 256, 5], None)),
-])
+@pytest.mark.parametrize(
+    "kwargs,lengths",
+    [
+        (dict(causal=True), ([0, 1, 37, 256, 5, 130, 64], None)),
+        (dict(causal="bottom_right", return_lse=True), ([0, 1, 37, 256, 5], [3, 1, 20, 300, 0])),  # keyless queries
+        (dict(window=(48, 0), return_lse=True), ([1, 37, 256, 5], None)),
+    ],
+)
 def test_packed_matches_float64(kwargs, lengths):
     (q, k, v), cu_q, cu_kv = thd_inputs(*lengths, hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
     assert get("flash_attn4").packs_thd(Target.current())
@@ -93,16 +100,22 @@ def test_deterministic_backward_repeats_bit_for_bit():
 def test_compiled_fullgraph_matches_eager():
     (q, k, v), cu, _ = thd_inputs([1, 37, 256, 5], hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
     dense = dense_inputs(sq=256, skv=256, hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
-    for tensors, kwargs in (((q, k, v), dict(layout="thd", cu_seqlens_q=cu, max_seqlen_q=256, max_seqlen_kv=256)),
-                            (dense, {})):
-        def fn(q, k, v):
+    for tensors, kwargs in (
+        ((q, k, v), dict(layout="thd", cu_seqlens_q=cu, max_seqlen_q=256, max_seqlen_kv=256)),
+        (dense, {}),
+    ):
+
+        def fn(q, k, v, kwargs=kwargs):
             return attnselect.attention(q, k, v, causal=True, backend="flash_attn4", **kwargs)
+
         torch._dynamo.reset()
         compiled = torch.compile(fn, fullgraph=True)(*tensors)
         eager = fn(*tensors)
         assert rel_err(compiled, eager) < 1e-2
-        for got, want in zip(torch.autograd.grad(compiled, tensors, torch.ones_like(eager)),
-                             torch.autograd.grad(eager, tensors, torch.ones_like(eager))):
+        for got, want in zip(
+            torch.autograd.grad(compiled, tensors, torch.ones_like(eager)),
+            torch.autograd.grad(eager, tensors, torch.ones_like(eager)),
+        ):
             assert rel_err(got, want) < 1e-2
 
 
@@ -111,8 +124,10 @@ def test_a_captured_cuda_graph_replays_like_float64(layout):
     """A captured FA4 call replays correctly on new data (dense, and packed with fixed boundaries)."""
     if layout == "thd":
         cu = torch.tensor([0, 3, 103, 103, 160], dtype=torch.int32, device="cuda")
-        shapes, kwargs = ((160, 8, 192), (160, 8, 192), (160, 8, 128)), dict(layout="thd", cu_seqlens_q=cu,
-                                                                               max_seqlen_q=100, max_seqlen_kv=100)
+        shapes, kwargs = (
+            ((160, 8, 192), (160, 8, 192), (160, 8, 128)),
+            dict(layout="thd", cu_seqlens_q=cu, max_seqlen_q=100, max_seqlen_kv=100),
+        )
     else:
         shapes, kwargs = ((2, 256, 8, 192), (2, 256, 8, 192), (2, 256, 8, 128)), {}
     q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes)

@@ -49,15 +49,33 @@ def _packed(fn, q, k, v, cu_q, cu_kv):
     outs, lses = [], []
     bq, bk = cu_q.tolist(), cu_kv.tolist()
     for i in range(len(bq) - 1):
-        o, l = fn(*(t.transpose(0, 1).unsqueeze(0) for t in (q[bq[i]:bq[i + 1]], k[bk[i]:bk[i + 1]], v[bk[i]:bk[i + 1]])))
+        o, lse = fn(
+            *(
+                t.transpose(0, 1).unsqueeze(0)
+                for t in (q[bq[i] : bq[i + 1]], k[bk[i] : bk[i + 1]], v[bk[i] : bk[i + 1]])
+            )
+        )
         outs.append(o[0].transpose(0, 1))
-        lses.append(l[0].transpose(0, 1))
+        lses.append(lse[0].transpose(0, 1))
     return torch.cat(outs), torch.cat(lses)
 
 
-def cudnn_sdpa_torch(q, k, v, *, scale=None, is_causal=False, causal_bottom_right=False, window_left=-1,
-                     window_right=-1, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=0, max_seqlen_kv=0,
-                     return_lse=False):
+def cudnn_sdpa_torch(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    is_causal=False,
+    causal_bottom_right=False,
+    window_left=-1,
+    window_right=-1,
+    cu_seqlens_q=None,
+    cu_seqlens_kv=None,
+    max_seqlen_q=0,
+    max_seqlen_kv=0,
+    return_lse=False,
+):
     """cudnn-frontend 1.32 python/cudnn/sdpa/fwd/torch_op.py and graph_analyzer.py, with the op's own checks.
 
     window_left is cuDNN's left bound, a window length: key j is kept when j > diagonal - window_left.
@@ -80,15 +98,16 @@ def cudnn_sdpa_torch(q, k, v, *, scale=None, is_causal=False, causal_bottom_righ
     if cu_seqlens_q is not None:
         assert max_seqlen_q > 0 and max_seqlen_kv > 0
         out, lse = _packed(dense, q, k, v, cu_seqlens_q, cu_seqlens_kv)
-        lse = lse.unsqueeze(-1)                       # stats are (T, H, 1)
+        lse = lse.unsqueeze(-1)  # stats are (T, H, 1)
     else:
         out, lse = dense(q, k, v)
-        lse = lse.unsqueeze(-1)                       # stats are (B, H, S, 1)
+        lse = lse.unsqueeze(-1)  # stats are (B, H, S, 1)
     return (out, lse.float()) if return_lse else out
 
 
-def torch_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
-                      enable_gqa=False):
+def torch_varlen_attn(
+    q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1), enable_gqa=False
+):
     """torch.nn.attention.varlen.varlen_attn as documented: FA2 windows, lse (H, T) with +inf on empty rows."""
     assert q.shape[-1] == v.shape[-1], "v must have shape (total_k, num_heads_k, head_size_og)"
     assert enable_gqa or q.shape[1] == k.shape[1]
@@ -97,8 +116,13 @@ def torch_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, sca
     return (out, lse) if return_aux is not None and return_aux.lse else out
 
 
-CALLS = [dict(causal=True), dict(causal="bottom_right", return_lse=True), dict(window=(2, 1), return_lse=True),
-         dict(window=(3, 0), causal=True), dict()]
+CALLS = [
+    dict(causal=True),
+    dict(causal="bottom_right", return_lse=True),
+    dict(window=(2, 1), return_lse=True),
+    dict(window=(3, 0), causal=True),
+    dict(),
+]
 LENGTHS = [([5, 1, 0, 9, 3], [5, 1, 0, 9, 3]), ([5, 1, 0, 9, 3], [7, 2, 0, 12, 3])]
 
 
@@ -107,10 +131,17 @@ def _check(backend, kwargs, lengths, dqk, pad):
     q, k, v = (t.detach() for t in (q, k, v))
     if kwargs.get("causal") is True and lengths[0] != lengths[1]:
         cu_kv = cu_q
-        k, v = k[:q.shape[0]], v[:q.shape[0]]
+        k, v = k[: q.shape[0]], v[: q.shape[0]]
     problem, packing = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
-    out, lse = run_candidate(Candidate(backend, dqk if pad else None), problem, q, k, v, packing=packing,
-                             target=attnselect.Target.preset("h200"))
+    out, lse = run_candidate(
+        Candidate(backend, dqk if pad else None),
+        problem,
+        q,
+        k,
+        v,
+        packing=packing,
+        target=attnselect.Target.preset("h200"),
+    )
     ref, ref_lse = run_candidate(Candidate("reference"), problem, q, k, v, packing=packing)
     assert out.shape == ref.shape and rel_err(out, ref) < 1e-12
     if kwargs.get("return_lse"):
@@ -132,8 +163,9 @@ def test_cudnn_frontend_dense_mapping(kwargs, monkeypatch):
     stub.sdpa_torch = cudnn_sdpa_torch
     monkeypatch.setitem(sys.modules, "cudnn", stub)
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, s, h, d, generator=g, dtype=torch.float64)
-               for s, h, d in ((12, 4, 24), (20, 2, 24), (20, 2, 16)))
+    q, k, v = (
+        torch.randn(2, s, h, d, generator=g, dtype=torch.float64) for s, h, d in ((12, 4, 24), (20, 2, 24), (20, 2, 16))
+    )
     if kwargs.get("causal") is True:
         k, v = k[:, :12], v[:, :12]
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, **kwargs)
@@ -148,6 +180,7 @@ def test_cudnn_frontend_dense_mapping(kwargs, monkeypatch):
 @pytest.mark.parametrize("lengths", LENGTHS, ids=["same-lengths", "kv-longer"])
 def test_varlen_fa2_mapping_padded(kwargs, lengths, monkeypatch):
     from torch.nn.attention import varlen
+
     monkeypatch.setattr(varlen, "varlen_attn", torch_varlen_attn)
     _check("varlen_fa2", kwargs, lengths, dqk=24, pad=True)
 
@@ -174,9 +207,12 @@ def test_cudnn_frontend_serves_absorbed_mla_forward_only_where_measured():
     absorbed = attnselect.AttentionProblem(2, 1, 4096, 16, 1, 576, 512, mask="causal_bottom_right")
     assert not get("cudnn_frontend").not_supported_reasons(absorbed, h200)
     assert not get("cudnn_frontend").not_supported_reasons(absorbed.padded(576), h200)
-    refused = [(absorbed, h200.with_versions(cudnn_version="9.18.0")), (absorbed.padded(640), h200),
-               (dataclasses.replace(absorbed, training=True), h200),
-               (absorbed, attnselect.Target.preset("b200", cudnn_frontend_version="1.32.0"))]
+    refused = [
+        (absorbed, h200.with_versions(cudnn_version="9.18.0")),
+        (absorbed.padded(640), h200),
+        (dataclasses.replace(absorbed, training=True), h200),
+        (absorbed, attnselect.Target.preset("b200", cudnn_frontend_version="1.32.0")),
+    ]
     for problem, target in refused:
         assert any("above 256" in r for r in get("cudnn_frontend").not_supported_reasons(problem, target))
 
@@ -196,9 +232,16 @@ def _recording_stub(monkeypatch):
 
     def recording(q, k, v, **kwargs):
         if kwargs.get("cu_seqlens_q") is not None:
-            seen.append((kwargs["cu_seqlens_q"].numel() - 1, kwargs["max_seqlen_q"], kwargs["cu_seqlens_kv"].numel() - 1,
-                         kwargs["max_seqlen_kv"]))
+            seen.append(
+                (
+                    kwargs["cu_seqlens_q"].numel() - 1,
+                    kwargs["max_seqlen_q"],
+                    kwargs["cu_seqlens_kv"].numel() - 1,
+                    kwargs["max_seqlen_kv"],
+                )
+            )
         return cudnn_sdpa_torch(q, k, v, **kwargs)
+
     stub = types.ModuleType("cudnn")
     stub.sdpa_torch = recording
     monkeypatch.setitem(sys.modules, "cudnn", stub)
@@ -210,6 +253,7 @@ def _recording_stub(monkeypatch):
 def test_cudnn_frontend_bucketed_packing_equals_unbucketed(lengths, kwargs, monkeypatch):
     """Empty trailing sequences and a larger max_seqlen change nothing: output, lse and all three gradients."""
     from attnselect.backends.shape_cache import PackingBuckets, Rounding
+
     seen = _recording_stub(monkeypatch)
     frontend = get("cudnn_frontend")
     (q, k, v), cu_q, cu_kv = thd_inputs(*lengths, dqk=24, dv=16)
@@ -217,38 +261,50 @@ def test_cudnn_frontend_bucketed_packing_equals_unbucketed(lengths, kwargs, monk
     runs = []
     for buckets in (PackingBuckets(Rounding(floor=16), Rounding(floor=64)), None):
         monkeypatch.setattr(frontend, "shape_cache", dataclasses.replace(type(frontend).shape_cache, buckets=buckets))
-        out, lse = run_candidate(Candidate("cudnn_frontend"), problem, q, k, v, packing=packing,
-                                 target=attnselect.Target.preset("h200"))
+        out, lse = run_candidate(
+            Candidate("cudnn_frontend"), problem, q, k, v, packing=packing, target=attnselect.Target.preset("h200")
+        )
         grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
         runs.append((out, lse, grads))
-    assert seen == [(16, 64, 16, 64), (5, max(lengths[0]), 5, max(lengths[1]))]   # what the op was handed
+    assert seen == [(16, 64, 16, 64), (5, max(lengths[0]), 5, max(lengths[1]))]  # what the op was handed
     (out, lse, grads), (out0, lse0, grads0) = runs
     assert torch.equal(out, out0) and torch.equal(lse, lse0) and all(map(torch.equal, grads, grads0))
-    assert cu_q.tolist() == [0, 5, 6, 6, 15, 18]   # the caller's boundaries are untouched
+    assert cu_q.tolist() == [0, 5, 6, 6, 15, 18]  # the caller's boundaries are untouched
 
 
 def test_bucketed_boundaries_are_made_once_per_tensor(monkeypatch):
-    from attnselect.backends.shape_cache import PackingBuckets, Rounding, bucketed
     from attnselect.backends.base import Packing
+    from attnselect.backends.shape_cache import PackingBuckets, Rounding, bucketed
+
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     buckets = PackingBuckets(Rounding(floor=8), Rounding(floor=16))
     first, again = bucketed(Packing(cu, cu, 4, 4, cu, cu), buckets), bucketed(Packing(cu, cu, 4, 4, cu, cu), buckets)
     assert first.cu_seqlens_q.tolist() == [0, 3, 7, 7, 7, 7, 7, 7, 7] and first.max_seqlen_q == 16
     assert again.cu_seqlens_q is first.cu_seqlens_q and first.cu_seqlens_kv is first.cu_seqlens_q
-    assert not first.has_gaps   # offsets that were the boundaries stay the (bucketed) boundaries
+    assert not first.has_gaps  # offsets that were the boundaries stay the (bucketed) boundaries
 
 
-@pytest.mark.parametrize("n,rounding,expected", [
-    (5, dict(), 8), (16, dict(floor=16), 16), (17, dict(floor=16), 32), (3, dict(floor=16), 16),
-    (4097, dict(floor=128, per_doubling=2, multiple=64), 5824), (9000, dict(floor=8, per_doubling=0, multiple=8), 9000),
-    (9001, dict(floor=8, per_doubling=0, multiple=8), 9008)])
+@pytest.mark.parametrize(
+    "n,rounding,expected",
+    [
+        (5, dict(), 8),
+        (16, dict(floor=16), 16),
+        (17, dict(floor=16), 32),
+        (3, dict(floor=16), 16),
+        (4097, dict(floor=128, per_doubling=2, multiple=64), 5824),
+        (9000, dict(floor=8, per_doubling=0, multiple=8), 9000),
+        (9001, dict(floor=8, per_doubling=0, multiple=8), 9008),
+    ],
+)
 def test_rounding_covers_and_stays_on_its_series(n, rounding, expected):
     from attnselect.backends.shape_cache import Rounding
+
     assert Rounding(**rounding)(n) == expected
 
 
 def test_every_backend_states_what_a_new_shape_costs_it():
     from attnselect.backends import all_backends
+
     stated = {b.name: b.shape_cache for b in all_backends() if b.shape_cache is not None}
     assert {"cudnn_frontend", "flex", "sdpa_cudnn", "flash_attn4"} <= set(stated)
     for cache in stated.values():

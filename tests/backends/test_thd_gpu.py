@@ -22,8 +22,11 @@ LENGTHS_KV_LONGER = [3, 1, 40, 300, 5, 130, 80]
 CASES = [  # (label, attention kwargs, input kwargs)
     ("mla-causal", dict(causal=True), dict(lengths_q=LENGTHS_Q, hq=8, hkv=8, dqk=192, dv=128)),
     ("equal-causal", dict(causal=True), dict(lengths_q=LENGTHS_Q, hq=8, hkv=8, dqk=128, dv=128)),
-    ("mla-gqa-bottom-right", dict(causal="bottom_right"),
-     dict(lengths_q=LENGTHS_Q, lengths_kv=LENGTHS_KV_LONGER, hq=8, hkv=2, dqk=192, dv=128)),
+    (
+        "mla-gqa-bottom-right",
+        dict(causal="bottom_right"),
+        dict(lengths_q=LENGTHS_Q, lengths_kv=LENGTHS_KV_LONGER, hq=8, hkv=2, dqk=192, dv=128),
+    ),
     ("mla-window-lse", dict(window=(48, 0), return_lse=True), dict(lengths_q=LENGTHS_Q, hq=8, hkv=2, dqk=192, dv=128)),
     ("odd-59-causal", dict(causal=True), dict(lengths_q=LENGTHS_Q, hq=8, hkv=8, dqk=59, dv=59)),
 ]
@@ -50,8 +53,13 @@ def test_thd_candidate_matches_float64(backend, pad_to, kwargs, shape):
     exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
     grad_out = torch.randn(q.shape[0], q.shape[1], v.shape[-1], device="cuda", dtype=torch.float64)
     runs = []
-    for tensors, choice in (((q, k, v), dict(backend=backend, pad=pad_to is not None)), (exact, dict(backend="reference"))):
-        result = attnselect.attention(*tensors, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs, **choice)
+    for tensors, choice in (
+        ((q, k, v), dict(backend=backend, pad=pad_to is not None)),
+        (exact, dict(backend="reference")),
+    ):
+        result = attnselect.attention(
+            *tensors, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs, **choice
+        )
         out, lse = result if isinstance(result, tuple) else (result, None)
         out.backward(grad_out.to(out.dtype))
         runs.append((out, lse, [t.grad for t in tensors]))
@@ -72,7 +80,9 @@ def _frontend_installed():
 def test_cudnn_frontend_bucketed_packing_equals_unbucketed_on_the_gpu(kwargs, monkeypatch):
     """Empty trailing sequences and a larger max_seqlen leave output, lse and gradients as they were."""
     import dataclasses
+
     from attnselect.backends import get
+
     if not _frontend_installed():
         pytest.skip("nvidia-cudnn-frontend is not installed here (scripts/fetch_device_wheels.sh)")
     frontend = get("cudnn_frontend")
@@ -81,8 +91,17 @@ def test_cudnn_frontend_bucketed_packing_equals_unbucketed_on_the_gpu(kwargs, mo
     runs = []
     for buckets in (type(frontend).shape_cache.buckets, None):
         monkeypatch.setattr(frontend, "shape_cache", dataclasses.replace(type(frontend).shape_cache, buckets=buckets))
-        out, lse = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu_q, backend="cudnn_frontend",
-                                        max_seqlen_q=max(LENGTHS_Q), max_seqlen_kv=max(LENGTHS_Q), **kwargs)
+        out, lse = attnselect.attention(
+            q,
+            k,
+            v,
+            layout="thd",
+            cu_seqlens_q=cu_q,
+            backend="cudnn_frontend",
+            max_seqlen_q=max(LENGTHS_Q),
+            max_seqlen_kv=max(LENGTHS_Q),
+            **kwargs,
+        )
         runs.append((out, lse, torch.autograd.grad(out, (q, k, v), grad_out)))
     (out, lse, grads), (out0, lse0, grads0) = runs
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
@@ -94,9 +113,21 @@ def test_cudnn_frontend_bucketed_packing_equals_unbucketed_on_the_gpu(kwargs, mo
 def test_a_copy_of_cu_seqlens_q_as_cu_seqlens_kv_is_self_attention_on_the_gpu():
     """Both max_seqlen given (as Megatron passes them) and cu_seqlens_kv a tensor of its own, equal in value."""
     (q, k, v), cu_q, _ = thd_inputs([37, 256, 5], hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
-    problem, _ = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q.clone(), causal=True,
-                               window=(48, 0), max_seqlen_q=256, max_seqlen_kv=256)
+    problem, _ = describe_call(
+        q,
+        k,
+        v,
+        layout="thd",
+        cu_seqlens_q=cu_q,
+        cu_seqlens_kv=cu_q.clone(),
+        causal=True,
+        window=(48, 0),
+        max_seqlen_q=256,
+        max_seqlen_kv=256,
+    )
     assert problem.varlen_seqlens_match and not problem.varlen_rows_without_keys
-    if _frontend_installed():   # not refused as unverified for keyless rows
-        verdict = next(v for v in attnselect.select(problem).verdicts if v.candidate == attnselect.Candidate("cudnn_frontend"))
+    if _frontend_installed():  # not refused as unverified for keyless rows
+        verdict = next(
+            v for v in attnselect.select(problem).verdicts if v.candidate == attnselect.Candidate("cudnn_frontend")
+        )
         assert verdict.supported, verdict.reasons

@@ -12,13 +12,15 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core >= 0.19 needs Python 3.12: runs on the GPU machine with "
-                                             "the wheel carried (scripts/fetch_device_wheels.sh)")
+pytest.importorskip(
+    "megatron.core",
+    reason="megatron-core >= 0.19 needs Python 3.12: runs on the GPU machine with "
+    "the wheel carried (scripts/fetch_device_wheels.sh)",
+)
 
 pytestmark = pytest.mark.gpu
 
 from helpers import rel_err  # noqa: E402
-
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 from megatron_mla import init_model_parallel, mla_layer, packed_params  # noqa: E402
@@ -28,13 +30,16 @@ from megatron_mla import init_model_parallel, mla_layer, packed_params  # noqa: 
 def megatron():
     init_model_parallel()
     from attnselect.integrations import megatron as integration
+
     return integration
 
 
 def test_import_fails_loudly_without_the_pad_function(monkeypatch):
     import importlib
     import sys
+
     from megatron.core.transformer import multi_latent_attention
+
     monkeypatch.delattr(multi_latent_attention, "_prepare_mla_core_attention_value")
     monkeypatch.delitem(sys.modules, "attnselect.integrations.megatron", raising=False)
     with pytest.raises(ImportError, match="_prepare_mla_core_attention_value"):
@@ -46,6 +51,7 @@ def test_layer_spec_is_the_one_line_switch():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from attnselect.integrations import megatron as integration
+
     try:
         integration._mla._prepare_mla_core_attention_value = integration._STOCK_PREPARE_VALUE
         spec = integration.layer_spec(get_gpt_layer_local_spec(multi_latent_attention=True), keep_value_native=False)
@@ -73,18 +79,18 @@ def test_packed_mla_layer_matches_sequence_by_sequence_and_keeps_v_native(megatr
         packed, _ = layer(x, None, packed_seq_params=packed_params(lengths))
         grad = torch.randn_like(packed)
         (dx,) = torch.autograd.grad(packed, x, grad)
-        assert seen == [128]                                   # V reached the core attention 128 wide
+        assert seen == [128]  # V reached the core attention 128 wide
         start = 0
-        for n in lengths:                                      # the same layer, one dense sequence at a time
-            piece = x[start:start + n].detach().requires_grad_()
+        for n in lengths:  # the same layer, one dense sequence at a time
+            piece = x[start : start + n].detach().requires_grad_()
             alone, _ = layer(piece, None)
-            (d_alone,) = torch.autograd.grad(alone, piece, grad[start:start + n])
-            assert rel_err(packed[start:start + n], alone) < 2e-2 and rel_err(dx[start:start + n], d_alone) < 2e-2
+            (d_alone,) = torch.autograd.grad(alone, piece, grad[start : start + n])
+            assert rel_err(packed[start : start + n], alone) < 2e-2 and rel_err(dx[start : start + n], d_alone) < 2e-2
             start += n
         seen.clear()
         stock = mla_layer(megatron, patched=False)
         stock(x, None, packed_seq_params=packed_params(lengths))
-        assert seen == [192]                                   # Megatron's own pad, for comparison
+        assert seen == [192]  # Megatron's own pad, for comparison
     finally:
         megatron.CoreAttention.forward = real
         megatron.skip_thd_value_pad()
@@ -105,12 +111,31 @@ def _megatrons_own_mla_layer(ours):
     from megatron.core.transformer.spec_utils import build_module
 
     class MegatronUnfused(DotProductAttention):
-        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                     softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+        def __init__(
+            self,
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout=None,
+            softmax_scale=None,
+            k_channels=None,
+            v_channels=None,
+            cp_comm_type=None,
+            pg_collection=None,
+        ):
             config = copy.copy(config)
             config.kv_channels = v_channels if v_channels is not None else config.v_head_dim
-            super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                             softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+            super().__init__(
+                config,
+                layer_number,
+                attn_mask_type,
+                attention_type,
+                attention_dropout=attention_dropout,
+                softmax_scale=softmax_scale,
+                cp_comm_type=cp_comm_type,
+                pg_collection=pg_collection,
+            )
 
     spec = get_gpt_layer_local_spec(multi_latent_attention=True)
     spec.submodules.self_attention.submodules.core_attention = MegatronUnfused
@@ -138,11 +163,11 @@ def test_packed_layer_matches_megatrons_own_unfused_attention(megatron):
         d_theirs_weights = [torch.zeros_like(p, dtype=torch.float32) for p in theirs_weights]
         start = 0
         for n in lengths:
-            piece = x[start:start + n].detach().requires_grad_()
+            piece = x[start : start + n].detach().requires_grad_()
             theirs, _ = reference(piece, None)
-            d_theirs, *d_w = torch.autograd.grad(theirs, (piece, *theirs_weights), grad[start:start + n])
-            assert rel_err(packed[start:start + n], theirs) < 2e-2, n
-            assert rel_err(dx[start:start + n], d_theirs) < 2e-2, n
+            d_theirs, *d_w = torch.autograd.grad(theirs, (piece, *theirs_weights), grad[start : start + n])
+            assert rel_err(packed[start : start + n], theirs) < 2e-2, n
+            assert rel_err(dx[start : start + n], d_theirs) < 2e-2, n
             for total, part in zip(d_theirs_weights, d_w):
                 total += part.float()
             start += n
@@ -154,6 +179,7 @@ def test_packed_layer_matches_megatrons_own_unfused_attention(megatron):
 
 def test_core_attention_refuses_what_it_cannot_serve(megatron):
     from megatron.core.transformer.enums import AttnMaskType
+
     layer = mla_layer(megatron, patched=True)
     q = torch.randn(8, 1, 16, 192, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(8, 1, 16, 128, device="cuda", dtype=torch.bfloat16)

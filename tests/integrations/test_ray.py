@@ -8,11 +8,11 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the test extra installs Ray; the GPU machine has none")
 
-from attnselect.integrations.ray import runtime_env
+from attnselect.integrations.ray import runtime_env  # noqa: E402  (after the skip: Ray is optional)
 
 
 def test_runtime_env_merges_without_dropping_keys(monkeypatch):
-    monkeypatch.delenv("ATTNSELECT_CACHE_DIR")   # the test fixture's own cache folder: not part of this test
+    monkeypatch.delenv("ATTNSELECT_CACHE_DIR")  # the test fixture's own cache folder: not part of this test
     monkeypatch.setenv("ATTNSELECT_PAD", "never")
     monkeypatch.setenv("ATTNSELECT_DEBUG", "1")
     monkeypatch.setenv("NVTE_DEBUG", "1")
@@ -21,7 +21,7 @@ def test_runtime_env_merges_without_dropping_keys(monkeypatch):
     merged = runtime_env(base)
     assert merged["pip"] == ["einops"]
     assert merged["env_vars"] == {"ATTNSELECT_PAD": "always", "OTHER": "1", "ATTNSELECT_DEBUG": "1", "NVTE_DEBUG": "1"}
-    assert base["env_vars"] == {"ATTNSELECT_PAD": "always", "OTHER": "1"}      # not modified
+    assert base["env_vars"] == {"ATTNSELECT_PAD": "always", "OTHER": "1"}  # not modified
     assert runtime_env()["env_vars"]["ATTNSELECT_PAD"] == "never"
 
 
@@ -45,6 +45,7 @@ def _select_in_worker():
     import torch
 
     import attnselect
+
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     logging.getLogger("attnselect").addHandler(handler)
@@ -65,8 +66,12 @@ def test_worker_sees_the_driver_settings_only_through_runtime_env(cluster, monke
     plain_vars, plain_choice, plain_log = ray.get(_select_in_worker.remote())
     assert plain_vars == {} and plain_choice == "sdpa_flash padded to 24" and plain_log == ""
     variables, choice, log = ray.get(_select_in_worker.options(runtime_env=runtime_env()).remote())
-    assert variables == {"ATTNSELECT_PAD": "never", "ATTNSELECT_DEBUG": "1", "ATTNSELECT_DEBUG_LEVEL": "2",
-                         "ATTNSELECT_CACHE_DIR": os.environ["ATTNSELECT_CACHE_DIR"]}   # the test's own cache
+    assert variables == {
+        "ATTNSELECT_PAD": "never",
+        "ATTNSELECT_DEBUG": "1",
+        "ATTNSELECT_DEBUG_LEVEL": "2",
+        "ATTNSELECT_CACHE_DIR": os.environ["ATTNSELECT_CACHE_DIR"],
+    }  # the test's own cache
     assert choice == "sdpa_math native"
-    assert "running sdpa_math, native, because" in log                  # level 1: the decision
-    assert "sdpa_flash padded to 24: not supported: padding is switched off" in log   # level 2: every candidate
+    assert "running sdpa_math, native, because" in log  # level 1: the decision
+    assert "sdpa_flash padded to 24: not supported: padding is switched off" in log  # level 2: every candidate

@@ -15,13 +15,32 @@ NAME = attnselect_hf.register()
 def _model(implementation: str, seed: int = 0):
     """Two layers, real MLA geometry scaled down: d_qk = 16 (nope) + 8 (rope) = 24 != d_v = 16."""
     config = transformers.DeepseekV3Config(
-        vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
-        n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
-        bos_token_id=2, attn_implementation=implementation)
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        attn_implementation=implementation,
+    )
     torch.manual_seed(seed)
-    return transformers.DeepseekV3ForCausalLM(config).eval()   # float32: the MoE grouped matmul has no float64
+    return transformers.DeepseekV3ForCausalLM(config).eval()  # float32: the MoE grouped matmul has no float64
 
 
 def test_register_returns_a_name_without_flash():
@@ -34,6 +53,7 @@ def test_register_returns_a_name_without_flash():
 def calls(monkeypatch):
     """The (layout, value head dim) of every attnselect.attention call the model makes."""
     import attnselect
+
     seen, real = [], attnselect.attention
 
     def spy(q, k, v, **kwargs):
@@ -49,7 +69,7 @@ def test_logits_match_eager(calls):
     ours, eager = _model(NAME), _model("eager")
     assert ours.config._attn_implementation == NAME
     torch.testing.assert_close(ours(ids).logits, eager(ids).logits)
-    assert calls == [("bhsd", 16)] * 2   # one call per layer, V native (16 wide, not padded to 24)
+    assert calls == [("bhsd", 16)] * 2  # one call per layer, V native (16 wide, not padded to 24)
 
 
 def test_left_padded_logits_match_eager_on_real_tokens(calls):
@@ -59,7 +79,7 @@ def test_left_padded_logits_match_eager_on_real_tokens(calls):
     ids[0, :4] = 0
     ours, eager = (m(ids, attention_mask=mask).logits for m in (_model(NAME), _model("eager")))
     torch.testing.assert_close(ours[mask.bool()], eager[mask.bool()])
-    assert calls == [("thd", 16)] * 2    # the padding mask is honoured by running the real tokens packed
+    assert calls == [("thd", 16)] * 2  # the padding mask is honoured by running the real tokens packed
 
 
 def test_a_training_step_matches_eager():
@@ -82,8 +102,10 @@ def test_generate_with_left_padding_gives_eagers_tokens():
     mask = torch.ones_like(ids)
     for row, pad in ((0, 3), (1, 5)):
         ids[row, :pad], mask[row, :pad] = 0, 0
-    tokens = [m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-              for m in (_model(NAME), _model("eager"))]
+    tokens = [
+        m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        for m in (_model(NAME), _model("eager"))
+    ]
     assert torch.equal(tokens[0], tokens[1])
 
 
@@ -95,14 +117,15 @@ def test_a_4d_mask_passed_to_the_model_is_honoured(calls, caplog):
     allowed &= torch.ones(10, 10, dtype=torch.bool).tril()
     mask = torch.zeros(1, 1, 10, 10).masked_fill(~allowed, torch.finfo(torch.float32).min)
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
-    attnselect_hf._log_explicit_mask.cache_clear()   # logged once per process: once more for this test
+    attnselect_hf._log_explicit_mask.cache_clear()  # logged once per process: once more for this test
     with caplog.at_level("INFO", logger="attnselect"):
-        ours, eager = (m(ids, attention_mask=mask, position_ids=positions).logits
-                       for m in (_model(NAME), _model("eager")))
+        ours, eager = (
+            m(ids, attention_mask=mask, position_ids=positions).logits for m in (_model(NAME), _model("eager"))
+        )
     torch.testing.assert_close(ours, eager)
-    assert calls == []   # the mask is not one attnselect's kernels take: torch's SDPA ran it, and the log says so
+    assert calls == []  # the mask is not one attnselect's kernels take: torch's SDPA ran it, and the log says so
     assert "4-D attention_mask" in caplog.text
-    separate = _model(NAME)(ids[:, 6:]).logits   # the second document alone: the mask kept them apart
+    separate = _model(NAME)(ids[:, 6:]).logits  # the second document alone: the mask kept them apart
     torch.testing.assert_close(ours[:, 6:], separate)
 
 
@@ -110,7 +133,9 @@ def test_a_4d_mask_passed_to_the_model_is_honoured(calls, caplog):
 def test_the_interface_matches_transformers_eager_function(causal):
     """GQA through the module's key/value heads, a non-default scaling, causal or not, padded or not."""
     from transformers.models.llama.modeling_llama import eager_attention_forward
+
     from attnselect.integrations.transformers import attention_forward
+
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups, module.training = causal, 2, False
     g = torch.Generator().manual_seed(8)
@@ -118,19 +143,25 @@ def test_the_interface_matches_transformers_eager_function(causal):
     k = torch.randn(2, 2, 7, 24, generator=g, dtype=torch.float64)
     v = torch.randn(2, 2, 7, 16, generator=g, dtype=torch.float64)
     keep = torch.ones(2, 7, dtype=torch.bool)
-    keep[1, :3] = False   # left padding in the second row
-    def additive(keep):   # eager's mask carries the causality too
+    keep[1, :3] = False  # left padding in the second row
+
+    def additive(keep):  # eager's mask carries the causality too
         allowed = keep[:, None, None, :] & (torch.ones(7, 7, dtype=torch.bool).tril() if causal else True)
         return torch.zeros(2, 1, 7, 7, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
-    for ours_mask, eager_mask, rows in ((None, additive(torch.ones_like(keep)), slice(None)), (keep, additive(keep), keep)):
+
+    for ours_mask, eager_mask, rows in (
+        (None, additive(torch.ones_like(keep)), slice(None)),
+        (keep, additive(keep), keep),
+    ):
         ours, _ = attention_forward(module, q, k, v, ours_mask, scaling=0.37, is_causal=causal)
         eager, _ = eager_attention_forward(module, q, k, v, eager_mask, scaling=0.37)
         assert ours.shape == (2, 7, 4, 16)
-        torch.testing.assert_close(ours[rows], eager[rows], rtol=1e-5, atol=1e-6)   # eager's softmax is float32
+        torch.testing.assert_close(ours[rows], eager[rows], rtol=1e-5, atol=1e-6)  # eager's softmax is float32
 
 
 def test_dropout_reaches_the_kernel():
     from attnselect.integrations.transformers import attention_forward
+
     module = torch.nn.Module()
     module.is_causal = True
     q, k, v = (torch.randn(1, 2, 6, d, generator=torch.Generator().manual_seed(9)) for d in (24, 24, 16))
@@ -142,14 +173,16 @@ def test_dropout_reaches_the_kernel():
 
 def test_padding_free_packed_batch_matches_separate_sequences():
     from attnselect.integrations.transformers import attention_forward
+
     module = torch.nn.Module()
     module.is_causal = True
     g = torch.Generator().manual_seed(5)
     q, k = (torch.randn(1, 4, 9, 24, generator=g, dtype=torch.float64) for _ in range(2))
     v = torch.randn(1, 4, 9, 16, generator=g, dtype=torch.float64)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-    out, weights = attention_forward(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5,
-                                     max_length_k=5)
+    out, weights = attention_forward(
+        module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5
+    )
     assert weights is None and out.shape == (1, 9, 4, 16)
     for a, b in ((0, 4), (4, 9)):
         alone, _ = attention_forward(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None)
@@ -164,6 +197,7 @@ def _bare_module():
 
 def test_documents_marked_by_position_ids_stay_apart():
     from attnselect.integrations.transformers import attention_forward
+
     g = torch.Generator().manual_seed(6)
     q, k = (torch.randn(1, 2, 7, 8, generator=g) for _ in range(2))
     v = torch.randn(1, 2, 7, 8, generator=g)
@@ -179,6 +213,7 @@ def test_documents_marked_by_position_ids_stay_apart():
 
 def test_position_ids_are_read_once_per_forward_not_per_layer(monkeypatch):
     from attnselect.integrations import transformers as integration
+
     q = k = v = torch.randn(1, 2, 7, 8)
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
     reads = []
@@ -188,20 +223,22 @@ def test_position_ids_are_read_once_per_forward_not_per_layer(monkeypatch):
     second, _ = integration.attention_forward(_bare_module(), q, k, v, None, position_ids=positions)  # next layer
     assert len(reads) == 1
     torch.testing.assert_close(first, second)
-    positions[0, 3:] = torch.arange(3, 7)        # changed in place (its version moves): read again, one document
+    positions[0, 3:] = torch.arange(3, 7)  # changed in place (its version moves): read again, one document
     third, _ = integration.attention_forward(_bare_module(), q, k, v, None, position_ids=positions)
     assert len(reads) == 2
     torch.testing.assert_close(third, integration.attention_forward(_bare_module(), q, k, v, None)[0])
-    with torch.inference_mode():                 # no version counter: read on every call, never remembered
+    with torch.inference_mode():  # no version counter: read on every call, never remembered
         packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
         for _ in range(2):
-            torch.testing.assert_close(integration.attention_forward(_bare_module(), q, k, v, None,
-                                                                     position_ids=packed)[0], first)
+            torch.testing.assert_close(
+                integration.attention_forward(_bare_module(), q, k, v, None, position_ids=packed)[0], first
+            )
     assert len(reads) == 4
 
 
 def test_compiled_calls_follow_new_position_ids():
     from attnselect.integrations import transformers as integration
+
     q = k = v = torch.randn(1, 2, 7, 8)
 
     def two_layers(q, k, v, positions):
@@ -211,13 +248,18 @@ def test_compiled_calls_follow_new_position_ids():
 
     compiled = torch.compile(two_layers, backend="eager")
     torch._dynamo.reset()
-    for positions in (torch.tensor([[0, 1, 2, 0, 1, 2, 3]]), torch.tensor([[0, 1, 0, 1, 2, 3, 4]]), torch.arange(7)[None]):
+    for positions in (
+        torch.tensor([[0, 1, 2, 0, 1, 2, 3]]),
+        torch.tensor([[0, 1, 0, 1, 2, 3, 4]]),
+        torch.arange(7)[None],
+    ):
         torch.testing.assert_close(compiled(q, k, v, positions), two_layers(q, k, v, positions))
 
 
 def test_sliding_window_keyword_and_unsupported_features():
-    from attnselect.integrations.transformers import attention_forward
     import attnselect
+    from attnselect.integrations.transformers import attention_forward
+
     g = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
     out, _ = attention_forward(_bare_module(), q, k, v, None, sliding_window=3)

@@ -48,8 +48,29 @@ def get(name: str) -> Backend | None:
     return _REGISTRY.get(name)
 
 
-for _cls in (SdpaCudnn, CudnnFrontend, FlashAttn3, FlashAttn4, FlashAttn2, VarlenFa2, SdpaFlash, Flex,
-             SdpaEfficient, SdpaMath, Reference):
+for _cls in (
+    SdpaCudnn,
+    CudnnFrontend,
+    FlashAttn3,
+    FlashAttn4,
+    FlashAttn2,
+    VarlenFa2,
+    SdpaFlash,
+    Flex,
+    SdpaEfficient,
+    SdpaMath,
+    Reference,
+):
     register(_cls())
 
-__all__ = ["Backend", "KernelCall", "Packing", "Surface", "register", "unregister", "registry_version", "all_backends", "get"]
+__all__ = [
+    "Backend",
+    "KernelCall",
+    "Packing",
+    "Surface",
+    "register",
+    "unregister",
+    "registry_version",
+    "all_backends",
+    "get",
+]

@@ -21,9 +21,9 @@ from attnselect.backends.base import Backend, KernelCall, Packing
 class FlashAttnPackageBackend(Backend):
     layout = "bshd"
     module: ClassVar[str]
-    unbounded: ClassVar[object] = -1     # how the package spells an open window edge
+    unbounded: ClassVar[object] = -1  # how the package spells an open window edge
     dropout_argument: ClassVar[bool] = False
-    lse_argument: ClassVar[str]          # keyword that asks for the lse
+    lse_argument: ClassVar[str]  # keyword that asks for the lse
 
     def _module(self):
         """The package's module, imported on first use."""
@@ -34,8 +34,15 @@ class FlashAttnPackageBackend(Backend):
 
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
         result = self._module().flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_k=packing.cu_seqlens_kv,
-            max_seqlen_q=packing.max_seqlen_q, max_seqlen_k=packing.max_seqlen_kv, **self._options(call, 1, 1))
+            q,
+            k,
+            v,
+            cu_seqlens_q=packing.cu_seqlens_q,
+            cu_seqlens_k=packing.cu_seqlens_kv,
+            max_seqlen_q=packing.max_seqlen_q,
+            max_seqlen_k=packing.max_seqlen_kv,
+            **self._options(call, 1, 1),
+        )
         return self._lse(call, result)
 
     def _options(self, call: KernelCall, sq: int, skv: int) -> dict:
@@ -44,8 +51,13 @@ class FlashAttnPackageBackend(Backend):
         if call.mask == "sliding_window":
             left, right = masks.band(call.mask, call.window, sq, skv)[1:]
             window = (self.unbounded if left is None else left, self.unbounded if right is None else right)
-        options = {"softmax_scale": call.scale, "causal": causal, "window_size": window,
-                   "deterministic": call.deterministic, self.lse_argument: call.return_lse}
+        options = {
+            "softmax_scale": call.scale,
+            "causal": causal,
+            "window_size": window,
+            "deterministic": call.deterministic,
+            self.lse_argument: call.return_lse,
+        }
         if self.dropout_argument:
             options["dropout_p"] = call.dropout_p
         return options

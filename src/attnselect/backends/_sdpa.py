@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -25,7 +24,7 @@ from attnselect.backends.base import Backend, KernelCall, expand_kv_heads
 
 class SdpaBackend(Backend):
     kernel: ClassVar[SDPBackend]
-    native_gqa: ClassVar[bool] = True     # False: K/V heads are expanded before the call
+    native_gqa: ClassVar[bool] = True  # False: K/V heads are expanded before the call
     layout = "bhsd"
 
     def run(self, q, k, v, call: KernelCall):
@@ -41,8 +40,16 @@ class SdpaBackend(Backend):
             k, v = expand_kv_heads(q, k, v)
             gqa = False
         with sdpa_kernel([self.kernel]):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
-                                                 is_causal=is_causal, scale=call.scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=call.dropout_p,
+                is_causal=is_causal,
+                scale=call.scale,
+                enable_gqa=gqa,
+            )
         if no_key is not None:
             out = out.masked_fill(no_key, 0.0)
         return out, None

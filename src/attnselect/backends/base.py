@@ -10,7 +10,7 @@ is float32 (B, Hq, Sq) or None when not requested.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 
@@ -27,12 +27,12 @@ class Surface:
     """What one backend serves on one device type, as data."""
 
     dtypes: frozenset = HALF
-    min_capability: Optional[tuple[int, int]] = None
-    max_capability: Optional[tuple[int, int]] = None
-    max_head_dim: Optional[int] = None          # for both d_qk and d_v
+    min_capability: tuple[int, int] | None = None
+    max_capability: tuple[int, int] | None = None
+    max_head_dim: int | None = None  # for both d_qk and d_v
     min_head_dim: int = 1
     head_dim_multiple: int = 1
-    equal_head_dims: bool = False               # True: d_qk must equal d_v
+    equal_head_dims: bool = False  # True: d_qk must equal d_v
     masks: frozenset = frozenset(MASKS)
     dropout: bool = True
     backward: bool = True
@@ -43,9 +43,9 @@ class Surface:
     # The kernel's causal flag is bottom-right aligned (FlashAttention), so top-left causal
     # is served only where the two coincide: as many queries as keys.
     causal_is_bottom_right: bool = False
-    dense: bool = True       # serves (B, S, H, D)-style input
-    packed: bool = False     # serves thd (T, H, D) + cu_seqlens in one call (else thd runs per sequence)
-    gaps: bool = False       # packed: honours padded offsets (cu_seqlens_*_padded)
+    dense: bool = True  # serves (B, S, H, D)-style input
+    packed: bool = False  # serves thd (T, H, D) + cu_seqlens in one call (else thd runs per sequence)
+    gaps: bool = False  # packed: honours padded offsets (cu_seqlens_*_padded)
     cuda_graphs: bool = True  # its calls can be captured into a CUDA graph (after a warm-up call)
     compiled_graphs: bool = True  # it runs inside a torch.compile graph (as attnselect's custom op)
 
@@ -54,37 +54,48 @@ class Surface:
         if p.layout == "thd" and self.packed and p.varlen_gaps and not self.gaps:
             r.append("cannot skip the gaps between sequences (cu_seqlens_*_padded); pass unpadded packing")
         if p.compiled_graph and not self.compiled_graphs:
-            r.append(f"cannot run inside a compiled graph on the {t.device_type.upper()}; call it outside "
-                     "torch.compile")
+            r.append(
+                f"cannot run inside a compiled graph on the {t.device_type.upper()}; call it outside torch.compile"
+            )
         if p.cuda_graph_capture and not self.cuda_graphs:
             r.append("is not verified under CUDA graph capture; warm up and capture with another backend")
         if p.cuda_graph_capture and p.layout == "thd" and not self.packed:
-            r.append("runs packed input sequence by sequence, reading cu_seqlens on the host, which CUDA graph "
-                     "capture forbids")
+            r.append(
+                "runs packed input sequence by sequence, reading cu_seqlens on the host, which CUDA graph "
+                "capture forbids"
+            )
         if p.layout != "thd" and not self.dense:
             r.append(f"serves packed input only (layout='thd'), got layout={p.layout!r}")
         if p.fp8 and not self.fp8:
             r.append("does not run fp8 attention (fp8=True)")
         if p.dtype not in self.dtypes:
-            r.append(f"dtype {dtype_name(p.dtype)} is not supported (supports "
-                     f"{', '.join(sorted(map(dtype_name, self.dtypes)))})")
+            r.append(
+                f"dtype {dtype_name(p.dtype)} is not supported (supports "
+                f"{', '.join(sorted(map(dtype_name, self.dtypes)))})"
+            )
         if t.is_cuda and self.min_capability and t.capability < self.min_capability:
             r.append(f"needs compute capability >= {_cc(self.min_capability)}, the target has {_cc(t.capability)}")
         if t.is_cuda and self.max_capability and t.capability > self.max_capability:
-            r.append(f"supports compute capability up to {_cc(self.max_capability)}, the target has {_cc(t.capability)}")
+            r.append(
+                f"supports compute capability up to {_cc(self.max_capability)}, the target has {_cc(t.capability)}"
+            )
         if self.equal_head_dims and p.different_head_dims:
             r.append(f"needs equal head dims, got d_qk={p.head_dim_qk} and d_v={p.head_dim_v}")
         if self.max_head_dim and max(p.head_dim_qk, p.head_dim_v) > self.max_head_dim:
             r.append(f"head dims up to {self.max_head_dim} only, got d_qk={p.head_dim_qk}, d_v={p.head_dim_v}")
         if min(p.head_dim_qk, p.head_dim_v) < self.min_head_dim:
             r.append(f"head dims of at least {self.min_head_dim} only, got d_qk={p.head_dim_qk}, d_v={p.head_dim_v}")
-        if self.head_dim_multiple > 1 and (p.head_dim_qk % self.head_dim_multiple or p.head_dim_v % self.head_dim_multiple):
+        if self.head_dim_multiple > 1 and (
+            p.head_dim_qk % self.head_dim_multiple or p.head_dim_v % self.head_dim_multiple
+        ):
             r.append(f"head dims must be multiples of {self.head_dim_multiple}, got {p.head_dim_qk}/{p.head_dim_v}")
         if p.mask not in self.masks:
             r.append(f"mask {p.mask!r} is not supported (supports {', '.join(sorted(self.masks))})")
         if self.causal_is_bottom_right and p.mask == "causal" and not p.square:
-            r.append("its causal mask is bottom-right aligned, so top-left causal needs as many queries as keys "
-                     + (f"(got {p.seqlen_q} and {p.seqlen_kv})" if p.layout != "thd" else "in every sequence"))
+            r.append(
+                "its causal mask is bottom-right aligned, so top-left causal needs as many queries as keys "
+                + (f"(got {p.seqlen_q} and {p.seqlen_kv})" if p.layout != "thd" else "in every sequence")
+            )
         if p.dropout_p and not self.dropout:
             r.append(f"does not support dropout (dropout_p={p.dropout_p})")
         if p.training and not self.backward:
@@ -103,7 +114,7 @@ class KernelCall:
     """The per-call options a kernel needs beyond q, k and v."""
 
     mask: str
-    window: Optional[tuple[int, int]]
+    window: tuple[int, int] | None
     scale: float
     dropout_p: float
     return_lse: bool
@@ -136,10 +147,10 @@ class Backend:
 
     name: ClassVar[str]
     summary: ClassVar[str]
-    layout: ClassVar[str] = "bhsd"                     # dense layout that run() takes
-    surfaces: ClassVar[dict[str, Surface]]             # keyed by device type ("cuda", "cpu")
-    package: ClassVar[Optional[tuple[str, str]]] = None  # (Target version field, pip name)
-    shape_cache: ClassVar[Optional[ShapeCache]] = None   # None: nothing is built per shape
+    layout: ClassVar[str] = "bhsd"  # dense layout that run() takes
+    surfaces: ClassVar[dict[str, Surface]]  # keyed by device type ("cuda", "cpu")
+    package: ClassVar[tuple[str, str] | None] = None  # (Target version field, pip name)
+    shape_cache: ClassVar[ShapeCache | None] = None  # None: nothing is built per shape
 
     def not_supported_reasons(self, problem: AttentionProblem, target: Target) -> list[str]:
         """Why this backend cannot serve ``problem`` on ``target``; empty when it can."""
@@ -159,13 +170,15 @@ class Backend:
         surface = self.surfaces.get(target.device_type)
         return surface is not None and surface.packed
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            call: KernelCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Dense attention in ``self.layout``; lse float32 (B, Hq, Sq) or None."""
         raise TypeError(f"{self.name} serves packed (thd) input only")
 
-    def run_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall,
-                   packing: "Packing") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def run_packed(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall, packing: Packing
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Packed attention: q (Tq, Hq, Dqk), k (Tk, Hkv, Dqk), v (Tk, Hkv, Dv); lse (Hq, Tq) or None."""
         raise TypeError(f"{self.name} has no packed (thd) kernel; it runs sequence by sequence")
 

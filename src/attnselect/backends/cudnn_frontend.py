@@ -24,8 +24,17 @@ class CudnnFrontend(Backend):
     # ragged offsets, so no gaps between sequences); head dims multiples of 8
     # (include/cudnn_frontend/node/sdpa_support_surface.h).
     # CUDA graph capture not yet verified (the op builds and caches cuDNN graphs in Python on first calls).
-    surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), head_dim_multiple=8, max_head_dim=576,
-                                dropout=False, packed=True, cuda_graphs=False)}
+    surfaces = {
+        "cuda": Surface(
+            dtypes=HALF,
+            min_capability=(8, 0),
+            head_dim_multiple=8,
+            max_head_dim=576,
+            dropout=False,
+            packed=True,
+            cuda_graphs=False,
+        )
+    }
     # Above 256: sdpa_support_surface.h sets no fp16/bf16 forward cap on Hopper from cuDNN 9.10 (the
     # backend's plans decide) and the backward caps sm90 at 256 (scaled_dot_product_flash_attention.h).
     # The H200 grid (results/h200_rules_grid.md, cuDNN 9.19) ran and matched absorbed MLA 576/512 and
@@ -44,22 +53,32 @@ class CudnnFrontend(Backend):
     shape_cache = ShapeCache(
         builds="a cuDNN graph (and one for the backward when training)",
         keyed_on="the sequence count, max_seqlen, heads, head dims, strides, scale and mask (the backward also on "
-                 "the token totals rounded to 64)",
-        source="cudnn-frontend 1.32 cudnn/sdpa/fwd/torch_op.py (_graph_cache, FIFO of 128)", new_key_ms=120.0,
-        buckets=PackingBuckets(sequences=Rounding(floor=16), max_seqlen=Rounding(floor=128)))
+        "the token totals rounded to 64)",
+        source="cudnn-frontend 1.32 cudnn/sdpa/fwd/torch_op.py (_graph_cache, FIFO of 128)",
+        new_key_ms=120.0,
+        buckets=PackingBuckets(sequences=Rounding(floor=16), max_seqlen=Rounding(floor=128)),
+    )
 
     def extra_reasons(self, p, t):
         r = []
         cc, d = t.capability, max(p.head_dim_qk, p.head_dim_v)
-        if d > 256 and not ((p.head_dim_qk, p.head_dim_v) in self.wide_forward and cc == (9, 0)
-                            and not p.training and t.at_least("cudnn_version", "9.19.0")):
-            r.append(f"head dims above 256 (got {p.head_dim_qk}/{p.head_dim_v}) only for the absorbed-MLA forward "
-                     f"576/512 (or padded 576/576) on sm90 with cuDNN >= 9.19; the target is {t.arch} with cuDNN "
-                     f"{t.cudnn_version}" + (", and this problem trains" if p.training else ""))
+        if d > 256 and not (
+            (p.head_dim_qk, p.head_dim_v) in self.wide_forward
+            and cc == (9, 0)
+            and not p.training
+            and t.at_least("cudnn_version", "9.19.0")
+        ):
+            r.append(
+                f"head dims above 256 (got {p.head_dim_qk}/{p.head_dim_v}) only for the absorbed-MLA forward "
+                f"576/512 (or padded 576/576) on sm90 with cuDNN >= 9.19; the target is {t.arch} with cuDNN "
+                f"{t.cudnn_version}" + (", and this problem trains" if p.training else "")
+            )
         # sdpa_support_surface.h: THD needs Hopper or newer, Ampere from cuDNN 9.18.1.
         if p.layout == "thd" and cc < (9, 0) and not t.at_least("cudnn_version", "9.18.1"):
-            r.append(f"packed (thd) input needs sm90+, or cuDNN >= 9.18.1 on {t.arch}; the target has "
-                     f"cuDNN {t.cudnn_version}")
+            r.append(
+                f"packed (thd) input needs sm90+, or cuDNN >= 9.18.1 on {t.arch}; the target has "
+                f"cuDNN {t.cudnn_version}"
+            )
         # sdpa_support_surface.h: forward caps on older cuDNN: Ampere <= 128 (up to 9.9), Blackwell <= 128 below 9.9.
         if d > 128 and (cc[0] == 8 or cc[0] >= 10) and not t.at_least("cudnn_version", "9.10.0"):
             r.append(f"head dims above 128 need cuDNN >= 9.10 on {t.arch}")
@@ -76,35 +95,46 @@ class CudnnFrontend(Backend):
             r.append("cuDNN has no backward for one query against one key (s_q = s_kv = 1); other backends serve it")
         # Not yet measured: how the op treats queries that see no key (sdpa_cudnn's backward gave NaN there).
         if p.may_have_rows_without_keys:
-            r.append("queries that see no key (this mask and these lengths may leave some) are not verified for "
-                     "this op yet")
+            r.append(
+                "queries that see no key (this mask and these lengths may leave some) are not verified for this op yet"
+            )
         if p.training and d > 128:
             if cc[0] == 10:
                 pairs = ((192, 128), (256, 256)) if t.at_least("cudnn_version", "9.11.0") else ()
                 if (p.head_dim_qk, p.head_dim_v) not in pairs:
-                    r.append(f"cuDNN has no backward kernel for head dims {p.head_dim_qk}/{p.head_dim_v} on "
-                             f"{t.arch} (above 128 only 192/128 and 256/256)")
+                    r.append(
+                        f"cuDNN has no backward kernel for head dims {p.head_dim_qk}/{p.head_dim_v} on "
+                        f"{t.arch} (above 128 only 192/128 and 256/256)"
+                    )
             elif cc != (9, 0):
                 r.append(f"cuDNN's backward serves head dims up to 128 on {t.arch}")
         return r
 
     def run(self, q, k, v, call: KernelCall):
         out, lse = _sdpa(q, k, v, call)
-        return out, (lse[..., 0] if lse is not None else None)             # (B, H, S, 1) -> (B, H, S)
+        return out, (lse[..., 0] if lse is not None else None)  # (B, H, S, 1) -> (B, H, S)
 
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
         if q.shape[0] == 0:
             return q.new_zeros(0, q.shape[1], v.shape[-1]), q.new_zeros(q.shape[1], 0, dtype=torch.float32)
-        out, lse = _sdpa(q, k, v, call, cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_kv=packing.cu_seqlens_kv,
-                         max_seqlen_q=max(packing.max_seqlen_q, 1), max_seqlen_kv=max(packing.max_seqlen_kv, 1))
-        return out, (lse[..., 0].transpose(0, 1) if lse is not None else None)   # (T, H, 1) -> (H, T)
+        out, lse = _sdpa(
+            q,
+            k,
+            v,
+            call,
+            cu_seqlens_q=packing.cu_seqlens_q,
+            cu_seqlens_kv=packing.cu_seqlens_kv,
+            max_seqlen_q=max(packing.max_seqlen_q, 1),
+            max_seqlen_kv=max(packing.max_seqlen_kv, 1),
+        )
+        return out, (lse[..., 0].transpose(0, 1) if lse is not None else None)  # (T, H, 1) -> (H, T)
 
 
 def _sdpa(q, k, v, call: KernelCall, **packing):
     import cudnn
+
     # The op's backward consumes the forward's statistics, so training always asks for them.
-    need_lse = call.return_lse or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                 or v.requires_grad))
+    need_lse = call.return_lse or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     result = cudnn.sdpa_torch(q, k, v, scale=call.scale, return_lse=need_lse, **_mask_arguments(call), **packing)
     out, lse = result if need_lse else (result, None)
     return out, (lse if call.return_lse else None)
@@ -126,5 +156,8 @@ def _mask_arguments(call: KernelCall) -> dict:
     _, left, right = masks.band(call.mask, call.window, 1, 1)
     if left is None and right is None:
         return {}
-    return {"window_left": -1 if left is None else left + 1, "window_right": -1 if right is None else right,
-            "causal_bottom_right": True}
+    return {
+        "window_left": -1 if left is None else left + 1,
+        "window_right": -1 if right is None else right,
+        "causal_bottom_right": True,
+    }

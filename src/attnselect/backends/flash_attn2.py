@@ -12,14 +12,23 @@ class FlashAttn2(FlashAttnPackageBackend):
     package = ("flash_attn_version", "flash-attn")
     module = "flash_attn"
     dropout_argument = True
-    lse_argument = "return_attn_probs"   # returns (out, softmax_lse, S_dmask)
+    lse_argument = "return_attn_probs"  # returns (out, softmax_lse, S_dmask)
     # Source: Dao-AILab/flash-attention csrc/flash_attn/flash_api.cpp (CHECK_SHAPE(v, ..., head_size):
     # v shares q's head dim; head_size <= 256) and flash_attn/flash_attn_interface.py (window_size,
     # deterministic, return_attn_probs). TransformerEngine runs it under context parallelism.
     # cuda_graphs=False: refused under CUDA graph capture until a GPU run verifies it; the flash-attn packages
     # are not on the H200 our capture tests (tests/test_api.py) run on.
-    surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), max_head_dim=256, equal_head_dims=True,
-                                context_parallel=True, causal_is_bottom_right=True, cuda_graphs=False)}
+    surfaces = {
+        "cuda": Surface(
+            dtypes=HALF,
+            min_capability=(8, 0),
+            max_head_dim=256,
+            equal_head_dims=True,
+            context_parallel=True,
+            causal_is_bottom_right=True,
+            cuda_graphs=False,
+        )
+    }
 
     def extra_reasons(self, p, t):
         r = []

@@ -20,7 +20,7 @@ from attnselect.backends.shape_cache import ShapeCache
 
 log = logging.getLogger("attnselect")
 
-SM90_BACKWARD_HEAD_DIMS = frozenset({24, 32, 56, 64, 96, 128, 192, 256})   # measured correct (extra_reasons)
+SM90_BACKWARD_HEAD_DIMS = frozenset({24, 32, 56, 64, 96, 128, 192, 256})  # measured correct (extra_reasons)
 CACHE_ENABLED, CACHE_DIR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
 
 
@@ -30,23 +30,36 @@ class FlashAttn4(FlashAttnPackageBackend):
     package = ("flash_attn4_version", "flash-attn-4")
     module = "flash_attn.cute"
     unbounded = None
-    lse_argument = "return_lse"          # always returns (out, lse)
+    lse_argument = "return_lse"  # always returns (out, lse)
     # Source: Dao-AILab/flash-attention flash_attn/cute/interface.py: fp16/bf16; forward arch 8.x-12.x
     # (_flash_attn_fwd), backward 9.x-12.x (_flash_attn_bwd); head dims multiples of 16 bytes (8 in 16 bit);
     # no dropout argument; flash_attn_varlen_func takes cu_seqlens_q/k and max_seqlen_q/k, whose sequences
     # sit back to back (no separate padded offsets, so no gaps); deterministic backward except on sm120.
     # Captured into CUDA graphs and inside torch.compile(fullgraph=True), dense and packed, it matched float64 on
     # the H200 (results/h200_gpu_tests_fa4.txt, 4.0.0b36), bit-identical gradients under deterministic mode too.
-    surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(9, 0), max_capability=(11, 9), head_dim_multiple=8,
-                                max_head_dim=512, dropout=False, causal_is_bottom_right=True, packed=True)}
+    surfaces = {
+        "cuda": Surface(
+            dtypes=HALF,
+            min_capability=(9, 0),
+            max_capability=(11, 9),
+            head_dim_multiple=8,
+            max_head_dim=512,
+            dropout=False,
+            causal_is_bottom_right=True,
+            packed=True,
+        )
+    }
     # interface.py _flash_attn_fwd: cute.compile once per compile_key (dtype, head dims, GQA ratio, causal,
     # window, varlen, lse, tile sizes and split choices derived from the lengths), not per length. A process's
     # first forward+backward of a 192/128 configuration took 13 s (dense) and 19 s (packed) with an empty disk
     # cache, 6.5 and 10 s with a filled one, on the H200 (results/h200_fa4_compile.md).
-    shape_cache = ShapeCache(builds="compiled CuTe DSL kernels",
-                             keyed_on="dtype, head dims, GQA ratio, causal, window, varlen and the tile sizes "
-                                      "chosen from the lengths, not the lengths themselves",
-                             source="flash-attention flash_attn/cute/interface.py (compile_key)", new_key_ms=13000.0)
+    shape_cache = ShapeCache(
+        builds="compiled CuTe DSL kernels",
+        keyed_on="dtype, head dims, GQA ratio, causal, window, varlen and the tile sizes "
+        "chosen from the lengths, not the lengths themselves",
+        source="flash-attention flash_attn/cute/interface.py (compile_key)",
+        new_key_ms=13000.0,
+    )
 
     def extra_reasons(self, p, t):
         r = []
@@ -59,20 +72,26 @@ class FlashAttn4(FlashAttnPackageBackend):
         else:
             ok = max(dqk, dv) <= 128 or (dqk, dv) in ((192, 128), (256, 256)) or (dv == 512 and dqk in (64, 512))
         if not ok:
-            r.append(f"head dims {dqk}/{dv} are not served on {t.arch} (sm90: both in 8..256; sm100: both <= 128, "
-                     "192/128, 256/256 or 64/512)")
+            r.append(
+                f"head dims {dqk}/{dv} are not served on {t.arch} (sm90: both in 8..256; sm100: both <= 128, "
+                "192/128, 256/256 or 64/512)"
+            )
         # 4.0.0b36 on the H200 (results/h200_rules_grid.md, its FA4 rows): the sm90 backward returned wrong
         # gradients (relative error 0.75 to 0.89) for head dims 8, 16, 40, 48, 80 and 112, and matched float64 for
         # the others measured, so training is served for those only.
         if p.training and t.capability[0] == 9 and not {dqk, dv} <= SM90_BACKWARD_HEAD_DIMS:
-            r.append(f"its sm90 backward matched float64 on the H200 only for head dims "
-                     f"{', '.join(map(str, sorted(SM90_BACKWARD_HEAD_DIMS)))} (wrong gradients for 8, 16, 40, 48, "
-                     f"80 and 112 with flash-attn-4 4.0.0b36); got {dqk}/{dv}")
+            r.append(
+                f"its sm90 backward matched float64 on the H200 only for head dims "
+                f"{', '.join(map(str, sorted(SM90_BACKWARD_HEAD_DIMS)))} (wrong gradients for 8, 16, 40, 48, "
+                f"80 and 112 with flash-attn-4 4.0.0b36); got {dqk}/{dv}"
+            )
         # 4.0.0b36 on the H200 (results/h200_gpu_tests_fa4.txt): the sm90 backward raises "GQA backward requires
         # head_dim == head_dim_v" for grouped K/V heads with d_qk != d_v; its padded candidate serves them.
         if p.training and t.capability[0] == 9 and p.heads_q != p.heads_kv and dqk != dv:
-            r.append(f"its sm90 backward needs d_qk == d_v with grouped K/V heads (GQA), got {dqk}/{dv} with "
-                     f"{p.heads_q}/{p.heads_kv} heads; padding to {p.pad_target} serves it")
+            r.append(
+                f"its sm90 backward needs d_qk == d_v with grouped K/V heads (GQA), got {dqk}/{dv} with "
+                f"{p.heads_q}/{p.heads_kv} heads; padding to {p.pad_target} serves it"
+            )
         return r
 
     def _module(self):
@@ -84,9 +103,13 @@ class FlashAttn4(FlashAttnPackageBackend):
 def _enable_compile_cache() -> None:
     """FA4's on-disk cache of compiled kernels under attnselect's cache directory, unless the caller chose."""
     from attnselect import store
+
     if CACHE_ENABLED in os.environ or CACHE_DIR in os.environ:
         return
     directory = store.cache_file().parent / "flash_attn_cute"
     os.environ[CACHE_ENABLED], os.environ[CACHE_DIR] = "1", str(directory)
-    log.info("attnselect: FlashAttention-4 keeps its compiled kernels in %s (set %s=0 to switch that off)",
-             directory, CACHE_ENABLED)
+    log.info(
+        "attnselect: FlashAttention-4 keeps its compiled kernels in %s (set %s=0 to switch that off)",
+        directory,
+        CACHE_ENABLED,
+    )

@@ -25,7 +25,7 @@ from attnselect.tensor_memo import TensorMemo
 
 log = logging.getLogger("attnselect")
 
-_BIG = 1 << 30   # "unbounded" band edge
+_BIG = 1 << 30  # "unbounded" band edge
 
 
 class Flex(Backend):
@@ -43,22 +43,30 @@ class Flex(Backend):
         # and on the CPU with torch 2.13, so no compiled graphs on either. Inductor's flex template
         # (torch/_inductor/kernel/flex_attention.py) refuses head dims below 16: "NYI: embedding dimension of the
         # query, key, and value must be at least 16".
-        "cuda": Surface(dtypes=ALL_DTYPES - {torch.float64}, min_capability=(8, 0), max_head_dim=256, min_head_dim=16,
-                        dropout=False,
-                        packed=True, gaps=True, cuda_graphs=False, compiled_graphs=False),
+        "cuda": Surface(
+            dtypes=ALL_DTYPES - {torch.float64},
+            min_capability=(8, 0),
+            max_head_dim=256,
+            min_head_dim=16,
+            dropout=False,
+            packed=True,
+            gaps=True,
+            cuda_graphs=False,
+            compiled_graphs=False,
+        ),
         # Eager (unfused) on the CPU: "FlexAttention does not support backward on CPU" (torch 2.13).
-        "cpu": Surface(dtypes=ALL_DTYPES, dropout=False, backward=False, packed=True, gaps=True,
-                       compiled_graphs=False),
+        "cpu": Surface(dtypes=ALL_DTYPES, dropout=False, backward=False, packed=True, gaps=True, compiled_graphs=False),
     }
 
     # A packed call builds a document mask for every new boundary tensor: 3 to 26 ms a packing on the H200
     # (results/h200_thd_bench.md, 2026-11-29), paid every step of a loop that packs anew; on CUDA a new token
     # total also recompiles until torch.compile makes the totals dynamic (from the second, dynamic=None).
-    shape_cache = ShapeCache(builds="a block mask (on CUDA also a Triton compile per new shape)",
-                             keyed_on="the boundary tensors themselves (document masks) and the token totals "
-                                      "(the compile)",
-                             source="attnselect.backends.flex (_document_block_mask, _compiled_flex)",
-                             rebuilds_per_packing=True)
+    shape_cache = ShapeCache(
+        builds="a block mask (on CUDA also a Triton compile per new shape)",
+        keyed_on="the boundary tensors themselves (document masks) and the token totals (the compile)",
+        source="attnselect.backends.flex (_document_block_mask, _compiled_flex)",
+        rebuilds_per_packing=True,
+    )
 
     def run(self, q, k, v, call: KernelCall):
         block_mask = _band_block_mask(call.mask, call.window, q.shape[-2], k.shape[-2], q.device)
@@ -73,23 +81,25 @@ class Flex(Backend):
 
 def _flex(q, k, v, block_mask, call, dynamic):
     from torch.nn.attention import flex_attention as flex
+
     fn = _compiled_flex(dynamic) if q.is_cuda else flex.flex_attention
     options = dict(block_mask=block_mask, scale=call.scale, enable_gqa=q.shape[1] != k.shape[1])
     if not call.return_lse:
         return fn(q, k, v, **options), None
-    if hasattr(flex, "AuxRequest"):   # newer torch, where return_lse is deprecated
+    if hasattr(flex, "AuxRequest"):  # newer torch, where return_lse is deprecated
         out, aux = fn(q, k, v, return_aux=flex.AuxRequest(lse=True), **options)
         return out, aux.lse.float()
     out, lse = fn(q, k, v, return_lse=True, **options)
     return out, lse.float()
 
 
-RECOMPILE_LIMIT = 64   # shapes one process may compile flex_attention for (torch's default is 8)
+RECOMPILE_LIMIT = 64  # shapes one process may compile flex_attention for (torch's default is 8)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_flex(dynamic):
     from torch.nn.attention.flex_attention import flex_attention
+
     return _failing_past_recompile_limit(torch.compile(flex_attention, dynamic=dynamic))
 
 
@@ -100,21 +110,26 @@ def _failing_past_recompile_limit(compiled):
     settings are patched per call (about 15 us), leaving the user's own torch.compile settings alone."""
     settings = _recompile_settings()
     if settings is None:
-        log.info("attnselect: this torch has no dynamo setting to fail past a recompile limit; flex keeps "
-                 "torch's own limit and its eager fallback")
+        log.info(
+            "attnselect: this torch has no dynamo setting to fail past a recompile limit; flex keeps "
+            "torch's own limit and its eager fallback"
+        )
         return compiled
 
     def call(*args, **kwargs):
         with torch._dynamo.config.patch(**settings):
             return compiled(*args, **kwargs)
+
     return call
 
 
 def _recompile_settings():
     """The dynamo settings for a hard recompile limit, by their names in this torch (renamed in 2.7), or None."""
     config = torch._dynamo.config
-    for limit, fail in (("recompile_limit", "fail_on_recompile_limit_hit"),
-                        ("cache_size_limit", "fail_on_cache_limit_hit")):
+    for limit, fail in (
+        ("recompile_limit", "fail_on_recompile_limit_hit"),
+        ("cache_size_limit", "fail_on_cache_limit_hit"),
+    ):
         if hasattr(config, limit) and hasattr(config, fail):
             return {limit: RECOMPILE_LIMIT, fail: True}
     return None
@@ -124,13 +139,14 @@ def _band_edges(mask, window, device):
     """(left, right) band edges as tensors (_BIG when unbounded), and whether the band is bottom-right."""
     _, left, right = masks.band(mask, window, 1, 1) or (0, None, None)
     # torch.full fills on the device: no host-to-device copy, no sync.
-    as_tensor = lambda x: torch.full((), _BIG if x is None else x, device=device)   # noqa: E731
+    as_tensor = lambda x: torch.full((), _BIG if x is None else x, device=device)  # noqa: E731
     return as_tensor(left), as_tensor(right), mask in ("causal_bottom_right", "sliding_window")
 
 
 @functools.lru_cache(maxsize=64)
 def _band_block_mask(mask, window, sq, skv, device):
     from torch.nn.attention.flex_attention import create_block_mask
+
     left, right, bottom_right = _band_edges(mask, window, device)
     offset = torch.full((), skv - sq if bottom_right else 0, device=device)
 
@@ -159,17 +175,21 @@ _DOCUMENT_MASKS = TensorMemo()
 
 def _document_block_mask(packing: Packing, mask, window, total_q, total_kv, device):
     tensors = (packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.offsets_q, packing.offsets_kv)
-    return _DOCUMENT_MASKS.get(tensors, (mask, window, total_q, total_kv),
-                               lambda: _build_document_mask(packing, mask, window, total_q, total_kv, device))
+    return _DOCUMENT_MASKS.get(
+        tensors,
+        (mask, window, total_q, total_kv),
+        lambda: _build_document_mask(packing, mask, window, total_q, total_kv, device),
+    )
 
 
 def _build_document_mask(packing, mask, window, total_q, total_kv, device):
     from torch.nn.attention.flex_attention import create_block_mask
+
     doc_q, pos_q, len_q = _documents(packing.cu_seqlens_q, packing.offsets_q, total_q, device)
     doc_kv, pos_kv, _ = _documents(packing.cu_seqlens_kv, packing.offsets_kv, total_kv, device)
     left, right, bottom_right = _band_edges(mask, window, device)
     diagonal = pos_q
-    if bottom_right:   # align each sequence's diagonal to its last key
+    if bottom_right:  # align each sequence's diagonal to its last key
         lengths_kv = packing.cu_seqlens_kv[1:] - packing.cu_seqlens_kv[:-1]
         diagonal = pos_q + lengths_kv[doc_q.clamp_min(0)] - len_q if lengths_kv.numel() else pos_q
 
@@ -179,5 +199,6 @@ def _build_document_mask(packing, mask, window, total_q, total_kv, device):
         return same & (pos_kv[kv_idx] <= d + right) & (pos_kv[kv_idx] >= d - left)
 
     # Compiled on CUDA so the T x T mask is evaluated block by block, not materialised.
-    return create_block_mask(document_mask, B=None, H=None, Q_LEN=total_q, KV_LEN=total_kv, device=device,
-                             _compile=device.type == "cuda")
+    return create_block_mask(
+        document_mask, B=None, H=None, Q_LEN=total_q, KV_LEN=total_kv, device=device, _compile=device.type == "cuda"
+    )

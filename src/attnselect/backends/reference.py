@@ -27,8 +27,8 @@ class Reference(Backend):
         allowed = masks.visible(call.mask, call.window, q.shape[-2], k.shape[-2], q.device)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
-            empty_row = ~allowed.any(-1, keepdim=True)               # (Sq, 1)
-            scores = scores.masked_fill(empty_row, 0.0)              # keep softmax and its gradient finite
+            empty_row = ~allowed.any(-1, keepdim=True)  # (Sq, 1)
+            scores = scores.masked_fill(empty_row, 0.0)  # keep softmax and its gradient finite
         probs = torch.softmax(scores, dim=-1)
         lse = torch.logsumexp(scores, dim=-1).detach() if call.return_lse else None
         if allowed is not None:

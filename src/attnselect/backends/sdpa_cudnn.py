@@ -22,16 +22,28 @@ class SdpaCudnn(SdpaBackend):
     # Source: pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, can_use_cudnn_attention:
     # sm80..sm121, fp16/bf16, masks allowed, GQA allowed, refused under deterministic algorithms
     # (check_cudnn_deterministic), head dims multiples of 8 (check_cudnn_tensor_shapes).
-    surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), max_capability=(12, 1), head_dim_multiple=8,
-                                lse=False, deterministic_backward=False, context_parallel=True)}
+    surfaces = {
+        "cuda": Surface(
+            dtypes=HALF,
+            min_capability=(8, 0),
+            max_capability=(12, 1),
+            head_dim_multiple=8,
+            lse=False,
+            deterministic_backward=False,
+            context_parallel=True,
+        )
+    }
 
     # PyTorch caches one cuDNN graph per MHAParams (aten/src/ATen/native/cudnn/MHA.cpp: batch, heads, s_q,
     # s_kv, head dims, strides, dropout, causal); packed input runs sequence by sequence, so every new
     # sequence length of a loop that packs anew builds a graph.
-    shape_cache = ShapeCache(builds="a cuDNN graph", keyed_on="batch, heads, both sequence lengths, head dims, "
-                             "strides, dropout and causal (packed input runs per sequence: every new length)",
-                             source="pytorch aten/src/ATen/native/cudnn/MHA.cpp (MHAParams)",
-                             rebuilds_per_packing=True)
+    shape_cache = ShapeCache(
+        builds="a cuDNN graph",
+        keyed_on="batch, heads, both sequence lengths, head dims, "
+        "strides, dropout and causal (packed input runs per sequence: every new length)",
+        source="pytorch aten/src/ATen/native/cudnn/MHA.cpp (MHAParams)",
+        rebuilds_per_packing=True,
+    )
 
     def extra_reasons(self, p, t):
         r = []
@@ -49,8 +61,10 @@ class SdpaCudnn(SdpaBackend):
         if p.training and p.may_have_rows_without_keys:
             # Measured on the H200 (torch 2.11, cuDNN 9.19): bottom-right causal with Sq=200 > Skv=64 gave
             # NaN dq in the rows that see no key (Sq=256, Skv=128 did not), so refuse the whole class.
-            r.append("its backward can give NaN gradients to queries that see no key, and this mask and these "
-                     "lengths may leave some (NaN measured at Sq=200, Skv=64 on an H200)")
+            r.append(
+                "its backward can give NaN gradients to queries that see no key, and this mask and these "
+                "lengths may leave some (NaN measured at Sq=200, Skv=64 on an H200)"
+            )
         if p.single_key:
             r.append("a key sequence of length 1 is refused (check_cudnn_tensor_shapes)")
         if max(p.batch, p.heads_q) > 65535:
@@ -77,10 +91,14 @@ def _head_dim_reasons(p, t) -> list[str]:
         wide = t.at_least("cudnn_version", "9.22.1") and max(dqk, dv) <= 256
         mla = (dqk, dv) == (192, 128) and t.at_least("cudnn_version", "9.11.0")
         if not (wide or mla):
-            r.append(f"head dims {pair} need cuDNN > 9.22 (up to 256) or exactly 192/128 with cuDNN >= 9.11 "
-                     f"on {t.arch}; the target has cuDNN {t.cudnn_version}")
+            r.append(
+                f"head dims {pair} need cuDNN > 9.22 (up to 256) or exactly 192/128 with cuDNN >= 9.11 "
+                f"on {t.arch}; the target has cuDNN {t.cudnn_version}"
+            )
         if blackwell and p.training and (dqk, dv) not in BLACKWELL_BACKWARD_PAIRS:
-            r.append(f"cuDNN has no backward kernel for head dims {pair} on {t.arch} "
-                     "(above 128 only 192/128 and 256/256), so it cannot train")
+            r.append(
+                f"cuDNN has no backward kernel for head dims {pair} on {t.arch} "
+                "(above 128 only 192/128 and 256/256), so it cannot train"
+            )
         return r
     return [f"head dims above 128 are not served on {t.arch}, got {pair}"]

@@ -21,14 +21,22 @@ class SdpaEfficient(SdpaBackend):
     # Its backward is deterministic under torch.use_deterministic_algorithms (attention_backward.cu forces
     # num_splits_key = 1). PyTorch's context_parallel() ring-attention handles this op
     # (torch/distributed/tensor/experimental/_attention.py).
-    surfaces = {"cuda": Surface(dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-                                min_capability=(5, 0), max_capability=(12, 1), lse=False, context_parallel=True)}
+    surfaces = {
+        "cuda": Surface(
+            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+            min_capability=(5, 0),
+            max_capability=(12, 1),
+            lse=False,
+            context_parallel=True,
+        )
+    }
 
     def extra_reasons(self, p, t):
         # check_head_dim_size_mem_efficient: head dims divisible by the GEMM alignment,
         # 8 for fp16/bf16, 4 for fp32 on sm80+.
         align = 4 if p.dtype == torch.float32 else 8
         if p.head_dim_qk % align or p.head_dim_v % align:
-            return [f"head dims must be multiples of {align} for {dtype_name(p.dtype)}, "
-                    f"got {p.head_dim_qk}/{p.head_dim_v}"]
+            return [
+                f"head dims must be multiples of {align} for {dtype_name(p.dtype)}, got {p.head_dim_qk}/{p.head_dim_v}"
+            ]
         return []

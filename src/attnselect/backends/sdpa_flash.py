@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch.nn.attention import SDPBackend
 
 from attnselect.backends._sdpa import SdpaBackend
@@ -18,9 +17,16 @@ class SdpaFlash(SdpaBackend):
         # sm80..sm121, fp16/bf16, q/k/v share one head dim <= 256 (attention.cpp pads it to a multiple of 8),
         # no attn_mask (check_for_attn_mask), is_causal only when Sq == Skv. Its backward runs with
         # deterministic=true under torch.use_deterministic_algorithms (attention_backward.cu).
-        "cuda": Surface(dtypes=HALF, min_capability=(8, 0), max_capability=(12, 1), max_head_dim=256,
-                        equal_head_dims=True, masks=frozenset({"none", "causal", "causal_bottom_right"}),
-                        lse=False, context_parallel=True),
+        "cuda": Surface(
+            dtypes=HALF,
+            min_capability=(8, 0),
+            max_capability=(12, 1),
+            max_head_dim=256,
+            equal_head_dims=True,
+            masks=frozenset({"none", "causal", "causal_bottom_right"}),
+            lse=False,
+            context_parallel=True,
+        ),
         # Source: pytorch aten/src/ATen/native/transformers/sdp_utils_cpp.cpp, use_flash_attention_cpp:
         # any float dtype, equal head dims, masks allowed, no dropout.
         "cpu": Surface(dtypes=ALL_DTYPES, equal_head_dims=True, dropout=False, lse=False),
@@ -31,11 +37,12 @@ class SdpaFlash(SdpaBackend):
             return []
         r = []
         if p.mask == "causal" and not p.square:
-            r.append("top-left causal needs as many queries as keys on CUDA "
-                     "(check_flash_causal_non_square_seqlens)")
+            r.append("top-left causal needs as many queries as keys on CUDA (check_flash_causal_non_square_seqlens)")
         if p.mask == "causal_bottom_right" and p.needs_mask_tensor:
-            r.append("bottom-right causal with fewer or more queries than keys needs a mask tensor, "
-                     "which this kernel refuses")
+            r.append(
+                "bottom-right causal with fewer or more queries than keys needs a mask tensor, "
+                "which this kernel refuses"
+            )
         return r + fa2_backward_head_dim_reasons(p, t)
 
 
@@ -45,6 +52,7 @@ def fa2_backward_head_dim_reasons(p, t) -> list[str]:
     if not (p.training and t.is_cuda and (t.capability in ((8, 6), (8, 7), (8, 9)) or t.capability >= (12, 0))):
         return []
     if 192 < d <= 224 or (d > 224 and p.dropout_p):
-        return [f"on {t.arch} FlashAttention-2's backward does not serve head dim {d}"
-                f"{' with dropout' if d > 224 else ''}"]
+        return [
+            f"on {t.arch} FlashAttention-2's backward does not serve head dim {d}{' with dropout' if d > 224 else ''}"
+        ]
     return []

@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -52,7 +51,7 @@ def _rounded(n: int, floor: int, per_doubling: int, multiple: int) -> int:
     if per_doubling == 0:
         return -(-n // multiple) * multiple
     k = max(math.ceil(per_doubling * math.log2(n / floor)) - 1, 0)
-    while True:   # the float log may land one step low; step up until the value covers n
+    while True:  # the float log may land one step low; step up until the value covers n
         value = -(-math.ceil(floor * 2 ** (k / per_doubling)) // multiple) * multiple
         if value >= n:
             return value
@@ -67,8 +66,10 @@ class PackingBuckets:
     max_seqlen: Rounding
 
     def describe(self) -> str:
-        return (f"the sequence count up to {self.sequences.describe()} (empty trailing sequences) and max_seqlen up "
-                f"to {self.max_seqlen.describe()}")
+        return (
+            f"the sequence count up to {self.sequences.describe()} (empty trailing sequences) and max_seqlen up "
+            f"to {self.max_seqlen.describe()}"
+        )
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,8 @@ class ShapeCache:
     keyed_on: str
     source: str
     rebuilds_per_packing: bool = False
-    new_key_ms: Optional[float] = None
-    buckets: Optional[PackingBuckets] = None
+    new_key_ms: float | None = None
+    buckets: PackingBuckets | None = None
 
     def describe(self) -> str:
         cost = f", about {self.new_key_ms:g} ms each" if self.new_key_ms else ""
@@ -112,9 +113,16 @@ def bucketed(packing, buckets: PackingBuckets):
 
     cu_q = padded(packing.cu_seqlens_q)
     cu_kv = cu_q if packing.cu_seqlens_kv is packing.cu_seqlens_q else padded(packing.cu_seqlens_kv)
-    done = {id(packing.cu_seqlens_q): cu_q, id(packing.cu_seqlens_kv): cu_kv}   # offsets often are the boundaries
-    offsets_q, offsets_kv = (done[id(t)] if id(t) in done else padded(t) for t in (packing.offsets_q,
-                                                                                 packing.offsets_kv))
-    return dataclasses.replace(packing, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, offsets_q=offsets_q,
-                               offsets_kv=offsets_kv, max_seqlen_q=buckets.max_seqlen(max(packing.max_seqlen_q, 1)),
-                               max_seqlen_kv=buckets.max_seqlen(max(packing.max_seqlen_kv, 1)))
+    done = {id(packing.cu_seqlens_q): cu_q, id(packing.cu_seqlens_kv): cu_kv}  # offsets often are the boundaries
+    offsets_q, offsets_kv = (
+        done[id(t)] if id(t) in done else padded(t) for t in (packing.offsets_q, packing.offsets_kv)
+    )
+    return dataclasses.replace(
+        packing,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_kv=cu_kv,
+        offsets_q=offsets_q,
+        offsets_kv=offsets_kv,
+        max_seqlen_q=buckets.max_seqlen(max(packing.max_seqlen_q, 1)),
+        max_seqlen_kv=buckets.max_seqlen(max(packing.max_seqlen_kv, 1)),
+    )

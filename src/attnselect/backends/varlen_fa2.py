@@ -27,9 +27,21 @@ class VarlenFa2(Backend):
     # sdpa_flash (sdp_utils.cpp). Unlike SDPA, which pads the head dim to a multiple of 8 before its flash
     # kernel (attention.cpp, pad_last_dim), varlen_attn hands q/k/v to the kernel as they are, and FA2's
     # mha_varlen_fwd (flash_api.cpp) raises "head_size must be a multiple of 8".
-    surfaces = {"cuda": Surface(dtypes=HALF, min_capability=(8, 0), max_capability=(12, 1), max_head_dim=256,
-                                head_dim_multiple=8, equal_head_dims=True, dropout=False, deterministic_backward=False,
-                                causal_is_bottom_right=True, dense=False, packed=True)}
+    surfaces = {
+        "cuda": Surface(
+            dtypes=HALF,
+            min_capability=(8, 0),
+            max_capability=(12, 1),
+            max_head_dim=256,
+            head_dim_multiple=8,
+            equal_head_dims=True,
+            dropout=False,
+            deterministic_backward=False,
+            causal_is_bottom_right=True,
+            dense=False,
+            packed=True,
+        )
+    }
 
     def extra_reasons(self, p, t):
         r = []
@@ -40,10 +52,13 @@ class VarlenFa2(Backend):
 
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
         from torch.nn.attention import varlen
+
         accepts = _accepted_keywords()
         if not {"scale", "window_size"} <= accepts:
-            raise RuntimeError("this torch's varlen_attn takes no scale/window_size (torch < 2.11); "
-                               "the varlen_fa2 rules should have refused it")
+            raise RuntimeError(
+                "this torch's varlen_attn takes no scale/window_size (torch < 2.11); "
+                "the varlen_fa2 rules should have refused it"
+            )
         kwargs = {"scale": call.scale, "window_size": _window(call)}
         if q.shape[1] != k.shape[1]:
             if "enable_gqa" in accepts:
@@ -52,8 +67,9 @@ class VarlenFa2(Backend):
                 k, v = expand_kv_heads(q, k, v)
         if call.return_lse:
             kwargs["return_aux"] = varlen.AuxRequest(lse=True)
-        result = varlen.varlen_attn(q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.max_seqlen_q,
-                                    packing.max_seqlen_kv, **kwargs)
+        result = varlen.varlen_attn(
+            q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.max_seqlen_q, packing.max_seqlen_kv, **kwargs
+        )
         if not call.return_lse:
             return result, None
         out, lse = result
@@ -71,7 +87,8 @@ def _window(call: KernelCall) -> tuple[int, int]:
     return (-1 if left is None else left, -1 if right is None else right)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _accepted_keywords() -> frozenset:
     from torch.nn.attention import varlen
+
     return frozenset(inspect.signature(varlen.varlen_attn).parameters)

@@ -3,9 +3,7 @@ Each framework is an optional extra; this package holds what the integrations sh
 
 from __future__ import annotations
 
-from typing import Optional
 
-
-def optional_int(value) -> Optional[int]:
+def optional_int(value) -> int | None:
     """A framework's maximum sequence length (an int, a 0-d tensor or None) as an int or None."""
     return int(value) if value is not None else None

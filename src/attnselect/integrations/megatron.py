@@ -34,66 +34,108 @@ try:
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.utils import is_layer_window_attention
-except ImportError as exc:   # pragma: no cover - depends on the environment
-    raise ImportError("attnselect.integrations.megatron needs megatron-core >= 0.19 (Python 3.12): "
-                      f"{exc}") from exc
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(f"attnselect.integrations.megatron needs megatron-core >= 0.19 (Python 3.12): {exc}") from exc
 
 if not hasattr(_mla, "_prepare_mla_core_attention_value"):
-    raise ImportError("megatron-core has no multi_latent_attention._prepare_mla_core_attention_value (it arrived in "
-                      "0.19): attnselect cannot keep MLA's V native on packed input with this version")
+    raise ImportError(
+        "megatron-core has no multi_latent_attention._prepare_mla_core_attention_value (it arrived in "
+        "0.19): attnselect cannot keep MLA's V native on packed input with this version"
+    )
 
 _STOCK_PREPARE_VALUE = _mla._prepare_mla_core_attention_value
 
 # Megatron mask types in attnselect's terms; padding on packed input is carried by cu_seqlens.
-_CAUSAL = {AttnMaskType.causal: True, AttnMaskType.padding_causal: True,
-           AttnMaskType.causal_bottom_right: "bottom_right", AttnMaskType.no_mask: False}
+_CAUSAL = {
+    AttnMaskType.causal: True,
+    AttnMaskType.padding_causal: True,
+    AttnMaskType.causal_bottom_right: "bottom_right",
+    AttnMaskType.no_mask: False,
+}
 
 
 class CoreAttention(MegatronModule):
     """Megatron core attention on :func:`attnselect.attention` (dense sbhd or packed thd)."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, attention_dropout=None,
-                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None,
-                 **unused):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout=None,
+        softmax_scale=None,
+        k_channels=None,
+        v_channels=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        **unused,
+    ):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise InvalidInputError(f"context_parallel_size: got {config.context_parallel_size}, expected 1 "
-                                    "(attnselect's Megatron core attention does not split sequences across ranks)")
+            raise InvalidInputError(
+                f"context_parallel_size: got {config.context_parallel_size}, expected 1 "
+                "(attnselect's Megatron core attention does not split sequences across ranks)"
+            )
         # Softmax variants and QK-clip change the attention itself (DotProductAttention / TE apply them).
         if getattr(config, "softmax_type", "vanilla") != "vanilla" or getattr(config, "qk_clip", False):
-            raise InvalidInputError(f"softmax_type/qk_clip: got {getattr(config, 'softmax_type', None)!r}/"
-                                    f"{getattr(config, 'qk_clip', None)!r}, expected 'vanilla'/False (not in "
-                                    "attnselect's kernels)")
+            raise InvalidInputError(
+                f"softmax_type/qk_clip: got {getattr(config, 'softmax_type', None)!r}/"
+                f"{getattr(config, 'qk_clip', None)!r}, expected 'vanilla'/False (not in "
+                "attnselect's kernels)"
+            )
         self.attn_mask_type = attn_mask_type
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.window = (tuple(config.window_size) if is_layer_window_attention(
-            config.window_size, config.window_attn_skip_freq, layer_number) else None)
+        self.window = (
+            tuple(config.window_size)
+            if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+            else None
+        )
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, **unused):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **unused,
+    ):
         if attention_bias is not None:
             raise InvalidInputError("attention_bias: got a tensor, expected None (no bias in attnselect's kernels)")
         mask_type = attn_mask_type or self.attn_mask_type
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if mask_type not in _CAUSAL and not (packed and mask_type == AttnMaskType.padding):
-            raise InvalidInputError(f"attn_mask_type: got {mask_type}, expected causal, padding_causal, "
-                                    "causal_bottom_right or no_mask (arbitrary masks are not supported)")
-        if not packed and attention_mask is not None and mask_type in (AttnMaskType.padding_causal,
-                                                                        AttnMaskType.padding):
-            raise InvalidInputError(f"attention_mask: got a padding mask with {mask_type} on dense input, expected "
-                                    "packed input (thd) for padded batches")
-        options = dict(causal=_CAUSAL.get(mask_type, False), scale=self.softmax_scale, window=self.window,
-                       dropout_p=self.dropout_p if self.training else 0.0)
+            raise InvalidInputError(
+                f"attn_mask_type: got {mask_type}, expected causal, padding_causal, "
+                "causal_bottom_right or no_mask (arbitrary masks are not supported)"
+            )
+        if (
+            not packed
+            and attention_mask is not None
+            and mask_type in (AttnMaskType.padding_causal, AttnMaskType.padding)
+        ):
+            raise InvalidInputError(
+                f"attention_mask: got a padding mask with {mask_type} on dense input, expected "
+                "packed input (thd) for padded batches"
+            )
+        options = dict(
+            causal=_CAUSAL.get(mask_type, False),
+            scale=self.softmax_scale,
+            window=self.window,
+            dropout_p=self.dropout_p if self.training else 0.0,
+        )
         # As Megatron's DotProductAttention: tensor-parallel ranks draw their own dropout masks.
         with tensor_parallel.get_cuda_rng_tracker().fork() if options["dropout_p"] else contextlib.nullcontext():
             if packed:
-                out = attnselect.attention(query, key, value, layout="thd", **_packing(packed_seq_params),
-                                           **options)
-                return out.reshape(out.shape[0], -1)                              # [t, np * hv]
+                out = attnselect.attention(query, key, value, layout="thd", **_packing(packed_seq_params), **options)
+                return out.reshape(out.shape[0], -1)  # [t, np * hv]
             out = attnselect.attention(query, key, value, layout="sbhd", **options)
-            return out.reshape(out.shape[0], out.shape[1], -1)                    # [sq, b, np * hv]
+            return out.reshape(out.shape[0], out.shape[1], -1)  # [sq, b, np * hv]
 
 
 def _packing(params) -> dict:
@@ -104,8 +146,12 @@ def _packing(params) -> dict:
     With other padded offsets the boundaries are read on the host (max_seqlen is then not
     passed), so offsets equal in value are recognised as no gaps.
     """
-    args = dict(cu_seqlens_q=params.cu_seqlens_q.int(), cu_seqlens_kv=params.cu_seqlens_kv.int(),
-                max_seqlen_q=optional_int(params.max_seqlen_q), max_seqlen_kv=optional_int(params.max_seqlen_kv))
+    args = dict(
+        cu_seqlens_q=params.cu_seqlens_q.int(),
+        cu_seqlens_kv=params.cu_seqlens_kv.int(),
+        max_seqlen_q=optional_int(params.max_seqlen_q),
+        max_seqlen_kv=optional_int(params.max_seqlen_kv),
+    )
     gaps = getattr(params, "pad_between_seqs", None)
     for name, bounds in (("cu_seqlens_q_padded", params.cu_seqlens_q), ("cu_seqlens_kv_padded", params.cu_seqlens_kv)):
         offsets = getattr(params, name)
@@ -123,8 +169,10 @@ def layer_spec(spec, *, keep_value_native: bool = True):
     (the patch leaves layers with other core attentions on Megatron's pad)."""
     attention = getattr(spec.submodules, "self_attention", None)
     if attention is None or not hasattr(attention.submodules, "core_attention"):
-        raise InvalidInputError("spec: got a layer spec without self_attention.submodules.core_attention, expected "
-                                "a transformer layer spec such as get_gpt_layer_local_spec(multi_latent_attention=True)")
+        raise InvalidInputError(
+            "spec: got a layer spec without self_attention.submodules.core_attention, expected "
+            "a transformer layer spec such as get_gpt_layer_local_spec(multi_latent_attention=True)"
+        )
     attention.submodules.core_attention = CoreAttention
     if keep_value_native:
         skip_thd_value_pad()

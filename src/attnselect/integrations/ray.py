@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Optional
 
 #: Variables forwarded besides every ATTNSELECT_*: TransformerEngine's debug switches, so a TE
 #: and attnselect debugging session behaves the same on the workers.
 FORWARDED = ("NVTE_DEBUG", "NVTE_DEBUG_LEVEL")
 
 
-def runtime_env(base: Optional[dict] = None) -> dict:
+def runtime_env(base: dict | None = None) -> dict:
     """A Ray runtime_env whose ``env_vars`` carry every set ATTNSELECT_* variable (and NVTE_DEBUG,
     NVTE_DEBUG_LEVEL) of this process, merged into ``base`` without dropping any of its keys.
 
@@ -29,9 +28,9 @@ def runtime_env(base: Optional[dict] = None) -> dict:
     """
     if base is not None and not isinstance(base, dict):
         from attnselect.errors import InvalidInputError
+
         raise InvalidInputError(f"base: got {type(base).__name__}, expected a dict (a Ray runtime_env) or None")
     merged = copy.deepcopy(base) if base else {}
-    carried = {name: value for name, value in os.environ.items()
-               if name.startswith("ATTNSELECT_") or name in FORWARDED}
+    carried = {name: value for name, value in os.environ.items() if name.startswith("ATTNSELECT_") or name in FORWARDED}
     merged["env_vars"] = {**carried, **(merged.get("env_vars") or {})}
     return merged

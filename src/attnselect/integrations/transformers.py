@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Optional
 
 import torch
 
@@ -47,35 +46,51 @@ NAME = "attnselect"
 def register(name: str = NAME) -> str:
     """Register attnselect with transformers' attention and mask interfaces under ``name``; returns it."""
     if "flash" in name:
-        raise InvalidInputError(f"name: got {name!r}, expected a name without 'flash' (transformers pads V to the "
-                                "query width for implementations named like that)")
+        raise InvalidInputError(
+            f"name: got {name!r}, expected a name without 'flash' (transformers pads V to the "
+            "query width for implementations named like that)"
+        )
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
     return name
 
 
-def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                      scaling: Optional[float] = None, is_causal: Optional[bool] = None,
-                      **kwargs) -> tuple[torch.Tensor, None]:
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention function contract on top of :func:`attnselect.attention`."""
     if kwargs.get("output_attentions") or kwargs.get("head_mask") is not None:
-        raise InvalidInputError("output_attentions/head_mask: got a request for attention weights, expected none "
-                                "(fused kernels do not form them; use attn_implementation='eager')")
-    for name in ("softcap", "s_aux"):   # logit soft-capping (Gemma 2), attention sinks (GPT-OSS)
+        raise InvalidInputError(
+            "output_attentions/head_mask: got a request for attention weights, expected none "
+            "(fused kernels do not form them; use attn_implementation='eager')"
+        )
+    for name in ("softcap", "s_aux"):  # logit soft-capping (Gemma 2), attention sinks (GPT-OSS)
         if kwargs.get(name) is not None:
-            raise InvalidInputError(f"{name}: got a value, expected None (attnselect's kernels do not apply it; use "
-                                    "another attn_implementation for this model)")
+            raise InvalidInputError(
+                f"{name}: got a value, expected None (attnselect's kernels do not apply it; use "
+                "another attn_implementation for this model)"
+            )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     options = dict(causal="bottom_right" if causal else False, dropout_p=dropout, scale=scaling)
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if window:
         if not causal:
-            raise InvalidInputError(f"sliding_window: got {window} without causal masking, expected causal attention "
-                                    "(bidirectional windows are not supported)")
-        options["window"] = (window - 1, 0)      # keys in (q - window, q], as transformers' sliding_window_overlay
+            raise InvalidInputError(
+                f"sliding_window: got {window} without causal masking, expected causal attention "
+                "(bidirectional windows are not supported)"
+            )
+        options["window"] = (window - 1, 0)  # keys in (q - window, q], as transformers' sliding_window_overlay
     if kwargs.get("cu_seq_lens_q") is None and attention_mask is None:
         kwargs.update(_boundaries_from_positions(query, key, kwargs.get("position_ids")))
     if kwargs.get("cu_seq_lens_q") is not None:
@@ -86,8 +101,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask.dim() == 4:
         return _with_explicit_mask(query, key, value, attention_mask, dropout, scaling), None
     if attention_mask.dim() != 2:
-        raise InvalidInputError(f"attention_mask: got {attention_mask.dim()} dims, expected the 2-D padding mask of "
-                                f"the {NAME!r} mask function (B, Skv) or a 4-D mask (B, 1 or Hq, Sq, Skv)")
+        raise InvalidInputError(
+            f"attention_mask: got {attention_mask.dim()} dims, expected the 2-D padding mask of "
+            f"the {NAME!r} mask function (B, Skv) or a 4-D mask (B, 1 or Hq, Sq, Skv)"
+        )
     return _unpadded(query, key, value, attention_mask.bool(), options), None
 
 
@@ -97,37 +114,57 @@ def _with_explicit_mask(query, key, value, mask, dropout, scaling):
     padding masks, not arbitrary ones, so this runs torch's SDPA with the mask, which carries the causality too
     (as transformers' own sdpa implementation does); logged once per process."""
     sq, skv = query.shape[2], key.shape[2]
-    if mask.shape[2] != sq or mask.shape[3] < skv or mask.shape[0] not in (1, query.shape[0]) \
-            or mask.shape[1] not in (1, query.shape[1]):
-        raise InvalidInputError(f"attention_mask: got shape {tuple(mask.shape)}, expected (B or 1, 1 or Hq, Sq, >= Skv) "
-                                f"= ({query.shape[0]}, {query.shape[1]}, {sq}, {skv})")
+    if (
+        mask.shape[2] != sq
+        or mask.shape[3] < skv
+        or mask.shape[0] not in (1, query.shape[0])
+        or mask.shape[1] not in (1, query.shape[1])
+    ):
+        raise InvalidInputError(
+            f"attention_mask: got shape {tuple(mask.shape)}, expected (B or 1, 1 or Hq, Sq, >= Skv) "
+            f"= ({query.shape[0]}, {query.shape[1]}, {sq}, {skv})"
+        )
     _log_explicit_mask()
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask[..., :skv] if mask.dtype == torch.bool else mask[..., :skv].to(query.dtype),
-        dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+        query,
+        key,
+        value,
+        attn_mask=mask[..., :skv] if mask.dtype == torch.bool else mask[..., :skv].to(query.dtype),
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
     return out.transpose(1, 2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_explicit_mask() -> None:
     logging.getLogger("attnselect").info(
         "attnselect: a 4-D attention_mask was passed to the model; attnselect's kernels take causal, window and "
-        "padding masks only, so these calls run torch's scaled_dot_product_attention with that mask")
+        "padding masks only, so these calls run torch's scaled_dot_product_attention with that mask"
+    )
 
 
 def _packed(query, key, value, kwargs, options):
     """A padding-free batch: (1, H, T, D) tensors with the sequences' boundaries."""
     if query.shape[0] != 1:
         raise InvalidInputError(f"query.shape[0]: got {query.shape[0]}, expected 1 with cu_seq_lens_q (packed)")
-    to_thd = lambda t: t[0].transpose(0, 1)   # noqa: E731   (1, H, T, D) -> (T, H, D)
-    out = attnselect.attention(to_thd(query), to_thd(key), to_thd(value), layout="thd",
-                               cu_seqlens_q=kwargs["cu_seq_lens_q"].int(), cu_seqlens_kv=kwargs["cu_seq_lens_k"].int(),
-                               max_seqlen_q=optional_int(kwargs.get("max_length_q")),
-                               max_seqlen_kv=optional_int(kwargs.get("max_length_k")), **options)
-    return out.unsqueeze(0)                   # (1, T, H, Dv)
+    to_thd = lambda t: t[0].transpose(0, 1)  # noqa: E731   (1, H, T, D) -> (T, H, D)
+    out = attnselect.attention(
+        to_thd(query),
+        to_thd(key),
+        to_thd(value),
+        layout="thd",
+        cu_seqlens_q=kwargs["cu_seq_lens_q"].int(),
+        cu_seqlens_kv=kwargs["cu_seq_lens_k"].int(),
+        max_seqlen_q=optional_int(kwargs.get("max_length_q")),
+        max_seqlen_kv=optional_int(kwargs.get("max_length_k")),
+        **options,
+    )
+    return out.unsqueeze(0)  # (1, T, H, Dv)
 
 
-_last_positions: tuple = (lambda: None, -1, {})   # (weakref to position_ids, its version, what they said)
+_last_positions: tuple = (lambda: None, -1, {})  # (weakref to position_ids, its version, what they said)
 
 
 def _boundaries_from_positions(query, key, position_ids) -> dict:
@@ -142,7 +179,7 @@ def _boundaries_from_positions(query, key, position_ids) -> dict:
     """
     global _last_positions
     if position_ids is None or query.shape[0] != 1 or query.shape[2] < 2 or key.shape[2] != query.shape[2]:
-        return {}   # not a single packed row (a KV cache, where keys outnumber queries, is never packed)
+        return {}  # not a single packed row (a KV cache, where keys outnumber queries, is never packed)
     remember = not torch.compiler.is_compiling() and not position_ids.is_inference()
     seen, version, found = _last_positions
     if remember and seen() is position_ids and position_ids._version == version:
@@ -163,14 +200,21 @@ def _unpadded(query, key, value, keep, options):
     """Run a padded batch as packed sequences of its real tokens; padded query rows get zeros."""
     batch, heads, sq, _ = query.shape
     skv = key.shape[2]
-    if keep.shape[1] < skv:   # a static cache longer than the tokens seen so far
-        key, value, skv = key[:, :, :keep.shape[1]], value[:, :, :keep.shape[1]], keep.shape[1]
-    keep_q = keep[:, skv - sq:]                # the queries are the last Sq positions
+    if keep.shape[1] < skv:  # a static cache longer than the tokens seen so far
+        key, value, skv = key[:, :, : keep.shape[1]], value[:, :, : keep.shape[1]], keep.shape[1]
+    keep_q = keep[:, skv - sq :]  # the queries are the last Sq positions
     lengths_q, lengths_kv = keep_q.sum(1, dtype=torch.int32), keep.sum(1, dtype=torch.int32)
     cu_q, cu_kv = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (lengths_q, lengths_kv))
-    tokens = lambda t, rows: t.transpose(1, 2)[rows]   # noqa: E731   (B, H, S, D) -> (T, H, D)
-    packed = attnselect.attention(tokens(query, keep_q), tokens(key, keep), tokens(value, keep), layout="thd",
-                                  cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **options)
+    tokens = lambda t, rows: t.transpose(1, 2)[rows]  # noqa: E731   (B, H, S, D) -> (T, H, D)
+    packed = attnselect.attention(
+        tokens(query, keep_q),
+        tokens(key, keep),
+        tokens(value, keep),
+        layout="thd",
+        cu_seqlens_q=cu_q,
+        cu_seqlens_kv=cu_kv,
+        **options,
+    )
     out = packed.new_zeros(batch, sq, heads, value.shape[-1])
     out[keep_q] = packed
     return out
