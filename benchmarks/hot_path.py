@@ -1,73 +1,141 @@
-"""Microbenchmark: what attnselect.attention adds to a call of the chosen kernel, on tiny CPU shapes.
+"""Microbenchmark: the host time attnselect.attention adds to a repeated call of the kernel it chose.
 
-    python benchmarks/hot_path.py [--calls 20000] [--repeats 7]
+    python benchmarks/hot_path.py [--calls 2000] [--repeats 7] [--out results/h200_hot_path]
 
-A memoized dense call (same shapes, dtypes, devices and options as before) against the same
-kernel called directly: SDPA with the FLASH kernel forced on (B, H, S, D) views of the same
-bshd tensors. Prints the median added microseconds per call and the spread over repeats, then
-what validating a packed (thd) call costs (packed calls are validated on every call).
+Small, host-bound calls repeated with the same shapes and options (the memoized fast path), each timed as
+``--calls`` calls then one sync, ``--repeats`` times in interleaved rounds; the median microseconds per call and
+the min..max over the rounds. Rows per problem: attnselect's automatic choice, and the same kernel called
+directly.
+
+- CPU: a dense call (SDPA's flash kernel, forced on views of the same tensors).
+- CUDA, dense (B1 S256 H16 192/128 inference bf16):
+  - torch's default dispatch, F.scaled_dot_product_attention (it reaches the chosen kernel when that is the
+    kernel torch picks itself);
+  - the chosen SDPA kernel forced with sdpa_kernel;
+  - the backend object attnselect runs (``Backend.run``).
+- CUDA, packed (1024 tokens in 4 sequences, H16, 128/128, both max_seqlen given, inference):
+  - the chosen backend's packed kernel through its backend object (``Backend.run_packed``, boundaries
+    bucketed where the backend buckets them);
+  - torch's ``varlen_attn``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
-import timeit
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 import attnselect
+from attnselect import backends
+from attnselect.backends.shape_cache import bucketed
+from attnselect.execution import kernel_call
 from attnselect.inputs import describe_call
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_rows(rows: dict, device: str, calls: int, repeats: int) -> dict:
+    """Per row: median us per call and the min/max over ``repeats`` interleaved rounds of ``calls`` calls."""
+    for fn in rows.values():  # warm-up: choices, graphs, compiles
+        for _ in range(20):
+            fn()
+    per_round = {name: [] for name in rows}
+    for _ in range(repeats):
+        for name, fn in rows.items():
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync(device)
+            per_round[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: {"us": statistics.median(t), "min": min(t), "max": max(t)} for name, t in per_round.items()}
+
+
+def dense_rows(device: str):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shape = (1, 256, 16) if device == "cuda" else (1, 2, 8)
+    dims = (192, 192, 128) if device == "cuda" else (16, 16, 16)
+    q, k, v = (torch.randn(*shape, d, device=device, dtype=dtype) for d in dims)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v)
+    chosen = attnselect.select(problem).chosen
+    backend = backends.get(chosen.backend)
+    call = kernel_call(problem)
+    b = [t.transpose(1, 2) for t in (q, k, v)]
+    rows = {f"attnselect.attention ({chosen})": lambda: attnselect.attention(q, k, v)}
+    kernel = getattr(backend, "kernel", None)
+    if kernel is not None and not chosen.padded:
+        rows["F.scaled_dot_product_attention, default dispatch"] = lambda: F.scaled_dot_product_attention(*b)
+
+        def forced():
+            with sdpa_kernel([kernel]):
+                return F.scaled_dot_product_attention(*b)
+
+        rows[f"F.scaled_dot_product_attention in sdpa_kernel([{kernel.name}])"] = forced
+    if not chosen.padded and backend.layout == "bhsd":
+        rows[f"{chosen.backend} backend object, run()"] = lambda: backend.run(*b, call)
+    return problem, chosen, rows
+
+
+def packed_rows(device: str):
+    dtype = torch.bfloat16
+    lengths = [100, 300, 400, 224]
+    cu = torch.tensor([0, 100, 400, 800, 1024], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(1024, 16, 128, device=device, dtype=dtype) for _ in range(3))
+    kwargs = dict(layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    problem, packing = describe_call(q, k, v, **kwargs)
+    chosen = attnselect.select(problem).chosen
+    backend = backends.get(chosen.backend)
+    call = kernel_call(problem)
+    rows = {f"attnselect.attention ({chosen})": lambda: attnselect.attention(q, k, v, **kwargs)}
+    if not chosen.padded and backend.packs_thd(attnselect.Target.current()):
+        buckets = backend.shape_cache.buckets if backend.shape_cache is not None else None
+        rows[f"{chosen.backend} backend object, run_packed()"] = lambda: backend.run_packed(
+            q, k, v, call, bucketed(packing, buckets) if buckets else packing
+        )
+    from torch.nn.attention.varlen import varlen_attn
+
+    m = max(lengths)
+    rows["torch varlen_attn"] = lambda: varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))
+    return problem, chosen, rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", help="write .json and .md here")
     a = ap.parse_args()
-    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
-    assert attnselect.select(attnselect.AttentionProblem.from_tensors(q, k, v)).chosen.backend == "sdpa_flash"
-
-    def direct():
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(
-                1, 2
-            )
-
-    def ours():
-        return attnselect.attention(q, k, v)
-
-    assert torch.allclose(ours(), direct())
-    added = []
-    for _ in range(a.repeats):
-        t_ours = timeit.timeit(ours, number=a.calls) / a.calls * 1e6
-        t_direct = timeit.timeit(direct, number=a.calls) / a.calls * 1e6
-        added.append(t_ours - t_direct)
-    print(
-        f"direct {t_direct:.1f} us/call; attnselect adds {statistics.median(added):.1f} us/call "
-        f"(min {min(added):.1f}, max {max(added):.1f} over {a.repeats} repeats of {a.calls} calls) "
-        f"on torch {torch.__version__}"
-    )
-    # Packed calls are validated on every call (their boundaries may change each step): its cost.
-    tq, tk, tv = torch.randn(12, 2, 16), torch.randn(12, 2, 16), torch.randn(12, 2, 16)
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    validate = lambda: describe_call(
-        tq,
-        tk,
-        tv,
-        layout="thd",
-        cu_seqlens_q=cu,
-        causal=True,  # noqa: E731
-        max_seqlen_q=7,
-        max_seqlen_kv=7,
-    )
-    costs = [timeit.timeit(validate, number=a.calls) / a.calls * 1e6 for _ in range(a.repeats)]
-    print(
-        f"packed (thd) validation: {statistics.median(costs):.1f} us/call (min {min(costs):.1f}, "
-        f"max {max(costs):.1f}; CPU boundaries, read and checked on the host)"
-    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cases = [dense_rows(device)] + ([packed_rows(device)] if device == "cuda" else [])
+    report = {
+        "meta": {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d"),
+                 "calls": a.calls, "repeats": a.repeats},
+        "cases": [],
+    }  # fmt: skip
+    lines = [
+        "# Hot path: host time per repeated call\n",
+        f"{report['meta']['device']}, {report['meta']['date']}. {a.calls} calls then one sync, {a.repeats} "
+        "interleaved rounds; median us per call (min..max). Produced by `benchmarks/hot_path.py`.\n",
+    ]
+    with torch.no_grad():
+        for problem, chosen, rows in cases:
+            timed = time_rows(rows, device, a.calls, a.repeats)
+            report["cases"].append({"problem": problem.describe(), "chosen": str(chosen), "rows": timed})
+            lines += [f"\n## {problem.describe()}\n", "| row | us per call (min..max) |", "|---|---|"]
+            lines += [f"| {name} | {r['us']:.1f} ({r['min']:.1f}..{r['max']:.1f}) |" for name, r in timed.items()]
+    print("\n".join(lines))
+    if a.out:
+        Path(a.out + ".json").write_text(json.dumps(report, indent=1))
+        Path(a.out + ".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@
 #   bash scripts/device_run.sh hf      # transformers DeepSeek-V3 geometry, tokens/s     -> $OUT/h200_hf_deepseek.*
 #   bash scripts/device_run.sh megatron # megatron-core MLA layer tests, then stock pad vs native V -> $OUT/h200_megatron_mla.*
 #   bash scripts/device_run.sh loop    # benchmarks/training_loop.py, a new packing every step -> $OUT/h200_training_loop.*
+#   bash scripts/device_run.sh hot-path # benchmarks/hot_path.py: host time of repeated small calls -> $OUT/h200_hot_path.*
 #   bash scripts/device_run.sh overhead # benchmarks/packed_overhead.py (with FA4 where installed) -> $OUT/h200_packed_overhead.*
 #   bash scripts/device_run.sh buckets # benchmarks/packing_buckets.py (BUCKET_SCHEMES=...) -> $OUT/h200_packing_buckets.*
 #   FlashAttention-4 (scripts/fetch_device_wheels.sh fa4), in two calls back to back on one warm machine (it is kept
@@ -72,7 +73,7 @@ started=$SECONDS
 case "$step" in
   tests)
     { echo "# pytest -m gpu -v on $(python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
-      timeout 540 python3 -m pytest -m gpu -v -p no:cacheprovider -W ignore ${TEST_PATHS:-tests} 2>&1 \
+      timeout ${TEST_TIMEOUT:-540} python3 -m pytest -m gpu -v -p no:cacheprovider -W ignore ${TEST_PATHS:-tests} 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|passed|failed|^E "
     } | tee "$OUT/h200_gpu_tests${TEST_PART:+_$TEST_PART}.txt" | tail -40 ;;
   grid)
@@ -150,6 +151,8 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   fa4-compile)
     need_fa4 || exit 1
     timeout 400 python3 benchmarks/fa4_compile_cost.py --out "$OUT/h200_fa4_compile" 2>&1 | grep -v -i warn | tail -12 ;;
+  hot-path)
+    timeout 200 python3 benchmarks/hot_path.py --out "$OUT/h200_hot_path" 2>&1 | grep -v -i warn | tail -20 ;;
   overhead)
     timeout 300 python3 benchmarks/packed_overhead.py --out "$OUT/h200_packed_overhead" 2>&1 | grep -v -i warn | tail -14 ;;
   loop)
@@ -157,7 +160,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests grid grid-odd overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests grid grid-odd hot-path overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

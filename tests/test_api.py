@@ -254,3 +254,36 @@ def test_capture_refuses_a_backend_it_has_not_verified(layout, backend):
     with pytest.raises(attnselect.ForcedChoiceError, match="graph capture"):
         with torch.cuda.graph(graph):
             attnselect.attention(q, k, v, backend=backend, **kwargs)
+
+
+def _packed_key(cu_kv="same", max_q=7, max_kv=7, device="meta", padded=None):
+    q = torch.empty(12, 2, 16, device=device)
+    cu = torch.empty(3, dtype=torch.int32, device=device)
+    cu_kv = cu if cu_kv == "same" else cu_kv
+    return api._call_key(q, q, q, "thd", True, None, 0.0, cu, cu_kv, padded, None, max_q, max_kv, False, None, None,
+                         None)  # fmt: skip
+
+
+def test_a_packed_call_keys_the_fast_path_only_where_its_problem_follows_from_the_key():
+    assert _packed_key() is not None and _packed_key(cu_kv=None) == _packed_key()
+    assert _packed_key(max_q=8) != _packed_key()  # the max_seqlen are part of the problem
+    assert _packed_key(cu_kv=torch.empty(3, dtype=torch.int32, device="meta")) is None  # equal values? read once
+    assert _packed_key(max_q=None) is None and _packed_key(max_kv=7.0) is None  # read from cu_seqlens
+    assert _packed_key(padded=torch.empty(3, dtype=torch.int32, device="meta")) is None  # gaps
+    assert _packed_key(device="cpu") is None  # the CPU path reads and checks the boundaries of every call
+
+
+@pytest.mark.gpu
+def test_a_repeated_packed_call_takes_the_fast_path_with_the_same_result():
+    cu = torch.tensor([0, 3, 103, 103, 160], dtype=torch.int32, device="cuda")
+    q, k = (torch.randn(160, 8, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(160, 8, 128, device="cuda", dtype=torch.bfloat16)
+    kwargs = dict(layout="thd", cu_seqlens_q=cu, max_seqlen_q=100, max_seqlen_kv=100, causal=True)
+    attnselect.clear_cache()
+    first = attnselect.attention(q, k, v, **kwargs)
+    assert len(api._CALLS) == 1
+    other = torch.tensor([0, 60, 160, 160, 160], dtype=torch.int32, device="cuda")  # a new packing, same key
+    again = attnselect.attention(q, k, v, **{**kwargs, "cu_seqlens_q": other})
+    assert len(api._CALLS) == 1
+    slow = attnselect.attention(q, k, v, **{**kwargs, "cu_seqlens_q": other, "cu_seqlens_kv": other.clone()})
+    assert torch.equal(attnselect.attention(q, k, v, **kwargs), first) and torch.equal(again, slow)

@@ -9,10 +9,10 @@ from typing import NamedTuple
 import torch
 
 from attnselect import backends, settings
-from attnselect.backends.base import KernelCall
+from attnselect.backends.base import KernelCall, Packing
 from attnselect.candidates import Candidate
 from attnselect.errors import AttnSelectError
-from attnselect.execution import dense_runner, kernel_call, run_call
+from attnselect.execution import dense_runner, kernel_call, packed_runner, run_call
 from attnselect.inputs import check_scale, describe_call
 from attnselect.problem import AttentionProblem
 from attnselect.selection import MEMO_SIZE, Decision, mark_failed, register_cache, select, select_packed
@@ -97,28 +97,17 @@ def attention(
             pad=pad,
             disable=disable,
         )
-    call_key = _dense_call_key(
-        q,
-        k,
-        v,
-        layout,
-        causal,
-        window,
-        dropout_p,
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        cu_seqlens_q_padded,
-        cu_seqlens_kv_padded,
-        return_lse,
-        backend,
-        pad,
-        disable,
-    )
+    call_key = _call_key(
+        q, k, v, layout, causal, window, dropout_p, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+        cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, return_lse, backend, pad, disable,
+    )  # fmt: skip
     try:
         known = _CALLS.get(call_key) if call_key is not None else None
     except TypeError:  # an unhashable argument: the slow path validates and names it
         known = call_key = None
     packing = None
+    if known is not None and layout == "thd":  # a packed call whose problem follows from its key (_call_key)
+        packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
     if known is None:  # else the same shapes, dtypes, devices and options were validated and decided before
         problem, packing = describe_call(
             q,
@@ -144,11 +133,11 @@ def attention(
             else select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)
         )
         default_call = kernel_call(problem)
-        runner = (
-            dense_runner(backends.get(decision.chosen.backend), decision.chosen.pad_to, layout, default_call)
-            if layout != "thd"
-            else None
-        )
+        chosen = backends.get(decision.chosen.backend)
+        if layout != "thd":
+            runner = dense_runner(chosen, decision.chosen.pad_to, layout, default_call)
+        else:
+            runner = packed_runner(chosen, decision.chosen.pad_to, default_call) if chosen.packs_thd(target) else None
         known = _KnownCall(
             problem, decision.chosen, target, default_call, decision.overrides.backend is not None, runner
         )
@@ -157,8 +146,8 @@ def attention(
             if len(_CALLS) > MEMO_SIZE:
                 _CALLS.popitem(last=False)
     try:
-        if scale is None and known.runner is not None:  # the hottest path: a prepared dense runner
-            out, lse = known.runner(q, k, v)
+        if scale is None and known.runner is not None:  # the hottest path: a prepared runner
+            out, lse = known.runner(q, k, v) if packing is None else known.runner(q, k, v, packing)
         else:
             check_scale(scale)
             call = known.call if scale is None else kernel_call(known.problem, scale)
@@ -200,7 +189,7 @@ class _KnownCall(NamedTuple):
     target: Target
     call: KernelCall  # kernel options with the default scale
     forced: bool  # the caller forced the backend: failures re-raise
-    runner: Callable | None  # dense: run(q, k, v) with the layout work prepared
+    runner: Callable | None  # run(q, k, v) (dense, the layout work prepared) or run(q, k, v, packing) (packed)
 
 
 # Dense calls already validated and decided: call key -> _KnownCall. The key holds everything
@@ -209,55 +198,44 @@ _CALLS: OrderedDict[tuple, _KnownCall] = OrderedDict()
 register_cache(_CALLS.clear)
 
 
-def _dense_call_key(
-    q,
-    k,
-    v,
-    layout,
-    causal,
-    window,
-    dropout_p,
-    cu_q,
-    cu_kv,
-    cu_q_padded,
-    cu_kv_padded,
-    return_lse,
-    backend,
-    pad,
-    disable,
-) -> tuple | None:
-    """A hashable key of a dense call, or None where the fast path does not apply (thd, odd arguments)."""
-    if layout == "thd" or not (cu_q is None and cu_kv is None and cu_q_padded is None and cu_kv_padded is None):
+def _call_key(
+    q, k, v, layout, causal, window, dropout_p, cu_q, cu_kv, cu_q_padded, cu_kv_padded, max_q, max_kv, return_lse,
+    backend, pad, disable,
+) -> tuple | None:  # fmt: skip
+    """A hashable key of a call validated and decided before, or None where the fast path does not apply.
+
+    Dense calls key on the shapes, dtypes, devices and options. Packed (thd) calls do too where nothing else
+    decides their problem: both max_seqlen given as integers, on a GPU (then validation reads no boundary either,
+    attnselect.inputs), no padded offsets, and keys sharing the queries' boundaries (cu_seqlens_kv None or the
+    very tensor); the key adds the boundaries' shape and the two max_seqlen. On the CPU the boundaries are read
+    and checked on every call.
+    """
+    if cu_q_padded is not None or cu_kv_padded is not None:
+        return None
+    if layout == "thd":
+        if not (
+            type(max_q) is int
+            and type(max_kv) is int
+            and (cu_kv is None or cu_kv is cu_q)
+            and isinstance(cu_q, torch.Tensor)
+            and cu_q.device.type != "cpu"
+        ):
+            return None
+        packed = (cu_q.shape, cu_q.dtype, cu_q.device, max_q, max_kv)
+    elif cu_q is None and cu_kv is None:
+        packed = None
+    else:
         return None
     if not (disable is None or isinstance(disable, str)) or isinstance(window, list):
         return None  # an iterator would be consumed here; the slow path normalises these
     try:
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key = (
-            q.shape,
-            k.shape,
-            v.shape,
-            q.dtype,
-            k.dtype,
-            v.dtype,
-            q.device,
-            k.device,
-            v.device,
-            layout,
-            causal,
-            window,
-            dropout_p,
-            return_lse,
-            backend,
-            pad,
-            disable,
-            grad,
-            torch.are_deterministic_algorithms_enabled(),
-            settings.environment_key(),
-            settings.scope(),
-            backends.registry_version(),
-            q.is_cuda and torch.cuda.is_current_stream_capturing(),
-        )
+            q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
+            window, dropout_p, return_lse, backend, pad, disable, grad, torch.are_deterministic_algorithms_enabled(),
+            settings.environment_key(), settings.scope(), backends.registry_version(),
+            q.is_cuda and torch.cuda.is_current_stream_capturing(), packed,
+        )  # fmt: skip
     except AttributeError:
         return None
     return key

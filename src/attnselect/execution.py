@@ -84,6 +84,11 @@ def run_call(
     return _run_per_sequence(backend, candidate.pad_to, problem, call, q, k, v, packing)
 
 
+def packed_runner(backend, pad_to, call: KernelCall):
+    """``run(q, k, v, packing) -> (out, lse)`` of a backend's packed kernel for one call's options."""
+    return lambda q, k, v, packing: _run_packed(backend, pad_to, call, q, k, v, packing)
+
+
 def _run_packed(backend, pad_to, call, q, k, v, packing):
     if q.shape[0] == 0 or k.shape[0] == 0:
         out, lse = _empty_result(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 1, call.return_lse)

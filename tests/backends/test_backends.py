@@ -200,3 +200,19 @@ def test_flex_recompile_limit_uses_the_setting_names_of_the_installed_torch(monk
     monkeypatch.setattr(torch._dynamo, "config", types.SimpleNamespace())  # neither: torch's own behaviour
     compiled = object()
     assert flex._recompile_settings() is None and flex._failing_past_recompile_limit(compiled) is compiled
+
+
+def test_only_kernel_switches_one_sdpa_kernel_on_for_a_call_and_restores_every_switch():
+    from torch.nn.attention import SDPBackend
+
+    from attnselect.backends._sdpa import _SWITCHES, only_kernel
+
+    before = [enabled() for _, enabled, _ in _SWITCHES]
+    torch.backends.cuda.enable_math_sdp(False)  # a caller's own setting survives too
+    try:
+        with only_kernel(SDPBackend.MATH):
+            assert [enabled() for _, enabled, _ in _SWITCHES] == [k == SDPBackend.MATH for k, _, _ in _SWITCHES]
+        assert not torch.backends.cuda.math_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_math_sdp(True)
+    assert [enabled() for _, enabled, _ in _SWITCHES] == before

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend, _backend_names
 
 from attnselect import masks
 from attnselect.backends.base import Backend, KernelCall, expand_kv_heads
@@ -39,7 +40,7 @@ class SdpaBackend(Backend):
         if gqa and not self.native_gqa:
             k, v = expand_kv_heads(q, k, v)
             gqa = False
-        with sdpa_kernel([self.kernel]):
+        with only_kernel(self.kernel):
             out = F.scaled_dot_product_attention(
                 q,
                 k,
@@ -53,3 +54,36 @@ class SdpaBackend(Backend):
         if no_key is not None:
             out = out.masked_fill(no_key, 0.0)
         return out, None
+
+
+# Each SDPA kernel's global switch, as torch.nn.attention.sdpa_kernel reads and sets them (its _backend_names).
+_SWITCHES = tuple(
+    (getattr(SDPBackend, kernel), getattr(torch._C, f"_get_{name}_sdp_enabled"),
+     getattr(torch._C, f"_set_sdp_use_{name}"))
+    for name, kernel in _backend_names.items()
+)  # fmt: skip
+
+
+class only_kernel:  # noqa: N801 (a context manager, named as sdpa_kernel is)
+    """``sdpa_kernel([kernel])`` for one call at a fraction of its host cost: it sets only the switches that differ
+    and puts them back (sdpa_kernel reads, sets and restores every switch through a generator context, about as
+    long as a small kernel's launch: benchmarks/hot_path.py)."""
+
+    __slots__ = ("kernel", "changed")
+
+    def __init__(self, kernel: SDPBackend):
+        self.kernel = kernel
+
+    def __enter__(self):
+        self.changed = []
+        for kernel, enabled, switch in _SWITCHES:
+            want = kernel == self.kernel
+            if enabled() != want:
+                switch(want)
+                self.changed.append((switch, not want))
+        return self
+
+    def __exit__(self, *exc):
+        for switch, was in self.changed:
+            switch(was)
+        return False
