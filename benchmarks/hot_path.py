@@ -35,7 +35,7 @@ import attnselect
 from attnselect import backends
 from attnselect.backends.shape_cache import bucketed
 from attnselect.execution import kernel_call
-from attnselect.inputs import describe_call
+from attnselect.problem import describe_call
 
 
 def _sync(device):

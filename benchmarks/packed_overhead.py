@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attnselect  # noqa: E402
 import training_loop  # noqa: E402
 from attnselect import backends  # noqa: E402
-from attnselect.backends.base import Packing  # noqa: E402
 from attnselect.backends.shape_cache import bucketed  # noqa: E402
+from attnselect.call import Packing  # noqa: E402
 from attnselect.execution import kernel_call  # noqa: E402
-from attnselect.inputs import describe_call  # noqa: E402
+from attnselect.problem import describe_call  # noqa: E402
 
 
 def rows(q, k, v):

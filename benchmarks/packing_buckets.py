@@ -131,7 +131,7 @@ def grid(q, k, v, grad_out, repeats: int = 10) -> list[dict]:
     """The steady step of one packing per distribution with its sequence count times 1, 2, 4 (empty trailing
     sequences) and max_seqlen exact, rounded to a power of two, twice that, or the token total: the cost of a
     larger launch, each configuration built first."""
-    from attnselect.backends.base import Packing
+    from attnselect.call import Packing
     from attnselect.execution import kernel_call
     from attnselect.problem import AttentionProblem
 

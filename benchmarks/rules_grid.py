@@ -25,7 +25,7 @@ import time
 import torch
 
 from attnselect import backends
-from attnselect.backends.base import Packing
+from attnselect.call import Packing
 from attnselect.candidates import judge
 from attnselect.execution import run_candidate
 from attnselect.inputs import packing_facts

@@ -27,8 +27,8 @@ import torch
 
 import attnselect
 from attnselect.candidates import judge
-from attnselect.inputs import describe_call
 from attnselect.measure import candidate_step, time_step
+from attnselect.problem import describe_call
 from attnselect.target import Target
 
 HEADS, D_QK, D_V = 16, 192, 128

@@ -226,7 +226,7 @@ def test_max_seqlen_given_on_cpu_still_checks_values():
 
 def test_padded_offsets_equal_to_the_boundaries_mean_no_gaps():
     (q, k, v), cu, _ = thd_inputs([4, 0, 6])
-    problem, packing = attnselect.inputs.describe_call(
+    problem, packing = attnselect.problem.describe_call(
         q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu.clone(), cu_seqlens_kv_padded=cu.clone()
     )
     assert not problem.varlen_gaps and not packing.has_gaps

@@ -317,7 +317,7 @@ def test_equal_boundaries_in_tensors_of_their_own_are_recognised_once_per_pair(m
 def test_equal_boundaries_read_on_the_host_are_shared():
     q = torch.randn(9, 2, 16)
     cu_q, cu_kv = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
-    from attnselect.inputs import describe_call
+    from attnselect.problem import describe_call
 
     problem, packing = describe_call(
         q, q, q, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, causal=True, window=(2, 0)

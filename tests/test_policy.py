@@ -212,7 +212,7 @@ def test_rules_choose_what_the_h200_packed_benchmark_measured_fastest():
     import json
     import pathlib
 
-    from attnselect.inputs import describe_call
+    from attnselect.problem import describe_call
 
     report = json.loads((pathlib.Path(__file__).parents[1] / "results" / "h200_thd_bench.json").read_text())
     h200 = Target.preset("h200", cudnn_frontend_version=report["meta"]["cudnn_frontend"])

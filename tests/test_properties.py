@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import attnselect
 from attnselect.candidates import judge
-from attnselect.inputs import describe_call
+from attnselect.problem import describe_call
 from attnselect.target import Target
 
 CPU = Target.preset("cpu")

@@ -9,13 +9,14 @@ from typing import NamedTuple
 import torch
 
 from attnselect import backends, settings
-from attnselect.backends.base import KernelCall, Packing
+from attnselect.call import KernelCall, Packing
 from attnselect.candidates import Candidate
+from attnselect.decision import Decision
 from attnselect.errors import AttnSelectError
 from attnselect.execution import dense_runner, kernel_call, packed_runner, run_call
-from attnselect.inputs import check_scale, describe_call
-from attnselect.problem import AttentionProblem
-from attnselect.selection import MEMO_SIZE, Decision, mark_failed, register_cache, select, select_packed
+from attnselect.inputs import check_scale
+from attnselect.problem import AttentionProblem, describe_call
+from attnselect.selection import MEMO_SIZE, mark_failed, register_cache, select, select_packed
 from attnselect.settings import strict
 from attnselect.target import Target, target_for_device
 

@@ -43,6 +43,19 @@ class Verdict:
         return not self.reasons
 
 
+def override_reasons(overrides: Overrides, candidate: Candidate, problem: AttentionProblem) -> list[str]:
+    """Why the caller's controls exclude a candidate (empty when they allow it)."""
+    if candidate.backend in overrides.disable:
+        return ["disabled by the caller (disable / ATTNSELECT_DISABLE)"]
+    if overrides.backend is not None and candidate.backend != overrides.backend:
+        return [f"the caller forced backend {overrides.backend!r}"]
+    if overrides.pad == "never" and candidate.padded:
+        return ["padding is switched off (pad='never')"]
+    if overrides.pad == "always" and not candidate.padded and problem.pad_target is not None:
+        return ["padding is forced (pad='always')"]
+    return []
+
+
 def judge(
     problem: AttentionProblem, target: Target, overrides: Overrides = NO_OVERRIDES, failed: dict | None = None
 ) -> tuple[Verdict, ...]:
@@ -58,7 +71,7 @@ def judge(
         options = [None] if pad_target is None else [None, pad_target]
         for pad_to in options:
             candidate = Candidate(backend.name, pad_to)
-            reasons = overrides.reasons(candidate, problem)
+            reasons = override_reasons(overrides, candidate, problem)
             if failed and candidate in failed:
                 reasons = [f"failed at run time on this target: {failed[candidate]}"]
             if not reasons:

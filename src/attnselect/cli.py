@@ -12,9 +12,10 @@ import torch
 
 from attnselect.api import attention, format_report
 from attnselect.backends import all_backends
+from attnselect.call import mask_from_arguments
 from attnselect.errors import AttnSelectError
 from attnselect.models import MODELS
-from attnselect.problem import AttentionProblem, mask_from_arguments
+from attnselect.problem import AttentionProblem
 from attnselect.selection import select
 from attnselect.target import PRESETS, Target
 

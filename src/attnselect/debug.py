@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from attnselect.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from attnselect.selection import Decision
+    from attnselect.decision import Decision
 
 LOGGER = logging.getLogger("attnselect")
 _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from attnselect import backends
-from attnselect.backends.base import KernelCall, Packing
 from attnselect.backends.shape_cache import bucketed
+from attnselect.call import KernelCall, Packing
 from attnselect.candidates import Candidate
 from attnselect.inputs import check_boundaries, check_offsets, lengths_of
 from attnselect.problem import AttentionProblem
@@ -48,7 +48,7 @@ def run_candidate(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``candidate`` on validated tensors; returns (out, lse or None) in the caller's layout.
 
-    ``packing`` is required for thd (see :func:`attnselect.inputs.describe_call`).
+    ``packing`` is required for thd (see :func:`attnselect.problem.describe_call`).
     """
     return run_call(candidate, problem, kernel_call(problem, scale), q, k, v, packing=packing, target=target)
 

@@ -1,4 +1,4 @@
-"""Checking the tensors of an attention call and describing them as an AttentionProblem.
+"""Checking the tensors of an attention call and reading what describes it (the fields of an AttentionProblem).
 
 Every check raises :class:`~attnselect.errors.InvalidInputError` naming the argument, the
 value seen and what was expected, before any kernel runs.
@@ -6,16 +6,13 @@ value seen and what was expected, before any kernel runs.
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import math
 
 import torch
 
 from attnselect import masks
-from attnselect.backends.base import Packing
+from attnselect.call import DTYPES, LAYOUTS, Packing, mask_from_arguments
 from attnselect.errors import InvalidInputError
-from attnselect.problem import DTYPES, LAYOUTS, AttentionProblem, mask_from_arguments
 from attnselect.tensor_memo import TensorMemo
 
 # (batch, seq, heads) positions of each dense layout; thd is (tokens, heads, dim).
@@ -26,21 +23,7 @@ def _fail(name: str, seen, expected: str):
     raise InvalidInputError(f"{name}: got {seen}, expected {expected}")
 
 
-def problem_from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call_arguments) -> AttentionProblem:
-    """Validate q, k, v and the call arguments (those of :func:`describe_call`), and describe the call."""
-    accepted = _CALL_ARGUMENTS
-    for name in call_arguments:
-        if name not in accepted:
-            close = difflib.get_close_matches(name, accepted, n=1)
-            _fail(
-                name,
-                "an argument",
-                "one of " + ", ".join(accepted) + (f" (did you mean {close[0]!r}?)" if close else ""),
-            )
-    return describe_call(q, k, v, **call_arguments)[0]
-
-
-def describe_call(
+def read_call(
     q,
     k,
     v,
@@ -58,8 +41,9 @@ def describe_call(
     scale=None,
     cu_seqlens_q_padded=None,
     cu_seqlens_kv_padded=None,
-) -> tuple[AttentionProblem, Packing | None]:
-    """Validate q, k, v and the call arguments; return the problem and, for thd, the packing.
+) -> tuple[dict, Packing | None]:
+    """Validate q, k, v and the call arguments; return the fields of its
+    :class:`~attnselect.problem.AttentionProblem` and, for thd, the packing.
 
     ``training`` is true when grad mode is on and any input requires grad; ``deterministic``
     follows ``torch.are_deterministic_algorithms_enabled()``. For ``thd`` the boundaries are
@@ -150,7 +134,7 @@ def describe_call(
     if not isinstance(return_lse, bool):
         _fail("return_lse", repr(return_lse), "True or False")
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return AttentionProblem(
+    return dict(
         batch=batch,
         seqlen_q=sq,
         seqlen_kv=skv,
@@ -171,13 +155,6 @@ def describe_call(
         cuda_graph_capture=capturing,
         **facts,
     ), packing
-
-
-_CALL_ARGUMENTS = tuple(
-    name
-    for name, parameter in inspect.signature(describe_call).parameters.items()
-    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-)
 
 
 def check_scale(scale) -> None:

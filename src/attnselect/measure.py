@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnselect.backends.base import Packing
 from attnselect.backends.shape_cache import Rounding
+from attnselect.call import Packing
 from attnselect.candidates import Candidate
 from attnselect.problem import AttentionProblem
 from attnselect.target import Target

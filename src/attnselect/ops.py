@@ -34,12 +34,12 @@ import operator
 
 import torch
 
-from attnselect.backends.base import Packing
+from attnselect.call import Packing
 from attnselect.candidates import Candidate
 from attnselect.errors import InvalidInputError
 from attnselect.execution import kernel_call, run_call
-from attnselect.inputs import DENSE_AXES, check_scale, describe_call, placement
-from attnselect.problem import AttentionProblem
+from attnselect.inputs import DENSE_AXES, check_scale, placement
+from attnselect.problem import AttentionProblem, describe_call
 from attnselect.selection import select
 from attnselect.target import target_for_device
 

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import math
 from dataclasses import dataclass
 
 import torch
 
-from attnselect.errors import InvalidInputError
-
-LAYOUTS = ("bshd", "sbhd", "bhsd", "thd")
-MASKS = ("none", "causal", "causal_bottom_right", "sliding_window")
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from attnselect.call import DTYPE_CHOICES, DTYPES, LAYOUTS, MASKS, Packing, dtype_name, is_integer, require
+from attnselect.inputs import read_call
 
 
 @dataclass(frozen=True)
@@ -61,33 +60,39 @@ class AttentionProblem:
 
     def __post_init__(self) -> None:
         for name in ("batch", "seqlen_q", "seqlen_kv"):
-            _require(
-                _integer(getattr(self, name)) and getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0"
+            require(
+                is_integer(getattr(self, name)) and getattr(self, name) >= 0,
+                name,
+                getattr(self, name),
+                "an integer >= 0",
             )
         for name in ("heads_q", "heads_kv", "head_dim_qk", "head_dim_v", "context_parallel_size"):
-            _require(
-                _integer(getattr(self, name)) and getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1"
+            require(
+                is_integer(getattr(self, name)) and getattr(self, name) >= 1,
+                name,
+                getattr(self, name),
+                "an integer >= 1",
             )
-        _require(
+        require(
             self.heads_q % self.heads_kv == 0,
             "heads_q",
             f"{self.heads_q} with heads_kv={self.heads_kv}",
             "a multiple of heads_kv (GQA/MQA)",
         )
-        _require(self.dtype in DTYPES, "dtype", self.dtype, _DTYPE_CHOICES)
-        _require(self.layout in LAYOUTS, "layout", repr(self.layout), f"one of {LAYOUTS}")
-        _require(self.mask in MASKS, "mask", repr(self.mask), f"one of {MASKS}")
+        require(self.dtype in DTYPES, "dtype", self.dtype, DTYPE_CHOICES)
+        require(self.layout in LAYOUTS, "layout", repr(self.layout), f"one of {LAYOUTS}")
+        require(self.mask in MASKS, "mask", repr(self.mask), f"one of {MASKS}")
         if self.mask == "sliding_window":
             w = self.window
-            _require(
+            require(
                 isinstance(w, tuple) and len(w) == 2 and all(isinstance(x, int) and x >= -1 for x in w),
                 "window",
                 w,
                 "a (left, right) pair of integers >= -1 (-1 = unbounded)",
             )
         else:
-            _require(self.window is None, "window", self.window, "None unless mask='sliding_window'")
-        _require(
+            require(self.window is None, "window", self.window, "None unless mask='sliding_window'")
+        require(
             isinstance(self.dropout_p, float) and 0.0 <= self.dropout_p < 1.0,
             "dropout_p",
             self.dropout_p,
@@ -95,15 +100,13 @@ class AttentionProblem:
         )
         for f in dataclasses.fields(self):
             if f.type in ("bool", bool):
-                _require(isinstance(getattr(self, f.name), bool), f.name, repr(getattr(self, f.name)), "True or False")
+                require(isinstance(getattr(self, f.name), bool), f.name, repr(getattr(self, f.name)), "True or False")
 
     @classmethod
     def from_tensors(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call_arguments) -> AttentionProblem:
         """Describe a call from its tensors and the call's keyword arguments (those of :func:`attnselect.attention`
         that shape the problem: layout, causal, window, dropout_p, cu_seqlens_*, max_seqlen_*, return_lse, scale)."""
-        from attnselect.inputs import problem_from_tensors
-
-        return problem_from_tensors(q, k, v, **call_arguments)
+        return describe_call(q, k, v, **call_arguments)[0]
 
     # -- derived facts -------------------------------------------------------------------
     @property
@@ -153,7 +156,7 @@ class AttentionProblem:
 
     def padded(self, head_dim: int) -> AttentionProblem:
         """The problem after zero-padding Q, K and V to ``head_dim`` on the last dim."""
-        _require(
+        require(
             head_dim >= max(self.head_dim_qk, self.head_dim_v),
             "head_dim",
             head_dim,
@@ -196,58 +199,19 @@ class AttentionProblem:
         return cls(**dict(d, dtype=getattr(torch, d["dtype"]), window=tuple(d["window"]) if d["window"] else None))
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> 'bfloat16'."""
-    return str(dtype).replace("torch.", "")
+def describe_call(q, k, v, **call_arguments) -> tuple[AttentionProblem, Packing | None]:
+    """Validate q, k, v and the call arguments (those of :func:`attnselect.inputs.read_call`); return the problem and,
+    for thd, the packing. A misspelt argument is named, with the closest one."""
+    for name in call_arguments:
+        if name not in _CALL_ARGUMENTS:
+            close = difflib.get_close_matches(name, _CALL_ARGUMENTS, n=1)
+            require(False, name, "an argument", "one of " + ", ".join(_CALL_ARGUMENTS)
+                    + (f" (did you mean {close[0]!r}?)" if close else ""))  # fmt: skip
+    fields, packing = read_call(q, k, v, **call_arguments)
+    return AttentionProblem(**fields), packing
 
 
-def _names(dtypes) -> str:
-    return ", ".join(sorted(dtype_name(d) for d in dtypes))
-
-
-_DTYPE_CHOICES = f"one of {_names(DTYPES)}"
-
-
-def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _require(ok: bool, name: str, seen, expected: str) -> None:
-    if not ok:
-        raise InvalidInputError(f"{name}: got {seen}, expected {expected}")
-
-
-def mask_from_arguments(causal: bool | str, window: tuple[int, int] | None) -> tuple[str, tuple[int, int] | None]:
-    """Turn the user-facing ``causal=`` / ``window=`` arguments into (mask, window).
-
-    ``causal`` is False, True (top-left, as SDPA), "top_left" or "bottom_right".
-    A window is bottom-right aligned; with causal it must have right == 0 (or -1, taken as 0).
-    """
-    kinds = {False: "none", True: "causal", "top_left": "causal", "bottom_right": "causal_bottom_right"}
-    _require(
-        isinstance(causal, (bool, str)) and causal in kinds,
-        "causal",
-        repr(causal),
-        "False, True, 'top_left' or 'bottom_right'",
-    )
-    mask = kinds[causal]
-    if window is None:
-        return mask, None
-    _require(
-        isinstance(window, (tuple, list))
-        and len(window) == 2
-        and all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window),
-        "window",
-        window,
-        "a (left, right) pair of integers >= -1 (-1 = unbounded)",
-    )
-    left, right = window
-    if mask != "none":
-        _require(
-            right in (0, -1),
-            "window",
-            window,
-            f"right = 0 or -1 with causal={causal!r} (a causal window cannot look ahead)",
-        )
-        right = 0
-    return "sliding_window", (left, right)
+_CALL_ARGUMENTS = tuple(
+    name for name, parameter in inspect.signature(read_call).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+)  # fmt: skip

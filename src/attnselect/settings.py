@@ -10,13 +10,8 @@ import contextlib
 import os
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from attnselect.errors import ForcedChoiceError, InvalidInputError
-
-if TYPE_CHECKING:
-    from attnselect.candidates import Candidate
-    from attnselect.problem import AttentionProblem
 
 POLICIES = ("rules", "measure")
 PAD_MODES = ("auto", "always", "never")
@@ -96,18 +91,6 @@ class Overrides:
     backend: str | None = None
     pad: str = "auto"
     disable: frozenset = frozenset()
-
-    def reasons(self, candidate: Candidate, problem: AttentionProblem) -> list[str]:
-        """Why the controls exclude a candidate (empty when they allow it)."""
-        if candidate.backend in self.disable:
-            return ["disabled by the caller (disable / ATTNSELECT_DISABLE)"]
-        if self.backend is not None and candidate.backend != self.backend:
-            return [f"the caller forced backend {self.backend!r}"]
-        if self.pad == "never" and candidate.padded:
-            return ["padding is switched off (pad='never')"]
-        if self.pad == "always" and not candidate.padded and problem.pad_target is not None:
-            return ["padding is forced (pad='always')"]
-        return []
 
 
 def names(values, argument: str) -> tuple:

@@ -130,7 +130,7 @@ def _documented_flash_attn_varlen_func(
     "lengths", [([5, 1, 0, 9, 3], None), ([5, 1, 0, 9, 3], [7, 2, 0, 12, 3])], ids=["same-lengths", "kv-longer"]
 )
 def test_flash_attn4_packed_mapping_matches_the_reference(kwargs, lengths, monkeypatch):
-    from attnselect.inputs import describe_call
+    from attnselect.problem import describe_call
     from helpers import thd_inputs
 
     stub = types.ModuleType("flash_attn.cute")

@@ -19,7 +19,7 @@ import attnselect
 from attnselect.backends import get
 from attnselect.candidates import Candidate
 from attnselect.execution import run_candidate
-from attnselect.inputs import describe_call
+from attnselect.problem import describe_call
 from helpers import rel_err, thd_inputs
 
 
@@ -273,8 +273,8 @@ def test_cudnn_frontend_bucketed_packing_equals_unbucketed(lengths, kwargs, monk
 
 
 def test_bucketed_boundaries_are_made_once_per_tensor(monkeypatch):
-    from attnselect.backends.base import Packing
     from attnselect.backends.shape_cache import PackingBuckets, Rounding, bucketed
+    from attnselect.call import Packing
 
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     buckets = PackingBuckets(Rounding(floor=8), Rounding(floor=16))

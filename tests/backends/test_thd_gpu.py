@@ -13,7 +13,7 @@ import torch
 
 import attnselect
 from attnselect.candidates import judge
-from attnselect.inputs import describe_call
+from attnselect.problem import describe_call
 from attnselect.target import Target
 from helpers import rel_err, thd_inputs
 

@@ -6,7 +6,7 @@ which invalidates memoized decisions.
 
 from __future__ import annotations
 
-from attnselect.backends.base import Backend, KernelCall, Packing, Surface
+from attnselect.backends.base import Backend, Surface
 from attnselect.backends.cudnn_frontend import CudnnFrontend
 from attnselect.backends.flash_attn2 import FlashAttn2
 from attnselect.backends.flash_attn3 import FlashAttn3
@@ -18,6 +18,7 @@ from attnselect.backends.sdpa_efficient import SdpaEfficient
 from attnselect.backends.sdpa_flash import SdpaFlash
 from attnselect.backends.sdpa_math import SdpaMath
 from attnselect.backends.varlen_fa2 import VarlenFa2
+from attnselect.call import KernelCall, Packing
 
 _REGISTRY: dict[str, Backend] = {}
 _version = 0

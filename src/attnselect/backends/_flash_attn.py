@@ -15,7 +15,8 @@ from typing import ClassVar
 import torch
 
 from attnselect import masks
-from attnselect.backends.base import Backend, KernelCall, Packing
+from attnselect.backends.base import Backend
+from attnselect.call import KernelCall, Packing
 
 
 class FlashAttnPackageBackend(Backend):

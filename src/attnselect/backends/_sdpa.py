@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, _backend_names
 
 from attnselect import masks
-from attnselect.backends.base import Backend, KernelCall, expand_kv_heads
+from attnselect.backends.base import Backend, expand_kv_heads
+from attnselect.call import KernelCall
 
 
 class SdpaBackend(Backend):

@@ -15,7 +15,8 @@ from typing import ClassVar
 import torch
 
 from attnselect.backends.shape_cache import ShapeCache
-from attnselect.problem import MASKS, AttentionProblem, dtype_name
+from attnselect.call import MASKS, KernelCall, Packing, dtype_name
+from attnselect.problem import AttentionProblem
 from attnselect.target import Target
 
 HALF = frozenset({torch.float16, torch.bfloat16})
@@ -107,39 +108,6 @@ class Surface:
         if p.context_parallel_size > 1 and not self.context_parallel:
             r.append(f"cannot serve context parallelism (context_parallel_size={p.context_parallel_size})")
         return r
-
-
-@dataclass(frozen=True)
-class KernelCall:
-    """The per-call options a kernel needs beyond q, k and v."""
-
-    mask: str
-    window: tuple[int, int] | None
-    scale: float
-    dropout_p: float
-    return_lse: bool
-    deterministic: bool = False
-
-
-@dataclass(frozen=True)
-class Packing:
-    """How sequences are packed in thd tensors: int32 boundaries on the tensors' device.
-
-    ``cu_seqlens_*`` hold the lengths (B + 1 prefix sums); ``offsets_*`` where each sequence
-    starts in the packed tensors, equal to ``cu_seqlens_*`` unless the packing has gaps
-    (Megatron's cu_seqlens_*_padded). ``max_seqlen_*`` bound every length.
-    """
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_kv: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_kv: int
-    offsets_q: torch.Tensor
-    offsets_kv: torch.Tensor
-
-    @property
-    def has_gaps(self) -> bool:
-        return self.offsets_q is not self.cu_seqlens_q or self.offsets_kv is not self.cu_seqlens_kv
 
 
 class Backend:

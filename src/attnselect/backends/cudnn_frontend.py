@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from attnselect import masks
-from attnselect.backends.base import HALF, Backend, KernelCall, Packing, Surface
+from attnselect.backends.base import HALF, Backend, Surface
 from attnselect.backends.shape_cache import PackingBuckets, Rounding, ShapeCache
+from attnselect.call import KernelCall, Packing
 
 
 class CudnnFrontend(Backend):

@@ -19,8 +19,9 @@ import logging
 import torch
 
 from attnselect import masks
-from attnselect.backends.base import ALL_DTYPES, Backend, KernelCall, Packing, Surface
+from attnselect.backends.base import ALL_DTYPES, Backend, Surface
 from attnselect.backends.shape_cache import ShapeCache
+from attnselect.call import KernelCall, Packing
 from attnselect.tensor_memo import TensorMemo
 
 log = logging.getLogger("attnselect")

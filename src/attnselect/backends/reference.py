@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from attnselect import masks
-from attnselect.backends.base import ALL_DTYPES, Backend, KernelCall, Surface, expand_kv_heads
+from attnselect.backends.base import ALL_DTYPES, Backend, Surface, expand_kv_heads
+from attnselect.call import KernelCall
 
 _SURFACE = Surface(dtypes=ALL_DTYPES)
 

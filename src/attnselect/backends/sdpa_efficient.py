@@ -7,7 +7,7 @@ from torch.nn.attention import SDPBackend
 
 from attnselect.backends._sdpa import SdpaBackend
 from attnselect.backends.base import Surface
-from attnselect.problem import dtype_name
+from attnselect.call import dtype_name
 
 
 class SdpaEfficient(SdpaBackend):

@@ -101,7 +101,7 @@ _PADDED_BOUNDARIES = TensorMemo()
 
 
 def bucketed(packing, buckets: PackingBuckets):
-    """``packing`` (an :class:`attnselect.backends.base.Packing`) with its sequence count and max_seqlen rounded
+    """``packing`` (an :class:`attnselect.call.Packing`) with its sequence count and max_seqlen rounded
     up: the boundaries gain empty trailing sequences (their last entry repeated, on the device: no host sync)."""
     count = packing.cu_seqlens_q.numel() - 1
     target = buckets.sequences(max(count, 1))

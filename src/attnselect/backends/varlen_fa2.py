@@ -12,8 +12,9 @@ import inspect
 import torch
 
 from attnselect import masks
-from attnselect.backends.base import HALF, Backend, KernelCall, Packing, Surface, expand_kv_heads
+from attnselect.backends.base import HALF, Backend, Surface, expand_kv_heads
 from attnselect.backends.sdpa_flash import fa2_backward_head_dim_reasons
+from attnselect.call import KernelCall, Packing
 
 
 class VarlenFa2(Backend):

@@ -1,0 +1,107 @@
+"""What one attention call carries besides q, k and v: the vocabulary of its arguments (layouts, masks, dtypes),
+the per-call kernel options (:class:`KernelCall`) and, for packed input, its :class:`Packing`.
+
+The lowest layer of the package: validation (:mod:`attnselect.inputs`), the problem and the backends build on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnselect.errors import InvalidInputError
+
+LAYOUTS = ("bshd", "sbhd", "bhsd", "thd")
+MASKS = ("none", "causal", "causal_bottom_right", "sliding_window")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """The per-call options a kernel needs beyond q, k and v."""
+
+    mask: str
+    window: tuple[int, int] | None
+    scale: float
+    dropout_p: float
+    return_lse: bool
+    deterministic: bool = False
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How sequences are packed in thd tensors: int32 boundaries on the tensors' device.
+
+    ``cu_seqlens_*`` hold the lengths (B + 1 prefix sums); ``offsets_*`` where each sequence
+    starts in the packed tensors, equal to ``cu_seqlens_*`` unless the packing has gaps
+    (Megatron's cu_seqlens_*_padded). ``max_seqlen_*`` bound every length.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_kv: int
+    offsets_q: torch.Tensor
+    offsets_kv: torch.Tensor
+
+    @property
+    def has_gaps(self) -> bool:
+        return self.offsets_q is not self.cu_seqlens_q or self.offsets_kv is not self.cu_seqlens_kv
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16'."""
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_names(dtypes) -> str:
+    return ", ".join(sorted(dtype_name(d) for d in dtypes))
+
+
+DTYPE_CHOICES = f"one of {dtype_names(DTYPES)}"
+
+
+def is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def require(ok: bool, name: str, seen, expected: str) -> None:
+    if not ok:
+        raise InvalidInputError(f"{name}: got {seen}, expected {expected}")
+
+
+def mask_from_arguments(causal: bool | str, window: tuple[int, int] | None) -> tuple[str, tuple[int, int] | None]:
+    """Turn the user-facing ``causal=`` / ``window=`` arguments into (mask, window).
+
+    ``causal`` is False, True (top-left, as SDPA), "top_left" or "bottom_right".
+    A window is bottom-right aligned; with causal it must have right == 0 (or -1, taken as 0).
+    """
+    kinds = {False: "none", True: "causal", "top_left": "causal", "bottom_right": "causal_bottom_right"}
+    require(
+        isinstance(causal, (bool, str)) and causal in kinds,
+        "causal",
+        repr(causal),
+        "False, True, 'top_left' or 'bottom_right'",
+    )
+    mask = kinds[causal]
+    if window is None:
+        return mask, None
+    require(
+        isinstance(window, (tuple, list))
+        and len(window) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window),
+        "window",
+        window,
+        "a (left, right) pair of integers >= -1 (-1 = unbounded)",
+    )
+    left, right = window
+    if mask != "none":
+        require(
+            right in (0, -1),
+            "window",
+            window,
+            f"right = 0 or -1 with causal={causal!r} (a causal window cannot look ahead)",
+        )
+        right = 0
+    return "sliding_window", (left, right)
