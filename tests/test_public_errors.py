@@ -69,3 +69,28 @@ def test_the_cli_prints_a_forced_choice_that_cannot_serve(capsys):
 
     assert main(["explain", "--target", "cpu", "--backend", "sdpa_cudnn"]) == 2
     assert "ForcedChoiceError" in capsys.readouterr().err
+
+
+def test_explain_lists_the_supported_candidates_and_groups_the_rest_by_reason():
+    report = attnselect.explain(P, target="h200")
+    assert "package not installed: " in report and "package nvidia-cudnn-frontend is not installed" not in report
+    full = attnselect.explain(P, target="h200", show_all=True)
+    assert "package nvidia-cudnn-frontend is not installed" in full and len(full) > len(report)
+    with pytest.raises(InvalidInputError, match="show_all"):
+        attnselect.explain(P, target="h200", show_all="yes")
+
+
+def test_reasons_are_short_enough_to_read():
+    import itertools
+
+    from attnselect.candidates import judge
+
+    targets = [Target.preset(name, flash_attn4_version="4.0.0b36", cudnn_frontend_version="1.32.0")
+               for name in ("a100", "h200", "b200", "cpu")]  # fmt: skip
+    for target, (dqk, dv), layout, training in itertools.product(
+        targets, [(192, 128), (576, 512), (59, 59)], ["bshd", "thd"], [True, False]
+    ):
+        p = AttentionProblem(2, 256, 128, 16, 2, dqk, dv, torch.bfloat16, layout=layout, mask="causal_bottom_right",
+                             training=training)  # fmt: skip
+        for verdict in judge(p, target):
+            assert all(len(reason) <= 130 for reason in verdict.reasons), verdict

@@ -12,7 +12,7 @@ from attnselect import backends, settings
 from attnselect.call import KernelCall, Packing
 from attnselect.candidates import Candidate
 from attnselect.decision import Decision
-from attnselect.errors import AttnSelectError
+from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import dense_runner, kernel_call, packed_runner, run_call
 from attnselect.inputs import check_scale
 from attnselect.problem import AttentionProblem, describe_call
@@ -243,33 +243,52 @@ def _call_key(
 
 
 def explain(
-    problem: AttentionProblem, *, target: Target | None = None, backend: str | None = None, pad=None, disable=None
+    problem: AttentionProblem,
+    *,
+    target: Target | None = None,
+    backend: str | None = None,
+    pad=None,
+    disable=None,
+    show_all: bool = False,
 ) -> str:
     """A readable report: the problem, the target, every candidate's verdict and rank, the choice.
 
     Raises what :func:`select` raises, e.g. :class:`ForcedChoiceError` when a forced backend cannot serve (its
     message lists the reasons) and :class:`NoSupportedCandidateError` when nothing can.
     """
-    return format_report(select(problem, target=target, backend=backend, pad=pad, disable=disable))
+    if not isinstance(show_all, bool):
+        raise InvalidInputError(f"show_all: got {show_all!r}, expected True or False")
+    return format_report(select(problem, target=target, backend=backend, pad=pad, disable=disable), show_all=show_all)
 
 
-def format_report(decision: Decision) -> str:
+def format_report(decision: Decision, *, show_all: bool = False) -> str:
+    """The report :func:`explain` prints: every supported candidate with its rank, then the others, one line per
+    reason with the candidates it refuses (``show_all``: one row per candidate, every reason in full)."""
+    shown = [v for v in decision.verdicts if show_all or v.supported]
     rows = [("backend", "padded to", "supported", "rank", "reasons")]
-    for verdict in decision.verdicts:
+    for verdict in shown:
         c = verdict.candidate
         rank = decision.rank_of(c)
-        rows.append(
-            (
-                c.backend,
-                str(c.pad_to) if c.padded else "-",
-                "yes" if verdict.supported else "no",
-                str(rank) if rank else "-",
-                "; ".join(verdict.reasons),
-            )
-        )
+        rows.append((c.backend, str(c.pad_to) if c.padded else "-", "yes" if verdict.supported else "no",
+                     str(rank) if rank else "-", "; ".join(verdict.reasons)))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [f"problem: {decision.problem.describe()}", f"target:  {decision.target.describe()}", ""]
     for r in rows:
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(r[:4], widths)) + "  " + r[4])
+        lines.append(("  ".join(cell.ljust(w) for cell, w in zip(r[:4], widths)) + "  " + r[4]).rstrip())
+    refused = [v for v in decision.verdicts if not v.supported]
+    if refused and not show_all:
+        groups: dict[str, list[str]] = {}
+        for v in refused:
+            names = groups.setdefault(_reason_group(v.reasons[0]), [])
+            names += [] if v.candidate.backend in names else [v.candidate.backend]
+        lines += ["", f"not supported: {len(refused)} candidates (explain(..., show_all=True) or --all lists each):"]
+        lines += [f"  {reason}: {', '.join(names)}" for reason, names in groups.items()]
     lines += ["", f"chosen:  {decision.chosen}", f"why:     {decision.why}"]
     return "\n".join(lines)
+
+
+def _reason_group(reason: str) -> str:
+    """A refusal's first reason as a group heading: missing packages together, long reasons cut."""
+    if reason.startswith("package ") and reason.endswith(" is not installed"):
+        return "package not installed"
+    return reason if len(reason) <= 100 else reason[:97] + "..."

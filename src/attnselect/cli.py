@@ -50,6 +50,7 @@ def _explain_parser(sub) -> None:
     p.add_argument("--backend", help="force a backend")
     p.add_argument("--pad", choices=["auto", "always", "never"])
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--all", action="store_true", help="one row per candidate, the unsupported ones too")
 
 
 def problem_from_args(a) -> AttentionProblem:
@@ -92,7 +93,7 @@ def cmd_explain(a) -> int:
     except AttnSelectError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(decision.to_dict(), indent=2) if a.json else format_report(decision))
+    print(json.dumps(decision.to_dict(), indent=2) if a.json else format_report(decision, show_all=a.all))
     return 0
 
 

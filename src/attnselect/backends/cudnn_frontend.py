@@ -70,9 +70,8 @@ class CudnnFrontend(Backend):
             and t.at_least("cudnn_version", "9.19.0")
         ):
             r.append(
-                f"head dims above 256 (got {p.head_dim_qk}/{p.head_dim_v}) only for the absorbed-MLA forward "
-                f"576/512 (or padded 576/576) on sm90 with cuDNN >= 9.19; the target is {t.arch} with cuDNN "
-                f"{t.cudnn_version}" + (", and this problem trains" if p.training else "")
+                f"head dims {p.head_dim_qk}/{p.head_dim_v} above 256: only the 576/512 forward (inference), on sm90 "
+                f"with cuDNN >= 9.19; here {t.arch}, cuDNN {t.cudnn_version}" + (", training" if p.training else "")
             )
         # sdpa_support_surface.h: THD needs Hopper or newer, Ampere from cuDNN 9.18.1.
         if p.layout == "thd" and cc < (9, 0) and not t.at_least("cudnn_version", "9.18.1"):

@@ -62,8 +62,8 @@ class SdpaCudnn(SdpaBackend):
             # Measured on the H200 (torch 2.11, cuDNN 9.19): bottom-right causal with Sq=200 > Skv=64 gave
             # NaN dq in the rows that see no key (Sq=256, Skv=128 did not), so refuse the whole class.
             r.append(
-                "its backward can give NaN gradients to queries that see no key, and this mask and these "
-                "lengths may leave some (NaN measured at Sq=200, Skv=64 on an H200)"
+                "its backward can give NaN gradients to queries that see no key, which this mask and these "
+                "lengths may leave (measured on an H200)"
             )
         if p.single_key:
             r.append("a key sequence of length 1 is refused (check_cudnn_tensor_shapes)")
@@ -92,8 +92,8 @@ def _head_dim_reasons(p, t) -> list[str]:
         mla = (dqk, dv) == (192, 128) and t.at_least("cudnn_version", "9.11.0")
         if not (wide or mla):
             r.append(
-                f"head dims {pair} need cuDNN > 9.22 (up to 256) or exactly 192/128 with cuDNN >= 9.11 "
-                f"on {t.arch}; the target has cuDNN {t.cudnn_version}"
+                f"head dims {pair} on {t.arch} need cuDNN > 9.22 (only 192/128 is served from 9.11); the target "
+                f"has cuDNN {t.cudnn_version}"
             )
         if blackwell and p.training and (dqk, dv) not in BLACKWELL_BACKWARD_PAIRS:
             r.append(
