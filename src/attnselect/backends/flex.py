@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 
 import torch
 
@@ -83,7 +84,7 @@ class Flex(Backend):
 def _flex(q, k, v, block_mask, call, dynamic):
     from torch.nn.attention import flex_attention as flex
 
-    fn = _compiled_flex(dynamic) if q.is_cuda else flex.flex_attention
+    fn = _compiled_flex(dynamic) if q.is_cuda else _eager_flex
     options = dict(block_mask=block_mask, scale=call.scale, enable_gqa=q.shape[1] != k.shape[1])
     if not call.return_lse:
         return fn(q, k, v, **options), None
@@ -94,6 +95,22 @@ def _flex(q, k, v, block_mask, call, dynamic):
     return out, lse.float()
 
 
+def _eager_flex(q, k, v, **options):
+    """flex_attention unfused, as it runs on the CPU: torch warns on every such call that it materialises the
+    scores ("SOLUTION: Use torch.compile"); attnselect says it once, in its own words, and filters torch's."""
+    from torch.nn.attention import flex_attention as flex
+
+    global _SAID_EAGER
+    if not _SAID_EAGER:
+        _SAID_EAGER = True
+        log.info("attnselect: flex runs unfused on the CPU (it materialises the scores: fine for small calls)")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        warnings.filterwarnings("ignore", message=".*materializes the full scores matrix.*")
+        return flex.flex_attention(q, k, v, **options)
+
+
+_SAID_EAGER = False
 RECOMPILE_LIMIT = 64  # shapes one process may compile flex_attention for (torch's default is 8)
 
 
