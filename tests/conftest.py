@@ -23,11 +23,11 @@ def clean_state(monkeypatch, tmp_path_factory):
         if name.startswith("ATTNSELECT_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path_factory.mktemp("attnselect-cache")))
-    from attnselect import selection
+    from attnselect import failures
 
     attnselect.clear_cache()
-    selection._FAILED.clear()
-    monkeypatch.setattr(selection, "_RECORDED", None)  # the (empty) cache's recorded failures are read afresh
+    failures._FAILED.clear()
+    monkeypatch.setattr(failures, "_RECORDED", None)  # the (empty) cache's recorded failures are read afresh
     yield
     attnselect.clear_cache()
-    selection._FAILED.clear()
+    failures._FAILED.clear()

@@ -66,9 +66,9 @@ def _break_sdpa_flash(monkeypatch):
         raise _Broken("workspace allocation failed")
 
     monkeypatch.setattr(SdpaFlash, "run", run)
-    from attnselect import selection
+    from attnselect import failures
 
-    monkeypatch.setattr(selection, "_FAILED", {})
+    monkeypatch.setattr(failures, "_FAILED", {})
 
 
 def test_a_failing_chosen_kernel_falls_back_once_with_a_warning(monkeypatch, caplog):
@@ -90,10 +90,10 @@ def test_a_failing_chosen_kernel_falls_back_once_with_a_warning(monkeypatch, cap
 
 def _as_a_new_process(monkeypatch):
     """Forget what this process knows of failures and decisions: only the decision cache file remembers."""
-    from attnselect import selection
+    from attnselect import failures
 
-    selection._FAILED.clear()
-    monkeypatch.setattr(selection, "_RECORDED", None)
+    failures._FAILED.clear()
+    monkeypatch.setattr(failures, "_RECORDED", None)
     attnselect.clear_cache()
 
 
@@ -132,16 +132,16 @@ def test_out_of_memory_is_not_recorded_for_later_processes(monkeypatch, caplog):
 
 
 def test_failures_of_several_processes_on_one_problem_add_up(monkeypatch):
-    from attnselect import selection
+    from attnselect import failures
 
     problem = attnselect.AttentionProblem.from_tensors(*_inputs(), causal=True)
     target = attnselect.Target.current()
     first, second = attnselect.Candidate("sdpa_flash", 24), attnselect.Candidate("sdpa_math")
-    selection.mark_failed(problem, target, first, RuntimeError("no kernel image"))
+    failures.mark_failed(problem, target, first, RuntimeError("no kernel image"))
     _as_a_new_process(monkeypatch)  # the second process has not seen the first's failure
-    selection.mark_failed(problem, target, second, RuntimeError("illegal instruction"))
+    failures.mark_failed(problem, target, second, RuntimeError("illegal instruction"))
     _as_a_new_process(monkeypatch)
-    assert set(selection.failures(problem, target)) == {first, second}
+    assert set(failures.failures(problem, target)) == {first, second}
 
 
 def test_a_failing_packed_call_falls_back_too(monkeypatch, caplog):

@@ -5,11 +5,12 @@ Public API: :func:`attention`, :func:`select`, :func:`explain`, :class:`Attentio
 """
 
 from attnselect.api import attention, explain
+from attnselect.caches import clear_cache
 from attnselect.candidates import Candidate, Verdict
 from attnselect.decision import Decision
 from attnselect.errors import AttnSelectError, ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.problem import AttentionProblem
-from attnselect.selection import clear_cache, select
+from attnselect.selection import select
 from attnselect.settings import overrides
 from attnselect.target import Target
 

@@ -9,14 +9,16 @@ from typing import NamedTuple
 import torch
 
 from attnselect import backends, settings
+from attnselect.caches import register_cache
 from attnselect.call import KernelCall, Packing
 from attnselect.candidates import Candidate
 from attnselect.decision import Decision
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import dense_runner, kernel_call, packed_runner, run_call
+from attnselect.failures import mark_failed
 from attnselect.inputs import check_scale
 from attnselect.problem import AttentionProblem, describe_call
-from attnselect.selection import MEMO_SIZE, mark_failed, register_cache, select, select_packed
+from attnselect.selection import MEMO_SIZE, select, select_packed
 from attnselect.settings import strict
 from attnselect.target import Target, target_for_device
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import OrderedDict
 from dataclasses import replace
 
@@ -11,93 +10,18 @@ import torch
 
 from attnselect import backends, debug, measure, settings, store
 from attnselect import policy as rules
+from attnselect.caches import register_cache
 from attnselect.candidates import Candidate, judge, override_reasons
 from attnselect.decision import Decision
+from attnselect.distributed import broadcast_from_rank_zero, is_distributed, rank
 from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
+from attnselect.failures import failures
 from attnselect.problem import AttentionProblem
 from attnselect.target import Target
 
 _MEMO: OrderedDict[tuple, Decision] = OrderedDict()
 MEMO_SIZE = 4096  # distinct (problem, target, controls) decisions kept; the oldest go first
-
-
-_CLEARERS = [_MEMO.clear]
-
-
-def register_cache(clear) -> None:
-    """Have :func:`clear_cache` also call ``clear`` (for caches derived from decisions)."""
-    _CLEARERS.append(clear)
-
-
-def clear_cache() -> None:
-    """Forget every memoized decision."""
-    for clear in _CLEARERS:
-        clear()
-
-
-# Candidates that raised at run time in this process: (problem, target) -> {candidate: error}. Kept across
-# clear_cache(): they are facts about this machine and its library versions, not memoized choices.
-_FAILED: dict[tuple, dict] = {}
-# Those earlier processes recorded in the decision cache: its entry key -> {candidate: error}, read once per process.
-_RECORDED: dict | None = None
-FAILED_AT_RUN_TIME = "failed at run time"  # the policy field of their cache entries
-
-
-def failures(problem: AttentionProblem, target: Target) -> dict:
-    """{candidate: error} of the candidates that failed at run time for ``problem`` on ``target``: in this
-    process, or recorded in the decision cache by an earlier one on the same target fingerprint (not under
-    torch.distributed, where ranks could read different cache files and then disagree)."""
-    failed = _FAILED.get((problem, target), {})
-    recorded = _recorded_failures()
-    if not recorded or _distributed():
-        return failed
-    earlier = recorded.get(store.entry_key(problem, FAILED_AT_RUN_TIME, target))
-    return {**earlier, **failed} if earlier else failed
-
-
-def _recorded_failures() -> dict:
-    global _RECORDED
-    if _RECORDED is None:
-        _RECORDED = {
-            key: {Candidate(**f["candidate"]): f["error"] for f in entry.get("failed", ())}
-            for key, entry in store.entries().items()
-            if json.loads(key).get("policy") == FAILED_AT_RUN_TIME
-        }
-    return _RECORDED
-
-
-def mark_failed(problem: AttentionProblem, target: Target, candidate: Candidate, error: BaseException) -> None:
-    """Record a run-time failure (one warning) and forget decisions, so the next call re-selects without it.
-
-    Failures that may pass (out of memory) stay in this process; others are also recorded in the decision
-    cache under the target fingerprint, so later processes on the same GPU and library versions skip the
-    candidate too (the fingerprint changes with any version, which retries it)."""
-    text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-    _FAILED.setdefault((problem, target), {})[candidate] = text
-    transient = isinstance(error, _OUT_OF_MEMORY) or "out of memory" in str(error).lower()
-    if not transient:
-        store.remember(
-            store.entry_key(problem, FAILED_AT_RUN_TIME, target),
-            {"failed": [{"candidate": candidate.to_dict(), "error": text}]},
-            combine=_with_earlier,
-        )
-    debug.LOGGER.warning(
-        "attnselect: %s failed on %s (%s); falling back to the next candidate (%s; ATTNSELECT_STRICT=1 raises instead)",
-        candidate,
-        problem.describe(),
-        text,
-        "for this process only: it may pass" if transient else "recorded in the decision cache for this target",
-    )
-    clear_cache()
-
-
-_OUT_OF_MEMORY = (MemoryError, *((torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()))
-
-
-def _with_earlier(old: dict | None, new: dict) -> dict:
-    """A failure entry merged with what the file already holds (another process may have added to it)."""
-    replaced = [f["candidate"] for f in new["failed"]]
-    return {"failed": [f for f in (old or {}).get("failed", ()) if f["candidate"] not in replaced] + new["failed"]}
+register_cache(_MEMO.clear)
 
 
 def select(
@@ -148,7 +72,7 @@ def select(
 # Packed problems change their sizes (sequence count, max lengths) every step of a loop: per problem with the sizes
 # left out, the last decision and the problem it was last found to hold for (every layer of a step repeats it).
 _PACKED: OrderedDict[tuple, tuple[Decision, AttentionProblem]] = OrderedDict()
-_CLEARERS.append(_PACKED.clear)
+register_cache(_PACKED.clear)
 
 
 def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pad=None, disable=None) -> Decision:
@@ -219,7 +143,7 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
         raise error(no_candidate_message(problem, target, verdicts, overrides))
     timings = None
     # Under torch.distributed every rank enters the measurement (and its broadcast), whatever it has left.
-    if overrides.policy == "measure" and (len(ranked) > 1 or _distributed()):
+    if overrides.policy == "measure" and (len(ranked) > 1 or is_distributed()):
         ranked, timings = _measured(problem, target, ranked)
     return Decision(problem, target, overrides.policy, overrides, ranked[0], ranked, verdicts, timings)
 
@@ -245,16 +169,16 @@ def _measured(problem: AttentionProblem, target: Target, ranked: tuple[Candidate
             )
             return ranked, None
         return found
-    distributed = _distributed()
+    distributed = is_distributed()
     entry = None
-    if not distributed or _rank() == 0:
+    if not distributed or rank() == 0:
         entry = store.lookup(key)
         if _from_store(entry, ranked) is None:
             entry = _measure_entry(problem, target, ranked)
             store.remember(key, entry)
     if distributed:
-        entry = _broadcast_from_rank_zero(entry)
-        if _rank() != 0:
+        entry = broadcast_from_rank_zero(entry)
+        if rank() != 0:
             store.keep(key, entry)  # rank 0 wrote it; every rank finds it later (e.g. under CUDA graph capture)
     return _from_store(entry, ranked)
 
@@ -286,35 +210,6 @@ def _from_store(entry, ranked):
         if name in supported
     }
     return order, timings
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()
-
-
-def _broadcast_from_rank_zero(entry: dict | None) -> dict:
-    """Rank 0's entry on every rank, as JSON bytes in a tensor (object collectives would need numpy)."""
-    import json
-
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    data = torch.tensor(list(json.dumps(entry).encode()) if _rank() == 0 else [], dtype=torch.uint8, device=device)
-    length = torch.tensor([data.numel()], dtype=torch.long, device=device)
-    dist.broadcast(length, src=0)
-    if _rank() != 0:
-        data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=0)
-    return json.loads(bytes(data.cpu().tolist()).decode())
 
 
 def no_candidate_message(problem, target, verdicts, overrides) -> str:
