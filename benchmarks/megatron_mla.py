@@ -4,7 +4,7 @@
 
 The layer (DeepSeek-V3 attention geometry: 16 heads, q/k 128 + 64 rope, v 128, kv_lora 512, bf16) runs
 with attnselect's core attention on the 32k-token / 18-sequence packing of benchmarks/thd_bench.py,
-forward+backward, timed with attnselect.measure.time_steps (interleaved rounds of queued repeats, median
+forward+backward, timed with attnselect.timing.time_steps (interleaved rounds of queued repeats, median
 and p20..p80): with megatron-core's own _prepare_mla_core_attention_value (V zero-padded to 192 on packed
 input) and with attnselect.integrations.megatron's replacement (V stays 128 wide); and the core attention
 alone on the very tensors the layer handed it in each arm (their shapes and strides are reported). Both arms
@@ -98,8 +98,8 @@ def main() -> None:
     import megatron.core
 
     from attnselect.integrations import megatron as integration
-    from attnselect.measure import time_steps
     from attnselect.target import Target
+    from attnselect.timing import time_steps
     from thd_bench import packings
 
     init_model_parallel()

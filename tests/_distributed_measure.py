@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import attnselect
-from attnselect import measure
+from attnselect.policies import measure
 
 
 def main(rank: int, world: int, port: str, cache: str) -> None:

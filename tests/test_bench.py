@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from attnselect import AttentionProblem, Candidate, Target
-from attnselect.bench import te_choice
 from attnselect.candidates import judge
+from attnselect.policies.te import te_choice
 
 MLA = AttentionProblem(
     batch=2,

@@ -255,13 +255,16 @@ def test_on_packed_input_a_per_packing_rebuilder_ranks_after_the_stable_packed_c
 
 
 def test_every_rules_table_names_each_candidate_once_and_only_registered_backends():
-    from attnselect import backends
-    from attnselect.policy import PREFERENCES
+    from attnselect.policies.rules import PREFERENCES, TABLES, parse_table
 
-    known = {b.name for b in backends.all_backends()}
-    for key, table in PREFERENCES.items():
-        assert len(table) == len(set(table)), (key, [e for e in table if table.count(e) > 1])
-        assert {entry.removesuffix("+pad") for entry in table} <= known, key
+    assert TABLES.keys() == PREFERENCES.keys()  # parsed and checked at import
+    assert TABLES[("sm90", "training")][:2] == (("flash_attn4", False), ("sdpa_cudnn", False))
+    with pytest.raises(ValueError, match="got entry 'sdpa_cuddn'"):
+        parse_table(("sm90", "training"), ("sdpa_cudnn", "sdpa_cuddn"))
+    with pytest.raises(ValueError, match="got entry 'flex\\+padded'"):
+        parse_table(("sm90", "training"), ("flex+padded",))
+    with pytest.raises(ValueError, match="twice"):
+        parse_table(("sm90", "training"), ("flex", "flex"))
 
 
 @pytest.mark.parametrize("layout", ["bshd", "thd"])

@@ -32,7 +32,13 @@ import torch.nn.functional as F
 
 from attnselect.candidates import Candidate, judge
 from attnselect.errors import InvalidInputError
-from attnselect.measure import (
+from attnselect.models import MODELS
+from attnselect.policies.rules import arch_family
+from attnselect.policies.te import te_choice
+from attnselect.problem import AttentionProblem
+from attnselect.selection import select
+from attnselect.target import Target
+from attnselect.timing import (
     CONTENDER_FACTOR,
     REPEATS,
     ROUNDS,
@@ -42,11 +48,6 @@ from attnselect.measure import (
     random_inputs,
     time_steps,
 )
-from attnselect.models import MODELS
-from attnselect.policy import arch_family
-from attnselect.problem import AttentionProblem
-from attnselect.selection import select
-from attnselect.target import Target
 
 POLICIES = ("rules", "measure", "te", "always-pad", "never-pad", "torch-default")
 NAMED_BACKENDS = ("flash_attn4",)  # each gets a column (its fastest candidate) where it was timed
@@ -104,35 +105,10 @@ def _key(problem: AttentionProblem) -> str:
 
 def useful_tflops(problem: AttentionProblem, ms: float, pairs: float | None = None) -> float:
     """TFLOP/s on useful causal work: ``pairs`` visible (query, key) pairs a call (packed calls: the mean over the
-    packings timed, measure.NewPackings.causal_pairs), by default B full-length sequences."""
+    packings timed, timing.NewPackings.causal_pairs), by default B full-length sequences."""
     pairs = problem.batch * problem.seqlen_q * (problem.seqlen_q + 1) / 2 if pairs is None else pairs
     flops = 2 * problem.heads_q * (problem.head_dim_qk + problem.head_dim_v) * pairs
     return flops * (3.5 if problem.training else 1.0) / (ms * 1e-3) / 1e12
-
-
-def te_choice(problem: AttentionProblem, target: Target, supported: set) -> Candidate | None:
-    """TransformerEngine's choice with PR #3339's pad decision, on our verdicts."""
-    packed = problem.layout == "thd"
-    flash = "varlen_fa2" if packed else "sdpa_flash"
-    fused = "cudnn_frontend" if packed and Candidate("cudnn_frontend") in supported else "sdpa_cudnn"
-
-    def backend_for(pad_to):
-        has = lambda name: Candidate(name, pad_to) in supported  # noqa: E731
-        if has(flash) and has(fused) and target.is_cuda and target.capability >= (9, 0):
-            return fused
-        for name in (flash, fused):
-            if has(name):
-                return name
-        return "sdpa_math"
-
-    native = backend_for(None)
-    pad_to = problem.pad_target
-    if pad_to is not None:
-        if native == "sdpa_math" and backend_for(pad_to) != "sdpa_math":
-            return Candidate(backend_for(pad_to), pad_to)
-        if native == flash:  # FlashAttention-2 needs equal head dims: TE pads for it
-            return Candidate(flash, pad_to)
-    return Candidate(native) if Candidate(native) in supported else None
 
 
 RULE_POLICIES = ("rules", "te", "always-pad", "never-pad")  # decided without timing: re-derivable

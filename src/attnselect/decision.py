@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnselect import policy as rules
 from attnselect.candidates import Candidate, Verdict
+from attnselect.policies import rules
 from attnselect.problem import AttentionProblem
 from attnselect.settings import Overrides
 from attnselect.target import Target

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from dataclasses import replace
 
 import torch
 
-from attnselect import backends, debug, measure, settings, store
-from attnselect import policy as rules
+from attnselect import backends, debug, settings
 from attnselect.caches import register_cache
 from attnselect.candidates import Candidate, judge, override_reasons
 from attnselect.decision import Decision
-from attnselect.distributed import broadcast_from_rank_zero, is_distributed, rank
+from attnselect.distributed import is_distributed
 from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.failures import failures
+from attnselect.policies import measure, rules
 from attnselect.problem import AttentionProblem
 from attnselect.target import Target
 
@@ -144,72 +143,8 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
     timings = None
     # Under torch.distributed every rank enters the measurement (and its broadcast), whatever it has left.
     if overrides.policy == "measure" and (len(ranked) > 1 or is_distributed()):
-        ranked, timings = _measured(problem, target, ranked)
+        ranked, timings = measure.measured(problem, target, ranked)
     return Decision(problem, target, overrides.policy, overrides, ranked[0], ranked, verdicts, timings)
-
-
-def _measured(problem: AttentionProblem, target: Target, ranked: tuple[Candidate, ...]):
-    """Rank by measurement: from the persistent cache, else timed here (by rank 0 under torch.distributed,
-    then broadcast, so every rank runs the same kernel)."""
-    if target not in (Target.current(), Target.current("cpu")):
-        raise InvalidInputError(
-            f"policy: 'measure' times kernels on this machine, but the target is "
-            f"{target.describe()}; use policy='rules' to simulate other machines"
-        )
-    # A call under CUDA graph capture shares the measurement of the same call outside capture (its warm-up),
-    # restricted to the candidates capture allows; nothing can be timed or broadcast while capturing.
-    key = store.entry_key(measure.bucket(replace(problem, cuda_graph_capture=False)), "measure", target)
-    if problem.cuda_graph_capture:
-        found = _from_store(store.lookup(key), ranked)
-        if found is None:
-            debug.LOGGER.info(
-                "attnselect: no measured decision for %s to reuse under CUDA graph capture (kernels "
-                "cannot be timed while capturing); using the rules order. Warm up before capturing.",
-                problem.describe(),
-            )
-            return ranked, None
-        return found
-    distributed = is_distributed()
-    entry = None
-    if not distributed or rank() == 0:
-        entry = store.lookup(key)
-        if _from_store(entry, ranked) is None:
-            entry = _measure_entry(problem, target, ranked)
-            store.remember(key, entry)
-    if distributed:
-        entry = broadcast_from_rank_zero(entry)
-        if rank() != 0:
-            store.keep(key, entry)  # rank 0 wrote it; every rank finds it later (e.g. under CUDA graph capture)
-    return _from_store(entry, ranked)
-
-
-def _measure_entry(problem, target, ranked) -> dict:
-    timings = measure.measure(problem, target, ranked)
-    order = measure.choose(ranked, timings)
-    if not order:
-        raise NoSupportedCandidateError(
-            f"every supported candidate failed while tuning {problem.describe()}: " + "; ".join(str(c) for c in timings)
-        )
-    return {
-        "ranked": [c.to_dict() for c in order],
-        "timings": {str(c): None if t is None else [t.median_ms, t.low_ms, t.high_ms] for c, t in timings.items()},
-    }
-
-
-def _from_store(entry, ranked):
-    """(ranked, timings) from a cache entry, or None when it is missing or names no supported candidate."""
-    if not entry:
-        return None
-    supported = {str(c): c for c in ranked}
-    order = tuple(supported[str(Candidate(**c))] for c in entry["ranked"] if str(Candidate(**c)) in supported)
-    if not order:
-        return None
-    timings = {
-        supported[name]: (None if t is None else measure.Timing(*t))
-        for name, t in entry["timings"].items()
-        if name in supported
-    }
-    return order, timings
 
 
 def no_candidate_message(problem, target, verdicts, overrides) -> str:

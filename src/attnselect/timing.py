@@ -1,27 +1,18 @@
-"""The measure policy: time the supported candidates on this machine and keep the fastest.
+"""The timing harness: steps timed side by side in interleaved rounds, and the inputs they run on.
 
-Each candidate runs on random inputs of the problem's shape (forward, or forward+backward
-when training): warm-up, then timed repeats in interleaved rounds (every candidate takes its turn
-in each round, in another order each round, so drift of clocks or temperature during tuning, and
-what ran just before, land on all of them alike), each
-repeat timed with CUDA events (wall clock on the CPU); its median and 20th..80th percentile
-spread are kept. The first round (three repeats each) screens: after it only the contenders
-(within 25% of the fastest) go on, for many short turns rather than a few long ones, since on a
-GPU a kernel's time varies from turn to turn (clock and power state) far more than within one
-turn, so the budget buys turns where they decide something. ``attnselect bench`` times its
-candidates with the same rounds. The fastest median wins, except that a
-candidate the rules rank higher wins when its median lies inside the fastest one's spread and
-within 2% of it.
-Packed problems are measured on a bucket (powers of two of batch and lengths), so a loop whose
-packing changes every step tunes a few times, not every step, and on a new packing of that bucket
-for every call (:class:`NewPackings`), as such a loop brings them: a candidate that builds something
-per packing pays for it in its timing. The time spent per problem is bounded by ``TUNING_BUDGET_S``; candidates not
-reached by then keep their rules order behind the measured ones, and the log says so.
+Each step (a candidate's call, forward or forward+backward) runs on random inputs of the problem's shape:
+warm-up, then timed repeats in interleaved rounds (every step takes its turn in each round, in another order
+each round, so drift of clocks or temperature, and what ran just before, land on all of them alike), each
+repeat timed with CUDA events (wall clock on the CPU); its median and 20th..80th percentile spread are kept.
+The first round (three repeats each) screens: after it only the contenders (within 25% of the fastest) go on,
+for many short turns rather than a few long ones, since on a GPU a kernel's time varies from turn to turn
+(clock and power state) far more than within one turn. The measure policy (:mod:`attnselect.policies.measure`)
+and ``attnselect bench`` time their candidates with it. Packed problems run on a new packing for every call
+(:class:`NewPackings`), as a training loop brings them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
@@ -33,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from attnselect.backends.shape_cache import Rounding
 from attnselect.call import Packing
 from attnselect.candidates import Candidate
 from attnselect.problem import AttentionProblem
@@ -41,8 +31,6 @@ from attnselect.target import Target
 
 log = logging.getLogger("attnselect")
 
-TUNING_BUDGET_S = 10.0  # per problem
-TIE_TOLERANCE = 0.02  # a rules-preferred candidate this close to the fastest (and inside its spread) wins
 WARMUP, REPEATS = 1, 32  # repeats: two in each of the ROUNDS, fewer where the budget says so; the call that
 # sizes the repeats (time_steps) follows the warm-up, a second one in effect
 ROUNDS = 16  # interleaved rounds of repeats: drift lands on every candidate alike
@@ -75,59 +63,6 @@ class Settle:
     rounds: int
 
 
-def bucket(problem: AttentionProblem) -> AttentionProblem:
-    """The problem a packed call is tuned as: batch and lengths rounded up to powers of two."""
-    if problem.layout != "thd":
-        return problem
-    up = Rounding()  # powers of two
-    return dataclasses.replace(
-        problem, batch=up(problem.batch), seqlen_q=up(problem.seqlen_q), seqlen_kv=up(problem.seqlen_kv)
-    )
-
-
-def measure(
-    problem: AttentionProblem, target: Target, ranked: tuple[Candidate, ...], budget_s: float | None = None
-) -> dict[Candidate, Timing | None]:
-    """Time the candidates side by side (:func:`time_steps`); None marks a candidate that failed.
-
-    Candidates are warmed up in rules order while half the budget lasts; the rest keep their rules
-    order, and the log says so. The timed rounds share what is left of the budget.
-    """
-    budget_s = TUNING_BUDGET_S if budget_s is None else budget_s  # read per call: tests and tools may change it
-    device = torch.device("cuda" if target.is_cuda else "cpu")
-    problem = bucket(problem)
-    inputs = random_inputs(problem, device)
-    results = time_steps(
-        {c: candidate_step(c, problem, target, inputs) for c in ranked},
-        device,
-        budget_s=budget_s,
-        warmup_budget_s=budget_s / 2,
-        finite=True,
-        keep_within=CONTENDER_FACTOR,
-    )
-    timings: dict[Candidate, Timing | None] = {}
-    for candidate, result in results.items():
-        if isinstance(result, Exception):  # a candidate that fails while tuning is out, and said so
-            log.warning(
-                "attnselect: %s failed while tuning %s: %s: %s",
-                candidate,
-                problem.describe(),
-                type(result).__name__,
-                result,
-            )
-        timings[candidate] = result if isinstance(result, Timing) else None
-    if len(results) < len(ranked):
-        log.info(
-            "attnselect: tuning budget of %.0f s spent after warming up %d of %d candidates for %s; the rest "
-            "keep their rules order",
-            budget_s,
-            len(results),
-            len(ranked),
-            problem.describe(),
-        )
-    return timings
-
-
 def candidate_step(candidate: Candidate, problem: AttentionProblem, target: Target, inputs: tuple):
     """``step()``: one call of ``candidate`` on ``inputs`` (:func:`random_inputs`), with its backward when
     training; returns the output."""
@@ -145,22 +80,6 @@ def candidate_step(candidate: Candidate, problem: AttentionProblem, target: Targ
         return out
 
     return step
-
-
-def choose(ranked: tuple[Candidate, ...], timings: dict[Candidate, Timing | None]) -> tuple[Candidate, ...]:
-    """The candidates best first: measured by time, then the unmeasured in rules order; failed ones are dropped.
-
-    A tie goes to the rules order: a median inside the fastest one's spread (p80) and within
-    TIE_TOLERANCE of its median, so a noisy spread never costs more than that.
-    """
-    measured = [c for c in ranked if timings.get(c) is not None]
-    if not measured:
-        return tuple(c for c in ranked if c not in timings)
-    fastest = timings[min(measured, key=lambda c: timings[c].median_ms)]
-    tie = min(fastest.high_ms, fastest.median_ms * (1 + TIE_TOLERANCE))
-    winner = next(c for c in measured if timings[c].median_ms <= tie)
-    by_time = sorted((c for c in measured if c != winner), key=lambda c: timings[c].median_ms)
-    return (winner, *by_time, *(c for c in ranked if c not in timings))
 
 
 def time_step(

@@ -238,6 +238,25 @@ PREFERENCES[("sm120", "inference")] = PREFERENCES[("sm100", "inference")]
 PREFERENCES[("cpu", "inference")] = PREFERENCES[("cpu", "training")]
 
 
+def parse_table(key: tuple, names: tuple[str, ...]) -> tuple[tuple[str, bool], ...]:
+    """A table's "name" / "name+pad" strings as (backend, padded) entries, checked against the registry: a misspelt
+    or repeated entry raises here, at import, instead of silently ranking last."""
+    known = {b.name for b in backends.all_backends()}
+    entries = []
+    for name in names:
+        backend, plus, pad = name.partition("+")
+        if backend not in known or (plus and pad != "pad"):
+            raise ValueError(f"rules table {key}: got entry {name!r}, expected 'name' or 'name+pad' of a registered "
+                             f"backend ({', '.join(sorted(known))})")  # fmt: skip
+        entries.append((backend, bool(plus)))
+    if len(set(entries)) != len(entries):
+        raise ValueError(f"rules table {key}: got an entry twice, expected each candidate once")
+    return tuple(entries)
+
+
+TABLES = {key: parse_table(key, names) for key, names in PREFERENCES.items()}
+
+
 def arch_family(target: Target) -> str:
     if not target.is_cuda:
         return "cpu"
@@ -245,7 +264,8 @@ def arch_family(target: Target) -> str:
     return {8: "sm80", 9: "sm90", 10: "sm100", 11: "sm100", 12: "sm120"}.get(major, "sm80" if major < 8 else "sm120")
 
 
-def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]:
+    """The key of the table that ranks ``problem`` on ``target`` and its (backend, padded) entries, best first."""
     key = (arch_family(target), "training" if problem.training else "inference")
     if problem.layout == "thd":
         key += ("thd",)
@@ -265,14 +285,14 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
         and problem.seqlen_q == problem.seqlen_kv >= WIDE_PREFILL,
     }
     for name, applies in refinements.items():
-        if applies and key + (name,) in PREFERENCES:
-            return key + (name,), PREFERENCES[key + (name,)]
-    return key, PREFERENCES[key]
+        if applies and key + (name,) in TABLES:
+            return key + (name,), TABLES[key + (name,)]
+    return key, TABLES[key]
 
 
-def entry(c: Candidate) -> str:
-    """A candidate as the tables name it: "name" native, "name+pad" padded."""
-    return c.backend + ("+pad" if c.padded else "")
+def entry(c: Candidate) -> tuple[str, bool]:
+    """A candidate as the parsed tables hold it: (backend, padded)."""
+    return c.backend, c.padded
 
 
 def rank(verdicts: tuple[Verdict, ...], problem: AttentionProblem, target: Target) -> tuple[Candidate, ...]:
