@@ -24,7 +24,7 @@ import time
 import torch
 
 from attnselect import Target
-from attnselect.bench import TORCH_DEFAULT, _candidate, _torch_default, suite
+from attnselect.bench import TORCH_DEFAULT, _torch_default, suite
 from attnselect.candidates import judge
 from attnselect.timing import candidate_step, random_inputs, time_steps
 
@@ -82,14 +82,14 @@ def case_steps(fragment: str, twice: str, others: list[str], target: Target, smo
     torch's default, on the bench suite's problem that ``fragment`` names."""
     problem = _problem(fragment, smoke)
     device = torch.device("cuda" if target.is_cuda else "cpu")
-    supported = {str(v.candidate) for v in judge(problem, target) if v.supported}
+    supported = {str(v.candidate): v.candidate for v in judge(problem, target) if v.supported}  # label -> candidate
     inputs = random_inputs(problem, device)
     steps = {
-        f"{twice} (A)": candidate_step(_candidate(twice), problem, target, inputs),
-        f"{twice} (B)": candidate_step(_candidate(twice), problem, target, inputs),
+        f"{twice} (A)": candidate_step(supported[twice], problem, target, inputs),
+        f"{twice} (B)": candidate_step(supported[twice], problem, target, inputs),
     }
     steps.update(
-        {name: candidate_step(_candidate(name), problem, target, inputs) for name in others if name in supported}
+        {name: candidate_step(supported[name], problem, target, inputs) for name in others if name in supported}
     )
     steps[TORCH_DEFAULT] = lambda: _torch_default(problem, inputs)
     return problem, device, steps

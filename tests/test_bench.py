@@ -69,7 +69,10 @@ def test_stored_rule_choices_are_re_derived_on_the_stored_timings(tmp_path):
     entry["policies"]["rules"] = {"candidate": third, "was": current}  # back to what was timed: no mark
     bench.rechoose(report, Target.current())
     assert "was" not in entry["policies"]["rules"]
-    assert bench._candidate("sdpa_cudnn padded to 192") == Candidate("sdpa_cudnn", 192)
+    assert (entry["candidates"]["sdpa_math native"]["backend"], entry["candidates"]["sdpa_math native"]["pad_to"]) == (
+        "sdpa_math",
+        None,
+    )
 
 
 @pytest.fixture

@@ -119,8 +119,11 @@ def bench_problem(problem: AttentionProblem, target: Target) -> dict:
     supported = {v.candidate for v in judge(problem, target) if v.supported}
     inputs = random_inputs(problem, device)
     steps = {TORCH_DEFAULT: lambda: _torch_default(problem, inputs)}
-    steps.update({str(c): candidate_step(c, problem, target, inputs) for c in sorted(supported, key=str)})
+    ordered = sorted(supported, key=str)
+    steps.update({str(c): candidate_step(c, problem, target, inputs) for c in ordered})
     rows = _timed(steps, device, problem, inputs[4].causal_pairs() if inputs[4] is not None else None)
+    for c in ordered:  # each row says which candidate it is (the display string is only a label)
+        rows[str(c)].update(c.to_dict())
     default = rows.pop(TORCH_DEFAULT)
     choices = {policy: _choice(policy, problem, target, supported, rows) for policy in (*RULE_POLICIES, "measure")}
     choices["torch-default"] = {
@@ -157,12 +160,6 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
-def _candidate(name: str) -> Candidate:
-    """The inverse of str(Candidate): "flex native", "sdpa_cudnn padded to 192"."""
-    backend, _, how = name.partition(" ")
-    return Candidate(backend, int(how.rsplit(" ", 1)[1]) if how.startswith("padded") else None)
-
-
 def rechoose(report: dict, target: Target) -> int:
     """Re-derive the untimed policies' choices of stored results with the current rules, on the stored
     timings of that run (the rules changed after it); the choice made when the problem was timed is
@@ -170,7 +167,7 @@ def rechoose(report: dict, target: Target) -> int:
     changed = 0
     for entry in report["results"]:
         problem = AttentionProblem.from_dict(entry["problem"])
-        supported = {_candidate(name) for name in entry["candidates"]}
+        supported = {Candidate(row["backend"], row["pad_to"]) for row in entry["candidates"].values()}
         for policy in RULE_POLICIES:
             fresh = _choice(policy, problem, target, supported, entry["candidates"])
             old = entry["policies"].get(policy, {})

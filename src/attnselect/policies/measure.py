@@ -146,21 +146,24 @@ def _measure_entry(problem, target, ranked) -> dict:
         )
     return {
         "ranked": [c.to_dict() for c in order],
-        "timings": {str(c): None if t is None else [t.median_ms, t.low_ms, t.high_ms] for c, t in timings.items()},
+        "timings": [
+            {"candidate": c.to_dict(), "ms": None if t is None else [t.median_ms, t.low_ms, t.high_ms]}
+            for c, t in timings.items()
+        ],
     }
 
 
 def _from_store(entry, ranked):
     """(ranked, timings) from a cache entry, or None when it is missing or names no supported candidate."""
-    if not entry:
+    if not entry or not isinstance(entry.get("timings"), list):  # missing, or written before timings were a list
         return None
-    supported = {str(c): c for c in ranked}
-    order = tuple(supported[str(Candidate(**c))] for c in entry["ranked"] if str(Candidate(**c)) in supported)
+    supported = set(ranked)
+    order = tuple(c for c in map(lambda d: Candidate(**d), entry["ranked"]) if c in supported)
     if not order:
         return None
-    timings = {
-        supported[name]: (None if t is None else Timing(*t))
-        for name, t in entry["timings"].items()
-        if name in supported
-    }
+    timings = {}
+    for timed in entry["timings"]:
+        c = Candidate(**timed["candidate"])
+        if c in supported:
+            timings[c] = None if timed["ms"] is None else Timing(*timed["ms"])
     return order, timings
