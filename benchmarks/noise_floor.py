@@ -24,7 +24,7 @@ import time
 import torch
 
 from attnselect import Target
-from attnselect.bench import TORCH_DEFAULT, _torch_default, suite
+from attnselect.bench.runner import TORCH_DEFAULT, _torch_default, suite
 from attnselect.candidates import judge
 from attnselect.timing import candidate_step, random_inputs, time_steps
 

@@ -49,7 +49,7 @@ def test_te_emulation_pads_for_fa2_and_falls_back_to_unfused():
 
 
 def test_stored_rule_choices_are_re_derived_on_the_stored_timings(tmp_path):
-    from attnselect import bench
+    from attnselect.bench import runner as bench
 
     report = bench.run(str(tmp_path / "b"), smoke=True)
     entry = report["results"][0]
@@ -78,7 +78,7 @@ def test_stored_rule_choices_are_re_derived_on_the_stored_timings(tmp_path):
 @pytest.fixture
 def five_problems(monkeypatch):
     """The first five problems of the suite, each "timed" instantly."""
-    from attnselect import bench
+    from attnselect.bench import runner as bench
 
     problems = dict(list(bench.suite(smoke=False).items())[:5])
     monkeypatch.setattr(bench, "suite", lambda smoke: problems)
@@ -98,7 +98,7 @@ def five_problems(monkeypatch):
 
 
 def test_shards_stride_through_the_suite_and_merge_in_its_order(tmp_path, five_problems):
-    from attnselect import bench
+    from attnselect.bench import runner as bench
 
     parts = [bench.run(str(tmp_path / f"part{k}"), shard=(k, 2)) for k in (0, 1)]
     assert [e["problem"] for e in parts[0]["results"]] == five_problems[0::2]
@@ -115,7 +115,7 @@ def test_shards_stride_through_the_suite_and_merge_in_its_order(tmp_path, five_p
 
 
 def test_only_times_the_problems_whose_description_or_models_match(tmp_path, five_problems):
-    from attnselect import bench
+    from attnselect.bench import runner as bench
 
     report = bench.run(str(tmp_path / "some"), only=("thd 16 seqs", "no such problem"))
     assert [e["problem"]["layout"] for e in report["results"]] == ["thd", "thd"]  # inference and training
@@ -125,7 +125,7 @@ def test_only_times_the_problems_whose_description_or_models_match(tmp_path, fiv
 
 
 def test_merge_refuses_parts_of_other_devices_or_other_timings(tmp_path, five_problems):
-    from attnselect import bench
+    from attnselect.bench import runner as bench
     from attnselect.errors import InvalidInputError
 
     part = bench.run(str(tmp_path / "part0"), shard=(0, 2))
@@ -142,7 +142,7 @@ def test_merge_refuses_parts_of_other_devices_or_other_timings(tmp_path, five_pr
 
 
 def test_a_part_resumes_only_under_its_own_shard(tmp_path, five_problems):
-    from attnselect import bench
+    from attnselect.bench import runner as bench
     from attnselect.errors import InvalidInputError
 
     bench.run(str(tmp_path / "part"), shard=(0, 2))
@@ -151,7 +151,7 @@ def test_a_part_resumes_only_under_its_own_shard(tmp_path, five_problems):
 
 
 def test_a_policy_that_finds_nothing_is_recorded_not_raised(monkeypatch):
-    from attnselect import bench
+    from attnselect.bench import runner as bench
 
     problem = next(iter(bench.suite(smoke=True).values()))[0]
 
@@ -165,7 +165,7 @@ def test_a_policy_that_finds_nothing_is_recorded_not_raised(monkeypatch):
 
 
 def test_a_named_backend_gets_its_own_column_where_it_was_timed(tmp_path):
-    from attnselect import bench
+    from attnselect.bench import runner as bench
 
     report = bench.run(str(tmp_path / "b"), smoke=True)
 
