@@ -181,3 +181,10 @@ def test_a_named_backend_gets_its_own_column_where_it_was_timed(tmp_path):
     entry["candidates"]["flash_attn4 padded to 192"] = {"median_ms": 4 * fastest, "tflops": 0.5}
     header, row = table(report)
     assert header.split(" | ")[-2] == "flash_attn4" and row.split(" | ")[-2] == "native: 1 (50%)"
+
+
+def test_te_emulation_never_pads_equal_head_dims():
+    a100 = Target.preset("a100")
+    odd = AttentionProblem(2, 1024, 1024, 16, 16, 100, 100, torch.bfloat16, mask="causal")
+    supported = {v.candidate for v in judge(odd, a100) if v.supported}
+    assert odd.pad_target == 104 and te_choice(odd, a100, supported) == Candidate("sdpa_flash")

@@ -94,3 +94,19 @@ def test_reasons_are_short_enough_to_read():
                              training=training)  # fmt: skip
         for verdict in judge(p, target):
             assert all(len(reason) <= 130 for reason in verdict.reasons), verdict
+
+
+def test_a_package_without_metadata_still_makes_a_target():
+    assert Target.preset("h200", flash_attn3_version="unknown").flash_attn3_version == "unknown"
+    assert Target.preset("h200", torch_version="4.0.0b36+local_x")  # PEP 440 local part with an underscore
+    with pytest.raises(InvalidInputError, match="torch_version"):
+        Target.preset("h200", torch_version="2.11.0+" + "a" * 40 + "_")  # refused, and at once
+
+
+def test_an_argument_the_slow_path_refuses_is_refused_whatever_ran_before():
+    q = torch.randn(1, 8, 2, 16)
+    attnselect.attention(q, q, q, causal=True, return_lse=False)  # memoized
+    with pytest.raises(InvalidInputError, match="causal: got 1"):
+        attnselect.attention(q, q, q, causal=1)
+    with pytest.raises(InvalidInputError, match="return_lse: got 0"):
+        attnselect.attention(q, q, q, causal=True, return_lse=0)

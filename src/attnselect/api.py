@@ -231,6 +231,13 @@ def _call_key(
         return None
     if not (disable is None or isinstance(disable, str)) or isinstance(window, list):
         return None  # an iterator would be consumed here; the slow path normalises these
+    if not (
+        type(causal) in (bool, str)
+        and type(return_lse) is bool
+        and type(pad) in (bool, str, type(None))
+        and (window is None or (type(window) is tuple and all(type(x) is int for x in window)))
+    ):
+        return None  # 1 == True and 2.0 == 2 as keys: the slow path refuses what it must, whatever ran before
     try:
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key = (

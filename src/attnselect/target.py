@@ -24,7 +24,8 @@ DEFAULT_CUDNN = "9.19.0"
 
 
 # A release number (at least major.minor) with an optional PEP 440 / local suffix: 9.19.0, 2.11.0+cu130, 4.0.0b36.
-_VERSION = re.compile(r"\d+(\.\d+)+([.+\-]?[0-9A-Za-z]+)*")
+# Linear (no nested optional repetition, so no catastrophic backtracking); "unknown": installed, no metadata.
+_VERSION = re.compile(r"\d+(?:\.\d+)+[0-9A-Za-z]*(?:[.+\-_][0-9A-Za-z]+)*|unknown")
 
 
 @functools.lru_cache(maxsize=256)

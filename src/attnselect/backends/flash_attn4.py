@@ -89,7 +89,8 @@ class FlashAttn4(FlashAttnPackageBackend):
         if p.training and t.capability[0] == 9 and p.heads_q != p.heads_kv and dqk != dv:
             r.append(
                 f"its sm90 backward needs d_qk == d_v with grouped K/V heads (GQA), got {dqk}/{dv} with "
-                f"{p.heads_q}/{p.heads_kv} heads; padding to {p.pad_target} serves it"
+                f"{p.heads_q}/{p.heads_kv} heads"
+                + (f"; padding to {p.pad_target} serves it" if p.pad_target in SM90_BACKWARD_HEAD_DIMS else "")
             )
         return r
 

@@ -31,9 +31,10 @@ def te_choice(problem: AttentionProblem, target: Target, supported: set) -> Cand
 
     native = backend_for(None)
     pad_to = problem.pad_target
-    if pad_to is not None:
-        if native == "sdpa_math" and backend_for(pad_to) != "sdpa_math":
-            return Candidate(backend_for(pad_to), pad_to)
-        if native == flash:  # FlashAttention-2 needs equal head dims: TE pads for it
+    if problem.different_head_dims:  # PR #3339 pads MLA's V, never equal head dims
+        padded = backend_for(pad_to)
+        if native == "sdpa_math" and padded != "sdpa_math":
+            return Candidate(padded, pad_to)
+        if native == flash and Candidate(flash, pad_to) in supported:  # FA2 needs equal head dims: TE pads for it
             return Candidate(flash, pad_to)
     return Candidate(native) if Candidate(native) in supported else None
