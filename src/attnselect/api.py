@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
@@ -17,7 +18,7 @@ from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import dense_runner, kernel_call, packed_runner, run_call
 from attnselect.failures import mark_failed
 from attnselect.inputs import check_scale
-from attnselect.problem import AttentionProblem, describe_call
+from attnselect.problem import CALL_ARGUMENTS, AttentionProblem, describe_call
 from attnselect.selection import MEMO_SIZE, select, select_packed
 from attnselect.settings import strict
 from attnselect.target import Target, target_for_device
@@ -80,26 +81,7 @@ def attention(
     if torch.compiler.is_compiling():  # one custom op, decided from the traced shapes (attnselect.ops)
         from attnselect.ops import traced_attention
 
-        return traced_attention(
-            q,
-            k,
-            v,
-            layout=layout,
-            causal=causal,
-            window=window,
-            scale=scale,
-            dropout_p=dropout_p,
-            cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_kv=cu_seqlens_kv,
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_kv=max_seqlen_kv,
-            cu_seqlens_q_padded=cu_seqlens_q_padded,
-            cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-            return_lse=return_lse,
-            backend=backend,
-            pad=pad,
-            disable=disable,
-        )
+        return traced_attention(q, k, v, **_options(locals()))
     call_key = _call_key(
         q, k, v, layout, causal, window, dropout_p, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
         cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, return_lse, backend, pad, disable,
@@ -112,23 +94,7 @@ def attention(
     if known is not None and layout == "thd":  # a packed call whose problem follows from its key (_call_key)
         packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
     if known is None:  # else the same shapes, dtypes, devices and options were validated and decided before
-        problem, packing = describe_call(
-            q,
-            k,
-            v,
-            layout=layout,
-            causal=causal,
-            window=window,
-            dropout_p=dropout_p,
-            cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_kv=cu_seqlens_kv,
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_kv=max_seqlen_kv,
-            return_lse=return_lse,
-            scale=scale,
-            cu_seqlens_q_padded=cu_seqlens_q_padded,
-            cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-        )
+        problem, packing = describe_call(q, k, v, **_options(locals(), _DESCRIBED))
         target = target_for_device(q.device)
         decision = (
             select(problem, target=target, backend=backend, pad=pad, disable=disable)
@@ -161,27 +127,21 @@ def attention(
         if known.forced or strict():
             raise
         mark_failed(known.problem, known.target, known.chosen, exc)
-        return attention(
-            q,
-            k,
-            v,
-            layout=layout,
-            causal=causal,
-            window=window,
-            scale=scale,
-            dropout_p=dropout_p,
-            cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_kv=cu_seqlens_kv,
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_kv=max_seqlen_kv,
-            cu_seqlens_q_padded=cu_seqlens_q_padded,
-            cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-            return_lse=return_lse,
-            backend=backend,
-            pad=pad,
-            disable=disable,
-        )
+        return attention(q, k, v, **_options(locals()))
     return (out, lse) if return_lse else out
+
+
+# The call options of attention(), read from its signature: they are written out once, there.
+_OPTIONS = tuple(
+    name for name, parameter in inspect.signature(attention).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+)  # fmt: skip
+_DESCRIBED = tuple(name for name in _OPTIONS if name in CALL_ARGUMENTS)  # the ones that describe the problem
+
+
+def _options(scope: dict, names: tuple = _OPTIONS) -> dict:
+    """attention()'s options from its local scope (the traced call, validation and the fallback pass them on)."""
+    return {name: scope[name] for name in names}
 
 
 class _KnownCall(NamedTuple):

@@ -203,15 +203,15 @@ def describe_call(q, k, v, **call_arguments) -> tuple[AttentionProblem, Packing 
     """Validate q, k, v and the call arguments (those of :func:`attnselect.inputs.read_call`); return the problem and,
     for thd, the packing. A misspelt argument is named, with the closest one."""
     for name in call_arguments:
-        if name not in _CALL_ARGUMENTS:
-            close = difflib.get_close_matches(name, _CALL_ARGUMENTS, n=1)
-            require(False, name, "an argument", "one of " + ", ".join(_CALL_ARGUMENTS)
+        if name not in CALL_ARGUMENTS:
+            close = difflib.get_close_matches(name, CALL_ARGUMENTS, n=1)
+            require(False, name, "an argument", "one of " + ", ".join(CALL_ARGUMENTS)
                     + (f" (did you mean {close[0]!r}?)" if close else ""))  # fmt: skip
     fields, packing = read_call(q, k, v, **call_arguments)
     return AttentionProblem(**fields), packing
 
 
-_CALL_ARGUMENTS = tuple(
+CALL_ARGUMENTS = tuple(
     name for name, parameter in inspect.signature(read_call).parameters.items()
     if parameter.kind is inspect.Parameter.KEYWORD_ONLY
 )  # fmt: skip
