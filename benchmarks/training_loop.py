@@ -76,21 +76,9 @@ def row_names(device: str, smoke: bool) -> list[str]:
     from attnselect import backends
     from attnselect.candidates import judge
 
-    geometry = SMOKE if smoke else dict(heads=HEADS, d_qk=D_QK, d_v=D_V, tokens=TOKENS)
+    geometry = _geometry(smoke)
     target = attnselect.Target.current(device)
-    problem = attnselect.AttentionProblem(
-        8,
-        4096,
-        4096,
-        geometry["heads"],
-        geometry["heads"],
-        geometry["d_qk"],
-        geometry["d_v"],
-        dtype=_dtype(device),
-        layout="thd",
-        mask="causal",
-        training=True,
-    )
+    problem = _problem(8, 4096, geometry, device)
     forced = [
         str(v.candidate)
         for v in judge(problem, target)
@@ -100,6 +88,19 @@ def row_names(device: str, smoke: bool) -> list[str]:
     if device == "cuda" and _fa4() is not None:
         rows += [FA4, WITHOUT_FA4]
     return rows
+
+
+def _geometry(smoke: bool) -> dict:
+    return SMOKE if smoke else dict(heads=HEADS, d_qk=D_QK, d_v=D_V, tokens=TOKENS)
+
+
+def _problem(batch: int, longest: int, geometry: dict, device: str):
+    """The loop's packed causal training problem: ``batch`` sequences, the longest ``longest`` tokens."""
+    import attnselect
+
+    return attnselect.AttentionProblem(batch, longest, longest, geometry["heads"], geometry["heads"], geometry["d_qk"],
+                                       geometry["d_v"], dtype=_dtype(device), layout="thd", mask="causal",
+                                       training=True)  # fmt: skip
 
 
 def _dtype(device: str) -> torch.dtype:
@@ -156,7 +157,7 @@ def attention_for(row: str):
 
 def run_row(row: str, device: str, steps: int, warmup: int, smoke: bool) -> dict:
     """Every distribution's loop for one row, in this process."""
-    geometry = SMOKE if smoke else dict(heads=HEADS, d_qk=D_QK, d_v=D_V, tokens=TOKENS)
+    geometry = _geometry(smoke)
     dtype, heads, tokens = _dtype(device), geometry["heads"], geometry["tokens"]
     g = torch.Generator(device=device).manual_seed(0)
     q, k = (
@@ -376,7 +377,7 @@ def render(path: str, out: str) -> None:
     """Re-make a report's summaries, goals and markdown from its step times (per-step work from the seeds)."""
     report = json.loads(Path(path).read_text())
     smoke = report["distributions"] == SMOKE_DISTRIBUTIONS
-    geometry = SMOKE if smoke else dict(heads=HEADS, d_qk=D_QK, d_v=D_V, tokens=TOKENS)
+    geometry = _geometry(smoke)
     warmup = report["meta"]["warmup"]
     for name, spec in report["distributions"].items():
         loop = packings(spec, geometry["tokens"], warmup + report["meta"]["steps"])[warmup:]
@@ -412,23 +413,11 @@ def choices(device: str, smoke: bool) -> dict:
     """attnselect's choice for each distribution's first timed packing (max_seqlen given)."""
     import attnselect
 
-    geometry = SMOKE if smoke else dict(heads=HEADS, d_qk=D_QK, d_v=D_V, tokens=TOKENS)
+    geometry = _geometry(smoke)
     out = {}
     for name, spec in (SMOKE_DISTRIBUTIONS if smoke else DISTRIBUTIONS).items():
         lengths = packings(spec, geometry["tokens"], 4)[3]
-        problem = attnselect.AttentionProblem(
-            len(lengths),
-            max(lengths),
-            max(lengths),
-            geometry["heads"],
-            geometry["heads"],
-            geometry["d_qk"],
-            geometry["d_v"],
-            dtype=_dtype(device),
-            layout="thd",
-            mask="causal",
-            training=True,
-        )
+        problem = _problem(len(lengths), max(lengths), geometry, device)
         out[name] = str(attnselect.select(problem, target=attnselect.Target.current(device)).chosen)
     return out
 
@@ -438,7 +427,7 @@ def meta(device: str, a) -> dict:
 
     target = attnselect.Target.current(device)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    geometry = SMOKE if a.smoke else dict(heads=HEADS, d_qk=D_QK, d_v=D_V, tokens=TOKENS)
+    geometry = _geometry(a.smoke)
     return {
         "device": target.name,
         "torch": torch.__version__,

@@ -100,17 +100,18 @@ def _eager_flex(q, k, v, **options):
     scores ("SOLUTION: Use torch.compile"); attnselect says it once, in its own words, and filters torch's."""
     from torch.nn.attention import flex_attention as flex
 
-    global _SAID_EAGER
-    if not _SAID_EAGER:
-        _SAID_EAGER = True
-        log.info("attnselect: flex runs unfused on the CPU (it materialises the scores: fine for small calls)")
+    _say_eager()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
         warnings.filterwarnings("ignore", message=".*materializes the full scores matrix.*")
         return flex.flex_attention(q, k, v, **options)
 
 
-_SAID_EAGER = False
+@functools.cache
+def _say_eager() -> None:
+    log.info("attnselect: flex runs unfused on the CPU (it materialises the scores: fine for small calls)")
+
+
 RECOMPILE_LIMIT = 64  # shapes one process may compile flex_attention for (torch's default is 8)
 
 

@@ -158,7 +158,7 @@ def _from_store(entry, ranked):
     if not entry or not isinstance(entry.get("timings"), list):  # missing, or written before timings were a list
         return None
     supported = set(ranked)
-    order = tuple(c for c in map(lambda d: Candidate(**d), entry["ranked"]) if c in supported)
+    order = tuple(c for c in (Candidate(**d) for d in entry["ranked"]) if c in supported)
     if not order:
         return None
     timings = {}
