@@ -7,22 +7,29 @@ Small, host-bound calls repeated with the same shapes and options (the memoized 
 the min..max over the rounds. Rows per problem: attnselect's automatic choice, and the same kernel called
 directly.
 
-- CPU: a dense call (SDPA's flash kernel, forced on views of the same tensors).
-- CUDA, dense (B1 S256 H16 192/128 inference bf16):
-  - torch's default dispatch, F.scaled_dot_product_attention (it reaches the chosen kernel when that is the
-    kernel torch picks itself);
-  - the chosen SDPA kernel forced with sdpa_kernel;
+- Dense (CUDA: B1 S256 H16 192/128 inference bf16; CPU: a tiny float32 call), on tensors in the kernel's own
+  layout so that neither side permutes (``layout="bhsd"`` for SDPA kernels, ``"bshd"`` for FlashAttention's):
+  - SDPA kernels: torch's default dispatch, F.scaled_dot_product_attention (the fastest direct call where it
+    reaches the chosen kernel), and the kernel forced with sdpa_kernel;
+  - FlashAttention packages: the package's ``flash_attn_func``;
   - the backend object attnselect runs (``Backend.run``).
-- CUDA, packed (1024 tokens in 4 sequences, H16, 128/128, both max_seqlen given, inference):
+- CUDA, packed (1024 tokens in 4 sequences, H16, 128/128, causal, both max_seqlen given, inference):
+  - the chosen package's ``flash_attn_varlen_func`` where it is a FlashAttention package;
   - the chosen backend's packed kernel through its backend object (``Backend.run_packed``, boundaries
     bucketed where the backend buckets them);
   - torch's ``varlen_attn``.
+
+``--profile`` adds cProfile's top functions (by own time) of each attnselect row to the report.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import importlib
+import io
 import json
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -60,28 +67,45 @@ def time_rows(rows: dict, device: str, calls: int, repeats: int) -> dict:
     return {name: {"us": statistics.median(t), "min": min(t), "max": max(t)} for name, t in per_round.items()}
 
 
+def profile(fn, calls: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return "\n".join(line for line in text.getvalue().splitlines() if line.strip()).replace(str(Path.cwd()), ".")
+
+
 def dense_rows(device: str):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shape = (1, 256, 16) if device == "cuda" else (1, 2, 8)
     dims = (192, 192, 128) if device == "cuda" else (16, 16, 16)
     q, k, v = (torch.randn(*shape, d, device=device, dtype=dtype) for d in dims)
-    problem = attnselect.AttentionProblem.from_tensors(q, k, v)
-    chosen = attnselect.select(problem).chosen
+    chosen = attnselect.select(attnselect.AttentionProblem.from_tensors(q, k, v)).chosen
     backend = backends.get(chosen.backend)
+    layout = backend.layout  # the kernel's own layout: neither side permutes
+    if layout == "bhsd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, layout=layout)
     call = kernel_call(problem)
-    b = [t.transpose(1, 2) for t in (q, k, v)]
-    rows = {f"attnselect.attention ({chosen})": lambda: attnselect.attention(q, k, v)}
+    rows = {f"attnselect.attention ({chosen}, layout={layout})": lambda: attnselect.attention(q, k, v, layout=layout)}
     kernel = getattr(backend, "kernel", None)
     if kernel is not None and not chosen.padded:
-        rows["F.scaled_dot_product_attention, default dispatch"] = lambda: F.scaled_dot_product_attention(*b)
+        rows["F.scaled_dot_product_attention, default dispatch"] = lambda: F.scaled_dot_product_attention(q, k, v)
 
         def forced():
             with sdpa_kernel([kernel]):
-                return F.scaled_dot_product_attention(*b)
+                return F.scaled_dot_product_attention(q, k, v)
 
         rows[f"F.scaled_dot_product_attention in sdpa_kernel([{kernel.name}])"] = forced
-    if not chosen.padded and backend.layout == "bhsd":
-        rows[f"{chosen.backend} backend object, run()"] = lambda: backend.run(*b, call)
+    module = getattr(backend, "module", None)
+    if module is not None and not chosen.padded:
+        function = importlib.import_module(module).flash_attn_func
+        rows[f"{module}.flash_attn_func"] = lambda: function(q, k, v)
+    if not chosen.padded:
+        rows[f"{chosen.backend} backend object, run()"] = lambda: backend.run(q, k, v, call)
     return problem, chosen, rows
 
 
@@ -96,6 +120,13 @@ def packed_rows(device: str):
     backend = backends.get(chosen.backend)
     call = kernel_call(problem)
     rows = {f"attnselect.attention ({chosen})": lambda: attnselect.attention(q, k, v, **kwargs)}
+    module = getattr(backend, "module", None)
+    if module is not None and not chosen.padded:
+        function = importlib.import_module(module).flash_attn_varlen_func
+        m = max(lengths)
+        rows[f"{module}.flash_attn_varlen_func"] = lambda: function(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, causal=True
+        )
     if not chosen.padded and backend.packs_thd(attnselect.Target.current()):
         buckets = backend.shape_cache.buckets if backend.shape_cache is not None else None
         rows[f"{chosen.backend} backend object, run_packed()"] = lambda: backend.run_packed(
@@ -113,6 +144,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", help="write .json and .md here")
+    ap.add_argument("--profile", action="store_true", help="add cProfile's top functions of each attnselect row")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cases = [dense_rows(device)] + ([packed_rows(device)] if device == "cuda" else [])
@@ -132,6 +164,10 @@ def main() -> None:
             report["cases"].append({"problem": problem.describe(), "chosen": str(chosen), "rows": timed})
             lines += [f"\n## {problem.describe()}\n", "| row | us per call (min..max) |", "|---|---|"]
             lines += [f"| {name} | {r['us']:.1f} ({r['min']:.1f}..{r['max']:.1f}) |" for name, r in timed.items()]
+            if a.profile:
+                name, fn = next(iter(rows.items()))
+                lines += [f"\ncProfile of `{name}`, {a.calls} calls, top 25 by own time:\n", "```", profile(fn, a.calls),
+                          "```"]  # fmt: skip
     print("\n".join(lines))
     if a.out:
         Path(a.out + ".json").write_text(json.dumps(report, indent=1))

@@ -152,7 +152,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
     need_fa4 || exit 1
     timeout 400 python3 benchmarks/fa4_compile_cost.py --out "$OUT/h200_fa4_compile" 2>&1 | grep -v -i warn | tail -12 ;;
   hot-path)
-    timeout 200 python3 benchmarks/hot_path.py --out "$OUT/h200_hot_path" 2>&1 | grep -v -i warn | tail -20 ;;
+    timeout 200 python3 benchmarks/hot_path.py --profile --out "$OUT/h200_hot_path" 2>&1 | grep -v -i warn | tail -60 ;;
   overhead)
     timeout 300 python3 benchmarks/packed_overhead.py --out "$OUT/h200_packed_overhead" 2>&1 | grep -v -i warn | tail -14 ;;
   loop)

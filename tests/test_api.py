@@ -62,10 +62,10 @@ class _Broken(RuntimeError):
 def _break_sdpa_flash(monkeypatch):
     from attnselect.backends.sdpa_flash import SdpaFlash
 
-    def run(self, q, k, v, call):
+    def attend(self, q, k, v, call, arguments=None, *, forced):  # where SDPA backends call the kernel, forced or not
         raise _Broken("workspace allocation failed")
 
-    monkeypatch.setattr(SdpaFlash, "run", run)
+    monkeypatch.setattr(SdpaFlash, "_attend", attend)
     from attnselect import failures
 
     monkeypatch.setattr(failures, "_FAILED", {})
@@ -118,10 +118,10 @@ def test_a_run_time_failure_is_remembered_by_later_processes_on_the_same_target(
 def test_out_of_memory_is_not_recorded_for_later_processes(monkeypatch, caplog):
     from attnselect.backends.sdpa_flash import SdpaFlash
 
-    def run(self, q, k, v, call):
+    def attend(self, q, k, v, call, arguments=None, *, forced):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
 
-    monkeypatch.setattr(SdpaFlash, "run", run)
+    monkeypatch.setattr(SdpaFlash, "_attend", attend)
     q, k, v = _inputs()
     with caplog.at_level("WARNING", logger="attnselect"):
         attnselect.attention(q, k, v, causal=True)
@@ -260,8 +260,8 @@ def _packed_key(cu_kv="same", max_q=7, max_kv=7, device="meta", padded=None):
     q = torch.empty(12, 2, 16, device=device)
     cu = torch.empty(3, dtype=torch.int32, device=device)
     cu_kv = cu if cu_kv == "same" else cu_kv
-    return api._call_key(q, q, q, "thd", True, None, 0.0, cu, cu_kv, padded, None, max_q, max_kv, False, None, None,
-                         None)  # fmt: skip
+    return api._call_key(q, q, q, "thd", True, None, None, 0.0, cu, cu_kv, padded, None, max_q, max_kv, False, None,
+                         None, None)  # fmt: skip
 
 
 def test_a_packed_call_keys_the_fast_path_only_where_its_problem_follows_from_the_key():
@@ -287,3 +287,17 @@ def test_a_repeated_packed_call_takes_the_fast_path_with_the_same_result():
     assert len(api._CALLS) == 1
     slow = attnselect.attention(q, k, v, **{**kwargs, "cu_seqlens_q": other, "cu_seqlens_kv": other.clone()})
     assert torch.equal(attnselect.attention(q, k, v, **kwargs), first) and torch.equal(again, slow)
+
+
+def test_a_call_with_its_own_scale_is_memoized_and_a_boolean_scale_is_still_refused():
+    q, k, v = _inputs()
+    attnselect.clear_cache()
+    first = attnselect.attention(q, k, v, scale=1.0)
+    assert len(api._CALLS) == 1 and torch.equal(attnselect.attention(q, k, v, scale=1.0), first)
+    assert len(api._CALLS) == 1
+    assert torch.equal(attnselect.attention(q, k, v, scale=1), first)  # the same number
+    with pytest.raises(attnselect.InvalidInputError, match="scale: got True"):
+        attnselect.attention(q, k, v, scale=True)
+    other = attnselect.attention(q, k, v, scale=0.5)
+    reference = attnselect.attention(q, k, v, scale=0.5, backend="reference")
+    assert len(api._CALLS) == 3 and torch.allclose(other, reference, atol=1e-5)

@@ -83,7 +83,7 @@ def attention(
 
         return traced_attention(q, k, v, **_options(locals()))
     call_key = _call_key(
-        q, k, v, layout, causal, window, dropout_p, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+        q, k, v, layout, causal, window, scale, dropout_p, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
         cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, return_lse, backend, pad, disable,
     )  # fmt: skip
     try:
@@ -94,6 +94,7 @@ def attention(
     if known is not None and layout == "thd":  # a packed call whose problem follows from its key (_call_key)
         packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
     if known is None:  # else the same shapes, dtypes, devices and options were validated and decided before
+        check_scale(scale)
         problem, packing = describe_call(q, k, v, **_options(locals(), _DESCRIBED))
         target = target_for_device(q.device)
         decision = (
@@ -101,26 +102,22 @@ def attention(
             if packing is None
             else select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)
         )
-        default_call = kernel_call(problem)
+        call = kernel_call(problem, scale)
         chosen = backends.get(decision.chosen.backend)
         if layout != "thd":
-            runner = dense_runner(chosen, decision.chosen.pad_to, layout, default_call)
+            runner = dense_runner(chosen, decision.chosen.pad_to, layout, call)
         else:
-            runner = packed_runner(chosen, decision.chosen.pad_to, default_call) if chosen.packs_thd(target) else None
-        known = _KnownCall(
-            problem, decision.chosen, target, default_call, decision.overrides.backend is not None, runner
-        )
+            runner = packed_runner(chosen, decision.chosen.pad_to, call) if chosen.packs_thd(target) else None
+        known = _KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
         if call_key is not None:
             _CALLS[call_key] = known
             if len(_CALLS) > MEMO_SIZE:
                 _CALLS.popitem(last=False)
     try:
-        if scale is None and known.runner is not None:  # the hottest path: a prepared runner
+        if known.runner is not None:  # the hottest path: a prepared runner
             out, lse = known.runner(q, k, v) if packing is None else known.runner(q, k, v, packing)
-        else:
-            check_scale(scale)
-            call = known.call if scale is None else kernel_call(known.problem, scale)
-            out, lse = run_call(known.chosen, known.problem, call, q, k, v, packing=packing, target=known.target)
+        else:  # thd sequence by sequence
+            out, lse = run_call(known.chosen, known.problem, known.call, q, k, v, packing=packing, target=known.target)
     except AttnSelectError:
         raise
     except Exception as exc:  # a kernel that fails at run time: fall back unless told to be strict
@@ -150,7 +147,7 @@ class _KnownCall(NamedTuple):
     problem: AttentionProblem
     chosen: Candidate
     target: Target
-    call: KernelCall  # kernel options with the default scale
+    call: KernelCall  # kernel options, the scale included
     forced: bool  # the caller forced the backend: failures re-raise
     runner: Callable | None  # run(q, k, v) (dense, the layout work prepared) or run(q, k, v, packing) (packed)
 
@@ -162,8 +159,8 @@ register_cache(_CALLS.clear)
 
 
 def _call_key(
-    q, k, v, layout, causal, window, dropout_p, cu_q, cu_kv, cu_q_padded, cu_kv_padded, max_q, max_kv, return_lse,
-    backend, pad, disable,
+    q, k, v, layout, causal, window, scale, dropout_p, cu_q, cu_kv, cu_q_padded, cu_kv_padded, max_q, max_kv,
+    return_lse, backend, pad, disable,
 ) -> tuple | None:  # fmt: skip
     """A hashable key of a call validated and decided before, or None where the fast path does not apply.
 
@@ -193,6 +190,7 @@ def _call_key(
         return None  # an iterator would be consumed here; the slow path normalises these
     if not (
         type(causal) in (bool, str)
+        and type(scale) in (float, int, type(None))
         and type(return_lse) is bool
         and type(pad) in (bool, str, type(None))
         and (window is None or (type(window) is tuple and all(type(x) is int for x in window)))
@@ -202,8 +200,9 @@ def _call_key(
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key = (
             q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
-            window, dropout_p, return_lse, backend, pad, disable, grad, torch.are_deterministic_algorithms_enabled(),
-            settings.environment_key(), settings.scope(), backends.registry_version(),
+            window, scale, dropout_p, return_lse, backend, pad, disable, grad,
+            torch.are_deterministic_algorithms_enabled(), settings.environment_key(), settings.scope(),
+            backends.registry_version(),
             q.is_cuda and torch.cuda.is_current_stream_capturing(), packed,
         )  # fmt: skip
     except AttributeError:

@@ -80,22 +80,26 @@ def run_call(
     if problem.layout != "thd":
         return dense_runner(backend, candidate.pad_to, problem.layout, call)(q, k, v)
     if backend.packs_thd(target or target_for_device(q.device)):
-        return _run_packed(backend, candidate.pad_to, call, q, k, v, packing)
+        return packed_runner(backend, candidate.pad_to, call)(q, k, v, packing)
     return _run_per_sequence(backend, candidate.pad_to, problem, call, q, k, v, packing)
 
 
 def packed_runner(backend, pad_to, call: KernelCall):
     """``run(q, k, v, packing) -> (out, lse)`` of a backend's packed kernel for one call's options."""
-    return lambda q, k, v, packing: _run_packed(backend, pad_to, call, q, k, v, packing)
+    kernel = backend.packed_runner(call)
+    buckets = backend.shape_cache.buckets if backend.shape_cache is not None else None  # few distinct shapes
 
+    def run(q, k, v, packing):
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            out, lse = _empty_result(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 1, call.return_lse)
+            return out[0], (lse[0] if lse is not None else None)  # (1, H, T) -> (H, T)
+        if buckets is not None:
+            packing = bucketed(packing, buckets)
+        if pad_to is None and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+            return kernel(q, k, v, packing)
+        return _padded(lambda q, k, v: kernel(q, k, v, packing), pad_to, q, k, v)
 
-def _run_packed(backend, pad_to, call, q, k, v, packing):
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        out, lse = _empty_result(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 1, call.return_lse)
-        return out[0], (lse[0] if lse is not None else None)  # (1, H, T) -> (H, T)
-    if backend.shape_cache is not None and backend.shape_cache.buckets is not None:  # few distinct shapes
-        packing = bucketed(packing, backend.shape_cache.buckets)
-    return _padded(lambda q, k, v: backend.run_packed(q, k, v, call, packing), pad_to, q, k, v)
+    return run
 
 
 def dense_runner(backend, pad_to, layout, call):
@@ -103,7 +107,7 @@ def dense_runner(backend, pad_to, layout, call):
     to_kernel = _as_function(_PERMUTE[(layout, backend.layout)])
     from_kernel = _as_function(_INVERSE.get((backend.layout, layout)))
     seq_axis = 2 if backend.layout == "bhsd" else 1
-    kernel = backend.run
+    kernel = backend.runner(call)
 
     def run(q, k, v):
         if to_kernel is not None:
@@ -111,9 +115,9 @@ def dense_runner(backend, pad_to, layout, call):
         if q.shape[seq_axis] == 0 or k.shape[seq_axis] == 0:
             out, lse = _empty_result(q, k, v, seq_axis, call.return_lse)
         elif pad_to is None and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
-            out, lse = kernel(q, k, v, call)
+            out, lse = kernel(q, k, v)
         else:
-            out, lse = _padded(lambda q, k, v: kernel(q, k, v, call), pad_to, q, k, v)
+            out, lse = _padded(kernel, pad_to, q, k, v)
         return (from_kernel(out) if from_kernel is not None else out), lse
 
     return run

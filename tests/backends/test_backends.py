@@ -216,3 +216,31 @@ def test_only_kernel_switches_one_sdpa_kernel_on_for_a_call_and_restores_every_s
     finally:
         torch.backends.cuda.enable_math_sdp(True)
     assert [enabled() for _, enabled, _ in _SWITCHES] == before
+
+
+def test_an_sdpa_runner_forces_its_kernel_until_a_call_repeats_and_dispatch_is_seen_to_reach_it(monkeypatch):
+    from torch.nn.attention import SDPBackend
+
+    from attnselect.backends import _sdpa
+    from attnselect.execution import kernel_call
+
+    forced = []
+    enter = _sdpa.only_kernel.__enter__
+    monkeypatch.setattr(_sdpa.only_kernel, "__enter__", lambda self: forced.append(self.kernel) or enter(self))
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))  # bhsd, float32: torch's CPU dispatch picks flash
+    call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd"))
+    flash, math = backends.get("sdpa_flash").runner(call), backends.get("sdpa_math").runner(call)
+    expected = backends.get("reference").run(q, k, v, call)[0]
+    for _ in range(3):
+        assert rel_err(flash(q, k, v)[0], expected) < 1e-5 and rel_err(math(q, k, v)[0], expected) < 1e-5
+    # the first call of each forces; after that flash is reached by default dispatch, math never is
+    assert forced == [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH, SDPBackend.MATH, SDPBackend.MATH]
+    with torch.nn.attention.sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]):  # new switches: forced again
+        flash(q, k, v)
+        flash(q, k, v)
+    assert forced[4:] == [SDPBackend.FLASH_ATTENTION]
+    flash(q, k, v)  # torch's switches again: a new state, forced once
+    flash(q, k, v)
+    flash(q[..., :8].contiguous(), k[..., :8].contiguous(), v[..., :8].contiguous())  # new shapes: forced
+    flash(torch.cat([q, q], dim=-1)[..., :16], k, v)  # new strides: forced
+    assert forced[5:] == [SDPBackend.FLASH_ATTENTION] * 3

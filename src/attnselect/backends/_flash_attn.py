@@ -34,17 +34,31 @@ class FlashAttnPackageBackend(Backend):
         return self._lse(call, self._module().flash_attn_func(q, k, v, **self._options(call, q.shape[1], k.shape[1])))
 
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
-        result = self._module().flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens_q=packing.cu_seqlens_q,
-            cu_seqlens_k=packing.cu_seqlens_kv,
-            max_seqlen_q=packing.max_seqlen_q,
-            max_seqlen_k=packing.max_seqlen_kv,
-            **self._options(call, 1, 1),
-        )
-        return self._lse(call, result)
+        return self.packed_runner(call)(q, k, v, packing)
+
+    def runner(self, call: KernelCall):
+        if call.mask == "sliding_window":  # its window edges depend on the sequence lengths
+            return super().runner(call)
+        function, options = self._module().flash_attn_func, self._options(call, 1, 1)
+        return lambda q, k, v: self._lse(call, function(q, k, v, **options))
+
+    def packed_runner(self, call: KernelCall):
+        function, options = self._module().flash_attn_varlen_func, self._options(call, 1, 1)
+
+        def run(q, k, v, packing: Packing):
+            result = function(
+                q,
+                k,
+                v,
+                cu_seqlens_q=packing.cu_seqlens_q,
+                cu_seqlens_k=packing.cu_seqlens_kv,
+                max_seqlen_q=packing.max_seqlen_q,
+                max_seqlen_k=packing.max_seqlen_kv,
+                **options,
+            )
+            return self._lse(call, result)
+
+        return run
 
     def _options(self, call: KernelCall, sq: int, skv: int) -> dict:
         causal = call.mask in ("causal", "causal_bottom_right")

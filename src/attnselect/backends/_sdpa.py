@@ -13,6 +13,7 @@ K/V are expanded first. SDPA does not return the log-sum-exp, so these surfaces 
 
 from __future__ import annotations
 
+import contextlib
 from typing import ClassVar
 
 import torch
@@ -30,6 +31,34 @@ class SdpaBackend(Backend):
     layout = "bhsd"
 
     def run(self, q, k, v, call: KernelCall):
+        return self._attend(q, k, v, call, forced=True)
+
+    def runner(self, call: KernelCall):
+        """Forces the kernel only where torch's own dispatch would not reach it (forcing costs as much host time
+        as a small kernel's launch). Dispatch (``torch._fused_sdp_choice``, sdp_utils.cpp select_sdp_backend)
+        reads the shapes, strides and storage offsets (cuDNN's layout checks, mem-efficient's alignment) and
+        every kernel's switch; when a call repeats the previous one's, dispatch is asked once whether it reaches
+        the kernel. Dtypes, devices, gradients and options do not change for one runner (attnselect.attention
+        memoizes a runner per call key)."""
+        seen = [None, None, None]  # the previous call's dispatch state, its arguments, and whether default
+        # dispatch reaches the kernel with them
+
+        def run(q, k, v):
+            state = (
+                q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.storage_offset(),
+                k.storage_offset(), v.storage_offset(), *[enabled() for enabled in _ENABLED],
+            )  # fmt: skip
+            if state != seen[0]:
+                seen[:] = state, self._arguments(q, k, call), None
+                return self._attend(q, k, v, call, seen[1], forced=True)
+            if seen[2] is None:
+                seen[2] = self._reaches_by_default(q, k, v, call, seen[1])
+            return self._attend(q, k, v, call, seen[1], forced=not seen[2])
+
+        return run
+
+    def _arguments(self, q, k, call: KernelCall):
+        """(attn_mask, is_causal, enable_gqa, rows without keys or None) of a call with these shapes."""
         sq, skv = q.shape[-2], k.shape[-2]
         attn_mask, is_causal, no_key = None, False, None
         if masks.needs_explicit_mask(call.mask, sq == skv):
@@ -37,24 +66,33 @@ class SdpaBackend(Backend):
             no_key = masks.rows_without_keys(call.mask, call.window, sq, skv, q.device)
         elif call.mask != "none":
             is_causal = True
-        gqa = q.shape[1] != k.shape[1]
+        return attn_mask, is_causal, q.shape[1] != k.shape[1], no_key
+
+    def _attend(self, q, k, v, call: KernelCall, arguments=None, *, forced: bool):
+        attn_mask, is_causal, gqa, no_key = arguments or self._arguments(q, k, call)
         if gqa and not self.native_gqa:
             k, v = expand_kv_heads(q, k, v)
             gqa = False
-        with only_kernel(self.kernel):
+        with only_kernel(self.kernel) if forced else _UNFORCED:
             out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=attn_mask,
-                dropout_p=call.dropout_p,
-                is_causal=is_causal,
-                scale=call.scale,
-                enable_gqa=gqa,
+                q, k, v, attn_mask, call.dropout_p, is_causal, scale=call.scale, enable_gqa=gqa
             )
         if no_key is not None:
             out = out.masked_fill(no_key, 0.0)
         return out, None
+
+    def _reaches_by_default(self, q, k, v, call: KernelCall, arguments) -> bool:
+        attn_mask, is_causal, gqa, _ = arguments
+        if gqa and not self.native_gqa:
+            k, v = expand_kv_heads(q, k, v)
+            gqa = False
+        choice = torch._fused_sdp_choice(
+            q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal, enable_gqa=gqa
+        )
+        return choice == self.kernel.value
+
+
+_UNFORCED = contextlib.nullcontext()
 
 
 # Each SDPA kernel's global switch, as torch.nn.attention.sdpa_kernel reads and sets them (its _backend_names).
@@ -63,6 +101,7 @@ _SWITCHES = tuple(
      getattr(torch._C, f"_set_sdp_use_{name}"))
     for name, kernel in _backend_names.items()
 )  # fmt: skip
+_ENABLED = tuple(enabled for _, enabled, _ in _SWITCHES)
 
 
 class only_kernel:  # noqa: N801 (a context manager, named as sdpa_kernel is)

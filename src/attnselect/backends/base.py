@@ -150,6 +150,15 @@ class Backend:
         """Packed attention: q (Tq, Hq, Dqk), k (Tk, Hkv, Dqk), v (Tk, Hkv, Dv); lse (Hq, Tq) or None."""
         raise TypeError(f"{self.name} has no packed (thd) kernel; it runs sequence by sequence")
 
+    def runner(self, call: KernelCall):
+        """``run(q, k, v)``: :meth:`run` with ``call`` bound, for the repeated calls of one problem. A backend
+        prepares here what does not change between them (the memoized calls of attnselect.attention use it)."""
+        return lambda q, k, v: self.run(q, k, v, call)
+
+    def packed_runner(self, call: KernelCall):
+        """``run(q, k, v, packing)``: :meth:`run_packed` with ``call`` bound (see :meth:`runner`)."""
+        return lambda q, k, v, packing: self.run_packed(q, k, v, call, packing)
+
     def __repr__(self) -> str:
         return f"<backend {self.name}>"
 
