@@ -62,10 +62,13 @@ class _Broken(RuntimeError):
 def _break_sdpa_flash(monkeypatch):
     from attnselect.backends.sdpa_flash import SdpaFlash
 
-    def attend(self, q, k, v, call, arguments=None, *, forced):  # where SDPA backends call the kernel, forced or not
-        raise _Broken("workspace allocation failed")
+    def runner(self, call, *, repeated=False):  # what attnselect.attention runs
+        def run(q, k, v):
+            raise _Broken("workspace allocation failed")
 
-    monkeypatch.setattr(SdpaFlash, "_attend", attend)
+        return run
+
+    monkeypatch.setattr(SdpaFlash, "runner", runner)
     from attnselect import failures
 
     monkeypatch.setattr(failures, "_FAILED", {})
@@ -118,10 +121,13 @@ def test_a_run_time_failure_is_remembered_by_later_processes_on_the_same_target(
 def test_out_of_memory_is_not_recorded_for_later_processes(monkeypatch, caplog):
     from attnselect.backends.sdpa_flash import SdpaFlash
 
-    def attend(self, q, k, v, call, arguments=None, *, forced):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+    def runner(self, call, *, repeated=False):
+        def run(q, k, v):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
 
-    monkeypatch.setattr(SdpaFlash, "_attend", attend)
+        return run
+
+    monkeypatch.setattr(SdpaFlash, "runner", runner)
     q, k, v = _inputs()
     with caplog.at_level("WARNING", logger="attnselect"):
         attnselect.attention(q, k, v, causal=True)

@@ -81,7 +81,14 @@ def attention(
     if torch.compiler.is_compiling():  # one custom op, decided from the traced shapes (attnselect.ops)
         from attnselect.ops import traced_attention
 
-        return traced_attention(q, k, v, **_options(locals()))
+        # by name: dynamo before torch 2.13 cannot trace locals() (tests/test_ops.py checks the names match)
+        return traced_attention(
+            q, k, v, layout=layout, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded, return_lse=return_lse, backend=backend, pad=pad,
+            disable=disable,
+        )  # fmt: skip
     call_key = _call_key(
         q, k, v, layout, causal, window, scale, dropout_p, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
         cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, return_lse, backend, pad, disable,
@@ -105,7 +112,7 @@ def attention(
         call = kernel_call(problem, scale)
         chosen = backends.get(decision.chosen.backend)
         if layout != "thd":
-            runner = dense_runner(chosen, decision.chosen.pad_to, layout, call)
+            runner = dense_runner(chosen, decision.chosen.pad_to, layout, call, repeated=True)
         else:
             runner = packed_runner(chosen, decision.chosen.pad_to, call) if chosen.packs_thd(target) else None
         known = _KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
@@ -128,7 +135,7 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-# The call options of attention(), read from its signature: they are written out once, there.
+# The call options of attention(), read from its signature (validation and the fallback pass them on).
 _OPTIONS = tuple(
     name for name, parameter in inspect.signature(attention).parameters.items()
     if parameter.kind is inspect.Parameter.KEYWORD_ONLY
@@ -137,7 +144,7 @@ _DESCRIBED = tuple(name for name in _OPTIONS if name in CALL_ARGUMENTS)  # the o
 
 
 def _options(scope: dict, names: tuple = _OPTIONS) -> dict:
-    """attention()'s options from its local scope (the traced call, validation and the fallback pass them on)."""
+    """attention()'s options from its local scope (validation and the fallback pass them on)."""
     return {name: scope[name] for name in names}
 
 
@@ -158,16 +165,23 @@ _CALLS: OrderedDict[tuple, _KnownCall] = OrderedDict()
 register_cache(_CALLS.clear)
 
 
+# What torch.are_deterministic_algorithms_enabled and torch.cuda.is_current_stream_capturing return, without their
+# Python frames (this runs on every call).
+_deterministic = torch._C._get_deterministic_algorithms
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # a CPU build has no CUDA
+
+
 def _call_key(
     q, k, v, layout, causal, window, scale, dropout_p, cu_q, cu_kv, cu_q_padded, cu_kv_padded, max_q, max_kv,
     return_lse, backend, pad, disable,
 ) -> tuple | None:  # fmt: skip
     """A hashable key of a call validated and decided before, or None where the fast path does not apply.
 
-    Dense calls key on the shapes, dtypes, devices and options. Packed (thd) calls do too where nothing else
-    decides their problem: both max_seqlen given as integers, on a GPU (then validation reads no boundary either,
-    attnselect.inputs), no padded offsets, and keys sharing the queries' boundaries (cu_seqlens_kv None or the
-    very tensor); the key adds the boundaries' shape and the two max_seqlen. On the CPU the boundaries are read
+    Dense calls key on the shapes, strides, storage offsets (the runner checks them once), dtypes, devices and
+    options. Packed (thd) calls do too where nothing else decides their problem: both max_seqlen given as
+    integers, on a GPU (then validation reads no boundary either, attnselect.inputs), no padded offsets, and keys
+    sharing the queries' boundaries (cu_seqlens_kv None or the very tensor); the key adds the boundaries' shape
+    and the two max_seqlen. On the CPU the boundaries are read
     and checked on every call.
     """
     if cu_q_padded is not None or cu_kv_padded is not None:
@@ -199,11 +213,11 @@ def _call_key(
     try:
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key = (
-            q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
-            window, scale, dropout_p, return_lse, backend, pad, disable, grad,
-            torch.are_deterministic_algorithms_enabled(), settings.environment_key(), settings.scope(),
-            backends.registry_version(),
-            q.is_cuda and torch.cuda.is_current_stream_capturing(), packed,
+            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.storage_offset(), k.storage_offset(),
+            v.storage_offset(), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
+            window, scale, dropout_p, return_lse, backend, pad, disable, grad, _deterministic(),
+            settings.environment_key(), settings.scope(), backends.registry_version(), q.is_cuda and _capturing(),
+            packed,
         )  # fmt: skip
     except AttributeError:
         return None

@@ -102,12 +102,15 @@ def packed_runner(backend, pad_to, call: KernelCall):
     return run
 
 
-def dense_runner(backend, pad_to, layout, call):
-    """``run(q, k, v) -> (out, lse)`` for dense calls, with the layout permutations worked out once."""
+def dense_runner(backend, pad_to, layout, call, *, repeated: bool = False):
+    """``run(q, k, v) -> (out, lse)`` for dense calls, with the layout permutations worked out once.
+
+    ``repeated``: every call has the first one's shapes, strides, storage offsets, dtypes and gradients
+    (attnselect.attention's memoized calls): what depends on them is worked out on the first call only."""
     to_kernel = _as_function(_PERMUTE[(layout, backend.layout)])
     from_kernel = _as_function(_INVERSE.get((backend.layout, layout)))
     seq_axis = 2 if backend.layout == "bhsd" else 1
-    kernel = backend.runner(call)
+    kernel = backend.runner(call, repeated=repeated)
 
     def run(q, k, v):
         if to_kernel is not None:
@@ -120,6 +123,16 @@ def dense_runner(backend, pad_to, layout, call):
             out, lse = _padded(kernel, pad_to, q, k, v)
         return (from_kernel(out) if from_kernel is not None else out), lse
 
+    if repeated and to_kernel is None and from_kernel is None and pad_to is None:
+        plan = []  # the kernel itself where the inputs need no work (the common case), else run
+
+        def run_repeated(q, k, v):
+            if not plan:
+                direct = q.shape[seq_axis] and k.shape[seq_axis] and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+                plan.append(kernel if direct else run)
+            return plan[0](q, k, v)
+
+        return run_repeated
     return run
 
 

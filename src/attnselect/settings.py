@@ -36,9 +36,7 @@ def strict() -> bool:
     return value == "1"
 
 
-def scope() -> tuple:
-    """The (policy, backend, pad, disable) set by enclosing :func:`overrides` blocks (part of memo keys)."""
-    return _SCOPE.get()
+scope = _SCOPE.get  # () -> the (policy, backend, pad, disable) set by enclosing overrides() blocks (in memo keys)
 
 
 @contextlib.contextmanager

@@ -218,29 +218,28 @@ def test_only_kernel_switches_one_sdpa_kernel_on_for_a_call_and_restores_every_s
     assert [enabled() for _, enabled, _ in _SWITCHES] == before
 
 
-def test_an_sdpa_runner_forces_its_kernel_until_a_call_repeats_and_dispatch_is_seen_to_reach_it(monkeypatch):
+def test_a_repeated_sdpa_runner_forces_its_kernel_only_where_torchs_dispatch_would_not_reach_it(monkeypatch):
     from torch.nn.attention import SDPBackend
 
     from attnselect.backends import _sdpa
     from attnselect.execution import kernel_call
 
-    forced = []
-    enter = _sdpa.only_kernel.__enter__
+    forced, asked = [], []
+    enter, choice = _sdpa.only_kernel.__enter__, torch._fused_sdp_choice
     monkeypatch.setattr(_sdpa.only_kernel, "__enter__", lambda self: forced.append(self.kernel) or enter(self))
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **kw: asked.append(1) or choice(*a, **kw))
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))  # bhsd, float32: torch's CPU dispatch picks flash
     call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd"))
-    flash, math = backends.get("sdpa_flash").runner(call), backends.get("sdpa_math").runner(call)
+    flash, math = (backends.get(name).runner(call, repeated=True) for name in ("sdpa_flash", "sdpa_math"))
     expected = backends.get("reference").run(q, k, v, call)[0]
     for _ in range(3):
         assert rel_err(flash(q, k, v)[0], expected) < 1e-5 and rel_err(math(q, k, v)[0], expected) < 1e-5
-    # the first call of each forces; after that flash is reached by default dispatch, math never is
-    assert forced == [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH, SDPBackend.MATH, SDPBackend.MATH]
-    with torch.nn.attention.sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]):  # new switches: forced again
+    assert forced == [SDPBackend.MATH] * 3 and len(asked) == 2  # dispatch asked once per runner
+    with torch.nn.attention.sdpa_kernel([SDPBackend.MATH]):  # new switches: asked again, and now forced
         flash(q, k, v)
-        flash(q, k, v)
-    assert forced[4:] == [SDPBackend.FLASH_ATTENTION]
-    flash(q, k, v)  # torch's switches again: a new state, forced once
-    flash(q, k, v)
-    flash(q[..., :8].contiguous(), k[..., :8].contiguous(), v[..., :8].contiguous())  # new shapes: forced
-    flash(torch.cat([q, q], dim=-1)[..., :16], k, v)  # new strides: forced
-    assert forced[5:] == [SDPBackend.FLASH_ATTENTION] * 3
+    assert forced[3:] == [SDPBackend.FLASH_ATTENTION] and len(asked) == 3
+    flash(q, k, v)  # torch's own switches again
+    assert forced[4:] == [] and len(asked) == 4
+    once = backends.get("sdpa_flash").runner(call)  # not repeated: forced on every call, dispatch never asked
+    once(q, k, v)
+    assert forced[4:] == [SDPBackend.FLASH_ATTENTION] and len(asked) == 4

@@ -14,6 +14,7 @@ K/V are expanded first. SDPA does not return the log-sum-exp, so these surfaces 
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import ClassVar
 
 import torch
@@ -33,27 +34,28 @@ class SdpaBackend(Backend):
     def run(self, q, k, v, call: KernelCall):
         return self._attend(q, k, v, call, forced=True)
 
-    def runner(self, call: KernelCall):
+    def runner(self, call: KernelCall, *, repeated: bool = False):
         """Forces the kernel only where torch's own dispatch would not reach it (forcing costs as much host time
         as a small kernel's launch). Dispatch (``torch._fused_sdp_choice``, sdp_utils.cpp select_sdp_backend)
-        reads the shapes, strides and storage offsets (cuDNN's layout checks, mem-efficient's alignment) and
-        every kernel's switch; when a call repeats the previous one's, dispatch is asked once whether it reaches
-        the kernel. Dtypes, devices, gradients and options do not change for one runner (attnselect.attention
-        memoizes a runner per call key)."""
-        seen = [None, None, None]  # the previous call's dispatch state, its arguments, and whether default
-        # dispatch reaches the kernel with them
+        reads the shapes, strides and storage offsets (cuDNN's layout checks, mem-efficient's alignment),
+        dtypes, options, gradients and every kernel's switch; a ``repeated`` runner's calls share all but the
+        switches (attnselect.attention memoizes one per call key), so dispatch is asked once per switch state."""
+        if not repeated:
+            return lambda q, k, v: self._attend(q, k, v, call, forced=True)
+        seen = [None, None, False]  # the switches of the previous call, the arguments, whether dispatch reaches
 
         def run(q, k, v):
-            state = (
-                q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.storage_offset(),
-                k.storage_offset(), v.storage_offset(), *[enabled() for enabled in _ENABLED],
-            )  # fmt: skip
-            if state != seen[0]:
-                seen[:] = state, self._arguments(q, k, call), None
+            switches = tuple(map(_call, _ENABLED))
+            if switches != seen[0]:
+                arguments = seen[1] or self._arguments(q, k, call)
+                seen[:] = switches, arguments, self._reaches_by_default(q, k, v, call, arguments)
+            if not seen[2]:
                 return self._attend(q, k, v, call, seen[1], forced=True)
-            if seen[2] is None:
-                seen[2] = self._reaches_by_default(q, k, v, call, seen[1])
-            return self._attend(q, k, v, call, seen[1], forced=not seen[2])
+            attn_mask, is_causal, gqa, no_key = seen[1]
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask, call.dropout_p, is_causal, scale=call.scale, enable_gqa=gqa
+            )
+            return (out if no_key is None else out.masked_fill(no_key, 0.0)), None
 
         return run
 
@@ -73,7 +75,7 @@ class SdpaBackend(Backend):
         if gqa and not self.native_gqa:
             k, v = expand_kv_heads(q, k, v)
             gqa = False
-        with only_kernel(self.kernel) if forced else _UNFORCED:
+        with only_kernel(self.kernel) if forced else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask, call.dropout_p, is_causal, scale=call.scale, enable_gqa=gqa
             )
@@ -83,16 +85,12 @@ class SdpaBackend(Backend):
 
     def _reaches_by_default(self, q, k, v, call: KernelCall, arguments) -> bool:
         attn_mask, is_causal, gqa, _ = arguments
-        if gqa and not self.native_gqa:
-            k, v = expand_kv_heads(q, k, v)
-            gqa = False
+        if gqa and not self.native_gqa:  # K/V are expanded on every call: forced
+            return False
         choice = torch._fused_sdp_choice(
             q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal, enable_gqa=gqa
         )
         return choice == self.kernel.value
-
-
-_UNFORCED = contextlib.nullcontext()
 
 
 # Each SDPA kernel's global switch, as torch.nn.attention.sdpa_kernel reads and sets them (its _backend_names).
@@ -102,6 +100,7 @@ _SWITCHES = tuple(
     for name, kernel in _backend_names.items()
 )  # fmt: skip
 _ENABLED = tuple(enabled for _, enabled, _ in _SWITCHES)
+_call = getattr(operator, "call", lambda f: f())  # operator.call: Python 3.11+
 
 
 class only_kernel:  # noqa: N801 (a context manager, named as sdpa_kernel is)

@@ -150,9 +150,10 @@ class Backend:
         """Packed attention: q (Tq, Hq, Dqk), k (Tk, Hkv, Dqk), v (Tk, Hkv, Dv); lse (Hq, Tq) or None."""
         raise TypeError(f"{self.name} has no packed (thd) kernel; it runs sequence by sequence")
 
-    def runner(self, call: KernelCall):
-        """``run(q, k, v)``: :meth:`run` with ``call`` bound, for the repeated calls of one problem. A backend
-        prepares here what does not change between them (the memoized calls of attnselect.attention use it)."""
+    def runner(self, call: KernelCall, *, repeated: bool = False):
+        """``run(q, k, v)``: :meth:`run` with ``call`` bound. A backend prepares here what does not change between
+        calls; ``repeated``: every call has the first one's shapes, strides, storage offsets, dtypes and gradients
+        (the memoized calls of attnselect.attention, keyed on them)."""
         return lambda q, k, v: self.run(q, k, v, call)
 
     def packed_runner(self, call: KernelCall):
