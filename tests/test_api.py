@@ -267,7 +267,7 @@ def _packed_key(cu_kv="same", max_q=7, max_kv=7, device="meta", padded=None):
     cu = torch.empty(3, dtype=torch.int32, device=device)
     cu_kv = cu if cu_kv == "same" else cu_kv
     return api._call_key(q, q, q, "thd", True, None, None, 0.0, cu, cu_kv, padded, None, max_q, max_kv, False, None,
-                         None, None)  # fmt: skip
+                         None, None, None, None, False)  # fmt: skip
 
 
 def test_a_packed_call_keys_the_fast_path_only_where_its_problem_follows_from_the_key():

@@ -15,7 +15,7 @@ from attnselect.call import KernelCall, Packing
 from attnselect.candidates import Candidate
 from attnselect.decision import Decision
 from attnselect.errors import AttnSelectError, InvalidInputError
-from attnselect.execution import dense_runner, kernel_call, packed_runner, run_call
+from attnselect.execution import apply_sinks, dense_runner, kernel_call, packed_runner, run_call
 from attnselect.failures import mark_failed
 from attnselect.inputs import check_scale
 from attnselect.problem import CALL_ARGUMENTS, AttentionProblem, describe_call
@@ -43,6 +43,9 @@ def attention(
     cu_seqlens_q_padded: torch.Tensor | None = None,
     cu_seqlens_kv_padded: torch.Tensor | None = None,
     return_lse: bool = False,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    return_max_logit: bool = False,
     backend: str | None = None,
     pad: bool | str | None = None,
     disable=None,
@@ -66,12 +69,23 @@ def attention(
         cu_seqlens_q_padded, cu_seqlens_kv_padded: thd only, where each sequence starts when the packing
             leaves gaps between sequences (Megatron's cu_seqlens_*_padded); gap tokens get a zero output.
         return_lse: also return the natural log-sum-exp of the scaled scores, float32,
-            (B, Hq, Sq) dense or (Hq, Tq) thd, detached. -inf on rows with no visible key.
+            (B, Hq, Sq) dense or (Hq, Tq) thd, detached. -inf on rows with no visible key. With sinks it
+            includes them: logaddexp(lse, sink).
+        softcap: cap the scaled logits at ``softcap * tanh(logits / softcap)`` before the mask (Gemma 2), a
+            number > 0.
+        sinks: learnable sink logits, a (Hq,) tensor (gpt-oss): each head's sink joins every row's softmax
+            denominator and is dropped, ``softmax([logits, sink])[:-1]``; not scaled; it gets a gradient.
+        return_max_logit: also return each query head's largest logit (after scale and softcap, sinks
+            left out, as TransformerEngine's return_max_logit), float32 (Hq,), detached: the maximum over
+            the batch, every query and its visible keys (thd: over every sequence); -inf for a head with
+            no visible key. A rank of a context-parallel or data-parallel group holds its local maximum: an
+            all-reduce with MAX gives the global one (what Megatron's QK-clip does).
         backend, pad, disable: force a backend, force ("always"/True) or forbid ("never"/False)
             padding, exclude backends; default to ATTNSELECT_BACKEND / _PAD / _DISABLE.
 
     Returns:
-        ``out`` in the layout of q with head dim Dv, or ``(out, lse)``.
+        ``out`` in the layout of q with head dim Dv; with return_lse and/or return_max_logit a tuple in
+        this order: ``(out, lse)``, ``(out, max_logit)`` or ``(out, lse, max_logit)``.
 
     Packed (thd) input runs on a packed kernel where one serves the call, else sequence by
     sequence (which reads the boundaries on the host). When an automatically chosen kernel
@@ -86,12 +100,13 @@ def attention(
             q, k, v, layout=layout, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
             max_seqlen_kv=max_seqlen_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
-            cu_seqlens_kv_padded=cu_seqlens_kv_padded, return_lse=return_lse, backend=backend, pad=pad,
-            disable=disable,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded, return_lse=return_lse, softcap=softcap, sinks=sinks,
+            return_max_logit=return_max_logit, backend=backend, pad=pad, disable=disable,
         )  # fmt: skip
     call_key = _call_key(
         q, k, v, layout, causal, window, scale, dropout_p, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-        cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, return_lse, backend, pad, disable,
+        cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, return_lse, backend, pad, disable, softcap, sinks,
+        return_max_logit,
     )  # fmt: skip
     try:
         known = _CALLS.get(call_key) if call_key is not None else None
@@ -101,7 +116,7 @@ def attention(
     if known is not None and layout == "thd":  # a packed call whose problem follows from its key (_call_key)
         packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
     if known is None:  # else the same shapes, dtypes, devices and options were validated and decided before
-        check_scale(scale)
+        check_scale(scale)  # softcap, sinks and return_max_logit are read by describe_call
         problem, packing = describe_call(q, k, v, **_options(locals(), _DESCRIBED))
         target = target_for_device(q.device)
         decision = (
@@ -109,7 +124,7 @@ def attention(
             if packing is None
             else select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)
         )
-        call = kernel_call(problem, scale)
+        call = kernel_call(problem, scale, softcap)
         chosen = backends.get(decision.chosen.backend)
         if layout != "thd":
             runner = dense_runner(chosen, decision.chosen.pad_to, layout, call, repeated=True)
@@ -122,9 +137,13 @@ def attention(
                 _CALLS.popitem(last=False)
     try:
         if known.runner is not None:  # the hottest path: a prepared runner
-            out, lse = known.runner(q, k, v) if packing is None else known.runner(q, k, v, packing)
+            out, lse, *max_logit = known.runner(q, k, v) if packing is None else known.runner(q, k, v, packing)
         else:  # thd sequence by sequence
-            out, lse = run_call(known.chosen, known.problem, known.call, q, k, v, packing=packing, target=known.target)
+            out, lse, *max_logit = run_call(
+                known.chosen, known.problem, known.call, q, k, v, packing=packing, target=known.target
+            )
+        if sinks is not None:
+            out, lse = apply_sinks(out, lse, sinks, layout)
     except AttnSelectError:
         raise
     except Exception as exc:  # a kernel that fails at run time: fall back unless told to be strict
@@ -132,7 +151,9 @@ def attention(
             raise
         mark_failed(known.problem, known.target, known.chosen, exc)
         return attention(q, k, v, **_options(locals()))
-    return (out, lse) if return_lse else out
+    if not (return_lse or return_max_logit):
+        return out
+    return (out, *((lse.detach(),) if return_lse else ()), *max_logit)
 
 
 # The call options of attention(), read from its signature (validation and the fallback pass them on).
@@ -173,7 +194,7 @@ _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False) 
 
 def _call_key(
     q, k, v, layout, causal, window, scale, dropout_p, cu_q, cu_kv, cu_q_padded, cu_kv_padded, max_q, max_kv,
-    return_lse, backend, pad, disable,
+    return_lse, backend, pad, disable, softcap, sinks, return_max_logit,
 ) -> tuple | None:  # fmt: skip
     """A hashable key of a call validated and decided before, or None where the fast path does not apply.
 
@@ -205,17 +226,23 @@ def _call_key(
     if not (
         type(causal) in (bool, str)
         and type(scale) in (float, int, type(None))
+        and type(softcap) in (float, int, type(None))
         and type(return_lse) is bool
+        and type(return_max_logit) is bool
         and type(pad) in (bool, str, type(None))
         and (window is None or (type(window) is tuple and all(type(x) is int for x in window)))
     ):
         return None  # 1 == True and 2.0 == 2 as keys: the slow path refuses what it must, whatever ran before
     try:
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+        )
+        sink = None if sinks is None else (sinks.shape, sinks.dtype, sinks.device)
         key = (
             q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.storage_offset(), k.storage_offset(),
             v.storage_offset(), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
-            window, scale, dropout_p, return_lse, backend, pad, disable, grad, _deterministic(),
+            window, scale, dropout_p, return_lse, softcap, sink, return_max_logit, backend, pad, disable, grad,
+            _deterministic(),
             settings.environment_key(), settings.scope(), backends.registry_version(), q.is_cuda and _capturing(),
             packed,
         )  # fmt: skip

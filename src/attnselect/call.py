@@ -27,6 +27,8 @@ class KernelCall:
     dropout_p: float
     return_lse: bool
     deterministic: bool = False
+    softcap: float | None = None  # logits become softcap * tanh(logits / softcap)
+    return_max_logit: bool = False  # also return the per-head maximum logit, float32 (Hq,)
 
 
 @dataclass(frozen=True)

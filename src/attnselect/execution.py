@@ -53,15 +53,34 @@ def run_candidate(
     return run_call(candidate, problem, kernel_call(problem, scale), q, k, v, packing=packing, target=target)
 
 
-def kernel_call(problem: AttentionProblem, scale: float | None = None) -> KernelCall:
+def kernel_call(problem: AttentionProblem, scale: float | None = None, softcap: float | None = None) -> KernelCall:
     return KernelCall(
         mask=problem.mask,
         window=problem.window,
         scale=problem.default_scale if scale is None else float(scale),
         dropout_p=problem.dropout_p,
-        return_lse=problem.return_lse,
+        return_lse=problem.return_lse or problem.sinks,  # sinks rescale the output by the lse (apply_sinks)
         deterministic=problem.deterministic,
+        softcap=float(softcap) if softcap is not None else TIMING_SOFTCAP if problem.softcap else None,
+        return_max_logit=problem.return_max_logit,
     )
+
+
+TIMING_SOFTCAP = 50.0  # a softcap problem timed without a value (Gemma 2's attn_logit_softcapping)
+
+
+def apply_sinks(out, lse, sinks, layout: str):
+    """Learnable sinks as gpt-oss defines them: each head's sink logit joins every row's softmax denominator and
+    is then dropped, so ``out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink)`` and the new lse is
+    ``logaddexp(lse, sink)`` (transformers' flex integration, gpt-oss). Exact, and differentiable through the
+    lse (rows that see no key keep a zero output). ``lse`` is (B, Hq, Sq), or (Hq, T) for thd."""
+    sink = sinks.to(lse.dtype)
+    sink = sink[:, None] if layout == "thd" else sink[None, :, None]
+    weight = torch.sigmoid(lse - sink).permute(_LSE_TO_OUT[layout])  # lse's axes in the order of out's
+    return out * weight[..., None].to(out.dtype), torch.logaddexp(lse, sink)
+
+
+_LSE_TO_OUT = {"thd": (1, 0), "bshd": (0, 2, 1), "bhsd": (0, 1, 2), "sbhd": (2, 0, 1)}
 
 
 def run_call(
@@ -91,8 +110,8 @@ def packed_runner(backend, pad_to, call: KernelCall):
 
     def run(q, k, v, packing):
         if q.shape[0] == 0 or k.shape[0] == 0:
-            out, lse = _empty_result(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 1, call.return_lse)
-            return out[0], (lse[0] if lse is not None else None)  # (1, H, T) -> (H, T)
+            out, lse, *max_logit = _empty_result(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 1, call)
+            return out[0], (lse[0] if lse is not None else None), *max_logit  # (1, H, T) -> (H, T)
         if buckets is not None:
             packing = bucketed(packing, buckets)
         if pad_to is None and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
@@ -116,12 +135,12 @@ def dense_runner(backend, pad_to, layout, call, *, repeated: bool = False):
         if to_kernel is not None:
             q, k, v = to_kernel(q), to_kernel(k), to_kernel(v)
         if q.shape[seq_axis] == 0 or k.shape[seq_axis] == 0:
-            out, lse = _empty_result(q, k, v, seq_axis, call.return_lse)
+            out, *stats = _empty_result(q, k, v, seq_axis, call)
         elif pad_to is None and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
-            out, lse = kernel(q, k, v)
+            out, *stats = kernel(q, k, v)
         else:
-            out, lse = _padded(kernel, pad_to, q, k, v)
-        return (from_kernel(out) if from_kernel is not None else out), lse
+            out, *stats = _padded(kernel, pad_to, q, k, v)
+        return (from_kernel(out) if from_kernel is not None else out), *stats
 
     if repeated and to_kernel is None and from_kernel is None and pad_to is None:
         plan = []  # the kernel itself where the inputs need no work (the common case), else run
@@ -155,17 +174,18 @@ def _padded(run, pad_to, q, k, v):
     if pad_to is None:
         return run(q, k, v)
     d_v = v.shape[-1]
-    out, lse = run(*(t if t.shape[-1] == pad_to else F.pad(t, (0, pad_to - t.shape[-1])) for t in (q, k, v)))
-    return out[..., :d_v], lse
+    out, *stats = run(*(t if t.shape[-1] == pad_to else F.pad(t, (0, pad_to - t.shape[-1])) for t in (q, k, v)))
+    return out[..., :d_v], *stats  # zero-padded q and k leave every logit, so the lse and the max logit, unchanged
 
 
-def _empty_result(q, k, v, seq_axis, return_lse):
-    """No queries, or no keys: zero output rows and lse = -inf (no visible key)."""
+def _empty_result(q, k, v, seq_axis, call: KernelCall):
+    """No queries, or no keys: zero output rows, lse = -inf and max logit = -inf (no visible key)."""
     out = _connected_zeros(list(q.shape[:-1]) + [v.shape[-1]], q, k, v)
-    if not return_lse:
-        return out, None
     b, h, s = (q.shape[0], q.shape[1], q.shape[2]) if seq_axis == 2 else (q.shape[0], q.shape[2], q.shape[1])
-    return out, torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device) if call.return_lse else None
+    if not call.return_max_logit:
+        return out, lse
+    return out, lse, torch.full((h,), float("-inf"), dtype=torch.float32, device=q.device)
 
 
 def _connected_zeros(shape, q, k, v) -> torch.Tensor:
@@ -194,7 +214,7 @@ def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
     if packing.has_gaps:
         check_offsets("cu_seqlens_q_padded", starts_q, lengths_of(bounds_q), q.shape[0])
         check_offsets("cu_seqlens_kv_padded", starts_kv, lengths_of(bounds_kv), k.shape[0])
-    pieces, lses, cursor = [], [], 0
+    pieces, lses, maxima, cursor = [], [], [], 0
     hq, d_v = q.shape[1], v.shape[-1]
     run_sequence = dense_runner(backend, pad_to, "bshd", call)
     for i in range(len(bounds_q) - 1):
@@ -204,11 +224,12 @@ def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
             pieces.append(q.new_zeros(q0 - cursor, hq, d_v))
             lses.append(torch.full((hq, q0 - cursor), float("-inf"), dtype=torch.float32, device=q.device))
         if n_q:
-            out, lse = run_sequence(
+            out, lse, *max_logit = run_sequence(
                 q[q0 : q0 + n_q].unsqueeze(0), k[k0 : k0 + n_kv].unsqueeze(0), v[k0 : k0 + n_kv].unsqueeze(0)
             )
             pieces.append(out.squeeze(0))
             lses.append(lse.squeeze(0) if lse is not None else None)
+            maxima += max_logit
         cursor = q0 + n_q
     if cursor < q.shape[0]:  # trailing padding
         pieces.append(q.new_zeros(q.shape[0] - cursor, hq, d_v))
@@ -216,6 +237,10 @@ def _run_per_sequence(backend, pad_to, problem, call, q, k, v, packing):
     out = torch.cat(pieces) if pieces else q.new_zeros(0, hq, d_v)
     if not out.requires_grad and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out = out + _connected_zeros((), q, k, v)  # no sequence had a query: only gaps or nothing
-    if not call.return_lse:
-        return out, None
-    return out, (torch.cat(lses, dim=1) if lses else torch.zeros(hq, 0, dtype=torch.float32, device=q.device))
+    lse = None
+    if call.return_lse:
+        lse = torch.cat(lses, dim=1) if lses else torch.zeros(hq, 0, dtype=torch.float32, device=q.device)
+    if not call.return_max_logit:
+        return out, lse
+    everywhere = torch.full((1, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse, torch.cat([everywhere, *(m[None] for m in maxima)]).amax(0)  # over the sequences

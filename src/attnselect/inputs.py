@@ -41,6 +41,9 @@ def read_call(
     scale=None,
     cu_seqlens_q_padded=None,
     cu_seqlens_kv_padded=None,
+    softcap=None,
+    sinks=None,
+    return_max_logit=False,
 ) -> tuple[dict, Packing | None]:
     """Validate q, k, v and the call arguments; return the fields of its
     :class:`~attnselect.problem.AttentionProblem` and, for thd, the packing.
@@ -131,9 +134,14 @@ def read_call(
             "keys; windows are bottom-right aligned: use causal='bottom_right'",
         )
     check_scale(scale)
-    if not isinstance(return_lse, bool):
-        _fail("return_lse", repr(return_lse), "True or False")
-    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    for name, flag in (("return_lse", return_lse), ("return_max_logit", return_max_logit)):
+        if not isinstance(flag, bool):
+            _fail(name, repr(flag), "True or False")
+    check_softcap(softcap)
+    check_sinks(sinks, hq, q)
+    training = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+    )
     return dict(
         batch=batch,
         seqlen_q=sq,
@@ -150,11 +158,35 @@ def read_call(
         training=training,
         deterministic=torch.are_deterministic_algorithms_enabled(),
         return_lse=return_lse,
+        softcap=softcap is not None,
+        sinks=sinks is not None,
+        return_max_logit=return_max_logit,
         context_parallel_size=context_parallel_size,
         varlen_gaps=packing is not None and packing.has_gaps,
         cuda_graph_capture=capturing,
         **facts,
     ), packing
+
+
+def check_softcap(softcap) -> None:
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0
+    ):
+        _fail("softcap", _describe(softcap), "None or a finite number > 0 (logits become softcap*tanh(logits/softcap))")
+
+
+def check_sinks(sinks, heads_q: int, q) -> None:
+    """Learnable sinks: one logit per query head, a floating tensor on q's device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        _fail("sinks", type(sinks).__name__, f"None or a tensor of shape ({heads_q},), one logit per query head")
+    if tuple(sinks.shape) != (heads_q,):
+        _fail("sinks.shape", tuple(sinks.shape), f"({heads_q},): one logit per query head")
+    if sinks.dtype not in DTYPES:
+        _fail("sinks.dtype", sinks.dtype, "one of float16, bfloat16, float32, float64")
+    if sinks.device != q.device:
+        _fail("sinks.device", sinks.device, f"q's device {q.device}")
 
 
 def check_scale(scale) -> None:

@@ -63,11 +63,21 @@ def traced_attention(
     cu_seqlens_q_padded,
     cu_seqlens_kv_padded,
     return_lse,
+    softcap,
+    sinks,
+    return_max_logit,
     backend,
     pad,
     disable,
 ):
     """:func:`attnselect.attention` while torch.compile traces it (same arguments, same results)."""
+    variants = (("softcap", softcap, None), ("sinks", sinks, None), ("return_max_logit", return_max_logit, False))
+    for name, value, off in variants:
+        if value is not off:
+            raise InvalidInputError(
+                f"{name}: got {value!r} under torch.compile, expected {off}: softcap, sinks and the max logit are "
+                "served in eager calls only for now"
+            )
     if layout == "thd" and (max_seqlen_q is None or max_seqlen_kv is None):
         raise InvalidInputError(
             f"max_seqlen_q/max_seqlen_kv: got {max_seqlen_q}/{max_seqlen_kv}, expected both "

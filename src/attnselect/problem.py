@@ -45,6 +45,9 @@ class AttentionProblem:
     training: bool = False
     deterministic: bool = False
     return_lse: bool = False
+    softcap: bool = False  # logits are capped: softcap * tanh(logits / softcap)
+    sinks: bool = False  # learnable per-head sink logits join each row's softmax denominator
+    return_max_logit: bool = False  # the per-head maximum logit is returned too
     context_parallel_size: int = 1
     fp8: bool = False
     cuda_graph_capture: bool = False  # the call is being captured into a CUDA graph (no host syncs, no timing)

@@ -95,9 +95,11 @@ def _documented_flash_attn_varlen_func(
     causal=False,
     window_size=(None, None),
     deterministic=False,
+    softcap=0.0,
     return_lse=False,
 ):
     """flash_attn.cute.flash_attn_varlen_func as documented: (T, H, D) in and out, lse (H, T), per sequence."""
+    assert softcap == 0.0  # 0 is off
     dense = _documented_flash_attn_func(None, "return_lse", True)
     bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     assert max_seqlen_q >= max(b - a for a, b in zip(bq, bq[1:])) and max_seqlen_k >= max(

@@ -71,6 +71,7 @@ class FlashAttnPackageBackend(Backend):
             "causal": causal,
             "window_size": window,
             "deterministic": call.deterministic,
+            "softcap": call.softcap or 0.0,  # 0 is off (every package's flash_attn_func)
             self.lse_argument: call.return_lse,
         }
         if self.dropout_argument:

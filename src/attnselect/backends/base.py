@@ -38,6 +38,9 @@ class Surface:
     dropout: bool = True
     backward: bool = True
     lse: bool = True
+    lse_gradient: bool = False  # its lse carries a gradient (sinks rescale the output by it in training)
+    softcap: bool = False  # caps logits: softcap * tanh(logits / softcap)
+    max_logit: bool = False  # returns the per-head maximum logit
     deterministic_backward: bool = True
     context_parallel: bool = False
     fp8: bool = False
@@ -103,6 +106,16 @@ class Surface:
             r.append("has no backward kernel, and training needs one")
         if p.return_lse and not self.lse:
             r.append("cannot return the log-sum-exp (return_lse=True)")
+        if p.softcap and not self.softcap:
+            r.append("has no logit softcapping (softcap=); flex, FlashAttention 2/3/4 and the reference have it")
+        if p.sinks and not self.lse:
+            r.append("returns no log-sum-exp, which attnselect needs to apply sinks (sinks=)")
+        elif p.sinks and p.training and not self.lse_gradient:
+            r.append("cannot train sinks (sinks=): its log-sum-exp carries no gradient, which the sink rescaling needs")
+        if p.return_max_logit and not self.max_logit:
+            r.append("cannot return the max logit (return_max_logit=True); flex on CUDA and the reference can")
+        if p.compiled_graph and (p.sinks or p.return_max_logit):
+            r.append("sinks and the max logit are served outside torch.compile only")
         if p.training and p.deterministic and not self.deterministic_backward:
             r.append("has no deterministic backward (deterministic=True)")
         if p.context_parallel_size > 1 and not self.context_parallel:

@@ -27,6 +27,7 @@ class FlashAttn2(FlashAttnPackageBackend):
             context_parallel=True,
             causal_is_bottom_right=True,
             cuda_graphs=False,
+            softcap=True,  # flash_attn_interface.py softcap=, forward and backward
         )
     }
 
@@ -35,4 +36,7 @@ class FlashAttn2(FlashAttnPackageBackend):
         # TransformerEngine utils.py: sliding windows need flash-attn 2.3+.
         if p.mask == "sliding_window" and not t.at_least("flash_attn_version", "2.3"):
             r.append(f"sliding windows need flash-attn >= 2.3, the target has {t.flash_attn_version}")
+        # csrc/flash_attn/flash_api.cpp: "Softcapping does not support dropout for now".
+        if p.softcap and p.dropout_p:
+            r.append("cannot softcap with dropout (flash_api.cpp); drop one of softcap= and dropout_p=")
         return r

@@ -28,6 +28,7 @@ class FlashAttn3(FlashAttnPackageBackend):
             context_parallel=True,
             causal_is_bottom_right=True,
             cuda_graphs=False,
+            softcap=True,  # hopper/flash_api.cpp SOFTCAP_SWITCH, forward and backward
         )
     }
 

@@ -47,6 +47,10 @@ class FlashAttn4(FlashAttnPackageBackend):
             dropout=False,
             causal_is_bottom_right=True,
             packed=True,
+            # flash_attn/cute/interface.py: softcap= becomes a score_mod with its backward (SM90+); the returned
+            # lse takes a gradient (dlse in the backward when return_lse=True).
+            softcap=True,
+            lse_gradient=True,
         )
     }
     # interface.py _flash_attn_fwd: cute.compile once per compile_key (dtype, head dims, GQA ratio, causal,

@@ -44,9 +44,14 @@ class Flex(Backend):
         # document masks a fake-tensor error in create_block_mask): measured on the H200 with torch 2.11
         # and on the CPU with torch 2.13, so no compiled graphs on either. Inductor's flex template
         # (torch/_inductor/kernel/flex_attention.py) refuses head dims below 16: "NYI: embedding dimension of the
-        # query, key, and value must be at least 16".
+        # query, key, and value must be at least 16". Softcap is a score_mod; its lse carries a gradient and
+        # AuxRequest(max_scores=True) gives each row's largest logit on CUDA only ("Returning max scores is not
+        # supported on CPU/MPS"): torch/nn/attention/flex_attention.py, torch/_higher_order_ops/flex_attention.py.
         "cuda": Surface(
             dtypes=ALL_DTYPES - {torch.float64},
+            lse_gradient=True,
+            softcap=True,
+            max_logit=True,
             min_capability=(8, 0),
             max_head_dim=256,
             min_head_dim=16,
@@ -57,7 +62,15 @@ class Flex(Backend):
             compiled_graphs=False,
         ),
         # Eager (unfused) on the CPU: "FlexAttention does not support backward on CPU" (torch 2.13).
-        "cpu": Surface(dtypes=ALL_DTYPES, dropout=False, backward=False, packed=True, gaps=True, compiled_graphs=False),
+        "cpu": Surface(
+            dtypes=ALL_DTYPES,
+            dropout=False,
+            backward=False,
+            packed=True,
+            gaps=True,
+            compiled_graphs=False,
+            softcap=True,
+        ),
     }
 
     # A packed call builds a document mask for every new boundary tensor: 3 to 26 ms a packing on the H200
@@ -77,22 +90,42 @@ class Flex(Backend):
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
         block_mask = _document_block_mask(packing, call.mask, call.window, q.shape[0], k.shape[0], q.device)
         # Packed totals change from step to step: let torch.compile make that dimension dynamic.
-        out, lse = _flex(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask, call, dynamic=None)
-        return out[0].transpose(0, 1), (lse[0] if lse is not None else None)
+        out, lse, *max_logit = _flex(
+            *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask, call, dynamic=None
+        )
+        return out[0].transpose(0, 1), (lse[0] if lse is not None else None), *max_logit
 
 
 def _flex(q, k, v, block_mask, call, dynamic):
+    """flex_attention for one call: ``(out, lse)``, and the per-head max logit after them where asked for."""
     from torch.nn.attention import flex_attention as flex
 
     fn = _compiled_flex(dynamic) if q.is_cuda else _eager_flex
     options = dict(block_mask=block_mask, scale=call.scale, enable_gqa=q.shape[1] != k.shape[1])
-    if not call.return_lse:
+    if call.softcap is not None:
+        options["score_mod"] = _softcap_mod(call.softcap)
+    if not (call.return_lse or call.return_max_logit):
         return fn(q, k, v, **options), None
-    if hasattr(flex, "AuxRequest"):  # newer torch, where return_lse is deprecated
-        out, aux = fn(q, k, v, return_aux=flex.AuxRequest(lse=True), **options)
-        return out, aux.lse.float()
-    out, lse = fn(q, k, v, return_lse=True, **options)
-    return out, lse.float()
+    if not hasattr(flex, "AuxRequest"):  # torch before 2.9: return_lse only
+        out, lse = fn(q, k, v, return_lse=True, **options)
+        return out, lse.float()
+    # max_scores: each row's largest logit after score_mod and the mask (-inf where none is visible)
+    request = flex.AuxRequest(lse=call.return_lse, max_scores=call.return_max_logit)
+    out, aux = fn(q, k, v, return_aux=request, **options)
+    lse = aux.lse.float() if call.return_lse else None
+    if not call.return_max_logit:
+        return out, lse
+    return out, lse, aux.max_scores.detach().float().amax(dim=(0, 2))
+
+
+@functools.lru_cache(maxsize=16)
+def _softcap_mod(softcap: float):
+    """Gemma 2's logit softcap as a score_mod (one function per value, so compiled flex reuses its graph)."""
+
+    def softcap_mod(score, batch, head, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return softcap_mod
 
 
 def _eager_flex(q, k, v, **options):

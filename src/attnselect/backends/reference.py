@@ -1,7 +1,8 @@
 """``reference``: eager matmul + softmax in PyTorch, on any device and dtype (float64 included).
 
 Half-precision inputs are computed in float32 and the output cast back; float64 stays float64.
-Rows with no visible key give a zero output and lse = -inf. The lse is float32 and detached.
+Rows with no visible key give a zero output and lse = -inf. The lse is float32 and carries a gradient (sinks
+rescale the output by it); the max logit is float32 (Hq,), over the batch, the queries and the visible keys.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from attnselect import masks
 from attnselect.backends.base import ALL_DTYPES, Backend, Surface, expand_kv_heads
 from attnselect.call import KernelCall
 
-_SURFACE = Surface(dtypes=ALL_DTYPES)
+_SURFACE = Surface(dtypes=ALL_DTYPES, lse_gradient=True, softcap=True, max_logit=True)
 
 
 class Reference(Backend):
@@ -25,13 +26,19 @@ class Reference(Backend):
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         k, v = expand_kv_heads(q, k, v)
         scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * call.scale
+        if call.softcap is not None:  # Gemma 2: the scaled logits are capped before the mask
+            scores = call.softcap * torch.tanh(scores / call.softcap)
         allowed = masks.visible(call.mask, call.window, q.shape[-2], k.shape[-2], q.device)
+        max_logit = None
+        if call.return_max_logit:
+            visible = scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
+            max_logit = visible.detach().amax(dim=(0, 2, 3)).float()
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
             empty_row = ~allowed.any(-1, keepdim=True)  # (Sq, 1)
             scores = scores.masked_fill(empty_row, 0.0)  # keep softmax and its gradient finite
         probs = torch.softmax(scores, dim=-1)
-        lse = torch.logsumexp(scores, dim=-1).detach() if call.return_lse else None
+        lse = torch.logsumexp(scores, dim=-1) if call.return_lse else None
         if allowed is not None:
             probs = probs.masked_fill(empty_row, 0.0)
             if lse is not None:
@@ -39,4 +46,5 @@ class Reference(Backend):
         if call.dropout_p:
             probs = torch.nn.functional.dropout(probs, p=call.dropout_p)
         out = torch.matmul(probs, v.to(compute)).to(q.dtype)
-        return out, (lse.float() if lse is not None else None)
+        lse = lse.float() if lse is not None else None
+        return (out, lse) if max_logit is None else (out, lse, max_logit)
