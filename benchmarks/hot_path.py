@@ -166,8 +166,8 @@ def main() -> None:
             lines += [f"| {name} | {r['us']:.1f} ({r['min']:.1f}..{r['max']:.1f}) |" for name, r in timed.items()]
             if a.profile:
                 name, fn = next(iter(rows.items()))
-                lines += [f"\ncProfile of `{name}`, {a.calls} calls, top 25 by own time:\n", "```", profile(fn, a.calls),
-                          "```"]  # fmt: skip
+                heading = f"\ncProfile of `{name}`, {a.calls} calls, top 25 by own time:\n"
+                lines += [heading, "```", profile(fn, a.calls), "```"]
     print("\n".join(lines))
     if a.out:
         Path(a.out + ".json").write_text(json.dumps(report, indent=1))

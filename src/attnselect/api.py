@@ -153,7 +153,7 @@ def attention(
         return attention(q, k, v, **_options(locals()))
     if not (return_lse or return_max_logit):
         return out
-    return (out, *((lse.detach(),) if return_lse else ()), *max_logit)
+    return (out, *((lse.detach().float(),) if return_lse else ()), *max_logit)
 
 
 # The call options of attention(), read from its signature (validation and the fallback pass them on).

@@ -108,14 +108,19 @@ def _flex(q, k, v, block_mask, call, dynamic):
         return fn(q, k, v, **options), None
     if not hasattr(flex, "AuxRequest"):  # torch before 2.9: return_lse only
         out, lse = fn(q, k, v, return_lse=True, **options)
-        return out, lse.float()
+        return out, _as_float(lse)
     # max_scores: each row's largest logit after score_mod and the mask (-inf where none is visible)
     request = flex.AuxRequest(lse=call.return_lse, max_scores=call.return_max_logit)
     out, aux = fn(q, k, v, return_aux=request, **options)
-    lse = aux.lse.float() if call.return_lse else None
+    lse = _as_float(aux.lse) if call.return_lse else None
     if not call.return_max_logit:
         return out, lse
     return out, lse, aux.max_scores.detach().float().amax(dim=(0, 2))
+
+
+def _as_float(lse):
+    """float32, or float64 where it is (float64 input: the precision sinks rescale by)."""
+    return lse if lse.dtype == torch.float64 else lse.float()
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,8 +1,9 @@
 """``reference``: eager matmul + softmax in PyTorch, on any device and dtype (float64 included).
 
 Half-precision inputs are computed in float32 and the output cast back; float64 stays float64.
-Rows with no visible key give a zero output and lse = -inf. The lse is float32 and carries a gradient (sinks
-rescale the output by it); the max logit is float32 (Hq,), over the batch, the queries and the visible keys.
+Rows with no visible key give a zero output and lse = -inf. The lse is float32 (float64 for float64 input,
+which sinks rescale by; attnselect.attention returns it as float32) and carries a gradient; the max logit is
+float32 (Hq,), over the batch, the queries and the visible keys.
 """
 
 from __future__ import annotations
@@ -46,5 +47,5 @@ class Reference(Backend):
         if call.dropout_p:
             probs = torch.nn.functional.dropout(probs, p=call.dropout_p)
         out = torch.matmul(probs, v.to(compute)).to(q.dtype)
-        lse = lse.float() if lse is not None else None
+        lse = lse.float() if lse is not None and compute != torch.float64 else lse  # float64 in: kept for sinks
         return (out, lse) if max_logit is None else (out, lse, max_logit)
