@@ -202,9 +202,10 @@ def _run(spec, scale, q, k, v, cu_q, cu_kv, offsets_q, offsets_kv):
     packing = None
     if problem.layout == "thd":
         packing = Packing(cu_q, cu_kv, problem.seqlen_q, problem.seqlen_kv, offsets_q, offsets_kv)
-    return run_call(
+    out, lse = run_call(
         candidate, problem, kernel_call(problem, scale), q, k, v, packing=packing, target=target_for_device(q.device)
     )
+    return out, (lse.float() if lse is not None else None)  # the op's lse is float32 (the reference keeps float64)
 
 
 @torch.library.custom_op("attnselect::attention", mutates_args=())
