@@ -38,6 +38,9 @@ def calls(draw):
         window = (window[0], 0)
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     kwargs = dict(layout=layout, causal=causal, window=window, return_lse=draw(st.booleans()))
+    kwargs["softcap"] = draw(st.sampled_from([None, None, 1.5, 4.0]))  # the variants, now and then
+    if draw(st.integers(0, 2)) == 0:
+        kwargs["sinks"] = torch.randn(hq, generator=g, dtype=torch.float64)
     if layout == "thd":
         lengths_q = draw(st.lists(st.integers(0, 7), min_size=1, max_size=4))
         same = draw(st.booleans())
