@@ -17,7 +17,6 @@ from attnselect.decision import Decision
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import apply_sinks, dense_runner, kernel_call, packed_runner, run_call
 from attnselect.failures import mark_failed
-from attnselect.inputs import check_scale
 from attnselect.problem import CALL_ARGUMENTS, AttentionProblem, describe_call
 from attnselect.selection import MEMO_SIZE, select, select_packed
 from attnselect.settings import strict
@@ -116,7 +115,6 @@ def attention(
     if known is not None and layout == "thd":  # a packed call whose problem follows from its key (_call_key)
         packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
     if known is None:  # else the same shapes, dtypes, devices and options were validated and decided before
-        check_scale(scale)  # softcap, sinks and return_max_logit are read by describe_call
         problem, packing = describe_call(q, k, v, **_options(locals(), _DESCRIBED))
         target = target_for_device(q.device)
         decision = (
@@ -202,8 +200,7 @@ def _call_key(
     options. Packed (thd) calls do too where nothing else decides their problem: both max_seqlen given as
     integers, on a GPU (then validation reads no boundary either, attnselect.inputs), no padded offsets, and keys
     sharing the queries' boundaries (cu_seqlens_kv None or the very tensor); the key adds the boundaries' shape
-    and the two max_seqlen. On the CPU the boundaries are read
-    and checked on every call.
+    and the two max_seqlen. On the CPU the boundaries are read and checked on every call.
     """
     if cu_q_padded is not None or cu_kv_padded is not None:
         return None

@@ -168,10 +168,12 @@ def read_call(
     ), packing
 
 
+def _positive_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
 def check_softcap(softcap) -> None:
-    if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0
-    ):
+    if softcap is not None and not _positive_number(softcap):
         _fail("softcap", _describe(softcap), "None or a finite number > 0 (logits become softcap*tanh(logits/softcap))")
 
 
@@ -190,9 +192,7 @@ def check_sinks(sinks, heads_q: int, q) -> None:
 
 
 def check_scale(scale) -> None:
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0
-    ):
+    if scale is not None and not _positive_number(scale):
         _fail("scale", _describe(scale), "None or a finite number > 0")
 
 

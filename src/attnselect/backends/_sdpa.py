@@ -13,7 +13,6 @@ K/V are expanded first. SDPA does not return the log-sum-exp, so these surfaces 
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from typing import ClassVar
 
@@ -32,7 +31,7 @@ class SdpaBackend(Backend):
     layout = "bhsd"
 
     def run(self, q, k, v, call: KernelCall):
-        return self._attend(q, k, v, call, forced=True)
+        return self._forced(q, k, v, call)
 
     def runner(self, call: KernelCall, *, repeated: bool = False):
         """Forces the kernel only where torch's own dispatch would not reach it (forcing costs as much host time
@@ -41,7 +40,7 @@ class SdpaBackend(Backend):
         dtypes, options, gradients and every kernel's switch; a ``repeated`` runner's calls share all but the
         switches (attnselect.attention memoizes one per call key), so dispatch is asked once per switch state."""
         if not repeated:
-            return lambda q, k, v: self._attend(q, k, v, call, forced=True)
+            return lambda q, k, v: self._forced(q, k, v, call)
         seen = [None, None, False]  # the switches of the previous call, the arguments, whether dispatch reaches
 
         def run(q, k, v):
@@ -50,7 +49,7 @@ class SdpaBackend(Backend):
                 arguments = seen[1] or self._arguments(q, k, call)
                 seen[:] = switches, arguments, self._reaches_by_default(q, k, v, call, arguments)
             if not seen[2]:
-                return self._attend(q, k, v, call, seen[1], forced=True)
+                return self._forced(q, k, v, call, seen[1])
             attn_mask, is_causal, gqa, no_key = seen[1]
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask, call.dropout_p, is_causal, scale=call.scale, enable_gqa=gqa
@@ -70,12 +69,14 @@ class SdpaBackend(Backend):
             is_causal = True
         return attn_mask, is_causal, q.shape[1] != k.shape[1], no_key
 
-    def _attend(self, q, k, v, call: KernelCall, arguments=None, *, forced: bool):
+    def _forced(self, q, k, v, call: KernelCall, arguments=None):
+        """The call with this backend's kernel forced (the runner calls torch's dispatch itself where it reaches
+        the kernel)."""
         attn_mask, is_causal, gqa, no_key = arguments or self._arguments(q, k, call)
         if gqa and not self.native_gqa:
             k, v = expand_kv_heads(q, k, v)
             gqa = False
-        with only_kernel(self.kernel) if forced else contextlib.nullcontext():
+        with only_kernel(self.kernel):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask, call.dropout_p, is_causal, scale=call.scale, enable_gqa=gqa
             )

@@ -107,6 +107,8 @@ def _flex(q, k, v, block_mask, call, dynamic):
     if not (call.return_lse or call.return_max_logit):
         return fn(q, k, v, **options), None
     if not hasattr(flex, "AuxRequest"):  # torch before 2.9: return_lse only
+        if call.return_max_logit:  # raised, the guarded fallback logs it and runs the next candidate
+            raise RuntimeError("this torch's flex_attention has no max_scores (AuxRequest, torch 2.9+)")
         out, lse = fn(q, k, v, return_lse=True, **options)
         return out, _as_float(lse)
     # max_scores: each row's largest logit after score_mod and the mask (-inf where none is visible)
