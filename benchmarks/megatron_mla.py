@@ -37,8 +37,9 @@ def init_model_parallel() -> None:
     model_parallel_cuda_manual_seed(123)
 
 
-def mla_layer(integration, patched: bool, hidden: int = 1024):
-    """An MLASelfAttention with attnselect's core attention; ``patched``: V stays native on packed input."""
+def mla_layer(integration, patched: bool, hidden: int = 1024, **config_fields):
+    """An MLASelfAttention with attnselect's core attention; ``patched``: V stays native on packed input;
+    ``config_fields`` go into its MLATransformerConfig."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module
@@ -60,6 +61,7 @@ def mla_layer(integration, patched: bool, hidden: int = 1024):
         bf16=True,
         params_dtype=torch.bfloat16,
         transformer_impl="local",
+        **config_fields,
     )
     spec = integration.layer_spec(get_gpt_layer_local_spec(multi_latent_attention=True))
     model_parallel_cuda_manual_seed(0)  # weights draw from Megatron's tracker: the same layer every time

@@ -167,15 +167,21 @@ def test_a_forced_backend_that_cannot_give_the_max_logit_is_refused_with_its_rea
         attnselect.attention(q, k, v, layout="bhsd", return_max_logit=True, backend="sdpa_math")
 
 
-GPU_VARIANTS = [("softcap", "flex"), ("sinks", "flex"), ("max_logit", "flex"), ("all", "flex"),
-                ("softcap", "flash_attn4"), ("sinks", "flash_attn4"), ("softcap", "flash_attn2"),
-                ("softcap", "flash_attn3")]  # fmt: skip
+# (variant, backend, training, layouts): every GPU candidate that serves a variant, trained where it can be
+GPU_VARIANTS = [
+    ("softcap", "flex", True, "bshd thd"), ("sinks", "flex", True, "bshd thd"), ("max_logit", "flex", True, "bshd thd"),
+    ("all", "flex", True, "bshd thd"), ("softcap", "flash_attn4", True, "bshd thd"),
+    ("sinks", "flash_attn4", True, "bshd thd"), ("softcap", "flash_attn2", True, "bshd thd"),
+    ("softcap", "flash_attn3", True, "bshd thd"), ("sinks", "flash_attn2", False, "bshd thd"),
+    ("sinks", "flash_attn3", False, "bshd thd"), ("sinks", "cudnn_frontend", False, "bshd thd"),
+    ("sinks", "varlen_fa2", False, "thd"),
+]  # fmt: skip
+GPU_CASES = [(v, b, t, layout) for v, b, t, layouts in GPU_VARIANTS for layout in layouts.split()]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["bshd", "thd"])
-@pytest.mark.parametrize("variant, backend", GPU_VARIANTS)
-def test_gpu_candidates_serving_a_variant_match_the_float64_oracle(variant, backend, layout):
+@pytest.mark.parametrize("variant, backend, training, layout", GPU_CASES)
+def test_gpu_candidates_serving_a_variant_match_the_float64_oracle(variant, backend, training, layout):
     package = attnselect.backends.get(backend).package  # (Target version field, pip name) or None
     if package and getattr(attnselect.Target.current(), package[0]) is None:
         pytest.skip(f"{package[1]} is not installed")
@@ -185,7 +191,7 @@ def test_gpu_candidates_serving_a_variant_match_the_float64_oracle(variant, back
     q, k, v = (torch.randn(total, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
                for h, d in ((hq, 128), (hkv, 128), (hkv, 128)))  # fmt: skip
     sinks = torch.randn(hq, device="cuda", generator=g, dtype=torch.float32)
-    tensors = [t.requires_grad_() for t in (q, k, v, sinks)]
+    tensors = [t.requires_grad_(training) for t in (q, k, v, sinks)]
     options = dict(VARIANTS[variant])
     options["sinks"] = sinks if options.get("sinks") else None
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -207,6 +213,8 @@ def test_gpu_candidates_serving_a_variant_match_the_float64_oracle(variant, back
     assert rel_err(result[0].double(), reference[0]) < 2e-2
     if options.get("return_max_logit"):
         assert rel_err(result[-1], reference[-1]) < 1e-2
+    if not training:
+        return
     grad = torch.randn_like(result[0])
     ours = torch.autograd.grad(result[0], tensors[:3] + ([sinks] if options["sinks"] is not None else []), grad)
     theirs = torch.autograd.grad(

@@ -187,3 +187,30 @@ def test_core_attention_refuses_what_it_cannot_serve(megatron):
         layer.core_attention(q, q, v, None, attn_mask_type=AttnMaskType.arbitrary)
     with pytest.raises(ValueError, match="attention_bias"):
         layer.core_attention(q, q, v, None, attention_bias=torch.zeros(1, device="cuda"))
+
+
+def test_qk_clip_reads_the_running_max_logit_and_learnable_offsets_are_trained_sinks(megatron):
+    """config.qk_clip: current_max_attn_logits holds the per-head max over calls (as TEDotProductAttention keeps
+    it for Megatron's clip_qk); softmax_type='learnable': a float32 (heads,) sink parameter with a gradient."""
+    import attnselect
+
+    layer = mla_layer(megatron, patched=True, qk_clip=True, softmax_type="learnable")
+    core = layer.core_attention
+    assert core.current_max_attn_logits is None and core.softmax_offset.shape == (16,)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(64, 2, 16, 192, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(64, 2, 16, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    with torch.no_grad():
+        core.softmax_offset.normal_()
+    out = core(q, k, v, None)
+    first = core.current_max_attn_logits.clone()
+    core(q * 2, k, v, None)
+    ref, ref_max = attnselect.attention(
+        *(t.double() for t in (q, k, v)), layout="sbhd", causal=True, scale=core.softmax_scale,
+        sinks=core.softmax_offset.detach().double(), return_max_logit=True, backend="reference",
+    )  # fmt: skip
+    assert rel_err(out.double(), ref.reshape(64, 2, -1)) < 2e-2 and rel_err(first, ref_max) < 1e-2
+    assert torch.equal(core.current_max_attn_logits, torch.maximum(first, core.current_max_attn_logits))
+    assert (core.current_max_attn_logits > first).all()  # doubled queries double every logit
+    (grad,) = torch.autograd.grad(out.float().square().sum(), core.softmax_offset)
+    assert grad.shape == (16,) and torch.isfinite(grad).all() and grad.abs().sum() > 0

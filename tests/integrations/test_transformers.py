@@ -266,10 +266,52 @@ def test_sliding_window_keyword_and_unsupported_features():
     want = attnselect.attention(q, k, v, layout="bhsd", causal="bottom_right", window=(2, 0)).transpose(1, 2)
     torch.testing.assert_close(out, want)
     assert not torch.allclose(out, attention_forward(_bare_module(), q, k, v, None)[0])
-    for kwargs in ({"softcap": 30.0}, {"s_aux": torch.zeros(2)}, {"output_attentions": True}):
+    with pytest.raises(ValueError, match="output_attentions"):
+        attention_forward(_bare_module(), q, k, v, None, output_attentions=True)
+    mask = torch.zeros(1, 1, 6, 6)
+    for kwargs in ({"softcap": 30.0}, {"s_aux": torch.zeros(2)}):  # a 4-D mask runs torch's SDPA: refused
         with pytest.raises(ValueError, match=next(iter(kwargs))):
-            attention_forward(_bare_module(), q, k, v, None, **kwargs)
+            attention_forward(_bare_module(), q, k, v, mask, **kwargs)
     module = _bare_module()
     module.is_causal = False
     with pytest.raises(ValueError, match="bidirectional windows"):
         attention_forward(module, q, k, v, None, sliding_window=3)
+
+
+def _tiny(config_class, model_class, implementation, **fields):
+    torch.manual_seed(0)
+    config = config_class(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0,
+        attn_implementation=implementation, **fields,
+    )  # fmt: skip
+    return model_class(config).eval()
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_gemma2_softcapping_matches_eager(training):
+    fields = dict(attn_logit_softcapping=0.1, query_pre_attn_scalar=16, sliding_window=4)  # a cap that bites
+    ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    models = [_tiny(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, n, **fields) for n in (NAME, "eager")]
+    with torch.set_grad_enabled(training):
+        ours, eager = (m(ids).logits for m in models)
+    torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(eager, _tiny(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, "eager",
+                              **{**fields, "attn_logit_softcapping": None})(ids).logits, atol=1e-3)  # fmt: skip
+
+
+def test_gpt_oss_sinks_match_eager_with_their_gradient():
+    fields = dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
+    ids = torch.randint(3, 97, (1, 11), generator=torch.Generator().manual_seed(2))
+    models = [_tiny(transformers.GptOssConfig, transformers.GptOssForCausalLM, n, **fields) for n in (NAME, "eager")]
+    for m in models:
+        torch.manual_seed(5)
+        for layer in m.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks)  # the checkpoint's sinks, not zeros
+    ours, eager = (m(ids).logits for m in models)
+    torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
+    grads = [
+        torch.autograd.grad(x.square().sum(), m.model.layers[0].self_attn.sinks)[0]
+        for x, m in zip((ours, eager), models)
+    ]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-5)

@@ -11,6 +11,12 @@ with query [sq, b, np, hn], key/value [sk, b, ng, hn|hv] (or [t, np, hn] packed,
 returns [sq, b, np * hv] (or [t, np * hv]). ``layer_spec`` puts it into a layer spec's attention
 and, unless ``keep_value_native=False``, calls ``skip_thd_value_pad()``.
 
+QK-clip (``config.qk_clip`` or ``log_max_attention_logit``): as TEDotProductAttention, every forward keeps the
+running per-head maximum logit of this rank's heads in ``current_max_attn_logits`` (float32, detached), which
+Megatron's ``clip_qk`` all-reduces, uses and resets. ``config.softmax_type`` 'off-by-one' and 'learnable' are
+TransformerEngine's softmax offsets, attnselect's sinks: a zero sink, or a learnable (heads per partition,)
+float32 parameter ``softmax_offset`` (TE's name), zeros at the start.
+
 ``skip_thd_value_pad()`` replaces megatron-core's ``_prepare_mla_core_attention_value`` so that MLA
 hands :class:`CoreAttention` V at its own width on packed input instead of zero-padded to the query
 width (Megatron-LM #6240: 5.7-11.7% of an H200 training step, and no cuDNN backward at all on
@@ -23,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+
+import torch
 
 import attnselect
 from attnselect.errors import InvalidInputError
@@ -77,13 +85,23 @@ class CoreAttention(MegatronModule):
                 f"context_parallel_size: got {config.context_parallel_size}, expected 1 "
                 "(attnselect's Megatron core attention does not split sequences across ranks)"
             )
-        # Softmax variants and QK-clip change the attention itself (DotProductAttention / TE apply them).
-        if getattr(config, "softmax_type", "vanilla") != "vanilla" or getattr(config, "qk_clip", False):
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type not in ("vanilla", "off-by-one", "learnable"):
             raise InvalidInputError(
-                f"softmax_type/qk_clip: got {getattr(config, 'softmax_type', None)!r}/"
-                f"{getattr(config, 'qk_clip', None)!r}, expected 'vanilla'/False (not in "
-                "attnselect's kernels)"
+                f"softmax_type: got {softmax_type!r}, expected 'vanilla', 'off-by-one' or 'learnable'"
             )
+        # TransformerEngine's softmax offsets are attnselect's sinks: one logit per head of this rank.
+        heads = config.num_attention_heads // config.tensor_model_parallel_size
+        offset = torch.zeros(heads, dtype=torch.float32, device=torch.cuda.current_device())
+        if softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(offset)
+        else:
+            self.register_buffer("softmax_offset", offset if softmax_type == "off-by-one" else None, persistent=False)
+        # QK-clip reads the running max logit here, as TEDotProductAttention keeps it.
+        self.track_max_logit = bool(
+            getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False)
+        )
+        self.current_max_attn_logits = None
         self.attn_mask_type = attn_mask_type
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -128,14 +146,20 @@ class CoreAttention(MegatronModule):
             scale=self.softmax_scale,
             window=self.window,
             dropout_p=self.dropout_p if self.training else 0.0,
+            sinks=self.softmax_offset,
+            return_max_logit=self.track_max_logit,
         )
         # As Megatron's DotProductAttention: tensor-parallel ranks draw their own dropout masks.
         with tensor_parallel.get_cuda_rng_tracker().fork() if options["dropout_p"] else contextlib.nullcontext():
             if packed:
                 out = attnselect.attention(query, key, value, layout="thd", **_packing(packed_seq_params), **options)
-                return out.reshape(out.shape[0], -1)  # [t, np * hv]
-            out = attnselect.attention(query, key, value, layout="sbhd", **options)
-            return out.reshape(out.shape[0], out.shape[1], -1)  # [sq, b, np * hv]
+            else:
+                out = attnselect.attention(query, key, value, layout="sbhd", **options)
+        if self.track_max_logit:
+            out, max_logit = out
+            seen = self.current_max_attn_logits
+            self.current_max_attn_logits = max_logit if seen is None else torch.maximum(seen, max_logit)
+        return out.reshape(*out.shape[:-2], -1)  # [sq, b, np * hv] or [t, np * hv]
 
 
 def _packing(params) -> dict:

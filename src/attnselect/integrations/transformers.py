@@ -22,8 +22,9 @@ scattered back; padded query rows get zeros. Padding-free packed batches
 (``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments, as DataCollatorWithFlattening makes them)
 run packed directly, as do batches marked only by ``position_ids`` restarting at each document.
 A 4-D mask passed to the model (transformers hands it on unchanged) runs through torch's SDPA with
-that mask, V still native, and the log says so once. Soft-capping and attention sinks are refused
-with an error, not ignored.
+that mask, V still native, and the log says so once. Logit soft-capping (Gemma 2's ``softcap``) and
+attention sinks (GPT-OSS's ``s_aux``) pass through to :func:`attnselect.attention` (``softcap=``,
+``sinks=``); with a 4-D mask they are refused with an error, not ignored.
 
 Supported transformers: 4.56 to 5.x (tested: 4.56.2 and 5.24.0).
 """
@@ -75,14 +76,14 @@ def attention_forward(
             "output_attentions/head_mask: got a request for attention weights, expected none "
             "(fused kernels do not form them; use attn_implementation='eager')"
         )
-    for name in ("softcap", "s_aux"):  # logit soft-capping (Gemma 2), attention sinks (GPT-OSS)
-        if kwargs.get(name) is not None:
-            raise InvalidInputError(
-                f"{name}: got a value, expected None (attnselect's kernels do not apply it; use "
-                "another attn_implementation for this model)"
-            )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    options = dict(causal="bottom_right" if causal else False, dropout_p=dropout, scale=scaling)
+    options = dict(
+        causal="bottom_right" if causal else False,
+        dropout_p=dropout,
+        scale=scaling,
+        softcap=kwargs.get("softcap"),  # Gemma 2's attn_logit_softcapping
+        sinks=kwargs.get("s_aux"),  # GPT-OSS's learnable sinks, one logit per query head
+    )
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if window:
         if not causal:
@@ -99,6 +100,12 @@ def attention_forward(
         out = attnselect.attention(query, key, value, layout="bhsd", **options)
         return out.transpose(1, 2), None
     if attention_mask.dim() == 4:
+        for name in ("softcap", "s_aux"):  # torch's SDPA, which runs a 4-D mask, applies neither
+            if kwargs.get(name) is not None:
+                raise InvalidInputError(
+                    f"{name}: got a value with a 4-D attention_mask, expected None (the explicit mask runs "
+                    "through torch's SDPA, which applies neither softcap nor sinks)"
+                )
         return _with_explicit_mask(query, key, value, attention_mask, dropout, scaling), None
     if attention_mask.dim() != 2:
         raise InvalidInputError(
