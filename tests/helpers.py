@@ -68,3 +68,39 @@ def rel_err(a, b) -> float:
     finite = ~torch.isneginf(b)
     a, b = a[finite], b[finite]
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run_group(script: str, n: int, *arguments: str, timeout: float = 600) -> dict:
+    """Run ``script rank n port *arguments`` as a gloo group of ``n`` processes (a decision cache of their own, no
+    ATTNSELECT_* variable); returns {(rank, case): report} from the JSON lines each prints."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {name: value for name, value in os.environ.items() if not name.startswith("ATTNSELECT_")}
+    env["ATTNSELECT_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnselect-group-")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(rank), str(n), port, *arguments],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for rank in range(n)
+    ]
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outputs]
+    reports = {}
+    for out, _ in outputs:
+        for line in out.splitlines():
+            if line.startswith("{"):
+                report = json.loads(line)
+                reports[report["rank"], report["case"]] = report
+    return reports

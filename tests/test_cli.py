@@ -63,9 +63,9 @@ def test_explain_explicit_shape_and_cudnn_override(capsys):
 
 
 def test_explain_reports_failure_with_reasons(capsys):
-    assert main(["explain", "--target", "cpu", "--cp", "2"]) == 2
+    assert main(["explain", "--target", "cpu", "--cp", "2", "--train", "--backend", "sdpa_math"]) == 2
     err = capsys.readouterr().err
-    assert "NoSupportedCandidateError" in err and "reference native: cannot serve context parallelism" in err
+    assert "ForcedChoiceError" in err and "by which context parallelism merges its chunks" in err
 
 
 def test_demo_runs_a_real_attention(capsys):

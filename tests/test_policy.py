@@ -74,16 +74,22 @@ def test_d_equal_head_dims_have_no_padded_candidate(preset):
     assert all(v.candidate.pad_to is None for v in d.verdicts)
 
 
-def test_e_context_parallel_excludes_math_and_reference():
-    d = attnselect.select(AttentionProblem(**MLA, context_parallel_size=2), target=Target.preset("h200"))
-    assert d.chosen == Candidate("sdpa_cudnn")
-    for name in ("sdpa_math", "reference"):
-        assert not verdict(d, name).supported
-        assert any("context parallelism" in r for r in verdict(d, name).reasons)
+def test_e_context_parallel_inference_takes_any_candidate_with_an_lse():
+    h200 = Target.preset("h200")
+    d = attnselect.select(AttentionProblem(**MLA, return_lse=True, context_parallel_size=2), target=h200)
+    assert d.chosen == attnselect.select(AttentionProblem(**MLA, return_lse=True), target=h200).chosen
+
+
+def test_e_context_parallel_training_needs_an_lse_that_carries_a_gradient():
+    p = AttentionProblem(**MLA, training=True, return_lse=True, context_parallel_size=2)
+    d = attnselect.select(p, target=Target.preset("h200"))
+    assert attnselect.backends.get(d.chosen.backend).surfaces["cuda"].lse_gradient
+    for name in ("sdpa_cudnn", "sdpa_efficient"):
+        assert "cannot train under context parallelism: its log-sum-exp carries no gradient" in verdict(d, name).reasons
 
 
 def test_e_nothing_eligible_lists_every_candidate_with_reasons():
-    p = AttentionProblem(**{**MLA, "dtype": torch.float32}, context_parallel_size=4)
+    p = AttentionProblem(**{**MLA, "dtype": torch.float32}, training=True, fp8=True, context_parallel_size=4)
     with pytest.raises(attnselect.NoSupportedCandidateError) as err:
         attnselect.select(p, target=Target.preset("cpu"))
     message = str(err.value)

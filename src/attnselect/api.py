@@ -13,6 +13,8 @@ from attnselect import backends, settings
 from attnselect.caches import register_cache
 from attnselect.call import KernelCall, Packing
 from attnselect.candidates import Candidate
+from attnselect.context_parallel.call import attention as context_parallel_attention
+from attnselect.context_parallel.call import group_size
 from attnselect.decision import Decision
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import apply_sinks, dense_runner, kernel_call, packed_runner, run_call
@@ -45,6 +47,7 @@ def attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     return_max_logit: bool = False,
+    cp_group=None,
     backend: str | None = None,
     pad: bool | str | None = None,
     disable=None,
@@ -79,6 +82,12 @@ def attention(
             the batch, every query and its visible keys (thd: over every sequence); -inf for a head with
             no visible key. A rank of a context-parallel or data-parallel group holds its local maximum: an
             all-reduce with MAX gives the global one (what Megatron's QK-clip does).
+        cp_group: a torch.distributed process group of N ranks that split the sequence (context parallelism):
+            q, k, v are this rank's shard in the load-balanced layout (the sequence, or each packed sequence, cut
+            into 2N equal chunks; rank r holds chunks r and 2N-1-r, in that order; :func:`attnselect.context_parallel
+            .shard` makes it), thd cu_seqlens are the local ones (each global length / N, a multiple of 2N
+            globally), and the result is this rank's shard. No mask or top-left causal; no dropout. Every rank
+            must make the call. A group of one rank is no context parallelism.
         backend, pad, disable: force a backend, force ("always"/True) or forbid ("never"/False)
             padding, exclude backends; default to ATTNSELECT_BACKEND / _PAD / _DISABLE.
 
@@ -100,8 +109,15 @@ def attention(
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
             max_seqlen_kv=max_seqlen_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
             cu_seqlens_kv_padded=cu_seqlens_kv_padded, return_lse=return_lse, softcap=softcap, sinks=sinks,
-            return_max_logit=return_max_logit, backend=backend, pad=pad, disable=disable,
+            return_max_logit=return_max_logit, cp_group=cp_group, backend=backend, pad=pad, disable=disable,
         )  # fmt: skip
+    if cp_group is not None:  # the sequence is split over a process group (attnselect.context_parallel)
+        if group_size(cp_group) == 1:
+            return attention(q, k, v, **dict(_options(locals()), cp_group=None))
+        out, lse, *max_logit = context_parallel_attention(
+            q, k, v, cp_group=cp_group, backend=backend, pad=pad, disable=disable, **_options(locals(), _DESCRIBED)
+        )
+        return out if not (return_lse or return_max_logit) else _with_statistics(out, lse, max_logit, return_lse)
     call_key = _call_key(
         q, k, v, layout, causal, window, scale, dropout_p, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
         cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, return_lse, backend, pad, disable, softcap, sinks,
@@ -151,6 +167,11 @@ def attention(
         return attention(q, k, v, **_options(locals()))
     if not (return_lse or return_max_logit):
         return out
+    return _with_statistics(out, lse, max_logit, return_lse)
+
+
+def _with_statistics(out, lse, max_logit: list, return_lse: bool) -> tuple:
+    """attention()'s result with its statistics: (out, lse), (out, max_logit) or (out, lse, max_logit)."""
     return (out, *((lse.detach().float(),) if return_lse else ()), *max_logit)
 
 

@@ -76,11 +76,23 @@ def apply_sinks(out, lse, sinks, layout: str):
     lse (rows that see no key keep a zero output). ``lse`` is (B, Hq, Sq), or (Hq, T) for thd."""
     sink = sinks.to(lse.dtype)
     sink = sink[:, None] if layout == "thd" else sink[None, :, None]
-    weight = torch.sigmoid(lse - sink).permute(_LSE_TO_OUT[layout])  # lse's axes in the order of out's
+    weight = lse_as_rows(torch.sigmoid(lse - sink), layout)
     return out * weight[..., None].to(out.dtype), torch.logaddexp(lse, sink)
 
 
+def lse_as_rows(lse: torch.Tensor, layout: str) -> torch.Tensor:
+    """An lse-shaped tensor, (B, Hq, Sq) or (Hq, T) for thd, with its axes in the order of the output's rows
+    (``out.shape[:-1]`` in ``layout``): a view."""
+    return lse.permute(_LSE_TO_OUT[layout])
+
+
+def rows_as_lse(rows: torch.Tensor, layout: str) -> torch.Tensor:
+    """The inverse of :func:`lse_as_rows`."""
+    return rows.permute(_OUT_TO_LSE[layout])
+
+
 _LSE_TO_OUT = {"thd": (1, 0), "bshd": (0, 2, 1), "bhsd": (0, 1, 2), "sbhd": (2, 0, 1)}
+_OUT_TO_LSE = {"thd": (1, 0), "bshd": (0, 2, 1), "bhsd": (0, 1, 2), "sbhd": (1, 2, 0)}
 
 
 def run_call(

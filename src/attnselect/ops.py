@@ -66,11 +66,17 @@ def traced_attention(
     softcap,
     sinks,
     return_max_logit,
+    cp_group,
     backend,
     pad,
     disable,
 ):
     """:func:`attnselect.attention` while torch.compile traces it (same arguments, same results)."""
+    if cp_group is not None:
+        raise InvalidInputError(
+            "cp_group: got a process group under torch.compile, expected None: context-parallel attention runs "
+            "in eager calls only for now"
+        )
     variants = (("softcap", softcap, None), ("sinks", sinks, None), ("return_max_logit", return_max_logit, False))
     for name, value, off in variants:
         if value is not off:

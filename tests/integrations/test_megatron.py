@@ -214,3 +214,28 @@ def test_qk_clip_reads_the_running_max_logit_and_learnable_offsets_are_trained_s
     assert (core.current_max_attn_logits > first).all()  # doubled queries double every logit
     (grad,) = torch.autograd.grad(out.float().square().sum(), core.softmax_offset)
     assert grad.shape == (16,) and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_context_parallel_p2p_matches_the_single_process_shard():
+    """config.context_parallel_size = 2 with cp_comm_type 'p2p' over pg_collection.cp: two gloo processes on the
+    CPU (float64), dense sbhd and packed thd with Megatron's global PackedSeqParams; every rank's output and
+    gradients equal the single-process attention's shard."""
+    from helpers import run_group
+
+    reports = run_group(str(pathlib.Path(__file__).with_name("_megatron_cp_worker.py")), 2)
+    for rank in range(2):
+        for layout in ("sbhd", "thd"):
+            errors = reports[rank, layout]["errors"]
+            assert set(errors) == {"out", "dq", "dk", "dv"} and max(errors.values()) < 1e-10, (rank, layout, errors)
+
+
+def test_context_parallel_refuses_other_comm_types():
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from attnselect.integrations.megatron import CoreAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, context_parallel_size=2)
+    for comm in ("a2a", "all_gather", "a2a+p2p"):
+        with pytest.raises(ValueError, match=f"cp_comm_type: got '{comm}', expected 'p2p' or None"):
+            CoreAttention(config, 1, AttnMaskType.causal, "self", cp_comm_type=comm)

@@ -42,7 +42,6 @@ class Surface:
     softcap: bool = False  # caps logits: softcap * tanh(logits / softcap)
     max_logit: bool = False  # returns the per-head maximum logit
     deterministic_backward: bool = True
-    context_parallel: bool = False
     fp8: bool = False
     # The kernel's causal flag is bottom-right aligned (FlashAttention), so top-left causal
     # is served only where the two coincide: as many queries as keys.
@@ -118,8 +117,11 @@ class Surface:
             r.append("sinks and the max logit are served outside torch.compile only")
         if p.training and p.deterministic and not self.deterministic_backward:
             r.append("has no deterministic backward (deterministic=True)")
-        if p.context_parallel_size > 1 and not self.context_parallel:
-            r.append(f"cannot serve context parallelism (context_parallel_size={p.context_parallel_size})")
+        # attnselect.context_parallel merges each chunk pair's result by its lse, and trains through it
+        if p.context_parallel_size > 1 and not self.lse and not p.return_lse:
+            r.append("returns no log-sum-exp, by which context parallelism merges its chunks")
+        elif p.context_parallel_size > 1 and p.training and not self.lse_gradient:
+            r.append("cannot train under context parallelism: its log-sum-exp carries no gradient")
         return r
 
 

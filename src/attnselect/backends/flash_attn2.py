@@ -15,7 +15,7 @@ class FlashAttn2(FlashAttnPackageBackend):
     lse_argument = "return_attn_probs"  # returns (out, softmax_lse, S_dmask)
     # Source: Dao-AILab/flash-attention csrc/flash_attn/flash_api.cpp (CHECK_SHAPE(v, ..., head_size):
     # v shares q's head dim; head_size <= 256) and flash_attn/flash_attn_interface.py (window_size,
-    # deterministic, return_attn_probs). TransformerEngine runs it under context parallelism.
+    # deterministic, return_attn_probs).
     # cuda_graphs=False: refused under CUDA graph capture until a GPU run verifies it; the flash-attn packages
     # are not on the H200 our capture tests (tests/test_api.py) run on.
     surfaces = {
@@ -24,7 +24,6 @@ class FlashAttn2(FlashAttnPackageBackend):
             min_capability=(8, 0),
             max_head_dim=256,
             equal_head_dims=True,
-            context_parallel=True,
             causal_is_bottom_right=True,
             cuda_graphs=False,
             softcap=True,  # flash_attn_interface.py softcap=, forward and backward

@@ -25,7 +25,6 @@ class FlashAttn3(FlashAttnPackageBackend):
             max_head_dim=512,
             head_dim_multiple=8,
             dropout=False,
-            context_parallel=True,
             causal_is_bottom_right=True,
             cuda_graphs=False,
             softcap=True,  # hopper/flash_api.cpp SOFTCAP_SWITCH, forward and backward

@@ -30,7 +30,6 @@ class SdpaCudnn(SdpaBackend):
             head_dim_multiple=8,
             lse=False,
             deterministic_backward=False,
-            context_parallel=True,
         )
     }
 

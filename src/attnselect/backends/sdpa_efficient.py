@@ -19,15 +19,13 @@ class SdpaEfficient(SdpaBackend):
     # Source: pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, can_use_mem_efficient_attention:
     # sm50..sm121, fp16/bf16/fp32 (bf16 from sm80), q and k share a head dim, v may differ, masks allowed.
     # Its backward is deterministic under torch.use_deterministic_algorithms (attention_backward.cu forces
-    # num_splits_key = 1). PyTorch's context_parallel() ring-attention handles this op
-    # (torch/distributed/tensor/experimental/_attention.py).
+    # num_splits_key = 1).
     surfaces = {
         "cuda": Surface(
             dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
             min_capability=(5, 0),
             max_capability=(12, 1),
             lse=False,
-            context_parallel=True,
         )
     }
 

@@ -25,7 +25,6 @@ class SdpaFlash(SdpaBackend):
             equal_head_dims=True,
             masks=frozenset({"none", "causal", "causal_bottom_right"}),
             lse=False,
-            context_parallel=True,
         ),
         # Source: pytorch aten/src/ATen/native/transformers/sdp_utils_cpp.cpp, use_flash_attention_cpp:
         # any float dtype, equal head dims, masks allowed, no dropout.

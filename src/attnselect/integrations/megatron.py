@@ -11,6 +11,10 @@ with query [sq, b, np, hn], key/value [sk, b, ng, hn|hv] (or [t, np, hn] packed,
 returns [sq, b, np * hv] (or [t, np * hv]). ``layer_spec`` puts it into a layer spec's attention
 and, unless ``keep_value_native=False``, calls ``skip_thd_value_pad()``.
 
+Context parallelism (``config.context_parallel_size`` > 1, ``cp_comm_type`` 'p2p' or None): attnselect's p2p ring
+over ``pg_collection.cp`` (else Megatron's context-parallel group), on the shards Megatron's
+get_batch_on_this_cp_rank makes, dense or packed (PackedSeqParams' global boundaries are divided by cp_size here).
+
 QK-clip (``config.qk_clip`` or ``log_max_attention_logit``): as TEDotProductAttention, every forward keeps the
 running per-head maximum logit of this rank's heads in ``current_max_attn_logits`` (float32, detached), which
 Megatron's ``clip_qk`` all-reduces, uses and resets. ``config.softmax_type`` 'off-by-one' and 'learnable' are
@@ -35,9 +39,10 @@ import torch
 import attnselect
 from attnselect.errors import InvalidInputError
 from attnselect.integrations import optional_int
+from attnselect.tensor_memo import TensorMemo
 
 try:
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer import multi_latent_attention as _mla
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.module import MegatronModule
@@ -80,11 +85,16 @@ class CoreAttention(MegatronModule):
         **unused,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise InvalidInputError(
-                f"context_parallel_size: got {config.context_parallel_size}, expected 1 "
-                "(attnselect's Megatron core attention does not split sequences across ranks)"
-            )
+        self.cp_size = config.context_parallel_size
+        self.cp_group = None
+        if self.cp_size > 1:  # attnselect's p2p ring (attnselect.context_parallel), Megatron's default comm type
+            if cp_comm_type not in (None, "p2p"):
+                raise InvalidInputError(
+                    f"cp_comm_type: got {cp_comm_type!r}, expected 'p2p' or None (attnselect's context parallelism "
+                    "is a p2p ring; all-to-all and all-gather are not served yet)"
+                )
+            group = getattr(pg_collection, "cp", None)
+            self.cp_group = group if group is not None else parallel_state.get_context_parallel_group()
         softmax_type = getattr(config, "softmax_type", "vanilla")
         if softmax_type not in ("vanilla", "off-by-one", "learnable"):
             raise InvalidInputError(
@@ -148,11 +158,13 @@ class CoreAttention(MegatronModule):
             dropout_p=self.dropout_p if self.training else 0.0,
             sinks=self.softmax_offset,
             return_max_logit=self.track_max_logit,
+            cp_group=self.cp_group,
         )
         # As Megatron's DotProductAttention: tensor-parallel ranks draw their own dropout masks.
         with tensor_parallel.get_cuda_rng_tracker().fork() if options["dropout_p"] else contextlib.nullcontext():
             if packed:
-                out = attnselect.attention(query, key, value, layout="thd", **_packing(packed_seq_params), **options)
+                packing = _packing(packed_seq_params, self.cp_size)
+                out = attnselect.attention(query, key, value, layout="thd", **packing, **options)
             else:
                 out = attnselect.attention(query, key, value, layout="sbhd", **options)
         if self.track_max_logit:
@@ -162,29 +174,42 @@ class CoreAttention(MegatronModule):
         return out.reshape(*out.shape[:-2], -1)  # [sq, b, np * hv] or [t, np * hv]
 
 
-def _packing(params) -> dict:
+def _packing(params, cp_size: int = 1) -> dict:
     """attnselect's thd arguments from Megatron's PackedSeqParams.
+
+    Under context parallelism Megatron's boundaries and max_seqlen are the global ones (TransformerEngine divides
+    them by cp_size, context_parallel.py): this rank's are those divided by ``cp_size``.
 
     Padded offsets that are the boundaries themselves, or declared without gaps
     (pad_between_seqs=False), are dropped, so kernels that cannot skip gaps stay eligible.
     With other padded offsets the boundaries are read on the host (max_seqlen is then not
     passed), so offsets equal in value are recognised as no gaps.
     """
+
+    def boundaries(cu):  # the same local tensor for every layer of a step, so attnselect's per-tensor work is done once
+        if cp_size == 1:
+            return cu.int()
+        return _LOCAL_BOUNDARIES.get((cu,), cp_size, lambda: torch.div(cu, cp_size, rounding_mode="floor").int())
+
+    longest = (optional_int(params.max_seqlen_q), optional_int(params.max_seqlen_kv))
     args = dict(
-        cu_seqlens_q=params.cu_seqlens_q.int(),
-        cu_seqlens_kv=params.cu_seqlens_kv.int(),
-        max_seqlen_q=optional_int(params.max_seqlen_q),
-        max_seqlen_kv=optional_int(params.max_seqlen_kv),
+        cu_seqlens_q=boundaries(params.cu_seqlens_q),
+        cu_seqlens_kv=boundaries(params.cu_seqlens_kv),
+        max_seqlen_q=None if longest[0] is None else longest[0] // cp_size,
+        max_seqlen_kv=None if longest[1] is None else longest[1] // cp_size,
     )
     gaps = getattr(params, "pad_between_seqs", None)
     for name, bounds in (("cu_seqlens_q_padded", params.cu_seqlens_q), ("cu_seqlens_kv_padded", params.cu_seqlens_kv)):
         offsets = getattr(params, name)
         if offsets is None or offsets is bounds or gaps is False:
             continue
-        args[name] = offsets.int()
+        args[name] = boundaries(offsets)
         if gaps is None:
             args.update(max_seqlen_q=None, max_seqlen_kv=None)
     return args
+
+
+_LOCAL_BOUNDARIES = TensorMemo()  # a global boundary tensor -> this rank's (divided by cp_size)
 
 
 def layer_spec(spec, *, keep_value_native: bool = True):
