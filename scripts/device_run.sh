@@ -27,6 +27,8 @@
 #   bash scripts/device_run.sh hf      # transformers DeepSeek-V3 geometry, tokens/s     -> $OUT/h200_hf_deepseek.*
 #   bash scripts/device_run.sh megatron # megatron-core MLA layer tests, then stock pad vs native V -> $OUT/h200_megatron_mla.*
 #   bash scripts/device_run.sh loop    # benchmarks/training_loop.py, a new packing every step -> $OUT/h200_training_loop.*
+#   bash scripts/device_run.sh cp      # the context-parallel GPU test, with each rank's chunk choices and errors
+#                                      #                                                -> $OUT/h200_context_parallel.txt
 #   bash scripts/device_run.sh hot-path # benchmarks/hot_path.py: host time of repeated small calls -> $OUT/h200_hot_path.*
 #   bash scripts/device_run.sh overhead # benchmarks/packed_overhead.py (with FA4 where installed) -> $OUT/h200_packed_overhead.*
 #   bash scripts/device_run.sh buckets # benchmarks/packing_buckets.py (BUCKET_SCHEMES=...) -> $OUT/h200_packing_buckets.*
@@ -151,6 +153,12 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   fa4-compile)
     need_fa4 || exit 1
     timeout 400 python3 benchmarks/fa4_compile_cost.py --out "$OUT/h200_fa4_compile" 2>&1 | grep -v -i warn | tail -12 ;;
+  cp)
+    { echo "# tests/context_parallel/test_ring_gpu.py on $(python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
+      echo "# rank case [chunk choices] {relative errors against float64}"
+      timeout 300 python3 -m pytest -s -v -p no:cacheprovider -W ignore tests/context_parallel/test_ring_gpu.py 2>&1 \
+        | grep -E "^[01] |PASSED|FAILED|passed|failed|^E "
+    } | tee "$OUT/h200_context_parallel.txt" | tail -30 ;;
   hot-path)
     timeout 200 python3 benchmarks/hot_path.py --profile --out "$OUT/h200_hot_path" 2>&1 | grep -v -i warn | tail -60 ;;
   overhead)
