@@ -191,7 +191,25 @@ def bad_calls(n: int, rank: int, group) -> dict:
         "dropout": lambda: attnselect.attention(q, q, v, dropout_p=0.1, cp_group=group),
         "mismatched-shards": lambda: attnselect.attention(
             *(torch.randn(1, 2 * (rank + 1), 2, 8, dtype=torch.float64) for _ in range(3)), cp_group=group
-        ),  # fmt: skip
+        ),
+        # equal shapes, boundaries of different values: would run silently wrong without the check
+        "mismatched-boundaries": lambda: attnselect.attention(
+            q[0].repeat(2, 1, 1),
+            q[0].repeat(2, 1, 1),
+            v[0].repeat(2, 1, 1),
+            layout="thd",
+            cp_group=group,
+            cu_seqlens_q=torch.tensor([0, 2 + 2 * (rank % 2), 2 * c], dtype=torch.int32),
+        ),
+        # one rank refuses its own shard (odd lengths): every rank raises, none waits in the ring
+        "refused-on-one-rank": lambda: attnselect.attention(
+            *(3 * [odd[0] if rank == 1 else q[0]]),
+            layout="thd",
+            cp_group=group,
+            cu_seqlens_q=torch.tensor([0, 3, c + 1] if rank == 1 else [0, 2, c], dtype=torch.int32),
+        ),
+        # one rank trains, another does not: the backward ring would wait for it
+        "training-on-one-rank": lambda: attnselect.attention(q.clone().requires_grad_(rank == 0), q, v, cp_group=group),
     }
     seen = {}
     for name, call in calls.items():
@@ -216,6 +234,28 @@ def exchange_through_the_host():
     Ring._exchange = staged
 
 
+def edge_calls(n: int, rank: int, group) -> dict:
+    """name -> largest difference to the single-process shard (gradients included) of calls at the edges."""
+    found = {}
+    # an empty shard in training: zero gradients, as attention() gives
+    empty = [torch.zeros(1, 0, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    attnselect.attention(*empty, causal=True, cp_group=group).sum().backward()
+    found["empty-shard-training"] = max(t.grad.abs().max().item() if t.grad.numel() else 0.0 for t in empty)
+    # q, k, v that require grad, under no_grad: an inference call
+    case = dict(layout="thd", lengths=[2 * n, 6 * n], causal=True, **MLA)
+    q, k, v, _, _, cu = full_inputs(case, seed=5)
+    full = run(q, k, v, None, case, cu_seqlens_q=cu)[0]
+
+    def local(x):
+        return shard(x, cp_size=n, rank=rank, layout="thd", cu_seqlens=cu)
+
+    parts = [local(t)[0].requires_grad_() for t in (q, k, v)]
+    with torch.no_grad():
+        out = run(*parts, None, case, cp_group=group, cu_seqlens_q=local(q)[1])[0]
+    found["no-grad-inputs-require-grad"] = (out - local(full)[0]).abs().max().item()
+    return found
+
+
 def main(rank: int, world: int, port: str, device: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
@@ -228,11 +268,15 @@ def main(rank: int, world: int, port: str, device: str) -> None:
         except Exception:
             result = {"raised": traceback.format_exc()}
         print(json.dumps({"rank": rank, "case": name, **result}), flush=True)
-    print(json.dumps({"rank": rank, "case": "bad-calls", "errors": bad_calls(world, rank, group)}), flush=True)
-    one = [dist.new_group([r]) for r in range(world)][rank]  # a group of this rank only
-    q = torch.randn(1, 6, 2, 8, dtype=torch.float64)
-    same = attnselect.attention(q, q, q, causal=True, cp_group=one) - attnselect.attention(q, q, q, causal=True)
-    print(json.dumps({"rank": rank, "case": "group-of-one", "errors": {"out": same.abs().max().item()}}), flush=True)
+    if device == "cpu":
+        print(json.dumps({"rank": rank, "case": "bad-calls", "errors": bad_calls(world, rank, group)}), flush=True)
+        print(json.dumps({"rank": rank, "case": "edges", "errors": edge_calls(world, rank, group)}), flush=True)
+        one = [dist.new_group([r]) for r in range(world)][rank]  # a group of this rank only
+        q = torch.randn(1, 6, 2, 8, dtype=torch.float64)
+        same = attnselect.attention(q, q, q, causal=True, cp_group=one) - attnselect.attention(q, q, q, causal=True)
+        print(
+            json.dumps({"rank": rank, "case": "group-of-one", "errors": {"out": same.abs().max().item()}}), flush=True
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -26,7 +26,7 @@ def results(n: int) -> dict:
 
 
 def case_ids():
-    return [(n, name) for n in SIZES for name in [*cases(n), "group-of-one"]]
+    return [(n, name) for n in SIZES for name in [*cases(n), "group-of-one", "edges"]]
 
 
 @pytest.mark.parametrize(("n", "case"), case_ids(), ids=[f"cp{n}-{name}" for n, name in case_ids()])
@@ -35,7 +35,7 @@ def test_every_rank_matches_the_single_process_shard(n, case):
         report = results(n)[rank, case]
         assert "raised" not in report, report.get("raised")
         assert report["errors"], report
-        if case != "thd-causal-inference" and case != "group-of-one":
+        if case not in ("thd-causal-inference", "group-of-one", "edges"):
             assert {"out", "lse", "dq", "dk", "dv"} <= set(report["errors"])
         if "sinks" in case:
             assert {"max_logit", "dsinks"} <= set(report["errors"])
@@ -49,7 +49,17 @@ EXPECTED_ERRORS = {
     "bottom-right": "causal: got 'bottom_right' with cp_group",
     "dropout": "dropout_p: got 0.1 with cp_group, expected 0.0",
     "mismatched-shards": "cp_group: got ranks whose calls differ",
+    "mismatched-boundaries": "cp_group: got ranks whose calls differ",
+    "training-on-one-rank": "cp_group: got ranks whose calls differ",
 }
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_refusal_on_one_rank_raises_on_every_rank(n):
+    for rank in range(n):
+        error = results(n)[rank, "bad-calls"]["errors"]["refused-on-one-rank"]
+        expected = "cu_seqlens_q: got local sequence lengths [3]" if rank == 1 else "cp_group: got a call another rank"
+        assert expected in error, (rank, error)
 
 
 @pytest.mark.parametrize("n", SIZES)

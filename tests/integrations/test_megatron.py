@@ -240,3 +240,18 @@ def test_context_parallel_refuses_other_comm_types():
     for comm in ("a2a", "all_gather", "a2a+p2p"):
         with pytest.raises(ValueError, match=re.escape(f"cp_comm_type: got '{comm}', expected 'p2p' or None")):
             CoreAttention(config, 1, AttnMaskType.causal, "self", cp_comm_type=comm)
+
+
+def test_context_parallel_packing_divides_the_global_boundaries_once_checked():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from attnselect.integrations import megatron as integration
+
+    cu = torch.tensor([0, 8, 24, 32], dtype=torch.int32, device="cuda")
+    args = integration._packing(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                max_seqlen_q=16, max_seqlen_kv=16), 4)  # fmt: skip
+    assert args["cu_seqlens_q"].tolist() == [0, 2, 6, 8] and args["cu_seqlens_kv"] is args["cu_seqlens_q"]
+    assert args["max_seqlen_q"] == args["max_seqlen_kv"] == 4
+    bad = torch.tensor([0, 9, 16], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="expected multiples of 2 \\* context_parallel_size = 8"):
+        integration._packing(PackedSeqParams(qkv_format="thd", cu_seqlens_q=bad, cu_seqlens_kv=bad), 4)

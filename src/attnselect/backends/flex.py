@@ -101,6 +101,8 @@ def _flex(q, k, v, block_mask, call, dynamic):
     from torch.nn.attention import flex_attention as flex
 
     fn = _compiled_flex(dynamic) if q.is_cuda else _eager_flex
+    if not q.is_cuda and not torch.is_grad_enabled():  # eager flex refuses inputs that require grad even under
+        q, k, v = q.detach(), k.detach(), v.detach()  # no_grad ("does not support backward on CPU", torch 2.13)
     options = dict(block_mask=block_mask, scale=call.scale, enable_gqa=q.shape[1] != k.shape[1])
     if call.softcap is not None:
         options["score_mod"] = _softcap_mod(call.softcap)

@@ -1,8 +1,11 @@
 """One context-parallel call of :func:`attnselect.attention`: its checks, each chunk pair's decision, the ring.
 
-Every check runs before any communication, and every rank makes the same decisions (the rules read shapes and
-options only, which the ranks share; the measure policy broadcasts rank 0's timings). The first call of each shape
-checks, with one small all-reduce, that every rank of the group passes the same shapes, options and choices.
+Every rank validates its shard and decides each chunk pair's kernel (the rules read shapes and options only, which
+the ranks share; the measure policy broadcasts rank 0's timings), then one small all-reduce checks, before the ring
+starts, that every rank passes the same call (shapes, options, the boundaries it read, the choices) and that none
+refused it: a mismatch, or a refusal on any rank, raises on every rank. Over NCCL that all-reduce, whose result the
+host reads (a sync), runs on the first call of each signature only; a rank that diverges on a later call is then
+not caught, and the ring fails or waits for the group's timeout.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import torch.distributed as dist
 
 from attnselect.call import require
 from attnselect.context_parallel.ring import Halves, Ring, RingAttention, thd_halves
+from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import apply_sinks, kernel_call, run_call
 from attnselect.inputs import DENSE_AXES, lengths_of, packing_facts
 from attnselect.problem import AttentionProblem, describe_call
 from attnselect.selection import select, select_packed
 from attnselect.target import target_for_device
+from attnselect.tensor_memo import TensorMemo
 
 
 def group_size(group) -> int:
@@ -36,41 +41,47 @@ def attention(q, k, v, *, cp_group, backend, pad, disable, **described):
     """``(out, lse, *max_logit)`` of this rank's shard (``described``: attention()'s options that describe a
     problem); lse in float32 (float64 for float64 input), carrying a gradient."""
     size, rank = group_size(cp_group), dist.get_rank(cp_group)
-    problem, packing = describe_call(q, k, v, context_parallel_size=size, **described)
-    layout, causal = problem.layout, problem.mask == "causal"
-    lengths = _refuse_unsupported(problem, packing, q, k, described)
-    target = target_for_device(q.device)
+    # the ring trains q, k and v; sinks that alone need a gradient get it from the merged result (apply_sinks)
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    pairs, chosen = {}, []
-    for kind, (pair, pair_packing) in _pairs(problem, packing, lengths, training).items():
-        decide = select if layout != "thd" else select_packed
-        candidate = decide(pair, target=target, backend=backend, pad=pad, disable=disable).chosen
-        call = kernel_call(pair, described.get("scale"), described.get("softcap"))
-        pairs[kind] = functools.partial(run_call, candidate, pair, call, packing=pair_packing, target=target)
-        chosen.append(f"{kind}: {candidate}")
-    shapes = f"{problem.describe()}, q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}"
-    _check_ranks_agree(cp_group, rank, q, shapes, _signature(shapes, described, chosen))
-    halves = None
-    if causal:
-        halves = (
-            Halves(layout, q.shape[DENSE_AXES[layout][1]])
-            if layout != "thd"
-            else thd_halves(packing.cu_seqlens_q, q.shape[0])
-        )
-    ring = Ring(cp_group, rank, size, causal, layout, halves, pairs)
+    facts, refused = [f"training={training}"], None
+    try:
+        problem, packing = describe_call(q, k, v, context_parallel_size=size, **described)
+        lengths = _local_lengths(problem, packing, q, described)
+        facts.append(f"lengths={lengths}")
+        _refuse_unsupported(problem, packing, q, k, lengths, described)
+        halves = _halves(problem, packing, q)
+        target = target_for_device(q.device)
+        pairs = _chunk_kernels(problem, packing, halves, lengths, training, target, backend, pad, disable, described)
+        facts += [f"{kind}: {run.args[0]}" for kind, run in pairs.items()]
+    except AttnSelectError as exc:  # every rank learns of it before any rank starts the ring
+        refused = exc
+    _check_ranks_agree(cp_group, rank, q, k, v, described, facts, refused)
+    ring = Ring(cp_group, rank, size, problem.mask == "causal", problem.layout, halves, pairs)
     if training:
         out, lse, *max_logit = RingAttention.apply(q, k, v, ring)
     else:
         out, lse, max_logit = ring.forward(q, k, v)
     sinks = described.get("sinks")
-    if sinks is not None:
-        out, lse = apply_sinks(out, lse, sinks, layout)
+    if sinks is not None:  # each rank's sinks gradient is its share: the group's sum is the whole one
+        out, lse = apply_sinks(out, lse, sinks, problem.layout)
     return out, lse, *max_logit
 
 
-def _refuse_unsupported(problem: AttentionProblem, packing, q, k, described) -> tuple[list, list] | None:
-    """Refuse what the ring does not serve; return the local (q, kv) sequence lengths of thd when they can be read
-    without a sync (None: trusted, as attention() trusts both max_seqlen on a GPU)."""
+def _local_lengths(problem: AttentionProblem, packing, q, described) -> tuple[list, list] | None:
+    """The local (q, kv) sequence lengths of a thd shard, read on the host (on a GPU a sync, as validation's own read
+    there); None for dense input, and where attention() trusts the boundaries (both max_seqlen given on a GPU)."""
+    if problem.layout != "thd":
+        return None
+    if q.device.type != "cpu" and described.get("max_seqlen_q") is not None:
+        if described.get("max_seqlen_kv") is not None:
+            return None
+    bounds_q = packing.cu_seqlens_q.tolist()
+    same = packing.cu_seqlens_kv is packing.cu_seqlens_q
+    return lengths_of(bounds_q), lengths_of(bounds_q if same else packing.cu_seqlens_kv.tolist())
+
+
+def _refuse_unsupported(problem: AttentionProblem, packing, q, k, lengths, described) -> None:
+    """Refuse what the ring does not serve, naming the argument."""
     n = problem.context_parallel_size
     require(problem.window is None, "window", f"{problem.window} with cp_group",
             "None: sliding windows are not served under context parallelism yet")  # fmt: skip
@@ -88,85 +99,107 @@ def _refuse_unsupported(problem: AttentionProblem, packing, q, k, described) -> 
         require(problem.mask == "none" or problem.seqlen_q == problem.seqlen_kv, "k.shape",
                 f"{problem.seqlen_kv} local keys for {problem.seqlen_q} queries",
                 "as many keys as queries under a causal mask with cp_group")  # fmt: skip
-        return None
+        return
     require(not packing.has_gaps, "cu_seqlens_q_padded/cu_seqlens_kv_padded", "gaps between sequences",
             f"none with cp_group: pad each sequence to a multiple of {2 * n} tokens and pass it whole")  # fmt: skip
     require(problem.mask == "none" or packing.cu_seqlens_kv is packing.cu_seqlens_q, "cu_seqlens_kv",
             "keys with boundaries of their own", "None or the queries' boundaries under a causal mask with "
             "cp_group (self-attention)")  # fmt: skip
-    trusted = (
-        q.device.type != "cpu"
-        and described.get("max_seqlen_q") is not None
-        and (described.get("max_seqlen_kv") is not None)
-    )
-    if trusted:  # no host read: the boundaries are trusted, as attention() trusts them; the longest is checked
+    if lengths is None:  # trusted boundaries: only the longest is checked
         for name in ("max_seqlen_q", "max_seqlen_kv"):
             require(described[name] % 2 == 0, name, described[name], f"an even local length (global / {n})")
-        return None
-    lengths = []
-    for name, cu in (("cu_seqlens_q", packing.cu_seqlens_q), ("cu_seqlens_kv", packing.cu_seqlens_kv)):
-        local = lengths_of(cu.tolist())
+        return
+    for name, local in zip(("cu_seqlens_q", "cu_seqlens_kv"), lengths):
         odd = [length for length in local if length % 2]
         require(not odd, name, f"local sequence lengths {odd[:4]}",
                 f"even ones: every global length a multiple of {2 * n} (2 chunks per rank)")  # fmt: skip
-        lengths.append(local)
-    return lengths[0], lengths[1]
 
 
-def _pairs(problem: AttentionProblem, packing, lengths, training: bool) -> dict:
-    """kind -> (problem, packing) of the chunk pairs the ring runs (ring.py's schedule)."""
-    base = dataclasses.replace(problem, return_lse=True, sinks=False, training=training, window=None)
-    if problem.mask == "none":
-        return {"full": (base, packing)}
+# A shard's halves per boundary tensor, so every layer of a step shares them (and what kernels derive from them)
+_HALVES = TensorMemo()
+
+
+def _halves(problem: AttentionProblem, packing, q) -> Halves | None:
+    """Where the shard's two chunks lie (causal only: the other schedules take whole shards)."""
+    if problem.mask != "causal":
+        return None
     if problem.layout != "thd":
-        return {
+        return Halves(problem.layout, q.shape[DENSE_AXES[problem.layout][1]])
+    cu = packing.cu_seqlens_q
+    return _HALVES.get((cu,), q.shape[0], lambda: thd_halves(cu, q.shape[0]))
+
+
+def _chunk_kernels(problem, packing, halves, lengths, training, target, backend, pad, disable, described) -> dict:
+    """kind -> run(q, k, v) of each chunk pair the ring runs (ring.py's schedule), on attnselect's choice."""
+    base = dataclasses.replace(problem, return_lse=True, sinks=False, training=training)
+    if problem.mask == "none":
+        pairs = {"full": (base, packing)}
+    elif problem.layout != "thd":
+        pairs = {
             "diagonal": (base, None),
             "kv_half": (dataclasses.replace(base, mask="none", seqlen_kv=problem.seqlen_kv // 2), None),
             "q_half": (dataclasses.replace(base, mask="none", seqlen_q=problem.seqlen_q // 2), None),
         }
-    cu = packing.cu_seqlens_q
-    half = torch.div(cu, 2, rounding_mode="floor")
-    halved = None if lengths is None else [n // 2 for n in lengths[0]]
-    facts = functools.partial(packing_facts, "none", None)
-    kv_half = dataclasses.replace(base, mask="none", seqlen_kv=problem.seqlen_kv // 2,
-                                  **facts(*((None, None) if lengths is None else (lengths[0], halved))))  # fmt: skip
-    q_half = dataclasses.replace(base, mask="none", seqlen_q=problem.seqlen_q // 2,
-                                 **facts(*((None, None) if lengths is None else (halved, lengths[0]))))  # fmt: skip
+    else:
+        pairs = {"diagonal": (base, packing), **_thd_halves_pairs(base, packing, halves, lengths)}
+    runs = {}
+    for kind, (pair, pair_packing) in pairs.items():
+        decide = select if pair.layout != "thd" else select_packed
+        candidate = decide(pair, target=target, backend=backend, pad=pad, disable=disable).chosen
+        call = kernel_call(pair, described.get("scale"), described.get("softcap"))
+        runs[kind] = functools.partial(run_call, candidate, pair, call, packing=pair_packing, target=target)
+    return runs
+
+
+def _thd_halves_pairs(base: AttentionProblem, packing, halves: Halves, lengths) -> dict:
+    """The causal thd steps after the first: all queries against the keys' first halves, and the queries' second
+    halves against all keys, with their packings and facts (no mask; every query sees a key)."""
+    full = None if lengths is None else lengths[0]
+    half = None if lengths is None else [n // 2 for n in full]
+    h, s_q, s_kv = halves.boundaries, base.seqlen_q, base.seqlen_kv
     return {
-        "diagonal": (base, packing),
-        "kv_half": (kv_half, dataclasses.replace(packing, cu_seqlens_kv=half, offsets_kv=half,
-                                                 max_seqlen_kv=problem.seqlen_kv // 2)),
-        "q_half": (q_half, dataclasses.replace(packing, cu_seqlens_q=half, offsets_q=half,
-                                               max_seqlen_q=problem.seqlen_q // 2)),
-    }  # fmt: skip
+        "kv_half": (
+            dataclasses.replace(base, mask="none", seqlen_kv=s_kv // 2, **packing_facts("none", None, full, half)),
+            dataclasses.replace(packing, cu_seqlens_kv=h, offsets_kv=h, max_seqlen_kv=s_kv // 2),
+        ),
+        "q_half": (
+            dataclasses.replace(base, mask="none", seqlen_q=s_q // 2, **packing_facts("none", None, half, full)),
+            dataclasses.replace(packing, cu_seqlens_q=h, offsets_q=h, max_seqlen_q=s_q // 2),
+        ),
+    }
 
 
-def _signature(shapes: str, described: dict, chosen: list) -> str:
-    """What every rank's call must share, as text: the problem and shapes, the options and the choices."""
-    options = {name: tuple(value.shape) if isinstance(value, torch.Tensor) else value
-               for name, value in described.items()}  # fmt: skip
-    return f"{shapes} {options} {chosen}"
-
-
-# (group, signature) pairs every rank of the group was found to share, the oldest first
+# (group, signature) pairs every rank of an NCCL group was found to share, the oldest first
 _AGREED: OrderedDict[tuple, None] = OrderedDict()
 _AGREED_SIZE = 4096
 
 
-def _check_ranks_agree(group, rank: int, q, shapes: str, signature: str) -> None:
-    """On the first call of each signature: one all-reduce of its checksum (MAX of it and of its negation), a host
-    read of two integers (packed calls whose packing sizes change every step pay it once a step)."""
-    if (group, signature) in _AGREED:
+def _check_ranks_agree(group, rank: int, q, k, v, described: dict, facts: list, refused) -> None:
+    """One all-reduce (MAX) of [checksum, -checksum, refused] over the group: raise on every rank when the ranks'
+    calls differ or any rank refused its own (module docstring: once per signature over NCCL)."""
+    options = {name: tuple(x.shape) if isinstance(x, torch.Tensor) else x for name, x in described.items()}
+    shapes = f"q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}"
+    signature = f"{shapes} {options} {facts}"
+    nccl = dist.get_backend(group) == "nccl"
+    if nccl and refused is None and (group, signature) in _AGREED:
         _AGREED.move_to_end((group, signature))
         return
     checksum = zlib.crc32(signature.encode())
-    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    seen = torch.tensor([checksum, -checksum], dtype=torch.int64, device=device)
+    seen = torch.tensor([checksum, -checksum, refused is not None], dtype=torch.int64,
+                        device=q.device if nccl else torch.device("cpu"))  # fmt: skip
     dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
-    highest, lowest = seen.tolist()
-    require(highest == checksum and -lowest == checksum, "cp_group",
-            f"ranks whose calls differ (rank {rank}: {shapes})",
-            "every rank to pass its shard of the same call: equal shapes, options and packing sizes")  # fmt: skip
-    _AGREED[(group, signature)] = None
-    if len(_AGREED) > _AGREED_SIZE:
-        _AGREED.popitem(last=False)
+    highest, lowest, any_refused = seen.tolist()
+    if refused is not None:
+        raise refused
+    if any_refused:
+        raise InvalidInputError(
+            f"cp_group: got a call another rank refused (rank {rank} passed {shapes}), expected every rank to pass a "
+            "shard it accepts: that rank's error names the argument"
+        )
+    require(highest == checksum and -lowest == checksum, "cp_group", f"ranks whose calls differ (rank {rank}: "
+            f"{shapes}, {facts[1] if len(facts) > 1 else ''})", "every rank to pass its shard of the same call: "
+            "equal shapes, options and local boundaries")  # fmt: skip
+    if nccl:
+        _AGREED[(group, signature)] = None
+        if len(_AGREED) > _AGREED_SIZE:
+            _AGREED.popitem(last=False)

@@ -45,6 +45,7 @@ class Halves:
     layout: str
     length: int  # tokens of the shard along the sequence axis (dense: per batch row)
     index: tuple[torch.Tensor, torch.Tensor] | None = None  # thd only
+    boundaries: torch.Tensor | None = None  # thd only: int32 cu_seqlens of either half (the shard's, halved)
 
     def take(self, x: torch.Tensor, half: int, *, lse: bool = False) -> torch.Tensor:
         axis = self._axis(lse)
@@ -74,10 +75,10 @@ def thd_halves(cu_seqlens: torch.Tensor, tokens: int) -> Halves:
     """The halves of every sequence of a thd shard whose local lengths are even, without a host read: half
     position p of sequence b (cu_seqlens // 2 holds the halves' boundaries h) is token p + h[b] of its first half
     and p + h[b + 1] of its second."""
-    h = torch.div(cu_seqlens.long(), 2, rounding_mode="floor")
+    h = torch.div(cu_seqlens, 2, rounding_mode="floor")
     p = torch.arange(tokens // 2, device=cu_seqlens.device)
-    b = torch.searchsorted(h[1:], p, right=True)
-    return Halves("thd", tokens, (p + h[b], p + h[b + 1]))
+    b = torch.searchsorted(h[1:].long(), p, right=True)
+    return Halves("thd", tokens, (p + h[b], p + h[b + 1]), h)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class Ring:
             incoming = self._exchange(kv) if step < self.size - 1 else None
             kind = self.kind(step)
             if kind == "q_half":
-                part_rows = [self.halves.take(x, 1, lse=x is not d_out) for x in rows]
+                part_rows = [self.halves.take(x, 1, lse=is_lse) for x, is_lse in zip(rows, (True, False, True, True))]
             else:
                 part_rows = rows
             grad_q, *grad_kv = _pair_gradients(self.pairs[kind], self.layout, *self._operands(kind, q, *kv), *part_rows)
@@ -189,6 +190,7 @@ class RingAttention(torch.autograd.Function):
         return out, lse, *max_logit
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_lse, *_):
         q, k, v, out, lse = ctx.saved_tensors
         return *ctx.ring.backward(q, k, v, out, lse, d_out, d_lse), None
@@ -204,7 +206,9 @@ def _pair_gradients(run: Run, layout: str, q, k, v, lse, d_out, d_lse, d_row):
     own = rows_as_lse((d_out.to(weight.dtype) * out_i.detach().to(weight.dtype)).sum(-1), layout)
     grad_out = (d_out.to(weight.dtype) * lse_as_rows(weight, layout)[..., None]).to(out_i.dtype)
     grad_lse = (weight * (own - d_row + d_lse)).to(lse_i.dtype)
-    return torch.autograd.grad((out_i, lse_i), (q, k, v), (grad_out, grad_lse))
+    pairs = [(x, g) for x, g in ((out_i, grad_out), (lse_i, grad_lse)) if x.requires_grad]  # an empty shard's lse
+    grads = torch.autograd.grad([x for x, _ in pairs], (q, k, v), [g for _, g in pairs], allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v))]
 
 
 def _accumulator(x: torch.Tensor) -> torch.dtype:

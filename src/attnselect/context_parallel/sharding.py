@@ -81,19 +81,14 @@ def unshard(
 
 
 def _thd_index(lengths: list[int], cp_size: int, ranks, device) -> list[torch.Tensor]:
-    """Per rank, the global token indices its shard holds, in its order."""
-    chunks, starts = 2 * cp_size, [0]
-    for length in lengths:
-        starts.append(starts[-1] + length)
-    result = []
-    for rank in ranks:
-        index = []
-        for start, length in zip(starts, lengths):
-            c = length // chunks
-            index += [*range(start + rank * c, start + (rank + 1) * c)]
-            index += [*range(start + (chunks - 1 - rank) * c, start + (chunks - rank) * c)]
-        result.append(torch.tensor(index, dtype=torch.long, device=device))
-    return result
+    """Per rank, the global token indices its shard holds, in its order: a sequence's tokens in chunks r and
+    2N-1-r, which in token order already come chunk r first."""
+    chunks = 2 * cp_size
+    sizes = torch.tensor(lengths, dtype=torch.long, device=device)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=device), sizes)
+    position = torch.arange(int(sizes.sum()), device=device) - (torch.cumsum(sizes, 0) - sizes)[sequence]
+    chunk = position // (sizes // chunks).clamp(min=1)[sequence]
+    return [torch.nonzero((chunk == r) | (chunk == chunks - 1 - r)).flatten() for r in ranks]
 
 
 def _check_group_arguments(cp_size, rank) -> None:

@@ -189,7 +189,7 @@ def _packing(params, cp_size: int = 1) -> dict:
     def boundaries(cu):  # the same local tensor for every layer of a step, so attnselect's per-tensor work is done once
         if cp_size == 1:
             return cu.int()
-        return _LOCAL_BOUNDARIES.get((cu,), cp_size, lambda: torch.div(cu, cp_size, rounding_mode="floor").int())
+        return _LOCAL_BOUNDARIES.get((cu,), cp_size, lambda: _divided(cu, cp_size))
 
     longest = (optional_int(params.max_seqlen_q), optional_int(params.max_seqlen_kv))
     args = dict(
@@ -210,6 +210,17 @@ def _packing(params, cp_size: int = 1) -> dict:
 
 
 _LOCAL_BOUNDARIES = TensorMemo()  # a global boundary tensor -> this rank's (divided by cp_size)
+
+
+def _divided(cu: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """This rank's boundaries from the global ones, which must cut every sequence into 2 * cp_size equal chunks
+    (checked with one host read per boundary tensor)."""
+    if bool((cu % (2 * cp_size)).any()):
+        raise InvalidInputError(
+            f"packed_seq_params.cu_seqlens: got global boundaries {cu.tolist()[:8]}, expected multiples of "
+            f"2 * context_parallel_size = {2 * cp_size} (pad each sequence to one)"
+        )
+    return torch.div(cu, cp_size, rounding_mode="floor").int()
 
 
 def layer_spec(spec, *, keep_value_native: bool = True):
