@@ -21,7 +21,9 @@ step 0 and T x T/2 after it, T^2/2 pairs every step on every rank. The backward 
 (about 1.3x the attention work of forward + backward). Each step's send and receive are posted before its
 attention runs, so the transfer overlaps it: on CUDA, NCCL runs point-to-point operations on its own stream, ordered
 after the work queued when they are posted, and ``Work.wait()`` orders the current stream after the transfer
-(torch ProcessGroupNCCL). docs/context_parallel.md has the cost model in numbers.
+(torch ProcessGroupNCCL). NCCL's stream is the side stream: posting from another stream of ours would only order
+the transfer after that stream's work instead of the tensors' producer. docs/context_parallel.md has the cost model
+in numbers.
 """
 
 from __future__ import annotations
