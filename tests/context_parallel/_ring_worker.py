@@ -35,6 +35,8 @@ def cases(n: int, device: str = "cpu") -> dict:
         found[f"thd-mla-{tag}"] = dict(layout="thd", lengths=thd, causal=causal, **MLA)
         found[f"thd-gqa-{tag}"] = dict(layout="thd", lengths=thd[::-1], causal=causal, **GQA)
     found["sbhd-mla-causal"] = dict(layout="sbhd", b=2, s=c, causal=True, **MLA)
+    found["sbhd-mla-causal-views"] = dict(layout="sbhd", b=2, s=2 * c, causal=True, views=True, **MLA)
+    found["thd-mla-causal-views"] = dict(layout="thd", lengths=thd, causal=True, views=True, **MLA)
     found["bhsd-gqa-causal"] = dict(layout="bhsd", b=1, s=2 * c, causal=True, **GQA)
     found["bshd-causal-softcap-sinks-max-logit"] = dict(layout="bshd", b=1, s=2 * c, causal=True, softcap=3.0,
                                                          sinks=True, return_max_logit=True, **MLA)  # fmt: skip
@@ -108,9 +110,14 @@ def check(case: dict, n: int, rank: int, group) -> dict:
         return shard(x, cp_size=n, rank=rank, layout=layout, cu_seqlens=cu)
 
     parts = [local(t.detach())[0].requires_grad_(grad) for t in (q, k, v)]
+    operands = parts
+    if case.get("views"):  # q, k, v as views of one buffer (a fused projection's output), not contiguous
+        buffer = torch.cat([p.detach() for p in parts], dim=-1).requires_grad_(grad)
+        widths = [p.shape[-1] for p in parts]
+        operands = list(buffer.split(widths, dim=-1))
     part_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
     local_packed = dict(cu_seqlens_q=local(q)[1]) if layout == "thd" else {}
-    got, got_lse, *got_max = run(*parts, part_sinks, case, cp_group=group, **local_packed)
+    got, got_lse, *got_max = run(*operands, part_sinks, case, cp_group=group, **local_packed)
     errors = {
         "out": (got - local(out.detach())[0]).abs().max().item(),
         "lse": (got_lse - lse_shard(lse, layout, n, rank, cu)).abs().max().item(),
@@ -120,6 +127,9 @@ def check(case: dict, n: int, rank: int, group) -> dict:
         errors["max_logit"] = (got_max[0] - max_logit[0]).abs().max().item()
     if grad:
         (got * local(d_out)[0]).sum().backward()
+        if case.get("views"):
+            for part, grad_part in zip(parts, buffer.grad.split(widths, dim=-1)):
+                part.grad = grad_part
         for name, mine, theirs in zip("qkv", parts, full):
             errors[f"d{name}"] = (mine.grad - local(theirs.grad)[0]).abs().max().item()
         if sinks is not None:  # every rank's share of the sinks' gradient sums to the full one

@@ -1,4 +1,4 @@
-"""Context-parallel attention against single-process attention: gloo groups of 2 and 4 CPU processes, float64.
+"""Context-parallel attention against single-process attention: gloo groups of 2, 3 and 4 CPU processes, float64.
 
 Each group runs every case of _ring_worker.py once; each test checks one case on every rank: the output, lse,
 max logit and gradients of its shard within 1e-10 of the single-process call's shard.
@@ -16,7 +16,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "_ring_worker.py")
 sys.path.insert(0, os.path.dirname(__file__))
 from _ring_worker import cases  # noqa: E402
 
-SIZES = (2, 4)
+SIZES = (2, 3, 4)
 
 
 @functools.cache
