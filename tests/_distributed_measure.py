@@ -1,5 +1,7 @@
-"""Run by tests/test_measure.py: two gloo ranks tune one problem; only rank 0 may measure; each prints its choice."""
+"""Run by tests/test_measure.py: two gloo ranks tune one problem; only rank 0 may measure; each prints its choice
+(a JSON line, as tests/helpers.run_group reads it)."""
 
+import json
 import os
 import sys
 
@@ -17,7 +19,7 @@ def main(rank: int, world: int, port: str, cache: str) -> None:
         measure.measure = lambda *a, **k: (_ for _ in ()).throw(AssertionError(f"rank {rank} measured"))
     p = attnselect.AttentionProblem(2, 64, 64, 4, 4, 24, 16, torch.float32, mask="causal")
     chosen = str(attnselect.select(p, target=attnselect.Target.current("cpu"), policy="measure").chosen)
-    print(f"rank {rank}: {chosen}", flush=True)
+    print(json.dumps({"rank": rank, "case": "choice", "chosen": chosen}), flush=True)
     dist.barrier()  # both ranks done before either tears gloo down
     dist.destroy_process_group()
 

@@ -345,25 +345,12 @@ def test_eight_processes_writing_at_once_keep_every_entry(cache_dir):
 
 
 def test_ranks_share_rank_zeros_measurement(tmp_path):
-    import socket
+    from helpers import run_group
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    script = os.path.join(os.path.dirname(__file__), "_distributed_measure.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(rank), "2", port, str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    results = [p.communicate(timeout=180) for p in procs]
-    assert all(p.returncode == 0 for p in procs), results
-    lines = sorted(out.strip().splitlines()[-1] for out, _ in results)
-    assert lines[0].split(": ")[1] == lines[1].split(": ")[1]
+    reports = run_group(
+        os.path.join(os.path.dirname(__file__), "_distributed_measure.py"), 2, str(tmp_path), timeout=180
+    )
+    assert reports[0, "choice"]["chosen"] == reports[1, "choice"]["chosen"]
 
 
 def test_under_cuda_graph_capture_measure_reuses_the_warm_up_decision(monkeypatch, caplog):

@@ -39,8 +39,9 @@ def group_size(group) -> int:
 
 def attention(q, k, v, *, cp_group, backend, pad, disable, **described):
     """``(out, lse, *max_logit)`` of this rank's shard (``described``: attention()'s options that describe a
-    problem); lse in float32 (float64 for float64 input), carrying a gradient."""
-    size, rank = group_size(cp_group), dist.get_rank(cp_group)
+    problem) for a ``cp_group`` that :func:`group_size` checked and found larger than one; lse in float32 (float64
+    for float64 input), carrying a gradient."""
+    size, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     # the ring trains q, k and v; sinks that alone need a gradient get it from the merged result (apply_sinks)
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     facts, refused = [f"training={training}"], None
