@@ -12,7 +12,9 @@ directly.
   - SDPA kernels: torch's default dispatch, F.scaled_dot_product_attention (the fastest direct call where it
     reaches the chosen kernel), and the kernel forced with sdpa_kernel;
   - FlashAttention packages: the package's ``flash_attn_func``;
-  - the backend object attnselect runs (``Backend.run``).
+  - the backend object attnselect runs (``Backend.run``);
+  - CUDA, cuDNN and mem-efficient: the aten op SDPA's dispatch calls once it has chosen that kernel;
+  - attnselect's memo lookup alone, without a kernel (what a repeated call pays before its runner).
 - CUDA, packed (1024 tokens in 4 sequences, H16, 128/128, causal, both max_seqlen given, inference):
   - the chosen package's ``flash_attn_varlen_func`` where it is a FlashAttention package;
   - the chosen backend's packed kernel through its backend object (``Backend.run_packed``, boundaries
@@ -39,7 +41,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 import attnselect
-from attnselect import backends
+from attnselect import backends, call_memo
 from attnselect.backends.shape_cache import bucketed
 from attnselect.execution import kernel_call
 from attnselect.problem import describe_call
@@ -100,13 +102,24 @@ def dense_rows(device: str):
                 return F.scaled_dot_product_attention(q, k, v)
 
         rows[f"F.scaled_dot_product_attention in sdpa_kernel([{kernel.name}])"] = forced
+        aten = _ATEN_OPS.get(kernel.name)
+        if aten is not None and device == "cuda":  # below dispatch: what SDPA calls once it has chosen the kernel
+            rows[f"torch.{aten.__name__}, the op SDPA's dispatch calls"] = lambda: aten(q, k, v, None, False)[0]
     module = getattr(backend, "module", None)
     if module is not None and not chosen.padded:
         function = importlib.import_module(module).flash_attn_func
         rows[f"{module}.flash_attn_func"] = lambda: function(q, k, v)
     if not chosen.padded:
         rows[f"{chosen.backend} backend object, run()"] = lambda: backend.run(q, k, v, call)
+    known = (q, k, v, layout, False, None, None, 0.0, None, None, None, None, None, None, False, None, None, None,
+             None, None, False)  # fmt: skip
+    rows["attnselect's memo lookup alone (call_memo.recall, no kernel)"] = lambda: call_memo.recall(*known)
     return problem, chosen, rows
+
+
+# The aten ops below SDPA's dispatch with the signature (q, k, v, attn_bias, compute_log_sumexp, ...) (their schemas).
+_ATEN_OPS = {"CUDNN_ATTENTION": torch._scaled_dot_product_cudnn_attention,
+             "EFFICIENT_ATTENTION": torch._scaled_dot_product_efficient_attention}  # fmt: skip
 
 
 def packed_rows(device: str):

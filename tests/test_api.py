@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnselect
-from attnselect import api
+from attnselect import call_memo
 
 
 def _inputs(dtype=torch.float64):
@@ -19,21 +19,21 @@ def _inputs(dtype=torch.float64):
 def test_repeated_call_takes_the_fast_path_with_the_same_result():
     q, k, v = _inputs()
     first = attnselect.attention(q, k, v, causal=True)
-    assert len(api._CALLS) == 1
+    assert len(call_memo.known_calls()) == 1
     assert torch.equal(attnselect.attention(q, k, v, causal=True), first)
-    assert len(api._CALLS) == 1
+    assert len(call_memo.known_calls()) == 1
 
 
 def test_fast_path_follows_environment_and_clear_cache(monkeypatch):
     q, k, v = _inputs()
     attnselect.attention(q, k, v)
-    problem, chosen, *_ = next(iter(api._CALLS.values()))
+    problem, chosen, *_ = call_memo.known_calls()[0]
     assert chosen.backend == "sdpa_flash"
     monkeypatch.setenv("ATTNSELECT_BACKEND", "reference")
     attnselect.attention(q, k, v)
-    assert {entry[1].backend for entry in api._CALLS.values()} == {"sdpa_flash", "reference"}
+    assert {known.chosen.backend for known in call_memo.known_calls()} == {"sdpa_flash", "reference"}
     attnselect.clear_cache()
-    assert not api._CALLS
+    assert not call_memo.known_calls()
 
 
 def test_fast_path_still_validates_what_changed():
@@ -51,7 +51,7 @@ def test_fast_path_still_validates_what_changed():
 def test_iterators_and_lists_bypass_the_fast_path_without_being_consumed():
     q, k, v = _inputs()
     out = attnselect.attention(q, k, v, disable=iter(["sdpa_flash"]), window=[3, 0])
-    assert not api._CALLS
+    assert not call_memo.known_calls()
     assert torch.allclose(out, attnselect.attention(q, k, v, window=(3, 0), backend="reference"), atol=1e-12)
 
 
@@ -266,8 +266,9 @@ def _packed_key(cu_kv="same", max_q=7, max_kv=7, device="meta", padded=None):
     q = torch.empty(12, 2, 16, device=device)
     cu = torch.empty(3, dtype=torch.int32, device=device)
     cu_kv = cu if cu_kv == "same" else cu_kv
-    return api._call_key(q, q, q, "thd", True, None, None, 0.0, cu, cu_kv, padded, None, max_q, max_kv, False, None,
-                         None, None, None, None, False)  # fmt: skip
+    unknown = call_memo.recall(q, q, q, "thd", True, None, None, 0.0, cu, cu_kv, padded, None, max_q, max_kv, False,
+                               None, None, None, None, None, False)  # fmt: skip
+    return None if unknown is None else unknown.key
 
 
 def test_a_packed_call_keys_the_fast_path_only_where_its_problem_follows_from_the_key():
@@ -287,10 +288,10 @@ def test_a_repeated_packed_call_takes_the_fast_path_with_the_same_result():
     kwargs = dict(layout="thd", cu_seqlens_q=cu, max_seqlen_q=100, max_seqlen_kv=100, causal=True)
     attnselect.clear_cache()
     first = attnselect.attention(q, k, v, **kwargs)
-    assert len(api._CALLS) == 1
+    assert len(call_memo.known_calls()) == 1
     other = torch.tensor([0, 60, 160, 160, 160], dtype=torch.int32, device="cuda")  # a new packing, same key
     again = attnselect.attention(q, k, v, **{**kwargs, "cu_seqlens_q": other})
-    assert len(api._CALLS) == 1
+    assert len(call_memo.known_calls()) == 1
     slow = attnselect.attention(q, k, v, **{**kwargs, "cu_seqlens_q": other, "cu_seqlens_kv": other.clone()})
     assert torch.equal(attnselect.attention(q, k, v, **kwargs), first) and torch.equal(again, slow)
 
@@ -299,11 +300,11 @@ def test_a_call_with_its_own_scale_is_memoized_and_a_boolean_scale_is_still_refu
     q, k, v = _inputs()
     attnselect.clear_cache()
     first = attnselect.attention(q, k, v, scale=1.0)
-    assert len(api._CALLS) == 1 and torch.equal(attnselect.attention(q, k, v, scale=1.0), first)
-    assert len(api._CALLS) == 1
+    assert len(call_memo.known_calls()) == 1 and torch.equal(attnselect.attention(q, k, v, scale=1.0), first)
+    assert len(call_memo.known_calls()) == 1
     assert torch.equal(attnselect.attention(q, k, v, scale=1), first)  # the same number
     with pytest.raises(attnselect.InvalidInputError, match="scale: got True"):
         attnselect.attention(q, k, v, scale=True)
     other = attnselect.attention(q, k, v, scale=0.5)
     reference = attnselect.attention(q, k, v, scale=0.5, backend="reference")
-    assert len(api._CALLS) == 3 and torch.allclose(other, reference, atol=1e-5)
+    assert len(call_memo.known_calls()) == 3 and torch.allclose(other, reference, atol=1e-5)

@@ -182,9 +182,9 @@ def test_overrides_reach_the_attention_fast_path():
     attnselect.attention(q, k, v)
     with attnselect.overrides(backend="reference", disable="sdpa_flash"):
         inside = attnselect.attention(q, k, v)
-    from attnselect import api
+    from attnselect import call_memo
 
-    assert {entry[1].backend for entry in api._CALLS.values()} == {"sdpa_flash", "reference"}
+    assert {known.chosen.backend for known in call_memo.known_calls()} == {"sdpa_flash", "reference"}
     assert torch.allclose(inside, attnselect.attention(q, k, v), atol=1e-12)
 
 

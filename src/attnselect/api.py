@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import inspect
-from collections import OrderedDict
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
-from attnselect import backends, settings
-from attnselect.caches import register_cache
-from attnselect.call import KernelCall, Packing
-from attnselect.candidates import Candidate
+from attnselect import backends
+from attnselect.call import Packing
+from attnselect.call_memo import KnownCall, recall
 from attnselect.context_parallel.call import attention as context_parallel_attention
 from attnselect.context_parallel.call import group_size
 from attnselect.decision import Decision
@@ -20,7 +16,7 @@ from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import apply_sinks, dense_runner, kernel_call, packed_runner, run_call
 from attnselect.failures import mark_failed
 from attnselect.problem import CALL_ARGUMENTS, AttentionProblem, describe_call
-from attnselect.selection import MEMO_SIZE, select, select_packed
+from attnselect.selection import select, select_packed
 from attnselect.settings import strict
 from attnselect.target import Target, target_for_device
 
@@ -118,19 +114,14 @@ def attention(
             q, k, v, cp_group=cp_group, backend=backend, pad=pad, disable=disable, **_options(locals(), _DESCRIBED)
         )
         return out if not (return_lse or return_max_logit) else _with_statistics(out, lse, max_logit, return_lse)
-    call_key = _call_key(
+    known = recall(
         q, k, v, layout, causal, window, scale, dropout_p, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
         cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, return_lse, backend, pad, disable, softcap, sinks,
         return_max_logit,
     )  # fmt: skip
-    try:
-        known = _CALLS.get(call_key) if call_key is not None else None
-    except TypeError:  # an unhashable argument: the slow path validates and names it
-        known = call_key = None
     packing = None
-    if known is not None and layout == "thd":  # a packed call whose problem follows from its key (_call_key)
-        packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
-    if known is None:  # else the same shapes, dtypes, devices and options were validated and decided before
+    if type(known) is not KnownCall:  # else the same shapes, dtypes, devices and options were validated and decided
+        unknown = known
         problem, packing = describe_call(q, k, v, **_options(locals(), _DESCRIBED))
         target = target_for_device(q.device)
         decision = (
@@ -141,23 +132,21 @@ def attention(
         call = kernel_call(problem, scale, softcap)
         chosen = backends.get(decision.chosen.backend)
         if layout != "thd":
-            runner = dense_runner(chosen, decision.chosen.pad_to, layout, call, repeated=True)
+            runner = dense_runner(chosen, decision.chosen.pad_to, layout, call, like=(q, k, v))
         else:
             runner = packed_runner(chosen, decision.chosen.pad_to, call) if chosen.packs_thd(target) else None
-        known = _KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
-        if call_key is not None:
-            _CALLS[call_key] = known
-            if len(_CALLS) > MEMO_SIZE:
-                _CALLS.popitem(last=False)
+        known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
+        if unknown is not None:
+            unknown.remember(known)
+    elif layout == "thd":  # a packed call whose problem follows from its key (attnselect.call_memo)
+        packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
     try:
-        if known.runner is not None:  # the hottest path: a prepared runner
-            out, lse, *max_logit = known.runner(q, k, v) if packing is None else known.runner(q, k, v, packing)
-        else:  # thd sequence by sequence
-            out, lse, *max_logit = run_call(
-                known.chosen, known.problem, known.call, q, k, v, packing=packing, target=known.target
-            )
+        if known.runner is None:  # thd sequence by sequence
+            result = run_call(known.chosen, known.problem, known.call, q, k, v, packing=packing, target=known.target)
+        else:  # a prepared runner: (out, lse) or (out, lse, max_logit)
+            result = known.runner(q, k, v) if packing is None else known.runner(q, k, v, packing)
         if sinks is not None:
-            out, lse = apply_sinks(out, lse, sinks, layout)
+            result = (*apply_sinks(result[0], result[1], sinks, layout), *result[2:])
     except AttnSelectError:
         raise
     except Exception as exc:  # a kernel that fails at run time: fall back unless told to be strict
@@ -166,11 +155,11 @@ def attention(
         mark_failed(known.problem, known.target, known.chosen, exc)
         return attention(q, k, v, **_options(locals()))
     if not (return_lse or return_max_logit):
-        return out
-    return _with_statistics(out, lse, max_logit, return_lse)
+        return result[0]
+    return _with_statistics(result[0], result[1], result[2:], return_lse)
 
 
-def _with_statistics(out, lse, max_logit: list, return_lse: bool) -> tuple:
+def _with_statistics(out, lse, max_logit, return_lse: bool) -> tuple:
     """attention()'s result with its statistics: (out, lse), (out, max_logit) or (out, lse, max_logit)."""
     return (out, *((lse.detach().float(),) if return_lse else ()), *max_logit)
 
@@ -186,87 +175,6 @@ _DESCRIBED = tuple(name for name in _OPTIONS if name in CALL_ARGUMENTS)  # the o
 def _options(scope: dict, names: tuple = _OPTIONS) -> dict:
     """attention()'s options from its local scope (validation and the fallback pass them on)."""
     return {name: scope[name] for name in names}
-
-
-class _KnownCall(NamedTuple):
-    """A call validated and decided before: what running it again needs."""
-
-    problem: AttentionProblem
-    chosen: Candidate
-    target: Target
-    call: KernelCall  # kernel options, the scale included
-    forced: bool  # the caller forced the backend: failures re-raise
-    runner: Callable | None  # run(q, k, v) (dense, the layout work prepared) or run(q, k, v, packing) (packed)
-
-
-# Dense calls already validated and decided: call key -> _KnownCall. The key holds everything
-# validation and selection read, so a hit skips both.
-_CALLS: OrderedDict[tuple, _KnownCall] = OrderedDict()
-register_cache(_CALLS.clear)
-
-
-# What torch.are_deterministic_algorithms_enabled and torch.cuda.is_current_stream_capturing return, without their
-# Python frames (this runs on every call).
-_deterministic = torch._C._get_deterministic_algorithms
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # a CPU build has no CUDA
-
-
-def _call_key(
-    q, k, v, layout, causal, window, scale, dropout_p, cu_q, cu_kv, cu_q_padded, cu_kv_padded, max_q, max_kv,
-    return_lse, backend, pad, disable, softcap, sinks, return_max_logit,
-) -> tuple | None:  # fmt: skip
-    """A hashable key of a call validated and decided before, or None where the fast path does not apply.
-
-    Dense calls key on the shapes, strides, storage offsets (the runner checks them once), dtypes, devices and
-    options. Packed (thd) calls do too where nothing else decides their problem: both max_seqlen given as
-    integers, on a GPU (then validation reads no boundary either, attnselect.inputs), no padded offsets, and keys
-    sharing the queries' boundaries (cu_seqlens_kv None or the very tensor); the key adds the boundaries' shape
-    and the two max_seqlen. On the CPU the boundaries are read and checked on every call.
-    """
-    if cu_q_padded is not None or cu_kv_padded is not None:
-        return None
-    if layout == "thd":
-        if not (
-            type(max_q) is int
-            and type(max_kv) is int
-            and (cu_kv is None or cu_kv is cu_q)
-            and isinstance(cu_q, torch.Tensor)
-            and cu_q.device.type != "cpu"
-        ):
-            return None
-        packed = (cu_q.shape, cu_q.dtype, cu_q.device, max_q, max_kv)
-    elif cu_q is None and cu_kv is None:
-        packed = None
-    else:
-        return None
-    if not (disable is None or isinstance(disable, str)) or isinstance(window, list):
-        return None  # an iterator would be consumed here; the slow path normalises these
-    if not (
-        type(causal) in (bool, str)
-        and type(scale) in (float, int, type(None))
-        and type(softcap) in (float, int, type(None))
-        and type(return_lse) is bool
-        and type(return_max_logit) is bool
-        and type(pad) in (bool, str, type(None))
-        and (window is None or (type(window) is tuple and all(type(x) is int for x in window)))
-    ):
-        return None  # 1 == True and 2.0 == 2 as keys: the slow path refuses what it must, whatever ran before
-    try:
-        grad = torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
-        )
-        sink = None if sinks is None else (sinks.shape, sinks.dtype, sinks.device)
-        key = (
-            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.storage_offset(), k.storage_offset(),
-            v.storage_offset(), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout, causal,
-            window, scale, dropout_p, return_lse, softcap, sink, return_max_logit, backend, pad, disable, grad,
-            _deterministic(),
-            settings.environment_key(), settings.scope(), backends.registry_version(), q.is_cuda and _capturing(),
-            packed,
-        )  # fmt: skip
-    except AttributeError:
-        return None
-    return key
 
 
 def explain(

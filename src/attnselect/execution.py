@@ -133,15 +133,20 @@ def packed_runner(backend, pad_to, call: KernelCall):
     return run
 
 
-def dense_runner(backend, pad_to, layout, call, *, repeated: bool = False):
+def dense_runner(backend, pad_to, layout, call, *, like: tuple | None = None):
     """``run(q, k, v) -> (out, lse)`` for dense calls, with the layout permutations worked out once.
 
-    ``repeated``: every call has the first one's shapes, strides, storage offsets, dtypes and gradients
-    (attnselect.attention's memoized calls): what depends on them is worked out on the first call only."""
+    ``like``: the first call's (q, k, v), whose shapes, strides, storage offsets, dtypes and gradients every call
+    shares (attnselect.attention's memoized calls): what depends on them is worked out here, once; where the
+    inputs need no work, the runner is the backend's kernel itself."""
     to_kernel = _as_function(_PERMUTE[(layout, backend.layout)])
     from_kernel = _as_function(_INVERSE.get((backend.layout, layout)))
     seq_axis = 2 if backend.layout == "bhsd" else 1
-    kernel = backend.runner(call, repeated=repeated)
+    kernel = backend.runner(call, repeated=like is not None)
+    if like is not None and to_kernel is None and pad_to is None:
+        q, k, v = like
+        if q.shape[seq_axis] and k.shape[seq_axis] and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
+            return kernel
 
     def run(q, k, v):
         if to_kernel is not None:
@@ -154,16 +159,6 @@ def dense_runner(backend, pad_to, layout, call, *, repeated: bool = False):
             out, *stats = _padded(kernel, pad_to, q, k, v)
         return (from_kernel(out) if from_kernel is not None else out), *stats
 
-    if repeated and to_kernel is None and from_kernel is None and pad_to is None:
-        plan = []  # the kernel itself where the inputs need no work (the common case), else run
-
-        def run_repeated(q, k, v):
-            if not plan:
-                direct = q.shape[seq_axis] and k.shape[seq_axis] and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-                plan.append(kernel if direct else run)
-            return plan[0](q, k, v)
-
-        return run_repeated
     return run
 
 

@@ -13,6 +13,7 @@ K/V are expanded first. SDPA does not return the log-sum-exp, so these surfaces 
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import ClassVar
 
@@ -37,26 +38,46 @@ class SdpaBackend(Backend):
         """Forces the kernel only where torch's own dispatch would not reach it (forcing costs as much host time
         as a small kernel's launch). Dispatch (``torch._fused_sdp_choice``, sdp_utils.cpp select_sdp_backend)
         reads the shapes, strides and storage offsets (cuDNN's layout checks, mem-efficient's alignment),
-        dtypes, options, gradients and every kernel's switch; a ``repeated`` runner's calls share all but the
-        switches (attnselect.attention memoizes one per call key), so dispatch is asked once per switch state."""
+        dtypes, options, gradients, every kernel's switch and their priority order; a ``repeated`` runner's calls
+        share all but the switches and the order (attnselect.attention memoizes one per call key), so dispatch is
+        asked once per switch state, and the call passes only the arguments that differ from SDPA's defaults
+        (each keyword costs torch's argument parser host time)."""
         if not repeated:
             return lambda q, k, v: self._forced(q, k, v, call)
-        seen = [None, None, False]  # the switches of the previous call, the arguments, whether dispatch reaches
+        seen = [None, None, None, None]  # the previous call's switches and order; SDPA's call; rows to zero; arguments
 
         def run(q, k, v):
-            switches = tuple(map(_call, _ENABLED))
+            switches = (*map(_call, _ENABLED), _order())
             if switches != seen[0]:
-                arguments = seen[1] or self._arguments(q, k, call)
-                seen[:] = switches, arguments, self._reaches_by_default(q, k, v, call, arguments)
-            if not seen[2]:
-                return self._forced(q, k, v, call, seen[1])
-            attn_mask, is_causal, gqa, no_key = seen[1]
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask, call.dropout_p, is_causal, scale=call.scale, enable_gqa=gqa
-            )
-            return (out if no_key is None else out.masked_fill(no_key, 0.0)), None
+                arguments = seen[3] or self._arguments(q, k, call)
+                seen[:] = switches, self._dispatched(q, k, v, call, arguments), arguments[3], arguments
+            if seen[1] is None:
+                return self._forced(q, k, v, call, seen[3])
+            out = seen[1](q, k, v)
+            return (out if seen[2] is None else out.masked_fill(seen[2], 0.0)), None
 
         return run
+
+    def _dispatched(self, q, k, v, call: KernelCall, arguments):
+        """``sdpa(q, k, v)``: the SDPA call whose default dispatch reaches this kernel, passing only the arguments
+        that differ from SDPA's defaults (each one costs host time in torch's argument parser, a keyword more);
+        None where dispatch does not reach it."""
+        attn_mask, is_causal, gqa, _ = arguments
+        if not self._reaches_by_default(q, k, v, call, arguments):
+            return None
+        positional = (  # up to the last one that is not SDPA's default (attn_mask None, dropout_p 0, is_causal False)
+            (attn_mask, call.dropout_p, True) if is_causal
+            else (attn_mask, call.dropout_p) if call.dropout_p
+            else (attn_mask,) if attn_mask is not None
+            else ()
+        )  # fmt: skip
+        keywords = {"enable_gqa": True} if gqa else {}
+        if call.scale != 1.0 / math.sqrt(q.shape[-1]):  # SDPA's default scale (sdp_utils calculate_scale)
+            keywords["scale"] = call.scale
+        sdpa = F.scaled_dot_product_attention
+        if keywords:
+            return lambda q, k, v: sdpa(q, k, v, *positional, **keywords)
+        return (lambda q, k, v: sdpa(q, k, v, *positional)) if positional else sdpa
 
     def _arguments(self, q, k, call: KernelCall):
         """(attn_mask, is_causal, enable_gqa, rows without keys or None) of a call with these shapes."""
@@ -102,6 +123,7 @@ _SWITCHES = tuple(
 )  # fmt: skip
 _ENABLED = tuple(enabled for _, enabled, _ in _SWITCHES)
 _call = getattr(operator, "call", lambda f: f())  # operator.call: Python 3.11+
+_order = torch._C._get_sdp_priority_order  # the order default dispatch tries the kernels in
 
 
 class only_kernel:  # noqa: N801 (a context manager, named as sdpa_kernel is)

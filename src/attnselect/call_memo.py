@@ -1,0 +1,180 @@
+"""attention()'s memo of the calls it has validated and decided: a repeated call goes straight to its runner.
+
+A call is known by everything validation and selection read: its options; the shapes, strides, dtypes, devices and
+requires_grad of its tensors (q, k, v, the sinks, a packed call's boundaries) and the storage offsets of q, k and
+v; the gradient mode, deterministic algorithms, the ATTNSELECT_* variables, the :func:`attnselect.overrides` scope,
+the backend registry and CUDA graph capture. Two levels:
+
+- the recent calls (``RECENT``, newest first): one tuple of the options and the global state compared by value,
+  one C++ check of the tensors (torch's ``TensorGuards``, what torch.compile's guards run on every call of a
+  compiled function) and the offsets;
+- every call decided before (``MEMO_SIZE``), by a hashable key of the same values; a hit there becomes recent.
+
+Calls the key cannot describe are not known and take the slow path, which validates them: values that compare
+equal to a valid one of another type (``1 == True``, ``True == 1.0``), lists and iterators, padded offsets, and
+packed calls whose problem depends on the boundaries' values (on the CPU, without both ``max_seqlen`` as integers,
+or with keys that have their own boundaries).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from attnselect import backends, settings
+from attnselect.caches import register_cache
+from attnselect.call import KernelCall
+from attnselect.candidates import Candidate
+from attnselect.problem import AttentionProblem
+from attnselect.selection import MEMO_SIZE
+from attnselect.target import Target
+
+try:  # what torch.compile's tensor guards run (torch/_dynamo/guards.py); absent, the memo keys every call
+    from torch._C._dynamo.guards import TensorGuards
+except ImportError:  # pragma: no cover (every supported torch has it)
+    TensorGuards = None
+    logging.getLogger("attnselect").info("torch has no TensorGuards: repeated calls are looked up by key only")
+
+RECENT = 8  # recent calls checked before the key is built: a model's distinct attention calls, alternating layers
+
+
+class KnownCall(NamedTuple):
+    """A call validated and decided before: what running it again needs."""
+
+    problem: AttentionProblem
+    chosen: Candidate
+    target: Target
+    call: KernelCall  # kernel options, the scale included
+    forced: bool  # the caller forced the backend: failures re-raise
+    runner: Callable | None  # run(q, k, v) (dense, the layout work prepared) or run(q, k, v, packing) (packed)
+
+
+class _Entry(NamedTuple):
+    state: tuple  # the options and the global state (_state)
+    guard: object  # TensorGuards of the call's tensors
+    offsets: tuple  # storage offsets of q, k, v
+    known: KnownCall
+
+
+class Unknown(NamedTuple):
+    """A call not decided before: :meth:`remember` keeps its decision."""
+
+    state: tuple
+    tensors: tuple
+    key: tuple
+
+    def remember(self, known: KnownCall) -> None:
+        q, k, v = self.tensors[:3]
+        guard = None
+        if TensorGuards is not None:
+            guard = TensorGuards(
+                *self.tensors,
+                dynamic_dims_sizes=[list(t.shape) for t in self.tensors],
+                dynamic_dims_strides=[list(t.stride()) for t in self.tensors],
+            )
+        entry = _Entry(self.state, guard, (q.storage_offset(), k.storage_offset(), v.storage_offset()), known)
+        _CALLS[self.key] = entry
+        if len(_CALLS) > MEMO_SIZE:
+            _CALLS.popitem(last=False)
+        _make_recent(entry)
+
+
+_CALLS: OrderedDict[tuple, _Entry] = OrderedDict()
+_RECENT: list[_Entry] = []
+
+
+def _clear() -> None:
+    _CALLS.clear()
+    _RECENT.clear()
+
+
+register_cache(_clear)
+
+
+def known_calls() -> list[KnownCall]:
+    """Every call decided before, oldest first."""
+    return [entry.known for entry in _CALLS.values()]
+
+
+def _make_recent(entry: _Entry) -> None:
+    """Check ``entry`` first from now on (unless its guard already failed this call, as on tensors whose dispatch
+    keys differ from the first call's: a subclass, inference mode)."""
+    if entry.guard is not None and not any(recent is entry for recent in _RECENT):
+        _RECENT.insert(0, entry)
+        del _RECENT[RECENT:]
+
+
+# What torch.is_grad_enabled, torch.are_deterministic_algorithms_enabled and torch.cuda.is_current_stream_capturing
+# return, without their Python frames (this runs on every call).
+_grad = torch._C.is_grad_enabled
+_deterministic = torch._C._get_deterministic_algorithms
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # a CPU build has no CUDA
+_environment = settings.environment_key
+_scope = settings.scope
+_registry = backends.registry_version
+_NUMBER = (float, int, type(None))
+
+
+def recall(
+    q, k, v, layout, causal, window, scale, dropout_p, cu_q, cu_kv, cu_q_padded, cu_kv_padded, max_q, max_kv,
+    return_lse, backend, pad, disable, softcap, sinks, return_max_logit,
+) -> KnownCall | Unknown | None:  # fmt: skip
+    """The call's :class:`KnownCall` if it was decided before; else :class:`Unknown`, or None where the memo cannot
+    know it (see the module docstring)."""
+    if cu_q_padded is not None or cu_kv_padded is not None:
+        return None
+    if layout == "thd":
+        if not (
+            type(max_q) is int
+            and type(max_kv) is int
+            and (cu_kv is None or cu_kv is cu_q)
+            and type(cu_q) is torch.Tensor
+            and cu_q.device.type != "cpu"
+        ):
+            return None
+    elif cu_q is not None or cu_kv is not None:
+        return None
+    if not (
+        (causal is False or causal is True or type(causal) is str)
+        and (scale is None or type(scale) in _NUMBER)
+        and (softcap is None or type(softcap) in _NUMBER)
+        and (return_lse is False or return_lse is True)
+        and (return_max_logit is False or return_max_logit is True)
+        and (pad is None or pad is True or pad is False or type(pad) is str)
+        and (disable is None or type(disable) is str)
+        and (window is None or (type(window) is tuple and all(type(x) is int for x in window)))
+        and type(dropout_p) in (float, int)
+    ):
+        return None  # 1 == True and 2.0 == 2 as keys: the slow path refuses what it must, whatever ran before
+    try:
+        state = (
+            layout, causal, window, scale, dropout_p, max_q, max_kv, return_lse, softcap, return_max_logit, backend,
+            pad, disable, sinks is None, _grad(), _deterministic(), _environment(), _scope(),
+            _registry(), q.is_cuda and _capturing(),
+        )  # fmt: skip
+        tensors = (
+            (q, k, v) if sinks is None and cu_q is None else (q, k, v, *[t for t in (cu_q, sinks) if t is not None])
+        )
+        for entry in _RECENT:
+            if (
+                entry.state == state
+                and entry.guard.check(*tensors)
+                and entry.offsets == (q.storage_offset(), k.storage_offset(), v.storage_offset())
+            ):
+                return entry.known
+        key = (
+            state, tuple(t.shape for t in tensors), tuple(t.stride() for t in tensors), tuple(t.dtype for t in tensors),
+            tuple(t.device for t in tensors), tuple(t.requires_grad for t in tensors),
+            (q.storage_offset(), k.storage_offset(), v.storage_offset()),
+        )  # fmt: skip
+        entry = _CALLS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable option: the slow path names it
+        return None
+    if entry is None:
+        return Unknown(state, tensors, key)
+    _make_recent(entry)
+    return entry.known

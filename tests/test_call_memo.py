@@ -1,0 +1,109 @@
+"""The memo of repeated calls: a call is known again only where everything validation and selection read is equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnselect
+from attnselect import call_memo
+from attnselect.call_memo import KnownCall, Unknown
+
+
+def _qkv(dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 9, 2, d, generator=g, dtype=dtype) for d in (24, 24, 16)]
+
+
+def _recall(q, k, v, **options):
+    """call_memo.recall for attention(q, k, v, **options)."""
+    o = dict(layout="bshd", causal=False, window=None, scale=None, dropout_p=0.0, cu_seqlens_q=None,
+             cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, max_seqlen_q=None,
+             max_seqlen_kv=None, return_lse=False, backend=None, pad=None, disable=None, softcap=None, sinks=None,
+             return_max_logit=False) | options  # fmt: skip
+    return call_memo.recall(
+        q, k, v, o["layout"], o["causal"], o["window"], o["scale"], o["dropout_p"], o["cu_seqlens_q"],
+        o["cu_seqlens_kv"], o["cu_seqlens_q_padded"], o["cu_seqlens_kv_padded"], o["max_seqlen_q"],
+        o["max_seqlen_kv"], o["return_lse"], o["backend"], o["pad"], o["disable"], o["softcap"], o["sinks"],
+        o["return_max_logit"],
+    )  # fmt: skip
+
+
+def test_a_repeated_call_is_found_among_the_recent_ones():
+    q, k, v = _qkv()
+    assert type(_recall(q, k, v, causal=True)) is Unknown
+    attnselect.attention(q, k, v, causal=True)
+    assert len(call_memo._RECENT) == 1
+    known = _recall(*(t.clone() for t in (q, k, v)), causal=True)  # new tensors, the same description
+    assert type(known) is KnownCall and known is call_memo.known_calls()[0]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: t.float(),  # dtype
+        lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),  # strides
+        lambda t: t.detach().requires_grad_(),  # gradients
+        lambda t: torch.cat([t.flatten(), t.flatten()])[t.numel() :].view(t.shape),  # storage offset
+        lambda t: t[:1],  # shape
+        lambda t: t.to("meta"),  # device
+    ],
+    ids=["dtype", "strides", "requires_grad", "storage_offset", "shape", "device"],
+)
+def test_a_call_whose_tensors_differ_in_what_validation_reads_is_not_known(change):
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v)
+    assert type(_recall(change(q), k, v)) is Unknown
+    assert type(_recall(q, k, change(v))) is Unknown
+
+
+def test_global_state_and_options_are_part_of_the_call(monkeypatch):
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v)
+    assert type(_recall(q, k, v)) is KnownCall
+    with torch.no_grad():
+        assert type(_recall(q, k, v)) is Unknown
+    with attnselect.overrides(backend="reference"):
+        assert type(_recall(q, k, v)) is Unknown
+    assert type(_recall(q, k, v, scale=0.5)) is Unknown and type(_recall(q, k, v, causal=True)) is Unknown
+    monkeypatch.setenv("ATTNSELECT_PAD", "never")
+    assert type(_recall(q, k, v)) is Unknown
+
+
+def test_values_equal_to_a_known_one_but_of_another_type_are_not_known():
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v, causal=True, scale=1.0, return_lse=True)
+    assert type(_recall(q, k, v, causal=True, scale=1.0, return_lse=True)) is KnownCall
+    for other in (dict(causal=1), dict(scale=True), dict(return_lse=1), dict(window=[0, 0]), dict(dropout_p=False)):
+        assert _recall(q, k, v, **{**dict(causal=True, scale=1.0, return_lse=True), **other}) is None, other
+
+
+def test_alternating_calls_stay_recent_and_the_list_is_bounded(monkeypatch):
+    monkeypatch.setattr(call_memo, "RECENT", 2)
+    q, k, v = _qkv()
+    for causal in (False, True, False, True):
+        attnselect.attention(q, k, v, causal=causal)
+    assert len(call_memo._RECENT) == 2 and len(call_memo.known_calls()) == 2
+    attnselect.attention(q, k, v, window=(2, 0))
+    assert len(call_memo._RECENT) == 2 and len(call_memo.known_calls()) == 3
+    evicted = [e for e in call_memo._CALLS.values() if not any(e is r for r in call_memo._RECENT)]
+    assert len(evicted) == 1 and evicted[0].known.problem.mask == "none"
+    assert type(_recall(q, k, v)) is KnownCall and call_memo._RECENT[0] is evicted[0]  # found by its key: recent
+
+
+def test_without_tensor_guards_calls_are_found_by_key(monkeypatch):
+    monkeypatch.setattr(call_memo, "TensorGuards", None)
+    q, k, v = _qkv()
+    first = attnselect.attention(q, k, v, causal=True)
+    assert not call_memo._RECENT and type(_recall(q, k, v, causal=True)) is KnownCall
+    assert torch.equal(attnselect.attention(q, k, v, causal=True), first)
+    assert type(_recall(q.float(), k, v, causal=True)) is Unknown
+
+
+def test_calls_with_sinks_are_known_by_the_sinks_too():
+    q, k, v = _qkv()
+    sinks = torch.zeros(2, dtype=torch.float64)
+    first = attnselect.attention(q, k, v, sinks=sinks)
+    assert type(_recall(q, k, v, sinks=sinks.clone())) is KnownCall
+    assert type(_recall(q, k, v)) is Unknown and type(_recall(q, k, v, sinks=sinks.float())) is Unknown
+    assert torch.equal(attnselect.attention(q, k, v, sinks=sinks), first)
