@@ -243,3 +243,62 @@ def test_a_repeated_sdpa_runner_forces_its_kernel_only_where_torchs_dispatch_wou
     once = backends.get("sdpa_flash").runner(call)  # not repeated: forced on every call, dispatch never asked
     once(q, k, v)
     assert forced[4:] == [SDPBackend.FLASH_ATTENTION] and len(asked) == 4
+
+
+def test_a_prepared_sdpa_runner_calls_the_kernels_aten_op_with_the_arguments_sdpa_would(monkeypatch):
+    """Where a kernel has an aten op (cuDNN and mem-efficient, CUDA only), repeated calls whose inputs are known
+    call it directly; here sdpa_flash stands in on the CPU, with an op that records its arguments."""
+    import torch.nn.functional as F
+
+    from attnselect.execution import kernel_call
+
+    flash, calls = backends.get("sdpa_flash"), []
+
+    def op(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
+        calls.append(((attn_bias, compute_log_sumexp, dropout_p, is_causal), scale))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale), "lse"
+
+    monkeypatch.setattr(type(flash), "aten_op", staticmethod(op))
+    for training, causal, scale in [(False, False, None), (True, True, None), (False, True, 0.5)]:
+        q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=training) for _ in range(3))
+        problem = attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd", causal=causal)
+        call = kernel_call(problem, scale)
+        out, lse = flash.runner(call, repeated=True, like=(q, k, v))(q, k, v)
+        assert calls[-1] == ((None, training, 0.0, causal), scale) and lse is None
+        assert rel_err(out, backends.get("reference").run(q, k, v, call)[0]) < 1e-5
+    seen = len(calls)
+    for kwargs, heads in [(dict(window=(3, 0)), 2), (dict(), 1)]:  # a mask tensor, grouped heads: SDPA's dispatch
+        q, (k, v) = torch.randn(1, 2, 8, 16), (torch.randn(1, heads, 8, 16) for _ in range(2))
+        call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd", **kwargs))
+        out, _ = flash.runner(call, repeated=True, like=(q, k, v))(q, k, v)
+        assert rel_err(out, backends.get("reference").run(q, k, v, call)[0]) < 1e-5
+    assert len(calls) == seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("name", ["sdpa_cudnn", "sdpa_efficient"])
+def test_gpu_repeated_sdpa_calls_run_the_kernels_aten_op_as_sdpa_would(name, training, monkeypatch):
+    """The op called directly gives what SDPA gives with the kernel forced, gradients included, and SDPA itself
+    is not called."""
+    import torch.nn.functional as F
+
+    from attnselect.backends._sdpa import only_kernel
+    from attnselect.execution import kernel_call
+
+    backend = backends.get(name)
+    q, k, v = dense_inputs(sq=256, skv=256, hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_(training) for t in (q, k, v))  # bhsd views
+    for causal, scale in [(False, None), (True, 0.1)]:
+        call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd", causal=causal), scale)
+        with only_kernel(backend.kernel):
+            expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=call.scale)
+        runner = backend.runner(call, repeated=True, like=(q, k, v))
+        with monkeypatch.context() as m:
+            m.setattr(F, "scaled_dot_product_attention", None)  # a call through SDPA would raise
+            out, _ = runner(q, k, v)
+        assert torch.equal(out, expected)
+        if training:
+            grad = torch.randn_like(out)
+            grads, expected_grads = (torch.autograd.grad(o, (q, k, v), grad) for o in (out, expected))
+            assert all(rel_err(a, b) < 1e-2 for a, b in zip(grads, expected_grads))

@@ -1,5 +1,9 @@
 """Shared mechanism of the four SDPA backends: F.scaled_dot_product_attention with one kernel forced.
 
+Repeated calls (attnselect.attention's memoized ones) avoid what forcing costs: the cuDNN and mem-efficient
+kernels' aten ops called directly, as SDPA's dispatch calls them, or the dispatch itself where it reaches the
+kernel (:meth:`SdpaBackend.runner`).
+
 Masks other than none / top-left causal (and bottom-right causal on square problems, where
 the two coincide) are passed as a boolean ``attn_mask`` built by :mod:`attnselect.masks`.
 Queries such a mask leaves with no visible key get a zero output, as in every other
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -29,42 +35,85 @@ from attnselect.call import KernelCall
 class SdpaBackend(Backend):
     kernel: ClassVar[SDPBackend]
     native_gqa: ClassVar[bool] = True  # False: K/V heads are expanded before the call
+    # The op SDPA's dispatch calls once it has chosen this kernel, where it takes (q, k, v, attn_bias,
+    # compute_log_sumexp, dropout_p, is_causal, ..., *, scale) (aten native_functions.yaml); None: no such op.
+    aten_op: ClassVar[Callable | None] = None
     layout = "bhsd"
 
     def run(self, q, k, v, call: KernelCall):
         return self._forced(q, k, v, call)
 
-    def runner(self, call: KernelCall, *, repeated: bool = False):
-        """Forces the kernel only where torch's own dispatch would not reach it (forcing costs as much host time
-        as a small kernel's launch). Dispatch (``torch._fused_sdp_choice``, sdp_utils.cpp select_sdp_backend)
-        reads the shapes, strides and storage offsets (cuDNN's layout checks, mem-efficient's alignment),
-        dtypes, options, gradients, every kernel's switch and their priority order; a ``repeated`` runner's calls
-        share all but the switches and the order (attnselect.attention memoizes one per call key), so dispatch is
-        asked once per switch state, and the call passes only the arguments that differ from SDPA's defaults
-        (each keyword costs torch's argument parser host time)."""
+    def runner(self, call: KernelCall, *, repeated: bool = False, like: tuple | None = None):
+        """Repeated calls skip what a single call pays to force the kernel (``sdpa_kernel``'s switches cost as
+        much host time as a small kernel's launch):
+
+        - with ``like`` and an ``aten_op``, and no mask tensor or grouped heads, the op SDPA's dispatch would call,
+          called directly once torch has confirmed that the kernel serves these inputs (dispatch's checks and
+          its choice cost host time; the switches no longer matter, as for a forced call);
+        - else torch's own dispatch where it reaches the kernel, asked once per state of the switches and their
+          priority order (``torch._fused_sdp_choice``, sdp_utils.cpp select_sdp_backend, reads the shapes,
+          strides and storage offsets, dtypes, options, gradients, switches and order; repeated calls share all
+          but the last two), forced where it does not.
+
+        Either call passes only the arguments that differ from the defaults: each one costs host time in torch's
+        argument parser, a keyword more."""
         if not repeated:
             return lambda q, k, v: self._forced(q, k, v, call)
-        seen = [None, None, None, None]  # the previous call's switches and order; SDPA's call; rows to zero; arguments
+        if like is not None:
+            direct = self._direct(call, like)
+            if direct is not None:
+                return direct
+        seen = [None, None, None]  # the previous call's switches and order; SDPA's call under them; _arguments
 
         def run(q, k, v):
             switches = (*map(_call, _ENABLED), _order())
             if switches != seen[0]:
-                arguments = seen[3] or self._arguments(q, k, call)
-                seen[:] = switches, self._dispatched(q, k, v, call, arguments), arguments[3], arguments
-            if seen[1] is None:
-                return self._forced(q, k, v, call, seen[3])
+                arguments = seen[2] or self._arguments(q, k, call)
+                seen[:] = switches, self._dispatched(q, k, v, call, arguments), arguments
             out = seen[1](q, k, v)
-            return (out if seen[2] is None else out.masked_fill(seen[2], 0.0)), None
+            return (out if seen[2][3] is None else out.masked_fill(seen[2][3], 0.0)), None
 
         return run
 
+    def _direct(self, call: KernelCall, like):
+        """``run(q, k, v)`` calling ``aten_op`` with the arguments SDPA would pass it (attention.cpp,
+        scaled_dot_product_attention), or None where it does not apply."""
+        q, k, v = like
+        attn_mask, is_causal, gqa, _ = arguments = self._arguments(q, k, call)
+        if self.aten_op is None or attn_mask is not None or gqa or not self._serves(q, k, v, call, arguments):
+            return None
+        op = self.aten_op
+        lse = torch.is_grad_enabled() and any(t.requires_grad for t in like)  # attention.cpp should_compute_logsumexp
+        positional = (  # up to the last one that is not a default (dropout_p 0, is_causal False)
+            (None, lse, call.dropout_p, True) if is_causal
+            else (None, lse, call.dropout_p) if call.dropout_p
+            else (None, lse)
+        )  # fmt: skip
+        keywords = _scale_keyword(q, call)
+        if keywords:
+            return lambda q, k, v: (op(q, k, v, *positional, **keywords)[0], None)
+        return lambda q, k, v: (op(q, k, v, *positional)[0], None)
+
+    def _serves(self, q, k, v, call: KernelCall, arguments) -> bool:
+        """Whether torch's dispatch, with only this kernel enabled, takes these inputs (its checks, its warnings
+        silenced: a refusal falls back to the dispatching runner)."""
+        attn_mask, is_causal, gqa, _ = arguments
+        with only_kernel(self.kernel), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                choice = torch._fused_sdp_choice(
+                    q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal, enable_gqa=gqa
+                )
+            except RuntimeError:  # "No available kernel"
+                return False
+        return choice == self.kernel.value
+
     def _dispatched(self, q, k, v, call: KernelCall, arguments):
-        """``sdpa(q, k, v)``: the SDPA call whose default dispatch reaches this kernel, passing only the arguments
-        that differ from SDPA's defaults (each one costs host time in torch's argument parser, a keyword more);
-        None where dispatch does not reach it."""
+        """``sdpa(q, k, v) -> out``: the SDPA call whose default dispatch reaches this kernel, passing only the
+        arguments that differ from SDPA's defaults; the forced call where dispatch does not reach it."""
         attn_mask, is_causal, gqa, _ = arguments
         if not self._reaches_by_default(q, k, v, call, arguments):
-            return None
+            return lambda q, k, v: self._forced_out(q, k, v, call, arguments)
         positional = (  # up to the last one that is not SDPA's default (attn_mask None, dropout_p 0, is_causal False)
             (attn_mask, call.dropout_p, True) if is_causal
             else (attn_mask, call.dropout_p) if call.dropout_p
@@ -72,8 +121,7 @@ class SdpaBackend(Backend):
             else ()
         )  # fmt: skip
         keywords = {"enable_gqa": True} if gqa else {}
-        if call.scale != 1.0 / math.sqrt(q.shape[-1]):  # SDPA's default scale (sdp_utils calculate_scale)
-            keywords["scale"] = call.scale
+        keywords.update(_scale_keyword(q, call))
         sdpa = F.scaled_dot_product_attention
         if keywords:
             return lambda q, k, v: sdpa(q, k, v, *positional, **keywords)
@@ -90,20 +138,21 @@ class SdpaBackend(Backend):
             is_causal = True
         return attn_mask, is_causal, q.shape[1] != k.shape[1], no_key
 
-    def _forced(self, q, k, v, call: KernelCall, arguments=None):
-        """The call with this backend's kernel forced (the runner calls torch's dispatch itself where it reaches
-        the kernel)."""
-        attn_mask, is_causal, gqa, no_key = arguments or self._arguments(q, k, call)
+    def _forced(self, q, k, v, call: KernelCall):
+        """The call with this backend's kernel forced: (out, None)."""
+        arguments = self._arguments(q, k, call)
+        out = self._forced_out(q, k, v, call, arguments)
+        return (out if arguments[3] is None else out.masked_fill(arguments[3], 0.0)), None
+
+    def _forced_out(self, q, k, v, call: KernelCall, arguments):
+        attn_mask, is_causal, gqa, _ = arguments
         if gqa and not self.native_gqa:
             k, v = expand_kv_heads(q, k, v)
             gqa = False
         with only_kernel(self.kernel):
-            out = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q, k, v, attn_mask, call.dropout_p, is_causal, scale=call.scale, enable_gqa=gqa
             )
-        if no_key is not None:
-            out = out.masked_fill(no_key, 0.0)
-        return out, None
 
     def _reaches_by_default(self, q, k, v, call: KernelCall, arguments) -> bool:
         attn_mask, is_causal, gqa, _ = arguments
@@ -122,6 +171,13 @@ _SWITCHES = tuple(
     for name, kernel in _backend_names.items()
 )  # fmt: skip
 _ENABLED = tuple(enabled for _, enabled, _ in _SWITCHES)
+
+
+def _scale_keyword(q, call: KernelCall) -> dict:
+    """``{"scale": call.scale}``, or nothing where it is SDPA's default (sdp_utils calculate_scale: 1/sqrt(d_qk))."""
+    return {} if call.scale == 1.0 / math.sqrt(q.shape[-1]) else {"scale": call.scale}
+
+
 _call = getattr(operator, "call", lambda f: f())  # operator.call: Python 3.11+
 _order = torch._C._get_sdp_priority_order  # the order default dispatch tries the kernels in
 
