@@ -16,7 +16,8 @@ directly.
   - CUDA, cuDNN and mem-efficient: the aten op SDPA's dispatch calls once it has chosen that kernel;
   - attnselect's memo lookup alone, without a kernel (what a repeated call pays before its runner).
 - CUDA, packed (1024 tokens in 4 sequences, H16, 128/128, causal, both max_seqlen given, inference):
-  - the chosen package's ``flash_attn_varlen_func`` where it is a FlashAttention package;
+  - the chosen package's ``flash_attn_varlen_func`` where it is a FlashAttention package, ``cudnn.sdpa_torch``
+    where it is the cuDNN frontend (both on the caller's boundaries);
   - the chosen backend's packed kernel through its backend object (``Backend.run_packed``, boundaries
     bucketed where the backend buckets them);
   - torch's ``varlen_attn``.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import importlib
 import io
 import json
@@ -53,20 +55,43 @@ def _sync(device):
 
 
 def time_rows(rows: dict, device: str, calls: int, repeats: int) -> dict:
-    """Per row: median us per call and the min/max over ``repeats`` interleaved rounds of ``calls`` calls."""
+    """Per row: the median us per call over ``repeats`` rounds of ``calls`` calls, with the quartiles, and the
+    per-round differences from the first row (attnselect's), which shares each round's host state.
+
+    Rounds are interleaved, in alternating order (forwards, then backwards), with the garbage collector off: the
+    host of a shared machine drifts by more than the differences measured (results/h200_hot_path.md)."""
     for fn in rows.values():  # warm-up: choices, graphs, compiles
         for _ in range(20):
             fn()
     per_round = {name: [] for name in rows}
-    for _ in range(repeats):
-        for name, fn in rows.items():
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            _sync(device)
-            per_round[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: {"us": statistics.median(t), "min": min(t), "max": max(t)} for name, t in per_round.items()}
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(repeats):
+            for name, fn in rows.items() if r % 2 == 0 else reversed(rows.items()):
+                _sync(device)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                _sync(device)
+                per_round[name].append((time.perf_counter() - start) / calls * 1e6)
+    finally:
+        gc.enable()
+    first = per_round[next(iter(rows))]
+    return {
+        name: {"us": statistics.median(t), **_quartiles(t), "rounds": t,
+               "first_minus_this": _quartiles_of([a - b for a, b in zip(first, t)])}
+        for name, t in per_round.items()
+    }  # fmt: skip
+
+
+def _quartiles(values) -> dict:
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return {"q1": q1, "q3": q3}
+
+
+def _quartiles_of(values) -> dict:
+    return {"median": statistics.median(values), **_quartiles(values)}
 
 
 def profile(fn, calls: int) -> str:
@@ -140,6 +165,14 @@ def packed_rows(device: str):
         rows[f"{module}.flash_attn_varlen_func"] = lambda: function(
             q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, causal=True
         )
+    if chosen == attnselect.Candidate("cudnn_frontend"):  # the package's op, as the backend calls it, unbucketed
+        import cudnn
+
+        m = max(lengths)
+        rows["cudnn.sdpa_torch"] = lambda: cudnn.sdpa_torch(
+            q, k, v, scale=call.scale, is_causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m,
+            max_seqlen_kv=m,
+        )  # fmt: skip
     if not chosen.padded and backend.packs_thd(attnselect.Target.current()):
         buckets = backend.shape_cache.buckets if backend.shape_cache is not None else None
         rows[f"{chosen.backend} backend object, run_packed()"] = lambda: backend.run_packed(
@@ -154,8 +187,8 @@ def packed_rows(device: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--repeats", type=int, default=31)
     ap.add_argument("--out", help="write .json and .md here")
     ap.add_argument("--profile", action="store_true", help="add cProfile's top functions of each attnselect row")
     a = ap.parse_args()
@@ -169,14 +202,21 @@ def main() -> None:
     lines = [
         "# Hot path: host time per repeated call\n",
         f"{report['meta']['device']}, {report['meta']['date']}. {a.calls} calls then one sync, {a.repeats} "
-        "interleaved rounds; median us per call (min..max). Produced by `benchmarks/hot_path.py`.\n",
+        "interleaved rounds in alternating order, garbage collector off: median us per call (quartiles), and "
+        "attnselect's row minus each row, the median of the per-round differences (quartiles). Produced by "
+        "`benchmarks/hot_path.py`.\n",
     ]
     with torch.no_grad():
         for problem, chosen, rows in cases:
             timed = time_rows(rows, device, a.calls, a.repeats)
             report["cases"].append({"problem": problem.describe(), "chosen": str(chosen), "rows": timed})
-            lines += [f"\n## {problem.describe()}\n", "| row | us per call (min..max) |", "|---|---|"]
-            lines += [f"| {name} | {r['us']:.1f} ({r['min']:.1f}..{r['max']:.1f}) |" for name, r in timed.items()]
+            lines += [f"\n## {problem.describe()}\n", "| row | us per call | attnselect minus this row, us |",
+                      "|---|---|---|"]  # fmt: skip
+            for name, r in timed.items():
+                d = r["first_minus_this"]
+                diff = f"{d['median']:+.1f} ({d['q1']:+.1f}..{d['q3']:+.1f})"
+                diff = "" if name.startswith("attnselect") else diff  # itself, and a part of it
+                lines.append(f"| {name} | {r['us']:.1f} ({r['q1']:.1f}..{r['q3']:.1f}) | {diff} |")
             if a.profile:
                 name, fn = next(iter(rows.items()))
                 heading = f"\ncProfile of `{name}`, {a.calls} calls, top 25 by own time:\n"

@@ -133,7 +133,7 @@ def recall(
             and type(max_kv) is int
             and (cu_kv is None or cu_kv is cu_q)
             and type(cu_q) is torch.Tensor
-            and cu_q.device.type != "cpu"
+            and not cu_q.is_cpu
         ):
             return None
     elif cu_q is not None or cu_kv is not None:

@@ -11,13 +11,13 @@ changes no result: an empty sequence adds no token, and max_seqlen only bounds t
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
+from attnselect.call import Packing
 from attnselect.tensor_memo import TensorMemo
 
 
@@ -101,7 +101,7 @@ _PADDED_BOUNDARIES = TensorMemo()
 
 
 def bucketed(packing, buckets: PackingBuckets):
-    """``packing`` (an :class:`attnselect.call.Packing`) with its sequence count and max_seqlen rounded
+    """``packing`` with its sequence count and max_seqlen rounded
     up: the boundaries gain empty trailing sequences (their last entry repeated, on the device: no host sync)."""
     count = packing.cu_seqlens_q.numel() - 1
     target = buckets.sequences(max(count, 1))
@@ -117,12 +117,5 @@ def bucketed(packing, buckets: PackingBuckets):
     offsets_q, offsets_kv = (
         done[id(t)] if id(t) in done else padded(t) for t in (packing.offsets_q, packing.offsets_kv)
     )
-    return dataclasses.replace(
-        packing,
-        cu_seqlens_q=cu_q,
-        cu_seqlens_kv=cu_kv,
-        offsets_q=offsets_q,
-        offsets_kv=offsets_kv,
-        max_seqlen_q=buckets.max_seqlen(max(packing.max_seqlen_q, 1)),
-        max_seqlen_kv=buckets.max_seqlen(max(packing.max_seqlen_kv, 1)),
-    )
+    max_q, max_kv = (buckets.max_seqlen(max(m, 1)) for m in (packing.max_seqlen_q, packing.max_seqlen_kv))
+    return Packing(cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv)  # not dataclasses.replace: it costs more
