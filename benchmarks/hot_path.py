@@ -1,11 +1,11 @@
 """Microbenchmark: the host time attnselect.attention adds to a repeated call of the kernel it chose.
 
-    python benchmarks/hot_path.py [--calls 2000] [--repeats 7] [--out results/h200_hot_path]
+    python benchmarks/hot_path.py [--calls 500] [--repeats 31] [--out results/h200_hot_path]
 
 Small, host-bound calls repeated with the same shapes and options (the memoized fast path), each timed as
-``--calls`` calls then one sync, ``--repeats`` times in interleaved rounds; the median microseconds per call and
-the min..max over the rounds. Rows per problem: attnselect's automatic choice, and the same kernel called
-directly.
+``--calls`` calls then one sync, ``--repeats`` times in interleaved rounds (:func:`time_rows`); the median
+microseconds per call with its quartiles, and attnselect's row minus each other row, the median of the per-round
+differences. Rows per problem: attnselect's automatic choice, and the same kernel called directly.
 
 - Dense (CUDA: B1 S256 H16 192/128 inference bf16; CPU: a tiny float32 call), on tensors in the kernel's own
   layout so that neither side permutes (``layout="bhsd"`` for SDPA kernels, ``"bshd"`` for FlashAttention's):
@@ -17,10 +17,11 @@ directly.
   - attnselect's memo lookup alone, without a kernel (what a repeated call pays before its runner).
 - CUDA, packed (1024 tokens in 4 sequences, H16, 128/128, causal, both max_seqlen given, inference):
   - the chosen package's ``flash_attn_varlen_func`` where it is a FlashAttention package, ``cudnn.sdpa_torch``
-    where it is the cuDNN frontend (both on the caller's boundaries);
+    where it is the cuDNN frontend (both on the caller's boundaries; that op also on the bucketed ones);
   - the chosen backend's packed kernel through its backend object (``Backend.run_packed``, boundaries
     bucketed where the backend buckets them);
-  - torch's ``varlen_attn``.
+  - torch's ``varlen_attn``;
+  - attnselect's memo lookup alone, and its bucketing alone, without a kernel.
 
 ``--profile`` adds cProfile's top functions (by own time) of each attnselect row to the report.
 """
@@ -165,16 +166,21 @@ def packed_rows(device: str):
         rows[f"{module}.flash_attn_varlen_func"] = lambda: function(
             q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, causal=True
         )
-    if chosen == attnselect.Candidate("cudnn_frontend"):  # the package's op, as the backend calls it, unbucketed
+    buckets = backend.shape_cache.buckets if backend.shape_cache is not None else None
+    if chosen == attnselect.Candidate("cudnn_frontend"):  # the package's op, as the backend calls it
         import cudnn
 
-        m = max(lengths)
-        rows["cudnn.sdpa_torch"] = lambda: cudnn.sdpa_torch(
-            q, k, v, scale=call.scale, is_causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m,
-            max_seqlen_kv=m,
-        )  # fmt: skip
+        def op(p):
+            return cudnn.sdpa_torch(
+                q, k, v, scale=call.scale, is_causal=True, cu_seqlens_q=p.cu_seqlens_q,
+                cu_seqlens_kv=p.cu_seqlens_kv, max_seqlen_q=p.max_seqlen_q, max_seqlen_kv=p.max_seqlen_kv,
+            )  # fmt: skip
+
+        rows["cudnn.sdpa_torch"] = lambda: op(packing)
+        if buckets is not None:
+            padded = bucketed(packing, buckets)
+            rows["cudnn.sdpa_torch on the boundaries attnselect's buckets give it"] = lambda: op(padded)
     if not chosen.padded and backend.packs_thd(attnselect.Target.current()):
-        buckets = backend.shape_cache.buckets if backend.shape_cache is not None else None
         rows[f"{chosen.backend} backend object, run_packed()"] = lambda: backend.run_packed(
             q, k, v, call, bucketed(packing, buckets) if buckets else packing
         )
@@ -182,6 +188,11 @@ def packed_rows(device: str):
 
     m = max(lengths)
     rows["torch varlen_attn"] = lambda: varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))
+    known = (q, k, v, "thd", True, None, None, 0.0, cu, None, None, None, m, m, False, None, None, None, None, None,
+             False)  # fmt: skip
+    rows["attnselect's memo lookup alone (call_memo.recall, no kernel)"] = lambda: call_memo.recall(*known)
+    if buckets is not None:
+        rows["attnselect's bucketing alone (shape_cache.bucketed, no kernel)"] = lambda: bucketed(packing, buckets)
     return problem, chosen, rows
 
 

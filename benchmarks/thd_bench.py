@@ -18,7 +18,6 @@ V padded (the varlen_fa2 candidate padded to 192).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import time
@@ -103,7 +102,7 @@ def bench_packing(name, lengths, training, target, device, dtype, args):
             from attnselect.backends.flex import _document_block_mask
 
             fresh = lambda: _document_block_mask(
-                dataclasses.replace(packing, cu_seqlens_q=packing.cu_seqlens_q.clone()),  # noqa: E731
+                packing._replace(cu_seqlens_q=packing.cu_seqlens_q.clone()),  # noqa: E731
                 "causal",
                 None,
                 total,

@@ -239,3 +239,50 @@ def test_regression_empty_pack_in_training_keeps_autograd_connected():
     out = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, backend="sdpa_math")
     dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     assert out.shape == (0, 4, 16) and dq.shape == q.shape and dv.shape == v.shape
+
+
+class _RecordingPackedBackend:
+    """A packed backend whose kernel records the packing it is given, with the cuDNN frontend's buckets."""
+
+    def __init__(self, buckets=True):
+        from attnselect.backends import get
+
+        self.shape_cache = get("cudnn_frontend").shape_cache if buckets else None
+        self.seen = []
+        self.kernel = lambda q, k, v, packing: self.seen.append(packing) or (q, None)
+
+    def packed_runner(self, call):
+        return self.kernel
+
+
+def test_a_repeated_packed_runner_buckets_each_call_as_the_general_one_does():
+    from attnselect.backends.shape_cache import bucketed
+    from attnselect.call import Packing
+    from attnselect.execution import packed_runner
+
+    q = torch.randn(10, 2, 8)
+    first, later = (torch.tensor(b, dtype=torch.int32) for b in ([0, 3, 10], [0, 6, 10]))
+    like = (q, q, q, Packing(first, first, 7, 7, first, first))
+    backend = _RecordingPackedBackend()
+    run = packed_runner(backend, None, None, like=like)
+    run(q, q, q, Packing(later, later, 7, 7, later, later))
+    expected = bucketed(Packing(later, later, 7, 7, later, later), backend.shape_cache.buckets)
+    (got,) = backend.seen
+    assert torch.equal(got.cu_seqlens_q, expected.cu_seqlens_q) and got.cu_seqlens_q.numel() == 17  # 16 sequences
+    assert got.cu_seqlens_kv is got.offsets_q is got.offsets_kv is got.cu_seqlens_q
+    assert (got.max_seqlen_q, got.max_seqlen_kv) == (expected.max_seqlen_q, expected.max_seqlen_kv) == (128, 128)
+    unbucketed = _RecordingPackedBackend(buckets=False)
+    assert packed_runner(unbucketed, None, None, like=like) is unbucketed.kernel  # nothing to do between
+
+
+@pytest.mark.parametrize("why", ["own keys boundaries", "padded", "no tokens"])
+def test_a_packed_runner_is_prepared_only_for_calls_of_one_boundary_tensor(why):
+    from attnselect.call import Packing
+    from attnselect.execution import packed_runner
+
+    q, cu = torch.randn(10, 2, 8), torch.tensor([0, 3, 10], dtype=torch.int32)
+    packing = Packing(cu, cu.clone() if why == "own keys boundaries" else cu, 7, 7, cu, cu)
+    q = q[:0] if why == "no tokens" else q
+    backend = _RecordingPackedBackend()
+    run = packed_runner(backend, 16 if why == "padded" else None, None, like=(q, q, q, packing))
+    assert run.__name__ == "run"  # the general runner, which buckets every call itself

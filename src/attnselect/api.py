@@ -134,7 +134,10 @@ def attention(
         if layout != "thd":
             runner = dense_runner(chosen, decision.chosen.pad_to, layout, call, like=(q, k, v))
         else:
-            runner = packed_runner(chosen, decision.chosen.pad_to, call) if chosen.packs_thd(target) else None
+            repeated = (q, k, v, packing) if unknown is not None else None  # memoized: later calls are like this one
+            runner = (
+                packed_runner(chosen, decision.chosen.pad_to, call, like=repeated) if chosen.packs_thd(target) else None
+            )
         known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
         if unknown is not None:
             unknown.remember(known)

@@ -7,6 +7,7 @@ The lowest layer of the package: validation (:mod:`attnselect.inputs`), the prob
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,8 +32,7 @@ class KernelCall:
     return_max_logit: bool = False  # also return the per-head maximum logit, float32 (Hq,)
 
 
-@dataclass(frozen=True)
-class Packing:
+class Packing(NamedTuple):  # a tuple: built on every packed call, cheaper than a frozen dataclass
     """How sequences are packed in thd tensors: int32 boundaries on the tensors' device.
 
     ``cu_seqlens_*`` hold the lengths (B + 1 prefix sums); ``offsets_*`` where each sequence

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from attnselect import backends
-from attnselect.backends.shape_cache import bucketed
+from attnselect.backends.shape_cache import bucketed, padded_boundaries
 from attnselect.call import KernelCall, Packing
 from attnselect.candidates import Candidate
 from attnselect.inputs import check_boundaries, check_offsets, lengths_of
@@ -115,10 +115,27 @@ def run_call(
     return _run_per_sequence(backend, candidate.pad_to, problem, call, q, k, v, packing)
 
 
-def packed_runner(backend, pad_to, call: KernelCall):
-    """``run(q, k, v, packing) -> (out, lse)`` of a backend's packed kernel for one call's options."""
+def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = None):
+    """``run(q, k, v, packing) -> (out, lse)`` of a backend's packed kernel for one call's options.
+
+    ``like``: the first call's (q, k, v, packing), where every call shares its tensors' shapes, strides, dtypes and
+    gradients, its sequence count and both max_seqlen, and one boundary tensor serves q, k and both offsets
+    (attnselect.attention's memoized packed calls): the bucketing is worked out here, and a call pays only for
+    its own boundaries."""
     kernel = backend.packed_runner(call)
     buckets = backend.shape_cache.buckets if backend.shape_cache is not None else None  # few distinct shapes
+    if like is not None and _plain_packed_call(pad_to, *like):
+        if buckets is None:
+            return kernel
+        first = like[3]
+        count, bucket = first.cu_seqlens_q.numel() - 1, bucketed(first, buckets)
+        target, max_q, max_kv = bucket.cu_seqlens_q.numel() - 1, bucket.max_seqlen_q, bucket.max_seqlen_kv
+
+        def run_repeated(q, k, v, packing):
+            cu = padded_boundaries(packing.cu_seqlens_q, count, target)
+            return kernel(q, k, v, Packing(cu, cu, max_q, max_kv, cu, cu))
+
+        return run_repeated
 
     def run(q, k, v, packing):
         if q.shape[0] == 0 or k.shape[0] == 0:
@@ -131,6 +148,20 @@ def packed_runner(backend, pad_to, call: KernelCall):
         return _padded(lambda q, k, v: kernel(q, k, v, packing), pad_to, q, k, v)
 
     return run
+
+
+def _plain_packed_call(pad_to, q, k, v, packing) -> bool:
+    """Tokens to attend, no padding, the head dim at stride 1, one boundary tensor for q, k and both offsets."""
+    cu = packing.cu_seqlens_q
+    return (
+        q.shape[0] > 0
+        and k.shape[0] > 0
+        and pad_to is None
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and packing.cu_seqlens_kv is cu
+        and packing.offsets_q is cu
+        and packing.offsets_kv is cu
+    )
 
 
 def dense_runner(backend, pad_to, layout, call, *, like: tuple | None = None):

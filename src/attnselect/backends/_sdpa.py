@@ -92,6 +92,8 @@ class SdpaBackend(Backend):
         keywords = _scale_keyword(q, call)
         if keywords:
             return lambda q, k, v: (op(q, k, v, *positional, **keywords)[0], None)
+        if len(positional) == 2:  # the common case, without unpacking (each * and ** costs host time)
+            return lambda q, k, v: (op(q, k, v, None, lse)[0], None)
         return lambda q, k, v: (op(q, k, v, *positional)[0], None)
 
     def _serves(self, q, k, v, call: KernelCall, arguments) -> bool:

@@ -111,33 +111,43 @@ class CudnnFrontend(Backend):
         return r
 
     def run(self, q, k, v, call: KernelCall):
-        out, lse = _sdpa(q, k, v, call)
+        out, lse = _sdpa(call)(q, k, v)
         return out, (lse[..., 0] if lse is not None else None)  # (B, H, S, 1) -> (B, H, S)
 
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
         if q.shape[0] == 0:
             return q.new_zeros(0, q.shape[1], v.shape[-1]), q.new_zeros(q.shape[1], 0, dtype=torch.float32)
-        out, lse = _sdpa(
-            q,
-            k,
-            v,
-            call,
-            cu_seqlens_q=packing.cu_seqlens_q,
-            cu_seqlens_kv=packing.cu_seqlens_kv,
-            max_seqlen_q=max(packing.max_seqlen_q, 1),
-            max_seqlen_kv=max(packing.max_seqlen_kv, 1),
-        )
-        return out, (lse[..., 0].transpose(0, 1) if lse is not None else None)  # (T, H, 1) -> (H, T)
+        return self.packed_runner(call)(q, k, v, packing)
+
+    def packed_runner(self, call: KernelCall):
+        sdpa = _sdpa(call)
+
+        def run(q, k, v, packing: Packing):
+            out, lse = sdpa(
+                q, k, v, cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_kv=packing.cu_seqlens_kv,
+                max_seqlen_q=max(packing.max_seqlen_q, 1), max_seqlen_kv=max(packing.max_seqlen_kv, 1),
+            )  # fmt: skip
+            return out, (lse[..., 0].transpose(0, 1) if lse is not None else None)  # (T, H, 1) -> (H, T)
+
+        return run
 
 
-def _sdpa(q, k, v, call: KernelCall, **packing):
+def _sdpa(call: KernelCall):
+    """``sdpa(q, k, v, **packing) -> (out, lse or None)``: the package's op with this call's options bound."""
     import cudnn
 
-    # The op's backward consumes the forward's statistics, so training always asks for them.
-    need_lse = call.return_lse or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-    result = cudnn.sdpa_torch(q, k, v, scale=call.scale, return_lse=need_lse, **_mask_arguments(call), **packing)
-    out, lse = result if need_lse else (result, None)
-    return out, (lse if call.return_lse else None)
+    op, options = cudnn.sdpa_torch, dict(scale=call.scale, **_mask_arguments(call))
+
+    def sdpa(q, k, v, **packing):
+        # The op's backward consumes the forward's statistics, so training always asks for them.
+        need_lse = call.return_lse or (
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        )
+        result = op(q, k, v, return_lse=need_lse, **options, **packing)
+        out, lse = result if need_lse else (result, None)
+        return out, (lse if call.return_lse else None)
+
+    return sdpa
 
 
 def _mask_arguments(call: KernelCall) -> dict:

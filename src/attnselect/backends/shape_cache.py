@@ -101,21 +101,24 @@ _PADDED_BOUNDARIES = TensorMemo()
 
 
 def bucketed(packing, buckets: PackingBuckets):
-    """``packing`` with its sequence count and max_seqlen rounded
-    up: the boundaries gain empty trailing sequences (their last entry repeated, on the device: no host sync)."""
+    """``packing`` with its sequence count and max_seqlen rounded up: the boundaries gain empty trailing sequences
+    (their last entry repeated, on the device: no host sync)."""
     count = packing.cu_seqlens_q.numel() - 1
     target = buckets.sequences(max(count, 1))
-
-    def padded(t: torch.Tensor) -> torch.Tensor:
-        if target == count:
-            return t
-        return _PADDED_BOUNDARIES.get((t,), target, lambda: torch.cat([t, t[-1:].expand(target - count)]))
-
-    cu_q = padded(packing.cu_seqlens_q)
-    cu_kv = cu_q if packing.cu_seqlens_kv is packing.cu_seqlens_q else padded(packing.cu_seqlens_kv)
+    cu_q = padded_boundaries(packing.cu_seqlens_q, count, target)
+    same = packing.cu_seqlens_kv is packing.cu_seqlens_q
+    cu_kv = cu_q if same else padded_boundaries(packing.cu_seqlens_kv, count, target)
     done = {id(packing.cu_seqlens_q): cu_q, id(packing.cu_seqlens_kv): cu_kv}  # offsets often are the boundaries
     offsets_q, offsets_kv = (
-        done[id(t)] if id(t) in done else padded(t) for t in (packing.offsets_q, packing.offsets_kv)
+        done[id(t)] if id(t) in done else padded_boundaries(t, count, target)
+        for t in (packing.offsets_q, packing.offsets_kv)
     )
     max_q, max_kv = (buckets.max_seqlen(max(m, 1)) for m in (packing.max_seqlen_q, packing.max_seqlen_kv))
-    return Packing(cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv)  # not dataclasses.replace: it costs more
+    return Packing(cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv)
+
+
+def padded_boundaries(t: torch.Tensor, count: int, target: int) -> torch.Tensor:
+    """Boundaries of ``count`` sequences as boundaries of ``target``: the last entry repeated, once per tensor."""
+    if target == count:
+        return t
+    return _PADDED_BOUNDARIES.get((t,), target, lambda: torch.cat([t, t[-1:].expand(target - count)]))

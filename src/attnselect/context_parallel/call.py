@@ -161,11 +161,11 @@ def _thd_halves_pairs(base: AttentionProblem, packing, halves: Halves, lengths) 
     return {
         "kv_half": (
             dataclasses.replace(base, mask="none", seqlen_kv=s_kv // 2, **packing_facts("none", None, full, half)),
-            dataclasses.replace(packing, cu_seqlens_kv=h, offsets_kv=h, max_seqlen_kv=s_kv // 2),
+            packing._replace(cu_seqlens_kv=h, offsets_kv=h, max_seqlen_kv=s_kv // 2),
         ),
         "q_half": (
             dataclasses.replace(base, mask="none", seqlen_q=s_q // 2, **packing_facts("none", None, half, full)),
-            dataclasses.replace(packing, cu_seqlens_q=h, offsets_q=h, max_seqlen_q=s_q // 2),
+            packing._replace(cu_seqlens_q=h, offsets_q=h, max_seqlen_q=s_q // 2),
         ),
     }
 
