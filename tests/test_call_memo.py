@@ -107,3 +107,36 @@ def test_calls_with_sinks_are_known_by_the_sinks_too():
     assert type(_recall(q, k, v, sinks=sinks.clone())) is KnownCall
     assert type(_recall(q, k, v)) is Unknown and type(_recall(q, k, v, sinks=sinks.float())) is Unknown
     assert torch.equal(attnselect.attention(q, k, v, sinks=sinks), first)
+
+
+def test_calls_the_memo_cannot_describe_still_get_the_library_s_own_error():
+    import numpy as np
+
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v)
+    nested = torch.nested.nested_tensor([q[0], q[1]])  # torch's tensor guards would abort the process on it
+    assert _recall(nested, k, v) is None
+    with pytest.raises(attnselect.InvalidInputError):
+        attnselect.attention(nested, k, v)
+    with pytest.raises(attnselect.InvalidInputError, match="backend"):
+        attnselect.attention(q, k, v, backend=np.array(["reference", "flex"]))  # == gives an array, not a bool
+
+
+def test_autocast_function_modes_and_subclasses_are_part_of_the_call():
+    from torch.overrides import TorchFunctionMode
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Sub(torch.Tensor):
+        pass
+
+    q, k, v = _qkv(torch.float32)
+    attnselect.attention(q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert type(_recall(q, k, v)) is Unknown
+    with Mode():
+        assert type(_recall(q, k, v)) is Unknown
+    assert type(_recall(q.as_subclass(Sub), k, v)) is Unknown
+    assert type(_recall(q, k, v)) is KnownCall

@@ -132,11 +132,12 @@ def attention(
         call = kernel_call(problem, scale, softcap)
         chosen = backends.get(decision.chosen.backend)
         if layout != "thd":
-            runner = dense_runner(chosen, decision.chosen.pad_to, layout, call, like=(q, k, v))
+            like = (q, k, v) if unknown is not None else None  # memoized: later calls are like this one
+            runner = dense_runner(chosen, decision.chosen.pad_to, layout, call, like=like)
         else:
-            repeated = (q, k, v, packing) if unknown is not None else None  # memoized: later calls are like this one
+            like = (q, k, v, packing) if unknown is not None else None
             runner = (
-                packed_runner(chosen, decision.chosen.pad_to, call, like=repeated) if chosen.packs_thd(target) else None
+                packed_runner(chosen, decision.chosen.pad_to, call, like=like) if chosen.packs_thd(target) else None
             )
         known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
         if unknown is not None:

@@ -1,9 +1,9 @@
 """attention()'s memo of the calls it has validated and decided: a repeated call goes straight to its runner.
 
-A call is known by everything validation and selection read: its options; the shapes, strides, dtypes, devices and
-requires_grad of its tensors (q, k, v, the sinks, a packed call's boundaries) and the storage offsets of q, k and
-v; the gradient mode, deterministic algorithms, the ATTNSELECT_* variables, the :func:`attnselect.overrides` scope,
-the backend registry and CUDA graph capture. Two levels:
+A call is known by everything validation, selection and its runner read: its options; the types, shapes, strides,
+dtypes, devices and requires_grad of its tensors (q, k, v, the sinks, a packed call's boundaries) and the storage
+offsets of q, k and v; the gradient mode, deterministic algorithms, autocast, TorchFunctionModes, the ATTNSELECT_*
+variables, the :func:`attnselect.overrides` scope, the backend registry and CUDA graph capture. Two levels:
 
 - the recent calls (``RECENT``, newest first): one tuple of the options and the global state compared by value,
   one C++ check of the tensors (torch's ``TensorGuards``, what torch.compile's guards run on every call of a
@@ -11,9 +11,9 @@ the backend registry and CUDA graph capture. Two levels:
 - every call decided before (``MEMO_SIZE``), by a hashable key of the same values; a hit there becomes recent.
 
 Calls the key cannot describe are not known and take the slow path, which validates them: values that compare
-equal to a valid one of another type (``1 == True``, ``True == 1.0``), lists and iterators, padded offsets, and
-packed calls whose problem depends on the boundaries' values (on the CPU, without both ``max_seqlen`` as integers,
-or with keys that have their own boundaries).
+equal to a valid one of another type (``1 == True``, ``True == 1.0``), lists and iterators, nested tensors, padded
+offsets, and packed calls whose problem depends on the boundaries' values (on the CPU, without both ``max_seqlen``
+as integers, or with keys that have their own boundaries).
 """
 
 from __future__ import annotations
@@ -112,6 +112,10 @@ def _make_recent(entry: _Entry) -> None:
 # return, without their Python frames (this runs on every call).
 _grad = torch._C.is_grad_enabled
 _deterministic = torch._C._get_deterministic_algorithms
+# Autocast and TorchFunctionModes act on the calls a runner makes (SDPA is on autocast's lower-precision list; a
+# mode may intercept it), so a runner prepared outside them does not serve inside them (backends/_sdpa.py).
+_autocast = torch._C._is_any_autocast_enabled
+_function_mode = torch._C._is_torch_function_mode_enabled
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # a CPU build has no CUDA
 _environment = settings.environment_key
 _scope = settings.scope
@@ -151,10 +155,12 @@ def recall(
     ):
         return None  # 1 == True and 2.0 == 2 as keys: the slow path refuses what it must, whatever ran before
     try:
+        if q.is_nested or k.is_nested or v.is_nested or getattr(sinks, "is_nested", False):
+            return None  # TensorGuards cannot check a strided nested tensor (the process aborts); validation names it
         state = (
             layout, causal, window, scale, dropout_p, max_q, max_kv, return_lse, softcap, return_max_logit, backend,
-            pad, disable, sinks is None, _grad(), _deterministic(), _environment(), _scope(),
-            _registry(), q.is_cuda and _capturing(),
+            pad, disable, sinks is None, _grad(), _deterministic(), _autocast(), _function_mode(), _environment(),
+            _scope(), _registry(), q.is_cuda and _capturing(),
         )  # fmt: skip
         tensors = (
             (q, k, v) if sinks is None and cu_q is None else (q, k, v, *[t for t in (cu_q, sinks) if t is not None])
@@ -167,12 +173,12 @@ def recall(
             ):
                 return entry.known
         key = (
-            state, tuple(t.shape for t in tensors), tuple(t.stride() for t in tensors), tuple(t.dtype for t in tensors),
-            tuple(t.device for t in tensors), tuple(t.requires_grad for t in tensors),
+            state, tuple(map(type, tensors)), tuple(t.shape for t in tensors), tuple(t.stride() for t in tensors),
+            tuple(t.dtype for t in tensors), tuple(t.device for t in tensors), tuple(t.requires_grad for t in tensors),
             (q.storage_offset(), k.storage_offset(), v.storage_offset()),
         )  # fmt: skip
         entry = _CALLS.get(key)
-    except (AttributeError, TypeError):  # not tensors, or an unhashable option: the slow path names it
+    except Exception:  # not tensors, an unhashable or incomparable option...: the slow path validates and names it
         return None
     if entry is None:
         return Unknown(state, tensors, key)

@@ -58,6 +58,8 @@ def read_call(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             _fail(name, type(t).__name__, "a torch.Tensor")
+        if t.is_nested or t.layout is not torch.strided:
+            _fail(name, "a nested tensor" if t.is_nested else f"layout {t.layout}", "a dense (strided) tensor")
         if t.dtype not in DTYPES:
             _fail(f"{name}.dtype", t.dtype, "one of float16, bfloat16, float32, float64")
     if not (q.dtype == k.dtype == v.dtype):

@@ -267,6 +267,10 @@ def test_a_prepared_sdpa_runner_calls_the_kernels_aten_op_with_the_arguments_sdp
         assert calls[-1] == ((None, training, 0.0, causal), scale) and lse is None
         assert rel_err(out, backends.get("reference").run(q, k, v, call)[0]) < 1e-5
     seen = len(calls)
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # acts on SDPA's call, not on the op's: SDPA's dispatch
+        assert flash.runner(call, repeated=True, like=(q, k, v))(q, k, v)[0].dtype == torch.bfloat16
     for kwargs, heads in [(dict(window=(3, 0)), 2), (dict(), 1)]:  # a mask tensor, grouped heads: SDPA's dispatch
         q, (k, v) = torch.randn(1, 2, 8, 16), (torch.randn(1, heads, 8, 16) for _ in range(2))
         call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd", **kwargs))

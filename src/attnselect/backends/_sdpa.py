@@ -1,8 +1,8 @@
 """Shared mechanism of the four SDPA backends: F.scaled_dot_product_attention with one kernel forced.
 
 Repeated calls (attnselect.attention's memoized ones) avoid what forcing costs: the cuDNN and mem-efficient
-kernels' aten ops called directly, as SDPA's dispatch calls them, or the dispatch itself where it reaches the
-kernel (:meth:`SdpaBackend.runner`).
+kernels' aten ops called directly, as SDPA's dispatch calls them (outside autocast and TorchFunctionModes), or the
+dispatch itself where it reaches the kernel (:meth:`SdpaBackend.runner`).
 
 Masks other than none / top-left causal (and bottom-right causal on square problems, where
 the two coincide) are passed as a boolean ``attn_mask`` built by :mod:`attnselect.masks`.
@@ -47,9 +47,10 @@ class SdpaBackend(Backend):
         """Repeated calls skip what a single call pays to force the kernel (``sdpa_kernel``'s switches cost as
         much host time as a small kernel's launch):
 
-        - with ``like`` and an ``aten_op``, and no mask tensor or grouped heads, the op SDPA's dispatch would call,
-          called directly once torch has confirmed that the kernel serves these inputs (dispatch's checks and
-          its choice cost host time; the switches no longer matter, as for a forced call);
+        - with ``like`` and an ``aten_op``, and no mask tensor, grouped heads, autocast, TorchFunctionMode or tensor
+          subclass, the op SDPA's dispatch would call, called directly once torch has confirmed that the kernel
+          serves these inputs (dispatch's checks and its choice cost host time; the switches no longer matter, as
+          for a forced call);
         - else torch's own dispatch where it reaches the kernel, asked once per state of the switches and their
           priority order (``torch._fused_sdp_choice``, sdp_utils.cpp select_sdp_backend, reads the shapes,
           strides and storage offsets, dtypes, options, gradients, switches and order; repeated calls share all
@@ -80,7 +81,17 @@ class SdpaBackend(Backend):
         scaled_dot_product_attention), or None where it does not apply."""
         q, k, v = like
         attn_mask, is_causal, gqa, _ = arguments = self._arguments(q, k, call)
-        if self.aten_op is None or attn_mask is not None or gqa or not self._serves(q, k, v, call, arguments):
+        if (
+            self.aten_op is None
+            or attn_mask is not None
+            or gqa
+            # what acts on SDPA's call and not on the op's: autocast (SDPA is on its lower-precision list), a
+            # TorchFunctionMode or a subclass's __torch_function__ (which may intercept SDPA)
+            or torch._C._is_any_autocast_enabled()
+            or torch._C._is_torch_function_mode_enabled()
+            or any(type(t) is not torch.Tensor for t in like)
+            or not self._serves(q, k, v, call, arguments)
+        ):
             return None
         op = self.aten_op
         lse = torch.is_grad_enabled() and any(t.requires_grad for t in like)  # attention.cpp should_compute_logsumexp
@@ -181,7 +192,18 @@ def _scale_keyword(q, call: KernelCall) -> dict:
 
 
 _call = getattr(operator, "call", lambda f: f())  # operator.call: Python 3.11+
-_order = torch._C._get_sdp_priority_order  # the order default dispatch tries the kernels in
+# The order default dispatch tries the kernels in; a torch without it cannot change the order.
+_order = getattr(torch._C, "_get_sdp_priority_order", lambda: None)
+
+
+def kernel_op(name: str):
+    """``torch.<name>`` where its schema starts (query, key, value, attn_bias, compute_log_sumexp, dropout_p,
+    is_causal) and takes a keyword ``scale``, as :attr:`SdpaBackend.aten_op` is called; else None (the runner
+    then calls SDPA)."""
+    schema = getattr(getattr(torch.ops.aten, name, None), "default", None)
+    names = [a.name for a in schema._schema.arguments] if schema is not None else []
+    expected = ["query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal"]
+    return getattr(torch, name, None) if names[:7] == expected and "scale" in names else None
 
 
 class only_kernel:  # noqa: N801 (a context manager, named as sdpa_kernel is)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 from torch.nn.attention import SDPBackend
 
-from attnselect.backends._sdpa import SdpaBackend
+from attnselect.backends._sdpa import SdpaBackend, kernel_op
 from attnselect.backends.base import HALF, Surface
 from attnselect.backends.shape_cache import ShapeCache
 from attnselect.target import version_tuple
@@ -20,7 +19,7 @@ class SdpaCudnn(SdpaBackend):
     name = "sdpa_cudnn"
     summary = "PyTorch SDPA, CUDNN_ATTENTION kernel forced: cuDNN fused attention, 192/128 natively"
     kernel = SDPBackend.CUDNN_ATTENTION
-    aten_op = torch._scaled_dot_product_cudnn_attention
+    aten_op = kernel_op("_scaled_dot_product_cudnn_attention")
     # Source: pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, can_use_cudnn_attention:
     # sm80..sm121, fp16/bf16, masks allowed, GQA allowed, refused under deterministic algorithms
     # (check_cudnn_deterministic), head dims multiples of 8 (check_cudnn_tensor_shapes).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention import SDPBackend
 
-from attnselect.backends._sdpa import SdpaBackend
+from attnselect.backends._sdpa import SdpaBackend, kernel_op
 from attnselect.backends.base import Surface
 from attnselect.call import dtype_name
 
@@ -14,7 +14,7 @@ class SdpaEfficient(SdpaBackend):
     name = "sdpa_efficient"
     summary = "PyTorch SDPA, EFFICIENT_ATTENTION kernel forced: takes d_qk != d_v, any length"
     kernel = SDPBackend.EFFICIENT_ATTENTION
-    aten_op = torch._scaled_dot_product_efficient_attention
+    aten_op = kernel_op("_scaled_dot_product_efficient_attention")
     # torch 2.11 refused enable_gqa for this kernel on the H200 (shared/research/h200-measurements.md).
     native_gqa = False
     # Source: pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, can_use_mem_efficient_attention:
