@@ -138,6 +138,7 @@ def recall(
             and (cu_kv is None or cu_kv is cu_q)
             and type(cu_q) is torch.Tensor
             and not cu_q.is_cpu
+            and not cu_q.is_nested
         ):
             return None
     elif cu_q is not None or cu_kv is not None:
@@ -155,7 +156,7 @@ def recall(
     ):
         return None  # 1 == True and 2.0 == 2 as keys: the slow path refuses what it must, whatever ran before
     try:
-        if q.is_nested or k.is_nested or v.is_nested or getattr(sinks, "is_nested", False):
+        if q.is_nested or k.is_nested or v.is_nested or (sinks is not None and sinks.is_nested):
             return None  # TensorGuards cannot check a strided nested tensor (the process aborts); validation names it
         state = (
             layout, causal, window, scale, dropout_p, max_q, max_kv, return_lse, softcap, return_max_logit, backend,
