@@ -54,7 +54,7 @@ class KnownCall(NamedTuple):
 
 
 class _Entry(NamedTuple):
-    state: tuple  # the options and the global state (_state)
+    state: tuple  # the options and the global state, as recall() builds them
     guard: object  # TensorGuards of the call's tensors
     offsets: tuple  # storage offsets of q, k, v
     known: KnownCall
@@ -101,8 +101,8 @@ def known_calls() -> list[KnownCall]:
 
 
 def _make_recent(entry: _Entry) -> None:
-    """Check ``entry`` first from now on (unless its guard already failed this call, as on tensors whose dispatch
-    keys differ from the first call's: a subclass, inference mode)."""
+    """Check ``entry`` first from now on, unless it is recent already (found by key because its guard failed, as on
+    tensors whose dispatch keys differ from the first call's: inference mode)."""
     if entry.guard is not None and not any(recent is entry for recent in _RECENT):
         _RECENT.insert(0, entry)
         del _RECENT[RECENT:]

@@ -60,11 +60,12 @@ class SdpaBackend(Backend):
         argument parser, a keyword more."""
         if not repeated:
             return lambda q, k, v: self._forced(q, k, v, call)
+        arguments = self._arguments(*like[:2], call) if like is not None else None
         if like is not None:
-            direct = self._direct(call, like)
+            direct = self._direct(call, like, arguments)
             if direct is not None:
                 return direct
-        seen = [None, None, None]  # the previous call's switches and order; SDPA's call under them; _arguments
+        seen = [None, None, arguments]  # the previous call's switches and order; SDPA's call under them; _arguments
 
         def run(q, k, v):
             switches = (*map(_call, _ENABLED), _order())
@@ -76,11 +77,11 @@ class SdpaBackend(Backend):
 
         return run
 
-    def _direct(self, call: KernelCall, like):
+    def _direct(self, call: KernelCall, like, arguments):
         """``run(q, k, v)`` calling ``aten_op`` with the arguments SDPA would pass it (attention.cpp,
         scaled_dot_product_attention), or None where it does not apply."""
         q, k, v = like
-        attn_mask, is_causal, gqa, _ = arguments = self._arguments(q, k, call)
+        attn_mask, is_causal, gqa, _ = arguments
         if (
             self.aten_op is None
             or attn_mask is not None
