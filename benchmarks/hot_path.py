@@ -14,14 +14,15 @@ differences. Rows per problem: attnselect's automatic choice, and the same kerne
   - FlashAttention packages: the package's ``flash_attn_func``;
   - the backend object attnselect runs (``Backend.run``);
   - CUDA, cuDNN and mem-efficient: the aten op SDPA's dispatch calls once it has chosen that kernel;
-  - attnselect's memo lookup alone, without a kernel (what a repeated call pays before its runner).
+  - attnselect's prepared runner alone (what a repeated call runs after its lookup), and the memo lookup alone,
+    without a kernel.
 - CUDA, packed (1024 tokens in 4 sequences, H16, 128/128, causal, both max_seqlen given, inference):
   - the chosen package's ``flash_attn_varlen_func`` where it is a FlashAttention package, ``cudnn.sdpa_torch``
     where it is the cuDNN frontend (both on the caller's boundaries; that op also on the bucketed ones);
   - the chosen backend's packed kernel through its backend object (``Backend.run_packed``, boundaries
     bucketed where the backend buckets them);
   - torch's ``varlen_attn``;
-  - attnselect's memo lookup alone, and its bucketing alone, without a kernel.
+  - attnselect's prepared runner alone, and its memo lookup alone.
 
 ``--profile`` adds cProfile's top functions (by own time) of each attnselect row to the report.
 """
@@ -137,10 +138,18 @@ def dense_rows(device: str):
         rows[f"{module}.flash_attn_func"] = lambda: function(q, k, v)
     if not chosen.padded:
         rows[f"{chosen.backend} backend object, run()"] = lambda: backend.run(q, k, v, call)
+    runner = _prepared_runner(lambda: attnselect.attention(q, k, v, layout=layout))
+    rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v)
     known = (q, k, v, layout, False, None, None, 0.0, None, None, None, None, None, None, False, None, None, None,
              None, None, False)  # fmt: skip
     rows["attnselect's memo lookup alone (call_memo.recall, no kernel)"] = lambda: call_memo.recall(*known)
     return problem, chosen, rows
+
+
+def _prepared_runner(call):
+    """The runner attnselect.attention prepared for ``call()`` and runs on its repeats."""
+    call()
+    return call_memo._RECENT[0].known.runner
 
 
 # The aten ops below SDPA's dispatch with the signature (q, k, v, attn_bias, compute_log_sumexp, ...) (their schemas).
@@ -184,6 +193,8 @@ def packed_rows(device: str):
         rows[f"{chosen.backend} backend object, run_packed()"] = lambda: backend.run_packed(
             q, k, v, call, bucketed(packing, buckets) if buckets else packing
         )
+    runner = _prepared_runner(lambda: attnselect.attention(q, k, v, **kwargs))
+    rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v, cu)
     from torch.nn.attention.varlen import varlen_attn
 
     m = max(lengths)
@@ -191,8 +202,6 @@ def packed_rows(device: str):
     known = (q, k, v, "thd", True, None, None, 0.0, cu, None, None, None, m, m, False, None, None, None, None, None,
              False)  # fmt: skip
     rows["attnselect's memo lookup alone (call_memo.recall, no kernel)"] = lambda: call_memo.recall(*known)
-    if buckets is not None:
-        rows["attnselect's bucketing alone (shape_cache.bucketed, no kernel)"] = lambda: bucketed(packing, buckets)
     return problem, chosen, rows
 
 
@@ -204,7 +213,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="add cProfile's top functions of each attnselect row")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cases = [dense_rows(device)] + ([packed_rows(device)] if device == "cuda" else [])
+    with torch.no_grad():  # as the rows run: the prepared runners are those of inference
+        cases = [dense_rows(device)] + ([packed_rows(device)] if device == "cuda" else [])
     report = {
         "meta": {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d"),
                  "calls": a.calls, "repeats": a.repeats},

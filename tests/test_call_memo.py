@@ -38,6 +38,17 @@ def test_a_repeated_call_is_found_among_the_recent_ones():
     assert type(known) is KnownCall and known is call_memo.known_calls()[0]
 
 
+def test_a_call_passing_one_tensor_twice_is_found_among_the_recent_ones_and_known_by_which_it_repeats():
+    q, _, v = _qkv()
+    attnselect.attention(q, q, v)  # self-attention: k is q
+    call_memo._CALLS.clear()  # what is found now is found among the recent calls
+    assert type(_recall(q, q, v)) is KnownCall
+    assert type(_recall(q, q.clone(), v)) is Unknown  # no longer the same tensor twice
+    w = torch.randn(2, 9, 2, 16, dtype=q.dtype)
+    with pytest.raises(attnselect.InvalidInputError, match="head dim"):  # k is v: q 24, k 16, unlike the call above
+        attnselect.attention(q, w, w)
+
+
 @pytest.mark.parametrize(
     "change",
     [

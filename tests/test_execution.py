@@ -242,47 +242,73 @@ def test_regression_empty_pack_in_training_keeps_autograd_connected():
 
 
 class _RecordingPackedBackend:
-    """A packed backend whose kernel records the packing it is given, with the cuDNN frontend's buckets."""
+    """A packed backend whose kernel records the q and packing it is given, with the cuDNN frontend's buckets."""
 
     def __init__(self, buckets=True):
         from attnselect.backends import get
 
         self.shape_cache = get("cudnn_frontend").shape_cache if buckets else None
         self.seen = []
-        self.kernel = lambda q, k, v, packing: self.seen.append(packing) or (q, None)
+        self.kernel = lambda q, k, v, packing: self.seen.append((q, packing)) or (q[..., :4], None)
 
-    def packed_runner(self, call):
+    def packed_runner(self, call, *, repeated=False):
         return self.kernel
 
 
-def test_a_repeated_packed_runner_buckets_each_call_as_the_general_one_does():
+def test_a_repeated_packed_runner_buckets_each_new_boundary_tensor_once():
     from attnselect.backends.shape_cache import bucketed
     from attnselect.call import Packing
     from attnselect.execution import packed_runner
 
     q = torch.randn(10, 2, 8)
     first, later = (torch.tensor(b, dtype=torch.int32) for b in ([0, 3, 10], [0, 6, 10]))
-    like = (q, q, q, Packing(first, first, 7, 7, first, first))
     backend = _RecordingPackedBackend()
-    run = packed_runner(backend, None, None, like=like)
-    run(q, q, q, Packing(later, later, 7, 7, later, later))
+    run = packed_runner(backend, None, None, like=(q, q, q, Packing(first, first, 7, 7, first, first)))
+    run(q, q, q, later)
     expected = bucketed(Packing(later, later, 7, 7, later, later), backend.shape_cache.buckets)
-    (got,) = backend.seen
+    got = backend.seen[-1][1]
     assert torch.equal(got.cu_seqlens_q, expected.cu_seqlens_q) and got.cu_seqlens_q.numel() == 17  # 16 sequences
     assert got.cu_seqlens_kv is got.offsets_q is got.offsets_kv is got.cu_seqlens_q
     assert (got.max_seqlen_q, got.max_seqlen_kv) == (expected.max_seqlen_q, expected.max_seqlen_kv) == (128, 128)
+    run(q, q, q, later)  # the next layer of the step: the same boundaries, bucketed once
+    assert backend.seen[-1][1] is got
+    later[1] = 4  # changed in place: bucketed again
+    run(q, q, q, later)
+    assert backend.seen[-1][1] is not got and backend.seen[-1][1].cu_seqlens_q[1] == 4
+    with torch.inference_mode():  # inference tensors have no version: bucketed on every call
+        fresh = torch.tensor([0, 5, 10], dtype=torch.int32)
+        run(q, q, q, fresh)
+        run(q, q, q, fresh)
+    assert backend.seen[-1][1] is not backend.seen[-2][1]
+    assert torch.equal(backend.seen[-1][1].cu_seqlens_q[:3], fresh)
     unbucketed = _RecordingPackedBackend(buckets=False)
-    assert packed_runner(unbucketed, None, None, like=like) is unbucketed.kernel  # nothing to do between
+    packed_runner(unbucketed, None, None, like=(q, q, q, Packing(first, first, 7, 7, first, first)))(q, q, q, later)
+    assert unbucketed.seen[-1][1] == Packing(later, later, 7, 7, later, later)  # the caller's own boundaries
 
 
-@pytest.mark.parametrize("why", ["own keys boundaries", "padded", "no tokens"])
-def test_a_packed_runner_is_prepared_only_for_calls_of_one_boundary_tensor(why):
+@pytest.mark.parametrize("why", ["padded", "no tokens"])
+def test_a_repeated_packed_runner_that_cannot_pass_its_tensors_as_they_are_runs_the_general_path(why):
+    from attnselect.call import KernelCall, Packing
+    from attnselect.execution import packed_runner
+
+    q, cu = torch.randn(10, 2, 8), torch.tensor([0, 3, 10], dtype=torch.int32)
+    q = q[:0] if why == "no tokens" else q
+    backend = _RecordingPackedBackend()
+    call = KernelCall(mask="none", window=None, scale=0.3, dropout_p=0.0, return_lse=False)
+    run = packed_runner(backend, 16 if why == "padded" else None, call, like=(q, q, q, Packing(cu, cu, 7, 7, cu, cu)))
+    out, _ = run(q, q, q, cu)
+    if why == "padded":
+        ((padded, packing),) = backend.seen
+        assert padded.shape == (10, 2, 16) and torch.equal(padded[..., :8], q) and not padded[..., 8:].any()
+        assert packing.cu_seqlens_q.numel() == 17 and out.shape == (10, 2, 4)
+    else:
+        assert backend.seen == [] and out.shape == (0, 2, 8)  # zero rows without a kernel call
+
+
+def test_a_repeated_packed_runner_needs_one_boundary_tensor():
     from attnselect.call import Packing
     from attnselect.execution import packed_runner
 
     q, cu = torch.randn(10, 2, 8), torch.tensor([0, 3, 10], dtype=torch.int32)
-    packing = Packing(cu, cu.clone() if why == "own keys boundaries" else cu, 7, 7, cu, cu)
-    q = q[:0] if why == "no tokens" else q
-    backend = _RecordingPackedBackend()
-    run = packed_runner(backend, 16 if why == "padded" else None, None, like=(q, q, q, packing))
-    assert run.__name__ == "run"  # the general runner, which buckets every call itself
+    with pytest.raises(ValueError, match="one boundary tensor"):
+        packed_runner(_RecordingPackedBackend(), None, None, like=(q, q, q, Packing(cu, cu.clone(), 7, 7, cu, cu)))

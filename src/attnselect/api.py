@@ -132,23 +132,25 @@ def attention(
         call = kernel_call(problem, scale, softcap)
         chosen = backends.get(decision.chosen.backend)
         if layout != "thd":
-            like = (q, k, v) if unknown is not None else None  # memoized: later calls are like this one
-            runner = dense_runner(chosen, decision.chosen.pad_to, layout, call, like=like)
-        else:
-            like = (q, k, v, packing) if unknown is not None else None
-            runner = (
-                packed_runner(chosen, decision.chosen.pad_to, call, like=like) if chosen.packs_thd(target) else None
+            runner = dense_runner(
+                chosen, decision.chosen.pad_to, layout, call, like=(q, k, v) if unknown is not None else None
             )
+        elif not chosen.packs_thd(target):
+            runner = None
+        elif unknown is not None:  # later calls are like this one: the runner takes their boundaries
+            runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing))
+        else:  # this call alone, on its validated packing
+            runner = _on_packing(packed_runner(chosen, decision.chosen.pad_to, call), packing)
         known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
         if unknown is not None:
             unknown.remember(known)
-    elif layout == "thd":  # a packed call whose problem follows from its key (attnselect.call_memo)
-        packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
     try:
         if known.runner is None:  # thd sequence by sequence
+            if packing is None:  # a known packed call, whose problem follows from its key (attnselect.call_memo)
+                packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
             result = run_call(known.chosen, known.problem, known.call, q, k, v, packing=packing, target=known.target)
         else:  # a prepared runner: (out, lse) or (out, lse, max_logit)
-            result = known.runner(q, k, v) if packing is None else known.runner(q, k, v, packing)
+            result = known.runner(q, k, v) if layout != "thd" else known.runner(q, k, v, cu_seqlens_q)
         if sinks is not None:
             result = (*apply_sinks(result[0], result[1], sinks, layout), *result[2:])
     except AttnSelectError:
@@ -161,6 +163,12 @@ def attention(
     if not (return_lse or return_max_logit):
         return result[0]
     return _with_statistics(result[0], result[1], result[2:], return_lse)
+
+
+def _on_packing(run, packing: Packing):
+    """A packed runner, ``run(q, k, v, packing)``, as attention() calls a known call's: ``(q, k, v, cu_seqlens_q)``,
+    here on the one packing it was validated with."""
+    return lambda q, k, v, cu_seqlens_q: run(q, k, v, packing)
 
 
 def _with_statistics(out, lse, max_logit, return_lse: bool) -> tuple:

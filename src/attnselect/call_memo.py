@@ -50,13 +50,13 @@ class KnownCall(NamedTuple):
     target: Target
     call: KernelCall  # kernel options, the scale included
     forced: bool  # the caller forced the backend: failures re-raise
-    runner: Callable | None  # run(q, k, v) (dense, the layout work prepared) or run(q, k, v, packing) (packed)
+    runner: Callable | None  # run(q, k, v) (dense, the layout work prepared) or run(q, k, v, cu_seqlens_q) (packed)
 
 
 class _Entry(NamedTuple):
     state: tuple  # the options and the global state, as recall() builds them
     guard: object  # TensorGuards of the call's tensors
-    offsets: tuple  # storage offsets of q, k, v
+    offsets: tuple  # storage offsets of q, k, v (the key's last item)
     known: KnownCall
 
 
@@ -68,7 +68,6 @@ class Unknown(NamedTuple):
     key: tuple
 
     def remember(self, known: KnownCall) -> None:
-        q, k, v = self.tensors[:3]
         guard = None
         if TensorGuards is not None:
             guard = TensorGuards(
@@ -76,7 +75,7 @@ class Unknown(NamedTuple):
                 dynamic_dims_sizes=[list(t.shape) for t in self.tensors],
                 dynamic_dims_strides=[list(t.stride()) for t in self.tensors],
             )
-        entry = _Entry(self.state, guard, (q.storage_offset(), k.storage_offset(), v.storage_offset()), known)
+        entry = _Entry(self.state, guard, self.key[-1], known)
         _CALLS[self.key] = entry
         if len(_CALLS) > MEMO_SIZE:
             _CALLS.popitem(last=False)
@@ -117,7 +116,7 @@ _deterministic = torch._C._get_deterministic_algorithms
 _autocast = torch._C._is_any_autocast_enabled
 _function_mode = torch._C._is_torch_function_mode_enabled
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # a CPU build has no CUDA
-_environment = settings.environment_key
+_no_environment, _environment = settings.no_environment, settings.environment_key
 _scope = settings.scope
 _registry = backends.registry_version
 _NUMBER = (float, int, type(None))
@@ -158,25 +157,24 @@ def recall(
     try:
         if q.is_nested or k.is_nested or v.is_nested or (sinks is not None and sinks.is_nested):
             return None  # TensorGuards cannot check a strided nested tensor (the process aborts); validation names it
+        offsets = (q.storage_offset(), k.storage_offset(), v.storage_offset())
+        # TensorGuards refuses a tensor passed twice, so an aliased q, k or v is guarded once, its pattern kept
+        aliases = None if k is not q and v is not q and v is not k else (k is q, v is q, v is k)
         state = (
             layout, causal, window, scale, dropout_p, max_q, max_kv, return_lse, softcap, return_max_logit, backend,
-            pad, disable, sinks is None, _grad(), _deterministic(), _autocast(), _function_mode(), _environment(),
-            _scope(), _registry(), q.is_cuda and _capturing(),
+            pad, disable, sinks is None, aliases, _grad(), _deterministic(), _autocast(), _function_mode(),
+            _no_environment() or _environment(), _scope(), _registry(), q.is_cuda and _capturing(),
         )  # fmt: skip
-        tensors = (
-            (q, k, v) if sinks is None and cu_q is None else (q, k, v, *[t for t in (cu_q, sinks) if t is not None])
-        )
+        tensors = (q, k, v) if aliases is None else tuple({id(t): t for t in (q, k, v)}.values())
+        if cu_q is not None or sinks is not None:
+            tensors += tuple(t for t in (cu_q, sinks) if t is not None)
         for entry in _RECENT:
-            if (
-                entry.state == state
-                and entry.guard.check(*tensors)
-                and entry.offsets == (q.storage_offset(), k.storage_offset(), v.storage_offset())
-            ):
+            if entry.state == state and entry.guard.check(*tensors) and entry.offsets == offsets:
                 return entry.known
         key = (
             state, tuple(map(type, tensors)), tuple(t.shape for t in tensors), tuple(t.stride() for t in tensors),
             tuple(t.dtype for t in tensors), tuple(t.device for t in tensors), tuple(t.requires_grad for t in tensors),
-            (q.storage_offset(), k.storage_offset(), v.storage_offset()),
+            offsets,
         )  # fmt: skip
         entry = _CALLS.get(key)
     except Exception:  # not tensors, an unhashable or incomparable option...: the slow path validates and names it

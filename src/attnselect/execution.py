@@ -118,24 +118,13 @@ def run_call(
 def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = None):
     """``run(q, k, v, packing) -> (out, lse)`` of a backend's packed kernel for one call's options.
 
-    ``like``: the first call's (q, k, v, packing), where every call shares its tensors' shapes, strides, dtypes and
-    gradients, its sequence count and both max_seqlen, and one boundary tensor serves q, k and both offsets
-    (attnselect.attention's memoized packed calls): the bucketing is worked out here, and a call pays only for
-    its own boundaries."""
-    kernel = backend.packed_runner(call)
+    ``like``: the first call's (q, k, v, packing) of calls that share its tensors' shapes, strides, dtypes and
+    gradients, its sequence count and both max_seqlen, and whose one boundary tensor serves q, k and both offsets
+    (attnselect.attention's memoized packed calls). The runner is then ``run(q, k, v, cu_seqlens)``: the bucketing
+    is worked out here, and a call pays for its boundaries once per boundary tensor (every layer of a step shares
+    them)."""
+    kernel = backend.packed_runner(call, repeated=like is not None)
     buckets = backend.shape_cache.buckets if backend.shape_cache is not None else None  # few distinct shapes
-    if like is not None and _plain_packed_call(pad_to, *like):
-        if buckets is None:
-            return kernel
-        first = like[3]
-        count, bucket = first.cu_seqlens_q.numel() - 1, bucketed(first, buckets)
-        target, max_q, max_kv = bucket.cu_seqlens_q.numel() - 1, bucket.max_seqlen_q, bucket.max_seqlen_kv
-
-        def run_repeated(q, k, v, packing):
-            cu = padded_boundaries(packing.cu_seqlens_q, count, target)
-            return kernel(q, k, v, Packing(cu, cu, max_q, max_kv, cu, cu))
-
-        return run_repeated
 
     def run(q, k, v, packing):
         if q.shape[0] == 0 or k.shape[0] == 0:
@@ -147,40 +136,51 @@ def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = Non
             return kernel(q, k, v, packing)
         return _padded(lambda q, k, v: kernel(q, k, v, packing), pad_to, q, k, v)
 
-    return run
+    if like is None:
+        return run
+    first = like[3]
+    cu = first.cu_seqlens_q
+    if not (first.cu_seqlens_kv is cu and first.offsets_q is cu and first.offsets_kv is cu):
+        raise ValueError("like: a repeated packed call has one boundary tensor for q, k and both offsets")
+    count, max_q, max_kv = cu.numel() - 1, first.max_seqlen_q, first.max_seqlen_kv
+    if not _plain_packed_call(pad_to, *like[:3]):
+        return lambda q, k, v, cu: run(q, k, v, Packing(cu, cu, max_q, max_kv, cu, cu))
+    target = count
+    if buckets is not None:
+        bucket = bucketed(first, buckets)
+        target, max_q, max_kv = bucket.cu_seqlens_q.numel() - 1, bucket.max_seqlen_q, bucket.max_seqlen_kv
+    last = [None, None, None]  # the previous call's boundaries, their version, the packing the kernel got
+
+    def run_repeated(q, k, v, cu):
+        if cu is not last[0] or cu._version != last[1]:
+            padded = padded_boundaries(cu, count, target)
+            kept = (None, None) if cu.is_inference() else (cu, cu._version)  # inference tensors have no version
+            last[:] = *kept, Packing(padded, padded, max_q, max_kv, padded, padded)
+        return kernel(q, k, v, last[2])
+
+    return run_repeated
 
 
-def _plain_packed_call(pad_to, q, k, v, packing) -> bool:
-    """Tokens to attend, no padding, the head dim at stride 1, one boundary tensor for q, k and both offsets."""
-    cu = packing.cu_seqlens_q
-    return (
-        q.shape[0] > 0
-        and k.shape[0] > 0
-        and pad_to is None
-        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-        and packing.cu_seqlens_kv is cu
-        and packing.offsets_q is cu
-        and packing.offsets_kv is cu
-    )
+def _plain_packed_call(pad_to, q, k, v) -> bool:
+    """Tokens to attend, no padding, the head dim at stride 1: the tensors reach the kernel as they are."""
+    return q.shape[0] > 0 and k.shape[0] > 0 and pad_to is None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
 
 
 def dense_runner(backend, pad_to, layout, call, *, like: tuple | None = None):
     """``run(q, k, v) -> (out, lse)`` for dense calls, with the layout permutations worked out once.
 
     ``like``: the first call's (q, k, v), whose shapes, strides, storage offsets, dtypes and gradients every call
-    shares (attnselect.attention's memoized calls): the backend prepares its kernel for them here (``runner``'s
-    ``like``, where they reach the kernel unpadded), and where they need no work the runner is that kernel."""
+    shares (attnselect.attention's memoized calls): the backend's runner is prepared for repeated calls, and where
+    the tensors reach it as they are (its layout, unpadded, the head dim at stride 1, not empty) the runner is the
+    backend's."""
     to_kernel = _as_function(_PERMUTE[(layout, backend.layout)])
     from_kernel = _as_function(_INVERSE.get((backend.layout, layout)))
     seq_axis = 2 if backend.layout == "bhsd" else 1
-    kernel_like = None
-    if like is not None and pad_to is None:
-        q, k, v = like if to_kernel is None else map(to_kernel, like)  # views: no work
+    kernel = backend.runner(call, repeated=like is not None)
+    if like is not None and pad_to is None and to_kernel is None:
+        q, k, v = like
         if q.shape[seq_axis] and k.shape[seq_axis] and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
-            kernel_like = q, k, v  # what run() passes the kernel
-    kernel = backend.runner(call, repeated=like is not None, like=kernel_like)
-    if kernel_like is not None and to_kernel is None:
-        return kernel
+            return kernel
 
     def run(q, k, v):
         if to_kernel is not None:

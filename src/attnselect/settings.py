@@ -7,6 +7,7 @@ Unknown values raise an :class:`~attnselect.errors.InvalidInputError` naming the
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -69,10 +70,14 @@ _RAW_NAMES = tuple(name.encode() for name in ENV_VARS)
 _NONE_SET = _RAW_ENVIRON.keys().isdisjoint if _RAW_ENVIRON is not None else None
 
 
+# ``no_environment()``: True where no ATTNSELECT_* variable is set, in one C-level call; else False.
+no_environment = functools.partial(_NONE_SET, _RAW_NAMES) if _NONE_SET is not None else bool
+
+
 def environment_key() -> tuple | None:
     """A cheap snapshot of the ATTNSELECT_* variables for memo keys: None where none is set (the common case),
     else their raw values (bytes on POSIX)."""
-    if _NONE_SET is not None and _NONE_SET(_RAW_NAMES):
+    if no_environment():
         return None
     return _raw_values()
 

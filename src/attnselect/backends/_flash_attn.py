@@ -36,13 +36,13 @@ class FlashAttnPackageBackend(Backend):
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
         return self.packed_runner(call)(q, k, v, packing)
 
-    def runner(self, call: KernelCall, *, repeated: bool = False, like: tuple | None = None):
+    def runner(self, call: KernelCall, *, repeated: bool = False):
         if call.mask == "sliding_window":  # its window edges depend on the sequence lengths
             return super().runner(call)
         function, options = self._module().flash_attn_func, self._options(call, 1, 1)
         return lambda q, k, v: self._lse(call, function(q, k, v, **options))
 
-    def packed_runner(self, call: KernelCall):
+    def packed_runner(self, call: KernelCall, *, repeated: bool = False):
         function, options = self._module().flash_attn_varlen_func, self._options(call, 1, 1)
 
         def run(q, k, v, packing: Packing):

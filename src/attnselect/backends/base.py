@@ -165,15 +165,16 @@ class Backend:
         """Packed attention: q (Tq, Hq, Dqk), k (Tk, Hkv, Dqk), v (Tk, Hkv, Dv); lse (Hq, Tq) or None."""
         raise TypeError(f"{self.name} has no packed (thd) kernel; it runs sequence by sequence")
 
-    def runner(self, call: KernelCall, *, repeated: bool = False, like: tuple | None = None):
+    def runner(self, call: KernelCall, *, repeated: bool = False):
         """``run(q, k, v)``: :meth:`run` with ``call`` bound. A backend prepares here what does not change between
-        calls. ``repeated``: every call has the first one's shapes, strides, storage offsets, dtypes and gradients
-        (the memoized calls of attnselect.attention, keyed on them); ``like``: such a call's (q, k, v) as the
-        kernel gets them, where they are known before the first call (None: they are known at the first call)."""
+        calls. ``repeated``: every call has the first one's shapes, strides, storage offsets, dtypes and gradients,
+        under the same grad mode, autocast and TorchFunctionModes (the memoized calls of attnselect.attention,
+        keyed on them), so what the first call finds holds for the rest."""
         return lambda q, k, v: self.run(q, k, v, call)
 
-    def packed_runner(self, call: KernelCall):
-        """``run(q, k, v, packing)``: :meth:`run_packed` with ``call`` bound (see :meth:`runner`)."""
+    def packed_runner(self, call: KernelCall, *, repeated: bool = False):
+        """``run(q, k, v, packing)``: :meth:`run_packed` with ``call`` bound (see :meth:`runner`; ``repeated``
+        packings also share their sequence count and both max_seqlen)."""
         return lambda q, k, v, packing: self.run_packed(q, k, v, call, packing)
 
     def __repr__(self) -> str:

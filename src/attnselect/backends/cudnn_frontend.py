@@ -111,43 +111,45 @@ class CudnnFrontend(Backend):
         return r
 
     def run(self, q, k, v, call: KernelCall):
-        out, lse = _sdpa(call)(q, k, v)
-        return out, (lse[..., 0] if lse is not None else None)  # (B, H, S, 1) -> (B, H, S)
+        import cudnn
+
+        need_lse = _needs_lse(call, q, k, v)
+        result = cudnn.sdpa_torch(q, k, v, return_lse=need_lse, **_options(call))
+        return (result[0], result[1][..., 0] if call.return_lse else None) if need_lse else (result, None)
 
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
         if q.shape[0] == 0:
             return q.new_zeros(0, q.shape[1], v.shape[-1]), q.new_zeros(q.shape[1], 0, dtype=torch.float32)
         return self.packed_runner(call)(q, k, v, packing)
 
-    def packed_runner(self, call: KernelCall):
-        sdpa = _sdpa(call)
+    def packed_runner(self, call: KernelCall, *, repeated: bool = False):
+        """``run(q, k, v, packing)``; ``repeated``: the first call's gradients and max_seqlen bind the options of
+        every call, which then pay for one call of the op."""
+        import cudnn
+
+        op, options, bound = cudnn.sdpa_torch, _options(call), {}
 
         def run(q, k, v, packing: Packing):
-            out, lse = sdpa(
-                q, k, v, cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_kv=packing.cu_seqlens_kv,
-                max_seqlen_q=max(packing.max_seqlen_q, 1), max_seqlen_kv=max(packing.max_seqlen_kv, 1),
-            )  # fmt: skip
-            return out, (lse[..., 0].transpose(0, 1) if lse is not None else None)  # (T, H, 1) -> (H, T)
+            if not bound or not repeated:
+                bound.update(
+                    options, return_lse=_needs_lse(call, q, k, v), max_seqlen_q=max(packing.max_seqlen_q, 1),
+                    max_seqlen_kv=max(packing.max_seqlen_kv, 1),
+                )  # fmt: skip
+            result = op(q, k, v, cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_kv=packing.cu_seqlens_kv, **bound)
+            if not bound["return_lse"]:
+                return result, None
+            return result[0], (result[1][..., 0].transpose(0, 1) if call.return_lse else None)  # (T, H, 1) -> (H, T)
 
         return run
 
 
-def _sdpa(call: KernelCall):
-    """``sdpa(q, k, v, **packing) -> (out, lse or None)``: the package's op with this call's options bound."""
-    import cudnn
+def _needs_lse(call: KernelCall, q, k, v) -> bool:
+    """Whether to ask the op for its statistics: asked for, or training (the op's backward consumes them)."""
+    return call.return_lse or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
-    op, options = cudnn.sdpa_torch, dict(scale=call.scale, **_mask_arguments(call))
 
-    def sdpa(q, k, v, **packing):
-        # The op's backward consumes the forward's statistics, so training always asks for them.
-        need_lse = call.return_lse or (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        )
-        result = op(q, k, v, return_lse=need_lse, **options, **packing)
-        out, lse = result if need_lse else (result, None)
-        return out, (lse if call.return_lse else None)
-
-    return sdpa
+def _options(call: KernelCall) -> dict:
+    return dict(scale=call.scale, **_mask_arguments(call))
 
 
 def _mask_arguments(call: KernelCall) -> dict:
