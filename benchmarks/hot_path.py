@@ -3,7 +3,8 @@
     python benchmarks/hot_path.py [--calls 500] [--repeats 31] [--out results/h200_hot_path]
 
 Small, host-bound calls repeated with the same shapes and options (the memoized fast path), each timed as
-``--calls`` calls then one sync, ``--repeats`` times in interleaved rounds (:func:`time_rows`); the median
+``--calls`` calls then one sync, ``--repeats`` times in interleaved rounds (:func:`time_rows`; the packed case,
+whose calls are slower, in shorter rounds, more of them: ``--packed-calls``, ``--packed-repeats``); the median
 microseconds per call with its quartiles, and attnselect's row minus each other row, the median of the per-round
 differences. Rows per problem: attnselect's automatic choice, and the same kernel called directly.
 
@@ -209,39 +210,45 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--repeats", type=int, default=31)
+    ap.add_argument("--packed-calls", type=int, default=100, help="calls a round of the packed case (slower calls)")
+    ap.add_argument("--packed-repeats", type=int, default=151)
     ap.add_argument("--out", help="write .json and .md here")
     ap.add_argument("--profile", action="store_true", help="add cProfile's top functions of each attnselect row")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.no_grad():  # as the rows run: the prepared runners are those of inference
-        cases = [dense_rows(device)] + ([packed_rows(device)] if device == "cuda" else [])
+        cases = [(*dense_rows(device), a.calls, a.repeats)]
+        if device == "cuda":
+            cases.append((*packed_rows(device), a.packed_calls, a.packed_repeats))
     report = {
-        "meta": {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d"),
-                 "calls": a.calls, "repeats": a.repeats},
+        "meta": {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d")},
         "cases": [],
     }  # fmt: skip
     lines = [
         "# Hot path: host time per repeated call\n",
-        f"{report['meta']['device']}, {report['meta']['date']}. {a.calls} calls then one sync, {a.repeats} "
-        "interleaved rounds in alternating order, garbage collector off: median us per call (quartiles), and "
+        f"{report['meta']['device']}, {report['meta']['date']}. Each row timed as a number of calls then one sync, "
+        "in interleaved rounds in alternating order, garbage collector off: median us per call (quartiles), and "
         "attnselect's row minus each row, the median of the per-round differences (quartiles). Produced by "
         "`benchmarks/hot_path.py`.\n",
     ]
     with torch.no_grad():
-        for problem, chosen, rows in cases:
-            timed = time_rows(rows, device, a.calls, a.repeats)
-            report["cases"].append({"problem": problem.describe(), "chosen": str(chosen), "rows": timed})
-            lines += [f"\n## {problem.describe()}\n", "| row | us per call | attnselect minus this row, us |",
-                      "|---|---|---|"]  # fmt: skip
+        for problem, chosen, rows, calls, repeats in cases:
+            timed = time_rows(rows, device, calls, repeats)
+            report["cases"].append(
+                {"problem": problem.describe(), "chosen": str(chosen), "calls": calls, "repeats": repeats,
+                 "rows": timed}
+            )  # fmt: skip
+            lines += [f"\n## {problem.describe()}\n", f"{calls} calls a round, {repeats} rounds.\n",
+                      "| row | us per call | attnselect minus this row, us |", "|---|---|---|"]  # fmt: skip
             for name, r in timed.items():
                 d = r["first_minus_this"]
                 diff = f"{d['median']:+.1f} ({d['q1']:+.1f}..{d['q3']:+.1f})"
-                diff = "" if name.startswith("attnselect") else diff  # itself, and a part of it
+                diff = "" if name.startswith("attnselect") and "runner" not in name else diff  # itself, a part
                 lines.append(f"| {name} | {r['us']:.1f} ({r['q1']:.1f}..{r['q3']:.1f}) | {diff} |")
             if a.profile:
                 name, fn = next(iter(rows.items()))
-                heading = f"\ncProfile of `{name}`, {a.calls} calls, top 25 by own time:\n"
-                lines += [heading, "```", profile(fn, a.calls), "```"]
+                heading = f"\ncProfile of `{name}`, {calls} calls, top 25 by own time:\n"
+                lines += [heading, "```", profile(fn, calls), "```"]
     print("\n".join(lines))
     if a.out:
         Path(a.out + ".json").write_text(json.dumps(report, indent=1))

@@ -27,6 +27,7 @@
 #   bash scripts/device_run.sh hf      # transformers DeepSeek-V3 geometry, tokens/s     -> $OUT/h200_hf_deepseek.*
 #   bash scripts/device_run.sh megatron # megatron-core MLA layer tests, then stock pad vs native V -> $OUT/h200_megatron_mla.*
 #   bash scripts/device_run.sh loop    # benchmarks/training_loop.py, a new packing every step -> $OUT/h200_training_loop.*
+#                                      # (LOOP_ROWS="row;row", LOOP_ROUNDS, LOOP_PART=name, LOOP_TIMEOUT seconds)
 #   bash scripts/device_run.sh cp      # the context-parallel GPU test, with each rank's chunk choices and errors
 #                                      #                                                -> $OUT/h200_context_parallel.txt
 #   bash scripts/device_run.sh hot-path # benchmarks/hot_path.py: host time of repeated small calls -> $OUT/h200_hot_path.*
@@ -163,8 +164,10 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
     timeout 200 python3 benchmarks/hot_path.py --profile --out "$OUT/h200_hot_path" 2>&1 | grep -v -i warn | tail -60 ;;
   overhead)
     timeout 300 python3 benchmarks/packed_overhead.py --out "$OUT/h200_packed_overhead" 2>&1 | grep -v -i warn | tail -14 ;;
-  loop)
-    timeout 500 python3 benchmarks/training_loop.py --steps 30 --out "$OUT/h200_training_loop" 2>&1 | grep -v -i warn | tail -60 ;;
+  loop)   # LOOP_ROWS="row;row" runs some of the rows, LOOP_ROUNDS rounds of them, into $OUT/h200_training_loop${LOOP_PART:+_$LOOP_PART}
+    timeout ${LOOP_TIMEOUT:-500} python3 benchmarks/training_loop.py --steps 30 --rounds "${LOOP_ROUNDS:-2}" \
+      ${LOOP_ROWS:+--rows "$LOOP_ROWS"} --out "$OUT/h200_training_loop${LOOP_PART:+_$LOOP_PART}" 2>&1 \
+      | grep -v -i warn | tail -60 ;;
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;

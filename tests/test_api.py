@@ -62,7 +62,7 @@ class _Broken(RuntimeError):
 def _break_sdpa_flash(monkeypatch):
     from attnselect.backends.sdpa_flash import SdpaFlash
 
-    def runner(self, call, *, repeated=False):  # what attnselect.attention runs
+    def runner(self, call, *, repeated=False, like=None):  # what attnselect.attention runs
         def run(q, k, v):
             raise _Broken("workspace allocation failed")
 
@@ -121,7 +121,7 @@ def test_a_run_time_failure_is_remembered_by_later_processes_on_the_same_target(
 def test_out_of_memory_is_not_recorded_for_later_processes(monkeypatch, caplog):
     from attnselect.backends.sdpa_flash import SdpaFlash
 
-    def runner(self, call, *, repeated=False):
+    def runner(self, call, *, repeated=False, like=None):
         def run(q, k, v):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
 

@@ -166,8 +166,10 @@ def recall(
             _no_environment() or _environment(), _scope(), _registry(), q.is_cuda and _capturing(),
         )  # fmt: skip
         tensors = (q, k, v) if aliases is None else tuple({id(t): t for t in (q, k, v)}.values())
-        if cu_q is not None or sinks is not None:
-            tensors += tuple(t for t in (cu_q, sinks) if t is not None)
+        if cu_q is not None:
+            tensors += (cu_q,) if sinks is None else (cu_q, sinks)
+        elif sinks is not None:
+            tensors += (sinks,)
         for entry in _RECENT:
             if entry.state == state and entry.guard.check(*tensors) and entry.offsets == offsets:
                 return entry.known

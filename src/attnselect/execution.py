@@ -170,17 +170,19 @@ def dense_runner(backend, pad_to, layout, call, *, like: tuple | None = None):
     """``run(q, k, v) -> (out, lse)`` for dense calls, with the layout permutations worked out once.
 
     ``like``: the first call's (q, k, v), whose shapes, strides, storage offsets, dtypes and gradients every call
-    shares (attnselect.attention's memoized calls): the backend's runner is prepared for repeated calls, and where
-    the tensors reach it as they are (its layout, unpadded, the head dim at stride 1, not empty) the runner is the
-    backend's."""
+    shares (attnselect.attention's memoized calls): the backend prepares its kernel for them here (``runner``'s
+    ``like``, where they reach the kernel unpadded), and where they need no work the runner is that kernel."""
     to_kernel = _as_function(_PERMUTE[(layout, backend.layout)])
     from_kernel = _as_function(_INVERSE.get((backend.layout, layout)))
     seq_axis = 2 if backend.layout == "bhsd" else 1
-    kernel = backend.runner(call, repeated=like is not None)
-    if like is not None and pad_to is None and to_kernel is None:
-        q, k, v = like
+    kernel_like = None
+    if like is not None and pad_to is None:
+        q, k, v = like if to_kernel is None else map(to_kernel, like)  # views: no work
         if q.shape[seq_axis] and k.shape[seq_axis] and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
-            return kernel
+            kernel_like = q, k, v  # what run() passes the kernel
+    kernel = backend.runner(call, repeated=like is not None, like=kernel_like)
+    if kernel_like is not None and to_kernel is None:
+        return kernel
 
     def run(q, k, v):
         if to_kernel is not None:

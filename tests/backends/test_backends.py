@@ -245,12 +245,10 @@ def test_a_repeated_sdpa_runner_forces_its_kernel_only_where_torchs_dispatch_wou
     assert forced[4:] == [SDPBackend.FLASH_ATTENTION] and len(asked) == 4
 
 
-def test_a_repeated_sdpa_runner_calls_sdpa_where_dispatch_reaches_its_kernel_else_the_kernels_aten_op(monkeypatch):
-    """Where torch's default dispatch reaches the kernel, repeated calls are SDPA's own call; where it does not and
-    the kernel has an aten op (cuDNN and mem-efficient, CUDA only), they call the op with the arguments SDPA would
-    pass it. Here sdpa_flash stands in on the CPU (where dispatch picks flash), with an op that records them."""
+def test_a_prepared_sdpa_runner_calls_the_kernels_aten_op_with_the_arguments_sdpa_would(monkeypatch):
+    """Where a kernel has an aten op (cuDNN and mem-efficient, CUDA only), repeated calls whose inputs are known
+    call it directly; here sdpa_flash stands in on the CPU, with an op that records its arguments."""
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from attnselect.execution import kernel_call
 
@@ -261,33 +259,24 @@ def test_a_repeated_sdpa_runner_calls_sdpa_where_dispatch_reaches_its_kernel_els
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale), "lse"
 
     monkeypatch.setattr(type(flash), "aten_op", staticmethod(op))
-    sdpa_calls = []
-    sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: sdpa_calls.append(kw) or sdpa(*a, **kw))
+    for training, causal, scale in [(False, False, None), (True, True, None), (False, True, 0.5)]:
+        q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=training) for _ in range(3))
+        problem = attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd", causal=causal)
+        call = kernel_call(problem, scale)
+        out, lse = flash.runner(call, repeated=True, like=(q, k, v))(q, k, v)
+        assert calls[-1] == ((None, training, 0.0, causal), scale) and lse is None
+        assert rel_err(out, backends.get("reference").run(q, k, v, call)[0]) < 1e-5
+    seen = len(calls)
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
-    call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd"), 0.5)
-    out, _ = flash.runner(call, repeated=True)(q, k, v)
-    assert calls == [] and sdpa_calls == [{"scale": 0.5}]  # default dispatch, only the non-default argument
-    assert rel_err(out, backends.get("reference").run(q, k, v, call)[0]) < 1e-5
-    with sdpa_kernel([SDPBackend.MATH]):  # dispatch no longer reaches flash: its op
-        for training, causal, scale in [(False, False, None), (True, True, None), (False, True, 0.5)]:
-            q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=training) for _ in range(3))
-            problem = attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd", causal=causal)
-            call = kernel_call(problem, scale)
-            out, lse = flash.runner(call, repeated=True)(q, k, v)
-            assert calls[-1] == ((None, training, 0.0, causal), scale) and lse is None
-            assert rel_err(out, backends.get("reference").run(q, k, v, call)[0]) < 1e-5
-        seen = len(calls)
-        q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
-        call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd"))
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # acts on SDPA's call, not on the op's: SDPA, forced
-            assert flash.runner(call, repeated=True)(q, k, v)[0].dtype == torch.bfloat16
-        for kwargs, heads in [(dict(window=(3, 0)), 2), (dict(), 1)]:  # a mask tensor, grouped heads: SDPA, forced
-            q, (k, v) = torch.randn(1, 2, 8, 16), (torch.randn(1, heads, 8, 16) for _ in range(2))
-            call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd", **kwargs))
-            out, _ = flash.runner(call, repeated=True)(q, k, v)
-            assert rel_err(out, backends.get("reference").run(q, k, v, call)[0]) < 1e-5
-        assert len(calls) == seen
+    call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # acts on SDPA's call, not on the op's: SDPA's dispatch
+        assert flash.runner(call, repeated=True, like=(q, k, v))(q, k, v)[0].dtype == torch.bfloat16
+    for kwargs, heads in [(dict(window=(3, 0)), 2), (dict(), 1)]:  # a mask tensor, grouped heads: SDPA's dispatch
+        q, (k, v) = torch.randn(1, 2, 8, 16), (torch.randn(1, heads, 8, 16) for _ in range(2))
+        call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd", **kwargs))
+        out, _ = flash.runner(call, repeated=True, like=(q, k, v))(q, k, v)
+        assert rel_err(out, backends.get("reference").run(q, k, v, call)[0]) < 1e-5
+    assert len(calls) == seen
 
 
 @pytest.mark.gpu
@@ -297,7 +286,6 @@ def test_gpu_repeated_sdpa_calls_run_the_kernels_aten_op_as_sdpa_would(name, tra
     """The op called directly gives what SDPA gives with the kernel forced, gradients included, and SDPA itself
     is not called."""
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from attnselect.backends._sdpa import only_kernel
     from attnselect.execution import kernel_call
@@ -309,11 +297,11 @@ def test_gpu_repeated_sdpa_calls_run_the_kernels_aten_op_as_sdpa_would(name, tra
         call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd", causal=causal), scale)
         with only_kernel(backend.kernel):
             expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=call.scale)
-        default, _ = backend.runner(call, repeated=True)(q, k, v)  # where dispatch reaches the kernel: SDPA's call
-        with monkeypatch.context() as m, sdpa_kernel([SDPBackend.MATH]):  # it does not: the kernel's aten op
+        runner = backend.runner(call, repeated=True, like=(q, k, v))
+        with monkeypatch.context() as m:
             m.setattr(F, "scaled_dot_product_attention", None)  # a call through SDPA would raise
-            out, _ = backend.runner(call, repeated=True)(q, k, v)
-        assert torch.equal(out, expected) and torch.equal(default, expected)
+            out, _ = runner(q, k, v)
+        assert torch.equal(out, expected)
         if training:
             grad = torch.randn_like(out)
             grads, expected_grads = (torch.autograd.grad(o, (q, k, v), grad) for o in (out, expected))

@@ -36,7 +36,7 @@ class FlashAttnPackageBackend(Backend):
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
         return self.packed_runner(call)(q, k, v, packing)
 
-    def runner(self, call: KernelCall, *, repeated: bool = False):
+    def runner(self, call: KernelCall, *, repeated: bool = False, like: tuple | None = None):
         if call.mask == "sliding_window":  # its window edges depend on the sequence lengths
             return super().runner(call)
         function, options = self._module().flash_attn_func, self._options(call, 1, 1)

@@ -1,8 +1,8 @@
 """Shared mechanism of the four SDPA backends: F.scaled_dot_product_attention with one kernel forced.
 
-Repeated calls (attnselect.attention's memoized ones) avoid what forcing costs: torch's default dispatch where
-it reaches the kernel, else the cuDNN and mem-efficient kernels' aten ops called directly, as SDPA's dispatch calls
-them (outside autocast and TorchFunctionModes) (:meth:`SdpaBackend.runner`).
+Repeated calls (attnselect.attention's memoized ones) avoid what forcing costs: the cuDNN and mem-efficient
+kernels' aten ops called directly, as SDPA's dispatch calls them (outside autocast and TorchFunctionModes), or the
+dispatch itself where it reaches the kernel (:meth:`SdpaBackend.runner`).
 
 Masks other than none / top-left causal (and bottom-right causal on square problems, where
 the two coincide) are passed as a boolean ``attn_mask`` built by :mod:`attnselect.masks`.
@@ -43,46 +43,44 @@ class SdpaBackend(Backend):
     def run(self, q, k, v, call: KernelCall):
         return self._forced(q, k, v, call)
 
-    def runner(self, call: KernelCall, *, repeated: bool = False):
+    def runner(self, call: KernelCall, *, repeated: bool = False, like: tuple | None = None):
         """Repeated calls skip what a single call pays to force the kernel (``sdpa_kernel``'s switches cost as
-        much host time as a small kernel's launch). Per state of torch's SDPA switches and their priority order
-        (read on every call; a change decides again), the first call of that state decides, for calls that share
-        its shapes, strides, storage offsets, dtypes, gradients, grad mode, autocast and modes:
+        much host time as a small kernel's launch):
 
-        - torch's default dispatch, where it reaches this kernel (``torch._fused_sdp_choice``, sdp_utils.cpp
-          select_sdp_backend): the call a user would write, and the cheapest;
-        - else, with an ``aten_op`` and no mask tensor, grouped heads, autocast, TorchFunctionMode or tensor
-          subclass, the op SDPA's dispatch calls, called directly once torch has confirmed that the kernel serves
-          these inputs with only it enabled;
-        - else the call with the kernel forced.
+        - with ``like`` and an ``aten_op``, and no mask tensor, grouped heads, autocast, TorchFunctionMode or tensor
+          subclass, the op SDPA's dispatch would call, called directly once torch has confirmed that the kernel
+          serves these inputs (dispatch's checks and its choice cost host time; the switches no longer matter, as
+          for a forced call);
+        - else torch's own dispatch where it reaches the kernel, asked once per state of the switches and their
+          priority order (``torch._fused_sdp_choice``, sdp_utils.cpp select_sdp_backend, reads the shapes,
+          strides and storage offsets, dtypes, options, gradients, switches and order; repeated calls share all
+          but the last two), forced where it does not.
 
-        The first two pass only the arguments that differ from the defaults: each one costs host time in torch's
+        Either call passes only the arguments that differ from the defaults: each one costs host time in torch's
         argument parser, a keyword more."""
         if not repeated:
             return lambda q, k, v: self._forced(q, k, v, call)
-        seen = [None, None]  # the previous call's switches and order; the call made under them, -> out
+        arguments = self._arguments(*like[:2], call) if like is not None else None
+        if like is not None:
+            direct = self._direct(call, like, arguments)
+            if direct is not None:
+                return direct
+        seen = [None, None, arguments]  # the previous call's switches and order; SDPA's call under them; _arguments
 
         def run(q, k, v):
             switches = (*map(_call, _ENABLED), _order())
             if switches != seen[0]:
-                seen[:] = switches, self._repeated_call(q, k, v, call)
-            return seen[1](q, k, v), None
+                arguments = seen[2] or self._arguments(q, k, call)
+                seen[:] = switches, self._dispatched(q, k, v, call, arguments), arguments
+            out = seen[1](q, k, v)
+            return (out if seen[2][3] is None else out.masked_fill(seen[2][3], 0.0)), None
 
         return run
 
-    def _repeated_call(self, q, k, v, call: KernelCall):
-        """``out(q, k, v)`` for calls like this one under the current switches (see :meth:`runner`)."""
-        arguments = self._arguments(q, k, call)
-        if self._reaches_by_default(q, k, v, call, arguments):
-            out = self._dispatched(q, call, arguments)
-        else:
-            out = self._direct(q, k, v, call, arguments) or (lambda q, k, v: self._forced_out(q, k, v, call, arguments))
-        no_key = arguments[3]
-        return out if no_key is None else lambda q, k, v: out(q, k, v).masked_fill(no_key, 0.0)
-
-    def _direct(self, q, k, v, call: KernelCall, arguments):
-        """``out(q, k, v)`` calling ``aten_op`` with the arguments SDPA would pass it (attention.cpp,
+    def _direct(self, call: KernelCall, like, arguments):
+        """``run(q, k, v)`` calling ``aten_op`` with the arguments SDPA would pass it (attention.cpp,
         scaled_dot_product_attention), or None where it does not apply."""
+        q, k, v = like
         attn_mask, is_causal, gqa, _ = arguments
         if (
             self.aten_op is None
@@ -92,13 +90,12 @@ class SdpaBackend(Backend):
             # TorchFunctionMode or a subclass's __torch_function__ (which may intercept SDPA)
             or torch._C._is_any_autocast_enabled()
             or torch._C._is_torch_function_mode_enabled()
-            or any(type(t) is not torch.Tensor for t in (q, k, v))
+            or any(type(t) is not torch.Tensor for t in like)
             or not self._serves(q, k, v, call, arguments)
         ):
             return None
         op = self.aten_op
-        # attention.cpp should_compute_logsumexp
-        lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        lse = torch.is_grad_enabled() and any(t.requires_grad for t in like)  # attention.cpp should_compute_logsumexp
         positional = (  # up to the last one that is not a default (dropout_p 0, is_causal False)
             (None, lse, call.dropout_p, True) if is_causal
             else (None, lse, call.dropout_p) if call.dropout_p
@@ -106,10 +103,10 @@ class SdpaBackend(Backend):
         )  # fmt: skip
         keywords = _scale_keyword(q, call)
         if keywords:
-            return lambda q, k, v: op(q, k, v, *positional, **keywords)[0]
+            return lambda q, k, v: (op(q, k, v, *positional, **keywords)[0], None)
         if len(positional) == 2:  # the common case, without unpacking (each * and ** costs host time)
-            return lambda q, k, v: op(q, k, v, None, lse)[0]
-        return lambda q, k, v: op(q, k, v, *positional)[0]
+            return lambda q, k, v: (op(q, k, v, None, lse)[0], None)
+        return lambda q, k, v: (op(q, k, v, *positional)[0], None)
 
     def _serves(self, q, k, v, call: KernelCall, arguments) -> bool:
         """Whether torch's dispatch, with only this kernel enabled, takes these inputs (its checks, its warnings
@@ -125,10 +122,12 @@ class SdpaBackend(Backend):
                 return False
         return choice == self.kernel.value
 
-    def _dispatched(self, q, call: KernelCall, arguments):
-        """``sdpa(q, k, v) -> out``: the SDPA call of default dispatch, passing only the arguments that differ from
-        SDPA's defaults."""
+    def _dispatched(self, q, k, v, call: KernelCall, arguments):
+        """``sdpa(q, k, v) -> out``: the SDPA call whose default dispatch reaches this kernel, passing only the
+        arguments that differ from SDPA's defaults; the forced call where dispatch does not reach it."""
         attn_mask, is_causal, gqa, _ = arguments
+        if not self._reaches_by_default(q, k, v, call, arguments):
+            return lambda q, k, v: self._forced_out(q, k, v, call, arguments)
         positional = (  # up to the last one that is not SDPA's default (attn_mask None, dropout_p 0, is_causal False)
             (attn_mask, call.dropout_p, True) if is_causal
             else (attn_mask, call.dropout_p) if call.dropout_p

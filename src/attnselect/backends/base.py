@@ -165,11 +165,12 @@ class Backend:
         """Packed attention: q (Tq, Hq, Dqk), k (Tk, Hkv, Dqk), v (Tk, Hkv, Dv); lse (Hq, Tq) or None."""
         raise TypeError(f"{self.name} has no packed (thd) kernel; it runs sequence by sequence")
 
-    def runner(self, call: KernelCall, *, repeated: bool = False):
+    def runner(self, call: KernelCall, *, repeated: bool = False, like: tuple | None = None):
         """``run(q, k, v)``: :meth:`run` with ``call`` bound. A backend prepares here what does not change between
         calls. ``repeated``: every call has the first one's shapes, strides, storage offsets, dtypes and gradients,
         under the same grad mode, autocast and TorchFunctionModes (the memoized calls of attnselect.attention,
-        keyed on them), so what the first call finds holds for the rest."""
+        keyed on them), so what the first call finds holds for the rest; ``like``: such a call's (q, k, v) as the
+        kernel gets them, where they are known before the first call (None: they are known at the first call)."""
         return lambda q, k, v: self.run(q, k, v, call)
 
     def packed_runner(self, call: KernelCall, *, repeated: bool = False):
