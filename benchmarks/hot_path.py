@@ -139,18 +139,19 @@ def dense_rows(device: str):
         rows[f"{module}.flash_attn_func"] = lambda: function(q, k, v)
     if not chosen.padded:
         rows[f"{chosen.backend} backend object, run()"] = lambda: backend.run(q, k, v, call)
-    runner = _prepared_runner(lambda: attnselect.attention(q, k, v, layout=layout))
-    rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v)
     known = (q, k, v, layout, False, None, None, 0.0, None, None, None, None, None, None, False, None, None, None,
              None, None, False)  # fmt: skip
+    runner = _prepared_runner(lambda: attnselect.attention(q, k, v, layout=layout), known)
+    rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v)
     rows["attnselect's memo lookup alone (call_memo.recall, no kernel)"] = lambda: call_memo.recall(*known)
     return problem, chosen, rows
 
 
-def _prepared_runner(call):
-    """The runner attnselect.attention prepared for ``call()`` and runs on its repeats."""
+def _prepared_runner(call, known: tuple):
+    """The runner attnselect.attention prepared for ``call()`` (recall's arguments ``known``) and runs on its
+    repeats."""
     call()
-    return call_memo._RECENT[0].known.runner
+    return call_memo.recall(*known).runner
 
 
 # The aten ops below SDPA's dispatch with the signature (q, k, v, attn_bias, compute_log_sumexp, ...) (their schemas).
@@ -194,14 +195,14 @@ def packed_rows(device: str):
         rows[f"{chosen.backend} backend object, run_packed()"] = lambda: backend.run_packed(
             q, k, v, call, bucketed(packing, buckets) if buckets else packing
         )
-    runner = _prepared_runner(lambda: attnselect.attention(q, k, v, **kwargs))
+    m = max(lengths)
+    known = (q, k, v, "thd", True, None, None, 0.0, cu, None, None, None, m, m, False, None, None, None, None, None,
+             False)  # fmt: skip
+    runner = _prepared_runner(lambda: attnselect.attention(q, k, v, **kwargs), known)
     rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v, cu)
     from torch.nn.attention.varlen import varlen_attn
 
-    m = max(lengths)
     rows["torch varlen_attn"] = lambda: varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))
-    known = (q, k, v, "thd", True, None, None, 0.0, cu, None, None, None, m, m, False, None, None, None, None, None,
-             False)  # fmt: skip
     rows["attnselect's memo lookup alone (call_memo.recall, no kernel)"] = lambda: call_memo.recall(*known)
     return problem, chosen, rows
 

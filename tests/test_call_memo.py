@@ -47,6 +47,9 @@ def test_a_call_passing_one_tensor_twice_is_found_among_the_recent_ones_and_know
     w = torch.randn(2, 9, 2, 16, dtype=q.dtype)
     with pytest.raises(attnselect.InvalidInputError, match="head dim"):  # k is v: q 24, k 16, unlike the call above
         attnselect.attention(q, w, w)
+    k = q.clone()
+    attnselect.attention(q, k, q)  # v is q: the same two tensors as (q, k, k), another call
+    assert type(_recall(q, k, k)) is Unknown
 
 
 @pytest.mark.parametrize(

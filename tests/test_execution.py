@@ -275,15 +275,20 @@ def test_a_repeated_packed_runner_buckets_each_new_boundary_tensor_once():
     later[1] = 4  # changed in place: bucketed again
     run(q, q, q, later)
     assert backend.seen[-1][1] is not got and backend.seen[-1][1].cu_seqlens_q[1] == 4
-    with torch.inference_mode():  # inference tensors have no version: bucketed on every call
+    with torch.inference_mode():  # inference tensors have no version, inference results no autograd: not kept
         fresh = torch.tensor([0, 5, 10], dtype=torch.int32)
         run(q, q, q, fresh)
         run(q, q, q, fresh)
-    assert backend.seen[-1][1] is not backend.seen[-2][1]
-    assert torch.equal(backend.seen[-1][1].cu_seqlens_q[:3], fresh)
+        run(q, q, q, later)
+    assert backend.seen[-1][1] is not backend.seen[-2][1] is not backend.seen[-3][1]
+    assert torch.equal(backend.seen[-2][1].cu_seqlens_q[:3], fresh)
+    run(q, q, q, later)  # outside: bucketed anew, not the inference-mode copy
+    assert not backend.seen[-1][1].cu_seqlens_q.is_inference()
     unbucketed = _RecordingPackedBackend(buckets=False)
     packed_runner(unbucketed, None, None, like=(q, q, q, Packing(first, first, 7, 7, first, first)))(q, q, q, later)
-    assert unbucketed.seen[-1][1] == Packing(later, later, 7, 7, later, later)  # the caller's own boundaries
+    got = unbucketed.seen[-1][1]  # the caller's own boundaries
+    assert all(t is later for t in (got.cu_seqlens_q, got.cu_seqlens_kv, got.offsets_q, got.offsets_kv))
+    assert (got.max_seqlen_q, got.max_seqlen_kv) == (7, 7)
 
 
 @pytest.mark.parametrize("why", ["padded", "no tokens"])

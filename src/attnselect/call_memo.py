@@ -1,9 +1,10 @@
 """attention()'s memo of the calls it has validated and decided: a repeated call goes straight to its runner.
 
 A call is known by everything validation, selection and its runner read: its options; the types, shapes, strides,
-dtypes, devices and requires_grad of its tensors (q, k, v, the sinks, a packed call's boundaries) and the storage
-offsets of q, k and v; the gradient mode, deterministic algorithms, autocast, TorchFunctionModes, the ATTNSELECT_*
-variables, the :func:`attnselect.overrides` scope, the backend registry and CUDA graph capture. Two levels:
+dtypes, devices and requires_grad of its tensors (q, k, v, the sinks, a packed call's boundaries), which of q, k and
+v are one tensor, and the storage offsets of q, k and v; the gradient mode, deterministic algorithms, autocast,
+TorchFunctionModes, the ATTNSELECT_* variables, the :func:`attnselect.overrides` scope, the backend registry and CUDA
+graph capture. Two levels:
 
 - the recent calls (``RECENT``, newest first): one tuple of the options and the global state compared by value,
   one C++ check of the tensors (torch's ``TensorGuards``, what torch.compile's guards run on every call of a
@@ -158,7 +159,7 @@ def recall(
         if q.is_nested or k.is_nested or v.is_nested or (sinks is not None and sinks.is_nested):
             return None  # TensorGuards cannot check a strided nested tensor (the process aborts); validation names it
         offsets = (q.storage_offset(), k.storage_offset(), v.storage_offset())
-        # TensorGuards refuses a tensor passed twice, so an aliased q, k or v is guarded once, its pattern kept
+        # TensorGuards' check fails for a tensor passed twice: an aliased q, k or v is guarded once, its pattern kept
         aliases = None if k is not q and v is not q and v is not k else (k is q, v is q, v is k)
         state = (
             layout, causal, window, scale, dropout_p, max_q, max_kv, return_lse, softcap, return_max_logit, backend,

@@ -149,14 +149,18 @@ def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = Non
     if buckets is not None:
         bucket = bucketed(first, buckets)
         target, max_q, max_kv = bucket.cu_seqlens_q.numel() - 1, bucket.max_seqlen_q, bucket.max_seqlen_kv
-    last = [None, None, None]  # the previous call's boundaries, their version, the packing the kernel got
+    # The previous call's (boundaries, their version, the packing the kernel got), one tuple: a thread reads it whole.
+    last = [None]
 
     def run_repeated(q, k, v, cu):
-        if cu is not last[0] or cu._version != last[1]:
+        seen = last[0]
+        if seen is None or cu is not seen[0] or cu._version != seen[1]:
             padded = padded_boundaries(cu, count, target)
-            kept = (None, None) if cu.is_inference() else (cu, cu._version)  # inference tensors have no version
-            last[:] = *kept, Packing(padded, padded, max_q, max_kv, padded, padded)
-        return kernel(q, k, v, last[2])
+            packing = Packing(padded, padded, max_q, max_kv, padded, padded)
+            if cu.is_inference() or torch.is_inference_mode_enabled():  # no version to check, an inference result
+                return kernel(q, k, v, packing)
+            seen = last[0] = (cu, cu._version, packing)
+        return kernel(q, k, v, seen[2])
 
     return run_repeated
 

@@ -7,8 +7,9 @@ per tensor, not once per layer. An entry is keyed by the identity of its first t
 configuration; it holds weak references to every tensor it was computed from and their version
 counters, so it hits only for the very same tensors, unchanged in place. Entries leave when their owner
 is freed, so a new tensor at a reused address never hits them. Changes that bypass the version counter
-(through ``.data`` or DLPack) are not seen. Inference tensors have no version counter: nothing derived
-from them is remembered. (A WeakKeyDictionary would compare tensors with ==, elementwise.)
+(through ``.data`` or DLPack) are not seen. Inference tensors have no version counter, and what is computed
+in inference mode is an inference tensor, which autograd cannot save for a later training call: nothing derived
+from the one or computed in the other is remembered. (A WeakKeyDictionary would compare tensors with ==, elementwise.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class TensorMemo:
 
     def get(self, tensors: tuple[torch.Tensor, ...], config: Hashable, compute: Callable):
         owner = tensors[0]
-        if any(t.is_inference() for t in tensors):
+        if torch.is_inference_mode_enabled() or any(t.is_inference() for t in tensors):
             return compute()
         versions = tuple(t._version for t in tensors)
         entries = self._entries.get(id(owner))

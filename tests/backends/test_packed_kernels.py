@@ -311,3 +311,62 @@ def test_every_backend_states_what_a_new_shape_costs_it():
         assert cache.source and cache.keyed_on and cache.describe()
     assert stated["cudnn_frontend"].buckets is not None and not stated["cudnn_frontend"].rebuilds_per_packing
     assert stated["flex"].rebuilds_per_packing
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_cudnn_frontend_repeated_packed_runner_serves_each_call_s_own_boundaries(training, return_lse, monkeypatch):
+    """attention()'s memoized packed calls: options bound at the first call (statistics asked for only where the
+    call needs them), every call on its own boundaries (bucketed once each), as the reference computes them."""
+    from attnselect.call import Packing
+    from attnselect.execution import kernel_call, packed_runner
+
+    asked = []  # return_lse of each call of the op
+
+    def recording(q, k, v, **kwargs):
+        asked.append(kwargs["return_lse"])
+        return cudnn_sdpa_torch(q, k, v, **kwargs)
+
+    stub = types.ModuleType("cudnn")
+    stub.sdpa_torch = recording
+    monkeypatch.setitem(sys.modules, "cudnn", stub)
+    (q, k, v), cu, _ = thd_inputs([5, 1, 0, 9, 3], hq=4, hkv=4)
+    q, k, v = (t.detach().requires_grad_(training) for t in (q, k, v))
+    problem, first = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu, max_seqlen_q=9, max_seqlen_kv=9,
+                                   causal=True, return_lse=return_lse)  # fmt: skip
+    call = kernel_call(problem)
+    run = packed_runner(get("cudnn_frontend"), None, call, like=(q, k, v, first))
+    for bounds in ([0, 5, 6, 6, 15, 18], [0, 9, 10, 12, 15, 18], [0, 9, 10, 12, 15, 18]):
+        boundaries = torch.tensor(bounds, dtype=torch.int32)
+        out, lse = run(q, k, v, boundaries)
+        packing = Packing(boundaries, boundaries, 9, 9, boundaries, boundaries)
+        ref, ref_lse = run_candidate(Candidate("reference"), problem, q, k, v, packing=packing)
+        assert rel_err(out, ref) < 1e-12
+        assert (lse is None) != return_lse and (not return_lse or rel_err(lse, ref_lse) < 1e-6)  # (H, T)
+        if training:
+            grads = torch.autograd.grad(out.sum(), (q, k, v))
+            assert all(rel_err(g, r) < 1e-10 for g, r in zip(grads, torch.autograd.grad(ref.sum(), (q, k, v))))
+    assert asked == [training or return_lse] * 3
+
+
+def test_cudnn_frontend_packed_runner_not_repeated_binds_nothing(monkeypatch):
+    """A runner built for one call at a time asks every call what it needs: here an inference call, then a
+    training one, whose backward needs the op's statistics."""
+    from attnselect.execution import kernel_call
+
+    asked = []
+
+    def recording(q, k, v, **kwargs):
+        asked.append((kwargs["return_lse"], kwargs["max_seqlen_q"]))
+        return cudnn_sdpa_torch(q, k, v, **kwargs)
+
+    stub = types.ModuleType("cudnn")
+    stub.sdpa_torch = recording
+    monkeypatch.setitem(sys.modules, "cudnn", stub)
+    (q, k, v), cu, _ = thd_inputs([5, 1, 0, 9, 3], hq=4, hkv=4)
+    problem, packing = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True)
+    run = get("cudnn_frontend").packed_runner(kernel_call(problem))
+    with torch.no_grad():
+        run(q, k, v, packing)
+    run(q, k, v, packing._replace(max_seqlen_q=16, max_seqlen_kv=16))
+    assert asked == [(False, 9), (True, 16)]

@@ -127,16 +127,20 @@ class CudnnFrontend(Backend):
         every call, which then pay for one call of the op."""
         import cudnn
 
-        op, options, bound = cudnn.sdpa_torch, _options(call), {}
+        op, options = cudnn.sdpa_torch, _options(call)
+        bound = [None]  # repeated: the options of every call, set once as a whole (threads may race to set it)
 
         def run(q, k, v, packing: Packing):
-            if not bound or not repeated:
-                bound.update(
+            kwargs = bound[0]
+            if kwargs is None:
+                kwargs = dict(
                     options, return_lse=_needs_lse(call, q, k, v), max_seqlen_q=max(packing.max_seqlen_q, 1),
                     max_seqlen_kv=max(packing.max_seqlen_kv, 1),
                 )  # fmt: skip
-            result = op(q, k, v, cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_kv=packing.cu_seqlens_kv, **bound)
-            if not bound["return_lse"]:
+                if repeated:
+                    bound[0] = kwargs
+            result = op(q, k, v, cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_kv=packing.cu_seqlens_kv, **kwargs)
+            if not kwargs["return_lse"]:
                 return result, None
             return result[0], (result[1][..., 0].transpose(0, 1) if call.return_lse else None)  # (T, H, 1) -> (H, T)
 
