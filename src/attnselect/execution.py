@@ -132,7 +132,7 @@ def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = Non
             return out[0], (lse[0] if lse is not None else None), *max_logit  # (1, H, T) -> (H, T)
         if buckets is not None:
             packing = bucketed(packing, buckets)
-        if pad_to is None and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+        if _plain_packed_call(pad_to, q, k, v):
             return kernel(q, k, v, packing)
         return _padded(lambda q, k, v: kernel(q, k, v, packing), pad_to, q, k, v)
 

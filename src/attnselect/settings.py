@@ -66,23 +66,13 @@ def overrides(*, policy: str | None = None, backend: str | None = None, pad=None
 # mapping answers the same question without that work (this runs on every attention call).
 _RAW_ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else None
 _RAW_NAMES = tuple(name.encode() for name in ENV_VARS)
-# Whether none of them is set, in one C-level check (a dict's keys view follows the dict).
-_NONE_SET = _RAW_ENVIRON.keys().isdisjoint if _RAW_ENVIRON is not None else None
+# ``no_environment()``: True where no ATTNSELECT_* variable is set, in one C-level call (a dict's keys view follows
+# the dict); else False.
+no_environment = functools.partial(_RAW_ENVIRON.keys().isdisjoint, _RAW_NAMES) if _RAW_ENVIRON is not None else bool
 
 
-# ``no_environment()``: True where no ATTNSELECT_* variable is set, in one C-level call; else False.
-no_environment = functools.partial(_NONE_SET, _RAW_NAMES) if _NONE_SET is not None else bool
-
-
-def environment_key() -> tuple | None:
-    """A cheap snapshot of the ATTNSELECT_* variables for memo keys: None where none is set (the common case),
-    else their raw values (bytes on POSIX)."""
-    if no_environment():
-        return None
-    return _raw_values()
-
-
-def _raw_values() -> tuple:
+def raw_environment() -> tuple:
+    """The raw values of the ATTNSELECT_* variables (bytes on POSIX): a cheap snapshot for memo keys."""
     if _RAW_ENVIRON is not None:
         return tuple(map(_RAW_ENVIRON.get, _RAW_NAMES))
     return tuple(map(os.environ.get, ENV_VARS))
@@ -90,7 +80,9 @@ def _raw_values() -> tuple:
 
 def environment() -> tuple:
     """The ATTNSELECT_* variables attnselect reads, as a hashable snapshot (part of the memo key)."""
-    return tuple(value if value is None or isinstance(value, str) else os.fsdecode(value) for value in _raw_values())
+    return tuple(
+        value if value is None or isinstance(value, str) else os.fsdecode(value) for value in raw_environment()
+    )
 
 
 @dataclass(frozen=True)

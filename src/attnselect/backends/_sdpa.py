@@ -111,16 +111,12 @@ class SdpaBackend(Backend):
     def _serves(self, q, k, v, call: KernelCall, arguments) -> bool:
         """Whether torch's dispatch, with only this kernel enabled, takes these inputs (its checks, its warnings
         silenced: a refusal falls back to the dispatching runner)."""
-        attn_mask, is_causal, gqa, _ = arguments
         with only_kernel(self.kernel), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                choice = torch._fused_sdp_choice(
-                    q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal, enable_gqa=gqa
-                )
+                return _dispatch_choice(q, k, v, call, arguments) == self.kernel.value
             except RuntimeError:  # "No available kernel"
                 return False
-        return choice == self.kernel.value
 
     def _dispatched(self, q, k, v, call: KernelCall, arguments):
         """``sdpa(q, k, v) -> out``: the SDPA call whose default dispatch reaches this kernel, passing only the
@@ -169,13 +165,9 @@ class SdpaBackend(Backend):
             )
 
     def _reaches_by_default(self, q, k, v, call: KernelCall, arguments) -> bool:
-        attn_mask, is_causal, gqa, _ = arguments
-        if gqa and not self.native_gqa:  # K/V are expanded on every call: forced
+        if arguments[2] and not self.native_gqa:  # K/V are expanded on every call: forced
             return False
-        choice = torch._fused_sdp_choice(
-            q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal, enable_gqa=gqa
-        )
-        return choice == self.kernel.value
+        return _dispatch_choice(q, k, v, call, arguments) == self.kernel.value
 
 
 # Each SDPA kernel's global switch, as torch.nn.attention.sdpa_kernel reads and sets them (its _backend_names).
@@ -185,6 +177,14 @@ _SWITCHES = tuple(
     for name, kernel in _backend_names.items()
 )  # fmt: skip
 _ENABLED = tuple(enabled for _, enabled, _ in _SWITCHES)
+
+
+def _dispatch_choice(q, k, v, call: KernelCall, arguments) -> int:
+    """The kernel torch's dispatch picks for this call under the current switches (sdp_utils.cpp select_sdp_backend)."""
+    attn_mask, is_causal, gqa, _ = arguments
+    return torch._fused_sdp_choice(
+        q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal, enable_gqa=gqa
+    )
 
 
 def _scale_keyword(q, call: KernelCall) -> dict:
