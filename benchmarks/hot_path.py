@@ -17,7 +17,8 @@ differences. Rows per problem: attnselect's automatic choice, and the same kerne
   - CUDA, cuDNN and mem-efficient: the aten op SDPA's dispatch calls once it has chosen that kernel;
   - attnselect's prepared runner alone (what a repeated call runs after its lookup), and the memo lookup alone,
     without a kernel.
-- CUDA, packed (1024 tokens in 4 sequences, H16, 128/128, causal, both max_seqlen given, inference):
+- CUDA, packed (1024 tokens in 4 sequences, H16, 128/128, causal, both max_seqlen given, inference), the automatic
+  choice and, where that is not the cuDNN frontend and the frontend is installed, the call forced to it:
   - the chosen package's ``flash_attn_varlen_func`` where it is a FlashAttention package, ``cudnn.sdpa_torch``
     where it is the cuDNN frontend (both on the caller's boundaries; that op also on the bucketed ones);
   - the chosen backend's packed kernel through its backend object (``Backend.run_packed``, boundaries
@@ -159,17 +160,20 @@ _ATEN_OPS = {"CUDNN_ATTENTION": torch._scaled_dot_product_cudnn_attention,
              "EFFICIENT_ATTENTION": torch._scaled_dot_product_efficient_attention}  # fmt: skip
 
 
-def packed_rows(device: str):
+def packed_rows(device: str, forced: str | None = None):
+    """The packed case's rows: attnselect's automatic choice, or the call with ``backend=forced``, first."""
     dtype = torch.bfloat16
     lengths = [100, 300, 400, 224]
     cu = torch.tensor([0, 100, 400, 800, 1024], dtype=torch.int32, device=device)
     q, k, v = (torch.randn(1024, 16, 128, device=device, dtype=dtype) for _ in range(3))
-    kwargs = dict(layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
-    problem, packing = describe_call(q, k, v, **kwargs)
-    chosen = attnselect.select(problem).chosen
+    shape = dict(layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    problem, packing = describe_call(q, k, v, **shape)
+    chosen = attnselect.select(problem, backend=forced).chosen
     backend = backends.get(chosen.backend)
     call = kernel_call(problem)
-    rows = {f"attnselect.attention ({chosen})": lambda: attnselect.attention(q, k, v, **kwargs)}
+    kwargs = dict(shape, backend=forced)
+    name = f"attnselect.attention ({chosen}{', forced' if forced else ''})"
+    rows = {name: lambda: attnselect.attention(q, k, v, **kwargs)}
     module = getattr(backend, "module", None)
     if module is not None and not chosen.padded:
         function = importlib.import_module(module).flash_attn_varlen_func
@@ -196,7 +200,7 @@ def packed_rows(device: str):
             q, k, v, call, bucketed(packing, buckets) if buckets else packing
         )
     m = max(lengths)
-    known = (q, k, v, "thd", True, None, None, 0.0, cu, None, None, None, m, m, False, None, None, None, None, None,
+    known = (q, k, v, "thd", True, None, None, 0.0, cu, None, None, None, m, m, False, forced, None, None, None, None,
              False)  # fmt: skip
     runner = _prepared_runner(lambda: attnselect.attention(q, k, v, **kwargs), known)
     rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v, cu)
@@ -221,6 +225,8 @@ def main() -> None:
         cases = [(*dense_rows(device), a.calls, a.repeats)]
         if device == "cuda":
             cases.append((*packed_rows(device), a.packed_calls, a.packed_repeats))
+            if cases[-1][1].backend != "cudnn_frontend" and attnselect.Target.current().cudnn_frontend_version:
+                cases.append((*packed_rows(device, forced="cudnn_frontend"), a.packed_calls, a.packed_repeats))
     report = {
         "meta": {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d")},
         "cases": [],
@@ -239,7 +245,7 @@ def main() -> None:
                 {"problem": problem.describe(), "chosen": str(chosen), "calls": calls, "repeats": repeats,
                  "rows": timed}
             )  # fmt: skip
-            lines += [f"\n## {problem.describe()}\n", f"{calls} calls a round, {repeats} rounds.\n",
+            lines += [f"\n## {problem.describe()}: {chosen}\n", f"{calls} calls a round, {repeats} rounds.\n",
                       "| row | us per call | attnselect minus this row, us |", "|---|---|---|"]  # fmt: skip
             for name, r in timed.items():
                 d = r["first_minus_this"]

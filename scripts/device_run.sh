@@ -32,6 +32,8 @@
 #                                      #                                                -> $OUT/h200_context_parallel.txt
 #   bash scripts/device_run.sh hot-path # benchmarks/hot_path.py: host time of repeated small calls -> $OUT/h200_hot_path.*
 #   bash scripts/device_run.sh overhead # benchmarks/packed_overhead.py (with FA4 where installed) -> $OUT/h200_packed_overhead.*
+#   bash scripts/device_run.sh thd-inference # benchmarks/thd_inference.py: packed inference, a new packing a step,
+#                                      # host time included (THD_TIMEOUT seconds, default 400) -> $OUT/h200_thd_inference.*
 #   bash scripts/device_run.sh buckets # benchmarks/packing_buckets.py (BUCKET_SCHEMES=...) -> $OUT/h200_packing_buckets.*
 #   FlashAttention-4 (scripts/fetch_device_wheels.sh fa4), in two calls back to back on one warm machine (it is kept
 #   about 30 s after a call): carry .fa4-stage1 and run `fa4-stage1` (its files go to /tmp), then carry .fa4-stage2
@@ -94,6 +96,9 @@ case "$step" in
     grep -v -i warn "$OUT/h200_bench_fa4.log" | grep -v "^\[attnselect" | tail -30 ;;
   bench)
     timeout 560 python3 benchmarks/thd_bench.py --out "$OUT/h200_thd_bench" 2>&1 | grep -v -i warn | tail -60 ;;
+  thd-inference)
+    timeout "${THD_TIMEOUT:-400}" python3 benchmarks/thd_inference.py --out "$OUT/h200_thd_inference" 2>&1 \
+      | grep -E "^\{" | cut -c1-400 ;;
   bench-short)   # the short-document packing alone (after a change of its rules)
     cp results/h200_thd_bench.json "$OUT/h200_thd_bench.json"
     timeout 200 python3 benchmarks/thd_bench.py --only "documents of 128..512" --out "$OUT/h200_thd_bench_short" \

@@ -214,3 +214,13 @@ def test_training_loop_goals_judge_the_default_without_fa4_against_the_rows_with
     assert goal["vs_torch_default"] == 12.0 / 5.0 and not goal["vs_torch_met"]  # 2.4x < 2.5x
     assert goal["without_fa4_fastest"] == "cudnn_frontend native"
     assert goal["without_fa4_vs_fastest"] == 7.8 / 8.0 and goal["without_fa4_within_5_percent"]
+
+
+def test_thd_inference_smoke(tmp_path):
+    _run("benchmarks/thd_inference.py", "--smoke", "--steps", "3", "--warmup", "1", "--out", str(tmp_path / "inf"))
+    report = json.loads((tmp_path / "inf.json").read_text())
+    (entry,) = report["results"]
+    assert entry["default_chose"] and entry["work"][0] > 0
+    row = entry["rows"]["attnselect default"]
+    assert row["wall_us"]["median"] > 0 and row["wall_us"]["n"] == 3
+    assert "| row | wall us a call | GPU us a call |" in (tmp_path / "inf.md").read_text()

@@ -288,3 +288,52 @@ def test_head_dims_a_kernel_takes_only_rounded_up_run_padded_on_a_fast_kernel(la
     if head_dim < 16:
         assert any("at least 16" in r for r in verdict(d, "flex").reasons)
     assert "padding wins" in d.why
+
+
+@pytest.mark.parametrize(
+    "dims,fa4,chosen",
+    [
+        ((128, 128), False, Candidate("varlen_fa2")),
+        ((192, 128), False, Candidate("varlen_fa2", 192)),  # V padded still beats the frontend's host time
+        ((128, 128), True, Candidate("varlen_fa2")),  # FA4's host time too
+        ((192, 128), True, Candidate("flash_attn4")),  # FA4 native matched varlen padded there
+    ],
+)
+def test_small_inference_packs_run_where_the_host_time_is_least_on_hopper(dims, fa4, chosen):
+    versions = {"cudnn_frontend_version": "1.32.0", **({"flash_attn4_version": "4.0.0b36"} if fa4 else {})}
+    h200 = Target.preset("h200", **versions)
+    small = AttentionProblem(4, 400, 400, 16, 16, *dims, layout="thd", mask="causal")  # benchmarks/hot_path.py's
+    d = attnselect.select(small, target=h200)
+    assert d.chosen == chosen and "small pack" in d.why
+    large = AttentionProblem(30, 1024, 1024, 16, 16, *dims, layout="thd", mask="causal")
+    assert attnselect.select(large, target=h200).chosen == Candidate("flash_attn4" if fa4 else "cudnn_frontend")
+    wide = AttentionProblem(4, 400, 400, 128, 128, *dims, layout="thd", mask="causal")  # 8x the work: GPU time counts
+    assert "small pack" not in attnselect.select(wide, target=h200).why
+    captured = AttentionProblem(4, 400, 400, 16, 16, *dims, layout="thd", mask="causal", cuda_graph_capture=True)
+    assert "small pack" not in attnselect.select(captured, target=h200).why  # a replay has no host time
+    training = AttentionProblem(4, 400, 400, 16, 16, *dims, layout="thd", mask="causal", training=True)
+    assert "small pack" not in attnselect.select(training, target=h200).why
+
+
+def test_the_small_pack_bound_sits_where_the_h200_inference_loop_measured_it():
+    """results/h200_thd_inference.json (no FA4): under SMALL_PACK_WORK varlen_attn led every configuration by wall
+    time, and the cuDNN frontend saved at most 35 us of GPU time a call; above 1e11 the frontend led."""
+    import json
+    import pathlib
+
+    from attnselect.policies.rules import SMALL_PACK_WORK
+
+    report = json.loads((pathlib.Path(__file__).parents[1] / "results" / "h200_thd_inference.json").read_text())
+    below = above = 0
+    for entry in report["results"]:
+        rows = entry["rows"]
+        varlen = rows["varlen_fa2 native"] if entry["d_qk"] == entry["d_v"] else rows["varlen_fa2 padded to 192"]
+        frontend = rows["cudnn_frontend native"]
+        if entry["work"][1] <= SMALL_PACK_WORK:
+            below += 1
+            assert varlen["wall_us"]["median"] < frontend["wall_us"]["median"], entry["total"]
+            assert varlen["gpu_us"]["median"] - frontend["gpu_us"]["median"] <= 35, entry["total"]
+        elif entry["work"][0] > 1e11:
+            above += 1
+            assert frontend["wall_us"]["median"] < varlen["wall_us"]["median"] * 1.05, entry["total"]
+    assert below >= 6 and above >= 3

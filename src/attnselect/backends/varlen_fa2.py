@@ -52,6 +52,10 @@ class VarlenFa2(Backend):
         return r + fa2_backward_head_dim_reasons(p, t)
 
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
+        return self.packed_runner(call)(q, k, v, packing)
+
+    def packed_runner(self, call: KernelCall, *, repeated: bool = False):
+        """``run(q, k, v, packing)`` with varlen_attn's keyword arguments worked out once for ``call``."""
         from torch.nn.attention import varlen
 
         accepts = _accepted_keywords()
@@ -61,22 +65,30 @@ class VarlenFa2(Backend):
                 "the varlen_fa2 rules should have refused it"
             )
         kwargs = {"scale": call.scale, "window_size": _window(call)}
-        if q.shape[1] != k.shape[1]:
-            if "enable_gqa" in accepts:
-                kwargs["enable_gqa"] = True
-            else:
-                k, v = expand_kv_heads(q, k, v)
         if call.return_lse:
             kwargs["return_aux"] = varlen.AuxRequest(lse=True)
-        result = varlen.varlen_attn(
-            q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.max_seqlen_q, packing.max_seqlen_kv, **kwargs
-        )
-        if not call.return_lse:
-            return result, None
-        out, lse = result
-        lse = lse.float()
-        # FlashAttention writes +inf for rows that see no key (softmax.h: sum == 0 ? INFINITY); ours is -inf.
-        return out, lse.masked_fill(torch.isposinf(lse), float("-inf"))
+        grouped = {**kwargs, "enable_gqa": True} if "enable_gqa" in accepts else None
+        attend = varlen.varlen_attn
+
+        def run(q, k, v, packing: Packing):
+            options = kwargs
+            if q.shape[1] != k.shape[1]:
+                if grouped is not None:
+                    options = grouped
+                else:
+                    k, v = expand_kv_heads(q, k, v)
+            result = attend(
+                q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.max_seqlen_q, packing.max_seqlen_kv,
+                **options,
+            )  # fmt: skip
+            if not call.return_lse:
+                return result, None
+            out, lse = result
+            lse = lse.float()
+            # FlashAttention writes +inf for rows that see no key (softmax.h: sum == 0 ? INFINITY); ours is -inf.
+            return out, lse.masked_fill(torch.isposinf(lse), float("-inf"))
+
+        return run
 
 
 def _window(call: KernelCall) -> tuple[int, int]:

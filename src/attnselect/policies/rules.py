@@ -210,6 +210,28 @@ PREFERENCES[("sm90", "training", "thd", "short documents")] = (
     "flex+pad",
     *_PER_SEQUENCE,
 )
+# "small pack" (thd, sm90 inference outside CUDA graph capture, pack work <= SMALL_PACK_WORK): the cuDNN frontend's and
+# FA4's packed forwards are host-bound there (their Python costs 150-480 us a call against torch varlen_attn's 110-230),
+# so varlen_attn serves the loop faster. results/h200_thd_inference.md, 16 heads, causal, a new packing every step,
+# 8 calls a step, wall us a call (GPU us), without FA4: 128/128 at 1k-8k tokens, varlen 153-245 against the cuDNN
+# frontend's 330-537; 192/128 with V padded at 1k-8k, 200-394 against 310-618; the frontend leads from 16k-32k tokens
+# (work above 1e11, or 3.5e10 with documents of 32..256 and V padded). With FA4 installed (same file): FA4 native
+# matches varlen padded on 192/128 (276-317 against 296-322 at work <= 1e10) and trails varlen native on 128/128
+# (155-181 against 118-148). Below SMALL_PACK_WORK the measured GPU time the frontend or FA4 saves is at most 35 us a
+# call at 16 heads (varlen 57 against FA4's 18 at 1k tokens); the bound scales with the heads, so a 128-head model
+# meets it only with an eighth of the tokens. Under capture a graph replays without host time: the general order.
+SMALL_PACK_WORK = 1.5e10
+PREFERENCES[("sm90", "inference", "thd", "small pack")] = (
+    "varlen_fa2",
+    "flash_attn4",
+    "varlen_fa2+pad",
+    "flash_attn4+pad",
+    "cudnn_frontend",
+    "cudnn_frontend+pad",
+    "flex",
+    "flex+pad",
+    *_PER_SEQUENCE,
+)
 # "wide heads" (a head dim above 256: absorbed MLA, 576/512 with one key/value head), sm90 prefill (as many queries as
 # keys, >= 1024 of them): results/h200_bench.md, B*S = 16k, 128 query heads, causal: sdpa_efficient 21.5 / 71.7 / 301
 # ms at 1k / 4k / 16k against the cuDNN frontend's 28.7 / 105 / 427 ms (2026-11-30). Decode (one query against a long
@@ -269,18 +291,15 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
     key = (arch_family(target), "training" if problem.training else "inference")
     if problem.layout == "thd":
         key += ("thd",)
-    pack_work = (
-        problem.heads_q
-        * (problem.head_dim_qk + problem.head_dim_v)
-        * problem.batch
-        * problem.seqlen_q
-        * problem.seqlen_kv
+    work = pack_work(
+        problem.heads_q, problem.head_dim_qk, problem.head_dim_v, problem.batch, problem.seqlen_q, problem.seqlen_kv
     )
     refinements = {
         "short documents": problem.layout == "thd"
         and problem.seqlen_q <= SHORT_DOCUMENTS
         and problem.seqlen_kv <= SHORT_DOCUMENTS
-        and pack_work <= SHORT_PACK_WORK,
+        and work <= SHORT_PACK_WORK,
+        "small pack": problem.layout == "thd" and not problem.cuda_graph_capture and work <= SMALL_PACK_WORK,
         "wide heads": max(problem.head_dim_qk, problem.head_dim_v) > 256
         and problem.seqlen_q == problem.seqlen_kv >= WIDE_PREFILL,
     }
@@ -288,6 +307,12 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
         if applies and key + (name,) in TABLES:
             return key + (name,), TABLES[key + (name,)]
     return key, TABLES[key]
+
+
+def pack_work(heads_q: int, head_dim_qk: int, head_dim_v: int, sequences: int, seqlen_q: int, seqlen_kv: int) -> int:
+    """A pack's work bound, ``H * (d_qk + d_v) * sequences * max_seqlen_q * max_seqlen_kv``: its forward's FLOPs up to
+    a constant with every sequence as long as the longest (what the refinements' thresholds compare)."""
+    return heads_q * (head_dim_qk + head_dim_v) * sequences * seqlen_q * seqlen_kv
 
 
 def entry(c: Candidate) -> tuple[str, bool]:
