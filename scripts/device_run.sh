@@ -31,6 +31,7 @@
 #   bash scripts/device_run.sh cp      # the context-parallel GPU test, with each rank's chunk choices and errors
 #                                      #                                                -> $OUT/h200_context_parallel.txt
 #   bash scripts/device_run.sh hot-path # benchmarks/hot_path.py: host time of repeated small calls -> $OUT/h200_hot_path.*
+#                                      # (HOT_PATH_PART=name -> $OUT/h200_hot_path_name.*)
 #   bash scripts/device_run.sh overhead # benchmarks/packed_overhead.py (with FA4 where installed) -> $OUT/h200_packed_overhead.*
 #   bash scripts/device_run.sh thd-inference # benchmarks/thd_inference.py: packed inference, a new packing a step,
 #                                      # host time included (THD_TIMEOUT seconds, default 400) -> $OUT/h200_thd_inference.*
@@ -166,7 +167,8 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
         | grep -E "^[01] |PASSED|FAILED|passed|failed|^E "
     } | tee "$OUT/h200_context_parallel.txt" | tail -30 ;;
   hot-path)
-    timeout 200 python3 benchmarks/hot_path.py --profile --out "$OUT/h200_hot_path" 2>&1 | grep -v -i warn | tail -60 ;;
+    timeout 200 python3 benchmarks/hot_path.py --profile --out "$OUT/h200_hot_path${HOT_PATH_PART:+_$HOT_PATH_PART}" 2>&1 \
+      | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;
   overhead)
     timeout 300 python3 benchmarks/packed_overhead.py --out "$OUT/h200_packed_overhead" 2>&1 | grep -v -i warn | tail -14 ;;
   loop)   # LOOP_ROWS="row;row" runs some of the rows, LOOP_ROUNDS rounds of them, into $OUT/h200_training_loop${LOOP_PART:+_$LOOP_PART}

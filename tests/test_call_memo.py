@@ -136,6 +136,19 @@ def test_calls_the_memo_cannot_describe_still_get_the_library_s_own_error():
         attnselect.attention(q, k, v, backend=np.array(["reference", "flex"]))  # == gives an array, not a bool
 
 
+def test_a_call_under_autocast_is_remembered_apart_from_the_same_call_outside_it():
+    """Autocast is not in the recent calls' state: their tensor check fails when it changes, and the key holds it."""
+    q, k, v = _qkv(torch.float32)
+    attnselect.attention(q, k, v)
+    outside = _recall(q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attnselect.attention(q, k, v)
+        inside = _recall(q, k, v)
+        assert type(inside) is KnownCall and inside is not outside
+        assert _recall(q, k, v) is inside
+    assert _recall(q, k, v) is outside
+
+
 def test_autocast_function_modes_and_subclasses_are_part_of_the_call():
     from torch.overrides import TorchFunctionMode
 

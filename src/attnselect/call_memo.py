@@ -8,7 +8,7 @@ graph capture. Two levels:
 
 - the recent calls (``RECENT``, newest first): one tuple of the options and the global state compared by value,
   one C++ check of the tensors (torch's ``TensorGuards``, what torch.compile's guards run on every call of a
-  compiled function) and the offsets;
+  compiled function; it also sees autocast and inference mode, through the dispatch keys) and the offsets;
 - every call decided before (``MEMO_SIZE``), by a hashable key of the same values; a hit there becomes recent.
 
 Calls the key cannot describe are not known and take the slow path, which validates them: values that compare
@@ -113,7 +113,10 @@ def _make_recent(entry: _Entry) -> None:
 _grad = torch._C.is_grad_enabled
 _deterministic = torch._C._get_deterministic_algorithms
 # Autocast and TorchFunctionModes act on the calls a runner makes (SDPA is on autocast's lower-precision list; a
-# mode may intercept it), so a runner prepared outside them does not serve inside them (backends/_sdpa.py).
+# mode may intercept it), so a runner prepared outside them does not serve inside them (backends/_sdpa.py). Autocast
+# is in the key only: a recent call's TensorGuards check fails when it changes, since it compares each tensor's
+# dispatch keys after the thread's included and excluded keys, and autocast is an excluded key when off
+# (torch/csrc/dynamo/guards.cpp LocalState::apply; c10 set_autocast_enabled).
 _autocast = torch._C._is_any_autocast_enabled
 _function_mode = torch._C._is_torch_function_mode_enabled
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # a CPU build has no CUDA
@@ -163,7 +166,7 @@ def recall(
         aliases = None if k is not q and v is not q and v is not k else (k is q, v is q, v is k)
         state = (
             layout, causal, window, scale, dropout_p, max_q, max_kv, return_lse, softcap, return_max_logit, backend,
-            pad, disable, sinks is None, aliases, _grad(), _deterministic(), _autocast(), _function_mode(),
+            pad, disable, sinks is None, aliases, _grad(), _deterministic(), _function_mode(),
             _no_environment() or _environment(), _scope(), _registry(), q.is_cuda and _capturing(),
         )  # fmt: skip
         tensors = (q, k, v) if aliases is None else tuple({id(t): t for t in (q, k, v)}.values())
@@ -175,9 +178,9 @@ def recall(
             if entry.state == state and entry.guard.check(*tensors) and entry.offsets == offsets:
                 return entry.known
         key = (
-            state, tuple(map(type, tensors)), tuple(t.shape for t in tensors), tuple(t.stride() for t in tensors),
-            tuple(t.dtype for t in tensors), tuple(t.device for t in tensors), tuple(t.requires_grad for t in tensors),
-            offsets,
+            state, _autocast(), tuple(map(type, tensors)), tuple(t.shape for t in tensors),
+            tuple(t.stride() for t in tensors), tuple(t.dtype for t in tensors), tuple(t.device for t in tensors),
+            tuple(t.requires_grad for t in tensors), offsets,
         )  # fmt: skip
         entry = _CALLS.get(key)
     except Exception:  # not tensors, an unhashable or incomparable option...: the slow path validates and names it
