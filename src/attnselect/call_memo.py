@@ -8,7 +8,8 @@ graph capture. Two levels:
 
 - the recent calls (``RECENT``, newest first): one tuple of the options and the global state compared by value,
   one C++ check of the tensors (torch's ``TensorGuards``, what torch.compile's guards run on every call of a
-  compiled function; it also sees autocast and inference mode, through the dispatch keys) and the offsets;
+  compiled function; it also sees inference mode and autocast for the tensors' device, through their dispatch keys)
+  and the offsets;
 - every call decided before (``MEMO_SIZE``), by a hashable key of the same values; a hit there becomes recent.
 
 Calls the key cannot describe are not known and take the slow path, which validates them: values that compare
@@ -114,9 +115,10 @@ _grad = torch._C.is_grad_enabled
 _deterministic = torch._C._get_deterministic_algorithms
 # Autocast and TorchFunctionModes act on the calls a runner makes (SDPA is on autocast's lower-precision list; a
 # mode may intercept it), so a runner prepared outside them does not serve inside them (backends/_sdpa.py). Autocast
-# is in the key only: a recent call's TensorGuards check fails when it changes, since it compares each tensor's
-# dispatch keys after the thread's included and excluded keys, and autocast is an excluded key when off
-# (torch/csrc/dynamo/guards.cpp LocalState::apply; c10 set_autocast_enabled).
+# is in the key only: a recent call's TensorGuards check fails when autocast for its tensors' device changes, since
+# it compares each tensor's dispatch keys after the thread's included and excluded keys, and that device's autocast
+# key is excluded when off (torch/csrc/dynamo/guards.cpp LocalState::apply; c10 set_autocast_enabled). Autocast for
+# another device does not act on these tensors' ops, and the autocast dtype is in neither.
 _autocast = torch._C._is_any_autocast_enabled
 _function_mode = torch._C._is_torch_function_mode_enabled
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # a CPU build has no CUDA

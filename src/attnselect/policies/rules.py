@@ -210,16 +210,18 @@ PREFERENCES[("sm90", "training", "thd", "short documents")] = (
     "flex+pad",
     *_PER_SEQUENCE,
 )
-# "small pack" (thd, sm90 inference outside CUDA graph capture, pack work <= SMALL_PACK_WORK): the cuDNN frontend's and
-# FA4's packed forwards are host-bound there (their Python costs 150-480 us a call against torch varlen_attn's 110-230),
-# so varlen_attn serves the loop faster. results/h200_thd_inference.md, 16 heads, causal, a new packing every step,
-# 8 calls a step, wall us a call (GPU us), without FA4: 128/128 at 1k-8k tokens, varlen 153-245 against the cuDNN
-# frontend's 330-537; 192/128 with V padded at 1k-8k, 200-394 against 310-618; the frontend leads from 16k-32k tokens
-# (work above 1e11, or 3.5e10 with documents of 32..256 and V padded). With FA4 installed (same file): FA4 native
-# matches varlen padded on 192/128 (276-317 against 296-322 at work <= 1e10) and trails varlen native on 128/128
-# (155-181 against 118-148). Below SMALL_PACK_WORK the measured GPU time the frontend or FA4 saves is at most 35 us a
-# call at 16 heads (varlen 57 against FA4's 18 at 1k tokens); the bound scales with the heads, so a 128-head model
-# meets it only with an eighth of the tokens. Under capture a graph replays without host time: the general order.
+# "small pack" (thd, sm90 inference outside CUDA graph capture, pack work <= SMALL_PACK_WORK; only what was measured:
+# as many queries as keys in every sequence, causal, no grouped heads, head dims up to 192): the cuDNN frontend's and
+# FA4's packed forwards are host-bound there, so torch's varlen_attn serves the loop faster.
+# results/h200_thd_inference.md (no FA4) and _fa4.md, 16 heads, a new packing every step, 8 calls a step, on the
+# configurations below the bound (1k-4k tokens), wall us a call: the frontend 241-574 and FA4 162-317 while their GPU
+# time is 15-65, varlen_attn 128-335 (native on 128/128, V padded on 192/128; 1.6-2.6x the frontend's speed in the
+# run without FA4). FA4 native matches varlen padded on 192/128 (286-317 against 296-322) and trails varlen native
+# on 128/128 (162-181 against 125-140). The frontend leads from 16k tokens on 192/128 and from 32k on 128/128. Below
+# the bound the GPU time given up for varlen_attn is at most 32 us a call (128/128 at 1k tokens: 47 against FA4's
+# 16); the bound counts heads, so a 128-head model meets it with an eighth of the tokens. Under capture a graph
+# replays without host time: the general order (FA4 where installed, which then compiles on its first call inside
+# the capture if the eager warm-up ran varlen_attn).
 SMALL_PACK_WORK = 1.5e10
 PREFERENCES[("sm90", "inference", "thd", "small pack")] = (
     "varlen_fa2",
@@ -299,7 +301,13 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
         and problem.seqlen_q <= SHORT_DOCUMENTS
         and problem.seqlen_kv <= SHORT_DOCUMENTS
         and work <= SHORT_PACK_WORK,
-        "small pack": problem.layout == "thd" and not problem.cuda_graph_capture and work <= SMALL_PACK_WORK,
+        "small pack": problem.layout == "thd"
+        and not problem.cuda_graph_capture
+        and work <= SMALL_PACK_WORK
+        and problem.square
+        and problem.mask in ("causal", "causal_bottom_right")
+        and problem.heads_q == problem.heads_kv
+        and max(problem.head_dim_qk, problem.head_dim_v) <= 192,
         "wide heads": max(problem.head_dim_qk, problem.head_dim_v) > 256
         and problem.seqlen_q == problem.seqlen_kv >= WIDE_PREFILL,
     }
