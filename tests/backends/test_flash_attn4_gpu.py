@@ -146,3 +146,31 @@ def test_a_captured_cuda_graph_replays_like_float64(layout):
         graph.replay()
         reference = attnselect.attention(q.double(), k.double(), v.double(), causal=True, backend="reference", **kwargs)
         assert rel_err(out, reference) < 2e-2
+
+
+def test_a_small_pack_warmed_up_on_varlen_attn_captures_on_fa4_and_replays_like_float64():
+    """The rules' small-pack refinement runs an eager 128/128 pack on varlen_attn, while its capture keeps the
+    general order (FA4): FA4's first call is then inside the capture, and the graph must still replay correctly."""
+    from attnselect.call_memo import known_calls
+
+    cu = torch.tensor([0, 100, 400, 800, 1024], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(1024, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    kwargs = dict(layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=400, max_seqlen_kv=400)
+    attnselect.clear_cache()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            attnselect.attention(q, k, v, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    assert [str(known.chosen) for known in known_calls()] == ["varlen_fa2 native"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attnselect.attention(q, k, v, **kwargs)
+    assert [str(known.chosen) for known in known_calls()] == ["varlen_fa2 native", "flash_attn4 native"]
+    for _ in range(2):
+        for t in (q, k, v):
+            t.normal_()
+        graph.replay()
+        reference = attnselect.attention(q.double(), k.double(), v.double(), backend="reference", **kwargs)
+        assert rel_err(out, reference) < 2e-2
