@@ -131,7 +131,7 @@ def dense_rows(device: str):
                 return F.scaled_dot_product_attention(q, k, v)
 
         rows[f"F.scaled_dot_product_attention in sdpa_kernel([{kernel.name}])"] = forced
-        aten = _ATEN_OPS.get(kernel.name)
+        aten = backend.aten_op  # what the repeated runner calls where torch confirms the kernel serves the call
         if aten is not None and device == "cuda":  # below dispatch: what SDPA calls once it has chosen the kernel
             rows[f"torch.{aten.__name__}, the op SDPA's dispatch calls"] = lambda: aten(q, k, v, None, False)[0]
     module = getattr(backend, "module", None)
@@ -155,18 +155,14 @@ def _prepared_runner(call, known: tuple):
     return call_memo.recall(*known).runner
 
 
-# The aten ops below SDPA's dispatch with the signature (q, k, v, attn_bias, compute_log_sumexp, ...) (their schemas).
-_ATEN_OPS = {"CUDNN_ATTENTION": torch._scaled_dot_product_cudnn_attention,
-             "EFFICIENT_ATTENTION": torch._scaled_dot_product_efficient_attention}  # fmt: skip
-
-
 def packed_rows(device: str, forced: str | None = None):
     """The packed case's rows: attnselect's automatic choice, or the call with ``backend=forced``, first."""
     dtype = torch.bfloat16
     lengths = [100, 300, 400, 224]
+    m = max(lengths)
     cu = torch.tensor([0, 100, 400, 800, 1024], dtype=torch.int32, device=device)
     q, k, v = (torch.randn(1024, 16, 128, device=device, dtype=dtype) for _ in range(3))
-    shape = dict(layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    shape = dict(layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=m, max_seqlen_kv=m)
     problem, packing = describe_call(q, k, v, **shape)
     chosen = attnselect.select(problem, backend=forced).chosen
     backend = backends.get(chosen.backend)
@@ -177,7 +173,6 @@ def packed_rows(device: str, forced: str | None = None):
     module = getattr(backend, "module", None)
     if module is not None and not chosen.padded:
         function = importlib.import_module(module).flash_attn_varlen_func
-        m = max(lengths)
         rows[f"{module}.flash_attn_varlen_func"] = lambda: function(
             q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, causal=True
         )
@@ -199,7 +194,6 @@ def packed_rows(device: str, forced: str | None = None):
         rows[f"{chosen.backend} backend object, run_packed()"] = lambda: backend.run_packed(
             q, k, v, call, bucketed(packing, buckets) if buckets else packing
         )
-    m = max(lengths)
     known = (q, k, v, "thd", True, None, None, 0.0, cu, None, None, None, m, m, False, forced, None, None, None, None,
              False)  # fmt: skip
     runner = _prepared_runner(lambda: attnselect.attention(q, k, v, **kwargs), known)

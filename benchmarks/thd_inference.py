@@ -57,20 +57,24 @@ def configurations(smoke: bool) -> list[dict]:
     ]
 
 
-def rows_for(q, k, v, cu, lengths, target) -> dict:
+SKIP = {"flex", "reference"}  # flex rebuilds its document mask for every new packing (results/h200_thd_crossover.md)
+
+
+def _problem(q, k, v, lengths: list[int]):
+    """The problem of one step's call, on boundaries made for it."""
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=q.device)
+    m = max(lengths)
+    return describe_call(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=m, max_seqlen_kv=m)[0]
+
+
+def rows_for(problem, target) -> dict:
     """{row name: (backend, pad)}: the default, and every supported candidate that packs thd in one call."""
-    problem, _ = describe_call(
-        q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
-    )
     rows = {DEFAULT: (None, None)}
     for verdict in judge(problem, target):
         backend = backends.get(verdict.candidate.backend)
         if verdict.supported and backend.packs_thd(target) and backend.name not in SKIP:
             rows[str(verdict.candidate)] = (backend.name, verdict.candidate.padded)
     return rows
-
-
-SKIP = {"flex", "reference"}  # flex rebuilds its document mask for every new packing (results/h200_thd_crossover.md)
 
 
 def run_configuration(config: dict, args, target: Target, device: str, dtype) -> dict:
@@ -82,8 +86,7 @@ def run_configuration(config: dict, args, target: Target, device: str, dtype) ->
     v = torch.randn(total, HEADS, d_v, device=device, dtype=dtype, generator=g)
     rng = random.Random(total * 7 + low)
     steps = [packing_lengths(total, low, high, rng) for _ in range(args.warmup + args.steps)]
-    first = torch.tensor([0, *itertools.accumulate(steps[0])], dtype=torch.int32, device=device)
-    rows = rows_for(q, k, v, first, steps[0], target)
+    rows = rows_for(_problem(q, k, v, steps[0]), target)
     wall = {name: [] for name in rows}
     gpu = {name: [] for name in rows}
     for i, lengths in enumerate(steps):
@@ -95,7 +98,9 @@ def run_configuration(config: dict, args, target: Target, device: str, dtype) ->
                 wall[name].append(ms / args.layers * 1e3)
                 if device == "cuda":
                     gpu[name].append(gpu_ms / args.layers * 1e3)
-    choices = {str(_choice(q, k, v, lengths, target, device)) for lengths in steps[args.warmup :]}
+    choices = {
+        str(attnselect.select(_problem(q, k, v, lengths), target=target).chosen) for lengths in steps[args.warmup :]
+    }
     works = [_work(lengths, d_qk, d_v) for lengths in steps[args.warmup :]]
     return {
         "total": total,
@@ -107,14 +112,6 @@ def run_configuration(config: dict, args, target: Target, device: str, dtype) ->
         "default_chose": sorted(choices),
         "rows": {name: {"wall_us": _summary(wall[name]), "gpu_us": _summary(gpu[name])} for name in rows},
     }
-
-
-def _choice(q, k, v, lengths, target, device):
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
-    problem, _ = describe_call(
-        q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
-    )
-    return attnselect.select(problem, target=target).chosen
 
 
 def _work(lengths, d_qk, d_v) -> float:
