@@ -20,10 +20,11 @@ differences. Rows per problem: attnselect's automatic choice, and the same kerne
 - CUDA, packed (1024 tokens in 4 sequences, H16, 128/128, causal, both max_seqlen given, inference), the automatic
   choice and, where that is not the cuDNN frontend and the frontend is installed, the call forced to it:
   - the chosen package's ``flash_attn_varlen_func`` where it is a FlashAttention package, ``cudnn.sdpa_torch``
-    where it is the cuDNN frontend (both on the caller's boundaries; that op also on the bucketed ones);
+    where it is the cuDNN frontend (both on the caller's boundaries; that op also on the bucketed ones), torch's
+    ``aten._flash_attention_forward`` where it is ``varlen_fa2``;
   - the chosen backend's packed kernel through its backend object (``Backend.run_packed``, boundaries
     bucketed where the backend buckets them);
-  - torch's ``varlen_attn``;
+  - torch's ``varlen_attn`` (a custom op over ``aten._flash_attention_forward``);
   - attnselect's prepared runner alone, and its memo lookup alone.
 
 ``--profile`` adds cProfile's top functions (by own time) of each attnselect row to the report.
@@ -198,6 +199,11 @@ def packed_rows(device: str, forced: str | None = None):
              False)  # fmt: skip
     runner = _prepared_runner(lambda: attnselect.attention(q, k, v, **kwargs), known)
     rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v, cu)
+    if chosen == attnselect.Candidate("varlen_fa2"):  # the op, as the backend and varlen_attn call it
+        op = torch.ops.aten._flash_attention_forward.default
+        rows["torch aten._flash_attention_forward"] = lambda: op(
+            q, k, v, cu, cu, m, m, 0.0, True, False, scale=call.scale, window_size_left=-1, window_size_right=0
+        )
     from torch.nn.attention.varlen import varlen_attn
 
     rows["torch varlen_attn"] = lambda: varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))

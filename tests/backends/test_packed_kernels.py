@@ -1,6 +1,6 @@
 """The packed (thd) GPU kernels' bindings, checked on the CPU through stand-ins with their documented semantics.
 
-``cudnn.sdpa_torch`` (cuDNN frontend) and ``varlen_attn`` (torch) run only on CUDA; the
+``cudnn.sdpa_torch`` (cuDNN frontend) and ``aten._flash_attention_forward`` (torch) run only on CUDA; the
 stand-ins below compute what their docs say (masks, layouts, lse shapes and conventions)
 with the reference backend, so these tests check our argument mapping and output
 conversion. The kernels themselves are tested against float64 on the GPU (test_thd_gpu.py).
@@ -105,15 +105,19 @@ def cudnn_sdpa_torch(
     return (out, lse.float()) if return_lse else out
 
 
-def torch_varlen_attn(
-    q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1), enable_gqa=False
-):
-    """torch.nn.attention.varlen.varlen_attn as documented: FA2 windows, lse (H, T) with +inf on empty rows."""
-    assert q.shape[-1] == v.shape[-1], "v must have shape (total_k, num_heads_k, head_size_og)"
-    assert enable_gqa or q.shape[1] == k.shape[1]
-    out, lse = _packed(lambda a, b, c: _attend(a, b, c, scale, False, window_size), q, k, v, cu_q, cu_k)
-    lse = lse.transpose(0, 1).masked_fill(torch.isneginf(lse.transpose(0, 1)), float("inf"))
-    return (out, lse) if return_aux is not None and return_aux.lse else out
+def torch_flash_attention_forward(
+    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale, window_size_left,
+    window_size_right,
+):  # fmt: skip
+    """aten._flash_attention_forward's packed path (attention.cpp, FA2's mha_varlen_fwd): causal and windows
+    bottom-right aligned, grouped K/V heads as they are, lse (H, T) float32 with +inf on empty rows, five outputs."""
+    assert q.shape[-1] == k.shape[-1] and q.shape[1] % k.shape[1] == 0 and dropout_p == 0.0
+    assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
+    window = (window_size_left, 0 if is_causal else window_size_right)
+    out, lse = _packed(lambda a, b, c: _attend(a, b, c, scale, False, window), q, k, v, cu_q, cu_k)
+    lse = lse.transpose(0, 1).masked_fill(torch.isneginf(lse.transpose(0, 1)), float("inf")).float()
+    empty = q.new_empty(0)
+    return out, lse, empty, empty, empty
 
 
 CALLS = [
@@ -179,9 +183,9 @@ def test_cudnn_frontend_dense_mapping(kwargs, monkeypatch):
 @pytest.mark.parametrize("kwargs", CALLS)
 @pytest.mark.parametrize("lengths", LENGTHS, ids=["same-lengths", "kv-longer"])
 def test_varlen_fa2_mapping_padded(kwargs, lengths, monkeypatch):
-    from torch.nn.attention import varlen
+    from attnselect.backends import varlen_fa2
 
-    monkeypatch.setattr(varlen, "varlen_attn", torch_varlen_attn)
+    monkeypatch.setattr(varlen_fa2, "flash_forward", torch_flash_attention_forward)
     _check("varlen_fa2", kwargs, lengths, dqk=24, pad=True)
 
 
