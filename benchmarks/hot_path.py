@@ -2,11 +2,13 @@
 
     python benchmarks/hot_path.py [--calls 500] [--repeats 31] [--out results/h200_hot_path]
 
-Small, host-bound calls repeated with the same shapes and options (the memoized fast path), each timed as
-``--calls`` calls then one sync, ``--repeats`` times in interleaved rounds (:func:`time_rows`; the packed case,
-whose calls are slower, in shorter rounds, more of them: ``--packed-calls``, ``--packed-repeats``); the median
-microseconds per call with its quartiles, and attnselect's row minus each other row, the median of the per-round
-differences. Rows per problem: attnselect's automatic choice, and the same kernel called directly.
+Small calls repeated with the same shapes and options (the memoized fast path), each row timed as ``--calls``
+calls from an empty queue, ``--repeats`` times in interleaved rounds (:func:`time_rows`; the packed case, whose
+calls are slower, in shorter rounds, more of them: ``--packed-calls``, ``--packed-repeats``): the median host
+microseconds per call with its quartiles (the time to return from the calls, which is what a host-bound loop
+pays; the GPU drains the queue after), the same with the round's closing sync, and attnselect's row minus each
+other row, the median of the per-round differences of host time. Rows per problem: attnselect's automatic choice,
+and the same kernel called directly.
 
 - Dense (CUDA: B1 S256 H16 192/128 inference bf16; CPU: a tiny float32 call), on tensors in the kernel's own
   layout so that neither side permutes (``layout="bhsd"`` for SDPA kernels, ``"bshd"`` for FlashAttention's):
@@ -60,15 +62,18 @@ def _sync(device):
 
 
 def time_rows(rows: dict, device: str, calls: int, repeats: int) -> dict:
-    """Per row: the median us per call over ``repeats`` rounds of ``calls`` calls, with the quartiles, and the
-    per-round differences from the first row (attnselect's), which shares each round's host state.
+    """Per row: the median host time per call over ``repeats`` rounds of ``calls`` calls (from the first call to the
+    return of the last, the queue empty at the start; the GPU drains it after), with the quartiles; the same with
+    the round's closing sync (a GPU-bound row shows its GPU time there); and the per-round differences of the host
+    times from the first row (attnselect's), which shares each round's host state.
 
     Rounds are interleaved, in alternating order (forwards, then backwards), with the garbage collector off: the
     host of a shared machine drifts by more than the differences measured (results/h200_hot_path.md)."""
     for fn in rows.values():  # warm-up: choices, graphs, compiles
         for _ in range(20):
             fn()
-    per_round = {name: [] for name in rows}
+    host = {name: [] for name in rows}
+    synced = {name: [] for name in rows}
     gc.collect()
     gc.disable()
     try:
@@ -78,15 +83,16 @@ def time_rows(rows: dict, device: str, calls: int, repeats: int) -> dict:
                 start = time.perf_counter()
                 for _ in range(calls):
                     fn()
+                host[name].append((time.perf_counter() - start) / calls * 1e6)
                 _sync(device)
-                per_round[name].append((time.perf_counter() - start) / calls * 1e6)
+                synced[name].append((time.perf_counter() - start) / calls * 1e6)
     finally:
         gc.enable()
-    first = per_round[next(iter(rows))]
+    first = host[next(iter(rows))]
     return {
-        name: {"us": statistics.median(t), **_quartiles(t), "rounds": t,
+        name: {"us": statistics.median(t), **_quartiles(t), "rounds": t, "synced_us": statistics.median(synced[name]),
                "first_minus_this": _quartiles_of([a - b for a, b in zip(first, t)])}
-        for name, t in per_round.items()
+        for name, t in host.items()
     }  # fmt: skip
 
 
@@ -233,10 +239,11 @@ def main() -> None:
     }  # fmt: skip
     lines = [
         "# Hot path: host time per repeated call\n",
-        f"{report['meta']['device']}, {report['meta']['date']}. Each row timed as a number of calls then one sync, "
-        "in interleaved rounds in alternating order, garbage collector off: median us per call (quartiles), and "
-        "attnselect's row minus each row, the median of the per-round differences (quartiles). Produced by "
-        "`benchmarks/hot_path.py`.\n",
+        f"{report['meta']['device']}, {report['meta']['date']}. Each row timed as a number of calls from an empty "
+        "queue, in interleaved rounds in alternating order, garbage collector off: median host us per call "
+        "(quartiles), the same with the round's closing sync (a GPU-bound row shows its GPU time there), and "
+        "attnselect's row minus each row, the median of the per-round differences of host time (quartiles). "
+        "Produced by `benchmarks/hot_path.py`.\n",
     ]
     with torch.no_grad():
         for problem, chosen, rows, calls, repeats in cases:
@@ -246,12 +253,14 @@ def main() -> None:
                  "rows": timed}
             )  # fmt: skip
             lines += [f"\n## {problem.describe()}: {chosen}\n", f"{calls} calls a round, {repeats} rounds.\n",
-                      "| row | us per call | attnselect minus this row, us |", "|---|---|---|"]  # fmt: skip
+                      "| row | host us per call | with the sync | attnselect minus this row, host us |",
+                      "|---|---|---|---|"]  # fmt: skip
             for name, r in timed.items():
                 d = r["first_minus_this"]
                 diff = f"{d['median']:+.1f} ({d['q1']:+.1f}..{d['q3']:+.1f})"
                 diff = "" if name.startswith("attnselect") and "runner" not in name else diff  # itself, a part
-                lines.append(f"| {name} | {r['us']:.1f} ({r['q1']:.1f}..{r['q3']:.1f}) | {diff} |")
+                host = f"{r['us']:.1f} ({r['q1']:.1f}..{r['q3']:.1f})"
+                lines.append(f"| {name} | {host} | {r['synced_us']:.1f} | {diff} |")
             if a.profile:
                 name, fn = next(iter(rows.items()))
                 heading = f"\ncProfile of `{name}`, {calls} calls, top 25 by own time:\n"
