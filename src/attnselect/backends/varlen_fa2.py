@@ -14,9 +14,9 @@ from attnselect.backends.sdpa_flash import fa2_backward_head_dim_reasons
 from attnselect.call import KernelCall, Packing
 
 # The op varlen_attn's custom op calls (torch/nn/attention/varlen.py, _varlen_attn), with its autograd formula
-# (FlashAttentionBackward0, derivatives.yaml). Called directly, a call skips the custom op's Python, about 60 us of
-# host time a call on the H200 (results/h200_hot_path_*.md), and its extra allocation of an rng state. Read when a
-# runner is built (tests stand in for it on the CPU, where the op has no kernel).
+# (FlashAttentionBackward0, derivatives.yaml). Called directly, a call skips the custom op's Python, 36-44 us of
+# host time a call on the H200 (results/h200_hot_path_ae12ec1*.md), and its extra allocation of an rng state. Read
+# when a runner is built (tests stand in for it on the CPU, where the op has no kernel).
 flash_forward = torch.ops.aten._flash_attention_forward.default
 
 

@@ -212,16 +212,18 @@ PREFERENCES[("sm90", "training", "thd", "short documents")] = (
 )
 # "small pack" (thd, sm90 inference outside CUDA graph capture, pack work <= SMALL_PACK_WORK; only what was measured:
 # as many queries as keys in every sequence, causal, no grouped heads, head dims up to 192): the cuDNN frontend's and
-# FA4's packed forwards are host-bound there, so torch's varlen_attn serves the loop faster.
-# results/h200_thd_inference.md (no FA4) and _fa4.md, 16 heads, a new packing every step, 8 calls a step, on the
-# configurations below the bound (1k-4k tokens), wall us a call: the frontend 241-574 and FA4 162-317 while their GPU
-# time is 15-65, varlen_attn 128-335 (native on 128/128, V padded on 192/128; 1.6-2.6x the frontend's speed in the
-# run without FA4). FA4 native matches varlen padded on 192/128 (286-317 against 296-322) and trails varlen native
-# on 128/128 (162-181 against 125-140). The frontend leads from 16k tokens on 192/128 and from 32k on 128/128. Below
-# the bound the GPU time given up for varlen_attn is at most 32 us a call (128/128 at 1k tokens: 47 against FA4's
-# 16); the bound counts heads, so a 128-head model meets it with an eighth of the tokens. Under capture a graph
-# replays without host time: the general order (FA4 where installed, which then compiles on its first call inside
-# the capture if the eager warm-up ran varlen_attn).
+# FA4's packed forwards are host-bound there, so torch's packed FlashAttention-2 (varlen_fa2) serves the loop faster.
+# results/h200_thd_inference.md (no FA4) and _fa4.md, measured through varlen_attn, 16 heads, a new packing every
+# step, 8 calls a step, on the configurations below the bound (1k-4k tokens), wall us a call: the frontend 241-574
+# and FA4 162-317 while their GPU time is 15-65, varlen_attn 128-335 (native on 128/128, V padded on 192/128;
+# 1.6-2.6x the frontend's speed in the run without FA4). FA4 native matches varlen padded on 192/128 (286-317 against
+# 296-322) and trails varlen native on 128/128 (162-181 against 125-140). The frontend leads from 16k tokens on
+# 192/128 and from 32k on 128/128. Below the bound the GPU time given up for varlen is at most 32 us a call (128/128
+# at 1k tokens: 47 against FA4's 16); the bound counts heads, so a 128-head model meets it with an eighth of the
+# tokens. results/h200_thd_inference_aten.md, varlen_fa2 on the op under varlen_attn: the default takes 82-143 us a
+# call on those packs against the frontend's 287-607 in the same run. Under capture a graph replays without host
+# time: the general order (FA4 where installed, which then compiles on its first call inside the capture if the
+# eager warm-up ran varlen_fa2).
 SMALL_PACK_WORK = 1.5e10
 PREFERENCES[("sm90", "inference", "thd", "small pack")] = (
     "varlen_fa2",
