@@ -109,11 +109,16 @@ def torch_flash_attention_forward(
     q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale, window_size_left,
     window_size_right,
 ):  # fmt: skip
-    """aten._flash_attention_forward's packed path (attention.cpp, FA2's mha_varlen_fwd): causal and windows
-    bottom-right aligned, grouped K/V heads as they are, lse (H, T) float32 with +inf on empty rows, five outputs."""
-    assert q.shape[-1] == k.shape[-1] and q.shape[1] % k.shape[1] == 0 and dropout_p == 0.0
-    assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
+    """aten._flash_attention_forward's packed path (attention.cpp, FA2's mha_varlen_fwd in flash_api.cpp): causal
+    and windows bottom-right aligned, grouped K/V heads as they are, max_seqlen an upper bound, lse (H, T) float32
+    with +inf on empty rows, five outputs; and its one-query shortcut (seqlenq_ngroups_swapped), which reshapes q
+    as one query per sequence."""
+    assert k.shape[-1] == q.shape[-1] and v.shape == (*k.shape[:2], q.shape[-1]) and q.shape[1] % k.shape[1] == 0
+    assert dropout_p == 0.0 and not return_debug_mask
+    assert max_q >= int((cu_q[1:] - cu_q[:-1]).max()) and max_k >= int((cu_k[1:] - cu_k[:-1]).max())
     window = (window_size_left, 0 if is_causal else window_size_right)
+    if max_q == 1 and q.shape[1] > k.shape[1] and window == (-1, -1) and q.shape[0] != cu_q.numel() - 1:
+        raise RuntimeError(f"shape '[{cu_q.numel() - 1}, {k.shape[1]}, ...]' is invalid for input of size {q.numel()}")
     out, lse = _packed(lambda a, b, c: _attend(a, b, c, scale, False, window), q, k, v, cu_q, cu_k)
     lse = lse.transpose(0, 1).masked_fill(torch.isneginf(lse.transpose(0, 1)), float("inf")).float()
     empty = q.new_empty(0)
@@ -187,6 +192,25 @@ def test_varlen_fa2_mapping_padded(kwargs, lengths, monkeypatch):
 
     monkeypatch.setattr(varlen_fa2, "flash_forward", torch_flash_attention_forward)
     _check("varlen_fa2", kwargs, lengths, dqk=24, pad=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs,lengths",
+    [
+        # rows that see no key: FA2's lse is +inf there, attnselect's -inf
+        (dict(causal="bottom_right", return_lse=True), ([5, 1, 4, 9, 3], [3, 2, 0, 12, 3])),
+        (dict(window=(2, 0), return_lse=True), ([5, 1, 4, 9, 3], [3, 2, 0, 12, 3])),
+        # one query at most, grouped heads, no mask, a sequence without queries: off FA2's one-query shortcut
+        (dict(return_lse=True), ([1, 0, 1], [5, 3, 7])),
+        (dict(), ([1, 1, 1], [5, 3, 7])),
+    ],
+    ids=["keyless-rows-causal", "keyless-rows-window", "one-query-with-an-empty-sequence", "one-query-each"],
+)
+def test_varlen_fa2_mapping_native(kwargs, lengths, monkeypatch):
+    from attnselect.backends import varlen_fa2
+
+    monkeypatch.setattr(varlen_fa2, "flash_forward", torch_flash_attention_forward)
+    _check("varlen_fa2", kwargs, lengths, dqk=16, pad=False)
 
 
 def test_varlen_fa2_refuses_dense_and_unequal_dims():

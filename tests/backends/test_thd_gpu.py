@@ -1,9 +1,8 @@
 """Every packed (thd) candidate the GPU serves, against a float64 per-sequence reference.
 
-Forward and the three gradients, for MLA 192/128, 128/128 and GQA, with mixed sequence
-lengths including 1 and 0. Candidates come from the verdicts, so a backend is tested
-wherever the rules say it serves (carry the cuDNN frontend wheel to include it:
-scripts/fetch_device_wheels.sh).
+Forward and the three gradients, for MLA 192/128, 128/128 and GQA, with mixed sequence lengths including 1 and 0,
+and a decode-like pack of at most one query a sequence. Candidates come from the verdicts, so a backend is tested
+wherever the rules say it serves (carry the cuDNN frontend wheel to include it: scripts/fetch_device_wheels.sh).
 """
 
 from __future__ import annotations
@@ -29,6 +28,11 @@ CASES = [  # (label, attention kwargs, input kwargs)
     ),
     ("mla-window-lse", dict(window=(48, 0), return_lse=True), dict(lengths_q=LENGTHS_Q, hq=8, hkv=2, dqk=192, dv=128)),
     ("odd-59-causal", dict(causal=True), dict(lengths_q=LENGTHS_Q, hq=8, hkv=8, dqk=59, dv=59)),
+    (  # at most one query a sequence, grouped heads, no mask: FA2's one-query shortcut needs one in every sequence
+        "gqa-one-query-lse",
+        dict(return_lse=True),
+        dict(lengths_q=[1, 0, 1, 1], lengths_kv=[5, 3, 7, 1], hq=8, hkv=2, dqk=128, dv=128),
+    ),
 ]
 
 

@@ -14,24 +14,25 @@ from attnselect.backends.sdpa_flash import fa2_backward_head_dim_reasons
 from attnselect.call import KernelCall, Packing
 
 # The op varlen_attn's custom op calls (torch/nn/attention/varlen.py, _varlen_attn), with its autograd formula
-# (FlashAttentionBackward0, derivatives.yaml). Called directly, a call skips the custom op's Python, 36-44 us of
-# host time a call on the H200 (results/h200_hot_path_ae12ec1*.md), and its extra allocation of an rng state. Read
-# when a runner is built (tests stand in for it on the CPU, where the op has no kernel).
+# (FlashAttentionBackward0, derivatives.yaml). Called directly, a call skips the custom op's Python and its extra
+# rng-state tensor (an allocation and a fill kernel), together 36-44 us of host time a call on the H200
+# (results/h200_hot_path_ae12ec1*.md). Read when a runner is built (tests stand in for it on the CPU, where the op
+# has no kernel).
 flash_forward = torch.ops.aten._flash_attention_forward.default
 
 
 class VarlenFa2(Backend):
     name = "varlen_fa2"
     summary = "torch's packed FlashAttention-2 (varlen_attn's kernel, thd): equal head dims, one call per batch"
-    # Source: pytorch torch/nn/attention/varlen.py (varlen_attn over aten._flash_attention_forward:
-    # "v must have shape (total_k, num_heads_k, head_size_og)", window_size=(left, right) with
-    # (-1, 0) for causal, bottom-right aligned as FA2; no dropout; cu_seq_q/cu_seq_k are both the
-    # boundaries and the start offsets, with no separate padded offsets, so no gaps between sequences).
-    # Grouped K/V heads go to the kernel as they are (FA2's mha_varlen_fwd/bwd take num_heads_k dividing
-    # num_heads). Flash arch and dtype limits as sdpa_flash (sdp_utils.cpp). Unlike SDPA, which pads the
-    # head dim to a multiple of 8 before its flash kernel (attention.cpp, pad_last_dim), the op hands
-    # q/k/v to the kernel as they are, and mha_varlen_fwd (flash_api.cpp) raises "head_size must be a
-    # multiple of 8".
+    # Source: pytorch torch/nn/attention/varlen.py (varlen_attn over aten._flash_attention_forward,
+    # window_size=(left, right) with (-1, 0) for causal, bottom-right aligned as FA2; no dropout;
+    # cu_seq_q/cu_seq_k are both the boundaries and the start offsets, with no separate padded offsets,
+    # so no gaps between sequences) and FA2's mha_varlen_fwd/bwd (flash_api.cpp: v of shape (total_k,
+    # num_heads_k, head_size), one head dim for q, k and v; num_heads_k dividing num_heads, so grouped K/V
+    # heads go to the kernel as they are). Flash arch and dtype limits as sdpa_flash (sdp_utils.cpp).
+    # Unlike SDPA, which pads the head dim to a multiple of 8 before its flash kernel (attention.cpp,
+    # pad_last_dim), the op hands q/k/v to the kernel as they are, and mha_varlen_fwd raises "head_size
+    # must be a multiple of 8".
     surfaces = {
         "cuda": Surface(
             dtypes=HALF,
@@ -50,11 +51,11 @@ class VarlenFa2(Backend):
 
     def extra_reasons(self, p, t):
         r = []
-        # The op's scale and window arguments as varlen_attn passes them, which torch 2.11's varlen.py does and
-        # torch 2.10's (is_causal only) does not: what attnselect runs is what 2.11 verified.
+        # The op called with scale and window as torch 2.11's varlen_attn calls it (torch 2.10's passed is_causal
+        # only): verified on torch 2.11 (results/h200_gpu_tests_aten.txt), not on older ones.
         if not t.at_least("torch_version", "2.11"):
-            r.append(f"torch's packed FlashAttention-2 with scale and window needs torch >= 2.11, the target has "
-                     f"{t.torch_version}")  # fmt: skip
+            r.append(f"attnselect runs torch's packed FlashAttention-2 on torch >= 2.11, where it was verified; the "
+                     f"target has {t.torch_version}")  # fmt: skip
         return r + fa2_backward_head_dim_reasons(p, t)
 
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
@@ -65,12 +66,19 @@ class VarlenFa2(Backend):
         forward = flash_forward
         left, right = _window(call)
         is_causal = (left, right) == (-1, 0)  # varlen_attn's is_causal = window_size == (-1, 0)
+        unbounded = (left, right) == (-1, -1)
         keywords = {"scale": call.scale, "window_size_left": left, "window_size_right": right}
 
         def run(q, k, v, packing: Packing):  # the op returns (out, lse, rng state, unused, debug mask)
+            max_q = packing.max_seqlen_q
+            # With max_seqlen_q 1, grouped heads and no window, mha_varlen_fwd (flash_api.cpp,
+            # seqlenq_ngroups_swapped) folds each query's head group into one sequence, which needs exactly one
+            # query per sequence. max_seqlen_q is an upper bound: 2 keeps packs with empty sequences off that path.
+            if unbounded and max_q == 1 and q.shape[1] != k.shape[1] and q.shape[0] != packing.cu_seqlens_q.numel() - 1:
+                max_q = 2
             result = forward(
-                q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_kv, packing.max_seqlen_q, packing.max_seqlen_kv,
-                0.0, is_causal, False, **keywords,
+                q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_kv, max_q, packing.max_seqlen_kv, 0.0, is_causal,
+                False, **keywords,
             )  # fmt: skip
             if not call.return_lse:
                 return result[0], None
