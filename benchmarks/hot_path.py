@@ -6,8 +6,9 @@ Small calls repeated with the same shapes and options (the memoized fast path), 
 calls from an empty queue, ``--repeats`` times in interleaved rounds (:func:`time_rows`; the packed case, whose
 calls are slower, in shorter rounds, more of them: ``--packed-calls``, ``--packed-repeats``): the median host
 microseconds per call with its quartiles (the time to return from the calls, which is what a host-bound loop
-pays; the GPU drains the queue after), the same with the round's closing sync, and attnselect's row minus each
-other row, the median of the per-round differences of host time. Rows per problem: attnselect's automatic choice,
+pays; the GPU drains the queue after; rounds short enough that the launch queue, about a thousand launches, never
+fills), the median with the round's closing sync, and attnselect's row minus each other row, the median of the
+per-round differences of host time. Rows per problem: attnselect's automatic choice,
 and the same kernel called directly.
 
 - Dense (CUDA: B1 S256 H16 192/128 inference bf16; CPU: a tiny float32 call), on tensors in the kernel's own
@@ -63,7 +64,7 @@ def _sync(device):
 
 def time_rows(rows: dict, device: str, calls: int, repeats: int) -> dict:
     """Per row: the median host time per call over ``repeats`` rounds of ``calls`` calls (from the first call to the
-    return of the last, the queue empty at the start; the GPU drains it after), with the quartiles; the same with
+    return of the last, the queue empty at the start; the GPU drains it after), with the quartiles; the median with
     the round's closing sync (a GPU-bound row shows its GPU time there); and the per-round differences of the host
     times from the first row (attnselect's), which shares each round's host state.
 
@@ -241,7 +242,7 @@ def main() -> None:
         "# Hot path: host time per repeated call\n",
         f"{report['meta']['device']}, {report['meta']['date']}. Each row timed as a number of calls from an empty "
         "queue, in interleaved rounds in alternating order, garbage collector off: median host us per call "
-        "(quartiles), the same with the round's closing sync (a GPU-bound row shows its GPU time there), and "
+        "(quartiles), the median with the round's closing sync (a GPU-bound row shows its GPU time there), and "
         "attnselect's row minus each row, the median of the per-round differences of host time (quartiles). "
         "Produced by `benchmarks/hot_path.py`.\n",
     ]

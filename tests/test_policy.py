@@ -244,7 +244,7 @@ def test_rules_choose_what_the_h200_packed_benchmark_measured_fastest():
 
 
 def test_on_packed_input_a_per_packing_rebuilder_ranks_after_the_stable_packed_candidates():
-    """flex builds a document mask for every new packing; varlen_attn builds nothing: in a loop that packs anew
+    """flex builds a document mask for every new packing; varlen_fa2 builds nothing: in a loop that packs anew
     the table's forward order (flex first once the frontend is absent) must not stand."""
     packed = AttentionProblem(**{**MLA, "batch": 18, "seqlen_q": 4096, "seqlen_kv": 4096}, layout="thd")
     d = attnselect.select(packed, target=Target.preset("h200"))

@@ -148,7 +148,7 @@ def test_a_captured_cuda_graph_replays_like_float64(layout):
         assert rel_err(out, reference) < 2e-2
 
 
-def test_a_small_pack_warmed_up_on_varlen_attn_captures_on_fa4_and_replays_like_float64():
+def test_a_small_pack_warmed_up_on_varlen_fa2_captures_on_fa4_and_replays_like_float64():
     """The rules' small-pack refinement runs an eager 128/128 pack on varlen_fa2, while its capture keeps the
     general order (FA4): FA4's first call is then inside the capture, and the graph must still replay correctly."""
     from attnselect.call_memo import known_calls

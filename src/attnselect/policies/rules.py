@@ -220,8 +220,9 @@ PREFERENCES[("sm90", "training", "thd", "short documents")] = (
 # 296-322) and trails varlen native on 128/128 (162-181 against 125-140). The frontend leads from 16k tokens on
 # 192/128 and from 32k on 128/128. Below the bound the GPU time given up for varlen is at most 32 us a call (128/128
 # at 1k tokens: 47 against FA4's 16); the bound counts heads, so a 128-head model meets it with an eighth of the
-# tokens. results/h200_thd_inference_aten.md, varlen_fa2 on the op under varlen_attn: the default takes 82-143 us a
-# call on those packs against the frontend's 287-607 in the same run. Under capture a graph replays without host
+# tokens. results/h200_thd_inference_aten.md, varlen_fa2 on the op under varlen_attn: on the packs where the default
+# chose it alone (1k-4k tokens of 32..256-token documents, 1k of 128..1024) it takes 82-143 us a call against the
+# frontend's 287-466 in the same run. Under capture a graph replays without host
 # time: the general order (FA4 where installed, which then compiles on its first call inside the capture if the
 # eager warm-up ran varlen_fa2).
 SMALL_PACK_WORK = 1.5e10
