@@ -167,3 +167,40 @@ def test_autocast_function_modes_and_subclasses_are_part_of_the_call():
         assert type(_recall(q, k, v)) is Unknown
     assert type(_recall(q.as_subclass(Sub), k, v)) is Unknown
     assert type(_recall(q, k, v)) is KnownCall
+
+
+def test_a_change_to_the_backend_registry_forgets_every_call():
+    from attnselect import backends
+    from attnselect.backends.sdpa_math import SdpaMath
+
+    class Fake(SdpaMath):
+        name = "fake_registered"
+
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v)
+    assert call_memo.known_calls() and call_memo._RECENT
+    backends.register(Fake())
+    try:
+        assert not call_memo.known_calls() and not call_memo._RECENT
+        attnselect.attention(q, k, v)
+        assert len(call_memo.known_calls()) == 1
+    finally:
+        backends.unregister("fake_registered")
+    assert not call_memo.known_calls()
+
+
+def test_a_recent_call_on_cuda_tensors_is_known_only_under_its_capture_state(monkeypatch):
+    """A recent entry made on CUDA tensors holds its capture state (one made on others, None); the check reads the
+    capture state only off the default stream, where a capture can run. Stood in for on the CPU."""
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v)
+    call_memo._CALLS.clear()  # what is found now is found among the recent calls
+    call_memo._RECENT[0] = call_memo._RECENT[0]._replace(capturing=False)  # as made on CUDA tensors, not capturing
+    asked = []
+    monkeypatch.setattr(call_memo, "_capturing", lambda: asked.append(1) or True)
+    monkeypatch.setattr(call_memo, "_raw_stream", lambda index: 0)  # the default stream: no capture, none asked
+    assert type(_recall(q, k, v)) is KnownCall and not asked
+    monkeypatch.setattr(call_memo, "_raw_stream", lambda index: 1234)  # a side stream, capturing
+    assert type(_recall(q, k, v)) is Unknown and asked
+    monkeypatch.setattr(call_memo, "_capturing", lambda: False)  # a side stream, not capturing
+    assert type(_recall(q, k, v)) is KnownCall

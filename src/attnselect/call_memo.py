@@ -3,13 +3,13 @@
 A call is known by everything validation, selection and its runner read: its options; the types, shapes, strides,
 dtypes, devices and requires_grad of its tensors (q, k, v, the sinks, a packed call's boundaries), which of q, k and
 v are one tensor, and the storage offsets of q, k and v; the gradient mode, deterministic algorithms, autocast,
-TorchFunctionModes, the ATTNSELECT_* variables, the :func:`attnselect.overrides` scope, the backend registry and CUDA
-graph capture. Two levels:
+TorchFunctionModes, the ATTNSELECT_* variables, the :func:`attnselect.overrides` scope and, for CUDA tensors, graph
+capture. A change to the backend registry clears the memo (:func:`attnselect.backends.register`). Two levels:
 
 - the recent calls (``RECENT``, newest first): one tuple of the options and the global state compared by value,
   one C++ check of the tensors (torch's ``TensorGuards``, what torch.compile's guards run on every call of a
-  compiled function; it also sees inference mode and autocast for the tensors' device, through their dispatch keys)
-  and the offsets;
+  compiled function; it also sees inference mode and autocast for the tensors' device, through their dispatch keys),
+  the offsets and, for a call on CUDA tensors, the capture state;
 - every call decided before (``MEMO_SIZE``), by a hashable key of the same values; a hit there becomes recent.
 
 Calls the key cannot describe are not known and take the slow path, which validates them: values that compare
@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnselect import backends, settings
+from attnselect import settings
 from attnselect.caches import register_cache
 from attnselect.call import KernelCall
 from attnselect.candidates import Candidate
@@ -59,6 +59,7 @@ class _Entry(NamedTuple):
     state: tuple  # the options and the global state, as recall() builds them
     guard: object  # TensorGuards of the call's tensors
     offsets: tuple  # storage offsets of q, k, v (the key's last item)
+    capturing: bool | None  # CUDA graph capture during the call; None where its tensors are not on CUDA
     known: KnownCall
 
 
@@ -67,6 +68,7 @@ class Unknown(NamedTuple):
 
     state: tuple
     tensors: tuple
+    capturing: bool | None
     key: tuple
 
     def remember(self, known: KnownCall) -> None:
@@ -77,7 +79,7 @@ class Unknown(NamedTuple):
                 dynamic_dims_sizes=[list(t.shape) for t in self.tensors],
                 dynamic_dims_strides=[list(t.stride()) for t in self.tensors],
             )
-        entry = _Entry(self.state, guard, self.key[-1], known)
+        entry = _Entry(self.state, guard, self.key[-1], self.capturing, known)
         _CALLS[self.key] = entry
         if len(_CALLS) > MEMO_SIZE:
             _CALLS.popitem(last=False)
@@ -110,7 +112,8 @@ def _make_recent(entry: _Entry) -> None:
 
 
 # What torch.is_grad_enabled, torch.are_deterministic_algorithms_enabled and torch.cuda.is_current_stream_capturing
-# return, without their Python frames (this runs on every call).
+# return, without their Python frames (this runs on every call; a recent call's capture state is read only for CUDA
+# tensors: the guard has checked the device).
 _grad = torch._C.is_grad_enabled
 _deterministic = torch._C._get_deterministic_algorithms
 # Autocast and TorchFunctionModes act on the calls a runner makes (SDPA is on autocast's lower-precision list; a
@@ -122,9 +125,13 @@ _deterministic = torch._C._get_deterministic_algorithms
 _autocast = torch._C._is_any_autocast_enabled
 _function_mode = torch._C._is_torch_function_mode_enabled
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # a CPU build has no CUDA
+# The current device's current stream, as a raw pointer (-1: the current device). A capture runs on another stream than
+# the default one (0): CUDA cannot capture the legacy default stream, and torch's CUDAGraph.capture_begin refuses it
+# ("CUDA graphs must be captured on a non-default stream"), so on the default stream _capturing() is False, and this
+# answers that in a fraction of its time (it asks the CUDA runtime).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0)
 _no_environment, _environment = settings.no_environment, settings.raw_environment
 _scope = settings.scope
-_registry = backends.registry_version
 _NUMBER = (float, int, type(None))
 
 
@@ -169,18 +176,24 @@ def recall(
         state = (
             layout, causal, window, scale, dropout_p, max_q, max_kv, return_lse, softcap, return_max_logit, backend,
             pad, disable, sinks is None, aliases, _grad(), _deterministic(), _function_mode(),
-            _no_environment() or _environment(), _scope(), _registry(), q.is_cuda and _capturing(),
+            _no_environment() or _environment(), _scope(),
         )  # fmt: skip
         tensors = (q, k, v) if aliases is None else tuple({id(t): t for t in (q, k, v)}.values())
         if cu_q is not None:
             tensors += (cu_q,) if sinks is None else (cu_q, sinks)
         elif sinks is not None:
             tensors += (sinks,)
-        for entry in _RECENT:
-            if entry.state == state and entry.guard.check(*tensors) and entry.offsets == offsets:
-                return entry.known
+        for entry_state, guard, entry_offsets, capturing, known in _RECENT:
+            if (
+                entry_state == state
+                and guard.check(*tensors)
+                and entry_offsets == offsets
+                and (capturing is None or capturing is (_raw_stream(-1) != 0 and _capturing()))  # None: not CUDA
+            ):
+                return known
+        capturing = _capturing() if q.is_cuda else None
         key = (
-            state, _autocast(), tuple(map(type, tensors)), tuple(t.shape for t in tensors),
+            state, capturing, _autocast(), tuple(map(type, tensors)), tuple(t.shape for t in tensors),
             tuple(t.stride() for t in tensors), tuple(t.dtype for t in tensors), tuple(t.device for t in tensors),
             tuple(t.requires_grad for t in tensors), offsets,
         )  # fmt: skip
@@ -188,6 +201,6 @@ def recall(
     except Exception:  # not tensors, an unhashable or incomparable option...: the slow path validates and names it
         return None
     if entry is None:
-        return Unknown(state, tensors, key)
+        return Unknown(state, tensors, capturing, key)
     _make_recent(entry)
     return entry.known

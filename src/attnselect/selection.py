@@ -49,7 +49,7 @@ def select(
     env, scoped = settings.environment(), settings.scope()
     if disable is not None and not isinstance(disable, str):
         disable = settings.names(disable, "disable")
-    key = (problem, target, policy, backend, pad, disable, env, scoped, backends.registry_version())
+    key = (problem, target, policy, backend, pad, disable, env, scoped)
     try:
         decision = _MEMO.get(key)
     except TypeError:  # an unhashable control: resolve() names it
@@ -91,7 +91,6 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
             disable,
             settings.environment(),
             settings.scope(),
-            backends.registry_version(),
         )
         earlier, held_for = _PACKED.get(key, (None, None))
     except TypeError:  # an unhashable control: select() names it

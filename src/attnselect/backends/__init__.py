@@ -1,7 +1,7 @@
 """The backend registry. Built-in backends register on import; nothing global is flipped.
 
-``register(backend)`` adds or replaces one; every change bumps :func:`registry_version`,
-which invalidates memoized decisions.
+``register(backend)`` adds or replaces one; every change forgets the memoized decisions
+(:func:`attnselect.clear_cache`), which may have chosen or refused the backend.
 """
 
 from __future__ import annotations
@@ -18,27 +18,21 @@ from attnselect.backends.sdpa_efficient import SdpaEfficient
 from attnselect.backends.sdpa_flash import SdpaFlash
 from attnselect.backends.sdpa_math import SdpaMath
 from attnselect.backends.varlen_fa2 import VarlenFa2
+from attnselect.caches import clear_cache
 from attnselect.call import KernelCall, Packing
 
 _REGISTRY: dict[str, Backend] = {}
-_version = 0
 
 
 def register(backend: Backend) -> None:
     """Add (or replace) a backend under ``backend.name``."""
-    global _version
     _REGISTRY[backend.name] = backend
-    _version += 1
+    clear_cache()
 
 
 def unregister(name: str) -> None:
-    global _version
     _REGISTRY.pop(name, None)
-    _version += 1
-
-
-def registry_version() -> int:
-    return _version
+    clear_cache()
 
 
 def all_backends() -> tuple[Backend, ...]:
@@ -71,7 +65,6 @@ __all__ = [
     "Surface",
     "register",
     "unregister",
-    "registry_version",
     "all_backends",
     "get",
 ]
