@@ -117,16 +117,22 @@ def profile(fn, calls: int) -> str:
     return "\n".join(line for line in text.getvalue().splitlines() if line.strip()).replace(str(Path.cwd()), ".")
 
 
-def dense_rows(device: str):
+def dense_inputs(device: str):
+    """The dense case's (q, k, v, layout, chosen candidate): tensors in the chosen kernel's own layout."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shape = (1, 256, 16) if device == "cuda" else (1, 2, 8)
     dims = (192, 192, 128) if device == "cuda" else (16, 16, 16)
     q, k, v = (torch.randn(*shape, d, device=device, dtype=dtype) for d in dims)
     chosen = attnselect.select(attnselect.AttentionProblem.from_tensors(q, k, v)).chosen
-    backend = backends.get(chosen.backend)
-    layout = backend.layout  # the kernel's own layout: neither side permutes
+    layout = backends.get(chosen.backend).layout  # the kernel's own layout: neither side permutes
     if layout == "bhsd":
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    return q, k, v, layout, chosen
+
+
+def dense_rows(device: str):
+    q, k, v, layout, chosen = dense_inputs(device)
+    backend = backends.get(chosen.backend)
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, layout=layout)
     call = kernel_call(problem)
     rows = {f"attnselect.attention ({chosen}, layout={layout})": lambda: attnselect.attention(q, k, v, layout=layout)}

@@ -224,3 +224,19 @@ def test_thd_inference_smoke(tmp_path):
     row = entry["rows"]["attnselect default"]
     assert row["wall_us"]["median"] > 0 and row["wall_us"]["n"] == 3
     assert "| row | wall us a call | GPU us a call |" in (tmp_path / "inf.md").read_text()
+
+
+def test_hot_path_smoke(tmp_path):
+    _run("benchmarks/hot_path.py", "--calls", "3", "--repeats", "3", "--out", str(tmp_path / "hot"))
+    rows = json.loads((tmp_path / "hot.json").read_text())["cases"][0]["rows"]
+    assert next(iter(rows)).startswith("attnselect.attention")
+    assert "F.scaled_dot_product_attention, default dispatch" in rows
+
+
+def test_hot_path_parts_smoke(tmp_path):
+    baseline = ROOT / "src" / "attnselect" / "call_memo.py"
+    args = ("--parts", "1", "--calls", "3", "--repeats", "3", "--baseline", str(baseline), "--out", str(tmp_path / "p"))
+    _run("benchmarks/hot_path_parts.py", *args)
+    rows = json.loads((tmp_path / "p.json").read_text())["parts"][0]
+    assert list(rows)[:2] == ["attention()", "attention() on call_memo.py"]
+    assert "attention() on a fixed known call (no lookup)" in rows
