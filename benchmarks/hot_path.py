@@ -53,6 +53,7 @@ from torch.nn.attention import sdpa_kernel
 import attnselect
 from attnselect import backends, call_memo
 from attnselect.backends.shape_cache import bucketed
+from attnselect.call import CallOptions
 from attnselect.execution import kernel_call
 from attnselect.problem import describe_call
 
@@ -154,8 +155,7 @@ def dense_rows(device: str):
         rows[f"{module}.flash_attn_func"] = lambda: function(q, k, v)
     if not chosen.padded:
         rows[f"{chosen.backend} backend object, run()"] = lambda: backend.run(q, k, v, call)
-    known = (q, k, v, layout, False, None, None, 0.0, None, None, None, None, None, None, False, None, None, None,
-             None, None, False)  # fmt: skip
+    known = (q, k, v, CallOptions(layout))
     runner = _prepared_runner(lambda: attnselect.attention(q, k, v, layout=layout), known)
     rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v)
     rows["attnselect's memo lookup alone (call_memo.recall, no kernel)"] = lambda: call_memo.recall(*known)
@@ -177,7 +177,7 @@ def packed_rows(device: str, forced: str | None = None):
     cu = torch.tensor([0, 100, 400, 800, 1024], dtype=torch.int32, device=device)
     q, k, v = (torch.randn(1024, 16, 128, device=device, dtype=dtype) for _ in range(3))
     shape = dict(layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=m, max_seqlen_kv=m)
-    problem, packing = describe_call(q, k, v, **shape)
+    problem, packing = describe_call(q, k, v, CallOptions(**shape))
     chosen = attnselect.select(problem, backend=forced).chosen
     backend = backends.get(chosen.backend)
     call = kernel_call(problem)
@@ -208,8 +208,7 @@ def packed_rows(device: str, forced: str | None = None):
         rows[f"{chosen.backend} backend object, run_packed()"] = lambda: backend.run_packed(
             q, k, v, call, bucketed(packing, buckets) if buckets else packing
         )
-    known = (q, k, v, "thd", True, None, None, 0.0, cu, None, None, None, m, m, False, forced, None, None, None, None,
-             False)  # fmt: skip
+    known = (q, k, v, CallOptions(**shape, backend=forced))
     runner = _prepared_runner(lambda: attnselect.attention(q, k, v, **kwargs), known)
     rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v, cu)
     if chosen == attnselect.Candidate("varlen_fa2"):  # the op, as the backend and varlen_attn call it

@@ -5,7 +5,8 @@
 The dense case of benchmarks/hot_path.py (CUDA: B1 S256 H16 192/128 inference bf16 on the chosen kernel, in its own
 layout; CPU: a tiny float32 call), timed as hot_path.py times its rows (calls from an empty queue, interleaved
 rounds in alternating order): attention() as it is; with ``--baseline``, attention() on another version of
-``call_memo.py`` (an earlier commit's, to compare two versions in one process, on one host phase); attention() on
+``call_memo.py`` whose ``recall`` takes ``(q, k, v, options)`` as this one's does (an earlier commit's, to compare
+two versions in one process, on one host phase); attention() on
 copies of this ``call_memo.py`` with one more part of the lookup taken out in each row (the tensors' storage offsets,
 their nested flags, the thread and settings state); attention() on a fixed known call (no lookup at all: its frame
 and the runner); F.sdpa's default dispatch; and the prepared runner alone. Each row's difference from the first is
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import attnselect
-from attnselect import api, backends, call_memo
+from attnselect import api, call_memo
 from hot_path import dense_inputs, time_rows
 
 # The parts of call_memo.recall taken out, cumulatively (the source text and what replaces it).
@@ -68,9 +69,6 @@ def rows_for(device: str, baseline: str | None) -> tuple[dict, str]:
     rows = {"attention()": call(attnselect.attention, q, k, v, layout=layout)}
     variants = []
     if baseline:
-        # call_memo.py before 2026-12-01 read the registry's version, which a registry change now replaces by clearing
-        # the memo: such a baseline gets a constant one (the registry does not change here).
-        backends.registry_version = getattr(backends, "registry_version", lambda: 0)
         variants.append((f"attention() on {Path(baseline).name}", memo_module("baseline", Path(baseline).read_text())))
     source = Path(call_memo.__file__).read_text()
     for i in range(len(PARTS)):

@@ -29,7 +29,7 @@ import attnselect  # noqa: E402
 import training_loop  # noqa: E402
 from attnselect import backends  # noqa: E402
 from attnselect.backends.shape_cache import bucketed  # noqa: E402
-from attnselect.call import Packing  # noqa: E402
+from attnselect.call import CallOptions, Packing  # noqa: E402
 from attnselect.execution import kernel_call  # noqa: E402
 from attnselect.problem import describe_call  # noqa: E402
 
@@ -49,11 +49,13 @@ def rows(q, k, v):
         q,
         k,
         v,
-        layout="thd",
-        cu_seqlens_q=torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device),
-        causal=True,
-        max_seqlen_q=q.shape[0],
-        max_seqlen_kv=q.shape[0],
+        CallOptions(
+            layout="thd",
+            cu_seqlens_q=torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device),
+            causal=True,
+            max_seqlen_q=q.shape[0],
+            max_seqlen_kv=q.shape[0],
+        ),
     )
     call = kernel_call(problem)
     frontend = backends.get("cudnn_frontend")

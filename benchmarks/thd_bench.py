@@ -25,6 +25,7 @@ import time
 import torch
 
 import attnselect
+from attnselect.call import CallOptions
 from attnselect.candidates import judge
 from attnselect.problem import describe_call
 from attnselect.target import Target
@@ -72,7 +73,10 @@ def bench_packing(name, lengths, training, target, device, dtype, args):
         t.requires_grad_(training)
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
     problem, packing = describe_call(
-        q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
+        q,
+        k,
+        v,
+        CallOptions(layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)),
     )
     decision = attnselect.select(problem, target=target)
     rows = []

@@ -29,6 +29,7 @@ import torch
 
 import attnselect
 from attnselect import backends
+from attnselect.call import CallOptions
 from attnselect.candidates import judge
 from attnselect.policies.rules import pack_work
 from attnselect.problem import describe_call
@@ -64,7 +65,9 @@ def _problem(q, k, v, lengths: list[int]):
     """The problem of one step's call, on boundaries made for it."""
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=q.device)
     m = max(lengths)
-    return describe_call(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=m, max_seqlen_kv=m)[0]
+    return describe_call(
+        q, k, v, CallOptions(layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=m, max_seqlen_kv=m)
+    )[0]
 
 
 def rows_for(problem, target) -> dict:

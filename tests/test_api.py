@@ -9,6 +9,7 @@ import torch
 
 import attnselect
 from attnselect import call_memo
+from attnselect.call import CallOptions
 
 
 def _inputs(dtype=torch.float64):
@@ -266,8 +267,9 @@ def _packed_key(cu_kv="same", max_q=7, max_kv=7, device="meta", padded=None):
     q = torch.empty(12, 2, 16, device=device)
     cu = torch.empty(3, dtype=torch.int32, device=device)
     cu_kv = cu if cu_kv == "same" else cu_kv
-    unknown = call_memo.recall(q, q, q, "thd", True, None, None, 0.0, cu, cu_kv, padded, None, max_q, max_kv, False,
-                               None, None, None, None, None, False)  # fmt: skip
+    options = CallOptions("thd", True, cu_seqlens_q=cu, cu_seqlens_kv=cu_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv,
+                          cu_seqlens_q_padded=padded)  # fmt: skip
+    unknown = call_memo.recall(q, q, q, options)
     return None if unknown is None else unknown.key
 
 
@@ -308,3 +310,25 @@ def test_a_call_with_its_own_scale_is_memoized_and_a_boolean_scale_is_still_refu
     other = attnselect.attention(q, k, v, scale=0.5)
     reference = attnselect.attention(q, k, v, scale=0.5, backend="reference")
     assert len(call_memo.known_calls()) == 3 and torch.allclose(other, reference, atol=1e-5)
+
+
+def test_call_options_are_attention_s_keyword_options_in_its_order_with_its_defaults():
+    import inspect
+
+    keywords = [p for p in inspect.signature(attnselect.attention).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    assert tuple(p.name for p in keywords) == CallOptions._fields
+    assert all(CallOptions._field_defaults[p.name] == p.default for p in keywords)
+
+
+def test_attention_hands_each_option_to_its_own_field(monkeypatch):
+    """Every keyword reaches the CallOptions field of its name (attention() builds the object from a tuple)."""
+    from attnselect import api
+
+    seen = []
+    monkeypatch.setattr(api, "recall", lambda q, k, v, options: seen.append(options) or None)
+    monkeypatch.setattr(api, "describe_call", lambda *a: (_ for _ in ()).throw(RuntimeError("stop")))
+    sentinels = {name: object() for name in CallOptions._fields if name != "cp_group"}
+    q = torch.randn(1, 2, 2, 8)
+    with pytest.raises(RuntimeError, match="stop"):
+        attnselect.attention(q, q, q, **sentinels)
+    assert CallOptions._make(seen[0]) == CallOptions(**sentinels)

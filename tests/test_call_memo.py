@@ -7,6 +7,7 @@ import torch
 
 import attnselect
 from attnselect import call_memo
+from attnselect.call import CallOptions
 from attnselect.call_memo import KnownCall, Unknown
 
 
@@ -17,16 +18,7 @@ def _qkv(dtype=torch.float64):
 
 def _recall(q, k, v, **options):
     """call_memo.recall for attention(q, k, v, **options)."""
-    o = dict(layout="bshd", causal=False, window=None, scale=None, dropout_p=0.0, cu_seqlens_q=None,
-             cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, max_seqlen_q=None,
-             max_seqlen_kv=None, return_lse=False, backend=None, pad=None, disable=None, softcap=None, sinks=None,
-             return_max_logit=False) | options  # fmt: skip
-    return call_memo.recall(
-        q, k, v, o["layout"], o["causal"], o["window"], o["scale"], o["dropout_p"], o["cu_seqlens_q"],
-        o["cu_seqlens_kv"], o["cu_seqlens_q_padded"], o["cu_seqlens_kv_padded"], o["max_seqlen_q"],
-        o["max_seqlen_kv"], o["return_lse"], o["backend"], o["pad"], o["disable"], o["softcap"], o["sinks"],
-        o["return_max_logit"],
-    )  # fmt: skip
+    return call_memo.recall(q, k, v, CallOptions(**options))
 
 
 def test_a_repeated_call_is_found_among_the_recent_ones():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import attnselect
+from attnselect.call import CallOptions
 from helpers import dense_inputs, rel_err, run_with_grads, thd_inputs
 
 EXACT = 1e-10
@@ -227,7 +228,10 @@ def test_max_seqlen_given_on_cpu_still_checks_values():
 def test_padded_offsets_equal_to_the_boundaries_mean_no_gaps():
     (q, k, v), cu, _ = thd_inputs([4, 0, 6])
     problem, packing = attnselect.problem.describe_call(
-        q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu.clone(), cu_seqlens_kv_padded=cu.clone()
+        q,
+        k,
+        v,
+        CallOptions(layout="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu.clone(), cu_seqlens_kv_padded=cu.clone()),
     )
     assert not problem.varlen_gaps and not packing.has_gaps
 

@@ -7,6 +7,7 @@ import torch
 
 import attnselect
 from attnselect import InvalidInputError
+from attnselect.call import CallOptions
 from attnselect.errors import AttnSelectError
 from attnselect.inputs import packing_facts
 
@@ -320,7 +321,7 @@ def test_equal_boundaries_read_on_the_host_are_shared():
     from attnselect.problem import describe_call
 
     problem, packing = describe_call(
-        q, q, q, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, causal=True, window=(2, 0)
+        q, q, q, CallOptions(layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, causal=True, window=(2, 0))
     )
     assert problem.varlen_seqlens_match and packing.cu_seqlens_kv is cu_q and not packing.has_gaps
 

@@ -495,15 +495,3 @@ def test_inductor_compiles_the_op_with_matching_strides():
     grad_out = torch.randn_like(out)
     for got, want in zip(_grads(out, (q, k, v), grad_out), _grads(want_out, (q, k, v), grad_out)):
         torch.testing.assert_close(got, want)
-
-
-def test_the_traced_call_takes_every_option_of_attention_by_name():
-    import inspect
-
-    from attnselect import api
-
-    traced = inspect.signature(ops.traced_attention).parameters
-    assert tuple(n for n, p in traced.items() if p.kind is p.KEYWORD_ONLY) == api._OPTIONS
-    assert all(p.default is p.empty for p in traced.values())  # a name attention() leaves out raises
-    source = inspect.getsource(attnselect.attention)
-    assert all(f"{name}={name}" in source for name in api._OPTIONS)

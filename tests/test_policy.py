@@ -7,6 +7,7 @@ import torch
 
 import attnselect
 from attnselect import AttentionProblem, Candidate, Target
+from attnselect.call import CallOptions
 
 MLA = dict(
     batch=2,
@@ -230,11 +231,9 @@ def test_rules_choose_what_the_h200_packed_benchmark_measured_fastest():
             q,
             k,
             torch.empty(total, 16, 128, dtype=torch.bfloat16),
-            layout="thd",
-            cu_seqlens_q=cu,
-            causal=True,
-            max_seqlen_q=max(lengths),
-            max_seqlen_kv=max(lengths),
+            CallOptions(
+                layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
+            ),
         )
         problem = dataclasses.replace(problem, training=entry["phase"] == "forward+backward")
         assert str(attnselect.select(problem, target=h200).chosen) == entry["fastest"], (

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import attnselect
+from attnselect.call import CallOptions
 from attnselect.candidates import judge
 from attnselect.problem import describe_call
 from attnselect.target import Target
@@ -90,7 +91,7 @@ def _run(tensors, kwargs, training, **choice):
 def test_every_cpu_candidate_matches_the_float64_reference(case):
     tensors, kwargs, training, pick = case
     try:
-        problem, _ = describe_call(*[t.requires_grad_(training) for t in tensors], **kwargs)
+        problem, _ = describe_call(*[t.requires_grad_(training) for t in tensors], CallOptions(**kwargs))
     except attnselect.InvalidInputError:
         assume(False)
     tensors = [t.detach() for t in tensors]

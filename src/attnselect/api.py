@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from attnselect import backends
-from attnselect.call import Packing
+from attnselect.call import CallOptions, Packing
 from attnselect.call_memo import KnownCall, recall
 from attnselect.context_parallel.call import attention as context_parallel_attention
 from attnselect.context_parallel.call import group_size
@@ -15,7 +13,7 @@ from attnselect.decision import Decision
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import apply_sinks, dense_runner, kernel_call, packed_runner, run_call
 from attnselect.failures import mark_failed
-from attnselect.problem import CALL_ARGUMENTS, AttentionProblem, describe_call
+from attnselect.problem import AttentionProblem, describe_call
 from attnselect.selection import select, select_packed
 from attnselect.settings import strict
 from attnselect.target import Target, target_for_device
@@ -96,33 +94,26 @@ def attention(
     raises, attnselect logs one warning, marks the candidate failed for this problem and runs
     the next one; a forced backend, or ATTNSELECT_STRICT=1, re-raises instead.
     """
+    options = (
+        layout, causal, window, scale, dropout_p, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+        cu_seqlens_q_padded, cu_seqlens_kv_padded, return_lse, softcap, sinks, return_max_logit, cp_group, backend, pad,
+        disable,
+    )  # a CallOptions' fields; the object itself is built off the hot path  # fmt: skip
     if torch.compiler.is_compiling():  # one custom op, decided from the traced shapes (attnselect.ops)
         from attnselect.ops import traced_attention
 
-        # by name: dynamo before torch 2.13 cannot trace locals() (tests/test_ops.py checks the names match)
-        return traced_attention(
-            q, k, v, layout=layout, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-            max_seqlen_kv=max_seqlen_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
-            cu_seqlens_kv_padded=cu_seqlens_kv_padded, return_lse=return_lse, softcap=softcap, sinks=sinks,
-            return_max_logit=return_max_logit, cp_group=cp_group, backend=backend, pad=pad, disable=disable,
-        )  # fmt: skip
+        return traced_attention(q, k, v, CallOptions(*options))
     if cp_group is not None:  # the sequence is split over a process group (attnselect.context_parallel)
+        options = CallOptions._make(options)
         if group_size(cp_group) == 1:
-            return attention(q, k, v, **dict(_options(locals()), cp_group=None))
-        out, lse, *max_logit = context_parallel_attention(
-            q, k, v, cp_group=cp_group, backend=backend, pad=pad, disable=disable, **_options(locals(), _DESCRIBED)
-        )
+            return attention(q, k, v, **options._replace(cp_group=None)._asdict())
+        out, lse, *max_logit = context_parallel_attention(q, k, v, options)
         return out if not (return_lse or return_max_logit) else _with_statistics(out, lse, max_logit, return_lse)
-    known = recall(
-        q, k, v, layout, causal, window, scale, dropout_p, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-        cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, return_lse, backend, pad, disable, softcap, sinks,
-        return_max_logit,
-    )  # fmt: skip
+    known = recall(q, k, v, options)
     packing = None
     if type(known) is not KnownCall:  # else the same shapes, dtypes, devices and options were validated and decided
-        unknown = known
-        problem, packing = describe_call(q, k, v, **_options(locals(), _DESCRIBED))
+        unknown, options = known, CallOptions._make(options)
+        problem, packing = describe_call(q, k, v, options)
         target = target_for_device(q.device)
         decision = (
             select(problem, target=target, backend=backend, pad=pad, disable=disable)
@@ -159,7 +150,7 @@ def attention(
         if known.forced or strict():
             raise
         mark_failed(known.problem, known.target, known.chosen, exc)
-        return attention(q, k, v, **_options(locals()))
+        return attention(q, k, v, **CallOptions._make(options)._asdict())
     if not (return_lse or return_max_logit):
         return result[0]
     return _with_statistics(result[0], result[1], result[2:], return_lse)
@@ -174,19 +165,6 @@ def _on_packing(run, packing: Packing):
 def _with_statistics(out, lse, max_logit, return_lse: bool) -> tuple:
     """attention()'s result with its statistics: (out, lse), (out, max_logit) or (out, lse, max_logit)."""
     return (out, *((lse.detach().float(),) if return_lse else ()), *max_logit)
-
-
-# The call options of attention(), read from its signature (validation and the fallback pass them on).
-_OPTIONS = tuple(
-    name for name, parameter in inspect.signature(attention).parameters.items()
-    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-)  # fmt: skip
-_DESCRIBED = tuple(name for name in _OPTIONS if name in CALL_ARGUMENTS)  # the ones that describe the problem
-
-
-def _options(scope: dict, names: tuple = _OPTIONS) -> dict:
-    """attention()'s options from its local scope (validation and the fallback pass them on)."""
-    return {name: scope[name] for name in names}
 
 
 def explain(

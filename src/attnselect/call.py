@@ -1,5 +1,6 @@
-"""What one attention call carries besides q, k and v: the vocabulary of its arguments (layouts, masks, dtypes),
-the per-call kernel options (:class:`KernelCall`) and, for packed input, its :class:`Packing`.
+"""What one attention call carries besides q, k and v: its options as one object (:class:`CallOptions`), the
+vocabulary of its arguments (layouts, masks, dtypes), the per-call kernel options (:class:`KernelCall`) and, for
+packed input, its :class:`Packing`.
 
 The lowest layer of the package: validation (:mod:`attnselect.inputs`), the problem and the backends build on it.
 """
@@ -16,6 +17,38 @@ from attnselect.errors import InvalidInputError
 LAYOUTS = ("bshd", "sbhd", "bhsd", "thd")
 MASKS = ("none", "causal", "causal_bottom_right", "sliding_window")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class CallOptions(NamedTuple):
+    """:func:`attnselect.attention`'s keyword options as one frozen object, in its signature's order and with its
+    defaults (tests/test_api.py keeps the two in step). attention() hands it on whole: to validation, to the traced
+    call under torch.compile, to context parallelism and to its fallback."""
+
+    layout: str = "bshd"
+    causal: bool | str = False
+    window: tuple[int, int] | None = None
+    scale: float | None = None
+    dropout_p: float = 0.0
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_kv: torch.Tensor | None = None
+    max_seqlen_q: int | None = None
+    max_seqlen_kv: int | None = None
+    cu_seqlens_q_padded: torch.Tensor | None = None
+    cu_seqlens_kv_padded: torch.Tensor | None = None
+    return_lse: bool = False
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+    return_max_logit: bool = False
+    cp_group: object = None  # a torch.distributed ProcessGroup
+    backend: str | None = None
+    pad: bool | str | None = None
+    disable: object = None  # backend names: a comma-separated string or an iterable
+
+
+# The options that choose how a call runs, not what it computes: the rest describe its problem
+# (AttentionProblem.from_tensors takes those).
+CONTROLS = ("cp_group", "backend", "pad", "disable")
+DESCRIBING = tuple(name for name in CallOptions._fields if name not in CONTROLS)
 
 
 @dataclass(frozen=True)

@@ -135,12 +135,14 @@ _scope = settings.scope
 _NUMBER = (float, int, type(None))
 
 
-def recall(
-    q, k, v, layout, causal, window, scale, dropout_p, cu_q, cu_kv, cu_q_padded, cu_kv_padded, max_q, max_kv,
-    return_lse, backend, pad, disable, softcap, sinks, return_max_logit,
-) -> KnownCall | Unknown | None:  # fmt: skip
+def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
     """The call's :class:`KnownCall` if it was decided before; else :class:`Unknown`, or None where the memo cannot
-    know it (see the module docstring)."""
+    know it (see the module docstring). ``options``: a :class:`~attnselect.call.CallOptions`, or a plain tuple of its
+    fields (attention() builds its object only off this path)."""
+    (
+        layout, causal, window, scale, dropout_p, cu_q, cu_kv, max_q, max_kv, cu_q_padded, cu_kv_padded, return_lse,
+        softcap, sinks, return_max_logit, _, backend, pad, disable,
+    ) = options  # fmt: skip
     if cu_q_padded is not None or cu_kv_padded is not None:
         return None
     if layout == "thd":

@@ -11,7 +11,7 @@ import math
 import torch
 
 from attnselect import masks
-from attnselect.call import DTYPES, LAYOUTS, Packing, mask_from_arguments
+from attnselect.call import DTYPES, LAYOUTS, CallOptions, Packing, mask_from_arguments
 from attnselect.errors import InvalidInputError
 from attnselect.tensor_memo import TensorMemo
 
@@ -23,38 +23,18 @@ def _fail(name: str, seen, expected: str):
     raise InvalidInputError(f"{name}: got {seen}, expected {expected}")
 
 
-def read_call(
-    q,
-    k,
-    v,
-    *,
-    layout="bshd",
-    causal=False,
-    window=None,
-    dropout_p=0.0,
-    cu_seqlens_q=None,
-    cu_seqlens_kv=None,
-    max_seqlen_q=None,
-    max_seqlen_kv=None,
-    return_lse=False,
-    context_parallel_size=1,
-    scale=None,
-    cu_seqlens_q_padded=None,
-    cu_seqlens_kv_padded=None,
-    softcap=None,
-    sinks=None,
-    return_max_logit=False,
-) -> tuple[dict, Packing | None]:
-    """Validate q, k, v and the call arguments; return the fields of its
-    :class:`~attnselect.problem.AttentionProblem` and, for thd, the packing.
+def read_call(q, k, v, options: CallOptions, *, context_parallel_size: int = 1) -> tuple[dict, Packing | None]:
+    """Validate q, k, v and the options that describe the call (:data:`~attnselect.call.DESCRIBING`); return the
+    fields of its :class:`~attnselect.problem.AttentionProblem` and, for thd, the packing.
 
     ``training`` is true when grad mode is on and any input requires grad; ``deterministic``
     follows ``torch.are_deterministic_algorithms_enabled()``. For ``thd`` the boundaries are
-    read on the host (one sync on CUDA) unless both ``max_seqlen_*`` are given. ``scale`` is
-    only validated (it does not change the choice).
+    read on the host (one sync on CUDA) unless both ``max_seqlen_*`` are given. ``scale`` and ``softcap`` are
+    only validated (their values do not change the choice).
     """
-    if layout not in LAYOUTS:
-        _fail("layout", repr(layout), f"one of {LAYOUTS}")
+    o = options
+    if o.layout not in LAYOUTS:
+        _fail("layout", repr(o.layout), f"one of {LAYOUTS}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             _fail(name, type(t).__name__, "a torch.Tensor")
@@ -66,52 +46,52 @@ def read_call(
         _fail("k.dtype/v.dtype", f"q {q.dtype}, k {k.dtype}, v {v.dtype}", "the same dtype as q")
     if not (q.device == k.device == v.device):
         _fail("k.device/v.device", f"q {q.device}, k {k.device}, v {v.device}", "the same device as q")
-    rank = 3 if layout == "thd" else 4
+    rank = 3 if o.layout == "thd" else 4
     shape_hint = (
         "(T, H, D)"
-        if layout == "thd"
-        else {"bshd": "(B, S, H, D)", "sbhd": "(S, B, H, D)", "bhsd": "(B, H, S, D)"}[layout]
+        if o.layout == "thd"
+        else {"bshd": "(B, S, H, D)", "sbhd": "(S, B, H, D)", "bhsd": "(B, H, S, D)"}[o.layout]
     )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != rank:
-            _fail(f"{name}.shape", tuple(t.shape), f"{rank} dims {shape_hint} for layout={layout!r}")
+            _fail(f"{name}.shape", tuple(t.shape), f"{rank} dims {shape_hint} for layout={o.layout!r}")
     if q.shape[-1] != k.shape[-1]:
         _fail("k.shape[-1]", k.shape[-1], f"q's head dim {q.shape[-1]} (q and k share d_qk)")
     capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if layout == "thd":
-        if capturing and (max_seqlen_q is None or max_seqlen_kv is None):
+    if o.layout == "thd":
+        if capturing and (o.max_seqlen_q is None or o.max_seqlen_kv is None):
             _fail(
                 "max_seqlen_q/max_seqlen_kv",
-                f"{max_seqlen_q}/{max_seqlen_kv}",
+                f"{o.max_seqlen_q}/{o.max_seqlen_kv}",
                 "both integers under CUDA graph capture (reading cu_seqlens would need a host sync)",
             )
         seq_axis, head_axis = 0, 1
         packing, lengths = _packing(
             q,
             k,
-            cu_seqlens_q,
-            cu_seqlens_kv,
-            max_seqlen_q,
-            max_seqlen_kv,
-            cu_seqlens_q_padded,
-            cu_seqlens_kv_padded,
+            o.cu_seqlens_q,
+            o.cu_seqlens_kv,
+            o.max_seqlen_q,
+            o.max_seqlen_kv,
+            o.cu_seqlens_q_padded,
+            o.cu_seqlens_kv_padded,
             capturing,
         )
         batch, sq, skv = packing.cu_seqlens_q.numel() - 1, packing.max_seqlen_q, packing.max_seqlen_kv
     else:
-        b_axis, seq_axis, head_axis = DENSE_AXES[layout]
+        b_axis, seq_axis, head_axis = DENSE_AXES[o.layout]
         if not (q.shape[b_axis] == k.shape[b_axis] == v.shape[b_axis]):
             _fail(
                 "k/v batch size", f"q {q.shape[b_axis]}, k {k.shape[b_axis]}, v {v.shape[b_axis]}", "equal batch sizes"
             )
         for name, value in (
-            ("cu_seqlens_q", cu_seqlens_q),
-            ("cu_seqlens_kv", cu_seqlens_kv),
-            ("cu_seqlens_q_padded", cu_seqlens_q_padded),
-            ("cu_seqlens_kv_padded", cu_seqlens_kv_padded),
+            ("cu_seqlens_q", o.cu_seqlens_q),
+            ("cu_seqlens_kv", o.cu_seqlens_kv),
+            ("cu_seqlens_q_padded", o.cu_seqlens_q_padded),
+            ("cu_seqlens_kv_padded", o.cu_seqlens_kv_padded),
         ):
             if value is not None:
-                _fail(name, "a tensor", f"None for layout={layout!r} (cu_seqlens belong to layout='thd')")
+                _fail(name, "a tensor", f"None for layout={o.layout!r} (cu_seqlens belong to layout='thd')")
         batch, sq, skv = q.shape[b_axis], q.shape[seq_axis], k.shape[seq_axis]
         packing = None
     if k.shape[seq_axis] != v.shape[seq_axis]:
@@ -123,26 +103,26 @@ def read_call(
         _fail("q/k heads", f"q {hq}, k {hkv}", "at least one head each")
     if hq % hkv:
         _fail("q heads", hq, f"a multiple of the k/v head count {hkv} (GQA/MQA)")
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        _fail("dropout_p", dropout_p, "a number in [0, 1)")
-    mask, window = mask_from_arguments(causal, window)
-    facts = packing_facts(mask, window, *lengths) if layout == "thd" else {}
-    square = facts["varlen_seqlens_match"] if layout == "thd" else sq == skv
-    if window is not None and causal in (True, "top_left") and not square:
+    if not isinstance(o.dropout_p, (int, float)) or not 0.0 <= o.dropout_p < 1.0:
+        _fail("dropout_p", o.dropout_p, "a number in [0, 1)")
+    mask, window = mask_from_arguments(o.causal, o.window)
+    facts = packing_facts(mask, window, *lengths) if o.layout == "thd" else {}
+    square = facts["varlen_seqlens_match"] if o.layout == "thd" else sq == skv
+    if window is not None and o.causal in (True, "top_left") and not square:
         _fail(
             "window",
             window,
             "no window with top-left causal unless every sequence has as many queries as "
             "keys; windows are bottom-right aligned: use causal='bottom_right'",
         )
-    check_scale(scale)
-    for name, flag in (("return_lse", return_lse), ("return_max_logit", return_max_logit)):
+    check_scale(o.scale)
+    for name, flag in (("return_lse", o.return_lse), ("return_max_logit", o.return_max_logit)):
         if not isinstance(flag, bool):
             _fail(name, repr(flag), "True or False")
-    check_softcap(softcap)
-    check_sinks(sinks, hq, q)
+    check_softcap(o.softcap)
+    check_sinks(o.sinks, hq, q)
     training = torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+        q.requires_grad or k.requires_grad or v.requires_grad or (o.sinks is not None and o.sinks.requires_grad)
     )
     return dict(
         batch=batch,
@@ -153,16 +133,16 @@ def read_call(
         head_dim_qk=q.shape[-1],
         head_dim_v=v.shape[-1],
         dtype=q.dtype,
-        layout=layout,
+        layout=o.layout,
         mask=mask,
         window=window,
-        dropout_p=float(dropout_p),
+        dropout_p=float(o.dropout_p),
         training=training,
         deterministic=torch.are_deterministic_algorithms_enabled(),
-        return_lse=return_lse,
-        softcap=softcap is not None,
-        sinks=sinks is not None,
-        return_max_logit=return_max_logit,
+        return_lse=o.return_lse,
+        softcap=o.softcap is not None,
+        sinks=o.sinks is not None,
+        return_max_logit=o.return_max_logit,
         context_parallel_size=context_parallel_size,
         varlen_gaps=packing is not None and packing.has_gaps,
         cuda_graph_capture=capturing,

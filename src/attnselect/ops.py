@@ -34,7 +34,7 @@ import operator
 
 import torch
 
-from attnselect.call import Packing
+from attnselect.call import CallOptions, Packing
 from attnselect.candidates import Candidate
 from attnselect.errors import InvalidInputError
 from attnselect.execution import kernel_call, run_call
@@ -46,77 +46,53 @@ from attnselect.target import target_for_device
 Tensor = torch.Tensor
 
 
-def traced_attention(
-    q,
-    k,
-    v,
-    *,
-    layout,
-    causal,
-    window,
-    scale,
-    dropout_p,
-    cu_seqlens_q,
-    cu_seqlens_kv,
-    max_seqlen_q,
-    max_seqlen_kv,
-    cu_seqlens_q_padded,
-    cu_seqlens_kv_padded,
-    return_lse,
-    softcap,
-    sinks,
-    return_max_logit,
-    cp_group,
-    backend,
-    pad,
-    disable,
-):
-    """:func:`attnselect.attention` while torch.compile traces it (same arguments, same results)."""
-    if cp_group is not None:
+def traced_attention(q, k, v, options: CallOptions):
+    """:func:`attnselect.attention` while torch.compile traces it (its options as one object; same results)."""
+    o = options
+    if o.cp_group is not None:
         raise InvalidInputError(
             "cp_group: got a process group under torch.compile, expected None: context-parallel attention runs "
             "in eager calls only for now"
         )
-    variants = (("softcap", softcap, None), ("sinks", sinks, None), ("return_max_logit", return_max_logit, False))
-    for name, value, off in variants:
-        if value is not off:
+    for name, off in (("softcap", None), ("sinks", None), ("return_max_logit", False)):
+        if getattr(o, name) is not off:
             raise InvalidInputError(
-                f"{name}: got {value!r} under torch.compile, expected {off}: softcap, sinks and the max logit are "
-                "served in eager calls only for now"
+                f"{name}: got {getattr(o, name)!r} under torch.compile, expected {off}: softcap, sinks and the max "
+                "logit are served in eager calls only for now"
             )
-    if layout == "thd" and (max_seqlen_q is None or max_seqlen_kv is None):
+    if o.layout == "thd" and (o.max_seqlen_q is None or o.max_seqlen_kv is None):
         raise InvalidInputError(
-            f"max_seqlen_q/max_seqlen_kv: got {max_seqlen_q}/{max_seqlen_kv}, expected both "
+            f"max_seqlen_q/max_seqlen_kv: got {o.max_seqlen_q}/{o.max_seqlen_kv}, expected both "
             "integers under torch.compile (cu_seqlens cannot be read while tracing)"
         )
     # plain Python values for the decision: dynamo keeps numbers and bools symbolic where it can
-    scale, causal, return_lse = _constant(scale), _flag(causal), True if return_lse else False
+    scale, causal, return_lse = _constant(o.scale), _flag(o.causal), True if o.return_lse else False
     check_scale(scale)
     cu_kv, offsets_q, offsets_kv, shared = placement(
-        cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded
+        o.cu_seqlens_q, o.cu_seqlens_kv, o.cu_seqlens_q_padded, o.cu_seqlens_kv_padded
     )
-    packed = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+    packed = (o.cu_seqlens_q, o.cu_seqlens_kv, o.cu_seqlens_q_padded, o.cu_seqlens_kv_padded)
     spec = _decide(
         tuple(tuple(map(_constant, t.shape)) for t in (q, k, v)),
         tuple(str(t.dtype) for t in (q, k, v)),
         tuple(str(t.device) for t in (q, k, v)),
         tuple(None if t is None else (str(t.dtype), tuple(map(_constant, t.shape)), str(t.device)) for t in packed),
         shared,
-        layout,
+        o.layout,
         causal,
-        tuple(map(_constant, window)) if isinstance(window, (tuple, list)) else window,
-        _constant(dropout_p),
-        _constant(max_seqlen_q),
-        _constant(max_seqlen_kv),
+        tuple(map(_constant, o.window)) if isinstance(o.window, (tuple, list)) else o.window,
+        _constant(o.dropout_p),
+        _constant(o.max_seqlen_q),
+        _constant(o.max_seqlen_kv),
         return_lse,
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
         torch.are_deterministic_algorithms_enabled(),
-        backend,
-        pad,
-        disable if disable is None or isinstance(disable, str) else tuple(disable),
+        o.backend,
+        o.pad,
+        o.disable if o.disable is None or isinstance(o.disable, str) else tuple(o.disable),
     )
     out, lse, _ = torch.ops.attnselect.attention(
-        q, k, v, cu_seqlens_q, cu_kv, offsets_q, offsets_kv, spec, None if scale is None else float(scale)
+        q, k, v, o.cu_seqlens_q, cu_kv, offsets_q, offsets_kv, spec, None if scale is None else float(scale)
     )
     return (out, lse.detach()) if return_lse else out  # lse is detached, as in eager calls
 
@@ -168,22 +144,12 @@ def _decide(
     cu = [None if p is None else meta(p[1], p[0]) for p in packed]
     if shared_boundaries and cu[0] is not None:
         cu[1] = None
-    problem, _ = describe_call(
-        q,
-        k,
-        v,
-        layout=layout,
-        causal=causal,
-        window=window,
-        dropout_p=dropout_p,
-        cu_seqlens_q=cu[0],
-        cu_seqlens_kv=cu[1],
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_kv=max_seqlen_kv,
+    options = CallOptions(
+        layout, causal, window, dropout_p=dropout_p, cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1],
+        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, cu_seqlens_q_padded=cu[2], cu_seqlens_kv_padded=cu[3],
         return_lse=return_lse,
-        cu_seqlens_q_padded=cu[2],
-        cu_seqlens_kv_padded=cu[3],
-    )
+    )  # fmt: skip
+    problem, _ = describe_call(q, k, v, options)
     # What the meta tensors cannot carry: the traced call's grad mode and determinism, and its graph.
     problem = dataclasses.replace(problem, training=training, deterministic=deterministic, compiled_graph=True)
     for name, device in zip(("k", "v"), devices[1:]):

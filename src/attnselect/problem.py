@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
 import math
 from dataclasses import dataclass
 
 import torch
 
-from attnselect.call import DTYPE_CHOICES, DTYPES, LAYOUTS, MASKS, Packing, dtype_name, is_integer, require
+from attnselect.call import (
+    DESCRIBING,
+    DTYPE_CHOICES,
+    DTYPES,
+    LAYOUTS,
+    MASKS,
+    CallOptions,
+    Packing,
+    dtype_name,
+    is_integer,
+    require,
+)
 from attnselect.inputs import read_call
 
 
@@ -106,10 +116,14 @@ class AttentionProblem:
                 require(isinstance(getattr(self, f.name), bool), f.name, repr(getattr(self, f.name)), "True or False")
 
     @classmethod
-    def from_tensors(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call_arguments) -> AttentionProblem:
-        """Describe a call from its tensors and the call's keyword arguments (those of :func:`attnselect.attention`
-        that shape the problem: layout, causal, window, dropout_p, cu_seqlens_*, max_seqlen_*, return_lse, scale)."""
-        return describe_call(q, k, v, **call_arguments)[0]
+    def from_tensors(
+        cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context_parallel_size: int = 1, **call_arguments
+    ) -> AttentionProblem:
+        """Describe a call from its tensors and the call's keyword arguments: those of :func:`attnselect.attention`
+        that describe the problem (all but cp_group, backend, pad and disable), and the context-parallel group's
+        size."""
+        options = described_options(call_arguments)
+        return describe_call(q, k, v, options, context_parallel_size=context_parallel_size)[0]
 
     # -- derived facts -------------------------------------------------------------------
     @property
@@ -202,19 +216,20 @@ class AttentionProblem:
         return cls(**dict(d, dtype=getattr(torch, d["dtype"]), window=tuple(d["window"]) if d["window"] else None))
 
 
-def describe_call(q, k, v, **call_arguments) -> tuple[AttentionProblem, Packing | None]:
-    """Validate q, k, v and the call arguments (those of :func:`attnselect.inputs.read_call`); return the problem and,
-    for thd, the packing. A misspelt argument is named, with the closest one."""
-    for name in call_arguments:
-        if name not in CALL_ARGUMENTS:
-            close = difflib.get_close_matches(name, CALL_ARGUMENTS, n=1)
-            require(False, name, "an argument", "one of " + ", ".join(CALL_ARGUMENTS)
-                    + (f" (did you mean {close[0]!r}?)" if close else ""))  # fmt: skip
-    fields, packing = read_call(q, k, v, **call_arguments)
+def describe_call(
+    q, k, v, options: CallOptions, *, context_parallel_size: int = 1
+) -> tuple[AttentionProblem, Packing | None]:
+    """Validate q, k, v and the options that describe the call; return the problem and, for thd, the packing."""
+    fields, packing = read_call(q, k, v, options, context_parallel_size=context_parallel_size)
     return AttentionProblem(**fields), packing
 
 
-CALL_ARGUMENTS = tuple(
-    name for name, parameter in inspect.signature(read_call).parameters.items()
-    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-)  # fmt: skip
+def described_options(arguments: dict) -> CallOptions:
+    """:func:`attnselect.attention`'s options from ``arguments``, keyword arguments that describe a problem (the
+    rest keep their defaults); a misspelt or unknown name is named, with the closest one."""
+    for name in arguments:
+        if name not in DESCRIBING:
+            close = difflib.get_close_matches(name, DESCRIBING, n=1)
+            require(False, name, "an argument", "one of " + ", ".join(DESCRIBING)
+                    + (f" (did you mean {close[0]!r}?)" if close else ""))  # fmt: skip
+    return CallOptions(**arguments)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import attnselect
+from attnselect.call import CallOptions
 from attnselect.candidates import Candidate
 from attnselect.execution import run_candidate
 from helpers import dense_inputs, rel_err
@@ -142,7 +143,9 @@ def test_flash_attn4_packed_mapping_matches_the_reference(kwargs, lengths, monke
         lengths = (lengths[0], None)  # top-left causal is served where it equals bottom-right: same lengths
     (q, k, v), cu_q, cu_kv = thd_inputs(*lengths, hq=4, hkv=2, dqk=24, dv=16)
     q, k, v = (t.detach() for t in (q, k, v))
-    problem, packing = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
+    problem, packing = describe_call(
+        q, k, v, CallOptions(layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
+    )
     fa4 = attnselect.Target.preset("h200", flash_attn4_version="4.0.0b36")
     assert attnselect.backends.get("flash_attn4").packs_thd(fa4)
     out, lse = run_candidate(Candidate("flash_attn4"), problem, q, k, v, packing=packing, target=fa4)

@@ -17,6 +17,7 @@ import torch
 
 import attnselect
 from attnselect.backends import get
+from attnselect.call import CallOptions
 from attnselect.candidates import Candidate
 from attnselect.execution import run_candidate
 from attnselect.problem import describe_call
@@ -141,7 +142,9 @@ def _check(backend, kwargs, lengths, dqk, pad):
     if kwargs.get("causal") is True and lengths[0] != lengths[1]:
         cu_kv = cu_q
         k, v = k[: q.shape[0]], v[: q.shape[0]]
-    problem, packing = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
+    problem, packing = describe_call(
+        q, k, v, CallOptions(layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
+    )
     out, lse = run_candidate(
         Candidate(backend, dqk if pad else None),
         problem,
@@ -285,7 +288,9 @@ def test_cudnn_frontend_bucketed_packing_equals_unbucketed(lengths, kwargs, monk
     seen = _recording_stub(monkeypatch)
     frontend = get("cudnn_frontend")
     (q, k, v), cu_q, cu_kv = thd_inputs(*lengths, dqk=24, dv=16)
-    problem, packing = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
+    problem, packing = describe_call(
+        q, k, v, CallOptions(layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
+    )
     runs = []
     for buckets in (PackingBuckets(Rounding(floor=16), Rounding(floor=64)), None):
         monkeypatch.setattr(frontend, "shape_cache", dataclasses.replace(type(frontend).shape_cache, buckets=buckets))
@@ -360,8 +365,12 @@ def test_cudnn_frontend_repeated_packed_runner_serves_each_call_s_own_boundaries
     monkeypatch.setitem(sys.modules, "cudnn", stub)
     (q, k, v), cu, _ = thd_inputs([5, 1, 0, 9, 3], hq=4, hkv=4)
     q, k, v = (t.detach().requires_grad_(training) for t in (q, k, v))
-    problem, first = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu, max_seqlen_q=9, max_seqlen_kv=9,
-                                   causal=True, return_lse=return_lse)  # fmt: skip
+    problem, first = describe_call(
+        q,
+        k,
+        v,
+        CallOptions(layout="thd", cu_seqlens_q=cu, max_seqlen_q=9, max_seqlen_kv=9, causal=True, return_lse=return_lse),
+    )
     call = kernel_call(problem)
     run = packed_runner(get("cudnn_frontend"), None, call, like=(q, k, v, first))
     for bounds in ([0, 5, 6, 6, 15, 18], [0, 9, 10, 12, 15, 18], [0, 9, 10, 12, 15, 18]):
@@ -392,7 +401,7 @@ def test_cudnn_frontend_packed_runner_not_repeated_binds_nothing(monkeypatch):
     stub.sdpa_torch = recording
     monkeypatch.setitem(sys.modules, "cudnn", stub)
     (q, k, v), cu, _ = thd_inputs([5, 1, 0, 9, 3], hq=4, hkv=4)
-    problem, packing = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True)
+    problem, packing = describe_call(q, k, v, CallOptions(layout="thd", cu_seqlens_q=cu, causal=True))
     run = get("cudnn_frontend").packed_runner(kernel_call(problem))
     with torch.no_grad():
         run(q, k, v, packing)

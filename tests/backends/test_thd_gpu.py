@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attnselect
+from attnselect.call import CallOptions
 from attnselect.candidates import judge
 from attnselect.problem import describe_call
 from attnselect.target import Target
@@ -42,7 +43,7 @@ def _candidates():
     params = []
     for label, kwargs, shape in CASES:
         (q, k, v), cu_q, cu_kv = thd_inputs(**shape, dtype=torch.bfloat16, device="cuda")
-        problem, _ = describe_call(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
+        problem, _ = describe_call(q, k, v, CallOptions(layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs))
         for verdict in judge(problem, Target.current()):
             c = verdict.candidate
             if verdict.supported and c.backend != "reference":
@@ -122,13 +123,15 @@ def test_a_copy_of_cu_seqlens_q_as_cu_seqlens_kv_is_self_attention_on_the_gpu():
         q,
         k,
         v,
-        layout="thd",
-        cu_seqlens_q=cu_q,
-        cu_seqlens_kv=cu_q.clone(),
-        causal=True,
-        window=(48, 0),
-        max_seqlen_q=256,
-        max_seqlen_kv=256,
+        CallOptions(
+            layout="thd",
+            cu_seqlens_q=cu_q,
+            cu_seqlens_kv=cu_q.clone(),
+            causal=True,
+            window=(48, 0),
+            max_seqlen_q=256,
+            max_seqlen_kv=256,
+        ),
     )
     assert problem.varlen_seqlens_match and not problem.varlen_rows_without_keys
     if _frontend_installed():  # not refused as unverified for keyless rows

@@ -82,12 +82,9 @@ def test_cp_group_must_be_a_process_group():
 
 
 def test_cp_group_is_refused_under_torch_compile():
+    from attnselect.call import CallOptions
     from attnselect.ops import traced_attention
 
     q = torch.randn(1, 4, 2, 8)
-    options = dict.fromkeys(["window", "scale", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv",
-                             "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "softcap", "sinks", "backend", "pad",
-                             "disable"])  # fmt: skip
     with pytest.raises(attnselect.InvalidInputError, match="cp_group: got a process group under torch.compile"):
-        traced_attention(q, q, q, layout="bshd", causal=False, dropout_p=0.0, return_lse=False,
-                         return_max_logit=False, cp_group=object(), **options)  # fmt: skip
+        traced_attention(q, q, q, CallOptions(cp_group=object()))

@@ -18,7 +18,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from attnselect.call import require
+from attnselect.call import DESCRIBING, CallOptions, require
 from attnselect.context_parallel.ring import Halves, Ring, RingAttention, thd_halves
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import apply_sinks, kernel_call, run_call
@@ -37,56 +37,55 @@ def group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def attention(q, k, v, *, cp_group, backend, pad, disable, **described):
-    """``(out, lse, *max_logit)`` of this rank's shard (``described``: attention()'s options that describe a
-    problem) for a ``cp_group`` that :func:`group_size` checked and found larger than one; lse in float32 (float64
-    for float64 input), carrying a gradient."""
+def attention(q, k, v, options: CallOptions):
+    """``(out, lse, *max_logit)`` of this rank's shard for a ``cp_group`` (of ``options``) that :func:`group_size`
+    checked and found larger than one; lse in float32 (float64 for float64 input), carrying a gradient."""
+    cp_group = options.cp_group
     size, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     # the ring trains q, k and v; sinks that alone need a gradient get it from the merged result (apply_sinks)
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     facts, refused = [f"training={training}"], None
     try:
-        problem, packing = describe_call(q, k, v, context_parallel_size=size, **described)
-        lengths = _local_lengths(problem, packing, q, described)
+        problem, packing = describe_call(q, k, v, options, context_parallel_size=size)
+        lengths = _local_lengths(problem, packing, q, options)
         facts.append(f"lengths={lengths}")
-        _refuse_unsupported(problem, packing, q, k, lengths, described)
+        _refuse_unsupported(problem, packing, q, k, lengths, options)
         halves = _halves(problem, packing, q)
         target = target_for_device(q.device)
-        pairs = _chunk_kernels(problem, packing, halves, lengths, training, target, backend, pad, disable, described)
+        pairs = _chunk_kernels(problem, packing, halves, lengths, training, target, options)
         facts += [f"{kind}: {run.args[0]}" for kind, run in pairs.items()]
     except AttnSelectError as exc:  # every rank learns of it before any rank starts the ring
         refused = exc
-    _check_ranks_agree(cp_group, rank, q, k, v, described, facts, refused)
+    _check_ranks_agree(cp_group, rank, q, k, v, options, facts, refused)
     ring = Ring(cp_group, rank, size, problem.mask == "causal", problem.layout, halves, pairs)
     if training:
         out, lse, *max_logit = RingAttention.apply(q, k, v, ring)
     else:
         out, lse, max_logit = ring.forward(q, k, v)
-    sinks = described.get("sinks")
+    sinks = options.sinks
     if sinks is not None:  # each rank's sinks gradient is its share: the group's sum is the whole one
         out, lse = apply_sinks(out, lse, sinks, problem.layout)
     return out, lse, *max_logit
 
 
-def _local_lengths(problem: AttentionProblem, packing, q, described) -> tuple[list, list] | None:
+def _local_lengths(problem: AttentionProblem, packing, q, options: CallOptions) -> tuple[list, list] | None:
     """The local (q, kv) sequence lengths of a thd shard, read on the host (on a GPU a sync, as validation's own read
     there); None for dense input, and where attention() trusts the boundaries (both max_seqlen given on a GPU)."""
     if problem.layout != "thd":
         return None
-    if q.device.type != "cpu" and described.get("max_seqlen_q") is not None:
-        if described.get("max_seqlen_kv") is not None:
-            return None
+    if q.device.type != "cpu" and options.max_seqlen_q is not None and options.max_seqlen_kv is not None:
+        return None
     bounds_q = packing.cu_seqlens_q.tolist()
     same = packing.cu_seqlens_kv is packing.cu_seqlens_q
     return lengths_of(bounds_q), lengths_of(bounds_q if same else packing.cu_seqlens_kv.tolist())
 
 
-def _refuse_unsupported(problem: AttentionProblem, packing, q, k, lengths, described) -> None:
+def _refuse_unsupported(problem: AttentionProblem, packing, q, k, lengths, options: CallOptions) -> None:
     """Refuse what the ring does not serve, naming the argument."""
     n = problem.context_parallel_size
     require(problem.window is None, "window", f"{problem.window} with cp_group",
             "None: sliding windows are not served under context parallelism yet")  # fmt: skip
-    require(problem.mask in ("none", "causal"), "causal", f"{described.get('causal')!r} with cp_group",
+    require(problem.mask in ("none", "causal"), "causal", f"{options.causal!r} with cp_group",
             "False or True (top-left): bottom-right causal is not served under context parallelism yet")  # fmt: skip
     require(problem.dropout_p == 0.0, "dropout_p", f"{problem.dropout_p} with cp_group",
             "0.0: the ring's backward recomputes each chunk pair, which would draw a new dropout mask")  # fmt: skip
@@ -108,7 +107,8 @@ def _refuse_unsupported(problem: AttentionProblem, packing, q, k, lengths, descr
             "cp_group (self-attention)")  # fmt: skip
     if lengths is None:  # trusted boundaries: only the longest is checked
         for name in ("max_seqlen_q", "max_seqlen_kv"):
-            require(described[name] % 2 == 0, name, described[name], f"an even local length (global / {n})")
+            value = getattr(options, name)
+            require(value % 2 == 0, name, value, f"an even local length (global / {n})")
         return
     for name, local in zip(("cu_seqlens_q", "cu_seqlens_kv"), lengths):
         odd = [length for length in local if length % 2]
@@ -130,7 +130,7 @@ def _halves(problem: AttentionProblem, packing, q) -> Halves | None:
     return _HALVES.get((cu,), q.shape[0], lambda: thd_halves(cu, q.shape[0]))
 
 
-def _chunk_kernels(problem, packing, halves, lengths, training, target, backend, pad, disable, described) -> dict:
+def _chunk_kernels(problem, packing, halves, lengths, training, target, options: CallOptions) -> dict:
     """kind -> run(q, k, v) of each chunk pair the ring runs (ring.py's schedule), on attnselect's choice."""
     base = dataclasses.replace(problem, return_lse=True, sinks=False, training=training)
     if problem.mask == "none":
@@ -146,8 +146,9 @@ def _chunk_kernels(problem, packing, halves, lengths, training, target, backend,
     runs = {}
     for kind, (pair, pair_packing) in pairs.items():
         decide = select if pair.layout != "thd" else select_packed
-        candidate = decide(pair, target=target, backend=backend, pad=pad, disable=disable).chosen
-        call = kernel_call(pair, described.get("scale"), described.get("softcap"))
+        o = options
+        candidate = decide(pair, target=target, backend=o.backend, pad=o.pad, disable=o.disable).chosen
+        call = kernel_call(pair, o.scale, o.softcap)
         runs[kind] = functools.partial(run_call, candidate, pair, call, packing=pair_packing, target=target)
     return runs
 
@@ -175,12 +176,14 @@ _AGREED: OrderedDict[tuple, None] = OrderedDict()
 _AGREED_SIZE = 4096
 
 
-def _check_ranks_agree(group, rank: int, q, k, v, described: dict, facts: list, refused) -> None:
+def _check_ranks_agree(group, rank: int, q, k, v, options: CallOptions, facts: list, refused) -> None:
     """One all-reduce (MAX) of [checksum, -checksum, refused] over the group: raise on every rank when the ranks'
-    calls differ or any rank refused its own (module docstring: once per signature over NCCL)."""
-    options = {name: tuple(x.shape) if isinstance(x, torch.Tensor) else x for name, x in described.items()}
+    calls differ in their shapes, the options that describe them, or any rank refused its own (module docstring: once
+    per signature over NCCL)."""
+    described = {name: getattr(options, name) for name in DESCRIBING}
+    described = {name: tuple(x.shape) if isinstance(x, torch.Tensor) else x for name, x in described.items()}
     shapes = f"q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}"
-    signature = f"{shapes} {options} {facts}"
+    signature = f"{shapes} {described} {facts}"
     nccl = dist.get_backend(group) == "nccl"
     if nccl and refused is None and (group, signature) in _AGREED:
         _AGREED.move_to_end((group, signature))
