@@ -178,7 +178,7 @@ CASES = [
     ("scale inf", (q, k, v), {"scale": float("inf")}, r"scale: got inf"),
     ("scale bool", (q, k, v), {"scale": True}, r"scale: got True"),
     ("dropout negative", (q, k, v), {"dropout_p": -0.1}, r"dropout_p: got -0\.1, expected a number in \[0, 1\)"),
-    ("dropout text", (q, k, v), {"dropout_p": "0.1"}, r"dropout_p: got 0\.1, expected a number in \[0, 1\)"),
+    ("dropout text", (q, k, v), {"dropout_p": "0.1"}, r"dropout_p: got '0\.1', expected a number in \[0, 1\)"),
     ("window not integers", (q, k, v), {"window": (1.5, 0)}, r"window: got \(1\.5, 0\)"),
     (
         "forced backend unknown",

@@ -54,7 +54,7 @@ def _explain_parser(sub) -> None:
 
 
 def problem_from_args(a) -> AttentionProblem:
-    heads, kv_heads, dqk, dv = a.heads, a.kv_heads or a.heads, a.head_dim_qk, a.head_dim_v
+    heads, kv_heads, dqk, dv = a.heads, a.heads if a.kv_heads is None else a.kv_heads, a.head_dim_qk, a.head_dim_v
     if a.model:
         m = MODELS[a.model]
         heads, kv_heads, dqk, dv = m.heads, m.kv_heads, m.head_dim_qk, m.head_dim_v

@@ -104,7 +104,7 @@ def read_call(q, k, v, options: CallOptions, *, context_parallel_size: int = 1) 
     if hq % hkv:
         _fail("q heads", hq, f"a multiple of the k/v head count {hkv} (GQA/MQA)")
     if not isinstance(o.dropout_p, (int, float)) or not 0.0 <= o.dropout_p < 1.0:
-        _fail("dropout_p", o.dropout_p, "a number in [0, 1)")
+        _fail("dropout_p", _describe(o.dropout_p), "a number in [0, 1)")
     mask, window = mask_from_arguments(o.causal, o.window)
     facts = packing_facts(mask, window, *lengths) if o.layout == "thd" else {}
     square = facts["varlen_seqlens_match"] if o.layout == "thd" else sq == skv
@@ -240,7 +240,7 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv, capturing=
             _fail(name, f"{cu.numel()} entries", f"as many as cu_seqlens_q ({cu_q.numel()})")
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_kv", max_kv)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            _fail(name, value, "an integer >= 0")
+            _fail(name, _describe(value), "an integer >= 0")
     if same and offsets_kv is offsets_q and k.shape[0] != q.shape[0]:  # shapes alone: no host read
         _fail("k.shape[0]", k.shape[0], f"q's token count {q.shape[0]} (k shares q's cu_seqlens and offsets)")
     if max_q is not None and max_kv is not None and cu_q.device.type != "cpu":

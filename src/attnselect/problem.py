@@ -76,14 +76,14 @@ class AttentionProblem:
             require(
                 is_integer(getattr(self, name)) and getattr(self, name) >= 0,
                 name,
-                getattr(self, name),
+                repr(getattr(self, name)),
                 "an integer >= 0",
             )
         for name in ("heads_q", "heads_kv", "head_dim_qk", "head_dim_v", "context_parallel_size"):
             require(
                 is_integer(getattr(self, name)) and getattr(self, name) >= 1,
                 name,
-                getattr(self, name),
+                repr(getattr(self, name)),
                 "an integer >= 1",
             )
         require(
@@ -92,7 +92,7 @@ class AttentionProblem:
             f"{self.heads_q} with heads_kv={self.heads_kv}",
             "a multiple of heads_kv (GQA/MQA)",
         )
-        require(self.dtype in DTYPES, "dtype", self.dtype, DTYPE_CHOICES)
+        require(self.dtype in DTYPES, "dtype", repr(self.dtype), DTYPE_CHOICES)
         require(self.layout in LAYOUTS, "layout", repr(self.layout), f"one of {LAYOUTS}")
         require(self.mask in MASKS, "mask", repr(self.mask), f"one of {MASKS}")
         if self.mask == "sliding_window":
@@ -100,15 +100,15 @@ class AttentionProblem:
             require(
                 isinstance(w, tuple) and len(w) == 2 and all(isinstance(x, int) and x >= -1 for x in w),
                 "window",
-                w,
+                repr(w),
                 "a (left, right) pair of integers >= -1 (-1 = unbounded)",
             )
         else:
-            require(self.window is None, "window", self.window, "None unless mask='sliding_window'")
+            require(self.window is None, "window", repr(self.window), "None unless mask='sliding_window'")
         require(
             isinstance(self.dropout_p, float) and 0.0 <= self.dropout_p < 1.0,
             "dropout_p",
-            self.dropout_p,
+            repr(self.dropout_p),
             "a float in [0, 1)",
         )
         for f in dataclasses.fields(self):

@@ -70,8 +70,8 @@ class CudnnFrontend(Backend):
             and t.at_least("cudnn_version", "9.19.0")
         ):
             r.append(
-                f"head dims {p.head_dim_qk}/{p.head_dim_v} above 256: only the 576/512 forward (inference), on sm90 "
-                f"with cuDNN >= 9.19; here {t.arch}, cuDNN {t.cudnn_version}" + (", training" if p.training else "")
+                f"head dims {p.head_dim_qk}/{p.head_dim_v} above 256: only a 576/512 forward (inference) on sm90, "
+                f"cuDNN >= 9.19; here {t.arch}, {t.cudnn_version}" + (", training" if p.training else "")
             )
         # sdpa_support_surface.h: THD needs Hopper or newer, Ampere from cuDNN 9.18.1.
         if p.layout == "thd" and cc < (9, 0) and not t.at_least("cudnn_version", "9.18.1"):

@@ -62,8 +62,8 @@ class SdpaCudnn(SdpaBackend):
             # Measured on the H200 (torch 2.11, cuDNN 9.19): bottom-right causal with Sq=200 > Skv=64 gave
             # NaN dq in the rows that see no key (Sq=256, Skv=128 did not), so refuse the whole class.
             r.append(
-                "its backward can give NaN gradients to queries that see no key, which this mask and these "
-                "lengths may leave (measured on an H200)"
+                "its backward can give NaN gradients to queries that see no key, as this mask and these lengths "
+                "may leave (H200)"
             )
         if p.single_key:
             r.append("a key sequence of length 1 is refused (check_cudnn_tensor_shapes)")
