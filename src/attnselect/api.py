@@ -9,7 +9,6 @@ from attnselect.call import CallOptions, Packing
 from attnselect.call_memo import KnownCall, recall
 from attnselect.context_parallel.call import attention as context_parallel_attention
 from attnselect.context_parallel.call import group_size
-from attnselect.decision import Decision
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import apply_sinks, dense_runner, kernel_call, packed_runner, run_call
 from attnselect.failures import mark_failed
@@ -183,38 +182,4 @@ def explain(
     """
     if not isinstance(show_all, bool):
         raise InvalidInputError(f"show_all: got {show_all!r}, expected True or False")
-    return format_report(select(problem, target=target, backend=backend, pad=pad, disable=disable), show_all=show_all)
-
-
-def format_report(decision: Decision, *, show_all: bool = False) -> str:
-    """The report :func:`explain` prints: every supported candidate with its rank, then the others, one line per
-    reason with the candidates it refuses (``show_all``: one row per candidate, every reason in full)."""
-    shown = [v for v in decision.verdicts if show_all or v.supported]
-    rows = [("backend", "padded to", "supported", "rank", "reasons")]
-    for verdict in shown:
-        c = verdict.candidate
-        rank = decision.rank_of(c)
-        rows.append((c.backend, str(c.pad_to) if c.padded else "-", "yes" if verdict.supported else "no",
-                     str(rank) if rank else "-", "; ".join(verdict.reasons)))  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [f"problem: {decision.problem.describe()}", f"target:  {decision.target.describe()}", ""]
-    for r in rows:
-        lines.append(("  ".join(cell.ljust(w) for cell, w in zip(r[:4], widths)) + "  " + r[4]).rstrip())
-    refused = [v for v in decision.verdicts if not v.supported]
-    if refused and not show_all:
-        groups: dict[str, list[str]] = {}
-        for v in refused:
-            names = groups.setdefault(_reason_group(v.reasons[0]), [])
-            names += [] if v.candidate.backend in names else [v.candidate.backend]
-        lines += ["", f"not supported: {len(refused)} candidates (explain(..., show_all=True) or --all lists each):"]
-        lines += [f"  {reason}: {', '.join(names)}" for reason, names in groups.items()]
-    lines += ["", f"chosen:  {decision.chosen}", f"why:     {decision.why}"]
-    return "\n".join(lines)
-
-
-def _reason_group(reason: str) -> str:
-    """A refusal's first reason as a group heading: missing packages together, a reason over 120 characters cut
-    (tests/test_public_errors.py keeps every reason shorter)."""
-    if reason.startswith("package ") and reason.endswith(" is not installed"):
-        return "package not installed"
-    return reason if len(reason) <= 120 else reason[:117] + "..."
+    return select(problem, target=target, backend=backend, pad=pad, disable=disable).report(show_all=show_all)

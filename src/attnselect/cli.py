@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from attnselect.api import attention, format_report
+from attnselect.api import attention
 from attnselect.backends import all_backends
 from attnselect.call import mask_from_arguments
 from attnselect.errors import AttnSelectError
@@ -93,7 +93,7 @@ def cmd_explain(a) -> int:
     except AttnSelectError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(decision.to_dict(), indent=2) if a.json else format_report(decision, show_all=a.all))
+    print(json.dumps(decision.to_dict(), indent=2) if a.json else decision.report(show_all=a.all))
     return 0
 
 

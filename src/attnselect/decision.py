@@ -1,4 +1,5 @@
-"""`Decision`: the outcome of one selection, and the sentence that says why."""
+"""`Decision`: the outcome of one selection, and its prose: the sentence that says why, the report `explain`
+prints, and the message when no candidate serves."""
 
 from __future__ import annotations
 
@@ -62,6 +63,34 @@ class Decision:
     def rank_of(self, candidate: Candidate) -> int | None:
         return self.ranked.index(candidate) + 1 if candidate in self.ranked else None
 
+    def report(self, *, show_all: bool = False) -> str:
+        """The report :func:`attnselect.explain` prints: the supported candidates by rank, then the others, one line
+        per reason with the candidates it refuses (``show_all``: one row per candidate, every reason in full)."""
+        by_rank = sorted((v for v in self.verdicts if v.supported), key=lambda v: self.rank_of(v.candidate))
+        refused = [v for v in self.verdicts if not v.supported]
+        rows = [("backend", "padded to", "supported", "rank", "reasons")]
+        for verdict in by_rank + (refused if show_all else []):
+            c = verdict.candidate
+            rank = self.rank_of(c)
+            rows.append((c.backend, str(c.pad_to) if c.padded else "-", "yes" if verdict.supported else "no",
+                         str(rank) if rank else "-", "; ".join(verdict.reasons)))  # fmt: skip
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [f"problem: {self.problem.describe()}", f"target:  {self.target.describe()}", ""]
+        for r in rows:
+            lines.append(("  ".join(cell.ljust(w) for cell, w in zip(r[:4], widths)) + "  " + r[4]).rstrip())
+        if refused and not show_all:
+            groups: dict[str, list[str]] = {}
+            for v in refused:
+                names = groups.setdefault(_reason_group(v.reasons[0]), [])
+                names += [] if v.candidate.backend in names else [v.candidate.backend]
+            lines += [
+                "",
+                f"not supported: {len(refused)} candidates (explain(..., show_all=True) or --all lists each):",
+            ]
+            lines += [f"  {reason}: {', '.join(names)}" for reason, names in groups.items()]
+        lines += ["", f"chosen:  {self.chosen}", f"why:     {self.why}"]
+        return "\n".join(lines)
+
     def to_dict(self) -> dict:
         return {
             "problem": self.problem.to_dict(),
@@ -79,3 +108,29 @@ class Decision:
                 for v in self.verdicts
             ],
         }
+
+
+def _reason_group(reason: str) -> str:
+    """A refusal's first reason as a group heading: missing packages together, a reason over 120 characters cut
+    (tests/test_public_errors.py keeps every reason shorter)."""
+    if reason.startswith("package ") and reason.endswith(" is not installed"):
+        return "package not installed"
+    return reason if len(reason) <= 120 else reason[:117] + "..."
+
+
+def no_candidate_message(problem: AttentionProblem, target: Target, verdicts: tuple, overrides: Overrides) -> str:
+    """The error when no candidate serves: every candidate (the forced backend's alone) with its reasons."""
+    forced = [f"backend={overrides.backend!r}"] * bool(overrides.backend) + [f"pad={overrides.pad!r}"] * (
+        overrides.pad != "auto"
+    )
+    head = (
+        f"No attention candidate can serve {problem.describe()} on {target.describe()}"
+        + (f" with {', '.join(forced)}" if forced else "")
+        + ". Every candidate and why not:"
+    )
+    lines = [head]
+    for v in verdicts:
+        if overrides.backend and v.candidate.backend != overrides.backend:
+            continue
+        lines.append(f"  {v.candidate}: " + "; ".join(v.reasons))
+    return "\n".join(lines)

@@ -10,7 +10,7 @@ import torch
 from attnselect import backends, debug, settings
 from attnselect.caches import register_cache
 from attnselect.candidates import Candidate, judge, override_reasons
-from attnselect.decision import Decision
+from attnselect.decision import Decision, no_candidate_message
 from attnselect.distributed import is_distributed
 from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.failures import failures
@@ -144,20 +144,3 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
     if overrides.policy == "measure" and (len(ranked) > 1 or is_distributed()):
         ranked, timings = measure.measured(problem, target, ranked)
     return Decision(problem, target, overrides.policy, overrides, ranked[0], ranked, verdicts, timings)
-
-
-def no_candidate_message(problem, target, verdicts, overrides) -> str:
-    forced = [f"backend={overrides.backend!r}"] * bool(overrides.backend) + [f"pad={overrides.pad!r}"] * (
-        overrides.pad != "auto"
-    )
-    head = (
-        f"No attention candidate can serve {problem.describe()} on {target.describe()}"
-        + (f" with {', '.join(forced)}" if forced else "")
-        + ". Every candidate and why not:"
-    )
-    lines = [head]
-    for v in verdicts:
-        if overrides.backend and v.candidate.backend != overrides.backend:
-            continue
-        lines.append(f"  {v.candidate}: " + "; ".join(v.reasons))
-    return "\n".join(lines)
