@@ -32,6 +32,8 @@
 #                                      #                                                -> $OUT/h200_context_parallel.txt
 #   bash scripts/device_run.sh hot-path # benchmarks/hot_path.py: host time of repeated small calls -> $OUT/h200_hot_path.*
 #                                      # (HOT_PATH_PART=name -> $OUT/h200_hot_path_name.*)
+#   bash scripts/device_run.sh hot-path-parts # benchmarks/hot_path_parts.py: that dense call's host time, part by
+#                                      # part                                       -> $OUT/h200_hot_path_parts.*
 #   bash scripts/device_run.sh overhead # benchmarks/packed_overhead.py (with FA4 where installed) -> $OUT/h200_packed_overhead.*
 #   bash scripts/device_run.sh thd-inference # benchmarks/thd_inference.py: packed inference, a new packing a step,
 #                                      # host time included (THD_TIMEOUT seconds, default 400) -> $OUT/h200_thd_inference.*
@@ -169,6 +171,9 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   hot-path)
     timeout 200 python3 benchmarks/hot_path.py --profile --out "$OUT/h200_hot_path${HOT_PATH_PART:+_$HOT_PATH_PART}" 2>&1 \
       | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;
+  hot-path-parts)
+    timeout 200 python3 benchmarks/hot_path_parts.py --out "$OUT/h200_hot_path_parts" 2>&1 | grep -v -i warn \
+      | grep -E '^(\||## |Timing)' | cut -c1-160 ;;
   overhead)
     timeout 300 python3 benchmarks/packed_overhead.py --out "$OUT/h200_packed_overhead" 2>&1 | grep -v -i warn | tail -14 ;;
   loop)   # LOOP_ROWS="row;row" runs some of the rows, LOOP_ROUNDS rounds of them, into $OUT/h200_training_loop${LOOP_PART:+_$LOOP_PART}
@@ -178,7 +183,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests grid grid-odd hot-path overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done
