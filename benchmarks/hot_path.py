@@ -223,6 +223,14 @@ def packed_rows(device: str, forced: str | None = None):
     return problem, chosen, rows
 
 
+def write_report(out: str | None, report: dict, lines: list[str]) -> None:
+    """Print the report's lines; with ``out``, write them to ``out``.md and the report to ``out``.json."""
+    print("\n".join(lines))
+    if out:
+        Path(out + ".json").write_text(json.dumps(report, indent=1))
+        Path(out + ".md").write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=500)
@@ -271,10 +279,7 @@ def main() -> None:
                 name, fn = next(iter(rows.items()))
                 heading = f"\ncProfile of `{name}`, {calls} calls, top 25 by own time:\n"
                 lines += [heading, "```", profile(fn, calls), "```"]
-    print("\n".join(lines))
-    if a.out:
-        Path(a.out + ".json").write_text(json.dumps(report, indent=1))
-        Path(a.out + ".md").write_text("\n".join(lines) + "\n")
+    write_report(a.out, report, lines)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 import types
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 import attnselect
 from attnselect import api, call_memo
-from hot_path import dense_inputs, time_rows
+from hot_path import dense_inputs, time_rows, write_report
 
 # The parts of call_memo.recall taken out, cumulatively (the source text and what replaces it).
 PARTS = (
@@ -119,10 +118,7 @@ def main() -> None:
                 d = r["first_minus_this"]
                 diff = "" if name == "attention()" else f"{d['median']:+.2f} ({d['q1']:+.2f}..{d['q3']:+.2f})"
                 lines.append(f"| {name} | {r['us']:.1f} ({r['q1']:.1f}..{r['q3']:.1f}) | {diff} |")
-    print("\n".join(lines))
-    if a.out:
-        Path(a.out + ".json").write_text(json.dumps(report, indent=1))
-        Path(a.out + ".md").write_text("\n".join(lines) + "\n")
+    write_report(a.out, report, lines)
 
 
 if __name__ == "__main__":
