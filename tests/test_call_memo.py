@@ -196,3 +196,23 @@ def test_a_recent_call_on_cuda_tensors_is_known_only_under_its_capture_state(mon
     assert type(_recall(q, k, v)) is Unknown and asked
     monkeypatch.setattr(call_memo, "_capturing", lambda: False)  # a side stream, not capturing
     assert type(_recall(q, k, v)) is KnownCall
+
+
+def test_a_call_decided_while_the_memo_is_cleared_is_not_kept(monkeypatch):
+    """A backend registered by another thread while a call is decided clears the memo: that decision may rest on the
+    registry it forgot, so neither the call memo nor selection's keeps it."""
+    from attnselect import selection
+
+    decide = selection._decide
+
+    def decide_while_cleared(*args):
+        attnselect.clear_cache()  # what backends.register does, in the middle of the decision
+        return decide(*args)
+
+    monkeypatch.setattr(selection, "_decide", decide_while_cleared)
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v)
+    assert not call_memo.known_calls() and not call_memo._RECENT and not selection._MEMO
+    monkeypatch.setattr(selection, "_decide", decide)
+    attnselect.attention(q, k, v)
+    assert len(call_memo.known_calls()) == 1 and type(_recall(q, k, v)) is KnownCall

@@ -266,3 +266,12 @@ def test_packed_decisions_at_new_sizes_judge_no_candidate_again(monkeypatch):
         problem = AttentionProblem(batch, seqlen, seqlen, 16, 16, 192, 128, layout="thd", mask="causal", training=True)
         assert selection.select_packed(problem, target=h200).chosen == Candidate("cudnn_frontend")
     assert len(judged) == 1
+
+
+def test_the_report_lists_a_supported_candidate_left_out_of_the_ranking_last():
+    """measure drops a candidate that failed while it was timed from ranked; its verdict still says supported."""
+    decision = attnselect.select(P, target=CPU)
+    kept = dataclasses.replace(decision, ranked=decision.ranked[:1])
+    report = kept.report()
+    rows = [line.split()[:4] for line in report.splitlines()[3:] if line and line.split()[2:3] == ["yes"]]
+    assert rows[0][3] == "1" and all(row[3] == "-" for row in rows[1:]) and len(rows) == len(decision.ranked)

@@ -21,8 +21,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 class CallOptions(NamedTuple):
     """:func:`attnselect.attention`'s keyword options as one frozen object, in its signature's order and with its
-    defaults (tests/test_api.py keeps the two in step). attention() hands it on whole: to validation, to the traced
-    call under torch.compile, to context parallelism and to its fallback."""
+    defaults (tests/test_api.py keeps the two in step). attention() hands it on whole to validation, to the traced
+    call under torch.compile and to context parallelism; its fallback calls attention() again with its fields."""
 
     layout: str = "bshd"
     causal: bool | str = False

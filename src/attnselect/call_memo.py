@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from attnselect import settings
-from attnselect.caches import register_cache
+from attnselect.caches import generation, register_cache
 from attnselect.call import KernelCall
 from attnselect.candidates import Candidate
 from attnselect.problem import AttentionProblem
@@ -64,12 +64,13 @@ class _Entry(NamedTuple):
 
 
 class Unknown(NamedTuple):
-    """A call not decided before: :meth:`remember` keeps its decision."""
+    """A call not decided before: :meth:`remember` keeps its decision, unless the memo was cleared meanwhile."""
 
     state: tuple
     tensors: tuple
     capturing: bool | None
     key: tuple
+    generation: int  # caches.generation() when the call was looked up
 
     def remember(self, known: KnownCall) -> None:
         guard = None
@@ -84,6 +85,9 @@ class Unknown(NamedTuple):
         if len(_CALLS) > MEMO_SIZE:
             _CALLS.popitem(last=False)
         _make_recent(entry)
+        if generation() != self.generation:  # cleared while deciding: the decision may rest on what it forgot
+            _CALLS.pop(self.key, None)
+            _RECENT[:] = [recent for recent in _RECENT if recent is not entry]
 
 
 _CALLS: OrderedDict[tuple, _Entry] = OrderedDict()
@@ -203,6 +207,6 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
     except Exception:  # not tensors, an unhashable or incomparable option...: the slow path validates and names it
         return None
     if entry is None:
-        return Unknown(state, tensors, capturing, key)
+        return Unknown(state, tensors, capturing, key, generation())
     _make_recent(entry)
     return entry.known

@@ -66,7 +66,9 @@ class Decision:
     def report(self, *, show_all: bool = False) -> str:
         """The report :func:`attnselect.explain` prints: the supported candidates by rank, then the others, one line
         per reason with the candidates it refuses (``show_all``: one row per candidate, every reason in full)."""
-        by_rank = sorted((v for v in self.verdicts if v.supported), key=lambda v: self.rank_of(v.candidate))
+        # a supported candidate can be left out of ranked (measure drops one that failed while it was timed): last
+        unranked = len(self.ranked) + 1
+        by_rank = sorted((v for v in self.verdicts if v.supported), key=lambda v: self.rank_of(v.candidate) or unranked)
         refused = [v for v in self.verdicts if not v.supported]
         rows = [("backend", "padded to", "supported", "rank", "reasons")]
         for verdict in by_rank + (refused if show_all else []):

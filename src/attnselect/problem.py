@@ -122,7 +122,7 @@ class AttentionProblem:
         """Describe a call from its tensors and the call's keyword arguments: those of :func:`attnselect.attention`
         that describe the problem (all but cp_group, backend, pad and disable), and the context-parallel group's
         size."""
-        options = described_options(call_arguments)
+        options = described_options(call_arguments, also=("context_parallel_size",))
         return describe_call(q, k, v, options, context_parallel_size=context_parallel_size)[0]
 
     # -- derived facts -------------------------------------------------------------------
@@ -224,12 +224,14 @@ def describe_call(
     return AttentionProblem(**fields), packing
 
 
-def described_options(arguments: dict) -> CallOptions:
+def described_options(arguments: dict, *, also: tuple = ()) -> CallOptions:
     """:func:`attnselect.attention`'s options from ``arguments``, keyword arguments that describe a problem (the
-    rest keep their defaults); a misspelt or unknown name is named, with the closest one."""
+    rest keep their defaults); a misspelt or unknown name is named, with the closest one among these and ``also``
+    (the names the caller takes as keywords of its own)."""
+    known = DESCRIBING + also
     for name in arguments:
-        if name not in DESCRIBING:
-            close = difflib.get_close_matches(name, DESCRIBING, n=1)
-            require(False, name, "an argument", "one of " + ", ".join(DESCRIBING)
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            require(False, name, "an argument", "one of " + ", ".join(known)
                     + (f" (did you mean {close[0]!r}?)" if close else ""))  # fmt: skip
     return CallOptions(**arguments)

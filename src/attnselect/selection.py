@@ -8,7 +8,7 @@ from collections import OrderedDict
 import torch
 
 from attnselect import backends, debug, settings
-from attnselect.caches import register_cache
+from attnselect.caches import generation, register_cache
 from attnselect.candidates import Candidate, judge, override_reasons
 from attnselect.decision import Decision, no_candidate_message
 from attnselect.distributed import is_distributed
@@ -55,15 +55,14 @@ def select(
     except TypeError:  # an unhashable control: resolve() names it
         decision, key = None, None
     if decision is None:
+        cleared = generation()
         decision = _decide(
             problem,
             target,
             settings.resolve(policy=policy, backend=backend, pad=pad, disable=disable, env=env, scoped=scoped),
         )
         if key is not None:
-            _MEMO[key] = decision
-            if len(_MEMO) > MEMO_SIZE:
-                _MEMO.popitem(last=False)
+            _remember(_MEMO, key, decision, cleared)
         debug.log_decision(decision)
     return decision
 
@@ -82,6 +81,7 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     for them, and no candidate that was refused there and that the table puts above the choice (any refused one,
     where the choice rebuilds per packing) serves them now. Otherwise, or under the measure policy, :func:`select`.
     """
+    cleared = generation()
     try:
         key = (
             dataclasses.replace(problem, batch=0, seqlen_q=0, seqlen_kv=0),
@@ -96,13 +96,21 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     except TypeError:  # an unhashable control: select() names it
         return select(problem, target=target, backend=backend, pad=pad, disable=disable)
     if earlier is not None and (problem == held_for or _still_stands(earlier, problem, target)):
-        _PACKED[key] = (earlier, problem)
+        _remember(_PACKED, key, (earlier, problem), cleared)
         return earlier
     decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
-    _PACKED[key] = (decision, problem)
-    if len(_PACKED) > MEMO_SIZE:
-        _PACKED.popitem(last=False)
+    _remember(_PACKED, key, (decision, problem), cleared)
     return decision
+
+
+def _remember(memo: OrderedDict, key, value, cleared: int) -> None:
+    """``memo[key] = value``, the oldest entry past MEMO_SIZE dropped; dropped again where a clear began after
+    ``cleared`` (caches.generation() before the value was worked out)."""
+    memo[key] = value
+    if len(memo) > MEMO_SIZE:
+        memo.popitem(last=False)
+    if generation() != cleared:
+        memo.pop(key, None)
 
 
 def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) -> bool:
