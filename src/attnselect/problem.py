@@ -122,7 +122,13 @@ class AttentionProblem:
         """Describe a call from its tensors and the call's keyword arguments: those of :func:`attnselect.attention`
         that describe the problem (all but cp_group, backend, pad and disable), and the context-parallel group's
         size."""
-        options = described_options(call_arguments, also=("context_parallel_size",))
+        known = (*DESCRIBING, "context_parallel_size")
+        for name in call_arguments:  # a misspelt or unknown name is named, with the closest known one
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                require(False, name, "an argument", "one of " + ", ".join(known)
+                        + (f" (did you mean {close[0]!r}?)" if close else ""))  # fmt: skip
+        options = CallOptions(**call_arguments)
         return describe_call(q, k, v, options, context_parallel_size=context_parallel_size)[0]
 
     # -- derived facts -------------------------------------------------------------------
@@ -222,16 +228,3 @@ def describe_call(
     """Validate q, k, v and the options that describe the call; return the problem and, for thd, the packing."""
     fields, packing = read_call(q, k, v, options, context_parallel_size=context_parallel_size)
     return AttentionProblem(**fields), packing
-
-
-def described_options(arguments: dict, *, also: tuple = ()) -> CallOptions:
-    """:func:`attnselect.attention`'s options from ``arguments``, keyword arguments that describe a problem (the
-    rest keep their defaults); a misspelt or unknown name is named, with the closest one among these and ``also``
-    (the names the caller takes as keywords of its own)."""
-    known = DESCRIBING + also
-    for name in arguments:
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            require(False, name, "an argument", "one of " + ", ".join(known)
-                    + (f" (did you mean {close[0]!r}?)" if close else ""))  # fmt: skip
-    return CallOptions(**arguments)
