@@ -15,6 +15,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compiled_check(tmp_path_factory):
+    """The whole session runs on the compiled check of repeated calls where this machine can build it (its build is
+    waited for here, not raced by the tests); tests/test_call_memo.py runs on each check."""
+    from attnselect import call_memo, compiled_lookup
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path_factory.mktemp("attnselect-build")))
+        patch.delenv("ATTNSELECT_COMPILE", raising=False)
+        compiled_lookup.start(call_memo)
+        compiled_lookup.ready(timeout=600)
+
+
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch, tmp_path_factory):
     """Each test starts with no ATTNSELECT_* variable but a decision cache of its own (empty), an empty

@@ -6,9 +6,20 @@ import pytest
 import torch
 
 import attnselect
-from attnselect import call_memo
+from attnselect import call_memo, compiled_lookup
 from attnselect.call import CallOptions
 from attnselect.call_memo import KnownCall, Unknown
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def check(request, monkeypatch):
+    """Each test on the compiled check of the recent calls and on the Python one."""
+    if request.param == "python":
+        monkeypatch.setattr(compiled_lookup, "find", None)
+        monkeypatch.setattr(compiled_lookup, "entry", None)
+    elif compiled_lookup.find is None:
+        pytest.skip("the compiled check could not be built here (no C++ compiler: see the log)")
+    return request.param
 
 
 def _qkv(dtype=torch.float64):
@@ -187,14 +198,16 @@ def test_a_recent_call_on_cuda_tensors_is_known_only_under_its_capture_state(mon
     q, k, v = _qkv()
     attnselect.attention(q, k, v)
     call_memo._CALLS.clear()  # what is found now is found among the recent calls
-    call_memo._RECENT[0] = call_memo._RECENT[0]._replace(capturing=False)  # as made on CUDA tensors, not capturing
+    made_on_cuda = call_memo._RECENT[0]._replace(capturing=False)  # as made on CUDA tensors, not capturing
+    call_memo._set_recent([])
+    call_memo._make_recent(made_on_cuda, (q, k, v, CallOptions()))
     asked = []
-    monkeypatch.setattr(call_memo, "_capturing", lambda: asked.append(1) or True)
-    monkeypatch.setattr(call_memo, "_raw_stream", lambda index: 0)  # the default stream: no capture, none asked
+    monkeypatch.setattr(call_memo, "stream_capturing", lambda: asked.append(1) or True)
+    monkeypatch.setattr(call_memo, "raw_stream", lambda index: 0)  # the default stream: no capture, none asked
     assert type(_recall(q, k, v)) is KnownCall and not asked
-    monkeypatch.setattr(call_memo, "_raw_stream", lambda index: 1234)  # a side stream, capturing
+    monkeypatch.setattr(call_memo, "raw_stream", lambda index: 1234)  # a side stream, capturing
     assert type(_recall(q, k, v)) is Unknown and asked
-    monkeypatch.setattr(call_memo, "_capturing", lambda: False)  # a side stream, not capturing
+    monkeypatch.setattr(call_memo, "stream_capturing", lambda: False)  # a side stream, not capturing
     assert type(_recall(q, k, v)) is KnownCall
 
 
@@ -216,3 +229,59 @@ def test_a_call_decided_while_the_memo_is_cleared_is_not_kept(monkeypatch):
     monkeypatch.setattr(selection, "_decide", decide)
     attnselect.attention(q, k, v)
     assert len(call_memo.known_calls()) == 1 and type(_recall(q, k, v)) is KnownCall
+
+
+def test_the_compiled_check_tells_calls_apart_as_the_python_one_does(check, monkeypatch):
+    """What the compiled check finds, asked directly: only the call it was made from, in the state it was made in."""
+    from torch.overrides import TorchFunctionMode
+
+    if check == "python":
+        pytest.skip("a test of the compiled check alone")
+
+    class Sub(torch.Tensor):
+        pass
+
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v, scale=0.5)
+    known = call_memo.known_calls()[0]
+
+    def find(q, k, v, **options):
+        return compiled_lookup.find(call_memo._RECENT_COMPILED, q, k, v, CallOptions(**{"scale": 0.5, **options}))
+
+    assert find(q.clone(), k.clone(), v.clone()) is known
+    changes = [
+        lambda t: t.float(),
+        lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),
+        lambda t: t.detach().requires_grad_(),
+        lambda t: torch.cat([t.flatten(), t.flatten()])[t.numel() :].view(t.shape),
+        lambda t: t[:1],
+        lambda t: t.to("meta"),
+        lambda t: t.as_subclass(Sub),
+    ]
+    for change in changes:
+        assert find(change(q), k, v) is None and find(q, k, change(v)) is None
+    assert find(q, q, v) is None and find(q, k, v, causal=True) is None and find(q, k, v, scale=0.25) is None
+    assert find(q, k, v, scale=True) is None and find(q, k, v, return_lse=1) is None  # equal, of another type
+    assert find(q, k, v, sinks=torch.zeros(2, dtype=q.dtype)) is None
+    assert find(q, k, v, cu_seqlens_q_padded=torch.zeros(3, dtype=torch.int32)) is None
+    assert find(torch.nested.nested_tensor([q[0], q[1]]), k, v) is None
+    assert find(q.to_sparse(), k, v) is None
+    assert compiled_lookup.find(call_memo._RECENT_COMPILED, q, k, v, ("not", "options")) is None
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    for state in (torch.no_grad(), torch.inference_mode(), torch.autocast("cpu"), Mode(),
+                  attnselect.overrides(pad=True)):  # fmt: skip
+        with state:
+            assert find(q, k, v) is None, state
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert find(q, k, v) is None
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setenv("ATTNSELECT_PAD", "never")
+    assert find(q, k, v) is None
+    monkeypatch.delenv("ATTNSELECT_PAD")
+    assert find(q, k, v) is known

@@ -9,7 +9,8 @@ capture. A change to the backend registry clears the memo (:func:`attnselect.bac
 - the recent calls (``RECENT``, newest first): one tuple of the options and the global state compared by value,
   one C++ check of the tensors (torch's ``TensorGuards``, what torch.compile's guards run on every call of a
   compiled function; it also sees inference mode and autocast for the tensors' device, through their dispatch keys),
-  the offsets and, for a call on CUDA tensors, the capture state;
+  the offsets and, for a call on CUDA tensors, the capture state. Where :mod:`attnselect.compiled_lookup` has
+  built its library, all of that is one call into C++ that reads the same state (about 2 us less host time);
 - every call decided before (``MEMO_SIZE``), by a hashable key of the same values; a hit there becomes recent.
 
 Calls the key cannot describe are not known and take the slow path, which validates them: values that compare
@@ -21,13 +22,14 @@ as integers, or with keys that have their own boundaries).
 from __future__ import annotations
 
 import logging
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from attnselect import settings
+from attnselect import compiled_lookup, settings
 from attnselect.caches import generation, register_cache
 from attnselect.call import KernelCall
 from attnselect.candidates import Candidate
@@ -71,8 +73,10 @@ class Unknown(NamedTuple):
     capturing: bool | None
     key: tuple
     generation: int  # caches.generation() when the call was looked up
+    arguments: tuple  # (q, k, v, options), for the compiled check's entry
 
     def remember(self, known: KnownCall) -> None:
+        compiled_lookup.start(sys.modules[__name__])  # the first decided call builds or loads the compiled check
         guard = None
         if TensorGuards is not None:
             guard = TensorGuards(
@@ -84,19 +88,23 @@ class Unknown(NamedTuple):
         _CALLS[self.key] = entry
         if len(_CALLS) > MEMO_SIZE:
             _CALLS.popitem(last=False)
-        _make_recent(entry)
+        _make_recent(entry, self.arguments)
         if generation() != self.generation:  # cleared while deciding: the decision may rest on what it forgot
             _CALLS.pop(self.key, None)
-            _RECENT[:] = [recent for recent in _RECENT if recent is not entry]
+            _set_recent([recent for recent in _RECENT if recent is not entry])
 
 
 _CALLS: OrderedDict[tuple, _Entry] = OrderedDict()
 _RECENT: list[_Entry] = []
+# The compiled check's entries of the recent calls, in their order (None for one made before its library was
+# loaded): a new list on each change, so a thread checking the old one is not disturbed.
+_RECENT_COMPILED: list = []
+_COMPILED_OF: dict[int, object] = {}  # id(recent entry) -> its compiled entry, for the entries in _RECENT
 
 
 def _clear() -> None:
     _CALLS.clear()
-    _RECENT.clear()
+    _set_recent([])
 
 
 register_cache(_clear)
@@ -107,12 +115,30 @@ def known_calls() -> list[KnownCall]:
     return [entry.known for entry in _CALLS.values()]
 
 
-def _make_recent(entry: _Entry) -> None:
+def _make_recent(entry: _Entry, arguments: tuple) -> None:
     """Check ``entry`` first from now on, unless it is recent already (found by key because its guard failed, as on
-    tensors whose dispatch keys differ from the first call's: inference mode)."""
-    if entry.guard is not None and not any(recent is entry for recent in _RECENT):
-        _RECENT.insert(0, entry)
-        del _RECENT[RECENT:]
+    tensors whose dispatch keys differ from the first call's: inference mode). ``arguments``: the call just decided
+    or found by key, (q, k, v, options), which the compiled check's entry is made from."""
+    if entry.guard is None:
+        return
+    if compiled_lookup.entry is not None and _COMPILED_OF.get(id(entry)) is None:
+        try:
+            _COMPILED_OF[id(entry)] = compiled_lookup.entry(*arguments, entry.capturing, entry.known)
+        except ValueError:  # a tensor it cannot describe: the Python check serves the call
+            pass
+    if not any(recent is entry for recent in _RECENT):
+        _set_recent([entry, *_RECENT][:RECENT])
+    elif compiled_lookup.entry is not None:
+        _set_recent(_RECENT)
+
+
+def _set_recent(entries: list[_Entry]) -> None:
+    global _RECENT_COMPILED
+    _RECENT[:] = entries
+    kept = {id(recent) for recent in entries}
+    for gone in [key for key in _COMPILED_OF if key not in kept]:
+        del _COMPILED_OF[gone]
+    _RECENT_COMPILED = [_COMPILED_OF.get(id(recent)) for recent in entries]
 
 
 # What torch.is_grad_enabled, torch.are_deterministic_algorithms_enabled and torch.cuda.is_current_stream_capturing
@@ -128,12 +154,12 @@ _deterministic = torch._C._get_deterministic_algorithms
 # another device does not act on these tensors' ops, and the autocast dtype is in neither.
 _autocast = torch._C._is_any_autocast_enabled
 _function_mode = torch._C._is_torch_function_mode_enabled
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # a CPU build has no CUDA
-# The current device's current stream, as a raw pointer (-1: the current device). A capture runs on another stream than
-# the default one (0): CUDA cannot capture the legacy default stream, and torch's CUDAGraph.capture_begin refuses it
-# ("CUDA graphs must be captured on a non-default stream"), so on the default stream _capturing() is False, and this
-# answers that in a fraction of its time (it asks the CUDA runtime).
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0)
+stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # a CPU build has no CUDA
+# The current device's current stream, as a raw pointer (-1: the current device). A capture runs on another stream
+# than the default one (0): CUDA cannot capture the legacy default stream, and torch's CUDAGraph.capture_begin refuses
+# it ("CUDA graphs must be captured on a non-default stream"), so on the default stream stream_capturing() is False,
+# and this answers that in a fraction of its time (it asks the CUDA runtime).
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0)
 _no_environment, _environment = settings.no_environment, settings.raw_environment
 _scope = settings.scope
 _NUMBER = (float, int, type(None))
@@ -143,6 +169,11 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
     """The call's :class:`KnownCall` if it was decided before; else :class:`Unknown`, or None where the memo cannot
     know it (see the module docstring). ``options``: a :class:`~attnselect.call.CallOptions`, or a plain tuple of its
     fields (attention() builds its object only off this path)."""
+    find = compiled_lookup.find
+    if find is not None:
+        known = find(_RECENT_COMPILED, q, k, v, options)
+        if known is not None:
+            return known
     (
         layout, causal, window, scale, dropout_p, cu_q, cu_kv, max_q, max_kv, cu_q_padded, cu_kv_padded, return_lse,
         softcap, sinks, return_max_logit, _, backend, pad, disable,
@@ -189,15 +220,15 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
             tensors += (cu_q,) if sinks is None else (cu_q, sinks)
         elif sinks is not None:
             tensors += (sinks,)
-        for entry_state, guard, entry_offsets, capturing, known in _RECENT:
+        for entry_state, guard, entry_offsets, capturing, known in () if find is not None else _RECENT:
             if (
                 entry_state == state
                 and guard.check(*tensors)
                 and entry_offsets == offsets
-                and (capturing is None or capturing is (_raw_stream(-1) != 0 and _capturing()))  # None: not CUDA
+                and (capturing is None or capturing is (raw_stream(-1) != 0 and stream_capturing()))  # None: not CUDA
             ):
                 return known
-        capturing = _capturing() if q.is_cuda else None
+        capturing = stream_capturing() if q.is_cuda else None
         key = (
             state, capturing, _autocast(), tuple(map(type, tensors)), tuple(t.shape for t in tensors),
             tuple(t.stride() for t in tensors), tuple(t.dtype for t in tensors), tuple(t.device for t in tensors),
@@ -207,6 +238,6 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
     except Exception:  # not tensors, an unhashable or incomparable option...: the slow path validates and names it
         return None
     if entry is None:
-        return Unknown(state, tensors, capturing, key, generation())
-    _make_recent(entry)
+        return Unknown(state, tensors, capturing, key, generation(), (q, k, v, options))
+    _make_recent(entry, (q, k, v, options))
     return entry.known

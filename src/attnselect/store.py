@@ -26,13 +26,18 @@ _warned: set = set()
 _memory: dict = {}
 
 
-def cache_file() -> Path:
+def cache_dir() -> Path:
+    """ATTNSELECT_CACHE_DIR, else the user cache directory (platformdirs)."""
     directory = os.environ.get("ATTNSELECT_CACHE_DIR")
     if not directory:
         import platformdirs
 
         directory = platformdirs.user_cache_dir("attnselect")
-    return Path(directory) / "decisions.json"
+    return Path(directory)
+
+
+def cache_file() -> Path:
+    return cache_dir() / "decisions.json"
 
 
 def fingerprint(target) -> dict:
