@@ -16,26 +16,30 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def compiled_check(tmp_path_factory):
+def build_dir(tmp_path_factory) -> str:
     """The whole session runs on the compiled check of repeated calls where this machine can build it (its build is
-    waited for here, not raced by the tests); tests/test_call_memo.py runs on each check."""
+    waited for here, not raced by the tests; every test, and every process a test starts, loads it from this
+    directory at once); tests/test_call_memo.py runs on each check."""
     from attnselect import call_memo, compiled_lookup
 
+    directory = str(tmp_path_factory.mktemp("attnselect-build"))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path_factory.mktemp("attnselect-build")))
+        patch.setenv("ATTNSELECT_BUILD_DIR", directory)
         patch.delenv("ATTNSELECT_COMPILE", raising=False)
         compiled_lookup.start(call_memo)
         compiled_lookup.ready(timeout=600)
+    return directory
 
 
 @pytest.fixture(autouse=True)
-def clean_state(monkeypatch, tmp_path_factory):
-    """Each test starts with no ATTNSELECT_* variable but a decision cache of its own (empty), an empty
-    decision memo and no recorded failures."""
+def clean_state(monkeypatch, tmp_path_factory, build_dir):
+    """Each test starts with no ATTNSELECT_* variable but a decision cache of its own (empty) and the session's build,
+    an empty decision memo and no recorded failures."""
     for name in list(os.environ):
         if name.startswith("ATTNSELECT_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path_factory.mktemp("attnselect-cache")))
+    monkeypatch.setenv("ATTNSELECT_BUILD_DIR", build_dir)
     from attnselect import failures
 
     attnselect.clear_cache()

@@ -285,3 +285,54 @@ def test_the_compiled_check_tells_calls_apart_as_the_python_one_does(check, monk
     assert find(q, k, v) is None
     monkeypatch.delenv("ATTNSELECT_PAD")
     assert find(q, k, v) is known
+
+
+def test_threads_calling_at_once_share_the_recent_calls_without_errors():
+    """Twelve calls alternating over six threads, switching as often as the interpreter lets them: the recent calls
+    change under each other's checks, and each list is swapped in whole."""
+    import sys
+    import threading
+
+    shapes = [torch.randn(1, 2 + i, 2, 8) for i in range(12)]
+    expected = [attnselect.attention(q, q, q) for q in shapes]
+    errors = []
+
+    def work(seed):
+        try:
+            for n in range(600):
+                i = (seed * 7 + n) % len(shapes)
+                if not torch.equal(attnselect.attention(shapes[i], shapes[i], shapes[i]), expected[i]):
+                    errors.append(f"another result for shape {i}")
+        except Exception as exc:  # the test reports it
+            errors.append(repr(exc))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+    assert len(call_memo._RECENT) == len(call_memo._RECENT_COMPILED) == call_memo.RECENT
+
+
+def test_a_check_that_raises_leaves_the_call_to_the_slow_path(monkeypatch):
+    """Reading the capture state raises: the lookup does not know the call, and attention() decides it afresh."""
+    q, k, v = _qkv()
+    first = attnselect.attention(q, k, v)
+    made_on_cuda = call_memo._RECENT[0]._replace(capturing=False)
+    call_memo._CALLS.clear()
+    call_memo._set_recent([])
+    call_memo._make_recent(made_on_cuda, (q, k, v, CallOptions()))
+    monkeypatch.setattr(call_memo, "raw_stream", lambda index: 1234)  # a side stream
+
+    def broken():
+        raise RuntimeError("no capture state")
+
+    monkeypatch.setattr(call_memo, "stream_capturing", broken)
+    assert _recall(q, k, v) is None
+    assert torch.equal(attnselect.attention(q, k, v), first)

@@ -121,3 +121,19 @@ def test_bench_shard_must_be_k_of_n(shard, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--out", "unused", "--shard", shard])
     assert "expected K/N with 0 <= K < N" in capsys.readouterr().err
+
+
+def test_build_names_the_compiled_check_in_use_or_says_why_not(capsys):
+    import os
+    import subprocess
+    import sys
+
+    from attnselect import compiled_lookup
+
+    if compiled_lookup.loaded is not None:  # the session built it (tests/conftest.py): build loads it again at once
+        assert main(["build"]) == 0
+        assert str(compiled_lookup.loaded) in capsys.readouterr().out
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSELECT_")}
+    done = subprocess.run([sys.executable, "-m", "attnselect.cli", "build"], env={**environment,
+                          "ATTNSELECT_COMPILE": "0"}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 1 and "ATTNSELECT_COMPILE=0" in done.stderr and "not built" in done.stderr, done.stderr

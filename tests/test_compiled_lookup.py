@@ -23,28 +23,69 @@ print("recent", call_memo._RECENT_COMPILED != [None])
 """
 
 
-def _run(tmp_path, **env) -> str:
+def _start(tmp_path, **env) -> subprocess.Popen:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSELECT_")}
     environment.update(ATTNSELECT_CACHE_DIR=str(tmp_path), **env)
-    done = subprocess.run([sys.executable, "-c", CALL], env=environment, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    pipe = subprocess.PIPE
+    return subprocess.Popen([sys.executable, "-c", CALL], env=environment, stdout=pipe, stderr=pipe, text=True)
+
+
+def _run(tmp_path, timeout=900, **env) -> str:
+    process = _start(tmp_path, **env)
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, err
+    return out
 
 
 def test_a_library_built_before_is_loaded_at_the_first_call_without_a_build():
     if compiled_lookup.loaded is None:
         pytest.skip("the compiled check could not be built here (no C++ compiler: see the log)")
-    out = _run(compiled_lookup.loaded.parent.parent)
+    out = _run(compiled_lookup.loaded.parent.parent, ATTNSELECT_BUILD_DIR=str(compiled_lookup.loaded.parent))
     assert "before True" in out and "ready True" in out and "recent True" in out, out
+    assert compiled_lookup.loaded.stat().st_mode & 0o055 == 0o055  # a shared cache directory serves every user
 
 
 def test_attnselect_compile_0_never_builds(tmp_path):
     out = _run(tmp_path, ATTNSELECT_COMPILE="0")
     assert "ATTNSELECT_COMPILE=0" in out and "ready False" in out and "recent False" in out, out
-    assert not (tmp_path / "build").exists()
+    assert not (tmp_path / "build").exists()  # the library's default place: the cache directory's build folder
 
 
 def test_a_failed_build_is_logged_and_calls_keep_the_python_check(tmp_path):
-    out = _run(tmp_path, CXX=str(tmp_path / "no-such-compiler"))
+    out = _run(tmp_path, timeout=120, CXX=str(tmp_path / "no-such-compiler"))  # ready() returns: no waiting on it
     assert "cannot build the compiled check" in out and "ready False" in out and "recent False" in out, out
     assert not list((tmp_path / "build").glob("*.so"))  # no half-written library left to load
+
+
+def test_a_compiler_that_fails_is_logged_with_its_error(tmp_path):
+    compiler = tmp_path / "failing-c++"
+    compiler.write_text("#!/bin/sh\necho 'fatal: stand-in compiler' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    out = _run(tmp_path, timeout=120, CXX=str(compiler))
+    assert "building the compiled check failed" in out and "stand-in compiler" in out and "ready False" in out, out
+    assert not list((tmp_path / "build").glob("*.so"))
+
+
+def test_processes_started_together_build_once_and_each_loads_it(tmp_path):
+    if compiled_lookup.loaded is None:
+        pytest.skip("the compiled check could not be built here (no C++ compiler: see the log)")
+    processes = [_start(tmp_path) for _ in range(2)]
+    outs = [process.communicate(timeout=900)[0] for process in processes]
+    assert all("ready True" in out and "recent True" in out for out in outs), outs
+    assert len(list((tmp_path / "build").glob("*.so"))) == 1
+
+
+def test_a_process_that_exits_during_its_build_leaves_no_compiler_running_and_no_file(tmp_path):
+    import time
+
+    short = (
+        "import torch, attnselect; q = torch.randn(1, 2, 4, 8); attnselect.attention(q, q, q); import time; "
+        "time.sleep(3)"
+    )  # the compiler runs by then (a build takes about 20 s)
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSELECT_")}
+    environment["ATTNSELECT_CACHE_DIR"] = str(tmp_path)
+    subprocess.run([sys.executable, "-c", short], env=environment, check=True, timeout=300)
+    time.sleep(1)
+    assert not list((tmp_path / "build").glob(".*")) and not list((tmp_path / "build").glob("*.so"))
+    running = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tmp_path) not in running

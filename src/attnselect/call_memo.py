@@ -121,24 +121,28 @@ def _make_recent(entry: _Entry, arguments: tuple) -> None:
     or found by key, (q, k, v, options), which the compiled check's entry is made from."""
     if entry.guard is None:
         return
+    added = None
     if compiled_lookup.entry is not None and _COMPILED_OF.get(id(entry)) is None:
         try:
-            _COMPILED_OF[id(entry)] = compiled_lookup.entry(*arguments, entry.capturing, entry.known)
+            added = compiled_lookup.entry(*arguments, entry.capturing, entry.known)
         except ValueError:  # a tensor it cannot describe: the Python check serves the call
             pass
     if not any(recent is entry for recent in _RECENT):
-        _set_recent([entry, *_RECENT][:RECENT])
-    elif compiled_lookup.entry is not None:
-        _set_recent(_RECENT)
+        _set_recent([entry, *_RECENT][:RECENT], entry, added)
+    elif added is not None:
+        _set_recent(list(_RECENT), entry, added)
 
 
-def _set_recent(entries: list[_Entry]) -> None:
-    global _RECENT_COMPILED
+def _set_recent(entries: list[_Entry], entry: _Entry | None = None, compiled=None) -> None:
+    """Make ``entries`` the recent calls (``compiled``: ``entry``'s new compiled entry). New dict and list objects,
+    each swapped in whole, the compiled list first: a thread reading the old ones is not disturbed."""
+    global _RECENT_COMPILED, _COMPILED_OF
+    known = {id(recent): _COMPILED_OF.get(id(recent)) for recent in entries}
+    if entry is not None and compiled is not None:
+        known[id(entry)] = compiled
+    _RECENT_COMPILED = [known[id(recent)] for recent in entries]
+    _COMPILED_OF = known
     _RECENT[:] = entries
-    kept = {id(recent) for recent in entries}
-    for gone in [key for key in _COMPILED_OF if key not in kept]:
-        del _COMPILED_OF[gone]
-    _RECENT_COMPILED = [_COMPILED_OF.get(id(recent)) for recent in entries]
 
 
 # What torch.is_grad_enabled, torch.are_deterministic_algorithms_enabled and torch.cuda.is_current_stream_capturing
@@ -171,7 +175,10 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
     fields (attention() builds its object only off this path)."""
     find = compiled_lookup.find
     if find is not None:
-        known = find(_RECENT_COMPILED, q, k, v, options)
+        try:
+            known = find(_RECENT_COMPILED, q, k, v, options)
+        except Exception:  # reading the state raised (the capture state, say): the Python check answers
+            known = find = None
         if known is not None:
             return known
     (

@@ -196,12 +196,28 @@ def _shard(text: str) -> tuple[int, int]:
     return int(k), int(n)
 
 
+def cmd_build(a) -> int:
+    """Build (or load) the compiled check of repeated calls now, not in the background of a process's first call."""
+    import logging
+
+    from attnselect import call_memo, compiled_lookup
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the build's outcome, in its own words
+    compiled_lookup.start(call_memo)
+    if compiled_lookup.ready():
+        print(f"compiled check: {compiled_lookup.loaded}")
+        return 0
+    print("compiled check: not built (the log above says why); repeated calls use the Python check", file=sys.stderr)
+    return 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="attnselect", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _explain_parser(sub)
     sub.add_parser("demo", help="run a small MLA attention on this machine and check it")
     sub.add_parser("backends", help="list the backends and whether this machine can run them")
+    sub.add_parser("build", help="build the compiled check of repeated calls now (else the first call starts it)")
     bench = sub.add_parser("bench", help="time every candidate and policy on real model shapes")
     bench.add_argument("--out", required=True, help="path without extension: .json, .md and .png are written")
     bench.add_argument("--smoke", action="store_true", help="one tiny shape (CPU, CI)")
@@ -236,6 +252,7 @@ def main(argv=None) -> int:
             "explain": cmd_explain,
             "demo": cmd_demo,
             "backends": cmd_backends,
+            "build": cmd_build,
             "tune": cmd_tune,
             "bench": cmd_bench,
         }[a.command](a)

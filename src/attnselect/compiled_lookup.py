@@ -1,12 +1,16 @@
 """The recent-call check of :mod:`attnselect.call_memo` in C++ (``csrc/recent_calls.cpp``), built on this machine.
 
-The Python check costs about 2.5 us of host time per repeated call, mostly in torch's Python entry points (the
-tensors' guard, their getters, the grad and deterministic flags); the C++ one reads the same fields directly, in
-about 0.5 us (benchmarks/hot_path_parts.py). It needs a C++ compiler and torch's headers, which torch's wheels ship.
+The Python check takes 2.8-3.6 us more host time per repeated call than this one on the H200 (benchmarks/
+hot_path_parts.py), mostly in torch's Python entry points (the tensors' guard, their getters, the grad and
+deterministic flags), whose fields this one reads directly. It needs a C++ compiler, Python's headers and torch's
+(which torch's wheels ship).
 
 The first decided call starts the build in a background thread (about 30 s on two cores) and keeps serving calls with
-the Python check meanwhile; the library is kept in the cache directory (ATTNSELECT_CACHE_DIR), named for its source,
-torch and Python, so later processes load it at once. A build that fails is logged once and the Python check stays.
+the Python check meanwhile. The library is kept in the cache directory (ATTNSELECT_CACHE_DIR, or ATTNSELECT_BUILD_DIR
+for the library alone), named for its source, torch and Python, so later processes load it at once; processes that
+start together build it once (the others wait for it in their own background thread). A process that exits before
+its build ends stops its compiler and leaves no library: ``attnselect build`` builds it ahead of time (for a container
+image, say, or before launching ranks). A build that fails is logged once and the Python check stays.
 ATTNSELECT_COMPILE=0 never builds or loads it.
 
 ``find(entries, q, k, v, options)`` is None until the library is loaded; then it returns the known call of the first
@@ -16,6 +20,7 @@ or found by key.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import importlib.util
@@ -43,6 +48,21 @@ loaded: Path | None = None  # the library in use
 _started = threading.Event()
 _done = threading.Event()
 _lock = threading.Lock()
+_compiler: tuple | None = None  # (the build's compiler, the file it writes), while it runs
+_exiting = False
+
+
+@atexit.register
+def _stop_compiler() -> None:
+    """A process that exits before its build ends stops its compiler and removes its file: no work is left running."""
+    global _exiting
+    with _lock:
+        _exiting = True  # a build thread that has not started its compiler yet does not start it
+        if _compiler is not None and _compiler[0].poll() is None:
+            _compiler[0].kill()
+            _compiler[0].wait()
+            with contextlib.suppress(OSError):
+                _compiler[1].unlink()
 
 
 def start(memo) -> None:
@@ -75,29 +95,31 @@ def ready(timeout: float | None = None) -> bool:
 
 
 def library_path() -> Path:
-    """Where the library for this source, torch and Python is kept."""
+    """Where the library for this source, torch and Python is kept: ATTNSELECT_BUILD_DIR, else the cache directory's
+    ``build`` folder."""
     from attnselect.store import cache_dir
 
+    directory = Path(os.environ.get("ATTNSELECT_BUILD_DIR") or cache_dir() / "build")
     identity = "\n".join(
         (SOURCE.read_text(), torch.__version__, str(torch.version.git_version), sys.version, sysconfig.get_platform())
     )
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return cache_dir() / "build" / f"{NAME}-{digest}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    return directory / f"{NAME}-{digest}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
 
 
 def compile_command(output: Path) -> list[str] | None:
     """The compiler command that builds the library into ``output``, or None where no C++ compiler is found."""
-    from torch.utils.cpp_extension import include_paths, library_paths
-
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None or sys.platform == "win32":
         return None
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    command += [f"-I{path}" for path in (sysconfig.get_paths()["include"], *include_paths())]
-    command += [str(SOURCE), "-o", str(output)]
-    for path in library_paths():
-        command += [f"-L{path}", f"-Wl,-rpath,{path}"]
+    # torch's headers and libraries, where torch.utils.cpp_extension's include_paths() and library_paths() find them
+    # (it is not imported: it needs setuptools, which a virtual environment may lack)
+    root = Path(torch.__file__).parent
+    headers = root / "include"
+    command += [f"-I{path}" for path in (sysconfig.get_paths()["include"], headers, headers / "torch/csrc/api/include")]
+    command += [str(SOURCE), "-o", str(output), f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}"]
     command += ["-lc10", "-ltorch_cpu", "-ltorch_python"]
     if sys.platform == "darwin":  # Python's own symbols resolve when the interpreter loads the library
         command += ["-undefined", "dynamic_lookup"]
@@ -105,36 +127,80 @@ def compile_command(output: Path) -> list[str] | None:
 
 
 def _build(library: Path, memo) -> None:
-    temporary = None
+    """Build the library (one process at a time: the others wait, then load what it built) and load it."""
     try:
         library.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(dir=library.parent, prefix=f".{NAME}-", suffix=library.suffix)
-        os.close(fd)
-        command = compile_command(Path(temporary))
+        with _one_builder(library):
+            built = library.exists() or _compile(library)  # exists: another process built it meanwhile
+    except Exception as exc:  # an OSError, say: the build's failures never reach the calls
+        log.warning("attnselect: cannot build the compiled check (%s): repeated calls use the Python check", exc)
+        built = False
+    if built:
+        _load(library, memo)
+    else:
+        _done.set()
+
+
+def _compile(library: Path) -> bool:
+    """Compile into a temporary file renamed to ``library`` (atomic: a process loading it sees all of it or none)."""
+    _remove_stale(library.parent)
+    fd, name = tempfile.mkstemp(dir=library.parent, prefix=f".{NAME}-", suffix=library.suffix)
+    os.close(fd)
+    temporary = Path(name)
+    try:
+        command = compile_command(temporary)
         if command is None:
-            log.info("attnselect: no C++ compiler found: repeated calls use the Python check (about 2 us more)")
-            return
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
+            log.info("attnselect: no C++ compiler found: repeated calls use the Python check (about 3 us more)")
+            return False
+        global _compiler
+        with _lock:
+            if _exiting:
+                return False
+            compiler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            _compiler = (compiler, temporary)
+        _, errors = compiler.communicate()
+        if compiler.returncode != 0:
             log.warning(
-                "attnselect: building the compiled check failed, repeated calls use the Python check (about 2 us "
+                "attnselect: building the compiled check failed, repeated calls use the Python check (about 3 us "
                 "more); ATTNSELECT_COMPILE=0 stops trying. %s: %s",
                 " ".join(command[:2]),
-                done.stderr.strip()[-2000:],
+                errors.strip()[-2000:],
             )
-            return
-        os.replace(temporary, library)  # atomic: processes building at once each put a whole library there
+            return False
+        os.chmod(temporary, 0o755)  # mkstemp makes it private: a shared cache directory serves every user
+        os.replace(temporary, library)
         temporary = None
-    except OSError as exc:
-        log.warning("attnselect: cannot build the compiled check (%s): repeated calls use the Python check", exc)
-        return
+        return True
     finally:
-        if temporary is not None:  # not built: the Python check stays
+        if temporary is not None:
             with contextlib.suppress(OSError):
-                os.unlink(temporary)
-        if not library.exists():
-            _done.set()
-    _load(library, memo)
+                temporary.unlink()
+
+
+@contextlib.contextmanager
+def _one_builder(library: Path):
+    """Hold the build's lock file: ranks started together build once (POSIX; elsewhere each builds, atomically)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(library.parent / f"{library.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _remove_stale(directory: Path) -> None:
+    """Remove half-built libraries over an hour old (a process that exited while its build ran leaves one)."""
+    import time
+
+    for path in directory.glob(f".{NAME}-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > 3600:
+                path.unlink()
 
 
 def _load(library: Path, memo) -> None:

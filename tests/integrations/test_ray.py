@@ -12,7 +12,8 @@ from attnselect.integrations.ray import runtime_env  # noqa: E402  (after the sk
 
 
 def test_runtime_env_merges_without_dropping_keys(monkeypatch):
-    monkeypatch.delenv("ATTNSELECT_CACHE_DIR")  # the test fixture's own cache folder: not part of this test
+    monkeypatch.delenv("ATTNSELECT_CACHE_DIR")  # the test fixture's own cache and build folders: not part of this test
+    monkeypatch.delenv("ATTNSELECT_BUILD_DIR")
     monkeypatch.setenv("ATTNSELECT_PAD", "never")
     monkeypatch.setenv("ATTNSELECT_DEBUG", "1")
     monkeypatch.setenv("NVTE_DEBUG", "1")
@@ -71,7 +72,8 @@ def test_worker_sees_the_driver_settings_only_through_runtime_env(cluster, monke
         "ATTNSELECT_DEBUG": "1",
         "ATTNSELECT_DEBUG_LEVEL": "2",
         "ATTNSELECT_CACHE_DIR": os.environ["ATTNSELECT_CACHE_DIR"],
-    }  # the test's own cache
+        "ATTNSELECT_BUILD_DIR": os.environ["ATTNSELECT_BUILD_DIR"],
+    }  # the test's own cache and the session's build
     assert choice == "sdpa_math native"
     assert "running sdpa_math, native, because" in log  # level 1: the decision
     assert "sdpa_flash padded to 24: not supported: padding is switched off" in log  # level 2: every candidate

@@ -117,9 +117,10 @@ int capturing_now() {
   PyObject* stream = PyObject_CallMethodOneArg(g_memo, g_raw_stream_name, minus_one);
   Py_DECREF(minus_one);
   if (!stream) return -1;
-  int on_default = PyLong_AsLongLong(stream) == 0;
+  long long raw = PyLong_AsLongLong(stream);
   Py_DECREF(stream);
-  if (on_default) return 0;
+  if (raw == -1 && PyErr_Occurred()) return -1;
+  if (raw == 0) return 0;
   PyObject* capturing = PyObject_CallMethodNoArgs(g_memo, g_capturing_name);
   if (!capturing) return -1;
   int result = capturing == Py_True;
@@ -176,10 +177,16 @@ PyObject* entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_XDECREF(env);
     return nullptr;
   }
+  PyObject* stored = PyTuple_New(kOptions);
+  if (!stored) {
+    Py_DECREF(env);
+    Py_DECREF(scope);
+    return nullptr;
+  }
   auto* e = new Entry();
   e->environment = env;
   e->scope = scope;
-  e->options = PyTuple_New(kOptions);
+  e->options = stored;
   for (Py_ssize_t i = 0; i < kOptions; i++) {
     PyObject* item = is_tensor_slot(i) ? Py_None : PyTuple_GET_ITEM(options, i);
     Py_INCREF(item);
@@ -197,9 +204,10 @@ PyObject* entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   try {
     for (int i = 0; i < n; i++) {
       const at::Tensor& t = THPVariable_Unpack(tensors[i]);
-      Py_INCREF(Py_TYPE(tensors[i]));
-      e->tensors.push_back({Py_TYPE(tensors[i]), applied_keys(t, local), t.scalar_type(), t.device(),
-                            t.requires_grad(), t.sizes().vec(), t.strides().vec(), t.storage_offset()});
+      TensorMeta meta{Py_TYPE(tensors[i]), applied_keys(t, local), t.scalar_type(), t.device(),
+                      t.requires_grad(), t.sizes().vec(), t.strides().vec(), t.storage_offset()};
+      Py_INCREF(meta.type);
+      e->tensors.push_back(std::move(meta));
     }
     capsule = PyCapsule_New(e, kCapsule, destroy_entry);
   } catch (const std::exception& error) {
