@@ -231,62 +231,6 @@ def test_a_call_decided_while_the_memo_is_cleared_is_not_kept(monkeypatch):
     assert len(call_memo.known_calls()) == 1 and type(_recall(q, k, v)) is KnownCall
 
 
-def test_the_compiled_check_tells_calls_apart_as_the_python_one_does(check, monkeypatch):
-    """What the compiled check finds, asked directly: only the call it was made from, in the state it was made in."""
-    from torch.overrides import TorchFunctionMode
-
-    if check == "python":
-        pytest.skip("a test of the compiled check alone")
-
-    class Sub(torch.Tensor):
-        pass
-
-    q, k, v = _qkv()
-    attnselect.attention(q, k, v, scale=0.5)
-    known = call_memo.known_calls()[0]
-
-    def find(q, k, v, **options):
-        return compiled_lookup.find(call_memo._RECENT_COMPILED, q, k, v, CallOptions(**{"scale": 0.5, **options}))
-
-    assert find(q.clone(), k.clone(), v.clone()) is known
-    changes = [
-        lambda t: t.float(),
-        lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),
-        lambda t: t.detach().requires_grad_(),
-        lambda t: torch.cat([t.flatten(), t.flatten()])[t.numel() :].view(t.shape),
-        lambda t: t[:1],
-        lambda t: t.to("meta"),
-        lambda t: t.as_subclass(Sub),
-    ]
-    for change in changes:
-        assert find(change(q), k, v) is None and find(q, k, change(v)) is None
-    assert find(q, q, v) is None and find(q, k, v, causal=True) is None and find(q, k, v, scale=0.25) is None
-    assert find(q, k, v, scale=True) is None and find(q, k, v, return_lse=1) is None  # equal, of another type
-    assert find(q, k, v, sinks=torch.zeros(2, dtype=q.dtype)) is None
-    assert find(q, k, v, cu_seqlens_q_padded=torch.zeros(3, dtype=torch.int32)) is None
-    assert find(torch.nested.nested_tensor([q[0], q[1]]), k, v) is None
-    assert find(q.to_sparse(), k, v) is None
-    assert compiled_lookup.find(call_memo._RECENT_COMPILED, q, k, v, ("not", "options")) is None
-
-    class Mode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    for state in (torch.no_grad(), torch.inference_mode(), torch.autocast("cpu"), Mode(),
-                  attnselect.overrides(pad=True)):  # fmt: skip
-        with state:
-            assert find(q, k, v) is None, state
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert find(q, k, v) is None
-    finally:
-        torch.use_deterministic_algorithms(False)
-    monkeypatch.setenv("ATTNSELECT_PAD", "never")
-    assert find(q, k, v) is None
-    monkeypatch.delenv("ATTNSELECT_PAD")
-    assert find(q, k, v) is known
-
-
 def test_threads_calling_at_once_share_the_recent_calls_without_errors():
     """Twelve calls alternating over six threads, switching as often as the interpreter lets them: the recent calls
     change under each other's checks, and each list is swapped in whole."""

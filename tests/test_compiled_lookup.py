@@ -1,4 +1,4 @@
-"""Building and loading the compiled check of repeated calls, each in a fresh process."""
+"""The compiled check of repeated calls: what it tells apart, and its build and load (those in fresh processes)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from attnselect import compiled_lookup
+import attnselect
+from attnselect import call_memo, compiled_lookup
+from attnselect.call import CallOptions
 
 CALL = """
 import logging, sys, torch, attnselect
@@ -89,3 +92,60 @@ def test_a_process_that_exits_during_its_build_leaves_no_compiler_running_and_no
     assert not list((tmp_path / "build").glob(".*")) and not list((tmp_path / "build").glob("*.so"))
     running = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(tmp_path) not in running
+
+
+def test_the_compiled_check_tells_calls_apart_as_the_python_one_does(monkeypatch):
+    """What the compiled check finds, asked directly: only the call it was made from, in the state it was made in."""
+    from torch.overrides import TorchFunctionMode
+
+    if compiled_lookup.find is None:
+        pytest.skip("the compiled check could not be built here (no C++ compiler: see the log)")
+
+    class Sub(torch.Tensor):
+        pass
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 9, 2, d, generator=g, dtype=torch.float64) for d in (24, 24, 16))
+    attnselect.attention(q, k, v, scale=0.5)
+    known = call_memo.known_calls()[0]
+
+    def find(q, k, v, **options):
+        return compiled_lookup.find(call_memo._RECENT_COMPILED, q, k, v, CallOptions(**{"scale": 0.5, **options}))
+
+    assert find(q.clone(), k.clone(), v.clone()) is known
+    changes = [
+        lambda t: t.float(),
+        lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),
+        lambda t: t.detach().requires_grad_(),
+        lambda t: torch.cat([t.flatten(), t.flatten()])[t.numel() :].view(t.shape),
+        lambda t: t[:1],
+        lambda t: t.to("meta"),
+        lambda t: t.as_subclass(Sub),
+    ]
+    for change in changes:
+        assert find(change(q), k, v) is None and find(q, k, change(v)) is None
+    assert find(q, q, v) is None and find(q, k, v, causal=True) is None and find(q, k, v, scale=0.25) is None
+    assert find(q, k, v, scale=True) is None and find(q, k, v, return_lse=1) is None  # equal, of another type
+    assert find(q, k, v, sinks=torch.zeros(2, dtype=q.dtype)) is None
+    assert find(q, k, v, cu_seqlens_q_padded=torch.zeros(3, dtype=torch.int32)) is None
+    assert find(torch.nested.nested_tensor([q[0], q[1]]), k, v) is None
+    assert find(q.to_sparse(), k, v) is None
+    assert compiled_lookup.find(call_memo._RECENT_COMPILED, q, k, v, ("not", "options")) is None
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    for state in (torch.no_grad(), torch.inference_mode(), torch.autocast("cpu"), Mode(),
+                  attnselect.overrides(pad=True)):  # fmt: skip
+        with state:
+            assert find(q, k, v) is None, state
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert find(q, k, v) is None
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setenv("ATTNSELECT_PAD", "never")
+    assert find(q, k, v) is None
+    monkeypatch.delenv("ATTNSELECT_PAD")
+    assert find(q, k, v) is known

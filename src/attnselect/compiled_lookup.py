@@ -32,11 +32,13 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
 
 from attnselect import settings
+from attnselect.store import cache_dir, locked
 
 log = logging.getLogger("attnselect")
 SOURCE = Path(__file__).parent / "csrc" / "recent_calls.cpp"
@@ -97,8 +99,6 @@ def ready(timeout: float | None = None) -> bool:
 def library_path() -> Path:
     """Where the library for this source, torch and Python is kept: ATTNSELECT_BUILD_DIR, else the cache directory's
     ``build`` folder."""
-    from attnselect.store import cache_dir
-
     directory = Path(os.environ.get("ATTNSELECT_BUILD_DIR") or cache_dir() / "build")
     identity = "\n".join(
         (SOURCE.read_text(), torch.__version__, str(torch.version.git_version), sys.version, sysconfig.get_platform())
@@ -130,8 +130,8 @@ def _build(library: Path, memo) -> None:
     """Build the library (one process at a time: the others wait, then load what it built) and load it."""
     try:
         library.parent.mkdir(parents=True, exist_ok=True)
-        with _one_builder(library):
-            built = library.exists() or _compile(library)  # exists: another process built it meanwhile
+        with locked(library):  # ranks started together build once: the others wait, then find it built
+            built = library.exists() or _compile(library)
     except Exception as exc:  # an OSError, say: the build's failures never reach the calls
         log.warning("attnselect: cannot build the compiled check (%s): repeated calls use the Python check", exc)
         built = False
@@ -177,26 +177,8 @@ def _compile(library: Path) -> bool:
                 temporary.unlink()
 
 
-@contextlib.contextmanager
-def _one_builder(library: Path):
-    """Hold the build's lock file: ranks started together build once (POSIX; elsewhere each builds, atomically)."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(library.parent / f"{library.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def _remove_stale(directory: Path) -> None:
     """Remove half-built libraries over an hour old (a process that exited while its build ran leaves one)."""
-    import time
-
     for path in directory.glob(f".{NAME}-*"):
         with contextlib.suppress(OSError):
             if time.time() - path.stat().st_mtime > 3600:

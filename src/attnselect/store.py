@@ -80,7 +80,7 @@ def remember(key: str, value: dict, combine=None) -> None:
     path = cache_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(path):
+        with locked(path):
             entries = _read(path)
             entries[key] = combine(entries.get(key), value) if combine else value
             fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".decisions-", suffix=".json")
@@ -113,7 +113,9 @@ def _read(path: Path) -> dict:
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
+def locked(path: Path):
+    """Hold ``path``'s lock file (``path`` with the suffix ``.lock``) against other processes (POSIX; elsewhere
+    nothing is held: writers replace files atomically)."""
     try:
         import fcntl
     except ImportError:  # not POSIX: atomic replacement still keeps the file whole
