@@ -27,6 +27,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -61,7 +62,9 @@ def _stop_compiler() -> None:
     with _lock:
         _exiting = True  # a build thread that has not started its compiler yet does not start it
         if _compiler is not None and _compiler[0].poll() is None:
-            _compiler[0].kill()
+            # the driver's own children too (cc1plus, the linker): killing the driver alone leaves them running
+            with contextlib.suppress(OSError):
+                os.killpg(_compiler[0].pid, signal.SIGKILL)
             _compiler[0].wait()
             with contextlib.suppress(OSError):
                 _compiler[1].unlink()
@@ -156,7 +159,9 @@ def _compile(library: Path) -> bool:
         with _lock:
             if _exiting:
                 return False
-            compiler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            compiler = subprocess.Popen(
+                command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+            )  # its own process group, stopped whole at exit
             _compiler = (compiler, temporary)
         _, errors = compiler.communicate()
         if compiler.returncode != 0:
