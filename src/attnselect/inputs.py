@@ -106,14 +106,26 @@ def read_call(q, k, v, options: CallOptions, *, context_parallel_size: int = 1) 
     if not isinstance(o.dropout_p, (int, float)) or not 0.0 <= o.dropout_p < 1.0:
         _fail("dropout_p", _describe(o.dropout_p), "a number in [0, 1)")
     mask, window = mask_from_arguments(o.causal, o.window)
+    top_left_window = window is not None and o.causal in (True, "top_left")
+    if o.layout == "thd" and top_left_window and lengths[0] is None and not lengths[2]:
+        # The lengths were not read and cu_seqlens_kv is a tensor of its own: whether they match decides whether
+        # the call is served at all, so they are compared here (once per pair, see _shared_after_all).
+        packing, lengths = _shared_after_all(packing, lengths, q, k, capturing)
     facts = packing_facts(mask, window, *lengths) if o.layout == "thd" else {}
     square = facts["varlen_seqlens_match"] if o.layout == "thd" else sq == skv
-    if window is not None and o.causal in (True, "top_left") and not square:
+    if top_left_window and not square:
+        unread = o.layout == "thd" and lengths[0] is None and _uncomparable(packing, q, k, capturing)
         _fail(
             "window",
             window,
             "no window with top-left causal unless every sequence has as many queries as "
-            "keys; windows are bottom-right aligned: use causal='bottom_right'",
+            "keys; windows are bottom-right aligned: use causal='bottom_right'"
+            + (
+                " (cu_seqlens_kv, a tensor of its own, could not be compared with cu_seqlens_q here: under CUDA "
+                "graph capture, torch.compile or inference mode; for self-attention pass cu_seqlens_kv=None)"
+                if unread
+                else ""
+            ),
         )
     check_scale(o.scale)
     for name, flag in (("return_lse", o.return_lse), ("return_max_logit", o.return_max_logit)):
@@ -243,7 +255,7 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv, capturing=
             _fail(name, _describe(value), "an integer >= 0")
     if same and offsets_kv is offsets_q and k.shape[0] != q.shape[0]:  # shapes alone: no host read
         _fail("k.shape[0]", k.shape[0], f"q's token count {q.shape[0]} (k shares q's cu_seqlens and offsets)")
-    if max_q is not None and max_kv is not None and cu_q.device.type != "cpu":
+    if _lengths_unread(cu_q, max_q, max_kv):
         # No host read: q/kv lengths are known to match only when they share their boundaries (or hold equal ones).
         if (
             not same
@@ -276,6 +288,12 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv, capturing=
     return Packing(cu_q, cu_kv, sq, skv, *placed), (lengths_q, lengths_kv, same)
 
 
+def _lengths_unread(cu_q, max_q, max_kv) -> bool:
+    """Whether a thd call's boundaries stay unread: both max_seqlen given and cu_seqlens off the CPU, where reading
+    them would be a host sync (the CPU reads them anyway: it costs nothing there and checks the values)."""
+    return max_q is not None and max_kv is not None and cu_q.device.type != "cpu"
+
+
 # Whether a pair of boundary tensors holds equal values, once per pair (attnselect.tensor_memo).
 _EQUAL = TensorMemo()
 
@@ -295,6 +313,43 @@ def _equal_boundaries(cu_q, cu_kv, max_q, max_kv, q, k) -> bool:
     if max_q != max_kv or k.shape[0] != q.shape[0]:
         return False  # told apart without a read
     return _EQUAL.get((cu_q, cu_kv), None, lambda: torch.equal(cu_q, cu_kv))
+
+
+def _shared_after_all(packing: Packing, lengths: tuple, q, k, capturing: bool) -> tuple[Packing, tuple]:
+    """(packing, lengths) for a thd call whose lengths were not read (both max_seqlen given on the GPU) and whose
+    cu_seqlens_kv is a tensor of its own, where only whether every sequence has as many queries as keys decides if
+    the call is served: top-left causal with a window (attnselect's windows are bottom-right aligned, so it equals a
+    window only then). Equal boundary values make it self-attention: then cu_seqlens_kv becomes cu_seqlens_q
+    (the offsets, padded or not, stay as given), else nothing changes and the window is refused, as on the CPU.
+
+    TransformerEngine's test_dpa_qkv_layout_thd (tests/pytorch/attention/test_attention.py, configs layout_4_0 and
+    layout_4_1: padding_causal, window_size=(4, 0), thd, pad_between_seqs True and False) makes such calls: it
+    builds cu_seqlens_kv as a tensor of its own equal to cu_seqlens_q, passes both max_seqlen (2048) and always
+    passes cu_seqlens_q_padded / cu_seqlens_kv_padded, tensors of their own too (equal to the boundaries without
+    pad_between_seqs). _packing compares boundaries only for unpadded offsets and equal max_seqlen, where the answer
+    also sharpens the facts of every call; here it is asked for these calls alone, padded offsets and unequal
+    max_seqlen (bounds, not lengths) included: one host read (a sync on CUDA) per new pair of tensors, shared with
+    _packing's memo, and none where it cannot be made (_comparable: CUDA graph capture, traced calls, inference
+    tensors) or where the token totals tell the lengths apart (no gaps, unequal totals)."""
+    cu_q, cu_kv = packing.cu_seqlens_q, packing.cu_seqlens_kv
+    if _told_apart(packing, q, k) or not _comparable(cu_q, cu_kv, capturing):
+        return packing, lengths
+    if not _EQUAL.get((cu_q, cu_kv), None, lambda: torch.equal(cu_q, cu_kv)):
+        return packing, lengths
+    offsets_kv = cu_q if packing.offsets_kv is cu_kv else packing.offsets_kv  # unpadded keys stay unpadded
+    return packing._replace(cu_seqlens_kv=cu_q, offsets_kv=offsets_kv), (None, None, True)
+
+
+def _told_apart(packing: Packing, q, k) -> bool:
+    """Whether q/kv lengths are known to differ from shapes alone: without gaps the token totals are the sums of
+    the lengths. (Unequal max_seqlen are bounds, not the lengths, and with gaps the totals include the gaps.)"""
+    unpadded = packing.offsets_q is packing.cu_seqlens_q and packing.offsets_kv is packing.cu_seqlens_kv
+    return unpadded and k.shape[0] != q.shape[0]
+
+
+def _uncomparable(packing: Packing, q, k, capturing: bool) -> bool:
+    """A separate cu_seqlens_kv whose lengths may equal cu_seqlens_q's but could not be compared here."""
+    return not _told_apart(packing, q, k) and not _comparable(packing.cu_seqlens_q, packing.cu_seqlens_kv, capturing)
 
 
 def lengths_of(bounds: list[int]) -> list[int]:
