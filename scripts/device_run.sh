@@ -5,6 +5,12 @@
 #                                      # (TEST_PATHS=... TEST_PART=name: some of the tests -> h200_gpu_tests_name.txt)
 #   bash scripts/device_run.sh grid    # rules grid, resuming the committed rows -> $OUT/h200_rules_grid.jsonl
 #                                      # (GRID_DEADLINE seconds, default 500)
+#   bash scripts/device_run.sh correctness # benchmarks/correctness_grid.py, GRID_WORKERS processes (default 12), resuming
+#                                      # results/h200_correctness_grid_rows.jsonl where present (GRID_DEADLINE s, default
+#                                      # 480; GRID_ARGS adds arguments) -> $OUT/h200_correctness_grid_rows.jsonl, _meta.json
+#   bash scripts/device_run.sh checks # after `correctness` on the same warm machine, FA4 installed: the grid's report
+#                                      # (package data included), pytest -m gpu with FA4 and without (carry .whl-xdist),
+#                                      # benchmarks/peer_sweep.py under ATTNSELECT_STRICT=1 with and without
 #   bash scripts/device_run.sh grid-odd # its head dims below 16 and not multiples of 8, every backend but FA4,
 #                                      # resuming $OUT's rows where an earlier step of this call wrote them
 #   bash scripts/device_run.sh bench   # packed (thd) benchmark                -> $OUT/h200_thd_bench.{json,md}
@@ -88,6 +94,33 @@ case "$step" in
     grid_rows 560 --deadline "${GRID_DEADLINE:-500}" ;;
   grid-odd)
     grid_rows 300 --section odd --skip flash_attn4 --deadline "${GRID_DEADLINE:-240}" ;;
+  correctness)
+    dir=/tmp/correctness-grid; mkdir -p "$dir"
+    rows=results/h200_correctness_grid.jsonl
+    [ -f "$rows" ] && [ ! -f "$dir/rows-earlier.jsonl" ] && cp "$rows" "$dir/rows-earlier.jsonl"   # resume: kept
+    timeout $((${GRID_DEADLINE:-480} + 90)) python3 benchmarks/correctness_grid.py --out "$dir" \
+      --workers "${GRID_WORKERS:-12}" --deadline "${GRID_DEADLINE:-480}" ${GRID_ARGS:-} > "$OUT/correctness_grid.log" 2>&1
+    cat "$dir"/rows-*.jsonl > "$OUT/h200_correctness_grid_rows.jsonl"; cp "$dir/meta.json" "$OUT/h200_correctness_grid_meta.json"
+    grep -v " ok$" "$OUT/correctness_grid.log" | grep -v -i warn | cut -c1-220 | tail -45 ;;
+  checks)
+    python3 benchmarks/correctness_grid.py --report /tmp/correctness-grid | tail -1
+    cp results/h200_correctness_grid.jsonl results/h200_correctness_grid.jsonl.meta.json "$OUT/"
+    python3 -m pip install -q --no-index --no-deps --target /tmp/xdist .whl-xdist/*.whl
+    with=$PYTHONPATH:/tmp/xdist without=$PWD/src:/tmp/xdist
+    run_tests() { echo "# pytest -m gpu -n 6 on $(PYTHONPATH=$1 python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
+      PYTHONPATH=$1 timeout ${TEST_TIMEOUT:-330} python3 -m pytest -m gpu -n 6 -v -p no:cacheprovider -W ignore tests 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | cut -c1-400; }
+    run_tests "$with" > "$OUT/h200_gpu_tests_fa4.txt" 2>&1 &
+    run_tests "$without" > "$OUT/h200_gpu_tests.txt" 2>&1 &
+    if [ -f benchmarks/peer_sweep.py ]; then
+      ATTNSELECT_STRICT=1 PYTHONPATH=$with timeout 300 python3 benchmarks/peer_sweep.py --deadline 240 \
+        --out "$OUT/h200_peer_sweep_fa4" > /tmp/peer_fa4.log 2>&1 &
+      ATTNSELECT_STRICT=1 PYTHONPATH=$without timeout 300 python3 benchmarks/peer_sweep.py --deadline 240 \
+        --out "$OUT/h200_peer_sweep" > /tmp/peer.log 2>&1 &
+    fi
+    wait
+    tail -3 /tmp/peer_fa4.log /tmp/peer.log 2>/dev/null
+    for f in "$OUT"/h200_gpu_tests*.txt; do echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -12; done ;;
   fa4-grid)
     need_fa4 || exit 1
     grid_rows 400 --section fa4 --backends flash_attn4 --deadline "${GRID_DEADLINE:-330}" ;;
@@ -183,7 +216,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests correctness grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

@@ -34,16 +34,17 @@ def build_dir(tmp_path_factory) -> str:
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch, tmp_path_factory, build_dir):
     """Each test starts with no ATTNSELECT_* variable but a decision cache of its own (empty) and the session's build,
-    an empty decision memo and no recorded failures."""
+    an empty decision memo, no recorded failures and no self-check passed."""
     for name in list(os.environ):
         if name.startswith("ATTNSELECT_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path_factory.mktemp("attnselect-cache")))
     monkeypatch.setenv("ATTNSELECT_BUILD_DIR", build_dir)
-    from attnselect import failures
+    from attnselect import failures, self_check
 
     attnselect.clear_cache()
     failures._FAILED.clear()
+    self_check._PASSED.clear()
     monkeypatch.setattr(failures, "_RECORDED", None)  # the (empty) cache's recorded failures are read afresh
     yield
     attnselect.clear_cache()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attnselect import backends
+from attnselect import backends, self_check
 from attnselect.call import CallOptions, Packing
 from attnselect.call_memo import KnownCall, recall
 from attnselect.context_parallel.call import attention as context_parallel_attention
@@ -109,7 +109,7 @@ def attention(
         out, lse, *max_logit = context_parallel_attention(q, k, v, options)
         return out if not (return_lse or return_max_logit) else _with_statistics(out, lse, max_logit, return_lse)
     known = recall(q, k, v, options)
-    packing = None
+    packing, checking = None, False
     if type(known) is not KnownCall:  # else the same shapes, dtypes, devices and options were validated and decided
         unknown, options = known, CallOptions._make(options)
         problem, packing = describe_call(q, k, v, options)
@@ -134,6 +134,7 @@ def attention(
         known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
         if unknown is not None:
             unknown.remember(known)
+        checking = self_check.needed(problem, decision.chosen, target)
     try:
         if known.runner is None:  # thd sequence by sequence
             if packing is None:  # a known packed call, whose problem follows from its key (attnselect.call_memo)
@@ -141,14 +142,21 @@ def attention(
             result = run_call(known.chosen, known.problem, known.call, q, k, v, packing=packing, target=known.target)
         else:  # a prepared runner: (out, lse) or (out, lse, max_logit)
             result = known.runner(q, k, v) if layout != "thd" else known.runner(q, k, v, cu_seqlens_q)
+        if checking:  # the first call of its signature in this process (attnselect.self_check)
+            self_check.check(known.problem, known.chosen, known.target, known.call, result, q, k, v, packing,
+                             lambda q, k, v: run_call(known.chosen, known.problem, known.call, q, k, v,
+                                                      packing=packing, target=known.target))  # fmt: skip
         if sinks is not None:
             result = (*apply_sinks(result[0], result[1], sinks, layout), *result[2:])
-    except AttnSelectError:
-        raise
-    except Exception as exc:  # a kernel that fails at run time: fall back unless told to be strict
-        if known.forced or strict():
+    except Exception as exc:  # a kernel that fails at run time or gives a wrong result: fall back unless told not to
+        wrong = isinstance(exc, self_check.WrongResultError)
+        if isinstance(exc, AttnSelectError) and not wrong:
             raise
-        mark_failed(known.problem, known.target, known.chosen, exc)
+        falls_back = not (known.forced or strict())
+        if wrong or falls_back:  # a wrong result is known for its signature (explain shows it) whoever chose it
+            mark_failed(known.problem, known.target, known.chosen, exc, falls_back=falls_back)
+        if not falls_back:
+            raise
         return attention(q, k, v, **CallOptions._make(options)._asdict())
     if not (return_lse or return_max_logit):
         return result[0]

@@ -177,6 +177,43 @@ class AttentionProblem:
         target = -(-max(self.head_dim_qk, self.head_dim_v) // 8) * 8
         return None if self.head_dim_qk == self.head_dim_v == target else target
 
+    @property
+    def size_class(self) -> int:
+        """The problem's size as a power of 4 of its score count, batch x Hq x Sq x Skv (thd: sequences x the longest
+        lengths): kernels pick tiles, splits and schedules by size, and FlashAttention-4 4.0.0b36's sm90 backward at
+        128/64 was right at B2 H16 S640 and wrong at B2 H16 S1024 in one process (results/h200_correctness_grid.md)."""
+        scores = self.batch * self.heads_q * self.seqlen_q * self.seqlen_kv
+        return (scores.bit_length() - 1) // 2 if scores else 0
+
+    @property
+    def signature(self) -> tuple:
+        """What a kernel's correctness is known for (attnselect.self_check): head dims, GQA ratio ("mqa" for one K/V
+        head), mask kind, layout kind (dense, thd, thd with gaps), dtype, phase, size class, and the options that
+        change the kernel run (dropout, determinism, lse, softcap, sinks, max logit, fp8, capture, compile, context
+        parallelism, keyless rows)."""
+        ratio = "mqa" if self.heads_kv == 1 and self.heads_q > 1 else self.heads_q // self.heads_kv
+        layout = "dense" if self.layout != "thd" else "thd with gaps" if self.varlen_gaps else "thd"
+        options = tuple(
+            name
+            for name, on in (
+                ("dropout", self.dropout_p > 0),
+                ("deterministic", self.deterministic and self.training),
+                ("lse", self.return_lse),
+                ("softcap", self.softcap),
+                ("sinks", self.sinks),
+                ("max_logit", self.return_max_logit),
+                ("fp8", self.fp8),
+                ("cuda graph", self.cuda_graph_capture),
+                ("compiled", self.compiled_graph),
+                ("context parallel", self.context_parallel_size > 1),
+                ("keyless rows", self.may_have_rows_without_keys),
+            )
+            if on
+        )
+        phase = "training" if self.training else "inference"
+        return (self.head_dim_qk, self.head_dim_v, ratio, self.mask, layout, dtype_name(self.dtype), phase,
+                self.size_class, options)  # fmt: skip
+
     def padded(self, head_dim: int) -> AttentionProblem:
         """The problem after zero-padding Q, K and V to ``head_dim`` on the last dim."""
         require(

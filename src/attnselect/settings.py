@@ -24,6 +24,8 @@ ENV_VARS = (
     "ATTNSELECT_DEBUG",
     "ATTNSELECT_DEBUG_LEVEL",
     "ATTNSELECT_STRICT",
+    "ATTNSELECT_SELF_CHECK",
+    "ATTNSELECT_ALLOWLIST",
 )
 _NO_SCOPE = (None, None, None, None)
 _SCOPE: ContextVar[tuple] = ContextVar("attnselect_overrides", default=_NO_SCOPE)

@@ -208,5 +208,7 @@ def test_flash_attn4_trains_on_sm90_only_the_head_dims_whose_gradients_matched_o
     reasons = attnselect.backends.get("flash_attn4").not_supported_reasons(p, fa4)
     assert (not reasons) == trains and all("correct gradients on the H200 only" in r for r in reasons)
     assert not attnselect.backends.get("flash_attn4").not_supported_reasons(dataclasses.replace(p, training=False), fa4)
-    b200 = attnselect.Target.preset("b200", flash_attn4_version="4.0.0b36")  # measured on sm90 only
-    assert not attnselect.backends.get("flash_attn4").not_supported_reasons(p, b200)
+    b200 = attnselect.Target.preset("b200", flash_attn4_version="4.0.0b36")  # measured on sm90 only: no grid there
+    assert attnselect.backends.get("flash_attn4").not_supported_reasons(p, b200) == [
+        "no correctness grid has passed it on sm100 (benchmarks/correctness_grid.py)"
+    ]

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from attnselect import evidence
 from attnselect.backends.shape_cache import ShapeCache
 from attnselect.call import MASKS, KernelCall, Packing, dtype_name
 from attnselect.problem import AttentionProblem
@@ -134,6 +135,8 @@ class Backend:
     surfaces: ClassVar[dict[str, Surface]]  # keyed by device type ("cuda", "cpu")
     package: ClassVar[tuple[str, str] | None] = None  # (Target version field, pip name)
     shape_cache: ClassVar[ShapeCache | None] = None  # None: nothing is built per shape
+    # Device types where the surface is an allowlist from the correctness grid (attnselect.evidence): young kernels.
+    evidence_required: ClassVar[frozenset[str]] = frozenset()
 
     def not_supported_reasons(self, problem: AttentionProblem, target: Target) -> list[str]:
         """Why this backend cannot serve ``problem`` on ``target``; empty when it can."""
@@ -142,7 +145,10 @@ class Backend:
         surface = self.surfaces.get(target.device_type)
         if surface is None:
             return [f"runs on {' and '.join(self.surfaces)} only, not on {target.device_type}"]
-        return surface.reasons(problem, target) + self.extra_reasons(problem, target)
+        reasons = surface.reasons(problem, target) + self.extra_reasons(problem, target)
+        if not reasons and target.device_type in self.evidence_required:
+            reasons = evidence.reasons(self.name, problem, target)
+        return reasons
 
     def extra_reasons(self, problem: AttentionProblem, target: Target) -> list[str]:
         """Rules that are not plain data (arch- and version-dependent head-dim pairs...)."""

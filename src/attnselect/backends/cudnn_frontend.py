@@ -51,6 +51,7 @@ class CudnnFrontend(Backend):
     # sequence counts rounded to a power of two (at least 16) cost up to 8% at twice the documents. Of eight
     # schemes, this one had the least expected step over 2000 steps (steady step plus 122 ms a build): 8 graphs
     # in 2000 long-tailed steps instead of 1857.
+    evidence_required = frozenset({"cuda"})  # a young kernel: served where the correctness grid passed
     shape_cache = ShapeCache(
         builds="a cuDNN graph (and one for the backward when training)",
         keyed_on="the sequence count, max_seqlen, heads, head dims, strides, scale and mask (the backward also on "

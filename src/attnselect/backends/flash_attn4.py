@@ -57,6 +57,7 @@ class FlashAttn4(FlashAttnPackageBackend):
     # window, varlen, lse, tile sizes and split choices derived from the lengths), not per length. A process's
     # first forward+backward of a 192/128 configuration took 13 s (dense) and 19 s (packed) with an empty disk
     # cache, 6.5 and 10 s with a filled one, on the H200 (results/h200_fa4_compile.md).
+    evidence_required = frozenset({"cuda"})  # a young kernel: served where the correctness grid passed
     shape_cache = ShapeCache(
         builds="compiled CuTe DSL kernels",
         keyed_on="dtype, head dims, GQA ratio, causal, window, varlen and the tile sizes "

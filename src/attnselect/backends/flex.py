@@ -76,6 +76,7 @@ class Flex(Backend):
     # A packed call builds a document mask for every new boundary tensor: 3 to 26 ms a packing on the H200
     # (results/h200_thd_bench.md, 2026-11-29), paid every step of a loop that packs anew; on CUDA a new token
     # total also recompiles until torch.compile makes the totals dynamic (from the second, dynamic=None).
+    evidence_required = frozenset({"cuda"})  # a young kernel: served where the correctness grid passed
     shape_cache = ShapeCache(
         builds="a block mask (on CUDA also a Triton compile per new shape)",
         keyed_on="the boundary tensors themselves (document masks) and the token totals (the compile)",

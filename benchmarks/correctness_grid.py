@@ -1,0 +1,542 @@
+"""The correctness grid: every installed backend over the space users run, judged against float references.
+
+Axes: head-dim pairs (d_qk, d_v) over {32, 64, 96, 128, 192, 256}^2, (576, 512) and odd dims; GQA ratio 1, 4, 16
+and MQA; masks none, causal, bottom-right causal and a window; dense, thd and thd with gaps between sequences;
+inference and training; bf16 and fp16; sizes from one small head (B1 H1 S77) to B32 H16 S1k and B1 H16 S8k.
+
+**How rows are chosen.** Every (head-dim pair, phase, layout) cell gets a row: those are the young kernels'
+allowlist keys (attnselect.evidence), so each has evidence. The other axes are assigned greedily (AETG-style), each
+row taking the values that cover the most pairs of axis values not yet covered; rows are added until every pair of
+values of every two axes appears in some row (``pairs_missing()`` is empty; tests/test_benchmarks.py checks it).
+
+**What a row checks.** For each candidate (backend, padding) that the static rules serve (the allowlist off), the
+kernel runs the full call (with its lse), and in training its backward for a random output gradient; two slices of
+the result (first sequence with the first K/V head, last or longest sequence with the last K/V head, up to four
+query heads each) are judged by attnselect.correctness: out, lse, dq, dk and dv against the float32 reference of
+the rounded inputs, within 2x (out, lse) or 3x (gradients) the naive reference's error (FlashAttention's
+test_flash_attn_output criterion). The young kernels' rows (FA4, flex, the cuDNN frontend) run again in another
+process (repeat 1): their results differ by process.
+
+**Running it.** Worker processes (``--workers``, default 12 of the H200 machine's 16 cores) share the GPU; each takes
+every N-th row and appends to its own file under ``--out DIR``; a rerun skips what the files hold (resumable), a
+worker that dies (a CUDA error spoils its context) is restarted and skips the row it died on. ``--deadline`` stops
+cleanly. ``--report`` turns the rows into ``results/<name>.md`` and the package data attnselect reads
+(``src/attnselect/data/correctness_<arch>.json``).
+
+    python benchmarks/correctness_grid.py --out DIR [--workers 12] [--deadline 500] [--only-young]
+    python benchmarks/correctness_grid.py --report DIR... --name h200_correctness_grid
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+PAIRS = [(a, b) for a in (32, 64, 96, 128, 192, 256) for b in (32, 64, 96, 128, 192, 256)]
+PAIRS += [(576, 512), (59, 59), (80, 80), (112, 112), (16, 16)]  # DeepSeek's MLA decode; odd and small dims
+AXES = {
+    "pair": PAIRS,
+    "phase": ["inference", "training"],
+    "layout": ["dense", "thd", "thd_gaps"],
+    "mask": ["none", "causal", "causal_bottom_right", "sliding_window"],
+    "gqa": [1, 4, 16, "mqa"],
+    "dtype": ["bfloat16", "float16"],
+    "size": ["tiny", "small", "medium", "large", "long"],
+}
+CELL = ("pair", "phase", "layout")  # crossed in full: the allowlist's keys
+SIZES = {  # (batch or sequences, sequence length, query heads)
+    "tiny": (1, 77, 1),
+    "small": (2, 333, 4),
+    "medium": (2, 1024, 16),
+    "large": (32, 1024, 16),
+    "long": (1, 8192, 16),
+}
+YOUNG = ("flash_attn4", "flex", "cudnn_frontend")
+SOURCE = "results/h200_correctness_grid.jsonl"
+
+
+def _pairs_of(row: dict) -> set:
+    names = list(AXES)
+    return {(a, json.dumps(row[a]), b, json.dumps(row[b])) for a, b in itertools.combinations(names, 2)}
+
+
+def all_pairs() -> set:
+    names = list(AXES)
+    return {
+        (a, json.dumps(x), b, json.dumps(y))
+        for a, b in itertools.combinations(names, 2)
+        for x in AXES[a]
+        for y in AXES[b]
+    }
+
+
+_ROWS: list = []
+
+
+def rows() -> list[dict]:
+    """The grid's rows, deterministic: every cell, then rows until every pair of axis values is covered."""
+    if not _ROWS:
+        _ROWS.extend(_choose_rows())
+    return _ROWS
+
+
+def _choose_rows() -> list[dict]:
+    covered: set = set()
+    chosen: list[dict] = []
+    free = [name for name in AXES if name not in CELL]
+
+    def best(fixed: dict) -> dict:
+        options = [dict(fixed, **dict(zip(free, values))) for values in itertools.product(*(AXES[n] for n in free))]
+        return max(options, key=lambda r: len(_pairs_of(r) - covered))
+
+    for values in itertools.product(*(AXES[n] for n in CELL)):
+        row = best(dict(zip(CELL, values)))
+        covered |= _pairs_of(row)
+        chosen.append(row)
+    missing = all_pairs() - covered
+    while missing:
+        a, x, b, y = sorted(missing)[0]
+        options = [
+            dict(zip(AXES, values))
+            for values in itertools.product(*AXES.values())
+            if json.dumps(dict(zip(AXES, values))[a]) == x and json.dumps(dict(zip(AXES, values))[b]) == y
+        ]
+        row = max(options, key=lambda r: len(_pairs_of(r) - covered))
+        covered |= _pairs_of(row)
+        chosen.append(row)
+        missing = all_pairs() - covered
+    for index, row in enumerate(chosen):
+        row["id"] = index
+    return chosen
+
+
+def row_key(row: dict) -> str:
+    return json.dumps({name: row[name] for name in AXES}, sort_keys=True)
+
+
+def pairs_missing(grid: list[dict]) -> set:
+    covered = set().union(*(_pairs_of(r) for r in grid))
+    return all_pairs() - covered
+
+
+# -- one row: problem and inputs ---------------------------------------------------------------------------------
+
+
+def build(row: dict, device: str):
+    """(problem, q, k, v, packing or None, options for attnselect's call) of a row, random data seeded by its id."""
+    from attnselect.call import Packing
+    from attnselect.inputs import packing_facts
+    from attnselect.problem import AttentionProblem
+
+    batch, seqlen, heads = SIZES[row["size"]]
+    ratio = row["gqa"]
+    if ratio == "mqa":
+        heads_q, heads_kv = max(heads, 2), 1
+    else:
+        heads_q = max(heads, ratio)
+        heads_kv = heads_q // ratio
+    dqk, dv = row["pair"]
+    dtype = getattr(torch, row["dtype"])
+    rng = random.Random(row["id"])
+    mask = row["mask"]
+    window = None
+    if mask == "sliding_window":
+        left = max(1, seqlen // 5)
+        window = (left, 0) if row["id"] % 2 == 0 else (left, max(1, left // 3))
+    g = torch.Generator(device=device).manual_seed(row["id"])
+    packing = None
+    if row["layout"] == "dense":
+        sq = seqlen
+        skv = seqlen + seqlen // 4 if mask == "causal_bottom_right" else seqlen
+        shape_q, shape_kv = (batch, sq, heads_q), (batch, skv, heads_kv)
+        fields = dict(batch=batch, seqlen_q=sq, seqlen_kv=skv, layout="bshd")
+    else:
+        lengths_q = [seqlen] + [rng.randint(1, seqlen) for _ in range(batch - 1)]
+        rng.shuffle(lengths_q)
+        if mask == "causal_bottom_right":
+            lengths_kv = [n + rng.randint(0, max(1, n // 4)) for n in lengths_q]
+        else:
+            lengths_kv = list(lengths_q)
+        gaps = row["layout"] == "thd_gaps"
+        gap_q = [rng.randint(1, 7) if gaps else 0 for _ in lengths_q]
+        gap_kv = [rng.randint(1, 7) if gaps else 0 for _ in lengths_kv]
+        cu_q = [0, *itertools.accumulate(lengths_q)]
+        cu_kv = [0, *itertools.accumulate(lengths_kv)]
+        off_q = [0, *itertools.accumulate(n + g_ for n, g_ in zip(lengths_q, gap_q))]
+        off_kv = [0, *itertools.accumulate(n + g_ for n, g_ in zip(lengths_kv, gap_kv))]
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int32, device=device)
+
+        cq, ckv = t(cu_q), t(cu_kv)
+        same = lengths_q == lengths_kv and not gaps
+        if same:
+            ckv = cq
+        oq = t(off_q) if gaps else cq
+        okv = t(off_kv) if gaps else ckv
+        packing = Packing(cq, ckv, max(lengths_q), max(lengths_kv), oq, okv)
+        shape_q, shape_kv = (off_q[-1], heads_q), (off_kv[-1], heads_kv)
+        fields = dict(
+            batch=batch,
+            seqlen_q=max(lengths_q),
+            seqlen_kv=max(lengths_kv),
+            layout="thd",
+            varlen_gaps=gaps,
+            **packing_facts(mask, window, lengths_q, lengths_kv),
+        )
+    problem = AttentionProblem(
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim_qk=dqk,
+        head_dim_v=dv,
+        dtype=dtype,
+        mask=mask,
+        window=window,
+        training=row["phase"] == "training",
+        **fields,
+    )
+    q = torch.randn(*shape_q, dqk, generator=g, device=device).to(dtype)
+    k = torch.randn(*shape_kv, dqk, generator=g, device=device).to(dtype)
+    v = torch.randn(*shape_kv, dv, generator=g, device=device).to(dtype)
+    return problem, q, k, v, packing
+
+
+def judge_candidate(problem, candidate, q, k, v, packing) -> dict:
+    """Run one candidate on the row's tensors and judge it (attnselect.self_check.judge over two slices)."""
+    from attnselect import backends, self_check
+    from attnselect.execution import kernel_call, run_call
+
+    # The lse is judged where the kernel can return it; the problem stays a plain call (its signature is a user's).
+    surface = backends.get(candidate.backend).surfaces.get("cuda" if q.is_cuda else "cpu")
+    call = kernel_call(dataclasses.replace(problem, return_lse=surface is not None and surface.lse))
+    run = lambda q, k, v: run_call(candidate, problem, call, q, k, v, packing=packing)  # noqa: E731
+    result = {"ran": False, "error": None, "judgement": None}
+    try:
+        with torch.no_grad():
+            out = run(q, k, v)
+        judgement = self_check.judge(problem, call, out, q, k, v, packing, self_check.slices(problem, packing), run)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        result["ran"] = True
+        result["judgement"] = judgement.to_dict()
+        result["failures"] = judgement.failures
+    except self_check.ReferenceFailed:
+        raise
+    except Exception as exc:  # whatever the kernel does is the finding
+        result["error"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+    result["passed"] = bool(result["ran"] and result["judgement"]["passed"])
+    return result
+
+
+# -- workers -----------------------------------------------------------------------------------------------------
+
+
+def done_keys(directory: str) -> set:
+    keys = set()
+    for path in glob.glob(os.path.join(directory, "rows-*.jsonl")):
+        for line in open(path):
+            try:
+                r = json.loads(line)
+            except ValueError:  # a line cut short by a killed worker
+                continue
+            keys.add((r["row_key"], r["backend"], r["pad_to"], r["repeat"]))
+    return keys
+
+
+def worker(index: int, workers: int, directory: str, deadline: float, only_young: bool, ids=None) -> int:
+    """Run this worker's share: repeat 0 of rows id % workers == index, repeat 1 (young kernels) of rows
+    (id + 1) % workers == index. Returns 3 after a CUDA error (the parent restarts it), else 0."""
+    os.environ["ATTNSELECT_ALLOWLIST"] = "0"  # the static surface: the grid is what the allowlist is drawn from
+    os.environ["ATTNSELECT_SELF_CHECK"] = "0"
+    torch.set_num_threads(1)
+    torch._dynamo.config.cache_size_limit = 4096
+    torch._dynamo.config.accumulated_cache_size_limit = 8192
+    from attnselect import backends, self_check
+    from attnselect.candidates import judge
+    from attnselect.target import Target
+
+    target = Target.current()
+    device = "cuda" if target.is_cuda else "cpu"
+    done = done_keys(directory)
+    sink = open(os.path.join(directory, f"rows-{index}.jsonl"), "a")
+    pending = os.path.join(directory, f"pending-{index}.json")
+    if os.path.exists(pending):  # the last process of this worker died running it: that is its finding
+        died = json.load(open(pending))
+        if (died["row_key"], died["backend"], died["pad_to"], died["repeat"]) not in done:
+            died.update(ran=False, error="the process died running it (killed, or a fatal CUDA error)", passed=False)
+            sink.write(json.dumps(died) + "\n")
+            sink.flush()
+            done.add((died["row_key"], died["backend"], died["pad_to"], died["repeat"]))
+        os.remove(pending)
+    for repeat in (0, 1):
+        for row in rows():
+            if (row["id"] + repeat) % workers != index or (ids is not None and row["id"] not in ids):
+                continue
+            if time.time() > deadline:
+                return 0
+            key = row_key(row)
+            problem = None
+            for_row = []
+            try:
+                problem, q, k, v, packing = build(row, device)
+            except Exception:
+                traceback.print_exc()
+                continue
+            for verdict in judge(problem, target):
+                backend = backends.get(verdict.candidate.backend)
+                if not verdict.supported or (backend.package and getattr(target, backend.package[0]) is None):
+                    continue
+                young = verdict.candidate.backend in YOUNG
+                if (repeat == 1 or only_young) and not young:
+                    continue
+                c = verdict.candidate
+                if (key, c.backend, c.pad_to, repeat) in done:
+                    continue
+                for_row.append(c)
+            for c in for_row:
+                start = time.time()
+                record = dict(
+                    row_key=key,
+                    row=row,
+                    problem=problem.to_dict(),
+                    signature=list(problem.signature),
+                    backend=c.backend,
+                    pad_to=c.pad_to,
+                    repeat=repeat,
+                    pid=os.getpid(),
+                )
+                json.dump(record, open(pending, "w"))
+                try:
+                    found = judge_candidate(problem, c, q, k, v, packing)
+                except self_check.ReferenceFailed as exc:
+                    found = {"error": f"the reference failed: {exc}"}
+                os.remove(pending)
+                error = found["error"] or ""
+                if "reference failed" in error or "out of memory" in error.lower():
+                    print(f"[{index}] row {row['id']} {c} r{repeat}: {error[:100]}; left for a rerun", flush=True)
+                    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+                    continue
+                record.update(seconds=round(time.time() - start, 2), **found)
+                sink.write(json.dumps(record) + "\n")
+                sink.flush()
+                status = "ok" if found["passed"] else (found["error"] or "WRONG " + ",".join(found["failures"]))
+                print(f"[{index}] row {row['id']} {c} r{repeat} {record['seconds']}s {status[:160]}", flush=True)
+                if found["error"] and ("CUDA error" in found["error"] or "cudaError" in found["error"]):
+                    return 3  # the CUDA context may be spoiled: start afresh
+    return 0
+
+
+def run_workers(directory: str, workers: int, deadline: float, only_young: bool, ids: str | None = None) -> None:
+    os.makedirs(directory, exist_ok=True)
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1")
+    args = lambda i: [sys.executable, __file__, "--worker", str(i), "--workers", str(workers), "--out", directory,
+                      "--deadline-at", str(deadline)] + (["--only-young"] if only_young else []) + (
+                      ["--ids", ids] if ids else [])  # noqa: E731 # fmt: skip
+    running = {i: subprocess.Popen(args(i), env=env) for i in range(workers)}
+    while running:
+        time.sleep(1)
+        for i, proc in list(running.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del running[i]
+            if code != 0 and time.time() < deadline - 20:
+                print(f"worker {i} exited with {code}; restarting it", flush=True)
+                running[i] = subprocess.Popen(args(i), env=env)
+
+
+# -- the report and the package data -----------------------------------------------------------------------------
+
+
+def read_rows(directories) -> list[dict]:
+    found = {}
+    for directory in directories:
+        paths = [directory] if directory.endswith(".jsonl") else glob.glob(os.path.join(directory, "rows-*.jsonl"))
+        for path in paths:
+            for line in open(path):
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                found[(r["row_key"], r["backend"], r["pad_to"], r["repeat"])] = r
+    return sorted(found.values(), key=lambda r: (r["row"]["id"], r["backend"], r["pad_to"] or 0, r["repeat"]))
+
+
+EARLIER = "results/h200_rules_grid.jsonl"  # the rules grid of 2026-12-01 (same stack): its young kernels' rows too
+
+
+def summary(records: list[dict], meta: dict, earlier: list[dict] = ()) -> dict:
+    """The package data: young kernels' results per allowlist key, and the signatures every process passed.
+
+    ``earlier``: rows of the rules grid (benchmarks/rules_grid.py, relative error within 2e-2, one process), counted
+    for the allowlist where today's static surface serves the candidate (it ran them all, served or not)."""
+    from attnselect import backends
+    from attnselect.evidence import FORMAT, kernel_key
+    from attnselect.problem import AttentionProblem
+    from attnselect.target import Target
+
+    kernels: dict = {}
+    by_signature: dict = {}
+
+    def count(backend, problem, passed, finding, source):
+        entry = kernels.setdefault(backend, {}).setdefault(kernel_key(problem), {"passed": 0, "failed": 0})
+        entry["passed" if passed else "failed"] += 1
+        if not passed:
+            entry.setdefault("example", f"{source}: {finding}"[:240])
+
+    for r in records:
+        problem = AttentionProblem.from_dict(r["problem"])
+        sig = json.dumps([r["backend"], r["pad_to"], r["signature"]])
+        by_signature[sig] = by_signature.get(sig, True) and r["passed"]
+        if r["backend"] in YOUNG:
+            kernel = problem.padded(r["pad_to"]) if r["pad_to"] else problem
+            count(r["backend"], kernel, r["passed"], _finding(r), f"row {r['row']['id']}")
+    if earlier:
+        os.environ["ATTNSELECT_ALLOWLIST"] = "0"
+        target = Target(**{**meta["earlier_target"], "capability": tuple(meta["earlier_target"]["capability"])})
+        for r in earlier:
+            if r["backend"] not in YOUNG:
+                continue
+            problem = AttentionProblem.from_dict(r["problem"])
+            kernel = problem.padded(r["pad_to"]) if r["pad_to"] else problem
+            if backends.get(r["backend"]).not_supported_reasons(kernel, target):
+                continue
+            finding = r["error"] or f"relative errors {r['out_err']}, {r['grad_err']} (bound 2e-2)"
+            count(r["backend"], kernel, r["really"], finding, EARLIER.replace(".jsonl", ".md"))
+        del os.environ["ATTNSELECT_ALLOWLIST"]
+    covered = [json.loads(s) for s, ok in sorted(by_signature.items()) if ok]
+    return {
+        "format": FORMAT,
+        "source": SOURCE.replace(".jsonl", ".md") + (f" and {EARLIER.replace('.jsonl', '.md')}" if earlier else ""),
+        "device": meta["device"],
+        "arch": meta["arch"],
+        "date": meta["date"],
+        "fingerprint": meta["fingerprint"],
+        "packages": meta["packages"],
+        "kernels": kernels,
+        "covered": covered,
+    }
+
+
+def _finding(r: dict) -> str:
+    if r["error"]:
+        return r["error"]
+    j = r["judgement"]
+    return ", ".join(f"{n} max error {j['errors'][n]:.3g} > {j['bounds'][n]:.3g}" for n in r.get("failures", []))
+
+
+def report(records: list[dict], meta: dict) -> str:
+    lines = [
+        f"# Correctness grid on the {meta['device']}, {meta['date']}",
+        "",
+        f"Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}. Rows: {SOURCE}; chosen by "
+        "benchmarks/correctness_grid.py (every head-dim pair x phase x layout, all pairs of axis values covered).",
+        "Criterion: out and lse within 2x, dq/dk/dv within 3x the naive reference's max error against the float32 "
+        "reference of the rounded inputs, plus rounding (attnselect/correctness.py).",
+        "",
+    ]
+    if meta.get("runs"):
+        lines += [meta["runs"], ""]
+    grid = rows()
+    ran = {r["row_key"] for r in records}
+    lines.append(f"{len(ran)} of {len(grid)} rows ran; {len(records)} (row, candidate, process) results.")
+    lines.append("")
+    lines.append("| backend | results | passed | failed or wrong | processes per row |")
+    lines.append("|---|---|---|---|---|")
+    for backend in sorted({r["backend"] for r in records}):
+        mine = [r for r in records if r["backend"] == backend]
+        repeats = len({r["repeat"] for r in mine})
+        failed = sum(not r["passed"] for r in mine)
+        lines.append(f"| {backend} | {len(mine)} | {len(mine) - failed} | {failed} | {repeats} |")
+    lines += ["", "## Failures", "", "| row | problem | candidate | process | finding |", "|---|---|---|---|---|"]
+    from attnselect.problem import AttentionProblem
+
+    for r in records:
+        if r["passed"]:
+            continue
+        desc = AttentionProblem.from_dict(r["problem"]).describe()
+        cand = f"{r['backend']}" + (f" padded to {r['pad_to']}" if r["pad_to"] else " native")
+        lines.append(f"| {r['row']['id']} | {desc} | {cand} | {r['repeat']} | {_finding(r)[:200]} |")
+    return "\n".join(lines) + "\n"
+
+
+def meta_now() -> dict:
+    """The run's machine and versions. ``packages``: the version of each young backend's package that its rows ran
+    under (a run that resumes another's rows keeps the first version it finds)."""
+    from attnselect import backends
+    from attnselect.evidence import base_fingerprint
+    from attnselect.target import Target
+
+    target = Target.current()
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": target.cudnn_version}
+    for label, field in (("cudnn-frontend", "cudnn_frontend_version"), ("flash-attn-4", "flash_attn4_version")):
+        versions[label] = getattr(target, field)
+    packages = {}
+    for name in YOUNG:
+        package = backends.get(name).package
+        packages[name] = getattr(target, package[0]) if package else None
+    return {
+        "device": target.name,
+        "arch": target.arch,
+        "date": time.strftime("%Y-%m-%d"),
+        "versions": versions,
+        "fingerprint": base_fingerprint(target),
+        "packages": packages,
+        "target": target.to_dict(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", help="directory of the rows files")
+    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--deadline", type=float, default=500.0, help="seconds from now")
+    ap.add_argument("--deadline-at", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--only-young", action="store_true", help="young kernels' rows only")
+    ap.add_argument("--ids", help="comma list of row ids (a smoke test)")
+    ap.add_argument("--report", nargs="+", help="rows directories or .jsonl files to report on")
+    ap.add_argument("--meta", help="the run's meta.json (default: <first report dir>/meta.json)")
+    ap.add_argument("--name", default="h200_correctness_grid")
+    ap.add_argument("--earlier", action="store_true", help=f"count {EARLIER}'s young-kernel rows for the allowlist")
+    a = ap.parse_args()
+    if a.report:
+        records = read_rows(a.report)
+        meta = json.load(open(a.meta or os.path.join(a.report[0], "meta.json")))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with open(os.path.join(root, "results", f"{a.name}.jsonl"), "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        json.dump(meta, open(os.path.join(root, "results", f"{a.name}.jsonl.meta.json"), "w"), indent=1)
+        open(os.path.join(root, "results", f"{a.name}.md"), "w").write(report(records, meta))
+        data = os.path.join(root, "src", "attnselect", "data", f"correctness_{meta['arch']}.json")
+        os.makedirs(os.path.dirname(data), exist_ok=True)
+        earlier = [json.loads(line) for line in open(os.path.join(root, EARLIER))] if a.earlier else []
+        json.dump(summary(records, meta, earlier), open(data, "w"), indent=None, separators=(",", ":"))
+        print(f"{len(records)} results -> results/{a.name}.md and {os.path.relpath(data, root)}")
+        return
+    if a.worker is not None:
+        ids = {int(x) for x in a.ids.split(",")} if a.ids else None
+        sys.exit(worker(a.worker, a.workers, a.out, a.deadline_at, a.only_young, ids))
+    deadline = time.time() + a.deadline
+    os.makedirs(a.out, exist_ok=True)
+    json.dump(meta_now(), open(os.path.join(a.out, "meta.json"), "w"), indent=1)
+    run_workers(a.out, a.workers, deadline, a.only_young, a.ids)
+    records = read_rows([a.out])
+    failed = [r for r in records if not r["passed"]]
+    print(f"{len(records)} results, {len(failed)} failed or wrong, {len({r['row_key'] for r in records})} rows")
+
+
+if __name__ == "__main__":
+    main()

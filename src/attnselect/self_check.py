@@ -1,0 +1,194 @@
+"""The first-use self-check: a kernel's first call of each signature in a process is checked at its real size.
+
+A support surface is a claim; young kernels break claims in ways that depend on the process and the size
+(FlashAttention-4 4.0.0b36's sm90 backward at 128/64 gave wrong gradients in three processes of four, at some sizes
+only: shared/research/h200-measurements-2026-12-02.md). So the first call of each (candidate, problem signature)
+in a process (:attr:`AttentionProblem.signature`: head dims, GQA ratio, mask, layout kind, dtype, phase, size class)
+runs as usual, and a slice of its result (one sequence at full length, up to four query heads of one K/V head) is
+compared with references computed on that slice (:mod:`attnselect.correctness`). In training the kernel's backward
+runs too, once, for a random output gradient (``torch.autograd.grad``, the graph kept for the caller's own
+backward), and the slice's dq, dk and dv are compared. A pass is kept for this process only.
+
+Where the result is wrong, attnselect raises :class:`WrongResultError` for a forced backend (``backend=``) or under
+ATTNSELECT_STRICT=1; otherwise the candidate is marked failed for the signature (:mod:`attnselect.failures`: in the
+decision cache too, shown by ``explain``), one warning is logged, and the call is recomputed on the next candidate,
+so the caller never receives the wrong values.
+
+``ATTNSELECT_SELF_CHECK``: ``1`` (default) checks signatures the packaged correctness grid has not checked on this
+GPU and these library versions (:func:`attnselect.evidence.covers`); ``all`` checks every signature; ``0`` checks
+none. Not checked: calls with dropout (random by design), inside torch.compile graphs or CUDA graph capture (no
+reference can run there: the warm-up call before capture is checked), and the reference backend itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from attnselect import backends, correctness, evidence
+from attnselect.call import KernelCall, Packing
+from attnselect.candidates import Candidate
+from attnselect.errors import AttnSelectError, InvalidInputError
+from attnselect.problem import AttentionProblem
+from attnselect.target import Target
+
+log = logging.getLogger("attnselect")
+# (target, candidate, signature) checked and passed in this process. A pass is not carried to another process.
+_PASSED: set = set()
+
+
+class WrongResultError(AttnSelectError, RuntimeError):
+    """A kernel's result did not match the reference at the self-check of its first call."""
+
+
+SELF_CHECK_MODES = ("0", "1", "all")
+
+
+def mode() -> str:
+    """ATTNSELECT_SELF_CHECK: '0' (off), '1' (default: signatures the correctness grid has not checked on this GPU
+    and these versions) or 'all' (attnselect.self_check)."""
+    value = os.environ.get("ATTNSELECT_SELF_CHECK", "1").strip()
+    if value not in SELF_CHECK_MODES:
+        raise InvalidInputError(f"ATTNSELECT_SELF_CHECK: got {value!r}, expected one of {SELF_CHECK_MODES}")
+    return value
+
+
+def needed(problem: AttentionProblem, chosen: Candidate, target: Target) -> bool:
+    """Whether this call, the first of its kind since the memo last decided it, is to be checked."""
+    checking = mode()
+    if checking == "0" or chosen.backend == "reference":
+        return False
+    if problem.dropout_p or problem.compiled_graph or problem.cuda_graph_capture or problem.fp8:
+        return False
+    if (target, chosen, problem.signature) in _PASSED:
+        return False
+    package = backends.get(chosen.backend).package
+    version = getattr(target, package[0]) if package else None
+    return checking == "all" or not evidence.covers(chosen.backend, chosen.pad_to, problem, target, version)
+
+
+def check(problem, chosen, target, call: KernelCall, result, q, k, v, packing: Packing | None, rerun) -> None:
+    """Judge the kernel's ``result`` ((out, lse, ...) as its runner returned it, before sinks) of the call on
+    q, k, v (``rerun(q, k, v)`` runs it again); raise :class:`WrongResultError` when it is wrong. A failure of the
+    kernel's backward propagates (the caller treats it as the kernel failing at run time); a failure of the reference
+    only skips the check, with one warning."""
+    try:
+        judgement = judge(problem, call, result, q, k, v, packing, [_last_slice(problem, packing)], rerun)
+    except ReferenceFailed as exc:
+        log.warning("attnselect: the self-check of %s on %s could not run (%s); not checked", chosen,
+                    problem.describe(), exc)  # fmt: skip
+        return
+    if not judgement.passed:
+        raise WrongResultError(
+            f"self-check of {chosen} at signature {format_signature(problem)}: {', '.join(judgement.failures)} "
+            f"wrong ({judgement.describe()})"
+        )
+    _PASSED.add((target, chosen, problem.signature))
+
+
+class ReferenceFailed(Exception):
+    """The references could not be computed (out of memory, say): no verdict on the kernel."""
+
+
+def judge(problem, call: KernelCall, result, q, k, v, packing: Packing | None, slices, rerun) -> correctness.Judgement:
+    """The judgement of a kernel's ``result`` of a call on q, k, v over ``slices`` (the worst of them): its out, its
+    lse where it returned one and, in training, the gradients of a second run, ``rerun(q, k, v)`` on detached copies
+    (the caller's graph is left alone: a compiled backward, flex's, runs once only), for a random output gradient."""
+    out, lse = result[0], result[1]
+    layout = problem.layout
+    dout, grads = None, {}
+    if problem.training:
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        again = rerun(*leaves)[0]
+        dout = _output_gradient(again, problem, slices)
+        grads = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(again, leaves, dout)))
+    judgement = None
+    for piece in slices:
+        got = {"out": correctness.rows(out, layout, piece, piece.q_heads)}
+        if lse is not None:
+            got["lse"] = correctness.lse_rows(lse, layout, piece)
+        for name, grad in grads.items():
+            heads = piece.q_heads if name == "dq" else piece.kv_head
+            got[name] = correctness.rows(grad, layout, piece, heads, keys=name != "dq")
+        sliced = (
+            correctness.rows(q, layout, piece, piece.q_heads),
+            correctness.rows(k, layout, piece, piece.kv_head, keys=True),
+            correctness.rows(v, layout, piece, piece.kv_head, keys=True),
+            correctness.rows(dout, layout, piece, piece.q_heads) if dout is not None else None,
+        )
+        try:
+            with torch.no_grad():
+                found = correctness.compare(*(t.detach() if t is not None else None for t in sliced), call, got)
+        except Exception as exc:
+            raise ReferenceFailed(f"{type(exc).__name__}: {exc}") from exc
+        judgement = found if judgement is None else judgement.worse(found)
+    return judgement
+
+
+def slices(problem: AttentionProblem, packing: Packing | None) -> list[correctness.Slice]:
+    """Two slices far apart: the first sequence with the first K/V head, and the last (thd: longest) sequence with
+    the last K/V head (one, where they coincide)."""
+    first = _slice_at(problem, packing, 0, kv_head=0)
+    last = _last_slice(problem, packing)
+    return [first] if first == last else [first, last]
+
+
+def _last_slice(problem: AttentionProblem, packing: Packing | None) -> correctness.Slice:
+    """The last batch row; for thd, the longest sequence (one host read of the boundaries: a first call only)."""
+    if packing is None:
+        return correctness.slice_of(problem.heads_q, problem.heads_kv, problem.batch - 1)
+    lengths = _lengths(packing)
+    longest = max(range(len(lengths)), key=lambda i: (lengths[i][0] * max(lengths[i][1], 1), -i), default=0)
+    return _slice_at(problem, packing, longest)
+
+
+def _lengths(packing: Packing) -> list[tuple[int, int]]:
+    bounds_q, bounds_kv = packing.cu_seqlens_q.tolist(), packing.cu_seqlens_kv.tolist()
+    return [(bounds_q[i + 1] - bounds_q[i], bounds_kv[i + 1] - bounds_kv[i]) for i in range(len(bounds_q) - 1)]
+
+
+def _slice_at(problem, packing: Packing | None, sequence: int, kv_head: int = -1) -> correctness.Slice:
+    if packing is None:
+        return correctness.slice_of(problem.heads_q, problem.heads_kv, sequence, kv_head=kv_head)
+    lengths = _lengths(packing)
+    if not lengths:
+        return correctness.slice_of(problem.heads_q, problem.heads_kv, 0, kv_head=kv_head)
+    starts_q, starts_kv = packing.offsets_q.tolist(), packing.offsets_kv.tolist()
+    return correctness.slice_of(
+        problem.heads_q,
+        problem.heads_kv,
+        sequence,
+        kv_head=kv_head,
+        starts=(starts_q[sequence], starts_kv[sequence]),
+        lengths=lengths[sequence],
+    )
+
+
+def format_signature(problem: AttentionProblem) -> str:
+    dqk, dv, ratio, mask, layout, dtype, phase, size, options = problem.signature
+    extra = f" {'+'.join(options)}" if options else ""
+    return f"{layout} {dqk}/{dv} GQA {ratio} {mask} {dtype} {phase} size class {size}{extra}"
+
+
+def _output_gradient(out: torch.Tensor, problem: AttentionProblem, pieces) -> torch.Tensor:
+    """A random output gradient, zero for the query heads of each slice's K/V group that the slice leaves out (so
+    the slice's dk and dv come from its own query heads alone)."""
+    generator = torch.Generator(device=out.device).manual_seed(0x5E1F)
+    dout = torch.randn(out.shape, generator=generator, device=out.device, dtype=torch.float32).to(out.dtype)
+    group = problem.heads_q // problem.heads_kv
+    for piece in pieces:
+        left_out = [h for h in range(piece.kv_head * group, (piece.kv_head + 1) * group) if h not in piece.q_heads]
+        if not left_out:
+            continue
+        heads = torch.tensor(left_out, device=out.device)
+        if problem.layout == "thd":
+            dout[piece.start_q : piece.start_q + piece.length_q, heads] = 0
+        elif problem.layout == "bshd":
+            dout[piece.sequence, :, heads] = 0
+        elif problem.layout == "sbhd":
+            dout[:, piece.sequence, heads] = 0
+        else:
+            dout[piece.sequence, heads] = 0
+    return dout

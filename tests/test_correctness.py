@@ -1,0 +1,72 @@
+"""The slice references and the peers' half-precision criterion (attnselect.correctness)."""
+
+from __future__ import annotations
+
+import torch
+
+from attnselect import correctness
+from attnselect.call import KernelCall
+
+
+def _call(mask="none", window=None, softcap=None):
+    return KernelCall(mask=mask, window=window, scale=0.125, dropout_p=0.0, return_lse=True, softcap=softcap)
+
+
+def _slice_inputs(sq=40, skv=50, h=3, dqk=16, dv=8, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sq, h, dqk, generator=g).to(dtype)
+    k = torch.randn(skv, 1, dqk, generator=g).to(dtype)
+    v = torch.randn(skv, 1, dv, generator=g).to(dtype)
+    dout = torch.randn(sq, h, dv, generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def _kernel(q, k, v, dout, call):
+    """A good kernel: float32 math on the rounded inputs, its results rounded back to the inputs' dtype."""
+    out, lse, *grads = correctness.reference(q, k, v, dout, call, torch.float32)
+    got = {"out": out.to(q.dtype), "lse": lse}
+    return got if dout is None else {**got, **{n: g.to(q.dtype) for n, g in zip(("dq", "dk", "dv"), grads)}}
+
+
+def test_a_right_kernel_passes_and_a_wrong_one_fails_each_value():
+    for mask, window in (("none", None), ("causal_bottom_right", None), ("sliding_window", (7, 2))):
+        q, k, v, dout = _slice_inputs()
+        call = _call(mask, window)
+        got = _kernel(q, k, v, dout, call)
+        assert correctness.compare(q, k, v, dout, call, got).passed
+        for name in got:
+            bad = dict(got, **{name: got[name] * 1.05 if name != "lse" else got[name] + 0.05})
+            assert correctness.compare(q, k, v, dout, call, bad).failures == [name]
+
+
+def test_keyless_rows_need_a_zero_output_and_an_lse_of_minus_infinity():
+    q, k, v, dout = _slice_inputs(sq=40, skv=10)
+    call = _call("causal_bottom_right")  # the first 30 queries see no key
+    got = _kernel(q, k, v, None, call)
+    assert torch.isneginf(got["lse"][:, :30]).all() and correctness.compare(q, k, v, None, call, got).passed
+    assert correctness.compare(q, k, v, None, call, dict(got, lse=got["lse"].nan_to_num(neginf=-1e4))).failures == [
+        "lse"
+    ]
+    assert correctness.compare(q, k, v, None, call, dict(got, out=got["out"] + (got["out"] == 0))).failures == ["out"]
+
+
+def test_non_finite_values_fail():
+    q, k, v, dout = _slice_inputs()
+    got = _kernel(q, k, v, dout, _call())
+    got["dv"][0, 0, 0] = float("nan")
+    assert correctness.compare(q, k, v, dout, _call(), got).failures == ["dv"]
+
+
+def test_long_sequences_are_referenced_in_chunks(monkeypatch):
+    q, k, v, dout = _slice_inputs(sq=70, skv=70, dtype=torch.float32)
+    whole = correctness.reference(q, k, v, dout, _call("causal"), torch.float64)
+    monkeypatch.setattr(correctness, "QUERY_CHUNK", 16)
+    chunked = correctness.reference(q, k, v, dout, _call("causal"), torch.float64)
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_slice_takes_the_first_and_last_heads_of_a_large_group():
+    s = correctness.slice_of(heads_q=32, heads_kv=2, sequence=1)
+    assert s.kv_head == 1 and s.q_heads == (16, 17, 18, 31)
+    assert correctness.slice_of(4, 4, 0, kv_head=0).q_heads == (0,)

@@ -1,0 +1,204 @@
+"""The first-use self-check: a kernel that returns wrong values is caught at its first call of a signature, forced
+(the library's error) or chosen (one warning, the call recomputed on the next candidate), forward and gradients."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnselect
+from attnselect import backends, failures, self_check
+from attnselect.backends.reference import Reference
+from attnselect.errors import InvalidInputError
+from attnselect.self_check import WrongResultError
+from helpers import dense_inputs, rel_err, thd_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _WrongGradient(torch.autograd.Function):
+    """Identity forward; the backward scales the gradient (a kernel whose backward is wrong)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.5
+
+
+class Wrong(Reference):
+    """The reference with a wrong forward (``forward``) or a wrong backward (``backward``)."""
+
+    def __init__(self, name: str, broken: str):
+        self.name, self.broken = name, broken
+
+    def run(self, q, k, v, call):
+        if self.broken == "backward":
+            q = _WrongGradient.apply(q)
+        out, *rest = super().run(q, k, v, call)
+        return (out * 1.01 if self.broken == "forward" else out), *rest
+
+
+@pytest.fixture
+def wrong(request):
+    backend = Wrong(f"wrong_{request.param}", request.param)
+    backends.register(backend)
+    yield backend
+    backends.unregister(backend.name)
+
+
+def _reference(q, k, v, **kwargs):
+    exact = [t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, v)]
+    return attnselect.attention(*exact, backend="reference", **kwargs), exact
+
+
+@pytest.mark.parametrize("wrong", ["forward", "backward"], indirect=True)
+def test_a_forced_wrong_kernel_raises_naming_the_signature(wrong):
+    q, k, v = dense_inputs(dtype=torch.float32, hq=4, hkv=2, dqk=24, dv=16)
+    with pytest.raises(WrongResultError, match=r"self-check of wrong_\w+ native at signature dense 24/16 GQA 2") as e:
+        attnselect.attention(q, k, v, causal=True, backend=wrong.name)
+    wrong_values = str(e.value).split(": ", 1)[1].split(" wrong (")[0].split(", ")
+    assert wrong_values == (["out", "dq", "dk", "dv"] if wrong.broken == "forward" else ["dq"])
+
+
+@pytest.mark.parametrize("wrong", ["forward", "backward"], indirect=True)
+def test_a_chosen_wrong_kernel_is_never_returned(wrong, monkeypatch, caplog):
+    from attnselect.policies import rules
+
+    table = rules.TABLES[("cpu", "training")]
+    monkeypatch.setitem(rules.TABLES, ("cpu", "training"), ((wrong.name, False), *table))
+    q, k, v = dense_inputs(dtype=torch.float32, hq=4, hkv=2, dqk=24, dv=16)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
+    assert attnselect.select(problem).chosen.backend == wrong.name
+    with caplog.at_level(logging.WARNING, logger="attnselect"):
+        out = attnselect.attention(q, k, v, causal=True)
+    assert any("WrongResultError" in r.getMessage() for r in caplog.records)
+    ref, exact = _reference(q, k, v, causal=True)
+    assert rel_err(out, ref) < 1e-5
+    out.backward(torch.ones_like(out))
+    ref.backward(torch.ones_like(ref))
+    assert all(rel_err(a.grad, b.grad) < 1e-5 for a, b in zip((q, k, v), exact))
+    # Known for the signature, in this process and in the decision cache: explain says why.
+    assert attnselect.select(problem).chosen.backend != wrong.name
+    assert "self-check" in attnselect.explain(problem, show_all=True)
+    failures._FAILED.clear()
+    monkeypatch.setattr(failures, "_RECORDED", None)
+    assert "self-check" in attnselect.explain(problem, show_all=True)
+
+
+@pytest.mark.parametrize("wrong", ["forward"], indirect=True)
+def test_packed_sequences_with_gaps_are_checked_at_their_offsets(wrong):
+    (q, k, v), cu, _ = thd_inputs([5, 9, 3], dtype=torch.float32, hq=4, hkv=2)
+    padded = torch.tensor([0, 7, 18, 24], dtype=torch.int32)
+    wide = [torch.zeros(24, t.shape[1], t.shape[2]) for t in (q, k, v)]
+    for w, t in zip(wide, (q, k, v)):
+        for i, start in enumerate(padded[:-1].tolist()):
+            w[start : start + int(cu[i + 1] - cu[i])] = t.detach()[int(cu[i]) : int(cu[i + 1])]
+    with pytest.raises(WrongResultError, match="thd with gaps"):
+        attnselect.attention(*wide, layout="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=padded, backend=wrong.name)
+
+
+@pytest.mark.parametrize("wrong", ["forward"], indirect=True)
+def test_the_check_runs_once_per_signature_and_process(wrong, monkeypatch):
+    checked = []
+    judge = self_check.judge
+    monkeypatch.setattr(self_check, "judge", lambda *a, **kw: checked.append(1) or judge(*a, **kw))
+    q, k, v = dense_inputs(dtype=torch.float32, requires_grad=False)
+    attnselect.attention(q, k, v)  # sdpa_flash (padded) on the CPU: checked once
+    attnselect.attention(q, k, v)
+    attnselect.attention(q[:, :30], k[:, :30], v[:, :30])  # a new shape, the same size class: not again
+    assert len(checked) == 1
+    monkeypatch.setenv("ATTNSELECT_SELF_CHECK", "0")
+    with pytest.raises(AssertionError):  # nothing checks it: the wrong values come back
+        torch.testing.assert_close(attnselect.attention(q, k, v, backend=wrong.name), attnselect.attention(q, k, v))
+    monkeypatch.setenv("ATTNSELECT_SELF_CHECK", "junk")
+    with pytest.raises(InvalidInputError, match="ATTNSELECT_SELF_CHECK: got 'junk'"):
+        attnselect.attention(q, k, v)
+
+
+def test_all_checks_signatures_the_grid_covered(monkeypatch):
+    from attnselect import evidence
+
+    monkeypatch.setattr(evidence, "covers", lambda *a: True)
+    q, k, v = dense_inputs(dtype=torch.float32, requires_grad=False)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v)
+    decision = attnselect.select(problem)
+    assert not self_check.needed(problem, decision.chosen, decision.target)
+    monkeypatch.setenv("ATTNSELECT_SELF_CHECK", "all")
+    assert self_check.needed(problem, decision.chosen, decision.target)
+
+
+def test_a_reference_that_cannot_run_skips_the_check_with_a_warning(monkeypatch, caplog):
+    from attnselect import correctness
+
+    monkeypatch.setattr(correctness, "compare", lambda *a, **kw: (_ for _ in ()).throw(MemoryError("no room")))
+    q, k, v = dense_inputs(dtype=torch.float32, requires_grad=False)
+    with caplog.at_level(logging.WARNING, logger="attnselect"):
+        out = attnselect.attention(q, k, v)
+    assert any("could not run" in r.getMessage() for r in caplog.records)
+    assert torch.isfinite(out).all()
+
+
+# -- on the GPU ---------------------------------------------------------------------------------------------------
+
+WORKER = """
+import json, os, sys, torch
+import attnselect
+from attnselect.self_check import WrongResultError
+torch.manual_seed(int(sys.argv[1]))
+shape = dict(B=32, S=640, H=16)
+make = lambda d: torch.randn(shape["B"], shape["S"], shape["H"], d, device="cuda", dtype=torch.bfloat16)
+q, k, v, dout = make(128), make(128), make(64), make(64)
+
+def grads(run):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = run(*leaves)
+    return torch.autograd.grad(out, leaves, dout)
+
+def ref(q, k, v):
+    s = torch.einsum("bshd,bthd->bhst", q.float(), k.float()) / 128 ** 0.5
+    return torch.einsum("bhst,bthd->bshd", s.softmax(-1), v.float())
+
+exact = grads(ref)
+err = lambda gs: max(((g.float() - e).norm() / e.norm()).item() for g, e in zip(gs, exact))
+from flash_attn.cute import flash_attn_func
+direct = err(grads(lambda q, k, v: flash_attn_func(q, k, v)[0]))
+try:
+    forced, raised = err(grads(lambda q, k, v: attnselect.attention(q, k, v, backend="flash_attn4"))), None
+except WrongResultError as exc:
+    forced, raised = None, str(exc)
+chosen = err(grads(lambda q, k, v: attnselect.attention(q, k, v)))
+print(json.dumps(dict(direct=direct, forced=forced, raised=raised, chosen=chosen)))
+"""
+
+
+@pytest.mark.gpu
+def test_fa4_wrong_gradients_at_128_64_are_caught_in_every_process(tmp_path):
+    """FA4 4.0.0b36's sm90 backward at d_qk=128, d_v=64 (PyTorch's test_cudnn_attention_different_dk_dv shape) was
+    wrong in three processes of four (shared/research/h200-measurements-2026-12-02.md). With the allowlist off, in
+    every process: a forced FA4 either raises WrongResultError or gives right gradients, and the chosen kernel's
+    gradients are right."""
+    from attnselect.target import Target
+
+    if Target.current().flash_attn4_version is None:
+        pytest.skip("flash-attn-4 is not installed here")
+    results = []
+    for seed in range(4):
+        env = dict(os.environ, ATTNSELECT_ALLOWLIST="0", ATTNSELECT_CACHE_DIR=str(tmp_path / str(seed)))
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+        done = subprocess.run([sys.executable, "-c", WORKER, str(seed)], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print("FA4 128/64 per process:", results)
+    for r in results:
+        assert r["chosen"] < 2e-2
+        assert r["raised"] is not None or r["forced"] < 2e-2
