@@ -397,7 +397,7 @@ def summary(records: list[dict], meta: dict, earlier: list[dict] = ()) -> dict:
 
     for r in records:
         problem = AttentionProblem.from_dict(r["problem"])
-        sig = json.dumps([r["backend"], r["pad_to"], r["signature"]])
+        sig = json.dumps([r["backend"], r["pad_to"], list(problem.signature)])  # today's signature of the row
         by_signature[sig] = by_signature.get(sig, True) and r["passed"]
         if r["backend"] in YOUNG:
             kernel = problem.padded(r["pad_to"]) if r["pad_to"] else problem

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 import attnselect
-from attnselect import backends, call_memo, compiled_lookup
+from attnselect import backends, call_memo
 from attnselect.backends.shape_cache import bucketed
 from attnselect.call import CallOptions
 from attnselect.execution import kernel_call
@@ -223,14 +223,6 @@ def packed_rows(device: str, forced: str | None = None):
     return problem, chosen, rows
 
 
-def repeated_call_check() -> str:
-    """Which check of the recent calls attention() runs, once its build (attnselect.compiled_lookup) is waited for."""
-    compiled_lookup.start(call_memo)
-    if compiled_lookup.ready(timeout=600):
-        return "compiled (attnselect.compiled_lookup)"
-    return "Python (the compiled check could not be built or loaded: see the log)"
-
-
 def write_report(out: str | None, report: dict, lines: list[str]) -> None:
     """Print the report's lines; with ``out``, write them to ``out``.md and the report to ``out``.json."""
     print("\n".join(lines))
@@ -249,7 +241,6 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="add cProfile's top functions of each attnselect row")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    check = repeated_call_check()
     with torch.no_grad():  # as the rows run: the prepared runners are those of inference
         cases = [(*dense_rows(device), a.calls, a.repeats)]
         if device == "cuda":
@@ -257,7 +248,7 @@ def main() -> None:
             if cases[-1][1].backend != "cudnn_frontend" and attnselect.Target.current().cudnn_frontend_version:
                 cases.append((*packed_rows(device, forced="cudnn_frontend"), a.packed_calls, a.packed_repeats))
     report = {
-        "meta": {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d"), "check": check},
+        "meta": {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d")},
         "cases": [],
     }  # fmt: skip
     lines = [
@@ -266,7 +257,7 @@ def main() -> None:
         "queue, in interleaved rounds in alternating order, garbage collector off: median host us per call "
         "(quartiles), the median with the round's closing sync (a GPU-bound row shows its GPU time there), and "
         "attnselect's row minus each row, the median of the per-round differences of host time (quartiles). "
-        f"Produced by `benchmarks/hot_path.py`. Check of the recent calls: {check}.\n",
+        "Produced by `benchmarks/hot_path.py`.\n",
     ]
     with torch.no_grad():
         for problem, chosen, rows, calls, repeats in cases:

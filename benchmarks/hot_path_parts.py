@@ -4,11 +4,10 @@
 
 The dense case of benchmarks/hot_path.py (CUDA: B1 S256 H16 192/128 inference bf16 on the chosen kernel, in its own
 layout; CPU: a tiny float32 call), timed as hot_path.py times its rows (calls from an empty queue, interleaved
-rounds in alternating order): attention() as it is (on the compiled check of the recent calls where it is built,
-attnselect.compiled_lookup); attention() on the Python check; with ``--baseline``, attention() on another version of
+rounds in alternating order): attention() as it is; with ``--baseline``, attention() on another version of
 ``call_memo.py`` whose ``recall`` takes ``(q, k, v, options)`` as this one's does (an earlier commit's, to compare
-two versions in one process, on one host phase); attention() on copies of this ``call_memo.py`` on the Python check
-with one more part of its lookup taken out in each row (the tensors' storage offsets, their nested flags, the thread
+two versions in one process, on one host phase); attention() on copies of this ``call_memo.py`` with one more part
+of its lookup taken out in each row (the tensors' storage offsets, their nested flags, the thread
 and settings state); attention() on a fixed known call (no lookup at all: its frame
 and the runner); F.sdpa's default dispatch; and the prepared runner alone. Each row's difference from the first is
 what that part costs inside the call, where the kernel's own host work leaves the lookup's code and data cold.
@@ -31,11 +30,9 @@ import torch.nn.functional as F
 
 import attnselect
 from attnselect import api, call_memo
-from hot_path import dense_inputs, repeated_call_check, time_rows, write_report
+from hot_path import dense_inputs, time_rows, write_report
 
-# The copies' check of the recent calls: the Python one (call_memo.recall asks the compiled one first where built).
-PYTHON_CHECK = ("find = compiled_lookup.find", "find = None")
-# The parts of call_memo.recall's Python check taken out, cumulatively (the source text and what replaces it).
+# The parts of call_memo.recall's check taken out, cumulatively (the source text and what replaces it).
 PARTS = (
     ("storage offsets", "offsets = (q.storage_offset(), k.storage_offset(), v.storage_offset())",
      "offsets = (0, 0, 0)"),
@@ -53,7 +50,7 @@ def memo_module(name: str, source: str, replacements=()) -> types.ModuleType:
             raise SystemExit(f"call_memo.py no longer holds {old!r}: update PARTS")
         source = source.replace(old, new)
     module = types.ModuleType(name)
-    sys.modules[name] = module  # as an imported module is (call_memo hands itself to attnselect.compiled_lookup)
+    sys.modules[name] = module  # as an imported module is
     exec(compile(source, f"<{name}>", "exec"), module.__dict__)
     return module
 
@@ -75,11 +72,9 @@ def rows_for(device: str, baseline: str | None) -> tuple[dict, str]:
     if baseline:
         variants.append((f"attention() on {Path(baseline).name}", memo_module("baseline", Path(baseline).read_text())))
     source = Path(call_memo.__file__).read_text()
-    if call_memo.compiled_lookup.find is not None:
-        variants.append(("attention() on the Python check", memo_module("python_check", source, [PYTHON_CHECK])))
     for i in range(len(PARTS)):
-        name = "attention() on the Python check without " + ", ".join(part for part, *_ in PARTS[: i + 1])
-        variants.append((name, memo_module(f"without_{i}", source, [PYTHON_CHECK, *(r for _, *r in PARTS[: i + 1])])))
+        name = "attention() without " + ", ".join(part for part, *_ in PARTS[: i + 1])
+        variants.append((name, memo_module(f"without_{i}", source, [r for _, *r in PARTS[: i + 1]])))
     for name, module in variants:
         fn = attention_on(module.recall, module.KnownCall)
         if not torch.equal(fn(q, k, v, layout=layout), expected):
@@ -103,15 +98,13 @@ def main() -> None:
     ap.add_argument("--out", help="write .json and .md here")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    check = repeated_call_check()
-    meta = {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d"), "check": check}
+    meta = {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d")}
     lines = [
         "# Hot path: where a repeated dense call's host time goes\n",
         f"{meta['device']}, {meta['date']}. Produced by `benchmarks/hot_path_parts.py`: each row timed as "
         f"{a.calls} calls from an empty queue, {a.repeats} interleaved rounds in alternating order; median host us "
         "per call (quartiles) and the first row minus each row, the median of the per-round differences "
-        f"(quartiles). Rows without a part of the lookup are for timing only. attention()'s check of the recent "
-        f"calls: {check}.\n",
+        "(quartiles). Rows without a part of the lookup are for timing only.\n",
     ]
     report = {"meta": meta, "parts": []}
     with torch.no_grad():

@@ -15,31 +15,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def build_dir(tmp_path_factory) -> str:
-    """The whole session runs on the compiled check of repeated calls where this machine can build it (its build is
-    waited for here, not raced by the tests; every test, and every process a test starts, loads it from this
-    directory at once); tests/test_call_memo.py runs on each check."""
-    from attnselect import call_memo, compiled_lookup
-
-    directory = str(tmp_path_factory.mktemp("attnselect-build"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ATTNSELECT_BUILD_DIR", directory)
-        patch.delenv("ATTNSELECT_COMPILE", raising=False)
-        compiled_lookup.start(call_memo)
-        compiled_lookup.ready(timeout=600)
-    return directory
-
-
 @pytest.fixture(autouse=True)
-def clean_state(monkeypatch, tmp_path_factory, build_dir):
-    """Each test starts with no ATTNSELECT_* variable but a decision cache of its own (empty) and the session's build,
+def clean_state(monkeypatch, tmp_path_factory, request):
+    """Each test starts with no ATTNSELECT_* variable but a decision cache of its own (empty),
     an empty decision memo, no recorded failures and no self-check passed."""
     for name in list(os.environ):
         if name.startswith("ATTNSELECT_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path_factory.mktemp("attnselect-cache")))
-    monkeypatch.setenv("ATTNSELECT_BUILD_DIR", build_dir)
     from attnselect import failures, self_check
 
     attnselect.clear_cache()
@@ -47,5 +30,10 @@ def clean_state(monkeypatch, tmp_path_factory, build_dir):
     self_check._PASSED.clear()
     monkeypatch.setattr(failures, "_RECORDED", None)  # the (empty) cache's recorded failures are read afresh
     yield
+    # A right kernel the self-check calls wrong would only warn and switch kernels: every test fails on it instead
+    # (tests/test_self_check.py registers wrong kernels on purpose).
+    wrong = [e for found in failures._FAILED.values() for e in found.values() if "WrongResultError" in e]
     attnselect.clear_cache()
     failures._FAILED.clear()
+    if wrong and "wrong" not in request.node.name and "test_self_check.py" not in request.node.nodeid:
+        pytest.fail(f"the self-check called a kernel wrong: {wrong[0]}")

@@ -6,20 +6,9 @@ import pytest
 import torch
 
 import attnselect
-from attnselect import call_memo, compiled_lookup
+from attnselect import call_memo
 from attnselect.call import CallOptions
 from attnselect.call_memo import KnownCall, Unknown
-
-
-@pytest.fixture(autouse=True, params=["compiled", "python"])
-def check(request, monkeypatch):
-    """Each test on the compiled check of the recent calls and on the Python one."""
-    if request.param == "python":
-        monkeypatch.setattr(compiled_lookup, "find", None)
-        monkeypatch.setattr(compiled_lookup, "entry", None)
-    elif compiled_lookup.find is None:
-        pytest.skip("the compiled check could not be built here (no C++ compiler: see the log)")
-    return request.param
 
 
 def _qkv(dtype=torch.float64):
@@ -200,7 +189,7 @@ def test_a_recent_call_on_cuda_tensors_is_known_only_under_its_capture_state(mon
     call_memo._CALLS.clear()  # what is found now is found among the recent calls
     made_on_cuda = call_memo._RECENT[0]._replace(capturing=False)  # as made on CUDA tensors, not capturing
     call_memo._set_recent([])
-    call_memo._make_recent(made_on_cuda, (q, k, v, CallOptions()))
+    call_memo._make_recent(made_on_cuda)
     asked = []
     monkeypatch.setattr(call_memo, "stream_capturing", lambda: asked.append(1) or True)
     monkeypatch.setattr(call_memo, "raw_stream", lambda index: 0)  # the default stream: no capture, none asked
@@ -261,7 +250,7 @@ def test_threads_calling_at_once_share_the_recent_calls_without_errors():
     finally:
         sys.setswitchinterval(interval)
     assert not errors, errors[:3]
-    assert len(call_memo._RECENT) == len(call_memo._RECENT_COMPILED) == call_memo.RECENT
+    assert len(call_memo._RECENT) == call_memo.RECENT
 
 
 def test_a_check_that_raises_leaves_the_call_to_the_slow_path(monkeypatch):
@@ -271,7 +260,7 @@ def test_a_check_that_raises_leaves_the_call_to_the_slow_path(monkeypatch):
     made_on_cuda = call_memo._RECENT[0]._replace(capturing=False)
     call_memo._CALLS.clear()
     call_memo._set_recent([])
-    call_memo._make_recent(made_on_cuda, (q, k, v, CallOptions()))
+    call_memo._make_recent(made_on_cuda)
     monkeypatch.setattr(call_memo, "raw_stream", lambda index: 1234)  # a side stream
 
     def broken():

@@ -123,17 +123,19 @@ def test_bench_shard_must_be_k_of_n(shard, capsys):
     assert "expected K/N with 0 <= K < N" in capsys.readouterr().err
 
 
-def test_build_names_the_compiled_check_in_use_or_says_why_not(capsys):
-    import os
-    import subprocess
-    import sys
+def test_flags_given_win_over_the_model(capsys):
+    assert main(["explain", "--target", "h200", "--model", "deepseek-v3", "--heads", "8", "--kv-heads", "8",
+                 "--json"]) == 0  # fmt: skip
+    problem = json.loads(capsys.readouterr().out)["problem"]
+    assert (problem["heads_q"], problem["heads_kv"], problem["head_dim_qk"]) == (8, 8, 192)
 
-    from attnselect import compiled_lookup
 
-    if compiled_lookup.loaded is not None:  # the session built it (tests/conftest.py): build loads it again at once
-        assert main(["build"]) == 0
-        assert str(compiled_lookup.loaded) in capsys.readouterr().out
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSELECT_")}
-    done = subprocess.run([sys.executable, "-m", "attnselect.cli", "build"], env={**environment,
-                          "ATTNSELECT_COMPILE": "0"}, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 1 and "ATTNSELECT_COMPILE=0" in done.stderr and "not built" in done.stderr, done.stderr
+def test_explain_refuses_what_context_parallelism_refuses(capsys):
+    assert main(["explain", "--target", "h200", "--cp", "2", "--causal", "bottom_right"]) == 2
+    assert "causal: got mask 'causal_bottom_right' with context_parallel_size=2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", [["--render"], ["--merge", "missing-part.json"]])
+def test_bench_names_a_report_it_cannot_read(how, tmp_path, capsys):
+    assert main(["bench", "--out", str(tmp_path / "none"), *how]) == 2
+    assert "bench: cannot read the report (FileNotFoundError" in capsys.readouterr().err

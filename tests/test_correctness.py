@@ -70,3 +70,27 @@ def test_a_slice_takes_the_first_and_last_heads_of_a_large_group():
     s = correctness.slice_of(heads_q=32, heads_kv=2, sequence=1)
     assert s.kv_head == 1 and s.q_heads == (16, 17, 18, 31)
     assert correctness.slice_of(4, 4, 0, kv_head=0).q_heads == (0,)
+
+
+def test_values_that_are_exactly_zero_leave_room_for_summation_order():
+    q, k, v, dout = _slice_inputs(skv=1, dtype=torch.float32)  # one key: dk is exactly 0
+    got = _kernel(q, k, v, dout, _call())
+    got["dk"] = got["dk"] + 5e-6  # what PyTorch's CPU flash kernel gives there
+    assert correctness.compare(q, k, v, dout, _call(), got).passed
+
+
+def test_a_naive_reference_that_overflows_gives_no_verdict():
+    import pytest
+
+    q, k, v, dout = _slice_inputs(dtype=torch.float16)
+    q, k = q * 60, k * 60  # fp16 q.k beyond 65504 unscaled
+    got = _kernel(q, k, v, None, _call())
+    got = {"out": got["out"] * 3 + 7, "lse": got["lse"] + 5}
+    try:
+        judgement = correctness.compare(q, k, v, None, _call(), got)
+    except ValueError as exc:
+        assert "not finite" in str(exc)
+    else:
+        assert not judgement.passed
+    with pytest.raises(ValueError, match="not finite"):
+        correctness.compare(q * 1e3, k * 1e3, v, None, _call(), {"out": got["out"]})

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -66,12 +67,34 @@ def test_window_from_arguments():
         ("window", (1, 2), "window: got (1, 2), expected None unless"),
         ("dtype", torch.int8, "dtype: got torch.int8"),
         ("head_dim_v", 0, "head_dim_v: got 0"),
+        ("varlen_gaps", "yes", "varlen_gaps: got 'yes', expected True or False"),
     ],
 )
 def test_bad_fields(field, value, message):
     with pytest.raises(InvalidInputError) as err:
         dataclasses.replace(P, **{field: value})
     assert message in str(err.value)
+
+
+def test_a_window_of_bools_is_refused():
+    with pytest.raises(InvalidInputError, match=r"window: got \(True, False\)"):
+        dataclasses.replace(P, mask="sliding_window", window=(True, False))
+
+
+@pytest.mark.parametrize(
+    "d,message",
+    [
+        ([1, 2], "problem: got list, expected a dict"),
+        ({**P.to_dict(), "speed": 3}, "problem: got unknown field(s) ['speed']"),
+        ({**P.to_dict(), "dtype": "int8"}, "dtype: got 'int8', expected one of"),
+        ({"batch": 1}, "problem: got no ['head_dim_qk'"),
+        ({**P.to_dict(), "window": "wide"}, "window: got 'wide'"),
+    ],
+)
+def test_from_dict_refuses_junk_by_name(d, message):
+    with pytest.raises(InvalidInputError, match=re.escape(message)):
+        AttentionProblem.from_dict(d)
+    assert AttentionProblem.from_dict(P.to_dict()) == P
 
 
 def test_describe_and_dict():

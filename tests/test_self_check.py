@@ -16,6 +16,7 @@ import torch
 import attnselect
 from attnselect import backends, failures, self_check
 from attnselect.backends.reference import Reference
+from attnselect.candidates import Candidate
 from attnselect.errors import InvalidInputError
 from attnselect.self_check import WrongResultError
 from helpers import dense_inputs, rel_err, thd_inputs
@@ -64,7 +65,7 @@ def _reference(q, k, v, **kwargs):
 @pytest.mark.parametrize("wrong", ["forward", "backward"], indirect=True)
 def test_a_forced_wrong_kernel_raises_naming_the_signature(wrong):
     q, k, v = dense_inputs(dtype=torch.float32, hq=4, hkv=2, dqk=24, dv=16)
-    with pytest.raises(WrongResultError, match=r"self-check of wrong_\w+ native at signature dense 24/16 GQA 2") as e:
+    with pytest.raises(WrongResultError, match=r"self-check of wrong_\w+ native at signature bshd 24/16 GQA 2") as e:
         attnselect.attention(q, k, v, causal=True, backend=wrong.name)
     wrong_values = str(e.value).split(": ", 1)[1].split(" wrong (")[0].split(", ")
     assert wrong_values == (["out", "dq", "dk", "dv"] if wrong.broken == "forward" else ["dq"])
@@ -184,7 +185,7 @@ print(json.dumps(dict(direct=direct, forced=forced, raised=raised, chosen=chosen
 @pytest.mark.gpu
 def test_fa4_wrong_gradients_at_128_64_are_caught_in_every_process(tmp_path):
     """FA4 4.0.0b36's sm90 backward at d_qk=128, d_v=64 (PyTorch's test_cudnn_attention_different_dk_dv shape) was
-    wrong in three processes of four (shared/research/h200-measurements-2026-12-02.md). With the allowlist off, in
+    wrong in three processes of four (docs/sources/h200-measurements-2026-12-02.md). With the allowlist off, in
     every process: a forced FA4 either raises WrongResultError or gives right gradients, and the chosen kernel's
     gradients are right."""
     from attnselect.target import Target
@@ -202,3 +203,77 @@ def test_fa4_wrong_gradients_at_128_64_are_caught_in_every_process(tmp_path):
     for r in results:
         assert r["chosen"] < 2e-2
         assert r["raised"] is not None or r["forced"] < 2e-2
+
+
+@pytest.mark.parametrize("name", ["ATTNSELECT_SELF_CHECK", "ATTNSELECT_DEBUG", "ATTNSELECT_ALLOWLIST"])
+def test_a_bad_setting_fails_every_call_the_same_way(name, monkeypatch):
+    q, k, v = dense_inputs(dtype=torch.float32, requires_grad=False)
+    monkeypatch.setenv(name, "maybe")
+    for _ in range(2):
+        with pytest.raises(InvalidInputError, match=f"{name}: got 'maybe'"):
+            attnselect.attention(q, k, v)
+
+
+@pytest.mark.parametrize("wrong", ["forward"], indirect=True)
+def test_a_kernel_caught_eagerly_is_refused_in_compiled_graphs_and_under_capture(wrong):
+    import dataclasses
+
+    q, k, v = dense_inputs(dtype=torch.float32, requires_grad=False)
+    with pytest.raises(WrongResultError):
+        attnselect.attention(q, k, v, backend=wrong.name)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v)
+    for traced in (dict(compiled_graph=True), dict(cuda_graph_capture=True)):
+        assert Candidate(wrong.name) in failures.failures(dataclasses.replace(problem, **traced), problem_target())
+
+
+def problem_target():
+    return attnselect.Target.current()
+
+
+def test_activation_checkpointing_trains_through_a_checked_call(monkeypatch):
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setenv("ATTNSELECT_STRICT", "1")
+    linear = torch.nn.Linear(16, 48).double()
+    x = torch.randn(2, 12, 2, 16, dtype=torch.float64, requires_grad=True)
+
+    def layer(x):
+        q, k, v = linear(x).chunk(3, -1)
+        return attnselect.attention(q, k, v, causal=True)
+
+    for reentrant in (False, True):
+        attnselect.clear_cache()
+        self_check._PASSED.clear()
+        x.grad = None
+        checkpoint(layer, x, use_reentrant=reentrant).sum().backward()
+        expected = torch.autograd.grad(layer(x).sum(), x)[0]
+        torch.testing.assert_close(x.grad, expected)
+
+
+def test_an_empty_call_is_not_checked_and_not_failed():
+    q = torch.randn(0, 5, 4, 32)
+    assert attnselect.attention(q, q, q, backend="sdpa_math").shape == (0, 5, 4, 32)
+    assert not failures._FAILED
+
+
+def test_a_check_out_of_memory_is_no_verdict_on_the_kernel(monkeypatch, caplog):
+    def rerun_out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+
+    q, k, v = dense_inputs(dtype=torch.float32)
+    monkeypatch.setattr(self_check, "_output_gradient", rerun_out_of_memory)
+    with caplog.at_level(logging.WARNING, logger="attnselect"):
+        attnselect.attention(q, k, v, causal=True)
+    assert "ran out of memory" in caplog.text and not failures._FAILED
+
+
+def test_right_kernels_on_packed_sequences_with_gaps_pass(monkeypatch):
+    monkeypatch.setenv("ATTNSELECT_STRICT", "1")
+    monkeypatch.setenv("ATTNSELECT_SELF_CHECK", "all")
+    (q, k, v), cu, _ = thd_inputs([5, 9, 3], dtype=torch.float32, hq=4, hkv=2)
+    padded = torch.tensor([0, 7, 18, 24], dtype=torch.int32)
+    wide = [torch.randn(24, t.shape[1], t.shape[2]).requires_grad_() for t in (q, k, v)]
+    for backend in ("sdpa_flash", "sdpa_math", "reference"):
+        out = attnselect.attention(*wide, layout="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=padded, backend=backend,
+                                   pad=backend == "sdpa_flash")  # fmt: skip
+        assert torch.isfinite(out).all()

@@ -71,6 +71,7 @@ def test_describe_and_dict():
         (dict(name="x"), "capability: got None, expected a (major, minor) pair"),
         (dict(name="x", device_type="cpu", capability=(9, 0)), "capability: got (9, 0), expected None"),
         (dict(name="x", device_type="tpu"), "device_type: got 'tpu'"),
+        (dict(name=3, capability=(9, 0)), "name: got 3, expected a non-empty string"),
     ],
 )
 def test_inconsistent_targets_are_refused(kwargs, message):

@@ -47,6 +47,8 @@ meta-tensor tests show no host read is made but the one a top-left window needs.
 
 from __future__ import annotations
 
+import pathlib
+import sys
 import zlib
 
 import pytest
@@ -58,15 +60,11 @@ from attnselect.call import CallOptions, Packing
 from attnselect.errors import InvalidInputError
 from attnselect.problem import describe_call
 
-TE_LAYOUTS = ("t3hd", "th3d", "thd_t2hd", "thd_th2d", "thd_thd_thd")
-TE_MASKS = {  # TE's (attn_mask_type, window_size) per config family, and attnselect's causal=
-    "layout_0": ("padding", None),
-    "layout_1": ("padding_causal", None),
-    "layout_2": ("padding_causal_bottom_right", None),
-    "layout_3": ("padding", (4, 4)),
-    "layout_4": ("padding_causal", (4, 0)),
-    "layout_5": ("padding_causal_bottom_right", (4, 0)),
-}
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+# TE's qkv layouts and (attn_mask_type, window_size) per config family, as the peer sweep holds them
+from peer_sweep import TE_LAYOUTS  # noqa: E402
+from peer_sweep import TE_THD_MASKS as TE_MASKS  # noqa: E402
+
 CAUSAL = {"padding": False, "padding_causal": True, "padding_causal_bottom_right": "bottom_right"}
 # (batch, max_seqlen_q, max_seqlen_kv, heads_q, heads_kv, head_dim): TE's three variants of each family
 TE_SIZES = {"0": (2, 2048, 2048, 16, 16, 64), "1": (2, 2048, 2048, 24, 1, 128), "2": (2, 2048, 4096, 24, 24, 128)}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 from attnselect import backends, self_check
 from attnselect.call import CallOptions, Packing
 from attnselect.call_memo import KnownCall, recall
 from attnselect.context_parallel.call import attention as context_parallel_attention
 from attnselect.context_parallel.call import group_size
+from attnselect.distributed import is_distributed
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import apply_sinks, dense_runner, kernel_call, packed_runner, run_call
 from attnselect.failures import mark_failed
@@ -109,7 +111,7 @@ def attention(
         out, lse, *max_logit = context_parallel_attention(q, k, v, options)
         return out if not (return_lse or return_max_logit) else _with_statistics(out, lse, max_logit, return_lse)
     known = recall(q, k, v, options)
-    packing, checking = None, False
+    packing, checking, collective = None, False, False
     if type(known) is not KnownCall:  # else the same shapes, dtypes, devices and options were validated and decided
         unknown, options = known, CallOptions._make(options)
         problem, packing = describe_call(q, k, v, options)
@@ -132,9 +134,10 @@ def attention(
         else:  # this call alone, on its validated packing
             runner = _on_packing(packed_runner(chosen, decision.chosen.pad_to, call), packing)
         known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
+        checking = self_check.needed(problem, decision.chosen, target)  # reads ATTNSELECT_SELF_CHECK: before memoizing
+        collective = checking and decision.overrides.policy == "measure" and is_distributed()
         if unknown is not None:
             unknown.remember(known)
-        checking = self_check.needed(problem, decision.chosen, target)
     try:
         if known.runner is None:  # thd sequence by sequence
             if packing is None:  # a known packed call, whose problem follows from its key (attnselect.call_memo)
@@ -150,9 +153,10 @@ def attention(
             result = (*apply_sinks(result[0], result[1], sinks, layout), *result[2:])
     except Exception as exc:  # a kernel that fails at run time or gives a wrong result: fall back unless told not to
         wrong = isinstance(exc, self_check.WrongResultError)
-        if isinstance(exc, AttnSelectError) and not wrong:
+        if (isinstance(exc, AttnSelectError) and not wrong) or isinstance(exc, _CONTROL_FLOW):
             raise
-        falls_back = not (known.forced or strict())
+        # A rank alone cannot choose again where choosing is collective (measure under torch.distributed).
+        falls_back = not (known.forced or strict() or (wrong and collective))
         if wrong or falls_back:  # a wrong result is known for its signature (explain shows it) whoever chose it
             mark_failed(known.problem, known.target, known.chosen, exc, falls_back=falls_back)
         if not falls_back:
@@ -161,6 +165,12 @@ def attention(
     if not (return_lse or return_max_logit):
         return result[0]
     return _with_statistics(result[0], result[1], result[2:], return_lse)
+
+
+# Exceptions that are not failures: activation checkpointing stops its recomputation with one (torch.utils.checkpoint).
+_CONTROL_FLOW = tuple(
+    t for t in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if isinstance(t, type)
+)
 
 
 def _on_packing(run, packing: Packing):

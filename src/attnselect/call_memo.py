@@ -9,8 +9,7 @@ capture. A change to the backend registry clears the memo (:func:`attnselect.bac
 - the recent calls (``RECENT``, newest first): one tuple of the options and the global state compared by value,
   one C++ check of the tensors (torch's ``TensorGuards``, what torch.compile's guards run on every call of a
   compiled function; it also sees inference mode and autocast for the tensors' device, through their dispatch keys),
-  the offsets and, for a call on CUDA tensors, the capture state. Where :mod:`attnselect.compiled_lookup` has
-  built its library, all of that is one call into C++ that reads the same state (about 2 us less host time);
+  the offsets and, for a call on CUDA tensors, the capture state;
 - every call decided before (``MEMO_SIZE``), by a hashable key of the same values; a hit there becomes recent.
 
 Calls the key cannot describe are not known and take the slow path, which validates them: values that compare
@@ -22,14 +21,13 @@ as integers, or with keys that have their own boundaries).
 from __future__ import annotations
 
 import logging
-import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from attnselect import compiled_lookup, settings
+from attnselect import settings
 from attnselect.caches import generation, register_cache
 from attnselect.call import KernelCall
 from attnselect.candidates import Candidate
@@ -73,10 +71,8 @@ class Unknown(NamedTuple):
     capturing: bool | None
     key: tuple
     generation: int  # caches.generation() when the call was looked up
-    arguments: tuple  # (q, k, v, options), for the compiled check's entry
 
     def remember(self, known: KnownCall) -> None:
-        compiled_lookup.start(sys.modules[__name__])  # the first decided call builds or loads the compiled check
         guard = None
         if TensorGuards is not None:
             guard = TensorGuards(
@@ -88,7 +84,7 @@ class Unknown(NamedTuple):
         _CALLS[self.key] = entry
         if len(_CALLS) > MEMO_SIZE:
             _CALLS.popitem(last=False)
-        _make_recent(entry, self.arguments)
+        _make_recent(entry)
         if generation() != self.generation:  # cleared while deciding: the decision may rest on what it forgot
             _CALLS.pop(self.key, None)
             _set_recent([recent for recent in _RECENT if recent is not entry])
@@ -96,10 +92,6 @@ class Unknown(NamedTuple):
 
 _CALLS: OrderedDict[tuple, _Entry] = OrderedDict()
 _RECENT: list[_Entry] = []
-# The compiled check's entries of the recent calls, in their order (None for one made before its library was
-# loaded): a new list on each change, so a thread checking the old one is not disturbed.
-_RECENT_COMPILED: list = []
-_COMPILED_OF: dict[int, object] = {}  # id(recent entry) -> its compiled entry, for the entries in _RECENT
 
 
 def _clear() -> None:
@@ -115,34 +107,18 @@ def known_calls() -> list[KnownCall]:
     return [entry.known for entry in _CALLS.values()]
 
 
-def _make_recent(entry: _Entry, arguments: tuple) -> None:
+def _make_recent(entry: _Entry) -> None:
     """Check ``entry`` first from now on, unless it is recent already (found by key because its guard failed, as on
-    tensors whose dispatch keys differ from the first call's: inference mode). ``arguments``: the call just decided
-    or found by key, (q, k, v, options), which the compiled check's entry is made from."""
-    if entry.guard is None:
-        return
-    added = None
-    if compiled_lookup.entry is not None and _COMPILED_OF.get(id(entry)) is None:
-        try:
-            added = compiled_lookup.entry(*arguments, entry.capturing, entry.known)
-        except ValueError:  # a tensor it cannot describe: the Python check serves the call
-            pass
-    if not any(recent is entry for recent in _RECENT):
-        _set_recent([entry, *_RECENT][:RECENT], entry, added)
-    elif added is not None:
-        _set_recent(list(_RECENT), entry, added)
+    tensors whose dispatch keys differ from the first call's: inference mode)."""
+    if entry.guard is not None and not any(recent is entry for recent in _RECENT):
+        _set_recent([entry, *_RECENT][:RECENT])
 
 
-def _set_recent(entries: list[_Entry], entry: _Entry | None = None, compiled=None) -> None:
-    """Make ``entries`` the recent calls (``compiled``: ``entry``'s new compiled entry). New dict and list objects,
-    each swapped in whole, the compiled list first: a thread reading the old ones is not disturbed."""
-    global _RECENT_COMPILED, _COMPILED_OF
-    known = {id(recent): _COMPILED_OF.get(id(recent)) for recent in entries}
-    if entry is not None and compiled is not None:
-        known[id(entry)] = compiled
-    _RECENT_COMPILED = [known[id(recent)] for recent in entries]
-    _COMPILED_OF = known
-    _RECENT[:] = entries
+def _set_recent(entries: list[_Entry]) -> None:
+    """Make ``entries`` the recent calls: a new list swapped in whole, so a thread checking the old one is not
+    disturbed (recall reads the module's list once per call)."""
+    global _RECENT
+    _RECENT = entries
 
 
 # What torch.is_grad_enabled, torch.are_deterministic_algorithms_enabled and torch.cuda.is_current_stream_capturing
@@ -173,14 +149,6 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
     """The call's :class:`KnownCall` if it was decided before; else :class:`Unknown`, or None where the memo cannot
     know it (see the module docstring). ``options``: a :class:`~attnselect.call.CallOptions`, or a plain tuple of its
     fields (attention() builds its object only off this path)."""
-    find = compiled_lookup.find
-    if find is not None:
-        try:
-            known = find(_RECENT_COMPILED, q, k, v, options)
-        except Exception:  # reading the state raised (the capture state, say): the Python check answers
-            known = find = None
-        if known is not None:
-            return known
     (
         layout, causal, window, scale, dropout_p, cu_q, cu_kv, max_q, max_kv, cu_q_padded, cu_kv_padded, return_lse,
         softcap, sinks, return_max_logit, _, backend, pad, disable,
@@ -227,7 +195,7 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
             tensors += (cu_q,) if sinks is None else (cu_q, sinks)
         elif sinks is not None:
             tensors += (sinks,)
-        for entry_state, guard, entry_offsets, capturing, known in () if find is not None else _RECENT:
+        for entry_state, guard, entry_offsets, capturing, known in _RECENT:
             if (
                 entry_state == state
                 and guard.check(*tensors)
@@ -245,6 +213,6 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
     except Exception:  # not tensors, an unhashable or incomparable option...: the slow path validates and names it
         return None
     if entry is None:
-        return Unknown(state, tensors, capturing, key, generation(), (q, k, v, options))
-    _make_recent(entry, (q, k, v, options))
+        return Unknown(state, tensors, capturing, key, generation())
+    _make_recent(entry)
     return entry.known

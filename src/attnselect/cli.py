@@ -29,11 +29,11 @@ def _explain_parser(sub) -> None:
         "--target", default=DEFAULT_TARGET, help=f"preset {sorted(PRESETS)} or 'current' (default {DEFAULT_TARGET})"
     )
     p.add_argument("--cudnn-version", help="override the target's cuDNN version, e.g. 9.10.0")
-    p.add_argument("--model", choices=sorted(MODELS), help="take heads and head dims from a model")
-    p.add_argument("--head-dim-qk", type=int, default=192)
-    p.add_argument("--head-dim-v", type=int, default=128)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, help="default: --heads")
+    p.add_argument("--model", choices=sorted(MODELS), help="take heads and head dims from a model (flags given win)")
+    p.add_argument("--head-dim-qk", type=int, help="default: the model's, else 192")
+    p.add_argument("--head-dim-v", type=int, help="default: the model's, else 128")
+    p.add_argument("--heads", type=int, help="default: the model's, else 16")
+    p.add_argument("--kv-heads", type=int, help="default: the model's, else --heads")
     p.add_argument("--seqlen", type=int, default=4096)
     p.add_argument("--seqlen-kv", type=int, help="default: --seqlen")
     p.add_argument("--batch", type=int, default=2)
@@ -54,10 +54,13 @@ def _explain_parser(sub) -> None:
 
 
 def problem_from_args(a) -> AttentionProblem:
-    heads, kv_heads, dqk, dv = a.heads, a.heads if a.kv_heads is None else a.kv_heads, a.head_dim_qk, a.head_dim_v
-    if a.model:
-        m = MODELS[a.model]
-        heads, kv_heads, dqk, dv = m.heads, m.kv_heads, m.head_dim_qk, m.head_dim_v
+    m = MODELS.get(a.model)
+    fallback = (m.heads, m.kv_heads, m.head_dim_qk, m.head_dim_v) if m else (16, None, 192, 128)  # the flags given win
+    heads, kv_heads, dqk, dv = (
+        flag if flag is not None else default
+        for flag, default in zip((a.heads, a.kv_heads, a.head_dim_qk, a.head_dim_v), fallback)
+    )
+    kv_heads = heads if kv_heads is None else kv_heads
     mask, window = mask_from_arguments(
         {"none": False, "top_left": True, "bottom_right": "bottom_right"}[a.causal],
         tuple(a.window) if a.window else None,
@@ -87,8 +90,8 @@ def target_from_args(a) -> Target:
 
 
 def cmd_explain(a) -> int:
-    problem, target = problem_from_args(a), target_from_args(a)
     try:
+        problem, target = problem_from_args(a), target_from_args(a)
         decision = select(problem, target=target, backend=a.backend, pad=a.pad)
     except AttnSelectError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
@@ -159,12 +162,16 @@ def cmd_bench(a) -> int:
     """Every candidate and policy on real model shapes (see attnselect.bench)."""
     from attnselect import bench
 
-    if a.merge:
-        report = bench.merge(a.out, a.merge)
-    elif a.render:
-        report = bench.render(a.out)
-    else:
-        report = bench.run(a.out, smoke=a.smoke, deadline_s=a.deadline, shard=a.shard, only=tuple(a.only))
+    try:
+        if a.merge:
+            report = bench.merge(a.out, a.merge)
+        elif a.render:
+            report = bench.render(a.out)
+        else:
+            report = bench.run(a.out, smoke=a.smoke, deadline_s=a.deadline, shard=a.shard, only=tuple(a.only))
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # a report file missing or not a bench report
+        print(f"bench: cannot read the report ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
     print(
         f"{len(report['results'])} problems -> {a.out}.json, .md" + (", .png" if os.path.exists(a.out + ".png") else "")
     )
@@ -196,28 +203,12 @@ def _shard(text: str) -> tuple[int, int]:
     return int(k), int(n)
 
 
-def cmd_build(a) -> int:
-    """Build (or load) the compiled check of repeated calls now, not in the background of a process's first call."""
-    import logging
-
-    from attnselect import call_memo, compiled_lookup
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the build's outcome, in its own words
-    compiled_lookup.start(call_memo)
-    if compiled_lookup.ready():
-        print(f"compiled check: {compiled_lookup.loaded}")
-        return 0
-    print("compiled check: not built (the log above says why); repeated calls use the Python check", file=sys.stderr)
-    return 1
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="attnselect", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _explain_parser(sub)
     sub.add_parser("demo", help="run a small MLA attention on this machine and check it")
     sub.add_parser("backends", help="list the backends and whether this machine can run them")
-    sub.add_parser("build", help="build the compiled check of repeated calls now (else the first call starts it)")
     bench = sub.add_parser("bench", help="time every candidate and policy on real model shapes")
     bench.add_argument("--out", required=True, help="path without extension: .json, .md and .png are written")
     bench.add_argument("--smoke", action="store_true", help="one tiny shape (CPU, CI)")
@@ -252,7 +243,6 @@ def main(argv=None) -> int:
             "explain": cmd_explain,
             "demo": cmd_demo,
             "backends": cmd_backends,
-            "build": cmd_build,
             "tune": cmd_tune,
             "bench": cmd_bench,
         }[a.command](a)

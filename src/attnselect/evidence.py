@@ -2,7 +2,7 @@
 
 Young kernels (FlashAttention-4, flex on CUDA, the cuDNN frontend: :attr:`Backend.evidence_required`) break claims
 their documentation makes: FA4 4.0.0b36's sm90 backward gives wrong gradients at 128/64 in some processes and
-sizes, cannot launch at 64/128, fails to compile at 128/96 (shared/research/h200-measurements-2026-12-02.md). So on
+sizes, cannot launch at 64/128, fails to compile at 128/96 (docs/sources/h200-measurements-2026-12-02.md). So on
 the GPUs where they need evidence, their surface is an allowlist: a kernel configuration (layout kind, the head
 dims the kernel gets, phase) is served only where benchmarks/correctness_grid.py ran it and every one of its rows
 passed, in every process. Everything else is refused with a reason that names the grid's file.

@@ -6,6 +6,7 @@ at every new packing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
@@ -28,7 +29,7 @@ def failures(problem: AttentionProblem, target: Target) -> dict:
     """{candidate: error} of the candidates that failed at run time for ``problem`` on ``target``: in this
     process, or recorded in the decision cache by an earlier one on the same target fingerprint (not under
     torch.distributed, where ranks could read different cache files and then disagree)."""
-    failed = _FAILED.get((problem.signature, target), {})
+    failed = _FAILED.get((_signature(problem), target), {})
     recorded = _recorded_failures()
     if not recorded or is_distributed():
         return failed
@@ -39,11 +40,15 @@ def failures(problem: AttentionProblem, target: Target) -> dict:
 def _recorded_failures() -> dict:
     global _RECORDED
     if _RECORDED is None:
-        _RECORDED = {
-            key: {Candidate(**f["candidate"]): f["error"] for f in entry.get("failed", ())}
-            for key, entry in store.entries().items()
-            if json.loads(key).get("policy") == FAILED_AT_RUN_TIME
-        }
+        recorded = {}
+        for key, entry in store.entries().items():
+            if f'"policy": "{FAILED_AT_RUN_TIME}"' not in key:  # keys are sorted JSON objects (_entry_key)
+                continue
+            try:
+                recorded[key] = {Candidate(**f["candidate"]): str(f["error"]) for f in entry.get("failed", ())}
+            except (TypeError, KeyError, ValueError, AttributeError) as exc:  # written by hand, or by another version
+                store.malformed(key, exc)
+        _RECORDED = recorded
     return _RECORDED
 
 
@@ -56,8 +61,8 @@ def mark_failed(
     cache under the target fingerprint, so later processes on the same GPU and library versions skip the
     candidate too (the fingerprint changes with any version, which retries it)."""
     text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-    _FAILED.setdefault((problem.signature, target), {})[candidate] = text
-    transient = isinstance(error, _OUT_OF_MEMORY) or "out of memory" in str(error).lower()
+    _FAILED.setdefault((_signature(problem), target), {})[candidate] = text
+    transient = is_transient(error)
     if not transient:
         store.remember(
             _entry_key(problem, target),
@@ -75,18 +80,40 @@ def mark_failed(
     caches.clear_cache()
 
 
+def _signature(problem: AttentionProblem) -> tuple:
+    """The signature failures are kept under: the call's, as if made eagerly, so what failed in an eager call (the
+    warm-up before a CUDA graph capture, say) is refused inside a compiled graph and under capture too."""
+    if problem.cuda_graph_capture or problem.compiled_graph:
+        problem = dataclasses.replace(problem, cuda_graph_capture=False, compiled_graph=False)
+    return problem.signature
+
+
 def _entry_key(problem: AttentionProblem, target: Target) -> str:
     """The decision cache's key of a problem signature's failures on a target fingerprint."""
     return json.dumps(
-        {"signature": list(problem.signature), "policy": FAILED_AT_RUN_TIME, "target": store.fingerprint(target)},
+        {"signature": list(_signature(problem)), "policy": FAILED_AT_RUN_TIME, "target": store.fingerprint(target)},
         sort_keys=True,
     )
 
 
+def is_transient(error: BaseException) -> bool:
+    """A failure that may pass: out of memory on the GPU or the CPU (torch's allocators' messages), or an interrupt."""
+    text = str(error).lower()
+    return isinstance(error, (*_OUT_OF_MEMORY, KeyboardInterrupt, InterruptedError)) or any(
+        sign in text for sign in _MEMORY_SIGNS
+    )
+
+
+# torch's CUDA caching allocator ("CUDA out of memory"), its CPU allocator ("DefaultCPUAllocator: can't allocate
+# memory"), cuBLAS and the CUDA runtime's allocation failures.
+_MEMORY_SIGNS = ("out of memory", "can't allocate memory", "cublas_status_alloc_failed", "cudaerrormemoryallocation")
 _OUT_OF_MEMORY = (MemoryError, *((torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()))
 
 
 def _with_earlier(old: dict | None, new: dict) -> dict:
-    """A failure entry merged with what the file already holds (another process may have added to it)."""
+    """A failure entry merged with what the file already holds (another process may have added to it; what is
+    malformed there is dropped)."""
     replaced = [f["candidate"] for f in new["failed"]]
-    return {"failed": [f for f in (old or {}).get("failed", ()) if f["candidate"] not in replaced] + new["failed"]}
+    earlier = (old or {}).get("failed", ())
+    kept = [f for f in (earlier if isinstance(earlier, list) else ()) if isinstance(f, dict) and "candidate" in f]
+    return {"failed": [f for f in kept if f["candidate"] not in replaced] + new["failed"]}

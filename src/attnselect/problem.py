@@ -98,7 +98,7 @@ class AttentionProblem:
         if self.mask == "sliding_window":
             w = self.window
             require(
-                isinstance(w, tuple) and len(w) == 2 and all(isinstance(x, int) and x >= -1 for x in w),
+                isinstance(w, tuple) and len(w) == 2 and all(is_integer(x) and x >= -1 for x in w),
                 "window",
                 repr(w),
                 "a (left, right) pair of integers >= -1 (-1 = unbounded)",
@@ -130,6 +130,31 @@ class AttentionProblem:
                         + (f" (did you mean {close[0]!r}?)" if close else ""))  # fmt: skip
         options = CallOptions(**call_arguments)
         return describe_call(q, k, v, options, context_parallel_size=context_parallel_size)[0]
+
+    def check_context_parallel(self) -> None:
+        """Refuse, naming the argument, what attnselect's context-parallel ring does not serve (context_parallel_size
+        > 1): a window, bottom-right causal, dropout, CUDA graph capture, gaps between packed sequences, and under a
+        causal mask keys of their own lengths. attention(cp_group=) and select/explain refuse alike."""
+        if self.context_parallel_size == 1:
+            return
+        cp = f"with context_parallel_size={self.context_parallel_size}"
+        require(self.window is None, "window", f"{self.window} {cp}",
+                "None: sliding windows are not served under context parallelism yet")  # fmt: skip
+        require(self.mask in ("none", "causal"), "causal", f"mask {self.mask!r} {cp}",
+                "no mask or top-left causal: bottom-right is not served under context parallelism yet")  # fmt: skip
+        require(self.dropout_p == 0.0, "dropout_p", f"{self.dropout_p} {cp}",
+                "0.0: the ring's backward recomputes each chunk pair, which would draw a new dropout mask")  # fmt: skip
+        require(not self.cuda_graph_capture, "cp_group", "a call under CUDA graph capture",
+                "a call outside capture: the ring checks its ranks on the host")  # fmt: skip
+        require(not (self.layout == "thd" and self.varlen_gaps), "cu_seqlens_q_padded/cu_seqlens_kv_padded",
+                f"gaps between sequences {cp}", "none: pad each sequence to a multiple of 2 x the group's size "
+                "and pass it whole")  # fmt: skip
+        require(
+            self.mask == "none" or self.square,
+            "k.shape" if self.layout != "thd" else "cu_seqlens_kv",
+            f"keys of their own lengths under a causal mask {cp}",
+            "as many keys as queries (self-attention)",
+        )
 
     # -- derived facts -------------------------------------------------------------------
     @property
@@ -188,11 +213,11 @@ class AttentionProblem:
     @property
     def signature(self) -> tuple:
         """What a kernel's correctness is known for (attnselect.self_check): head dims, GQA ratio ("mqa" for one K/V
-        head), mask kind, layout kind (dense, thd, thd with gaps), dtype, phase, size class, and the options that
+        head), mask kind, layout (thd with or without gaps), dtype, phase, size class, and the options that
         change the kernel run (dropout, determinism, lse, softcap, sinks, max logit, fp8, capture, compile, context
         parallelism, keyless rows)."""
         ratio = "mqa" if self.heads_kv == 1 and self.heads_q > 1 else self.heads_q // self.heads_kv
-        layout = "dense" if self.layout != "thd" else "thd with gaps" if self.varlen_gaps else "thd"
+        layout = "thd with gaps" if self.layout == "thd" and self.varlen_gaps else self.layout
         options = tuple(
             name
             for name, on in (
@@ -255,8 +280,23 @@ class AttentionProblem:
 
     @classmethod
     def from_dict(cls, d: dict) -> AttentionProblem:
-        """The inverse of :meth:`to_dict`."""
-        return cls(**dict(d, dtype=getattr(torch, d["dtype"]), window=tuple(d["window"]) if d["window"] else None))
+        """The inverse of :meth:`to_dict`; fields left out take their defaults, unknown ones are refused."""
+        require(isinstance(d, dict), "problem", type(d).__name__, "a dict of AttentionProblem fields (to_dict())")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(map(str, set(d) - known))
+        require(not unknown, "problem", f"unknown field(s) {unknown}", f"fields of AttentionProblem: {sorted(known)}")
+        fields = dict(d)
+        if "dtype" in fields:
+            names = {dtype_name(t): t for t in DTYPES}
+            require(fields["dtype"] in names, "dtype", repr(fields["dtype"]), f"one of {sorted(names)}")
+            fields["dtype"] = names[fields["dtype"]]
+        window = fields.get("window")
+        if isinstance(window, list):
+            fields["window"] = tuple(window)
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in fields and
+                         f.default is dataclasses.MISSING)  # fmt: skip
+        require(not missing, "problem", f"no {missing}", "every required field of AttentionProblem")
+        return cls(**fields)
 
 
 def describe_call(

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import torch
 
-from attnselect import backends, debug, settings
+from attnselect import backends, debug, evidence, self_check, settings
 from attnselect.caches import generation, register_cache
 from attnselect.candidates import Candidate, judge, override_reasons
 from attnselect.decision import Decision, no_candidate_message
@@ -45,6 +45,7 @@ def select(
             else ""
         )
         raise InvalidInputError(f"problem: got {type(problem).__name__}, expected an AttentionProblem{hint}")
+    problem.check_context_parallel()  # what attention(cp_group=) refuses, select and explain refuse too
     target = Target.of(target)
     env, scoped = settings.environment(), settings.scope()
     if disable is not None and not isinstance(disable, str):
@@ -55,6 +56,8 @@ def select(
     except TypeError:  # an unhashable control: resolve() names it
         decision, key = None, None
     if decision is None:
+        # Settings read only on some paths fail on every call alike: before anything is decided or memoized.
+        debug.debug_level(), evidence.allowlist_enabled(), self_check.mode()
         cleared = generation()
         decision = _decide(
             problem,

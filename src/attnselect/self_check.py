@@ -2,7 +2,7 @@
 
 A support surface is a claim; young kernels break claims in ways that depend on the process and the size
 (FlashAttention-4 4.0.0b36's sm90 backward at 128/64 gave wrong gradients in three processes of four, at some sizes
-only: shared/research/h200-measurements-2026-12-02.md). So the first call of each (candidate, problem signature)
+only: docs/sources/h200-measurements-2026-12-02.md). So the first call of each (candidate, problem signature)
 in a process (:attr:`AttentionProblem.signature`: head dims, GQA ratio, mask, layout kind, dtype, phase, size class)
 runs as usual, and a slice of its result (one sequence at full length, up to four query heads of one K/V head) is
 compared with references computed on that slice (:mod:`attnselect.correctness`). In training the kernel's backward
@@ -31,6 +31,7 @@ from attnselect import backends, correctness, evidence
 from attnselect.call import KernelCall, Packing
 from attnselect.candidates import Candidate
 from attnselect.errors import AttnSelectError, InvalidInputError
+from attnselect.failures import is_transient
 from attnselect.problem import AttentionProblem
 from attnselect.target import Target
 
@@ -61,6 +62,8 @@ def needed(problem: AttentionProblem, chosen: Candidate, target: Target) -> bool
     if checking == "0" or chosen.backend == "reference":
         return False
     if problem.dropout_p or problem.compiled_graph or problem.cuda_graph_capture or problem.fp8:
+        return False
+    if not (problem.batch and problem.seqlen_q and problem.seqlen_kv):  # nothing to compare
         return False
     if (target, chosen, problem.signature) in _PASSED:
         return False
@@ -95,35 +98,51 @@ class ReferenceFailed(Exception):
 def judge(problem, call: KernelCall, result, q, k, v, packing: Packing | None, slices, rerun) -> correctness.Judgement:
     """The judgement of a kernel's ``result`` of a call on q, k, v over ``slices`` (the worst of them): its out, its
     lse where it returned one and, in training, the gradients of a second run, ``rerun(q, k, v)`` on detached copies
-    (the caller's graph is left alone: a compiled backward, flex's, runs once only), for a random output gradient."""
-    out, lse = result[0], result[1]
-    layout = problem.layout
-    dout, grads = None, {}
-    if problem.training:
-        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        again = rerun(*leaves)[0]
-        dout = _output_gradient(again, problem, slices)
-        grads = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(again, leaves, dout)))
-    judgement = None
-    for piece in slices:
-        got = {"out": correctness.rows(out, layout, piece, piece.q_heads)}
-        if lse is not None:
-            got["lse"] = correctness.lse_rows(lse, layout, piece)
-        for name, grad in grads.items():
-            heads = piece.q_heads if name == "dq" else piece.kv_head
-            got[name] = correctness.rows(grad, layout, piece, heads, keys=name != "dq")
-        sliced = (
-            correctness.rows(q, layout, piece, piece.q_heads),
-            correctness.rows(k, layout, piece, piece.kv_head, keys=True),
-            correctness.rows(v, layout, piece, piece.kv_head, keys=True),
-            correctness.rows(dout, layout, piece, piece.q_heads) if dout is not None else None,
-        )
+    (the caller's graph is left alone: a compiled backward, flex's, runs once only), for a random output gradient.
+
+    Raises what the kernel's rerun raises, and :class:`ReferenceFailed` where no verdict can be had: no element to
+    compare, the check out of memory (its rerun holds a second graph beside the caller's), or references that
+    overflow. The caller's saved-tensor hooks (activation checkpointing) do not see the check's own tensors."""
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        raise ReferenceFailed("no element to compare")
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        grads, dout = {}, None
+        if problem.training:
+            try:
+                leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+                again = rerun(*leaves)[0]
+                dout = _output_gradient(again, problem, slices)
+                grads = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(again, leaves, dout)))
+            except Exception as exc:
+                if is_transient(exc):
+                    raise ReferenceFailed(f"the check ran out of memory ({type(exc).__name__}: {exc})") from exc
+                raise
         try:
-            with torch.no_grad():
-                found = correctness.compare(*(t.detach() if t is not None else None for t in sliced), call, got)
+            return _judge_slices(problem, call, result, q, k, v, dout, grads, slices)
         except Exception as exc:
             raise ReferenceFailed(f"{type(exc).__name__}: {exc}") from exc
-        judgement = found if judgement is None else judgement.worse(found)
+
+
+def _judge_slices(problem, call, result, q, k, v, dout, grads, slices) -> correctness.Judgement:
+    out, lse = result[0], result[1]
+    layout = problem.layout
+    judgement = None
+    with torch.no_grad():
+        for piece in slices:
+            got = {"out": correctness.rows(out, layout, piece, piece.q_heads)}
+            if lse is not None:
+                got["lse"] = correctness.lse_rows(lse, layout, piece)
+            for name, grad in grads.items():
+                heads = piece.q_heads if name == "dq" else piece.kv_head
+                got[name] = correctness.rows(grad, layout, piece, heads, keys=name != "dq")
+            sliced = (
+                correctness.rows(q, layout, piece, piece.q_heads).detach(),
+                correctness.rows(k, layout, piece, piece.kv_head, keys=True).detach(),
+                correctness.rows(v, layout, piece, piece.kv_head, keys=True).detach(),
+                correctness.rows(dout, layout, piece, piece.q_heads) if dout is not None else None,
+            )
+            found = correctness.compare(*sliced, call, got)
+            judgement = found if judgement is None else judgement.worse(found)
     return judgement
 
 

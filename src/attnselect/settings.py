@@ -73,13 +73,6 @@ _RAW_NAMES = tuple(name.encode() for name in ENV_VARS)
 no_environment = functools.partial(_RAW_ENVIRON.keys().isdisjoint, _RAW_NAMES) if _RAW_ENVIRON is not None else bool
 
 
-def state_sources() -> tuple | None:
-    """(the overrides() ContextVar, the raw mapping behind os.environ, the raw names of the ATTNSELECT_* variables,
-    :func:`raw_environment`): what a check in C++ reads the same state from (attnselect.compiled_lookup); None
-    where os.environ has no raw mapping (not POSIX)."""
-    return None if _RAW_ENVIRON is None else (_SCOPE, _RAW_ENVIRON, _RAW_NAMES, raw_environment)
-
-
 def raw_environment() -> tuple:
     """The raw values of the ATTNSELECT_* variables (bytes on POSIX): a cheap snapshot for memo keys."""
     if _RAW_ENVIRON is not None:

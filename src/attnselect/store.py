@@ -16,12 +16,14 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger("attnselect")
 FORMAT = 1
+LOCK_TIMEOUT_S = 30.0  # a lock held longer is taken as stuck: the write falls back to memory with one warning
 _warned: set = set()
 _memory: dict = {}
 
@@ -102,14 +104,24 @@ def _read(path: Path) -> dict:
         data = json.loads(path.read_text())
         if not (isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("entries"), dict)):
             raise ValueError(f"not an attnselect decision cache of format {FORMAT}")
-        return data["entries"]
+        entries = {key: value for key, value in data["entries"].items() if isinstance(value, dict)}
+        if len(entries) != len(data["entries"]):
+            _warn_once(f"entries:{path}", "attnselect: ignoring %d malformed entries of the decision cache %s",
+                       len(data["entries"]) - len(entries), path)  # fmt: skip
+        return entries
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         _warn_once(
             f"read:{path}", "attnselect: ignoring the unreadable decision cache %s (%s); it will be rebuilt", path, exc
         )
         return {}
+
+
+def malformed(path_or_tag: str, exc: Exception) -> None:
+    """One warning for a cache entry whose content a reader could not use (it is then ignored)."""
+    _warn_once(f"malformed:{path_or_tag}", "attnselect: ignoring a malformed decision cache entry (%s: %s)",
+               type(exc).__name__, exc)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -122,7 +134,18 @@ def locked(path: Path):
         yield
         return
     with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        waited = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() - waited > LOCK_TIMEOUT_S:
+                    raise TimeoutError(
+                        f"{lock.name} has been held by another process for {LOCK_TIMEOUT_S:.0f} s; remove it if no "
+                        "attnselect process is running"
+                    ) from None
+                time.sleep(0.01)
         try:
             yield
         finally:

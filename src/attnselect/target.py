@@ -17,7 +17,7 @@ from attnselect.errors import InvalidInputError
 log = logging.getLogger("attnselect")
 
 #: Library versions assumed by every GPU preset unless overridden: the stack measured on
-#: the H200 in shared/research/h200-measurements.md (torch 2.11, cuDNN 9.19) with no
+#: the H200 in docs/sources/h200-measurements.md (torch 2.11, cuDNN 9.19) with no
 #: optional attention package installed.
 DEFAULT_TORCH = "2.11.0"
 DEFAULT_CUDNN = "9.19.0"
@@ -55,6 +55,8 @@ class Target:
     flash_attn4_version: str | None = None  # FlashAttention-4, module flash_attn.cute
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidInputError(f"name: got {self.name!r}, expected a non-empty string (the device's name)")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if (

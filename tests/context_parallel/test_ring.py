@@ -45,9 +45,9 @@ def test_every_rank_matches_the_single_process_shard(n, case):
 EXPECTED_ERRORS = {
     "odd-dense-length": "q.shape: got a local sequence length of",
     "odd-thd-length": "cu_seqlens_q: got local sequence lengths [3], expected even ones",
-    "window": "window: got (2, 0) with cp_group, expected None",
-    "bottom-right": "causal: got 'bottom_right' with cp_group",
-    "dropout": "dropout_p: got 0.1 with cp_group, expected 0.0",
+    "window": "window: got (2, 0) with context_parallel_size=",
+    "bottom-right": "causal: got mask 'causal_bottom_right' with context_parallel_size=",
+    "dropout": "dropout_p: got 0.1 with context_parallel_size=",
     "mismatched-shards": "cp_group: got ranks whose calls differ",
     "mismatched-boundaries": "cp_group: got ranks whose calls differ",
     "training-on-one-rank": "cp_group: got ranks whose calls differ",

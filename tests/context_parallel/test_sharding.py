@@ -65,6 +65,14 @@ def test_thd_halves_find_both_chunks_of_every_sequence_on_the_device():
         (lambda x, cu: shard(x[0], cp_size=2, rank=0, layout="thd", cu_seqlens=cu), "every sequence length 2"),
         (lambda x, cu: unshard(x), "shards: got Tensor, expected a list of tensors"),
         (lambda x, cu: unshard([x, x[:, :2]]), "shards[1].shape"),
+        (lambda x, cu: unshard([x, x.double()]), "shards[1].dtype: got torch.float64, expected shards[0]'s"),
+        (lambda x, cu: unshard([x, x.to("meta")]), "shards[1].device: got meta, expected shards[0]'s cpu"),
+        (
+            lambda x, cu: unshard(
+                [x[0, :3], x[0, :3, :1]], layout="thd", cu_seqlens=torch.tensor([0, 4, 6], dtype=torch.int32)
+            ),
+            "shards[1].shape: got (3, 1, 4), expected shards[0]'s heads",
+        ),  # fmt: skip
     ],
 )
 def test_bad_arguments_name_the_argument(call, message):

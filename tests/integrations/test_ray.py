@@ -12,8 +12,7 @@ from attnselect.integrations.ray import runtime_env  # noqa: E402  (after the sk
 
 
 def test_runtime_env_merges_without_dropping_keys(monkeypatch):
-    monkeypatch.delenv("ATTNSELECT_CACHE_DIR")  # the test fixture's own cache and build folders: not part of this test
-    monkeypatch.delenv("ATTNSELECT_BUILD_DIR")
+    monkeypatch.delenv("ATTNSELECT_CACHE_DIR")  # the test fixture's own cache folder: not part of this test
     monkeypatch.setenv("ATTNSELECT_PAD", "never")
     monkeypatch.setenv("ATTNSELECT_DEBUG", "1")
     monkeypatch.setenv("NVTE_DEBUG", "1")
@@ -24,6 +23,14 @@ def test_runtime_env_merges_without_dropping_keys(monkeypatch):
     assert merged["env_vars"] == {"ATTNSELECT_PAD": "always", "OTHER": "1", "ATTNSELECT_DEBUG": "1", "NVTE_DEBUG": "1"}
     assert base["env_vars"] == {"ATTNSELECT_PAD": "always", "OTHER": "1"}  # not modified
     assert runtime_env()["env_vars"]["ATTNSELECT_PAD"] == "never"
+
+
+@pytest.mark.parametrize("env_vars", [["A=1"], {"A": 1}, {1: "a"}, "A=1"])
+def test_malformed_env_vars_are_refused_by_name(env_vars):
+    from attnselect.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=r"base\['env_vars'\]: got .*, expected a dict of str to str"):
+        runtime_env({"env_vars": env_vars})
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +79,7 @@ def test_worker_sees_the_driver_settings_only_through_runtime_env(cluster, monke
         "ATTNSELECT_DEBUG": "1",
         "ATTNSELECT_DEBUG_LEVEL": "2",
         "ATTNSELECT_CACHE_DIR": os.environ["ATTNSELECT_CACHE_DIR"],
-        "ATTNSELECT_BUILD_DIR": os.environ["ATTNSELECT_BUILD_DIR"],
-    }  # the test's own cache and the session's build
+    }  # the test's own cache
     assert choice == "sdpa_math native"
     assert "running sdpa_math, native, because" in log  # level 1: the decision
     assert "sdpa_flash padded to 24: not supported: padding is switched off" in log  # level 2: every candidate

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnselect.errors import InvalidInputError
+
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 
 from attnselect.integrations import transformers as attnselect_hf  # noqa: E402
@@ -152,11 +154,32 @@ def test_the_interface_matches_transformers_eager_function(causal):
     for ours_mask, eager_mask, rows in (
         (None, additive(torch.ones_like(keep)), slice(None)),
         (keep, additive(keep), keep),
+        (keep.long(), additive(keep), keep),  # the tokenizer's integer mask
+        (torch.zeros(2, 7, dtype=torch.float64).masked_fill(~keep, float("-inf")), additive(keep), keep),  # additive
+        (torch.zeros(2, 7, dtype=torch.float32), additive(torch.ones_like(keep)), slice(None)),  # additive, all kept
     ):
         ours, _ = attention_forward(module, q, k, v, ours_mask, scaling=0.37, is_causal=causal)
         eager, _ = eager_attention_forward(module, q, k, v, eager_mask, scaling=0.37)
         assert ours.shape == (2, 7, 4, 16)
         torch.testing.assert_close(ours[rows], eager[rows], rtol=1e-5, atol=1e-6)  # eager's softmax is float32
+
+
+@pytest.mark.parametrize(
+    "mask,message",
+    [
+        (torch.ones(3, 7, dtype=torch.bool), r"got shape \(3, 7\), expected \(2, n\) with 7 <= n <= 7"),
+        (torch.ones(2, 9, dtype=torch.bool), r"got shape \(2, 9\)"),
+        (torch.ones(2, 7), r"got a float mask with values in \[1.0, 1.0\], expected an additive mask"),
+    ],
+)
+def test_a_2d_mask_it_cannot_read_is_refused_by_name(mask, message):
+    from attnselect.integrations.transformers import attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups, module.training = True, 1, False
+    q, k, v = (torch.randn(2, 2, 7, 8, dtype=torch.float64) for _ in range(3))
+    with pytest.raises(InvalidInputError, match="attention_mask: " + message):
+        attention_forward(module, q, k, v, mask)
 
 
 def test_dropout_reaches_the_kernel():

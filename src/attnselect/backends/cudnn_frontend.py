@@ -44,7 +44,7 @@ class CudnnFrontend(Backend):
     # Source: cudnn-frontend 1.32 python/cudnn/sdpa/fwd/torch_op.py, _graph_cache (a FIFO of 128 graphs): the
     # forward's key holds B (the sequence count of a packed call), the head counts, S_q and S_kv (max_seqlen),
     # the head dims, the strides, the scale and the mask flags; the backward's also the token totals rounded
-    # to 64. A new key cost 110-130 ms of graph build on the H200 (shared/research/h200-measurements-2026-12.md),
+    # to 64. A new key cost 110-130 ms of graph build on the H200 (docs/sources/h200-measurements-2026-12.md),
     # so a loop whose packing changes every step built a graph every step. Buckets (results/h200_packing_buckets.md,
     # MLA 16 heads, 32k tokens a step): max_seqlen rounded to a power of two costs nothing measurable (6.50 against
     # 6.78 ms for a long-tailed packing), twice that 5-15% and the token total up to 2.5x on short documents;

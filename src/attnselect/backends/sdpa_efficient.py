@@ -15,7 +15,7 @@ class SdpaEfficient(SdpaBackend):
     summary = "PyTorch SDPA, EFFICIENT_ATTENTION kernel forced: takes d_qk != d_v, any length"
     kernel = SDPBackend.EFFICIENT_ATTENTION
     aten_op = kernel_op("_scaled_dot_product_efficient_attention")
-    # torch 2.11 refused enable_gqa for this kernel on the H200 (shared/research/h200-measurements.md).
+    # torch 2.11 refused enable_gqa for this kernel on the H200 (docs/sources/h200-measurements.md).
     native_gqa = False
     # Source: pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, can_use_mem_efficient_attention:
     # sm50..sm121, fp16/bf16/fp32 (bf16 from sm80), q and k share a head dim, v may differ, masks allowed.

@@ -7,7 +7,7 @@ fastest keep that timing and the rest take many short turns, and near-ties, with
 and reports the choice of each policy:
 
 - ``rules`` and ``measure`` (attnselect's two policies),
-- ``te``: TransformerEngine's selection emulated on our verdicts (shared/research/te_backend_selection.md):
+- ``te``: TransformerEngine's selection emulated on our verdicts (docs/sources/te_backend_selection.md):
   FlashAttention, fused (cuDNN) and unfused (math) attention; on sm90+ flash is dropped when fused also
   serves; order flash > fused > unfused; PR #3339 pads only when the native shape gets unfused and the
   padded one does not, or when the native shape gets FlashAttention-2,

@@ -83,14 +83,7 @@ def _local_lengths(problem: AttentionProblem, packing, q, options: CallOptions) 
 def _refuse_unsupported(problem: AttentionProblem, packing, q, k, lengths, options: CallOptions) -> None:
     """Refuse what the ring does not serve, naming the argument."""
     n = problem.context_parallel_size
-    require(problem.window is None, "window", f"{problem.window} with cp_group",
-            "None: sliding windows are not served under context parallelism yet")  # fmt: skip
-    require(problem.mask in ("none", "causal"), "causal", f"{options.causal!r} with cp_group",
-            "False or True (top-left): bottom-right causal is not served under context parallelism yet")  # fmt: skip
-    require(problem.dropout_p == 0.0, "dropout_p", f"{problem.dropout_p} with cp_group",
-            "0.0: the ring's backward recomputes each chunk pair, which would draw a new dropout mask")  # fmt: skip
-    require(not problem.cuda_graph_capture, "cp_group", "a call under CUDA graph capture",
-            "a call outside capture: the ring checks its ranks on the host")  # fmt: skip
+    problem.check_context_parallel()
     if problem.layout != "thd":
         axis = DENSE_AXES[problem.layout][1]
         for name, t in (("q", q), ("k", k)):

@@ -59,6 +59,12 @@ def unshard(
         "a list of tensors, one shard per rank in rank order",
     )
     cp_size, chunks = len(shards), 2 * len(shards)
+    first = shards[0]
+    for i, s in enumerate(shards):  # torch.cat would promote dtypes and fail late on devices; heads must agree
+        require(s.dtype == first.dtype, f"shards[{i}].dtype", s.dtype, f"shards[0]'s {first.dtype}")
+        require(s.device == first.device, f"shards[{i}].device", s.device, f"shards[0]'s {first.device}")
+        require(s.shape[1:] == first.shape[1:] if layout == "thd" else True, f"shards[{i}].shape", tuple(s.shape),
+                f"shards[0]'s heads and head dim {tuple(first.shape[1:])}")  # fmt: skip
     if layout != "thd":
         axis = _sequence_axis(shards[0], layout, cu_seqlens)
         for i, s in enumerate(shards):

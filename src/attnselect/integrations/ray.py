@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import os
 
+from attnselect.errors import InvalidInputError
+
 #: Variables forwarded besides every ATTNSELECT_*: TransformerEngine's debug switches, so a TE
 #: and attnselect debugging session behaves the same on the workers.
 FORWARDED = ("NVTE_DEBUG", "NVTE_DEBUG_LEVEL")
@@ -27,9 +29,14 @@ def runtime_env(base: dict | None = None) -> dict:
     Where ``base["env_vars"]`` already sets one of them, ``base`` wins. ``base`` is not modified.
     """
     if base is not None and not isinstance(base, dict):
-        from attnselect.errors import InvalidInputError
-
         raise InvalidInputError(f"base: got {type(base).__name__}, expected a dict (a Ray runtime_env) or None")
+    given = (base or {}).get("env_vars")
+    if given is not None and not (
+        isinstance(given, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in given.items())
+    ):
+        raise InvalidInputError(
+            f"base['env_vars']: got {given!r}, expected a dict of str to str (Ray's runtime_env env_vars)"
+        )
     merged = copy.deepcopy(base) if base else {}
     carried = {name: value for name, value in os.environ.items() if name.startswith("ATTNSELECT_") or name in FORWARDED}
     merged["env_vars"] = {**carried, **(merged.get("env_vars") or {})}

@@ -112,7 +112,28 @@ def attention_forward(
             f"attention_mask: got {attention_mask.dim()} dims, expected the 2-D padding mask of "
             f"the {NAME!r} mask function (B, Skv) or a 4-D mask (B, 1 or Hq, Sq, Skv)"
         )
-    return _unpadded(query, key, value, attention_mask.bool(), options), None
+    return _unpadded(query, key, value, _kept_tokens(attention_mask, query, key), options), None
+
+
+def _kept_tokens(mask: torch.Tensor, query, key) -> torch.Tensor:
+    """A 2-D padding mask (B, Skv) as bool, True for real tokens. Integer and bool masks keep their nonzero entries
+    (the tokenizer's attention_mask); a float mask is additive, as transformers builds them (0 keeps a token, a large
+    negative value or -inf masks it), and any other value is refused."""
+    batch, sq, skv = query.shape[0], query.shape[2], key.shape[2]
+    if mask.shape[0] != batch or not sq <= mask.shape[1] <= skv:
+        raise InvalidInputError(
+            f"attention_mask: got shape {tuple(mask.shape)}, expected ({batch}, n) with {sq} <= n <= {skv} "
+            "(batch, key positions; the queries are the last positions)"
+        )
+    if not mask.is_floating_point():
+        return mask.bool()
+    kept = mask == 0
+    if not bool((kept | (mask <= -1e4)).all()):
+        raise InvalidInputError(
+            f"attention_mask: got a float mask with values in [{mask.min().item()}, {mask.max().item()}], expected an "
+            "additive mask of 0 (keep) and large negative values or -inf (masked), or a bool/integer padding mask"
+        )
+    return kept
 
 
 def _with_explicit_mask(query, key, value, mask, dropout, scaling):

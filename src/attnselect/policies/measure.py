@@ -154,16 +154,21 @@ def _measure_entry(problem, target, ranked) -> dict:
 
 
 def _from_store(entry, ranked):
-    """(ranked, timings) from a cache entry, or None when it is missing or names no supported candidate."""
+    """(ranked, timings) from a cache entry, or None when it is missing, malformed (one warning), names no supported
+    candidate or leaves its first one untimed."""
     if not entry or not isinstance(entry.get("timings"), list):  # missing, or written before timings were a list
         return None
     supported = set(ranked)
-    order = tuple(c for c in (Candidate(**d) for d in entry["ranked"]) if c in supported)
-    if not order:
+    try:
+        order = tuple(c for c in (Candidate(**d) for d in entry["ranked"]) if c in supported)
+        timings = {}
+        for timed in entry["timings"]:
+            c = Candidate(**timed["candidate"])
+            if c in supported:
+                timings[c] = None if timed["ms"] is None else Timing(*map(float, timed["ms"]))
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        store.malformed("measure", exc)
         return None
-    timings = {}
-    for timed in entry["timings"]:
-        c = Candidate(**timed["candidate"])
-        if c in supported:
-            timings[c] = None if timed["ms"] is None else Timing(*timed["ms"])
+    if not order or timings.get(order[0]) is None:  # the choice's timing is what its decision reports
+        return None
     return order, timings

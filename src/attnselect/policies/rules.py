@@ -19,11 +19,11 @@ from attnselect.target import Target
 _SLOW_TAIL = ("sdpa_efficient", "sdpa_efficient+pad", "sdpa_math", "sdpa_math+pad", "reference", "reference+pad")
 
 PREFERENCES: dict[tuple[str, str], tuple[str, ...]] = {
-    # H200, torch 2.11, cuDNN 9.19 (shared/research/h200-measurements.md), fwd+bwd TFLOP/s, 192/128:
+    # H200, torch 2.11, cuDNN 9.19 (docs/sources/h200-measurements.md), fwd+bwd TFLOP/s, 192/128:
     # cuDNN 392 (frontend 399) > cuDNN padded 275 > FA2 padded 189 > flex 154 > efficient 45 > padded 36;
     # 128/128: cuDNN 425 > flex 327 > FA2 236 > efficient 117. TransformerEngine (utils.py) drops
     # FlashAttention when fused attention also serves on sm90+, so FA3 follows cuDNN. FA4 (flash-attn-4 4.0.0b36)
-    # led cuDNN on every dense problem measured on the same H200 (shared/research/h200-measurements-2026-12.md,
+    # led cuDNN on every dense problem measured on the same H200 (docs/sources/h200-measurements-2026-12.md,
     # fwd+bwd TFLOP/s, causal bf16: B2 S4k H16 192/128 455 against 414; B1 S8k H128 493/478; B1 S16k H16 502/493;
     # 128/128 542/481; 192/192 523/372; forward 629/507 to 701/570).
     ("sm90", "training"): (
@@ -113,7 +113,7 @@ PREFERENCES: dict[tuple[str, str], tuple[str, ...]] = {
 }
 # Packed (thd) input. Backends without a packed kernel run sequence by sequence and rank after the
 # packed ones ("per-sequence" below). H200, 32k tokens in 18 sequences, 192/128 causal bf16
-# (shared/research/h200-measurements.md), fwd+bwd TFLOP/s: cuDNN frontend THD 357 > padded 233 >
+# (docs/sources/h200-measurements.md), fwd+bwd TFLOP/s: cuDNN frontend THD 357 > padded 233 >
 # varlen_attn V padded 186 > flex document mask 147 > per-sequence SDPA 87; forward: 471 > 376 >
 # flex 266 > varlen padded 215 > per-sequence 199. FA4's varlen kernel, same GPU (h200-measurements-2026-12.md):
 # 570 / 435 against the frontend's 461 / 390 on that packing, and 5.2 against 7.6 ms a step in a loop that packs

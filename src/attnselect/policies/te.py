@@ -1,7 +1,7 @@
 """TransformerEngine's backend selection, emulated on attnselect's verdicts: a named comparison policy for
 ``attnselect bench`` (never the choice of a call).
 
-Source: shared/research/te_backend_selection.md, from TransformerEngine's
+Source: docs/sources/te_backend_selection.md, from TransformerEngine's
 ``dot_product_attention/utils.py``. TE weighs FlashAttention, fused (cuDNN) and unfused (math) attention, in
 the order flash > fused > unfused, and on sm90+ drops flash when fused also serves. PR #3339 pads only when the
 native shape gets unfused and the padded one does not, or when the native shape gets FlashAttention-2.
