@@ -80,7 +80,16 @@ def test_the_packaged_h200_grid_loads_and_names_its_source():
     assert {"flex", "cudnn_frontend"} <= set(data["kernels"])
 
 
-@pytest.mark.parametrize("content", ["not json", json.dumps({"format": 99}), json.dumps([1, 2])])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "not json",
+        json.dumps({"format": 99}),
+        json.dumps([1, 2]),
+        json.dumps({"format": 1, "source": "x", "covered": [], "kernels": {"flex": [1]}}),
+        json.dumps({"format": 1, "source": "x", "covered": [[1]], "kernels": {}}),
+    ],
+)
 def test_a_foreign_or_corrupt_summary_is_ignored_with_one_warning(content, monkeypatch, caplog):
     class Files:
         def joinpath(self, *parts):

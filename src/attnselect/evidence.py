@@ -52,20 +52,32 @@ def grid_for(arch: str) -> dict | None:
     name = f"correctness_{arch}.json"
     try:
         text = resources.files("attnselect").joinpath("data", name).read_text()
-    except (FileNotFoundError, OSError):
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("attnselect: ignoring the correctness summary %s (%s)", name, exc)
         return None
     try:
         data = json.loads(text)
+        kernels = data.get("kernels") if isinstance(data, dict) else None
         if not (
-            isinstance(data, dict)
-            and data.get("format") == FORMAT
-            and isinstance(data.get("kernels"), dict)
+            data.get("format") == FORMAT
             and isinstance(data.get("covered"), list)
+            and isinstance(data.get("source"), str)
+            and isinstance(kernels, dict)
+            and all(
+                isinstance(entries, dict)
+                and all(
+                    isinstance(e, dict) and type(e.get("passed")) is int and type(e.get("failed")) is int
+                    for e in entries.values()
+                )
+                for entries in kernels.values()
+            )
         ):
             raise ValueError(f"not a correctness summary of format {FORMAT}")
         data["covered"] = frozenset(_signature_key(*entry) for entry in data["covered"])
         return data
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, AttributeError) as exc:
         log.warning("attnselect: ignoring the correctness summary %s (%s)", name, exc)
         return None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -210,7 +211,7 @@ class AttentionProblem:
         scores = self.batch * self.heads_q * self.seqlen_q * self.seqlen_kv
         return (scores.bit_length() - 1) // 2 if scores else 0
 
-    @property
+    @functools.cached_property
     def signature(self) -> tuple:
         """What a kernel's correctness is known for (attnselect.self_check): head dims, GQA ratio ("mqa" for one K/V
         head), mask kind, layout (thd with or without gaps), dtype, phase, size class, and the options that
