@@ -855,6 +855,7 @@ def supervise(args, cases: list[Case], deadline: float | None, cache_dir: str) -
             "--families", ",".join(args.families)] + (["--quick"] if args.quick else [])  # fmt: skip
     argv += ["--no-lse"] if args.no_lse else []
     argv += [f"--max-seqlen={args.max_seqlen}", f"--max-batch={args.max_batch}"]
+    argv += [f"--shard={args.shard}"] if args.shard else []
     if deadline is not None:
         argv += ["--deadline-at", str(deadline)]
     env = dict(os.environ, ATTNSELECT_STRICT="1", ATTNSELECT_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
@@ -1001,6 +1002,8 @@ def main() -> None:
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     ap.add_argument("--inline", action="store_true", help="run in this process (no restart after a crash)")
     ap.add_argument("--resume", action="store_true", help="keep PREFIX.jsonl's records and run the rest")
+    ap.add_argument("--workers", type=int, default=1, help="processes sharing the device, each a shard of the cases")
+    ap.add_argument("--shard", help=argparse.SUPPRESS)  # K/N: a worker's cases, every N-th from the K-th
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--deadline-at", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -1021,6 +1024,9 @@ def main() -> None:
         print(f"{len(cases)} cases, {len({c.configuration for c in cases})} configurations")
         return
     if args.worker:
+        if args.shard:
+            k, n = map(int, args.shard.split("/"))
+            cases = cases[k::n]
         sys.exit(worker(cases, args.device, args.out, args.deadline_at, not args.no_lse))
     started = time.time()
     deadline = started + args.deadline if args.deadline else None
@@ -1033,6 +1039,29 @@ def main() -> None:
     if args.inline:
         os.environ.update(ATTNSELECT_STRICT="1", ATTNSELECT_CACHE_DIR=cache_dir)
         worker(cases, args.device, args.out, deadline, not args.no_lse)
+    elif args.workers > 1:  # shards side by side, each supervised; their records joined into PREFIX.jsonl
+        import copy
+        import threading
+
+        shards = []
+        for k in range(args.workers):
+            shard = copy.copy(args)
+            shard.out, shard.shard = f"{args.out}.part{k}", f"{k}/{args.workers}"
+            for suffix in (".jsonl", ".pending.json"):
+                if not args.resume and os.path.exists(shard.out + suffix):
+                    os.remove(shard.out + suffix)
+            shards.append(shard)
+        threads = [threading.Thread(target=supervise, args=(shard, cases[k :: args.workers], deadline, cache_dir))
+                   for k, shard in enumerate(shards)]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        with open(args.out + ".jsonl", "a") as sink:
+            for shard in shards:
+                if os.path.exists(shard.out + ".jsonl"):
+                    sink.write(open(shard.out + ".jsonl").read())
+                    os.remove(shard.out + ".jsonl")
     else:
         supervise(args, cases, deadline, cache_dir)
     records = list(_done(args.out + ".jsonl").values())

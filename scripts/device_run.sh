@@ -113,9 +113,9 @@ case "$step" in
     run_tests "$with" > "$OUT/h200_gpu_tests_fa4.txt" 2>&1 &
     run_tests "$without" > "$OUT/h200_gpu_tests.txt" 2>&1 &
     if [ -f benchmarks/peer_sweep.py ]; then
-      ATTNSELECT_STRICT=1 PYTHONPATH=$with timeout 300 python3 benchmarks/peer_sweep.py --deadline 240 \
+      ATTNSELECT_STRICT=1 PYTHONPATH=$with timeout 300 python3 benchmarks/peer_sweep.py --deadline 240 --workers 6 \
         --out "$OUT/h200_peer_sweep_fa4" > /tmp/peer_fa4.log 2>&1 &
-      ATTNSELECT_STRICT=1 PYTHONPATH=$without timeout 300 python3 benchmarks/peer_sweep.py --deadline 240 \
+      ATTNSELECT_STRICT=1 PYTHONPATH=$without timeout 300 python3 benchmarks/peer_sweep.py --deadline 240 --workers 4 \
         --out "$OUT/h200_peer_sweep" > /tmp/peer.log 2>&1 &
     fi
     wait
