@@ -306,3 +306,20 @@ def test_gpu_repeated_sdpa_calls_run_the_kernels_aten_op_as_sdpa_would(name, tra
             grad = torch.randn_like(out)
             grads, expected_grads = (torch.autograd.grad(o, (q, k, v), grad) for o in (out, expected))
             assert all(rel_err(a, b) < 1e-2 for a, b in zip(grads, expected_grads))
+
+
+def test_flex_refuses_grouped_heads_with_few_queries_on_cuda():
+    """Every flex row of the H200 correctness grid with grouped K/V heads and under 128 queries failed to compile."""
+    from attnselect.backends import get
+    from attnselect.problem import AttentionProblem
+    from attnselect.target import Target
+
+    flex, h200 = get("flex"), Target.preset("h200")
+    few = AttentionProblem(1, 77, 77, 4, 1, 64, 64)
+    assert flex.extra_reasons(few, h200) == [
+        "no inductor template for grouped K/V heads with fewer than 128 queries (got 77; "
+        "results/h200_correctness_grid.md)"
+    ]
+    assert flex.extra_reasons(AttentionProblem(1, 128, 128, 4, 1, 64, 64), h200) == []
+    assert flex.extra_reasons(AttentionProblem(1, 77, 77, 4, 4, 64, 64), h200) == []
+    assert flex.extra_reasons(few, Target.preset("cpu")) == []

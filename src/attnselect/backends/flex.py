@@ -28,6 +28,7 @@ from attnselect.tensor_memo import TensorMemo
 log = logging.getLogger("attnselect")
 
 _BIG = 1 << 30  # "unbounded" band edge
+GQA_MIN_QUERIES = 128  # flex_attention's default query block (BLOCK_M): below it GQA found no template on the H200
 
 
 class Flex(Backend):
@@ -83,6 +84,18 @@ class Flex(Backend):
         source="attnselect.backends.flex (_document_block_mask, _compiled_flex)",
         rebuilds_per_packing=True,
     )
+
+    def extra_reasons(self, p, t):
+        # Correctness grid on the H200 (results/h200_correctness_grid.md, rows 10, 16 and 20, native and padded to
+        # 128) and the peer sweep (results/h200_peer_sweep.md, FA2's d32 113x203 GQA case): with grouped K/V heads
+        # and fewer than 128 queries, inductor's flex template found no valid configuration (NoValidChoicesError),
+        # at every head dim tried; every such row failed, in both processes.
+        if t.is_cuda and p.heads_q != p.heads_kv and p.seqlen_q < GQA_MIN_QUERIES:
+            return [
+                f"no inductor template for grouped K/V heads with fewer than {GQA_MIN_QUERIES} queries (got "
+                f"{p.seqlen_q}; results/h200_correctness_grid.md)"
+            ]
+        return []
 
     def run(self, q, k, v, call: KernelCall):
         block_mask = _band_block_mask(call.mask, call.window, q.shape[-2], k.shape[-2], q.device)
