@@ -360,3 +360,17 @@ def test_a_copy_of_cu_seqlens_q_compiles_as_before():
     torch._dynamo.reset()
     out = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
     assert torch.allclose(out, fn(q, k, v))
+
+
+def test_a_generous_max_seqlen_does_not_make_the_problem_bigger_where_the_lengths_are_read():
+    """On the CPU the boundaries are read anyway: the problem is the real one (the measure policy times its size),
+    while the kernels keep the caller's bound."""
+    from attnselect.call import CallOptions
+    from attnselect.problem import describe_call
+
+    q = torch.randn(20, 2, 16)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    options = CallOptions(layout="thd", cu_seqlens_q=cu, max_seqlen_q=4096, max_seqlen_kv=4096)
+    problem, packing = describe_call(q, q, q, options)
+    assert (problem.seqlen_q, problem.seqlen_kv) == (13, 13)
+    assert (packing.max_seqlen_q, packing.max_seqlen_kv) == (4096, 4096)

@@ -243,10 +243,10 @@ class AttentionProblem:
     def padded(self, head_dim: int) -> AttentionProblem:
         """The problem after zero-padding Q, K and V to ``head_dim`` on the last dim."""
         require(
-            head_dim >= max(self.head_dim_qk, self.head_dim_v),
+            is_integer(head_dim) and head_dim >= max(self.head_dim_qk, self.head_dim_v),
             "head_dim",
             head_dim,
-            f">= max(head_dim_qk, head_dim_v) = {max(self.head_dim_qk, self.head_dim_v)}",
+            f"an integer >= max(head_dim_qk, head_dim_v) = {max(self.head_dim_qk, self.head_dim_v)}",
         )
         return dataclasses.replace(self, head_dim_qk=head_dim, head_dim_v=head_dim)
 
