@@ -277,3 +277,26 @@ def test_right_kernels_on_packed_sequences_with_gaps_pass(monkeypatch):
         out = attnselect.attention(*wide, layout="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=padded, backend=backend,
                                    pad=backend == "sdpa_flash")  # fmt: skip
         assert torch.isfinite(out).all()
+
+
+class DetachedLse(Reference):
+    """The reference whose lse carries no gradient: with sinks, the caller's gradients go wrong through it."""
+
+    name = "detached_lse"
+
+    def run(self, q, k, v, call):
+        out, lse, *rest = super().run(q, k, v, call)
+        return out, (lse.detach() if lse is not None else None), *rest
+
+
+def test_the_gradient_through_the_lse_is_checked_where_sinks_need_it(monkeypatch):
+    backends.register(DetachedLse())
+    try:
+        q, k, v = dense_inputs(dtype=torch.float32)
+        sinks = torch.randn(4, requires_grad=True)
+        with pytest.raises(WrongResultError, match=r": dq, dk wrong|: dq, dk, dv wrong|: dq wrong"):
+            attnselect.attention(q, k, v, causal=True, sinks=sinks, backend="detached_lse")
+        monkeypatch.setenv("ATTNSELECT_STRICT", "1")
+        attnselect.attention(q, k, v, causal=True, sinks=sinks, backend="reference")  # a right one passes
+    finally:
+        backends.unregister("detached_lse")

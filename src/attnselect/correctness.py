@@ -82,9 +82,10 @@ def lse_rows(lse: torch.Tensor, layout: str, s: Slice) -> torch.Tensor:
     return lse[s.sequence].index_select(0, index)
 
 
-def reference(q, k, v, dout, call: KernelCall, dtype: torch.dtype, *, lse: bool = True):
+def reference(q, k, v, dout, call: KernelCall, dtype: torch.dtype, *, lse: bool = True, dlse=None):
     """Attention of (S, h, D) query rows over (S_kv, 1, D) key rows in ``dtype``: (out, lse (h, S), dq, dk, dv),
-    the gradients for ``dout`` (None: none). Chunked over queries so long sequences fit."""
+    the gradients for ``dout`` (None: none) and, where given, ``dlse`` (h, S) on the lse too (sinks rescale the
+    output by it). Chunked over queries so long sequences fit."""
     sq, skv = q.shape[0], k.shape[0]
     kk = k.detach().to(dtype).requires_grad_(dout is not None)
     vv = v.detach().to(dtype).requires_grad_(dout is not None)
@@ -112,7 +113,10 @@ def reference(q, k, v, dout, call: KernelCall, dtype: torch.dtype, *, lse: bool 
                 if row_lse is not None:
                     row_lse = row_lse.masked_fill(empty, float("-inf"))
             out = torch.einsum("hst,thd->shd", probs, vv.expand(-1, qq.shape[1], -1))
-            if dout is not None:
+            if dout is not None and dlse is not None:
+                torch.autograd.backward([out, row_lse], [dout[begin:end].to(dtype), dlse[:, begin:end].float()])
+                dqs.append(qq.grad)
+            elif dout is not None:
                 out.backward(dout[begin:end].to(dtype))
                 dqs.append(qq.grad)
         outs.append(out.detach())
@@ -156,18 +160,19 @@ class Judgement:
         return {"errors": self.errors, "bounds": self.bounds, "passed": self.passed}
 
 
-def compare(q, k, v, dout, call: KernelCall, got: dict) -> Judgement:
+def compare(q, k, v, dout, call: KernelCall, got: dict, dlse=None) -> Judgement:
     """Judge ``got`` ({"out": ..., "lse": ..., "dq": ..., "dk": ..., "dv": ...}, each optional, the kernel's
     values on the slice: out/dq (S, h, D), dk/dv (S_kv, 1, D), lse (h, S)) for slice inputs q (S, h, Dqk),
-    k/v (S_kv, 1, D) and, for gradients, dout (S, h, Dv)."""
+    k/v (S_kv, 1, D) and, for gradients, dout (S, h, Dv) and, where the lse carries one, dlse (h, S)."""
     dtype = q.dtype
     exact_dtype = torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
     # float64 inputs are judged at float32's precision: kernels compute them with float32-level error (PyTorch's CPU
     # flash kernel: 5e-8 to 9e-8 at 16/16), which a float64 naive reference would call wrong.
     naive_dtype = torch.float32 if dtype == torch.float64 else dtype
     grads = dout if any(name in got for name in ("dq", "dk", "dv")) else None
-    exact = dict(zip(("out", "lse", "dq", "dk", "dv"), reference(q, k, v, grads, call, exact_dtype)))
-    naive = dict(zip(("out", "lse", "dq", "dk", "dv"), reference(q, k, v, grads, call, naive_dtype)))
+    dlse = dlse if grads is not None else None
+    exact = dict(zip(("out", "lse", "dq", "dk", "dv"), reference(q, k, v, grads, call, exact_dtype, dlse=dlse)))
+    naive = dict(zip(("out", "lse", "dq", "dk", "dv"), reference(q, k, v, grads, call, naive_dtype, dlse=dlse)))
     errors, bounds = {}, {}
     for name, value in got.items():
         ref, plain = exact[name], naive[name]

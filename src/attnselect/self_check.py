@@ -106,24 +106,32 @@ def judge(problem, call: KernelCall, result, q, k, v, packing: Packing | None, s
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         raise ReferenceFailed("no element to compare")
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        grads, dout = {}, None
+        grads, dout, dlse = {}, None, None
         if problem.training:
             try:
                 leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-                again = rerun(*leaves)[0]
+                again, again_lse = rerun(*leaves)[:2]
                 dout = _output_gradient(again, problem, slices)
-                grads = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(again, leaves, dout)))
+                outputs, gradients = [again], [dout]
+                if problem.sinks and again_lse is not None:  # the caller's backward goes through the lse too
+                    generator = torch.Generator(device=again_lse.device).manual_seed(0x51)
+                    dlse = torch.randn(again_lse.shape, generator=generator, device=again_lse.device)
+                    dlse = dlse.masked_fill(~torch.isfinite(again_lse.detach()), 0.0)  # rows that see no key
+                    if again_lse.requires_grad:  # else the kernel's lse gives no gradient, which the check finds
+                        outputs.append(again_lse)
+                        gradients.append(dlse.to(again_lse.dtype))
+                grads = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(outputs, leaves, gradients)))
             except Exception as exc:
                 if is_transient(exc):
                     raise ReferenceFailed(f"the check ran out of memory ({type(exc).__name__}: {exc})") from exc
                 raise
         try:
-            return _judge_slices(problem, call, result, q, k, v, dout, grads, slices)
+            return _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse)
         except Exception as exc:
             raise ReferenceFailed(f"{type(exc).__name__}: {exc}") from exc
 
 
-def _judge_slices(problem, call, result, q, k, v, dout, grads, slices) -> correctness.Judgement:
+def _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse) -> correctness.Judgement:
     out, lse = result[0], result[1]
     layout = problem.layout
     judgement = None
@@ -141,7 +149,9 @@ def _judge_slices(problem, call, result, q, k, v, dout, grads, slices) -> correc
                 correctness.rows(v, layout, piece, piece.kv_head, keys=True).detach(),
                 correctness.rows(dout, layout, piece, piece.q_heads) if dout is not None else None,
             )
-            found = correctness.compare(*sliced, call, got)
+            found = correctness.compare(
+                *sliced, call, got, dlse=correctness.lse_rows(dlse, layout, piece) if dlse is not None else None
+            )
             judgement = found if judgement is None else judgement.worse(found)
     return judgement
 
