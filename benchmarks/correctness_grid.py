@@ -403,7 +403,8 @@ def summary(records: list[dict], meta: dict, earlier: list[dict] = ()) -> dict:
             kernel = problem.padded(r["pad_to"]) if r["pad_to"] else problem
             count(r["backend"], kernel, r["passed"], _finding(r), f"row {r['row']['id']}")
     if earlier:
-        os.environ["ATTNSELECT_ALLOWLIST"] = "0"
+        saved = os.environ.get("ATTNSELECT_ALLOWLIST")
+        os.environ["ATTNSELECT_ALLOWLIST"] = "0"  # the static surface: what today serves without any grid
         target = Target(**{**meta["earlier_target"], "capability": tuple(meta["earlier_target"]["capability"])})
         for r in earlier:
             if r["backend"] not in YOUNG:
@@ -414,7 +415,10 @@ def summary(records: list[dict], meta: dict, earlier: list[dict] = ()) -> dict:
                 continue
             finding = r["error"] or f"relative errors {r['out_err']}, {r['grad_err']} (bound 2e-2)"
             count(r["backend"], kernel, r["really"], finding, EARLIER.replace(".jsonl", ".md"))
-        del os.environ["ATTNSELECT_ALLOWLIST"]
+        if saved is None:
+            del os.environ["ATTNSELECT_ALLOWLIST"]
+        else:
+            os.environ["ATTNSELECT_ALLOWLIST"] = saved
     covered = [json.loads(s) for s, ok in sorted(by_signature.items()) if ok]
     return {
         "format": FORMAT,

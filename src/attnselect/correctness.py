@@ -61,17 +61,23 @@ def slice_of(heads_q: int, heads_kv: int, sequence: int, *, kv_head: int = -1, s
     return Slice(sequence, kv_head, tuple(members), starts[0], starts[1], lengths[0], lengths[1])
 
 
-def rows(t: torch.Tensor, layout: str, s: Slice, heads, *, keys: bool = False) -> torch.Tensor:
-    """The slice's rows of a q/k/v/out-like tensor in ``layout`` as (S, len(heads), D)."""
+def where(t: torch.Tensor, layout: str, s: Slice, heads, *, keys: bool = False) -> tuple:
+    """The index of the slice's rows and ``heads`` in a q/k/v/out-like tensor in ``layout``: ``t[where(...)]`` reads
+    them, assigning to it writes them."""
     index = torch.tensor([heads] if isinstance(heads, int) else list(heads), device=t.device)
     if layout == "thd":
         start, length = (s.start_kv, s.length_kv) if keys else (s.start_q, s.length_q)
-        return t[start : start + length].index_select(1, index)
-    if layout == "bshd":
-        return t[s.sequence].index_select(1, index)
-    if layout == "sbhd":
-        return t[:, s.sequence].index_select(1, index)
-    return t[s.sequence].index_select(0, index).transpose(0, 1)  # bhsd
+        return slice(start, start + length), index
+    return {"bshd": (s.sequence, slice(None), index), "sbhd": (slice(None), s.sequence, index)}.get(
+        layout,
+        (s.sequence, index),  # bhsd
+    )
+
+
+def rows(t: torch.Tensor, layout: str, s: Slice, heads, *, keys: bool = False) -> torch.Tensor:
+    """The slice's rows of a q/k/v/out-like tensor in ``layout`` as (S, len(heads), D)."""
+    picked = t[where(t, layout, s, heads, keys=keys)]
+    return picked.transpose(0, 1) if layout == "bhsd" else picked
 
 
 def lse_rows(lse: torch.Tensor, layout: str, s: Slice) -> torch.Tensor:

@@ -7,8 +7,8 @@ the GPUs where they need evidence, their surface is an allowlist: a kernel confi
 dims the kernel gets, phase) is served only where benchmarks/correctness_grid.py ran it and every one of its rows
 passed, in every process. Everything else is refused with a reason that names the grid's file.
 
-The grid's summary ships as package data, one file per GPU (``attnselect/data/correctness_<arch>.json``, written
-by ``python benchmarks/correctness_grid.py --evidence``). Its ``covered`` signatures also spare the first-use
+The grid's summary ships as package data, one file per GPU (``attnselect/data/correctness_<arch>.json``, written by
+``python benchmarks/correctness_grid.py --report DIR --earlier``). Its ``covered`` signatures also spare the first-use
 self-check (:mod:`attnselect.self_check`) for calls the grid checked on the same GPU and library versions.
 ``ATTNSELECT_ALLOWLIST=0`` serves the young kernels' full documented surface instead (to test a kernel; the
 self-check still runs).

@@ -42,7 +42,7 @@ def _recorded_failures() -> dict:
     if _RECORDED is None:
         recorded = {}
         for key, entry in store.entries().items():
-            if f'"policy": "{FAILED_AT_RUN_TIME}"' not in key:  # keys are sorted JSON objects (_entry_key)
+            if not _is_failure_key(key):  # another policy's entry, or not one of attnselect's keys at all
                 continue
             try:
                 recorded[key] = {Candidate(**f["candidate"]): str(f["error"]) for f in entry.get("failed", ())}
@@ -78,6 +78,14 @@ def mark_failed(
         "for this process only: it may pass" if transient else "recorded in the decision cache for this target",
     )
     caches.clear_cache()
+
+
+def _is_failure_key(key: str) -> bool:
+    try:
+        parsed = json.loads(key)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("policy") == FAILED_AT_RUN_TIME
 
 
 def _signature(problem: AttentionProblem) -> tuple:

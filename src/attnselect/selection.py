@@ -57,7 +57,9 @@ def select(
         decision, key = None, None
     if decision is None:
         # Settings read only on some paths fail on every call alike: before anything is decided or memoized.
-        debug.debug_level(), evidence.allowlist_enabled(), self_check.mode()
+        debug.debug_level()
+        evidence.allowlist_enabled()
+        self_check.mode()
         cleared = generation()
         decision = _decide(
             problem,

@@ -211,13 +211,5 @@ def _output_gradient(out: torch.Tensor, problem: AttentionProblem, pieces) -> to
         left_out = [h for h in range(piece.kv_head * group, (piece.kv_head + 1) * group) if h not in piece.q_heads]
         if not left_out:
             continue
-        heads = torch.tensor(left_out, device=out.device)
-        if problem.layout == "thd":
-            dout[piece.start_q : piece.start_q + piece.length_q, heads] = 0
-        elif problem.layout == "bshd":
-            dout[piece.sequence, :, heads] = 0
-        elif problem.layout == "sbhd":
-            dout[:, piece.sequence, heads] = 0
-        else:
-            dout[piece.sequence, heads] = 0
+        dout[correctness.where(dout, problem.layout, piece, left_out)] = 0
     return dout
