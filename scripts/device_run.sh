@@ -9,8 +9,9 @@
 #                                      # results/h200_correctness_grid_rows.jsonl where present (GRID_DEADLINE s, default
 #                                      # 480; GRID_ARGS adds arguments) -> $OUT/h200_correctness_grid_rows.jsonl, _meta.json
 #   bash scripts/device_run.sh checks # after `correctness` on the same warm machine, FA4 installed: the grid's report
-#                                      # (package data included), pytest -m gpu with FA4 and without (carry .whl-xdist),
-#                                      # benchmarks/peer_sweep.py under ATTNSELECT_STRICT=1 with and without
+#                                      # (package data included), pytest -m gpu -n 5 with FA4 and without (TEST_TIMEOUT),
+#                                      # benchmarks/peer_sweep.py under ATTNSELECT_STRICT=1 with and without (SWEEP_DEADLINE)
+#   bash scripts/device_run.sh self-check-cost # benchmarks/self_check_cost.py       -> $OUT/h200_self_check_cost.*
 #   bash scripts/device_run.sh grid-odd # its head dims below 16 and not multiples of 8, every backend but FA4,
 #                                      # resuming $OUT's rows where an earlier step of this call wrote them
 #   bash scripts/device_run.sh bench   # packed (thd) benchmark                -> $OUT/h200_thd_bench.{json,md}
@@ -44,9 +45,10 @@
 #   bash scripts/device_run.sh thd-inference # benchmarks/thd_inference.py: packed inference, a new packing a step,
 #                                      # host time included (THD_TIMEOUT seconds, default 400) -> $OUT/h200_thd_inference.*
 #   bash scripts/device_run.sh buckets # benchmarks/packing_buckets.py (BUCKET_SCHEMES=...) -> $OUT/h200_packing_buckets.*
-#   FlashAttention-4 (scripts/fetch_device_wheels.sh fa4), in two calls back to back on one warm machine (it is kept
-#   about 30 s after a call): carry .fa4-stage1 and run `fa4-stage1` (its files go to /tmp), then carry .fa4-stage2
-#   and .whl-core and run `fa4-stage2 STEP...`, which joins the parts and installs FA4 for the steps after it:
+#   FlashAttention-4 (scripts/fetch_device_wheels.sh fa4), in three calls back to back on one warm machine (it is
+#   kept about 30 s after a call), each under the 64 MiB carry beside the ~13 MB tree: carry .fa4-stage1 and run
+#   `fa4-stage1` (its files go to /tmp), carry .fa4-stage2 and run `fa4-stage2`, then carry .fa4-stage3 and
+#   .whl-core and run `fa4-stage3 STEP...`, which joins the parts and installs FA4 for the steps after it:
 #   bash scripts/device_run.sh fa4-tests    # tests/backends/test_flash_attn4_gpu.py and every FA4 case of the GPU tests
 #   bash scripts/device_run.sh fa4-loop     # the training loop's FA4 rows (forced, direct) beside the default and torch's
 #   bash scripts/device_run.sh fa4-compile  # benchmarks/fa4_compile_cost.py           -> $OUT/h200_fa4_compile.*
@@ -62,10 +64,10 @@ wheels=$(ls .whl/*.whl 2>/dev/null || ls .whl-core/*.whl 2>/dev/null)   # .whl h
 if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "/tmp/site-$gpu" \
     $wheels || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site-$gpu
+  export PYTHONPATH=/tmp/site-$gpu SITE=/tmp/site-$gpu
 fi
 FA4_WHEELS=/tmp/fa4-wheels FA4_SITE=/tmp/fa4-site
-if [ -d "$FA4_SITE/flash_attn" ]; then   # installed by an earlier fa4-stage2 on this machine
+if [ -d "$FA4_SITE/flash_attn" ]; then   # installed by an earlier call's last fa4 stage on this machine
   export PYTHONPATH=$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 fi
 grid_rows() {   # the rules grid, resuming this call's rows if an earlier step wrote them, else the committed ones
@@ -75,9 +77,9 @@ grid_rows() {   # the rules grid, resuming this call's rows if an earlier step w
 }
 need_fa4() {
   python3 -c 'import flash_attn.cute' 2>/dev/null && return 0
-  echo "FlashAttention-4 is not installed on this machine: run fa4-stage1 (carrying .fa4-stage1), then at once, while"
-  echo "the machine is still warm, fa4-stage2 (carrying .fa4-stage2 and .whl-core); a machine given back in between"
-  echo "has lost the first stage's files in $FA4_WHEELS."
+  echo "FlashAttention-4 is not installed on this machine: run fa4-stage1, fa4-stage2 and fa4-stage3 (each carrying"
+  echo "its folder, the last .whl-core too) back to back while the machine is warm; a machine given back in between"
+  echo "has lost the earlier stages' files in $FA4_WHEELS."
   return 1
 }
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -103,24 +105,27 @@ case "$step" in
     cat "$dir"/rows-*.jsonl > "$OUT/h200_correctness_grid_rows.jsonl"; cp "$dir/meta.json" "$OUT/h200_correctness_grid_meta.json"
     grep -v " ok$" "$OUT/correctness_grid.log" | grep -v -i warn | cut -c1-220 | tail -45 ;;
   checks)
-    python3 benchmarks/correctness_grid.py --report /tmp/correctness-grid | tail -1
+    # the report with the committed meta (the rules grid's young-kernel rows counted, as the package data is made)
+    python3 benchmarks/correctness_grid.py --report /tmp/correctness-grid --earlier \
+      --meta results/h200_correctness_grid.jsonl.meta.json | tail -1
     cp results/h200_correctness_grid.jsonl results/h200_correctness_grid.jsonl.meta.json "$OUT/"
-    python3 -m pip install -q --no-index --no-deps --target /tmp/xdist .whl-xdist/*.whl
-    with=$PYTHONPATH:/tmp/xdist without=$PWD/src:/tmp/xdist
-    run_tests() { echo "# pytest -m gpu -n 6 on $(PYTHONPATH=$1 python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
-      PYTHONPATH=$1 timeout ${TEST_TIMEOUT:-330} python3 -m pytest -m gpu -n 6 -v -p no:cacheprovider -W ignore tests 2>&1 \
-        | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | cut -c1-400; }
+    export TORCHINDUCTOR_COMPILE_THREADS=1   # flex's compiles: one thread each, or 24 processes start 16 each
+    with=$PYTHONPATH without=$PWD/src${SITE:+:$SITE}   # the frontend, not FA4
+    run_tests() { echo "# pytest -m gpu -n ${TEST_WORKERS:-5} on $(PYTHONPATH=$1 python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
+      PYTHONPATH=$1 timeout ${TEST_TIMEOUT:-520} python3 -m pytest -m gpu -n ${TEST_WORKERS:-5} -v -p no:cacheprovider \
+        -W ignore tests 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | cut -c1-400; }
     run_tests "$with" > "$OUT/h200_gpu_tests_fa4.txt" 2>&1 &
     run_tests "$without" > "$OUT/h200_gpu_tests.txt" 2>&1 &
-    if [ -f benchmarks/peer_sweep.py ]; then
-      ATTNSELECT_STRICT=1 PYTHONPATH=$with timeout 300 python3 benchmarks/peer_sweep.py --deadline 240 --workers 6 \
-        --out "$OUT/h200_peer_sweep_fa4" > /tmp/peer_fa4.log 2>&1 &
-      ATTNSELECT_STRICT=1 PYTHONPATH=$without timeout 300 python3 benchmarks/peer_sweep.py --deadline 240 --workers 4 \
-        --out "$OUT/h200_peer_sweep" > /tmp/peer.log 2>&1 &
-    fi
+    ATTNSELECT_STRICT=1 PYTHONPATH=$with timeout $((${SWEEP_DEADLINE:-480} + 60)) python3 benchmarks/peer_sweep.py \
+      --deadline ${SWEEP_DEADLINE:-480} --workers 4 --out "$OUT/h200_peer_sweep_fa4" > /tmp/peer_fa4.log 2>&1 &
+    ATTNSELECT_STRICT=1 PYTHONPATH=$without timeout $((${SWEEP_DEADLINE:-480} + 60)) python3 benchmarks/peer_sweep.py \
+      --deadline ${SWEEP_DEADLINE:-480} --workers 4 --out "$OUT/h200_peer_sweep" > /tmp/peer.log 2>&1 &
     wait
-    tail -3 /tmp/peer_fa4.log /tmp/peer.log 2>/dev/null
+    tail -4 /tmp/peer_fa4.log /tmp/peer.log 2>/dev/null
     for f in "$OUT"/h200_gpu_tests*.txt; do echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -12; done ;;
+  self-check-cost)
+    timeout 300 python3 benchmarks/self_check_cost.py --out "$OUT/h200_self_check_cost" 2>&1 | grep -v -i warn \
+      | grep -E '^\|' ;;
   fa4-grid)
     need_fa4 || exit 1
     grid_rows 400 --section fa4 --backends flash_attn4 --deadline "${GRID_DEADLINE:-330}" ;;
@@ -165,14 +170,13 @@ case "$step" in
   megatron)
     timeout 240 python3 -m pytest -v -p no:cacheprovider -W ignore tests/integrations/test_megatron.py 2>&1 | tail -15
     timeout 300 python3 benchmarks/megatron_mla.py --out "$OUT/h200_megatron_mla" 2>&1 | grep -v -i warn | tail -12 ;;
-  fa4-stage1)
-    mkdir -p "$FA4_WHEELS" && cp .fa4-stage1/* "$FA4_WHEELS/" && ls "$FA4_WHEELS" ;;
-  fa4-stage2)
-    if ! ls "$FA4_WHEELS"/*.part-aa >/dev/null 2>&1; then
-      echo "fa4-stage2: the first stage's files are not in $FA4_WHEELS (gone with a machine given back since"
-      echo "fa4-stage1, or joined by an earlier fa4-stage2): run fa4-stage1 again, then fa4-stage2 at once."; exit 1
+  fa4-stage*)   # one carry of FA4's wheels; the last one joins the split wheel and installs FA4 for the steps after it
+    mkdir -p "$FA4_WHEELS" && cp ".$step"/* "$FA4_WHEELS/" || { echo "$step: carry .$step"; exit 1; }
+    want=$(cat "$FA4_WHEELS/parts" 2>/dev/null || echo 0); have=$(ls "$FA4_WHEELS"/*.part-* 2>/dev/null | wc -l)
+    if [ "$want" = 0 ] || [ "$have" -lt "$want" ]; then
+      echo "$step: $have of $want parts here; run the next stage at once, while the machine is warm (a machine given"
+      echo "back since fa4-stage1 has lost them: start again from fa4-stage1)"; continue
     fi
-    cp .fa4-stage2/* "$FA4_WHEELS/"
     part=$(ls "$FA4_WHEELS"/*.part-aa); cat "${part%.part-aa}".part-* > "${part%.part-aa}" && rm "$FA4_WHEELS"/*.part-*
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$FA4_SITE" \
       "$FA4_WHEELS"/*.whl || { echo "FA4 install failed"; exit 1; }
@@ -216,7 +220,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests correctness grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done
