@@ -12,6 +12,9 @@
 #                                      # (package data included), pytest -m gpu -n 5 with FA4 and without (TEST_TIMEOUT),
 #                                      # benchmarks/peer_sweep.py under ATTNSELECT_STRICT=1 with and without (SWEEP_DEADLINE)
 #   bash scripts/device_run.sh self-check-cost # benchmarks/self_check_cost.py       -> $OUT/h200_self_check_cost.*
+#   bash scripts/device_run.sh flex-probe # benchmarks/flex_probe.py                  -> $OUT/h200_flex_probe.*
+#   bash scripts/device_run.sh pytest  # pytest $PYTEST_ARGS, the whole log  -> $OUT/h200_pytest_$TEST_PART.txt
+#                                      # (NO_FA4=1 leaves an installed FA4 off the path, for any step)
 #   bash scripts/device_run.sh grid-odd # its head dims below 16 and not multiples of 8, every backend but FA4,
 #                                      # resuming $OUT's rows where an earlier step of this call wrote them
 #   bash scripts/device_run.sh bench   # packed (thd) benchmark                -> $OUT/h200_thd_bench.{json,md}
@@ -67,7 +70,7 @@ if [ -n "$wheels" ]; then
   export PYTHONPATH=/tmp/site-$gpu SITE=/tmp/site-$gpu
 fi
 FA4_WHEELS=/tmp/fa4-wheels FA4_SITE=/tmp/fa4-site
-if [ -d "$FA4_SITE/flash_attn" ]; then   # installed by an earlier call's last fa4 stage on this machine
+if [ -d "$FA4_SITE/flash_attn" ] && [ -z "${NO_FA4:-}" ]; then   # installed by an earlier call's last fa4 stage here
   export PYTHONPATH=$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 fi
 grid_rows() {   # the rules grid, resuming this call's rows if an earlier step wrote them, else the committed ones
@@ -123,6 +126,12 @@ case "$step" in
     wait
     tail -4 /tmp/peer_fa4.log /tmp/peer.log 2>/dev/null
     for f in "$OUT"/h200_gpu_tests*.txt; do echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -12; done ;;
+  pytest)   # PYTEST_ARGS, the whole log -> $OUT/h200_pytest${TEST_PART}.txt
+    { echo "# pytest $PYTEST_ARGS on $(python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
+      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -W ignore $PYTEST_ARGS 2>&1
+    } > "$OUT/h200_pytest${TEST_PART:+_$TEST_PART}.txt"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/h200_pytest${TEST_PART:+_$TEST_PART}.txt" | tail -30 ;;
+  flex-probe)
+    timeout 200 python3 benchmarks/flex_probe.py --out "$OUT/h200_flex_probe" 2>&1 | grep -E '^\|' ;;
   self-check-cost)
     timeout 300 python3 benchmarks/self_check_cost.py --out "$OUT/h200_self_check_cost" 2>&1 | grep -v -i warn \
       | grep -E '^\|' ;;
@@ -220,7 +229,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests pytest flex-probe correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

@@ -32,12 +32,6 @@ CASES = [
     ("window shape", (q, k, v), {"window": (3,)}, r"window: got \(3,\)"),
     ("negative window", (q, k, v), {"window": (-2, 0)}, r"window: got \(-2, 0\)"),
     ("causal window looks ahead", (q, k, v), {"window": (4, 2), "causal": True}, r"right = 0 or -1"),
-    (
-        "top-left window non-square",
-        (q, k[:, :5], v[:, :5]),
-        {"window": (4, 0), "causal": True},
-        r"windows are bottom-right aligned",
-    ),
     ("cu_seqlens on dense", (q, k, v), {"cu_seqlens_q": cu}, r"cu_seqlens_q: .* belong to layout='thd'"),
     ("thd without cu_seqlens", (tq, tk, tv), {"layout": "thd"}, r"cu_seqlens_q: got None"),
     (
@@ -80,18 +74,6 @@ CASES = [
     ("scale text", (q, k, v), {"scale": "abc"}, r"scale: got 'abc', expected None or a finite number > 0"),
     ("scale nan", (q, k, v), {"scale": float("nan")}, r"scale: got nan"),
     ("scale negative", (q, k, v), {"scale": -1.0}, r"scale: got -1\.0"),
-    (
-        "thd top-left window, lengths differ",
-        (tq, tk, tv),
-        {
-            "layout": "thd",
-            "cu_seqlens_q": cu,
-            "window": (2, 0),
-            "causal": True,
-            "cu_seqlens_kv": torch.tensor([0, 4, 8], dtype=torch.int32),
-        },
-        r"windows are bottom-right aligned",
-    ),
     (
         "max_seqlen type",
         (tq, tk, tv),
@@ -306,11 +288,14 @@ def test_equal_boundaries_in_tensors_of_their_own_are_recognised_once_per_pair(m
     for _ in range(3):  # every layer of a step: one comparison
         problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True, window=(4, 0), **call)
     assert len(compared) == 1 and problem.varlen_seqlens_match and not problem.varlen_rows_without_keys
+    assert problem.mask == "sliding_window"
     answer = False
     other = torch.empty(3, dtype=torch.int32, device=meta)
-    with pytest.raises(InvalidInputError, match="window"):  # different boundaries: top-left with a window is refused
-        attnselect.AttentionProblem.from_tensors(q, k, v, causal=True, window=(4, 0), **dict(call, cu_seqlens_kv=other))
-    assert len(compared) == 2
+    # different boundaries: top-left with a window stays anchored top-left
+    problem = attnselect.AttentionProblem.from_tensors(
+        q, k, v, causal=True, window=(4, 0), **dict(call, cu_seqlens_kv=other)
+    )
+    assert len(compared) == 2 and problem.mask == "sliding_window_top_left"
     unequal_max = attnselect.AttentionProblem.from_tensors(q, k, v, **dict(call, cu_seqlens_kv=other, max_seqlen_kv=6))
     assert len(compared) == 2 and unequal_max.varlen_rows_without_keys  # told apart without a read
 
@@ -374,3 +359,35 @@ def test_a_generous_max_seqlen_does_not_make_the_problem_bigger_where_the_length
     problem, packing = describe_call(q, q, q, options)
     assert (problem.seqlen_q, problem.seqlen_kv) == (13, 13)
     assert (packing.max_seqlen_q, packing.max_seqlen_kv) == (4096, 4096)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_a_top_left_window_keeps_its_anchor_where_lengths_differ(layout):
+    """causal=True with a window is anchored top-left (TransformerEngine's padding_causal with window_size): where a
+    sequence has more keys than queries, query i sees keys i - left .. i, on every candidate that serves it."""
+    g = torch.Generator().manual_seed(3)
+    lengths_q, lengths_kv = [5, 3], [9, 3]
+    q = torch.randn(sum(lengths_q), 2, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(sum(lengths_kv), 2, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(sum(lengths_kv), 2, 4, generator=g, dtype=torch.float64)
+    expected = []
+    for s_q, s_kv, (a, b) in zip(lengths_q, lengths_kv, [(0, 0), (5, 9)]):
+        i, j = torch.arange(s_q)[:, None], torch.arange(s_kv)[None]
+        scores = torch.einsum("qhd,khd->hqk", q[a : a + s_q], k[b : b + s_kv]) / 8**0.5
+        scores = scores.masked_fill(~((j <= i) & (j >= i - 2)), float("-inf"))
+        expected.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[b : b + s_kv]))
+    if layout == "thd":
+        cu = lambda lengths: torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+        args, call = (q, k, v), dict(layout="thd", cu_seqlens_q=cu(lengths_q), cu_seqlens_kv=cu(lengths_kv))
+        expected = torch.cat(expected)
+    else:  # the first sequence as a batch of one
+        args, call, expected = (q[None, :5], k[None, :9], v[None, :9]), {}, expected[0][None]
+    problem = attnselect.AttentionProblem.from_tensors(*args, causal=True, window=(2, 0), **call)
+    assert problem.mask == "sliding_window_top_left" and problem.window == (2, 0)
+    served = [x.candidate.backend for x in attnselect.select(problem).verdicts if x.supported]
+    assert served
+    for backend in served:
+        out = attnselect.attention(*args, causal=True, window=(2, 0), backend=backend, **call)
+        torch.testing.assert_close(out, expected, msg=lambda m, b=backend: f"{b}: {m}")
+    square = attnselect.AttentionProblem.from_tensors(q[None, :5], k[None, :5], v[None, :5], causal=True, window=(2, 0))
+    assert square.mask == "sliding_window"  # the same mask where the anchors coincide

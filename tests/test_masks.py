@@ -16,6 +16,8 @@ MASKS = [
     ("sliding_window", (0, 2)),
     ("sliding_window", (-1, -1)),
     ("sliding_window", (2, -1)),
+    ("sliding_window_top_left", (3, 0)),
+    ("sliding_window_top_left", (1, 2)),
 ]
 
 
@@ -31,6 +33,15 @@ def test_mask_meanings():
         [False, True, True],
     ]
     assert masks.visible("none", None, 2, 2, CPU) is None
+    # TransformerEngine's padding_causal with window_size (1, 0): anchored at the top-left diagonal
+    assert masks.visible("sliding_window_top_left", (1, 0), 2, 4, CPU).tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+    ]
+    assert masks.visible("sliding_window", (1, 0), 2, 4, CPU).tolist() == [
+        [False, True, True, False],
+        [False, False, True, True],
+    ]
 
 
 @pytest.mark.parametrize("mask,window", MASKS)

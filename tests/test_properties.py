@@ -24,7 +24,7 @@ MASKS = st.one_of(
     st.just((False, None)),
     st.just((True, None)),
     st.just(("bottom_right", None)),
-    st.tuples(st.sampled_from([False, "bottom_right"]), st.tuples(st.integers(-1, 4), st.integers(-1, 4))),
+    st.tuples(st.sampled_from([False, True, "bottom_right"]), st.tuples(st.integers(-1, 4), st.integers(-1, 4))),
 )
 
 

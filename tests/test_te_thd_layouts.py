@@ -35,18 +35,19 @@ How TE builds each call, kept here with the sizes scaled down on the CPU (2048 -
   training throughout, with TE's output gradient ``0.001 * randint(0, 200)``.
 - Windows: TE aligns them top-left for ``padding_causal`` and bottom-right, per sequence, for ``padding`` and
   ``padding_causal_bottom_right`` (``bottom_right_diagonal`` in dot_product_attention.py; ``get_full_mask`` in
-  dot_product_attention/utils.py). The reference below follows TE; attnselect's windows are bottom-right aligned
-  (``AttentionProblem``), so ``padding_causal`` with (4, 0) is ``causal=True, window=(4, 0)``, the same mask where
-  every sequence has as many queries as keys (self-attention: layout_4_0, layout_4_1) and refused where lengths
-  differ (layout_4_2, cross-attention: TE's FusedAttention serves that one).
+  dot_product_attention/utils.py). The reference below follows TE; so does attnselect (``AttentionProblem``):
+  ``padding_causal`` with (4, 0) is ``causal=True, window=(4, 0)``, a bottom-right window where every sequence
+  has as many queries as keys (self-attention: layout_4_0, layout_4_1; FlashAttention serves it) and
+  ``sliding_window_top_left`` where lengths differ (layout_4_2, cross-attention: a mask, flex and the SDPA kernels).
 
 On the GPU both max_seqlen given means the boundaries are not read; ``_as_on_the_gpu`` runs CPU tensors through
-that decision (the defect this file was written for: TE's layout_4_0/layout_4_1 calls were refused on CUDA), and the
+that decision (the defect this file was written for: TE's layout_4 calls were refused on CUDA), and the
 meta-tensor tests show no host read is made but the one a top-left window needs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sys
 import zlib
@@ -57,7 +58,6 @@ import torch
 import attnselect
 from attnselect import inputs
 from attnselect.call import CallOptions, Packing
-from attnselect.errors import InvalidInputError
 from attnselect.problem import describe_call
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -182,12 +182,6 @@ def gap_rows(geometry, total: int, side: str = "q") -> torch.Tensor:
     return ~inside
 
 
-def served(geometry) -> bool:
-    """attnselect serves a window with top-left causal only where every sequence has as many queries as keys."""
-    top_left_window = geometry["mask_type"] == "padding_causal" and geometry["window"] is not None
-    return not top_left_window or geometry["lengths_q"] == geometry["lengths_kv"]
-
-
 def _as_on_the_gpu(monkeypatch):
     """CPU tensors through the GPU's decision: with both max_seqlen given the boundaries are not read, and two
     boundary tensors are compared by value where _comparable allows it (CUDA tensors, there; these, here). The
@@ -198,13 +192,8 @@ def _as_on_the_gpu(monkeypatch):
 
 def check_te_call(config, layout, pad_between_seqs, dtype, device, sizes, tolerance, **controls):
     """Run TE's call through attention() forward and backward; compare with the float64 reference (outputs and
-    gradients) and check that gap tokens get zero output and zero gradient. Returns (problem, geometry), or None
-    where the call is refused (checked to be, with its reason)."""
+    gradients) and check that gap tokens get zero output and zero gradient. Returns (problem, geometry)."""
     (q, k, v), kwargs, geometry = te_call(config, layout, pad_between_seqs, sizes, dtype, device)
-    if not served(geometry):
-        with pytest.raises(InvalidInputError, match=r"window: got \(4, 0\), expected no window with top-left causal"):
-            attnselect.attention(q, k, v, **kwargs, **controls)
-        return None
     problem, _ = describe_call(q, k, v, CallOptions(**kwargs))
     out = attnselect.attention(q, k, v, **kwargs, **controls)
     g = torch.Generator().manual_seed(1)  # TE's out_grad, 0.001 * randint(0, 200), gap rows too (TE zeroes those)
@@ -235,14 +224,16 @@ TOLERANCE = {torch.float64: dict(atol=1e-10, rtol=1e-9), torch.float32: dict(ato
 @pytest.mark.parametrize("dtype,unread", CPU_RUNS)
 def test_te_dpa_qkv_layout_thd_on_the_cpu(config, layout, dtype, unread, monkeypatch):
     """Every call of test_dpa_qkv_layout_thd, scaled down, with pad_between_seqs True then False as TE runs them:
-    served exactly, except the cross-attention top-left window (layout_4_2), refused because its lengths differ.
-    ``unread``: the boundaries stay unread as on the GPU."""
+    every one served exactly. ``unread``: the boundaries stay unread as on the GPU."""
     if unread:
         _as_on_the_gpu(monkeypatch)
     for pad_between_seqs in (True, False):
-        result = check_te_call(config, layout, pad_between_seqs, dtype, "cpu", CPU_SIZES, TOLERANCE[dtype])
-        if result is not None and config.rsplit("_", 1)[1] != "2":  # self-attention: recognised as such
-            problem, geometry = result
+        problem, geometry = check_te_call(config, layout, pad_between_seqs, dtype, "cpu", CPU_SIZES, TOLERANCE[dtype])
+        top_left_window = config.startswith("layout_4")
+        assert problem.mask == ("sliding_window_top_left" if top_left_window and config.endswith("_2") else
+                                "sliding_window" if config.startswith(("layout_3", "layout_4", "layout_5")) else
+                                problem.mask)  # fmt: skip
+        if config.rsplit("_", 1)[1] != "2":  # self-attention: recognised as such
             if unread:  # unread offsets count as gaps; q/kv lengths are compared only where a top-left window needs it
                 assert problem.varlen_gaps
                 assert problem.varlen_seqlens_match == config.startswith("layout_4")
@@ -260,8 +251,6 @@ def test_te_calls_on_every_supported_cpu_candidate(family, variant, unread, monk
     config = f"{family}_{variant}"
     for pad_between_seqs in (True, False):
         (q, k, v), kwargs, geometry = te_call(config, "thd_thd_thd", pad_between_seqs, CPU_SIZES, torch.float64, "cpu")
-        if not served(geometry):
-            continue
         problem, _ = describe_call(q, k, v, CallOptions(**kwargs))
         supported = [c.candidate.backend for c in attnselect.select(problem).verdicts if c.supported]
         assert supported, f"nothing serves {problem.describe()}"
@@ -311,17 +300,26 @@ def test_te_calls_make_no_host_read_but_for_a_top_left_window(family, monkeypatc
     assert (packing.cu_seqlens_kv is call["cu_seqlens_q"]) == top_left_window
 
 
-def test_te_cross_attention_top_left_window_is_refused_on_the_gpu_when_lengths_differ(monkeypatch):
-    """layout_4_2: the boundaries differ, so top-left causal with a bottom-right window is another mask: refused
-    (one comparison), with the reason, also when max_seqlen differ (bounds do not tell lengths apart)."""
+def test_te_cross_attention_top_left_window_keeps_its_anchor_on_the_gpu_when_lengths_differ(monkeypatch):
+    """layout_4_2: the boundaries differ (one comparison), so top-left causal with a window stays anchored top-left,
+    a mask of its own that the bottom-right-window kernels refuse with the reason; also when max_seqlen differ
+    (bounds do not tell lengths apart)."""
     compared = _count_comparisons(monkeypatch, answer=False)
     (q, k, v), call = _meta_te_tensors()
     for max_kv in (2048, 4096):
         cu_kv = torch.empty(3, dtype=torch.int32, device="meta")
         options = CallOptions(causal=True, window=(4, 0), **dict(call, cu_seqlens_kv=cu_kv, max_seqlen_kv=max_kv))
-        with pytest.raises(InvalidInputError, match="windows are bottom-right aligned: use causal='bottom_right'$"):
-            describe_call(q, k, v, options)
+        problem, _ = describe_call(q, k, v, options)
+        assert problem.mask == "sliding_window_top_left" and problem.window == (4, 0)
     assert len(compared) == 2
+    h200 = attnselect.Target.preset("h200", flash_attn4_version="4.0.0b36", cudnn_frontend_version="1.32.0")
+    for name in ("varlen_fa2", "flash_attn4"):
+        reasons = attnselect.backends.get(name).not_supported_reasons(problem, h200)
+        assert any("window is anchored bottom-right" in r for r in reasons), (name, reasons)
+    reasons = attnselect.backends.get("cudnn_frontend").not_supported_reasons(problem, h200)
+    assert any("'sliding_window_top_left' is not supported" in r for r in reasons), reasons
+    problem = dataclasses.replace(problem, varlen_gaps=False)  # flex serves the mask, gaps or not
+    assert attnselect.select(problem, target=h200).chosen.backend == "flex"
 
 
 @pytest.mark.parametrize("unread", [False, True], ids=["read", "unread-as-on-gpu"])
@@ -339,19 +337,20 @@ def test_unpadded_calls_with_other_token_totals_are_told_apart_without_a_read(mo
     compared = _count_comparisons(monkeypatch, answer=True)
     (q, k, v), call = _meta_te_tensors()
     call = dict(call, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None)
-    with pytest.raises(InvalidInputError, match="windows are bottom-right aligned"):
-        describe_call(q, k[:10], v[:10], CallOptions(causal=True, window=(4, 0), **call))
+    problem, _ = describe_call(q, k[:10], v[:10], CallOptions(causal=True, window=(4, 0), **call))
+    assert problem.mask == "sliding_window_top_left"
     assert not compared
 
 
-def test_a_copy_that_cannot_be_compared_is_refused_with_the_way_out(monkeypatch):
+def test_a_copy_that_cannot_be_compared_keeps_the_top_left_anchor(monkeypatch):
     """Where no read may be made (CUDA graph capture, torch.compile's meta tensors, inference tensors), a separate
-    cu_seqlens_kv counts as other boundaries: the refusal says so and how to avoid it."""
+    cu_seqlens_kv may hold other boundaries: the window stays anchored top-left (right either way); with
+    cu_seqlens_kv=None it is self-attention, the bottom-right window the fast kernels take."""
     (q, k, v), call = _meta_te_tensors()
-    with pytest.raises(InvalidInputError, match=r"could not be compared .* pass cu_seqlens_kv=None"):
-        describe_call(q, k, v, CallOptions(causal=True, window=(4, 0), **call))  # meta: never comparable
+    problem, _ = describe_call(q, k, v, CallOptions(causal=True, window=(4, 0), **call))  # meta: never comparable
+    assert problem.mask == "sliding_window_top_left"
     problem, _ = describe_call(q, k, v, CallOptions(causal=True, window=(4, 0), **dict(call, cu_seqlens_kv=None)))
-    assert problem.varlen_seqlens_match and problem.varlen_gaps
+    assert problem.varlen_seqlens_match and problem.varlen_gaps and problem.mask == "sliding_window"
 
 
 def test_shared_after_all_takes_equal_boundaries_as_self_attention(monkeypatch):
@@ -384,16 +383,15 @@ def test_shared_after_all_takes_equal_boundaries_as_self_attention(monkeypatch):
 def test_te_dpa_qkv_layout_thd_on_the_gpu(family):
     """Every call of test_dpa_qkv_layout_thd for one mask family at TE's sizes (max_seqlen 2048/4096, 16-24 heads,
     head dims 64/128) in bf16 on CUDA, forward and backward, against the float64 reference with TE's bf16
-    tolerance (atol = rtol = 1.5e-2); layout_4_2 is refused (its lengths differ)."""
+    tolerance (atol = rtol = 1.5e-2); every call served."""
     tolerance = dict(atol=1.5e-2, rtol=1.5e-2)
     chosen = set()
     for config, layout in CASES:
         if not config.startswith(family + "_"):
             continue
         for pad_between_seqs in (True, False):
-            result = check_te_call(config, layout, pad_between_seqs, torch.bfloat16, "cuda", TE_SIZES, tolerance)
-            if result is not None:
-                chosen.add(str(attnselect.select(result[0]).chosen))
+            problem, _ = check_te_call(config, layout, pad_between_seqs, torch.bfloat16, "cuda", TE_SIZES, tolerance)
+            chosen.add(str(attnselect.select(problem).chosen))
     print(family, sorted(chosen))
 
 
@@ -405,8 +403,6 @@ def test_te_calls_on_every_supported_gpu_candidate(family):
     tolerance = dict(atol=1.5e-2, rtol=1.5e-2)
     for config in (f"{family}_{variant}" for variant in TE_SIZES):
         (q, k, v), kwargs, geometry = te_call(config, "thd_thd_thd", True, TE_SIZES, torch.bfloat16, "cuda")
-        if not served(geometry):
-            continue
         problem, _ = describe_call(q, k, v, CallOptions(**kwargs))
         supported = [c.candidate.backend for c in attnselect.select(problem).verdicts if c.supported]
         print(config, supported)

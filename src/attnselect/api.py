@@ -57,8 +57,9 @@ def attention(
     Args:
         causal: False, True or "top_left" (query i sees keys j <= i, as SDPA's is_causal), or
             "bottom_right" (j <= i + Skv - Sq, as FlashAttention-2).
-        window: (left, right) sliding window, bottom-right aligned, -1 = unbounded; with
-            ``causal`` its right edge is 0.
+        window: (left, right) sliding window, -1 = unbounded, anchored where the causal diagonal is:
+            bottom-right without causal and with "bottom_right" (FlashAttention's window_size), top-left with
+            top-left causal (TransformerEngine's padding_causal); with ``causal`` its right edge is 0.
         scale: softmax scale; default 1/sqrt(Dqk) of the unpadded q.
         dropout_p: attention dropout probability; only candidates with dropout serve it.
         max_seqlen_q, max_seqlen_kv: longest sequences for thd; read from cu_seqlens if omitted (a host

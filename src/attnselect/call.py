@@ -15,7 +15,10 @@ import torch
 from attnselect.errors import InvalidInputError
 
 LAYOUTS = ("bshd", "sbhd", "bhsd", "thd")
-MASKS = ("none", "causal", "causal_bottom_right", "sliding_window")
+MASKS = ("none", "causal", "causal_bottom_right", "sliding_window", "sliding_window_top_left")
+# A window anchored where causal is: bottom-right for no mask and bottom-right causal (FlashAttention's window_size),
+# top-left for top-left causal (TransformerEngine's padding_causal with window_size, dot_product_attention/utils.py
+# get_full_mask). The two differ only where a sequence has fewer queries than keys or more.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -106,11 +109,15 @@ def require(ok: bool, name: str, seen, expected: str) -> None:
         raise InvalidInputError(f"{name}: got {seen}, expected {expected}")
 
 
-def mask_from_arguments(causal: bool | str, window: tuple[int, int] | None) -> tuple[str, tuple[int, int] | None]:
+def mask_from_arguments(
+    causal: bool | str, window: tuple[int, int] | None, square: bool = False
+) -> tuple[str, tuple[int, int] | None]:
     """Turn the user-facing ``causal=`` / ``window=`` arguments into (mask, window).
 
-    ``causal`` is False, True (top-left, as SDPA), "top_left" or "bottom_right".
-    A window is bottom-right aligned; with causal it must have right == 0 (or -1, taken as 0).
+    ``causal`` is False, True (top-left, as SDPA), "top_left" or "bottom_right". A window is anchored where the
+    causal diagonal is: top-left with top-left causal (``sliding_window_top_left``), else bottom-right
+    (``sliding_window``); with causal it must have right == 0 (or -1, taken as 0). ``square``: every sequence has
+    as many queries as keys, where the two anchors coincide (then ``sliding_window``, which more kernels serve).
     """
     kinds = {False: "none", True: "causal", "top_left": "causal", "bottom_right": "causal_bottom_right"}
     require(
@@ -139,4 +146,4 @@ def mask_from_arguments(causal: bool | str, window: tuple[int, int] | None) -> t
             f"right = 0 or -1 with causal={causal!r} (a causal window cannot look ahead)",
         )
         right = 0
-    return "sliding_window", (left, right)
+    return ("sliding_window_top_left" if mask == "causal" and not square else "sliding_window"), (left, right)

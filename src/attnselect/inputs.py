@@ -109,27 +109,16 @@ def read_call(q, k, v, options: CallOptions, *, context_parallel_size: int = 1) 
     if not isinstance(o.dropout_p, (int, float)) or not 0.0 <= o.dropout_p < 1.0:
         _fail("dropout_p", _describe(o.dropout_p), "a number in [0, 1)")
     mask, window = mask_from_arguments(o.causal, o.window)
-    top_left_window = window is not None and o.causal in (True, "top_left")
-    if o.layout == "thd" and top_left_window and lengths[0] is None and not lengths[2]:
+    if o.layout == "thd" and mask == "sliding_window_top_left" and lengths[0] is None and not lengths[2]:
         # The lengths were not read and cu_seqlens_kv is a tensor of its own: whether they match decides whether
-        # the call is served at all, so they are compared here (once per pair, see _shared_after_all).
+        # the window is the one the fast kernels take, so they are compared here (once per pair, _shared_after_all).
         packing, lengths = _shared_after_all(packing, lengths, q, k, capturing)
-    facts = packing_facts(mask, window, *lengths) if o.layout == "thd" else {}
-    square = facts["varlen_seqlens_match"] if o.layout == "thd" else sq == skv
-    if top_left_window and not square:
-        unread = o.layout == "thd" and lengths[0] is None and _uncomparable(packing, q, k, capturing)
-        _fail(
-            "window",
-            window,
-            "no window with top-left causal unless every sequence has as many queries as "
-            "keys; windows are bottom-right aligned: use causal='bottom_right'"
-            + (
-                " (cu_seqlens_kv, a tensor of its own, could not be compared with cu_seqlens_q here: under CUDA "
-                "graph capture, torch.compile or inference mode; for self-attention pass cu_seqlens_kv=None)"
-                if unread
-                else ""
-            ),
+    if mask == "sliding_window_top_left":  # the same mask as a bottom-right window where every sequence is square
+        square = (
+            (lengths[0] == lengths[1] if lengths[0] is not None else lengths[2]) if o.layout == "thd" else sq == skv
         )
+        mask, window = mask_from_arguments(o.causal, o.window, square=square)
+    facts = packing_facts(mask, window, *lengths) if o.layout == "thd" else {}
     check_scale(o.scale)
     for name, flag in (("return_lse", o.return_lse), ("return_max_logit", o.return_max_logit)):
         if not isinstance(flag, bool):
@@ -320,10 +309,11 @@ def _equal_boundaries(cu_q, cu_kv, max_q, max_kv, q, k) -> bool:
 
 def _shared_after_all(packing: Packing, lengths: tuple, q, k, capturing: bool) -> tuple[Packing, tuple]:
     """(packing, lengths) for a thd call whose lengths were not read (both max_seqlen given on the GPU) and whose
-    cu_seqlens_kv is a tensor of its own, where only whether every sequence has as many queries as keys decides if
-    the call is served: top-left causal with a window (attnselect's windows are bottom-right aligned, so it equals a
-    window only then). Equal boundary values make it self-attention: then cu_seqlens_kv becomes cu_seqlens_q
-    (the offsets, padded or not, stay as given), else nothing changes and the window is refused, as on the CPU.
+    cu_seqlens_kv is a tensor of its own, where whether every sequence has as many queries as keys decides the mask:
+    top-left causal with a window is the bottom-right window that FlashAttention and cuDNN take only then, else a
+    top-left one that a mask must express (flex, the SDPA kernels with a mask tensor, the reference). Equal boundary
+    values make it self-attention: then cu_seqlens_kv becomes cu_seqlens_q (the offsets, padded or not, stay as
+    given), else nothing changes.
 
     TransformerEngine's test_dpa_qkv_layout_thd (tests/pytorch/attention/test_attention.py, configs layout_4_0 and
     layout_4_1: padding_causal, window_size=(4, 0), thd, pad_between_seqs True and False) makes such calls: it
@@ -348,11 +338,6 @@ def _told_apart(packing: Packing, q, k) -> bool:
     the lengths. (Unequal max_seqlen are bounds, not the lengths, and with gaps the totals include the gaps.)"""
     unpadded = packing.offsets_q is packing.cu_seqlens_q and packing.offsets_kv is packing.cu_seqlens_kv
     return unpadded and k.shape[0] != q.shape[0]
-
-
-def _uncomparable(packing: Packing, q, k, capturing: bool) -> bool:
-    """A separate cu_seqlens_kv whose lengths may equal cu_seqlens_q's but could not be compared here."""
-    return not _told_apart(packing, q, k) and not _comparable(packing.cu_seqlens_q, packing.cu_seqlens_kv, capturing)
 
 
 def lengths_of(bounds: list[int]) -> list[int]:

@@ -17,11 +17,11 @@ def band(mask: str, window: tuple[int, int] | None, seqlen_q: int, seqlen_kv: in
         return None
     if mask == "causal":
         return (0, None, 0)
-    bottom_right = seqlen_kv - seqlen_q
+    offset = 0 if mask == "sliding_window_top_left" else seqlen_kv - seqlen_q
     if mask == "causal_bottom_right":
-        return (bottom_right, None, 0)
+        return (offset, None, 0)
     left, right = window
-    return (bottom_right, None if left < 0 else left, None if right < 0 else right)
+    return (offset, None if left < 0 else left, None if right < 0 else right)
 
 
 def needs_explicit_mask(mask: str, square: bool) -> bool:

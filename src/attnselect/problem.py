@@ -38,7 +38,10 @@ class AttentionProblem:
     ``causal_bottom_right`` aligns the diagonal to the last key (j <= i + Skv - Sq, as
     FlashAttention-2 and cuDNN); ``sliding_window`` takes ``window=(left, right)``, also
     bottom-right aligned: key j is visible to query i when
-    ``i + Skv - Sq - left <= j <= i + Skv - Sq + right``, and -1 means unbounded.
+    ``i + Skv - Sq - left <= j <= i + Skv - Sq + right``, and -1 means unbounded;
+    ``sliding_window_top_left`` anchors the window at the top-left diagonal instead
+    (``i - left <= j <= i + right``: top-left causal with a window, TransformerEngine's
+    ``padding_causal`` with ``window_size``), a mask of its own only where Sq != Skv.
     """
 
     batch: int
@@ -96,7 +99,7 @@ class AttentionProblem:
         require(self.dtype in DTYPES, "dtype", repr(self.dtype), DTYPE_CHOICES)
         require(self.layout in LAYOUTS, "layout", repr(self.layout), f"one of {LAYOUTS}")
         require(self.mask in MASKS, "mask", repr(self.mask), f"one of {MASKS}")
-        if self.mask == "sliding_window":
+        if self.mask in ("sliding_window", "sliding_window_top_left"):
             w = self.window
             require(
                 isinstance(w, tuple) and len(w) == 2 and all(is_integer(x) and x >= -1 for x in w),
@@ -105,7 +108,7 @@ class AttentionProblem:
                 "a (left, right) pair of integers >= -1 (-1 = unbounded)",
             )
         else:
-            require(self.window is None, "window", repr(self.window), "None unless mask='sliding_window'")
+            require(self.window is None, "window", repr(self.window), "None unless mask is a sliding window")
         require(
             isinstance(self.dropout_p, float) and 0.0 <= self.dropout_p < 1.0,
             "dropout_p",

@@ -100,6 +100,11 @@ class Surface:
                 "its causal mask is bottom-right aligned, so top-left causal needs as many queries as keys "
                 + (f"(got {p.seqlen_q} and {p.seqlen_kv})" if p.layout != "thd" else "in every sequence")
             )
+        if self.causal_is_bottom_right and p.mask == "sliding_window_top_left":
+            r.append(
+                "its window is anchored bottom-right, so a window with top-left causal needs as many queries as keys "
+                + (f"(got {p.seqlen_q} and {p.seqlen_kv})" if p.layout != "thd" else "in every sequence")
+            )
         if p.dropout_p and not self.dropout:
             r.append(f"does not support dropout (dropout_p={p.dropout_p})")
         if p.training and not self.backward:

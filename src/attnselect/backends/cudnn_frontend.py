@@ -12,7 +12,7 @@ import torch
 from attnselect import masks
 from attnselect.backends.base import HALF, Backend, Surface
 from attnselect.backends.shape_cache import PackingBuckets, Rounding, ShapeCache
-from attnselect.call import KernelCall, Packing
+from attnselect.call import MASKS, KernelCall, Packing
 
 
 class CudnnFrontend(Backend):
@@ -31,6 +31,8 @@ class CudnnFrontend(Backend):
             min_capability=(8, 0),
             head_dim_multiple=8,
             max_head_dim=576,
+            # its band is anchored bottom-right here (_mask_arguments); a top-left anchored one is unmeasured
+            masks=frozenset(MASKS) - {"sliding_window_top_left"},
             dropout=False,
             packed=True,
             cuda_graphs=False,

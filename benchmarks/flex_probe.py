@@ -1,0 +1,110 @@
+"""Which feature of a call makes flex's compile fail: the call, then one change at a time, each in a fresh process.
+
+    python benchmarks/flex_probe.py --out results/h200_flex_probe     # writes .json and .md (a GPU)
+
+The call is the peer sweep's (benchmarks/peer_sweep.py) FlashAttention-3 case that flex failed to compile on the
+H200 with "LoweringException: RuntimeError: unbacked_bindings": test_flash_attn_varlen_output[d256 dv256 128x217
+mha local(99,73) float16 softcap15 fwd], thd, 9 sequences, two of them with no key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BASE = dict(
+    cu_q=[0, 122, 235, 348, 459, 582, 693, 816, 943, 1053],
+    cu_kv=[0, 0, 214, 416, 619, 817, 817, 1018, 1232, 1232],
+    heads=6, d=256, dtype="float16", window=[99, 73], softcap=15.0, causal=False, max_seqlen=True, lse=True,
+    training=False,
+)  # fmt: skip
+VARIANTS = {
+    "the call": {},
+    "bfloat16": dict(dtype="bfloat16"),
+    "no softcap": dict(softcap=None),
+    "no window": dict(window=None),
+    "no empty key sequence": dict(cu_kv=[0, 107, 214, 416, 619, 817, 917, 1018, 1125, 1232]),
+    "head dim 128": dict(d=128),
+    "max_seqlen not given": dict(max_seqlen=False),
+    "no lse": dict(lse=False),
+    "causal window": dict(window=[99, 0], causal="bottom_right"),
+    "training": dict(training=True),
+}
+
+
+def child(spec: dict) -> dict:
+    import torch
+
+    import attnselect
+
+    dtype = getattr(torch, spec["dtype"])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tq, tkv = spec["cu_q"][-1], spec["cu_kv"][-1]
+    q = torch.randn(tq, spec["heads"], spec["d"], device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(tkv, spec["heads"], spec["d"], device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    for t in (q, k, v):
+        t.requires_grad_(spec["training"])
+    cu = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    lengths = lambda c: max(b - a for a, b in zip(c[:-1], c[1:]))  # noqa: E731
+    kwargs = dict(layout="thd", cu_seqlens_q=cu(spec["cu_q"]), cu_seqlens_kv=cu(spec["cu_kv"]),
+                  window=tuple(spec["window"]) if spec["window"] else None, softcap=spec["softcap"],
+                  causal=spec["causal"], return_lse=spec["lse"])  # fmt: skip
+    if spec["max_seqlen"]:
+        kwargs.update(max_seqlen_q=lengths(spec["cu_q"]), max_seqlen_kv=lengths(spec["cu_kv"]))
+    started = time.perf_counter()
+    try:
+        out = attnselect.attention(q, k, v, backend="flex", **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        if spec["training"]:
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        torch.cuda.synchronize()
+        status = "ok"
+    except Exception as exc:
+        status = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+    return {"status": status, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(dict(BASE, **VARIANTS[a.child]))))
+        return
+    import torch
+
+    import attnselect
+
+    procs = {
+        name: subprocess.Popen([sys.executable, __file__, "--out", a.out, "--child", name], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for name in VARIANTS
+    }
+    rows = []
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate()
+        lines = stdout.strip().splitlines()
+        result = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"status": f"died: {stderr[-300:]}"}
+        rows.append({"variant": name, "change": VARIANTS[name], **result})
+        print(json.dumps(rows[-1]), flush=True)
+    meta = {"device": attnselect.Target.current().describe(), "torch": torch.__version__, "date": time.strftime("%F")}
+    Path(a.out + ".json").write_text(json.dumps({"meta": meta, "base": BASE, "rows": rows}, indent=1))
+    lines = [
+        "# flex on one peer-sweep call, one change at a time\n",
+        f"{meta['device']}, {meta['date']}. Produced by `benchmarks/flex_probe.py` (each variant in a fresh process, "
+        "flex forced).\n",
+        "| variant | status | seconds |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {r['variant']} | {r['status'][:200]} | {r.get('seconds', '')} |" for r in rows]
+    Path(a.out + ".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
