@@ -81,8 +81,12 @@ def main() -> None:
     import attnselect
 
     procs = {
-        name: subprocess.Popen([sys.executable, __file__, "--out", a.out, "--child", name], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+        name: subprocess.Popen(
+            [sys.executable, __file__, "--out", a.out, "--child", name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
         for name in VARIANTS
     }
     rows = []
