@@ -37,7 +37,9 @@ class _WrongGradient(torch.autograd.Function):
 
 
 class Wrong(Reference):
-    """The reference with a wrong forward (``forward``) or a wrong backward (``backward``)."""
+    """The reference with a wrong forward (``forward``), a wrong backward (``backward``), or a backward wrong for one
+    (sequence, head) pair only (``patch``: the first batch row's second head, as FA4's 128/64 backward was wrong in
+    some pairs only)."""
 
     def __init__(self, name: str, broken: str):
         self.name, self.broken = name, broken
@@ -45,8 +47,16 @@ class Wrong(Reference):
     def run(self, q, k, v, call):
         if self.broken == "backward":
             q = _WrongGradient.apply(q)
+        if self.broken == "patch" and q.dim() == 4 and q.shape[0] > 1 and q.shape[1] > 1:  # (B, H, S, D)
+            q = _patched(q)
         out, *rest = super().run(q, k, v, call)
         return (out * 1.01 if self.broken == "forward" else out), *rest
+
+
+def _patched(q):
+    """q with a wrong gradient in batch row 0, head 1 alone."""
+    row = torch.cat([q[:1, :1], _WrongGradient.apply(q[:1, 1:2]), q[:1, 2:]], 1)
+    return torch.cat([row, q[1:]], 0)
 
 
 @pytest.fixture
@@ -172,13 +182,17 @@ def ref(q, k, v):
 exact = grads(ref)
 err = lambda gs: max(((g.float() - e).norm() / e.norm()).item() for g, e in zip(gs, exact))
 from flash_attn.cute import flash_attn_func
-direct = err(grads(lambda q, k, v: flash_attn_func(q, k, v)[0]))
+got = grads(lambda q, k, v: flash_attn_func(q, k, v)[0])
+direct = err(got)
+# where FA4's gradients are wrong: the (batch row, head) pairs whose dq max error is over 100x the median pair's
+pair = (got[0].float() - exact[0]).abs().amax(dim=(1, 3))  # (B, H)
+bad = (pair > 100 * pair.median()).nonzero().tolist()
 try:
     forced, raised = err(grads(lambda q, k, v: attnselect.attention(q, k, v, backend="flash_attn4"))), None
 except WrongResultError as exc:
     forced, raised = None, str(exc)
 chosen = err(grads(lambda q, k, v: attnselect.attention(q, k, v)))
-print(json.dumps(dict(direct=direct, forced=forced, raised=raised, chosen=chosen)))
+print(json.dumps(dict(direct=direct, forced=forced, raised=raised, chosen=chosen, wrong_pairs=len(bad), some=bad[:8])))
 """
 
 
@@ -300,3 +314,27 @@ def test_the_gradient_through_the_lse_is_checked_where_sinks_need_it(monkeypatch
         attnselect.attention(q, k, v, causal=True, sinks=sinks, backend="reference")  # a right one passes
     finally:
         backends.unregister("detached_lse")
+
+
+@pytest.mark.parametrize("wrong", ["patch"], indirect=True)
+def test_a_backward_wrong_in_one_sequence_and_head_is_caught(wrong):
+    """The check spreads its slices over every sequence and K/V head: a backward wrong only in batch row 0, head 1
+    (neither the last row nor the last head) is caught, forced."""
+    q, k, v = dense_inputs(b=4, sq=12, skv=12, hq=4, hkv=4, dqk=16, dv=8, dtype=torch.float32)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v)
+    pieces = self_check.check_slices(problem, None)
+    assert {(p.sequence, p.kv_head) for p in pieces} == {(b, h) for b in range(4) for h in range(4)}
+    with pytest.raises(WrongResultError, match="dq"):
+        attnselect.attention(q, k, v, backend=wrong.name)
+
+
+def test_check_slices_cover_every_sequence_and_kv_head_within_the_budget(monkeypatch):
+    big = attnselect.AttentionProblem(32, 640, 640, 16, 16, 128, 64, training=True)
+    pieces = self_check.check_slices(big, None)
+    assert len(pieces) == self_check.CHECK_SLICES and len(set(pieces)) == len(pieces)
+    assert {p.sequence for p in pieces} == set(range(32)) and {p.kv_head for p in pieces} == set(range(16))
+    assert pieces[0].sequence == 31 and pieces[0].kv_head == 15  # the last first
+    monkeypatch.setattr(self_check, "CHECK_ELEMENTS", 3 * 640 * 640)
+    assert len(self_check.check_slices(big, None)) == 3
+    huge = attnselect.AttentionProblem(1, 65536, 65536, 16, 16, 192, 128, training=True)
+    assert len(self_check.check_slices(huge, None)) == 1  # over the budget: the one slice still

@@ -23,6 +23,7 @@ reference can run there: the warm-up call before capture is checked), and the re
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -78,7 +79,7 @@ def check(problem, chosen, target, call: KernelCall, result, q, k, v, packing: P
     kernel's backward propagates (the caller treats it as the kernel failing at run time); a failure of the reference
     only skips the check, with one warning."""
     try:
-        judgement = judge(problem, call, result, q, k, v, packing, [_last_slice(problem, packing)], rerun)
+        judgement = judge(problem, call, result, q, k, v, packing, check_slices(problem, packing), rerun)
     except ReferenceFailed as exc:
         log.warning("attnselect: the self-check of %s on %s could not run (%s); not checked", chosen,
                     problem.describe(), exc)  # fmt: skip
@@ -159,39 +160,64 @@ def _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse) -> 
 def slices(problem: AttentionProblem, packing: Packing | None) -> list[correctness.Slice]:
     """Two slices far apart: the first sequence with the first K/V head, and the last (thd: longest) sequence with
     the last K/V head (one, where they coincide)."""
-    first = _slice_at(problem, packing, 0, kv_head=0)
-    last = _last_slice(problem, packing)
+    placed = _placement(problem, packing)
+    first = _slice_at(problem, placed, 0, kv_head=0)
+    last = _slice_at(problem, placed, _last(placed))
     return [first] if first == last else [first, last]
 
 
-def _last_slice(problem: AttentionProblem, packing: Packing | None) -> correctness.Slice:
-    """The last batch row; for thd, the longest sequence (one host read of the boundaries: a first call only)."""
+# The self-check's slices: up to this many, and this many reference score elements (query rows x keys x query heads)
+# in all. FlashAttention-4 4.0.0b36's wrong 128/64 gradients (B32 H16 S640) were confined to some (sequence, head)
+# pairs: one slice, the last sequence's last K/V head, passed in a process where the full gradients were wrong
+# (results/h200_gpu_tests_self_check_fa4.txt). So slices spread over every sequence and every K/V head.
+CHECK_SLICES = 64
+CHECK_ELEMENTS = 2**30
+
+
+def check_slices(problem: AttentionProblem, packing: Packing | None) -> list[correctness.Slice]:
+    """Slices spread over the call: the last (thd: longest) sequence's last K/V head, then the i-th sequence mod B
+    with K/V head i mod Hkv, walking diagonals (max(B, Hkv) slices cover every sequence and every K/V head; more
+    cover more pairs), as many as :data:`CHECK_SLICES` and :data:`CHECK_ELEMENTS` allow, one at least."""
+    placed = _placement(problem, packing)
+    lengths = placed[0]
+    chosen = [_slice_at(problem, placed, _last(placed))]
+    heads = len(chosen[0].q_heads)
+    cost = lambda sequence: heads * max(lengths[sequence][0] * lengths[sequence][1], 1)  # noqa: E731
+    spent = cost(chosen[0].sequence) if lengths else 0
+    batch, kv_heads = len(lengths), problem.heads_kv
+    for i in range(batch * kv_heads):
+        if len(chosen) >= CHECK_SLICES or spent + cost(i % batch) > CHECK_ELEMENTS:
+            break
+        kv_head = (i + i // math.lcm(batch, kv_heads)) % kv_heads  # the next diagonal after each full lap
+        piece = _slice_at(problem, placed, i % batch, kv_head=kv_head)
+        if piece not in chosen:
+            chosen.append(piece)
+            spent += cost(i % batch)
+    return chosen
+
+
+def _placement(problem: AttentionProblem, packing: Packing | None) -> tuple[list, list]:
+    """Each sequence's (q, kv) lengths and (q, kv) starts in the tensors; thd reads the boundaries once (a first call
+    only)."""
     if packing is None:
-        return correctness.slice_of(problem.heads_q, problem.heads_kv, problem.batch - 1)
-    lengths = _lengths(packing)
-    longest = max(range(len(lengths)), key=lambda i: (lengths[i][0] * max(lengths[i][1], 1), -i), default=0)
-    return _slice_at(problem, packing, longest)
-
-
-def _lengths(packing: Packing) -> list[tuple[int, int]]:
+        return [(problem.seqlen_q, problem.seqlen_kv)] * problem.batch, [(0, 0)] * problem.batch
     bounds_q, bounds_kv = packing.cu_seqlens_q.tolist(), packing.cu_seqlens_kv.tolist()
-    return [(bounds_q[i + 1] - bounds_q[i], bounds_kv[i + 1] - bounds_kv[i]) for i in range(len(bounds_q) - 1)]
+    lengths = [(bounds_q[i + 1] - bounds_q[i], bounds_kv[i + 1] - bounds_kv[i]) for i in range(len(bounds_q) - 1)]
+    return lengths, list(zip(packing.offsets_q.tolist(), packing.offsets_kv.tolist()))
 
 
-def _slice_at(problem, packing: Packing | None, sequence: int, kv_head: int = -1) -> correctness.Slice:
-    if packing is None:
-        return correctness.slice_of(problem.heads_q, problem.heads_kv, sequence, kv_head=kv_head)
-    lengths = _lengths(packing)
+def _last(placed) -> int:
+    """The last batch row; for thd, the longest sequence."""
+    lengths = placed[0]
+    return max(range(len(lengths)), key=lambda i: (lengths[i][0] * max(lengths[i][1], 1), i), default=0)
+
+
+def _slice_at(problem, placed, sequence: int, kv_head: int = -1) -> correctness.Slice:
+    lengths, starts = placed
     if not lengths:
         return correctness.slice_of(problem.heads_q, problem.heads_kv, 0, kv_head=kv_head)
-    starts_q, starts_kv = packing.offsets_q.tolist(), packing.offsets_kv.tolist()
     return correctness.slice_of(
-        problem.heads_q,
-        problem.heads_kv,
-        sequence,
-        kv_head=kv_head,
-        starts=(starts_q[sequence], starts_kv[sequence]),
-        lengths=lengths[sequence],
+        problem.heads_q, problem.heads_kv, sequence, kv_head=kv_head, starts=starts[sequence], lengths=lengths[sequence]
     )
 
 
