@@ -323,7 +323,7 @@ def worker(index: int, workers: int, directory: str, deadline: float, only_young
                     found = {"error": f"the reference failed: {exc}"}
                 os.remove(pending)
                 error = found["error"] or ""
-                if "reference failed" in error or "out of memory" in error.lower():
+                if "reference failed" in error or _transient(error):
                     print(f"[{index}] row {row['id']} {c} r{repeat}: {error[:100]}; left for a rerun", flush=True)
                     torch.cuda.empty_cache() if torch.cuda.is_available() else None
                     continue
@@ -369,8 +369,17 @@ def read_rows(directories) -> list[dict]:
                     r = json.loads(line)
                 except ValueError:
                     continue
+                if _transient(r.get("error") or ""):  # the machine, not the kernel: left for a rerun
+                    continue
                 found[(r["row_key"], r["backend"], r["pad_to"], r["repeat"])] = r
     return sorted(found.values(), key=lambda r: (r["row"]["id"], r["backend"], r["pad_to"] or 0, r["repeat"]))
+
+
+def _transient(error: str) -> bool:
+    """An error of the machine (memory held by the other workers), not of the kernel (attnselect.failures)."""
+    from attnselect.failures import is_transient
+
+    return bool(error) and is_transient(RuntimeError(error))
 
 
 EARLIER = "results/h200_rules_grid.jsonl"  # the rules grid of 2026-12-01 (same stack): its young kernels' rows too

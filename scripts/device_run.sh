@@ -64,9 +64,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpu=${CUDA_VISIBLE_DEVICES:-all}
 export ATTNSELECT_CACHE_DIR=/tmp/attnselect-cache-$gpu   # side-by-side runs keep separate decision caches
 wheels=$(ls .whl/*.whl 2>/dev/null || ls .whl-core/*.whl 2>/dev/null)   # .whl holds .whl-core's wheel too
-if [ -n "$wheels" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "/tmp/site-$gpu" \
-    $wheels || { echo "wheel install failed"; exit 1; }
+if [ -n "$wheels" ]; then   # once per machine and wheel set; invocations side by side wait for the first
+  ( flock 9; [ "$(cat "/tmp/site-$gpu/.wheels" 2>/dev/null)" = "$wheels" ] && exit 0
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "/tmp/site-$gpu" \
+      $wheels && echo "$wheels" > "/tmp/site-$gpu/.wheels" ) 9>"/tmp/site-$gpu.lock" || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site-$gpu SITE=/tmp/site-$gpu
 fi
 FA4_WHEELS=/tmp/fa4-wheels FA4_SITE=/tmp/fa4-site

@@ -21,6 +21,7 @@ P = AttentionProblem(1, 8, 8, 2, 2, 16, 16, dtype=torch.float32)
         RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4294967296 bytes"),
         RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
         RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+        RuntimeError("cudnnHandle Create failed cudaStreamCreateWithFlags(&ctx->streamPool[0][i], 0x01)"),
         MemoryError(),
         InterruptedError("interrupted system call"),
     ],

@@ -113,8 +113,17 @@ def is_transient(error: BaseException) -> bool:
 
 
 # torch's CUDA caching allocator ("CUDA out of memory"), its CPU allocator ("DefaultCPUAllocator: can't allocate
-# memory"), cuBLAS and the CUDA runtime's allocation failures.
-_MEMORY_SIGNS = ("out of memory", "can't allocate memory", "cublas_status_alloc_failed", "cudaerrormemoryallocation")
+# memory"), cuBLAS and the CUDA runtime's allocation failures, and cuDNN's: its handle cannot be made when no stream
+# can be created ("cudnnHandle Create failed cudaStreamCreateWithFlags", seen on the H200 while other processes held
+# its memory, results/h200_correctness_grid.md; the same call passed in another process).
+_MEMORY_SIGNS = (
+    "out of memory",
+    "can't allocate memory",
+    "cublas_status_alloc_failed",
+    "cudaerrormemoryallocation",
+    "cudnn_status_alloc_failed",
+    "cudnnhandle create failed",
+)
 _OUT_OF_MEMORY = (MemoryError, *((torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()))
 
 
