@@ -5,9 +5,10 @@ and MQA; masks none, causal, bottom-right causal and a window; dense, thd and th
 inference and training; bf16 and fp16; sizes from one small head (B1 H1 S77) to B32 H16 S1k and B1 H16 S8k.
 
 **How rows are chosen.** Every (head-dim pair, phase, layout) cell gets a row: those are the young kernels'
-allowlist keys (attnselect.evidence), so each has evidence. The other axes are assigned greedily (AETG-style), each
-row taking the values that cover the most pairs of axis values not yet covered; rows are added until every pair of
-values of every two axes appears in some row (``pairs_missing()`` is empty; tests/test_benchmarks.py checks it).
+allowlist keys (attnselect.backends.evidence), so each has evidence. The other axes are assigned greedily
+(AETG-style), each row taking the values that cover the most pairs of axis values not yet covered; rows are added
+until every pair of values of every two axes appears in some row (``pairs_missing()`` is empty;
+tests/test_benchmarks.py checks it).
 
 **What a row checks.** For each candidate (backend, padding) that the static rules serve (the allowlist off), the
 kernel runs the full call (with its lse), and in training its backward for a random output gradient; two slices of
@@ -135,9 +136,9 @@ def pairs_missing(grid: list[dict]) -> set:
 
 def build(row: dict, device: str):
     """(problem, q, k, v, packing or None, options for attnselect's call) of a row, random data seeded by its id."""
-    from attnselect.call import Packing
-    from attnselect.inputs import packing_facts
-    from attnselect.problem import AttentionProblem
+    from attnselect.spec.options import Packing
+    from attnselect.spec.problem import AttentionProblem
+    from attnselect.spec.validate import packing_facts
 
     batch, seqlen, heads = SIZES[row["size"]]
     ratio = row["gqa"]
@@ -263,8 +264,8 @@ def worker(index: int, workers: int, directory: str, deadline: float, only_young
     torch._dynamo.config.cache_size_limit = 4096
     torch._dynamo.config.accumulated_cache_size_limit = 8192
     from attnselect import backends, self_check
-    from attnselect.candidates import judge
-    from attnselect.target import Target
+    from attnselect.choose.candidates import judge
+    from attnselect.spec.target import Target
 
     target = Target.current()
     device = "cuda" if target.is_cuda else "cpu"
@@ -376,8 +377,8 @@ def read_rows(directories) -> list[dict]:
 
 
 def _transient(error: str) -> bool:
-    """An error of the machine (memory held by the other workers), not of the kernel (attnselect.failures)."""
-    from attnselect.failures import is_transient
+    """An error of the machine (memory held by the other workers), not of the kernel (attnselect.choose.failures)."""
+    from attnselect.choose.failures import is_transient
 
     return bool(error) and is_transient(RuntimeError(error))
 
@@ -391,9 +392,9 @@ def summary(records: list[dict], meta: dict, earlier: list[dict] = ()) -> dict:
     ``earlier``: rows of the rules grid (benchmarks/rules_grid.py, relative error within 2e-2, one process), counted
     for the allowlist where today's static surface serves the candidate (it ran them all, served or not)."""
     from attnselect import backends
-    from attnselect.evidence import FORMAT, kernel_key
-    from attnselect.problem import AttentionProblem
-    from attnselect.target import Target
+    from attnselect.backends.evidence import FORMAT, kernel_key
+    from attnselect.spec.problem import AttentionProblem
+    from attnselect.spec.target import Target
 
     kernels: dict = {}
     by_signature: dict = {}
@@ -473,7 +474,7 @@ def report(records: list[dict], meta: dict) -> str:
         failed = sum(not r["passed"] for r in mine)
         lines.append(f"| {backend} | {len(mine)} | {len(mine) - failed} | {failed} | {repeats} |")
     lines += ["", "## Failures", "", "| row | problem | candidate | process | finding |", "|---|---|---|---|---|"]
-    from attnselect.problem import AttentionProblem
+    from attnselect.spec.problem import AttentionProblem
 
     for r in records:
         if r["passed"]:
@@ -488,8 +489,8 @@ def meta_now() -> dict:
     """The run's machine and versions. ``packages``: the version of each young backend's package that its rows ran
     under (a run that resumes another's rows keeps the first version it finds)."""
     from attnselect import backends
-    from attnselect.evidence import base_fingerprint
-    from attnselect.target import Target
+    from attnselect.backends.evidence import base_fingerprint
+    from attnselect.spec.target import Target
 
     target = Target.current()
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": target.cudnn_version}

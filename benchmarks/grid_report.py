@@ -13,10 +13,11 @@ import dataclasses
 import json
 import sys
 
-from attnselect.candidates import Candidate, judge
-from attnselect.inputs import packing_facts
-from attnselect.problem import AttentionProblem
-from attnselect.target import Target
+from attnselect.choose.candidates import judge
+from attnselect.spec.options import Candidate
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
+from attnselect.spec.validate import packing_facts
 
 
 def problem_of(d: dict, lengths=None) -> AttentionProblem:

@@ -7,7 +7,7 @@ A randomly initialised DeepseekV3ForCausalLM with the real attention geometry (1
 kv_lora 512, d_qk = 128 + 64 = 192, d_v = 128) and two dense layers (the MoE is left out so attention
 dominates), bf16 on CUDA, forward+backward of a causal LM loss on (batch, seqlen) tokens, for
 attnselect's implementation against transformers' own ``sdpa`` and ``flex_attention``, the three timed
-side by side with attnselect.timing.time_steps (warm-up, then interleaved rounds of calls queued back to
+side by side with attnselect.choose.timing.time_steps (warm-up, then interleaved rounds of calls queued back to
 back, so drift lands on all three alike; median and p20..p80).
 """
 
@@ -19,9 +19,9 @@ import time
 
 import torch
 
+from attnselect.choose.timing import time_steps
 from attnselect.integrations import transformers as attnselect_hf
-from attnselect.target import Target
-from attnselect.timing import time_steps
+from attnselect.spec.target import Target
 
 
 def model(implementation: str, smoke: bool, device, dtype):

@@ -51,11 +51,11 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 import attnselect
-from attnselect import backends, call_memo
+from attnselect import backends, dispatch
 from attnselect.backends.shape_cache import bucketed
-from attnselect.call import CallOptions
 from attnselect.execution import kernel_call
-from attnselect.problem import describe_call
+from attnselect.spec.options import CallOptions
+from attnselect.spec.problem import describe_call
 
 
 def _sync(device):
@@ -158,7 +158,7 @@ def dense_rows(device: str):
     known = (q, k, v, CallOptions(layout))
     runner = _prepared_runner(lambda: attnselect.attention(q, k, v, layout=layout), known)
     rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v)
-    rows["attnselect's memo lookup alone (call_memo.recall, no kernel)"] = lambda: call_memo.recall(*known)
+    rows["attnselect's memo lookup alone (dispatch.recall, no kernel)"] = lambda: dispatch.recall(*known)
     return problem, chosen, rows
 
 
@@ -166,7 +166,7 @@ def _prepared_runner(call, known: tuple):
     """The runner attnselect.attention prepared for ``call()`` (recall's arguments ``known``) and runs on its
     repeats."""
     call()
-    return call_memo.recall(*known).runner
+    return dispatch.recall(*known).runner
 
 
 def packed_rows(device: str, forced: str | None = None):
@@ -219,7 +219,7 @@ def packed_rows(device: str, forced: str | None = None):
     from torch.nn.attention.varlen import varlen_attn
 
     rows["torch varlen_attn"] = lambda: varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))
-    rows["attnselect's memo lookup alone (call_memo.recall, no kernel)"] = lambda: call_memo.recall(*known)
+    rows["attnselect's memo lookup alone (dispatch.recall, no kernel)"] = lambda: dispatch.recall(*known)
     return problem, chosen, rows
 
 

@@ -1,19 +1,19 @@
 """Where a repeated dense call's host time goes: attention() with parts of its memo lookup taken out, side by side.
 
-    python benchmarks/hot_path_parts.py [--baseline OLD_call_memo.py] [--parts 2] [--out results/h200_hot_path_parts]
+    python benchmarks/hot_path_parts.py [--baseline OLD_dispatch.py] [--parts 2] [--out results/h200_hot_path_parts]
 
 The dense case of benchmarks/hot_path.py (CUDA: B1 S256 H16 192/128 inference bf16 on the chosen kernel, in its own
 layout; CPU: a tiny float32 call), timed as hot_path.py times its rows (calls from an empty queue, interleaved
 rounds in alternating order): attention() as it is; with ``--baseline``, attention() on another version of
-``call_memo.py`` whose ``recall`` takes ``(q, k, v, options)`` as this one's does (an earlier commit's, to compare
-two versions in one process, on one host phase); attention() on copies of this ``call_memo.py`` with one more part
+``dispatch.py`` whose ``recall`` takes ``(q, k, v, options)`` as this one's does (an earlier commit's, to compare
+two versions in one process, on one host phase); attention() on copies of this ``dispatch.py`` with one more part
 of its lookup taken out in each row (the tensors' storage offsets, their nested flags, the thread
 and settings state); attention() on a fixed known call (no lookup at all: its frame
 and the runner); F.sdpa's default dispatch; and the prepared runner alone. Each row's difference from the first is
 what that part costs inside the call, where the kernel's own host work leaves the lookup's code and data cold.
 
 The copies without a part are for timing only: without it a call can be served a runner prepared for another one.
-Each replacement asserts that the code it removes is still there, so the script fails when call_memo.py changes.
+Each replacement asserts that the code it removes is still there, so the script fails when dispatch.py changes.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 import attnselect
-from attnselect import api, call_memo
+from attnselect import api, dispatch
 from hot_path import dense_inputs, time_rows, write_report
 
-# The parts of call_memo.recall's check taken out, cumulatively (the source text and what replaces it).
+# The parts of dispatch.recall's check taken out, cumulatively (the source text and what replaces it).
 PARTS = (
     ("storage offsets", "offsets = (q.storage_offset(), k.storage_offset(), v.storage_offset())",
      "offsets = (0, 0, 0)"),
@@ -44,10 +44,10 @@ PARTS = (
 
 
 def memo_module(name: str, source: str, replacements=()) -> types.ModuleType:
-    """A separate copy of a call_memo source (its own memo), with ``replacements`` made."""
+    """A separate copy of a dispatch.py source (its own memo), with ``replacements`` made."""
     for old, new in replacements:
         if old not in source:
-            raise SystemExit(f"call_memo.py no longer holds {old!r}: update PARTS")
+            raise SystemExit(f"dispatch.py no longer holds {old!r}: update PARTS")
         source = source.replace(old, new)
     module = types.ModuleType(name)
     sys.modules[name] = module  # as an imported module is
@@ -71,7 +71,7 @@ def rows_for(device: str, baseline: str | None) -> tuple[dict, str]:
     variants = []
     if baseline:
         variants.append((f"attention() on {Path(baseline).name}", memo_module("baseline", Path(baseline).read_text())))
-    source = Path(call_memo.__file__).read_text()
+    source = Path(dispatch.__file__).read_text()
     for i in range(len(PARTS)):
         name = "attention() without " + ", ".join(part for part, *_ in PARTS[: i + 1])
         variants.append((name, memo_module(f"without_{i}", source, [r for _, *r in PARTS[: i + 1]])))
@@ -80,7 +80,7 @@ def rows_for(device: str, baseline: str | None) -> tuple[dict, str]:
         if not torch.equal(fn(q, k, v, layout=layout), expected):
             raise SystemExit(f"{name}: another result")
         rows[name] = call(fn, q, k, v, layout=layout)
-    known = call_memo.known_calls()[-1]
+    known = dispatch.known_calls()[-1]
     fixed = attention_on(lambda *arguments: known, type(known))
     rows["attention() on a fixed known call (no lookup)"] = call(fixed, q, k, v, layout=layout)
     if not chosen.padded and chosen.backend.startswith("sdpa_"):
@@ -91,7 +91,7 @@ def rows_for(device: str, baseline: str | None) -> tuple[dict, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline", help="another version of src/attnselect/call_memo.py to time beside this one")
+    ap.add_argument("--baseline", help="another version of src/attnselect/dispatch.py to time beside this one")
     ap.add_argument("--parts", type=int, default=2, help="timings of all rows, one after another")
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--repeats", type=int, default=31)

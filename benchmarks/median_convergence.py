@@ -20,7 +20,7 @@ import sys
 
 from attnselect import Target
 from attnselect.bench import timing_rounds
-from attnselect.timing import time_steps
+from attnselect.choose.timing import time_steps
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from noise_floor import case_steps, write_cases  # noqa: E402

@@ -4,7 +4,7 @@
 
 The layer (DeepSeek-V3 attention geometry: 16 heads, q/k 128 + 64 rope, v 128, kv_lora 512, bf16) runs
 with attnselect's core attention on the 32k-token / 18-sequence packing of benchmarks/thd_bench.py,
-forward+backward, timed with attnselect.timing.time_steps (interleaved rounds of queued repeats, median
+forward+backward, timed with attnselect.choose.timing.time_steps (interleaved rounds of queued repeats, median
 and p20..p80): with megatron-core's own _prepare_mla_core_attention_value (V zero-padded to 192 on packed
 input) and with attnselect.integrations.megatron's replacement (V stays 128 wide); and the core attention
 alone on the very tensors the layer handed it in each arm (their shapes and strides are reported). Both arms
@@ -99,9 +99,9 @@ def main() -> None:
     a = ap.parse_args()
     import megatron.core
 
+    from attnselect.choose.timing import time_steps
     from attnselect.integrations import megatron as integration
-    from attnselect.target import Target
-    from attnselect.timing import time_steps
+    from attnselect.spec.target import Target
     from thd_bench import packings
 
     init_model_parallel()

@@ -2,7 +2,7 @@
 
 For a few problems of the bench suite where the measure policy and the bench disagreed, it times
 the rules' choice twice as two separate steps ("A" and "B": the same kernel on the same inputs),
-the close candidates and torch's default, side by side with ``attnselect.timing.time_steps`` as
+the close candidates and torch's default, side by side with ``attnselect.choose.timing.time_steps`` as
 the bench did before 34878ee (warm-up, four interleaved rounds, about 1.5 s per step), in several independent
 sessions, with and without the spin that lets the host issue a turn's repeats ahead of the GPU
 (alternating session by session, the spin first in each pair, so the GPU's warming up lands on both).
@@ -25,8 +25,8 @@ import torch
 
 from attnselect import Target
 from attnselect.bench.runner import TORCH_DEFAULT, _torch_default, suite
-from attnselect.candidates import judge
-from attnselect.timing import candidate_step, random_inputs, time_steps
+from attnselect.choose.candidates import judge
+from attnselect.choose.timing import candidate_step, random_inputs, time_steps
 
 # (bench suite key fragment, the rules' choice timed twice, the other candidates timed)
 CASES = [

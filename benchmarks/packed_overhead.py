@@ -29,9 +29,9 @@ import attnselect  # noqa: E402
 import training_loop  # noqa: E402
 from attnselect import backends  # noqa: E402
 from attnselect.backends.shape_cache import bucketed  # noqa: E402
-from attnselect.call import CallOptions, Packing  # noqa: E402
 from attnselect.execution import kernel_call  # noqa: E402
-from attnselect.problem import describe_call  # noqa: E402
+from attnselect.spec.options import CallOptions, Packing  # noqa: E402
+from attnselect.spec.problem import describe_call  # noqa: E402
 
 
 def rows(q, k, v):

@@ -131,9 +131,9 @@ def grid(q, k, v, grad_out, repeats: int = 10) -> list[dict]:
     """The steady step of one packing per distribution with its sequence count times 1, 2, 4 (empty trailing
     sequences) and max_seqlen exact, rounded to a power of two, twice that, or the token total: the cost of a
     larger launch, each configuration built first."""
-    from attnselect.call import Packing
     from attnselect.execution import kernel_call
-    from attnselect.problem import AttentionProblem
+    from attnselect.spec.options import Packing
+    from attnselect.spec.problem import AttentionProblem
 
     frontend = backends.get("cudnn_frontend")
     problem = AttentionProblem(1, 1, 1, HEADS, HEADS, D_QK, D_V, layout="thd", mask="causal", training=True)

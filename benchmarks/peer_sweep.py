@@ -898,13 +898,13 @@ STATUSES = ("ok", "wrong", "raised", "refused", "unjudged")
 
 
 def meta(device: str, args, seconds: float, cache_dir: str) -> dict:
-    from attnselect import self_check
-    from attnselect.target import target_for_device
+    from attnselect.choose import settings
+    from attnselect.spec.target import target_for_device
 
     target = target_for_device(torch.device(device))
     name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "CPU"
     return dict(device=name, target=target.to_dict(), date=time.strftime("%Y-%m-%d %H:%M"), quick=args.quick,
-                families=list(args.families), strict="1", self_check=self_check.mode(), cache_dir=cache_dir,
+                families=list(args.families), strict="1", self_check=settings.self_check_mode(), cache_dir=cache_dir,
                 seconds=round(seconds, 1), max_seqlen=args.max_seqlen, max_batch=args.max_batch,
                 return_lse=not args.no_lse)  # fmt: skip
 

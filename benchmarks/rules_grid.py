@@ -25,12 +25,12 @@ import time
 import torch
 
 from attnselect import backends
-from attnselect.call import Packing
-from attnselect.candidates import judge
+from attnselect.choose.candidates import judge
 from attnselect.execution import run_candidate
-from attnselect.inputs import packing_facts
-from attnselect.problem import AttentionProblem
-from attnselect.target import Target
+from attnselect.spec.options import Packing
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
+from attnselect.spec.validate import packing_facts
 
 HEAD_DIMS = [(64, 64), (128, 128), (192, 128), (192, 192), (256, 256), (576, 512)]
 DTYPES = [torch.bfloat16, torch.float16]
@@ -224,7 +224,7 @@ def make_inputs(problem, lengths, device):
 
 
 def float64_reference(problem, inputs):
-    from attnselect.candidates import Candidate
+    from attnselect.spec.options import Candidate
 
     *tensors, packing = inputs
     q, k, v, grad_out = (t.double() for t in tensors)

@@ -5,7 +5,7 @@
 
 MLA geometry: 16 heads, d_qk=192, d_v=128, causal, bf16 (float32 on the CPU). Each candidate
 is timed with device events after warm-up (median of repeats, with the 20th and 80th
-percentiles as its spread; attnselect.timing.time_step), twice: calls queued back to back as
+percentiles as its spread; attnselect.choose.timing.time_step), twice: calls queued back to back as
 in a training loop (the headline, TFLOP/s from it) and each call alone (synchronised, so its
 host overhead counts in full). The packing's masks are already built; flex's one-off
 document-mask build per new packing is reported beside it. TFLOP/s count useful work only:
@@ -25,11 +25,11 @@ import time
 import torch
 
 import attnselect
-from attnselect.call import CallOptions
-from attnselect.candidates import judge
-from attnselect.problem import describe_call
-from attnselect.target import Target
-from attnselect.timing import candidate_step, time_step
+from attnselect.choose.candidates import judge
+from attnselect.choose.timing import candidate_step, time_step
+from attnselect.spec.options import CallOptions
+from attnselect.spec.problem import describe_call
+from attnselect.spec.target import Target
 
 HEADS, D_QK, D_V = 16, 192, 128
 

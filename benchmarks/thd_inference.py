@@ -13,7 +13,7 @@ issues them all first). Median over the timed steps, p20..p80.
 
 Packings: 1k to 32k tokens a step, documents of 128..1024 or 32..256 tokens, 16 heads, d_qk/d_v 192/128 (MLA) and
 128/128, causal, bf16. Each packing's work bound, ``H * (d_qk + d_v) * sequences * max_seqlen^2`` (the rules' pack
-work, :func:`attnselect.policies.rules.pack_work`), is reported beside it.
+work, :func:`attnselect.choose.rules.pack_work`), is reported beside it.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import torch
 
 import attnselect
 from attnselect import backends
-from attnselect.call import CallOptions
-from attnselect.candidates import judge
-from attnselect.policies.rules import pack_work
-from attnselect.problem import describe_call
-from attnselect.target import Target
-from attnselect.timing import SPIN_CYCLES_PER_MS
+from attnselect.choose.candidates import judge
+from attnselect.choose.rules import pack_work
+from attnselect.choose.timing import SPIN_CYCLES_PER_MS
+from attnselect.spec.options import CallOptions
+from attnselect.spec.problem import describe_call
+from attnselect.spec.target import Target
 
 HEADS = 16
 DEFAULT = "attnselect default"

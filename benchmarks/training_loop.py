@@ -74,7 +74,7 @@ def row_names(device: str, smoke: bool) -> list[str]:
     """attnselect's choice (max_seqlen given and read), every packed candidate, torch's default, FA4."""
     import attnselect
     from attnselect import backends
-    from attnselect.candidates import judge
+    from attnselect.choose.candidates import judge
 
     geometry = _geometry(smoke)
     target = attnselect.Target.current(device)

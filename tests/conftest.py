@@ -23,7 +23,8 @@ def clean_state(monkeypatch, tmp_path_factory, request):
         if name.startswith("ATTNSELECT_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path_factory.mktemp("attnselect-cache")))
-    from attnselect import failures, self_check
+    from attnselect import self_check
+    from attnselect.choose import failures
 
     attnselect.clear_cache()
     failures._FAILED.clear()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import attnselect
-from attnselect import call_memo
-from attnselect.call import CallOptions
+from attnselect import dispatch
+from attnselect.spec.options import CallOptions
 
 
 def _inputs(dtype=torch.float64):
@@ -20,21 +20,21 @@ def _inputs(dtype=torch.float64):
 def test_repeated_call_takes_the_fast_path_with_the_same_result():
     q, k, v = _inputs()
     first = attnselect.attention(q, k, v, causal=True)
-    assert len(call_memo.known_calls()) == 1
+    assert len(dispatch.known_calls()) == 1
     assert torch.equal(attnselect.attention(q, k, v, causal=True), first)
-    assert len(call_memo.known_calls()) == 1
+    assert len(dispatch.known_calls()) == 1
 
 
 def test_fast_path_follows_environment_and_clear_cache(monkeypatch):
     q, k, v = _inputs()
     attnselect.attention(q, k, v)
-    problem, chosen, *_ = call_memo.known_calls()[0]
+    problem, chosen, *_ = dispatch.known_calls()[0]
     assert chosen.backend == "sdpa_flash"
     monkeypatch.setenv("ATTNSELECT_BACKEND", "reference")
     attnselect.attention(q, k, v)
-    assert {known.chosen.backend for known in call_memo.known_calls()} == {"sdpa_flash", "reference"}
+    assert {known.chosen.backend for known in dispatch.known_calls()} == {"sdpa_flash", "reference"}
     attnselect.clear_cache()
-    assert not call_memo.known_calls()
+    assert not dispatch.known_calls()
 
 
 def test_fast_path_still_validates_what_changed():
@@ -52,7 +52,7 @@ def test_fast_path_still_validates_what_changed():
 def test_iterators_and_lists_bypass_the_fast_path_without_being_consumed():
     q, k, v = _inputs()
     out = attnselect.attention(q, k, v, disable=iter(["sdpa_flash"]), window=[3, 0])
-    assert not call_memo.known_calls()
+    assert not dispatch.known_calls()
     assert torch.allclose(out, attnselect.attention(q, k, v, window=(3, 0), backend="reference"), atol=1e-12)
 
 
@@ -70,7 +70,7 @@ def _break_sdpa_flash(monkeypatch):
         return run
 
     monkeypatch.setattr(SdpaFlash, "runner", runner)
-    from attnselect import failures
+    from attnselect.choose import failures
 
     monkeypatch.setattr(failures, "_FAILED", {})
 
@@ -94,7 +94,7 @@ def test_a_failing_chosen_kernel_falls_back_once_with_a_warning(monkeypatch, cap
 
 def _as_a_new_process(monkeypatch):
     """Forget what this process knows of failures and decisions: only the decision cache file remembers."""
-    from attnselect import failures
+    from attnselect.choose import failures
 
     failures._FAILED.clear()
     monkeypatch.setattr(failures, "_RECORDED", None)
@@ -139,7 +139,7 @@ def test_out_of_memory_is_not_recorded_for_later_processes(monkeypatch, caplog):
 
 
 def test_failures_of_several_processes_on_one_problem_add_up(monkeypatch):
-    from attnselect import failures
+    from attnselect.choose import failures
 
     problem = attnselect.AttentionProblem.from_tensors(*_inputs(), causal=True)
     target = attnselect.Target.current()
@@ -269,7 +269,7 @@ def _packed_key(cu_kv="same", max_q=7, max_kv=7, device="meta", padded=None):
     cu_kv = cu if cu_kv == "same" else cu_kv
     options = CallOptions("thd", True, cu_seqlens_q=cu, cu_seqlens_kv=cu_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv,
                           cu_seqlens_q_padded=padded)  # fmt: skip
-    unknown = call_memo.recall(q, q, q, options)
+    unknown = dispatch.recall(q, q, q, options)
     return None if unknown is None else unknown.key
 
 
@@ -290,10 +290,10 @@ def test_a_repeated_packed_call_takes_the_fast_path_with_the_same_result():
     kwargs = dict(layout="thd", cu_seqlens_q=cu, max_seqlen_q=100, max_seqlen_kv=100, causal=True)
     attnselect.clear_cache()
     first = attnselect.attention(q, k, v, **kwargs)
-    assert len(call_memo.known_calls()) == 1
+    assert len(dispatch.known_calls()) == 1
     other = torch.tensor([0, 60, 160, 160, 160], dtype=torch.int32, device="cuda")  # a new packing, same key
     again = attnselect.attention(q, k, v, **{**kwargs, "cu_seqlens_q": other})
-    assert len(call_memo.known_calls()) == 1
+    assert len(dispatch.known_calls()) == 1
     slow = attnselect.attention(q, k, v, **{**kwargs, "cu_seqlens_q": other, "cu_seqlens_kv": other.clone()})
     assert torch.equal(attnselect.attention(q, k, v, **kwargs), first) and torch.equal(again, slow)
 
@@ -302,14 +302,14 @@ def test_a_call_with_its_own_scale_is_memoized_and_a_boolean_scale_is_still_refu
     q, k, v = _inputs()
     attnselect.clear_cache()
     first = attnselect.attention(q, k, v, scale=1.0)
-    assert len(call_memo.known_calls()) == 1 and torch.equal(attnselect.attention(q, k, v, scale=1.0), first)
-    assert len(call_memo.known_calls()) == 1
+    assert len(dispatch.known_calls()) == 1 and torch.equal(attnselect.attention(q, k, v, scale=1.0), first)
+    assert len(dispatch.known_calls()) == 1
     assert torch.equal(attnselect.attention(q, k, v, scale=1), first)  # the same number
     with pytest.raises(attnselect.InvalidInputError, match="scale: got True"):
         attnselect.attention(q, k, v, scale=True)
     other = attnselect.attention(q, k, v, scale=0.5)
     reference = attnselect.attention(q, k, v, scale=0.5, backend="reference")
-    assert len(call_memo.known_calls()) == 3 and torch.allclose(other, reference, atol=1e-5)
+    assert len(dispatch.known_calls()) == 3 and torch.allclose(other, reference, atol=1e-5)
 
 
 def test_call_options_are_attention_s_keyword_options_in_its_order_with_its_defaults():

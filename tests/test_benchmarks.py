@@ -234,9 +234,9 @@ def test_hot_path_smoke(tmp_path):
 
 
 def test_hot_path_parts_smoke(tmp_path):
-    baseline = ROOT / "src" / "attnselect" / "call_memo.py"
+    baseline = ROOT / "src" / "attnselect" / "dispatch.py"
     args = ("--parts", "1", "--calls", "3", "--repeats", "3", "--baseline", str(baseline), "--out", str(tmp_path / "p"))
     _run("benchmarks/hot_path_parts.py", *args)
     rows = json.loads((tmp_path / "p.json").read_text())["parts"][0]
-    assert list(rows)[:2] == ["attention()", "attention() on call_memo.py"]
+    assert list(rows)[:2] == ["attention()", "attention() on dispatch.py"]
     assert "attention() on a fixed known call (no lookup)" in rows

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from attnselect import correctness
-from attnselect.call import KernelCall
+from attnselect.spec.options import KernelCall
 
 
 def _call(mask="none", window=None, softcap=None):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attnselect
-from attnselect.call import CallOptions
+from attnselect.spec.options import CallOptions
 from helpers import dense_inputs, rel_err, run_with_grads, thd_inputs
 
 EXACT = 1e-10
@@ -227,7 +227,7 @@ def test_max_seqlen_given_on_cpu_still_checks_values():
 
 def test_padded_offsets_equal_to_the_boundaries_mean_no_gaps():
     (q, k, v), cu, _ = thd_inputs([4, 0, 6])
-    problem, packing = attnselect.problem.describe_call(
+    problem, packing = attnselect.spec.problem.describe_call(
         q,
         k,
         v,
@@ -261,8 +261,8 @@ class _RecordingPackedBackend:
 
 def test_a_repeated_packed_runner_buckets_each_new_boundary_tensor_once():
     from attnselect.backends.shape_cache import bucketed
-    from attnselect.call import Packing
     from attnselect.execution import packed_runner
+    from attnselect.spec.options import Packing
 
     q = torch.randn(10, 2, 8)
     first, later = (torch.tensor(b, dtype=torch.int32) for b in ([0, 3, 10], [0, 6, 10]))
@@ -297,8 +297,8 @@ def test_a_repeated_packed_runner_buckets_each_new_boundary_tensor_once():
 
 @pytest.mark.parametrize("why", ["padded", "no tokens"])
 def test_a_repeated_packed_runner_that_cannot_pass_its_tensors_as_they_are_runs_the_general_path(why):
-    from attnselect.call import KernelCall, Packing
     from attnselect.execution import packed_runner
+    from attnselect.spec.options import KernelCall, Packing
 
     q, cu = torch.randn(10, 2, 8), torch.tensor([0, 3, 10], dtype=torch.int32)
     q = q[:0] if why == "no tokens" else q
@@ -315,8 +315,8 @@ def test_a_repeated_packed_runner_that_cannot_pass_its_tensors_as_they_are_runs_
 
 
 def test_a_repeated_packed_runner_needs_one_boundary_tensor():
-    from attnselect.call import Packing
     from attnselect.execution import packed_runner
+    from attnselect.spec.options import Packing
 
     q, cu = torch.randn(10, 2, 8), torch.tensor([0, 3, 10], dtype=torch.int32)
     with pytest.raises(ValueError, match="one boundary tensor"):

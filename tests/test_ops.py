@@ -11,7 +11,8 @@ import torch
 
 import attnselect
 from attnselect import AttentionProblem, InvalidInputError, ops
-from attnselect.candidates import Candidate, judge
+from attnselect.choose.candidates import judge
+from attnselect.spec.options import Candidate
 from helpers import thd_inputs
 
 

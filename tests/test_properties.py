@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import attnselect
-from attnselect.call import CallOptions
-from attnselect.candidates import judge
-from attnselect.problem import describe_call
-from attnselect.target import Target
+from attnselect.choose.candidates import judge
+from attnselect.spec.options import CallOptions
+from attnselect.spec.problem import describe_call
+from attnselect.spec.target import Target
 
 CPU = Target.preset("cpu")
 HEAD_DIMS = [(8, 8), (16, 8), (8, 16), (24, 16), (12, 20)]

@@ -83,7 +83,7 @@ def test_explain_lists_the_supported_candidates_and_groups_the_rest_by_reason():
 def test_reasons_are_short_enough_to_read():
     import itertools
 
-    from attnselect.candidates import judge
+    from attnselect.choose.candidates import judge
 
     targets = [Target.preset(name, flash_attn4_version="4.0.0b36", cudnn_frontend_version="1.32.0")
                for name in ("a100", "h200", "b200", "b300", "rtx-pro-6000", "cpu")]  # fmt: skip

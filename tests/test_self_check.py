@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import attnselect
-from attnselect import backends, failures, self_check
+from attnselect import backends, self_check
 from attnselect.backends.reference import Reference
-from attnselect.candidates import Candidate
+from attnselect.choose import failures
 from attnselect.errors import InvalidInputError
 from attnselect.self_check import WrongResultError
+from attnselect.spec.options import Candidate
 from helpers import dense_inputs, rel_err, thd_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +84,7 @@ def test_a_forced_wrong_kernel_raises_naming_the_signature(wrong):
 
 @pytest.mark.parametrize("wrong", ["forward", "backward"], indirect=True)
 def test_a_chosen_wrong_kernel_is_never_returned(wrong, monkeypatch, caplog):
-    from attnselect.policies import rules
+    from attnselect.choose import rules
 
     table = rules.TABLES[("cpu", "training")]
     monkeypatch.setitem(rules.TABLES, ("cpu", "training"), ((wrong.name, False), *table))
@@ -137,7 +138,7 @@ def test_the_check_runs_once_per_signature_and_process(wrong, monkeypatch):
 
 
 def test_all_checks_signatures_the_grid_covered(monkeypatch):
-    from attnselect import evidence
+    from attnselect.backends import evidence
 
     monkeypatch.setattr(evidence, "covers", lambda *a: True)
     q, k, v = dense_inputs(dtype=torch.float32, requires_grad=False)
@@ -202,7 +203,7 @@ def test_fa4_wrong_gradients_at_128_64_are_caught_in_every_process(tmp_path):
     wrong in three processes of four (docs/sources/h200-measurements-2026-12-02.md). With the allowlist off, in
     every process: a forced FA4 either raises WrongResultError or gives right gradients, and the chosen kernel's
     gradients are right."""
-    from attnselect.target import Target
+    from attnselect.spec.target import Target
 
     if Target.current().flash_attn4_version is None:
         pytest.skip("flash-attn-4 is not installed here")

@@ -56,9 +56,9 @@ import pytest
 import torch
 
 import attnselect
-from attnselect import inputs
-from attnselect.call import CallOptions, Packing
-from attnselect.problem import describe_call
+from attnselect.spec import validate
+from attnselect.spec.options import CallOptions, Packing
+from attnselect.spec.problem import describe_call
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 # TE's qkv layouts and (attn_mask_type, window_size) per config family, as the peer sweep holds them
@@ -186,8 +186,11 @@ def _as_on_the_gpu(monkeypatch):
     """CPU tensors through the GPU's decision: with both max_seqlen given the boundaries are not read, and two
     boundary tensors are compared by value where _comparable allows it (CUDA tensors, there; these, here). The
     kernels run as they do on the CPU."""
-    monkeypatch.setattr(inputs, "_lengths_unread", lambda cu_q, max_q, max_kv: max_q is not None and max_kv is not None)
-    monkeypatch.setattr(inputs, "_comparable", lambda cu_q, cu_kv, capturing: not capturing and not cu_q.is_inference())
+    unread = lambda cu_q, max_q, max_kv: max_q is not None and max_kv is not None  # noqa: E731
+    monkeypatch.setattr(validate, "_lengths_unread", unread)
+    monkeypatch.setattr(
+        validate, "_comparable", lambda cu_q, cu_kv, capturing: not capturing and not cu_q.is_inference()
+    )
 
 
 def check_te_call(config, layout, pad_between_seqs, dtype, device, sizes, tolerance, **controls):
@@ -278,7 +281,7 @@ def _count_comparisons(monkeypatch, answer: bool) -> list:
         return answer
 
     monkeypatch.setattr(torch, "equal", equal)
-    monkeypatch.setattr(inputs, "_comparable", lambda cu_q, cu_kv, capturing: not capturing)
+    monkeypatch.setattr(validate, "_comparable", lambda cu_q, cu_kv, capturing: not capturing)
     return compared
 
 
@@ -356,23 +359,23 @@ def test_a_copy_that_cannot_be_compared_keeps_the_top_left_anchor(monkeypatch):
 def test_shared_after_all_takes_equal_boundaries_as_self_attention(monkeypatch):
     """The decision as a plain function of CPU tensors: equal values share cu_seqlens_q and keep the offsets;
     different values, or token totals that differ without gaps, change nothing."""
-    monkeypatch.setattr(inputs, "_comparable", lambda cu_q, cu_kv, capturing: not capturing)
+    monkeypatch.setattr(validate, "_comparable", lambda cu_q, cu_kv, capturing: not capturing)
     q = torch.zeros(14, 1, 8)
     cu_q, cu_kv = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 3, 8], dtype=torch.int32)
     padded_q, padded_kv = torch.tensor([0, 5, 14], dtype=torch.int32), torch.tensor([0, 5, 14], dtype=torch.int32)
     unread = (None, None, False)
-    packing, lengths = inputs._shared_after_all(Packing(cu_q, cu_kv, 9, 9, padded_q, padded_kv), unread, q, q, False)
+    packing, lengths = validate._shared_after_all(Packing(cu_q, cu_kv, 9, 9, padded_q, padded_kv), unread, q, q, False)
     assert lengths == (None, None, True) and packing.cu_seqlens_kv is cu_q
     assert packing.offsets_q is padded_q and packing.offsets_kv is padded_kv and packing.has_gaps
-    packing, lengths = inputs._shared_after_all(Packing(cu_q, cu_kv, 9, 9, cu_q, cu_kv), unread, q[:8], q[:8], False)
+    packing, lengths = validate._shared_after_all(Packing(cu_q, cu_kv, 9, 9, cu_q, cu_kv), unread, q[:8], q[:8], False)
     assert lengths == (None, None, True) and packing.cu_seqlens_kv is cu_q and not packing.has_gaps
     other = torch.tensor([0, 4, 8], dtype=torch.int32)
     given = Packing(cu_q, other, 9, 9, padded_q, padded_kv)
-    assert inputs._shared_after_all(given, unread, q, q, False)[0] is given
+    assert validate._shared_after_all(given, unread, q, q, False)[0] is given
     given = Packing(cu_q, other, 9, 9, cu_q, other)
     monkeypatch.setattr(torch, "equal", lambda a, b: pytest.fail("no read expected"))
-    assert inputs._shared_after_all(given, unread, q[:8], q[:7], False)[0] is given  # totals differ: no read
-    assert inputs._shared_after_all(given, unread, q[:8], q[:8], True)[0] is given  # under capture: no read
+    assert validate._shared_after_all(given, unread, q[:8], q[:7], False)[0] is given  # totals differ: no read
+    assert validate._shared_after_all(given, unread, q[:8], q[:8], True)[0] is given  # under capture: no read
 
 
 # -- the GPU: TE's own sizes, bf16 ----------------------------------------------------------------------------------

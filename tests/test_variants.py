@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import attnselect
-from attnselect.candidates import Candidate
+from attnselect.spec.options import Candidate
 from helpers import rel_err, thd_inputs
 
 

@@ -5,14 +5,15 @@ Public API: :func:`attention`, :func:`select`, :func:`explain`, :class:`Attentio
 """
 
 from attnselect.api import attention, explain
-from attnselect.caches import clear_cache
-from attnselect.candidates import Candidate, Verdict
-from attnselect.decision import Decision
+from attnselect.choose.candidates import Verdict
+from attnselect.choose.decision import Decision
+from attnselect.choose.selection import select
+from attnselect.choose.settings import overrides
 from attnselect.errors import AttnSelectError, ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
-from attnselect.problem import AttentionProblem
-from attnselect.selection import select
-from attnselect.settings import overrides
-from attnselect.target import Target
+from attnselect.memos import clear_cache
+from attnselect.spec.options import Candidate
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
 
 __version__ = "0.1.0"
 

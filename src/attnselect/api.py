@@ -1,4 +1,4 @@
-"""The public entry points: `attention` and `explain` (`select` lives in :mod:`attnselect.selection`)."""
+"""The public entry points: `attention` and `explain` (`select` lives in :mod:`attnselect.choose.selection`)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ import torch
 import torch.utils.checkpoint
 
 from attnselect import backends, self_check
-from attnselect.call import CallOptions, Packing
-from attnselect.call_memo import KnownCall, recall
+from attnselect.choose.distributed import is_distributed
+from attnselect.choose.failures import mark_failed
+from attnselect.choose.selection import select, select_packed
+from attnselect.choose.settings import strict
 from attnselect.context_parallel.call import attention as context_parallel_attention
 from attnselect.context_parallel.call import group_size
-from attnselect.distributed import is_distributed
+from attnselect.dispatch import KnownCall, recall
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import apply_sinks, dense_runner, kernel_call, packed_runner, run_call
-from attnselect.failures import mark_failed
-from attnselect.problem import AttentionProblem, describe_call
-from attnselect.selection import select, select_packed
-from attnselect.settings import strict
-from attnselect.target import Target, target_for_device
+from attnselect.spec.options import CallOptions, Packing
+from attnselect.spec.problem import AttentionProblem, describe_call
+from attnselect.spec.target import Target, target_for_device
 
 Causal = bool | str
 
@@ -141,7 +141,7 @@ def attention(
             unknown.remember(known)
     try:
         if known.runner is None:  # thd sequence by sequence
-            if packing is None:  # a known packed call, whose problem follows from its key (attnselect.call_memo)
+            if packing is None:  # a known packed call, whose problem follows from its key (attnselect.dispatch)
                 packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
             result = run_call(known.chosen, known.problem, known.call, q, k, v, packing=packing, target=known.target)
         else:  # a prepared runner: (out, lse) or (out, lse, max_logit)

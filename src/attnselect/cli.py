@@ -12,12 +12,12 @@ import torch
 
 from attnselect.api import attention
 from attnselect.backends import all_backends
-from attnselect.call import mask_from_arguments
+from attnselect.bench.models import MODELS
+from attnselect.choose.selection import select
 from attnselect.errors import AttnSelectError
-from attnselect.models import MODELS
-from attnselect.problem import AttentionProblem
-from attnselect.selection import select
-from attnselect.target import PRESETS, Target
+from attnselect.spec.options import mask_from_arguments
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import PRESETS, Target
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 DEFAULT_TARGET = "h200"

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnselect import masks
-from attnselect.call import KernelCall
+from attnselect.spec import masks
+from attnselect.spec.options import KernelCall
 
 OUT_FACTOR = 2.0
 GRAD_FACTOR = 3.0

@@ -12,11 +12,10 @@ import torch.nn.functional as F
 
 from attnselect import backends
 from attnselect.backends.shape_cache import bucketed, padded_boundaries
-from attnselect.call import KernelCall, Packing
-from attnselect.candidates import Candidate
-from attnselect.inputs import check_boundaries, check_offsets, lengths_of
-from attnselect.problem import AttentionProblem
-from attnselect.target import Target, target_for_device
+from attnselect.spec.options import Candidate, KernelCall, Packing
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target, target_for_device
+from attnselect.spec.validate import check_boundaries, check_offsets, lengths_of
 
 # Permutation taking a dense layout to another: _PERMUTE[(src, dst)].
 _PERMUTE = {
@@ -48,7 +47,7 @@ def run_candidate(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``candidate`` on validated tensors; returns (out, lse or None) in the caller's layout.
 
-    ``packing`` is required for thd (see :func:`attnselect.problem.describe_call`).
+    ``packing`` is required for thd (see :func:`attnselect.spec.problem.describe_call`).
     """
     return run_call(candidate, problem, kernel_call(problem, scale), q, k, v, packing=packing, target=target)
 

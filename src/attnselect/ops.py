@@ -17,7 +17,7 @@ While torch.compile traces :func:`attnselect.attention`, the call becomes
   same mask.
 
 Packed (thd) calls need both ``max_seqlen_*`` under tracing: the boundaries cannot be read then, so
-the packing facts are the conservative ones of :func:`attnselect.inputs.packing_facts`. The problem
+the packing facts are the conservative ones of :func:`attnselect.spec.validate.packing_facts`. The problem
 says it runs in a compiled graph (``compiled_graph``), which backends that cannot run there refuse
 (flex, whose block masks fail under AOTAutograd). The decision follows the ATTNSELECT_* variables
 and ``overrides`` blocks in force while tracing; the guarded run-time fallback of eager calls does
@@ -34,14 +34,13 @@ import operator
 
 import torch
 
-from attnselect.call import CallOptions, Packing
-from attnselect.candidates import Candidate
+from attnselect.choose.selection import select
 from attnselect.errors import InvalidInputError
 from attnselect.execution import kernel_call, run_call
-from attnselect.inputs import DENSE_AXES, check_scale, placement
-from attnselect.problem import AttentionProblem, describe_call
-from attnselect.selection import select
-from attnselect.target import target_for_device
+from attnselect.spec.options import CallOptions, Candidate, Packing
+from attnselect.spec.problem import AttentionProblem, describe_call
+from attnselect.spec.target import target_for_device
+from attnselect.spec.validate import DENSE_AXES, check_scale, placement
 
 Tensor = torch.Tensor
 

@@ -10,13 +10,13 @@ runs too, once, for a random output gradient (``torch.autograd.grad``, the graph
 backward), and the slice's dq, dk and dv are compared. A pass is kept for this process only.
 
 Where the result is wrong, attnselect raises :class:`WrongResultError` for a forced backend (``backend=``) or under
-ATTNSELECT_STRICT=1; otherwise the candidate is marked failed for the signature (:mod:`attnselect.failures`: in the
-decision cache too, shown by ``explain``), one warning is logged, and the call is recomputed on the next candidate,
-so the caller never receives the wrong values.
+ATTNSELECT_STRICT=1; otherwise the candidate is marked failed for the signature (:mod:`attnselect.choose.failures`:
+in the decision cache too, shown by ``explain``), one warning is logged, and the call is recomputed on the next
+candidate, so the caller never receives the wrong values.
 
 ``ATTNSELECT_SELF_CHECK``: ``1`` (default) checks signatures the packaged correctness grid has not checked on this
-GPU and these library versions (:func:`attnselect.evidence.covers`); ``all`` checks every signature; ``0`` checks
-none. Not checked: calls with dropout (random by design), inside torch.compile graphs or CUDA graph capture (no
+GPU and these library versions (:func:`attnselect.backends.evidence.covers`); ``all`` checks every signature; ``0``
+checks none. Not checked: calls with dropout (random by design), inside torch.compile graphs or CUDA graph capture (no
 reference can run there: the warm-up call before capture is checked), and the reference backend itself.
 """
 
@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 
-from attnselect import backends, correctness, evidence
-from attnselect.call import KernelCall, Packing
-from attnselect.candidates import Candidate
-from attnselect.errors import AttnSelectError, InvalidInputError
-from attnselect.failures import is_transient
-from attnselect.problem import AttentionProblem
-from attnselect.target import Target
+from attnselect import backends, correctness
+from attnselect.backends import evidence
+from attnselect.choose.failures import is_transient
+from attnselect.choose.settings import self_check_mode
+from attnselect.errors import AttnSelectError
+from attnselect.spec.options import Candidate, KernelCall, Packing
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
 
 log = logging.getLogger("attnselect")
 # (target, candidate, signature) checked and passed in this process. A pass is not carried to another process.
@@ -45,21 +45,9 @@ class WrongResultError(AttnSelectError, RuntimeError):
     """A kernel's result did not match the reference at the self-check of its first call."""
 
 
-SELF_CHECK_MODES = ("0", "1", "all")
-
-
-def mode() -> str:
-    """ATTNSELECT_SELF_CHECK: '0' (off), '1' (default: signatures the correctness grid has not checked on this GPU
-    and these versions) or 'all' (attnselect.self_check)."""
-    value = os.environ.get("ATTNSELECT_SELF_CHECK", "1").strip()
-    if value not in SELF_CHECK_MODES:
-        raise InvalidInputError(f"ATTNSELECT_SELF_CHECK: got {value!r}, expected one of {SELF_CHECK_MODES}")
-    return value
-
-
 def needed(problem: AttentionProblem, chosen: Candidate, target: Target) -> bool:
     """Whether this call, the first of its kind since the memo last decided it, is to be checked."""
-    checking = mode()
+    checking = self_check_mode()
     if checking == "0" or chosen.backend == "reference":
         return False
     if problem.dropout_p or problem.compiled_graph or problem.cuda_graph_capture or problem.fp8:

@@ -11,8 +11,8 @@ import torch
 
 import attnselect
 from attnselect import backends
-from attnselect.candidates import judge
-from attnselect.target import Target
+from attnselect.choose.candidates import judge
+from attnselect.spec.target import Target
 from helpers import dense_inputs, rel_err, run_with_grads
 
 CPU_CASES = [  # (label, attention kwargs, input kwargs)
@@ -311,8 +311,8 @@ def test_gpu_repeated_sdpa_calls_run_the_kernels_aten_op_as_sdpa_would(name, tra
 def test_flex_refuses_grouped_heads_with_few_queries_on_cuda():
     """Every flex row of the H200 correctness grid with grouped K/V heads and under 128 queries failed to compile."""
     from attnselect.backends import get
-    from attnselect.problem import AttentionProblem
-    from attnselect.target import Target
+    from attnselect.spec.problem import AttentionProblem
+    from attnselect.spec.target import Target
 
     flex, h200 = get("flex"), Target.preset("h200")
     few = AttentionProblem(1, 77, 77, 4, 1, 64, 64)

@@ -12,7 +12,7 @@ import torch
 
 import attnselect
 from attnselect.backends import get
-from attnselect.target import Target
+from attnselect.spec.target import Target
 from helpers import dense_inputs, rel_err, thd_inputs
 
 pytestmark = pytest.mark.gpu
@@ -151,7 +151,7 @@ def test_a_captured_cuda_graph_replays_like_float64(layout):
 def test_a_small_pack_warmed_up_on_varlen_fa2_captures_on_fa4_and_replays_like_float64():
     """The rules' small-pack refinement runs an eager 128/128 pack on varlen_fa2, while its capture keeps the
     general order (FA4): FA4's first call is then inside the capture, and the graph must still replay correctly."""
-    from attnselect.call_memo import known_calls
+    from attnselect.dispatch import known_calls
 
     cu = torch.tensor([0, 100, 400, 800, 1024], dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(1024, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))

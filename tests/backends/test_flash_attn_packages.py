@@ -16,9 +16,8 @@ import pytest
 import torch
 
 import attnselect
-from attnselect.call import CallOptions
-from attnselect.candidates import Candidate
 from attnselect.execution import run_candidate
+from attnselect.spec.options import CallOptions, Candidate
 from helpers import dense_inputs, rel_err
 
 
@@ -133,7 +132,7 @@ def _documented_flash_attn_varlen_func(
     "lengths", [([5, 1, 0, 9, 3], None), ([5, 1, 0, 9, 3], [7, 2, 0, 12, 3])], ids=["same-lengths", "kv-longer"]
 )
 def test_flash_attn4_packed_mapping_matches_the_reference(kwargs, lengths, monkeypatch):
-    from attnselect.problem import describe_call
+    from attnselect.spec.problem import describe_call
     from helpers import thd_inputs
 
     stub = types.ModuleType("flash_attn.cute")

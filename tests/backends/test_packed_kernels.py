@@ -17,10 +17,9 @@ import torch
 
 import attnselect
 from attnselect.backends import get
-from attnselect.call import CallOptions
-from attnselect.candidates import Candidate
 from attnselect.execution import run_candidate
-from attnselect.problem import describe_call
+from attnselect.spec.options import CallOptions, Candidate
+from attnselect.spec.problem import describe_call
 from helpers import rel_err, thd_inputs
 
 
@@ -307,7 +306,7 @@ def test_cudnn_frontend_bucketed_packing_equals_unbucketed(lengths, kwargs, monk
 
 def test_bucketed_boundaries_are_made_once_per_tensor(monkeypatch):
     from attnselect.backends.shape_cache import PackingBuckets, Rounding, bucketed
-    from attnselect.call import Packing
+    from attnselect.spec.options import Packing
 
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     buckets = PackingBuckets(Rounding(floor=8), Rounding(floor=16))
@@ -351,8 +350,8 @@ def test_every_backend_states_what_a_new_shape_costs_it():
 def test_cudnn_frontend_repeated_packed_runner_serves_each_call_s_own_boundaries(training, return_lse, monkeypatch):
     """attention()'s memoized packed calls: options bound at the first call (statistics asked for only where the
     call needs them), every call on its own boundaries (bucketed once each), as the reference computes them."""
-    from attnselect.call import Packing
     from attnselect.execution import kernel_call, packed_runner
+    from attnselect.spec.options import Packing
 
     asked = []  # return_lse of each call of the op
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import attnselect
-from attnselect.call import CallOptions
-from attnselect.candidates import judge
-from attnselect.problem import describe_call
-from attnselect.target import Target
+from attnselect.choose.candidates import judge
+from attnselect.spec.options import CallOptions
+from attnselect.spec.problem import describe_call
+from attnselect.spec.target import Target
 from helpers import rel_err, thd_inputs
 
 LENGTHS_Q = [0, 1, 37, 256, 5, 130, 64]

@@ -90,8 +90,8 @@ def test_cp_group_must_be_a_process_group():
 
 
 def test_cp_group_is_refused_under_torch_compile():
-    from attnselect.call import CallOptions
     from attnselect.ops import traced_attention
+    from attnselect.spec.options import CallOptions
 
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(attnselect.InvalidInputError, match="cp_group: got a process group under torch.compile"):

@@ -18,8 +18,8 @@ from attnselect.backends.sdpa_efficient import SdpaEfficient
 from attnselect.backends.sdpa_flash import SdpaFlash
 from attnselect.backends.sdpa_math import SdpaMath
 from attnselect.backends.varlen_fa2 import VarlenFa2
-from attnselect.caches import clear_cache
-from attnselect.call import KernelCall, Packing
+from attnselect.memos import clear_cache
+from attnselect.spec.options import KernelCall, Packing
 
 _REGISTRY: dict[str, Backend] = {}
 

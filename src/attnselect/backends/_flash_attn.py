@@ -14,9 +14,9 @@ from typing import ClassVar
 
 import torch
 
-from attnselect import masks
 from attnselect.backends.base import Backend
-from attnselect.call import KernelCall, Packing
+from attnselect.spec import masks
+from attnselect.spec.options import KernelCall, Packing
 
 
 class FlashAttnPackageBackend(Backend):

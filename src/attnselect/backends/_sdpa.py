@@ -5,7 +5,7 @@ kernels' aten ops called directly, as SDPA's dispatch calls them (outside autoca
 dispatch itself where it reaches the kernel (:meth:`SdpaBackend.runner`).
 
 Masks other than none / top-left causal (and bottom-right causal on square problems, where
-the two coincide) are passed as a boolean ``attn_mask`` built by :mod:`attnselect.masks`.
+the two coincide) are passed as a boolean ``attn_mask`` built by :mod:`attnselect.spec.masks`.
 Queries such a mask leaves with no visible key get a zero output, as in every other
 backend: cuDNN turns the boolean mask into -65504 (attention.cpp,
 convert_boolean_attn_mask_cudnn), which gives those rows a uniform average instead; zeroing
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, _backend_names
 
-from attnselect import masks
 from attnselect.backends.base import Backend, expand_kv_heads
-from attnselect.call import KernelCall
+from attnselect.spec import masks
+from attnselect.spec.options import KernelCall
 
 
 class SdpaBackend(Backend):

@@ -14,11 +14,11 @@ from typing import ClassVar
 
 import torch
 
-from attnselect import evidence
+from attnselect.backends import evidence
 from attnselect.backends.shape_cache import ShapeCache
-from attnselect.call import MASKS, KernelCall, Packing, dtype_name
-from attnselect.problem import AttentionProblem
-from attnselect.target import Target
+from attnselect.spec.options import MASKS, KernelCall, Packing, dtype_name
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
 
 HALF = frozenset({torch.float16, torch.bfloat16})
 ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -140,7 +140,8 @@ class Backend:
     surfaces: ClassVar[dict[str, Surface]]  # keyed by device type ("cuda", "cpu")
     package: ClassVar[tuple[str, str] | None] = None  # (Target version field, pip name)
     shape_cache: ClassVar[ShapeCache | None] = None  # None: nothing is built per shape
-    # Device types where the surface is an allowlist from the correctness grid (attnselect.evidence): young kernels.
+    # Device types where the surface is an allowlist from the correctness grid (attnselect.backends.evidence): young
+    # kernels.
     evidence_required: ClassVar[frozenset[str]] = frozenset()
 
     def not_supported_reasons(self, problem: AttentionProblem, target: Target) -> list[str]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from attnselect import masks
 from attnselect.backends.base import HALF, Backend, Surface
 from attnselect.backends.shape_cache import PackingBuckets, Rounding, ShapeCache
-from attnselect.call import MASKS, KernelCall, Packing
+from attnselect.spec import masks
+from attnselect.spec.options import MASKS, KernelCall, Packing
 
 
 class CudnnFrontend(Backend):

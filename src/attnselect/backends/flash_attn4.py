@@ -17,6 +17,7 @@ import sys
 from attnselect.backends._flash_attn import FlashAttnPackageBackend
 from attnselect.backends.base import HALF, Surface
 from attnselect.backends.shape_cache import ShapeCache
+from attnselect.memos import cache_dir
 
 log = logging.getLogger("attnselect")
 
@@ -107,11 +108,9 @@ class FlashAttn4(FlashAttnPackageBackend):
 
 def _enable_compile_cache() -> None:
     """FA4's on-disk cache of compiled kernels under attnselect's cache directory, unless the caller chose."""
-    from attnselect import store
-
     if CACHE_ENABLED in os.environ or CACHE_DIR in os.environ:
         return
-    directory = store.cache_file().parent / "flash_attn_cute"
+    directory = cache_dir() / "flash_attn_cute"
     os.environ[CACHE_ENABLED], os.environ[CACHE_DIR] = "1", str(directory)
     log.info(
         "attnselect: FlashAttention-4 keeps its compiled kernels in %s (set %s=0 to switch that off)",

@@ -1,6 +1,6 @@
 """``flex``: FlexAttention with a block mask, compiled with torch.compile on CUDA.
 
-Every mask kind is one band mask_mod (:mod:`attnselect.masks`) whose bounds are tensors, so
+Every mask kind is one band mask_mod (:mod:`attnselect.spec.masks`) whose bounds are tensors, so
 one compiled kernel serves all masks of a given shape and head dims. Packed (thd) input runs
 in one call with a document mask: a query sees keys of its own sequence only, inside the
 band, which is placed per sequence (bottom-right bands use that sequence's lengths); tokens
@@ -19,11 +19,11 @@ import warnings
 
 import torch
 
-from attnselect import masks
 from attnselect.backends.base import ALL_DTYPES, Backend, Surface
 from attnselect.backends.shape_cache import ShapeCache
-from attnselect.call import KernelCall, Packing
-from attnselect.tensor_memo import TensorMemo
+from attnselect.memos import TensorMemo
+from attnselect.spec import masks
+from attnselect.spec.options import KernelCall, Packing
 
 log = logging.getLogger("attnselect")
 
@@ -244,7 +244,7 @@ def _documents(cu_seqlens, offsets, total, device):
     return torch.where(position < length, doc, -1), position, length
 
 
-# Document masks, once per packing tensor while it and the mask do not change (attnselect.tensor_memo).
+# Document masks, once per packing tensor while it and the mask do not change (attnselect.memos).
 _DOCUMENT_MASKS = TensorMemo()
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from attnselect import masks
 from attnselect.backends.base import ALL_DTYPES, Backend, Surface, expand_kv_heads
-from attnselect.call import KernelCall
+from attnselect.spec import masks
+from attnselect.spec.options import KernelCall
 
 _SURFACE = Surface(dtypes=ALL_DTYPES, lse_gradient=True, softcap=True, max_logit=True)
 

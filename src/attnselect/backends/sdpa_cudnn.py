@@ -7,7 +7,7 @@ from torch.nn.attention import SDPBackend
 from attnselect.backends._sdpa import SdpaBackend, kernel_op
 from attnselect.backends.base import HALF, Surface
 from attnselect.backends.shape_cache import ShapeCache
-from attnselect.target import version_tuple
+from attnselect.spec.target import version_tuple
 
 # cuDNN backward head-dim pairs above 128 on sm10x: cudnn-frontend
 # include/cudnn_frontend/node/scaled_dot_product_flash_attention.h and pytorch sdp_utils.cpp

@@ -7,7 +7,7 @@ from torch.nn.attention import SDPBackend
 
 from attnselect.backends._sdpa import SdpaBackend, kernel_op
 from attnselect.backends.base import Surface
-from attnselect.call import dtype_name
+from attnselect.spec.options import dtype_name
 
 
 class SdpaEfficient(SdpaBackend):

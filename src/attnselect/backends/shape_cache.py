@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnselect.call import Packing
-from attnselect.tensor_memo import TensorMemo
+from attnselect.memos import TensorMemo
+from attnselect.spec.options import Packing
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class ShapeCache:
 
     ``rebuilds_per_packing``: whether a new packing (new boundary values, at sizes already seen) costs a
     build, after ``buckets`` where given; the rules rank such a candidate after those on the same path
-    that do not (:mod:`attnselect.policies.rules`). ``new_key_ms``: the measured cost of one new key, where measured.
+    that do not (:mod:`attnselect.choose.rules`). ``new_key_ms``: the measured cost of one new key, where measured.
     """
 
     builds: str

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from attnselect import masks
 from attnselect.backends.base import HALF, Backend, Surface
 from attnselect.backends.sdpa_flash import fa2_backward_head_dim_reasons
-from attnselect.call import KernelCall, Packing
+from attnselect.spec import masks
+from attnselect.spec.options import KernelCall, Packing
 
 # The op varlen_attn's custom op calls (torch/nn/attention/varlen.py, _varlen_attn), with its autograd formula
 # (FlashAttentionBackward0, derivatives.yaml). Called directly, a call skips the custom op's Python and its extra

@@ -29,16 +29,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from attnselect.bench.models import MODELS
 from attnselect.bench.report import POLICIES, chart, report_markdown
-from attnselect.candidates import Candidate, judge
-from attnselect.errors import InvalidInputError
-from attnselect.models import MODELS
-from attnselect.policies.rules import arch_family
-from attnselect.policies.te import te_choice
-from attnselect.problem import AttentionProblem
-from attnselect.selection import select
-from attnselect.target import Target
-from attnselect.timing import (
+from attnselect.bench.te import te_choice
+from attnselect.choose.candidates import judge
+from attnselect.choose.rules import arch_family
+from attnselect.choose.selection import select
+from attnselect.choose.timing import (
     CONTENDER_FACTOR,
     REPEATS,
     ROUNDS,
@@ -48,6 +45,10 @@ from attnselect.timing import (
     random_inputs,
     time_steps,
 )
+from attnselect.errors import InvalidInputError
+from attnselect.spec.options import Candidate
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
 
 
 def suite(smoke: bool) -> dict[str, tuple[AttentionProblem, str]]:

@@ -18,15 +18,15 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from attnselect.call import DESCRIBING, CallOptions, require
+from attnselect.choose.selection import select, select_packed
 from attnselect.context_parallel.ring import Halves, Ring, RingAttention, thd_halves
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import apply_sinks, kernel_call, run_call
-from attnselect.inputs import DENSE_AXES, lengths_of, packing_facts
-from attnselect.problem import AttentionProblem, describe_call
-from attnselect.selection import select, select_packed
-from attnselect.target import target_for_device
-from attnselect.tensor_memo import TensorMemo
+from attnselect.memos import TensorMemo
+from attnselect.spec.options import DESCRIBING, CallOptions, require
+from attnselect.spec.problem import AttentionProblem, describe_call
+from attnselect.spec.target import target_for_device
+from attnselect.spec.validate import DENSE_AXES, lengths_of, packing_facts
 
 
 def group_size(group) -> int:

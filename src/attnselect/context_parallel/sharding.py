@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from attnselect.call import LAYOUTS, is_integer, require
-from attnselect.inputs import DENSE_AXES, lengths_of
+from attnselect.spec.options import LAYOUTS, is_integer, require
+from attnselect.spec.validate import DENSE_AXES, lengths_of
 
 
 def shard(

@@ -39,7 +39,7 @@ import torch
 import attnselect
 from attnselect.errors import InvalidInputError
 from attnselect.integrations import optional_int
-from attnselect.tensor_memo import TensorMemo
+from attnselect.memos import TensorMemo
 
 try:
     from megatron.core import parallel_state, tensor_parallel

@@ -1,0 +1,124 @@
+"""What the correctness grid showed: the young kernels' allowlists and the signatures a grid has checked.
+
+Young kernels (FlashAttention-4, flex on CUDA, the cuDNN frontend: :attr:`Backend.evidence_required`) break claims
+their documentation makes: FA4 4.0.0b36's sm90 backward gives wrong gradients at 128/64 in some processes and
+sizes, cannot launch at 64/128, fails to compile at 128/96 (docs/sources/h200-measurements-2026-12-02.md). So on
+the GPUs where they need evidence, their surface is an allowlist: a kernel configuration (layout kind, the head
+dims the kernel gets, phase) is served only where benchmarks/correctness_grid.py ran it and every one of its rows
+passed, in every process. Everything else is refused with a reason that names the grid's file.
+
+The grid's summary ships as package data, one file per GPU (``attnselect/data/correctness_<arch>.json``, written by
+``python benchmarks/correctness_grid.py --report DIR --earlier``). Its ``covered`` signatures also spare the first-use
+self-check (:mod:`attnselect.self_check`) for calls the grid checked on the same GPU and library versions.
+``ATTNSELECT_ALLOWLIST=0`` serves the young kernels' full documented surface instead (to test a kernel; the
+self-check still runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from importlib import resources
+
+from attnselect.errors import InvalidInputError
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
+
+log = logging.getLogger("attnselect")
+FORMAT = 1
+
+
+def allowlist_enabled() -> bool:
+    """ATTNSELECT_ALLOWLIST: '1' (default) serves the young kernels only where the correctness grid passed them;
+    '0' serves their documented surface (attnselect.backends.evidence)."""
+    value = os.environ.get("ATTNSELECT_ALLOWLIST", "1").strip()
+    if value not in ("0", "1"):
+        raise InvalidInputError(f"ATTNSELECT_ALLOWLIST: got {value!r}, expected '0' or '1'")
+    return value == "1"
+
+
+def kernel_key(problem: AttentionProblem) -> str:
+    """The allowlist's key of a kernel configuration: layout kind, the head dims the kernel gets, phase."""
+    layout = "thd" if problem.layout == "thd" else "dense"
+    phase = "training" if problem.training else "inference"
+    return f"{layout} {problem.head_dim_qk}/{problem.head_dim_v} {phase}"
+
+
+@functools.cache
+def grid_for(arch: str) -> dict | None:
+    """The packaged grid summary for an arch ('sm90'), or None; a foreign or corrupt file gives one warning."""
+    name = f"correctness_{arch}.json"
+    try:
+        text = resources.files("attnselect").joinpath("data", name).read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("attnselect: ignoring the correctness summary %s (%s)", name, exc)
+        return None
+    try:
+        data = json.loads(text)
+        kernels = data.get("kernels") if isinstance(data, dict) else None
+        if not (
+            data.get("format") == FORMAT
+            and isinstance(data.get("covered"), list)
+            and isinstance(data.get("source"), str)
+            and isinstance(kernels, dict)
+            and all(
+                isinstance(entries, dict)
+                and all(
+                    isinstance(e, dict) and type(e.get("passed")) is int and type(e.get("failed")) is int
+                    for e in entries.values()
+                )
+                for entries in kernels.values()
+            )
+        ):
+            raise ValueError(f"not a correctness summary of format {FORMAT}")
+        data["covered"] = frozenset(_signature_key(*entry) for entry in data["covered"])
+        return data
+    except (ValueError, TypeError, AttributeError) as exc:
+        log.warning("attnselect: ignoring the correctness summary %s (%s)", name, exc)
+        return None
+
+
+def reasons(backend: str, problem: AttentionProblem, target: Target) -> list[str]:
+    """Why the allowlist refuses ``backend`` for ``problem`` (the problem the kernel gets, padded where the
+    candidate pads) on ``target``; empty where the grid passed it, or the allowlist is off."""
+    if not allowlist_enabled():
+        return []
+    grid = grid_for(target.arch)
+    if grid is None:
+        return [f"no correctness grid has passed it on {target.arch} (benchmarks/correctness_grid.py)"]
+    key = kernel_key(problem)
+    seen = grid["kernels"].get(backend, {}).get(key)
+    if seen is None:
+        return [f"no correctness grid row ran it at {key} ({grid['source']})"]
+    if seen.get("failed"):
+        return [f"failed {seen['failed']} of {seen['failed'] + seen['passed']} rows at {key} in {grid['source']}"]
+    return []
+
+
+def base_fingerprint(target: Target) -> dict:
+    """The GPU and the libraries every backend runs on: what a grid's covered signatures hold for."""
+    return {
+        "name": target.name,
+        "capability": list(target.capability) if target.capability else None,
+        "torch": target.torch_version,
+        "cudnn": target.cudnn_version,
+    }
+
+
+def covers(backend: str, pad_to: int | None, problem: AttentionProblem, target: Target, version: str | None) -> bool:
+    """Whether the packaged grid checked this candidate at this problem's signature on this GPU and these library
+    versions (``version``: the backend's own package version, None for none), and it passed in every process."""
+    grid = grid_for(target.arch) if target.is_cuda else None
+    if grid is None or grid.get("fingerprint") != base_fingerprint(target):
+        return False
+    if grid.get("packages", {}).get(backend) != version:
+        return False
+    return _signature_key(backend, pad_to, problem.signature) in grid["covered"]
+
+
+def _signature_key(backend, pad_to, signature) -> str:
+    return json.dumps([backend, pad_to, list(signature)])

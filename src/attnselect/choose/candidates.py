@@ -1,0 +1,65 @@
+"""Verdicts on candidates (:class:`~attnselect.spec.options.Candidate`, (backend, pad_to) pairs).
+
+Every registered backend gives a native candidate and, when the head dims differ or are not multiples of 8
+(59/59, 15/15), a padded one: Q/K/V zero-padded to max(d_qk, d_v) rounded up to a multiple of 8
+(:attr:`AttentionProblem.pad_target`), the output trimmed back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnselect import backends
+from attnselect.choose.settings import Overrides
+from attnselect.spec.options import Candidate
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
+
+NO_OVERRIDES = Overrides()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    candidate: Candidate
+    reasons: tuple[str, ...]
+
+    @property
+    def supported(self) -> bool:
+        return not self.reasons
+
+
+def override_reasons(overrides: Overrides, candidate: Candidate, problem: AttentionProblem) -> list[str]:
+    """Why the caller's controls exclude a candidate (empty when they allow it)."""
+    if candidate.backend in overrides.disable:
+        return ["disabled by the caller (disable / ATTNSELECT_DISABLE)"]
+    if overrides.backend is not None and candidate.backend != overrides.backend:
+        return [f"the caller forced backend {overrides.backend!r}"]
+    if overrides.pad == "never" and candidate.padded:
+        return ["padding is switched off (pad='never')"]
+    if overrides.pad == "always" and not candidate.padded and problem.pad_target is not None:
+        return ["padding is forced (pad='always')"]
+    return []
+
+
+def judge(
+    problem: AttentionProblem, target: Target, overrides: Overrides = NO_OVERRIDES, failed: dict | None = None
+) -> tuple[Verdict, ...]:
+    """A verdict for every candidate of every registered backend, in registry order.
+
+    ``failed`` maps candidates that raised at run time on this machine (this process, or an earlier one
+    through the decision cache) to their error.
+    """
+    verdicts = []
+    pad_target = problem.pad_target
+    padded = problem if pad_target is None else problem.padded(pad_target)
+    for backend in backends.all_backends():
+        options = [None] if pad_target is None else [None, pad_target]
+        for pad_to in options:
+            candidate = Candidate(backend.name, pad_to)
+            reasons = override_reasons(overrides, candidate, problem)
+            if failed and candidate in failed:
+                reasons = [f"failed at run time on this target: {failed[candidate]}"]
+            if not reasons:
+                reasons = backend.not_supported_reasons(problem if pad_to is None else padded, target)
+            verdicts.append(Verdict(candidate, tuple(reasons)))
+    return tuple(verdicts)

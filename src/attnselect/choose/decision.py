@@ -1,0 +1,139 @@
+"""`Decision`: the outcome of one selection, and its prose: the sentence that says why, the report `explain`
+prints, and the message when no candidate serves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnselect.choose import rules
+from attnselect.choose.candidates import Verdict
+from attnselect.choose.settings import Overrides
+from attnselect.spec.options import Candidate
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one selection: the chosen candidate, the ranked alternatives, every verdict."""
+
+    problem: AttentionProblem
+    target: Target
+    policy: str
+    overrides: Overrides
+    chosen: Candidate
+    ranked: tuple[Candidate, ...]
+    verdicts: tuple[Verdict, ...]
+    timings: dict | None = None  # measure policy: Candidate -> Timing, or None where it failed
+
+    @property
+    def why(self) -> str:
+        key, _ = rules.table_for(self.problem, self.target)
+        how = f"padded to {self.chosen.pad_to}" if self.chosen.padded else "native"
+        because = (
+            f"it ranks first of {len(self.ranked)} supported candidates in the {self.policy} table for {' '.join(key)}"
+        )
+        if self.timings:
+            timed = {c: t for c, t in self.timings.items() if t is not None}
+            fastest = min(timed, key=lambda c: timed[c].median_ms)
+            because = f"it measured {timed[self.chosen]} against {len(timed)} timed candidates" + (
+                " (the fastest)"
+                if fastest == self.chosen
+                else f", inside the spread of the fastest, {fastest} at {timed[fastest]}, and ranks higher in the rules"
+            )
+        if self.overrides.backend:
+            because = f"the caller forced backend {self.overrides.backend!r} and " + because
+        natives = [c for c in self.ranked if not c.padded]
+        padded = [c for c in self.ranked if c.padded]
+        if self.overrides.pad != "auto" and self.problem.pad_target is not None:
+            because += f"; the caller set pad={self.overrides.pad!r}"
+        elif self.chosen.padded:
+            because += (
+                f"; padding wins over the best native candidate, {natives[0].backend}"
+                if natives
+                else "; no native candidate is supported"
+            )
+        elif self.problem.pad_target is not None:
+            because += (
+                f"; the best padded candidate, {padded[0]}, ranks lower"
+                if padded
+                else "; no padded candidate is supported"
+            )
+        return f"running {self.chosen.backend}, {how}, because {because}"
+
+    def rank_of(self, candidate: Candidate) -> int | None:
+        return self.ranked.index(candidate) + 1 if candidate in self.ranked else None
+
+    def report(self, *, show_all: bool = False) -> str:
+        """The report :func:`attnselect.explain` prints: the supported candidates by rank, then the others, one line
+        per reason with the candidates it refuses (``show_all``: one row per candidate, every reason in full)."""
+        # a supported candidate can be left out of ranked (measure drops one that failed while it was timed): last
+        unranked = len(self.ranked) + 1
+        by_rank = sorted((v for v in self.verdicts if v.supported), key=lambda v: self.rank_of(v.candidate) or unranked)
+        refused = [v for v in self.verdicts if not v.supported]
+        rows = [("backend", "padded to", "supported", "rank", "reasons")]
+        for verdict in by_rank + (refused if show_all else []):
+            c = verdict.candidate
+            rank = self.rank_of(c)
+            rows.append((c.backend, str(c.pad_to) if c.padded else "-", "yes" if verdict.supported else "no",
+                         str(rank) if rank else "-", "; ".join(verdict.reasons)))  # fmt: skip
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [f"problem: {self.problem.describe()}", f"target:  {self.target.describe()}", ""]
+        for r in rows:
+            lines.append(("  ".join(cell.ljust(w) for cell, w in zip(r[:4], widths)) + "  " + r[4]).rstrip())
+        if refused and not show_all:
+            groups: dict[str, list[str]] = {}
+            for v in refused:
+                names = groups.setdefault(_reason_group(v.reasons[0]), [])
+                names += [] if v.candidate.backend in names else [v.candidate.backend]
+            lines += [
+                "",
+                f"not supported: {len(refused)} candidates (explain(..., show_all=True) or --all lists each):",
+            ]
+            lines += [f"  {reason}: {', '.join(names)}" for reason, names in groups.items()]
+        lines += ["", f"chosen:  {self.chosen}", f"why:     {self.why}"]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "problem": self.problem.to_dict(),
+            "target": self.target.to_dict(),
+            "policy": self.policy,
+            "chosen": self.chosen.to_dict(),
+            "why": self.why,
+            "candidates": [
+                {
+                    **v.candidate.to_dict(),
+                    "supported": v.supported,
+                    "reasons": list(v.reasons),
+                    "rank": self.rank_of(v.candidate),
+                }
+                for v in self.verdicts
+            ],
+        }
+
+
+def _reason_group(reason: str) -> str:
+    """A refusal's first reason as a group heading: missing packages together, a reason over 120 characters cut
+    (tests/test_public_errors.py keeps every reason shorter)."""
+    if reason.startswith("package ") and reason.endswith(" is not installed"):
+        return "package not installed"
+    return reason if len(reason) <= 120 else reason[:117] + "..."
+
+
+def no_candidate_message(problem: AttentionProblem, target: Target, verdicts: tuple, overrides: Overrides) -> str:
+    """The error when no candidate serves: every candidate (the forced backend's alone) with its reasons."""
+    forced = [f"backend={overrides.backend!r}"] * bool(overrides.backend) + [f"pad={overrides.pad!r}"] * (
+        overrides.pad != "auto"
+    )
+    head = (
+        f"No attention candidate can serve {problem.describe()} on {target.describe()}"
+        + (f" with {', '.join(forced)}" if forced else "")
+        + ". Every candidate and why not:"
+    )
+    lines = [head]
+    for v in verdicts:
+        if overrides.backend and v.candidate.backend != overrides.backend:
+            continue
+        lines.append(f"  {v.candidate}: " + "; ".join(v.reasons))
+    return "\n".join(lines)

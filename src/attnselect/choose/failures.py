@@ -1,0 +1,137 @@
+"""Candidates that raised at run time, or whose result the self-check found wrong: remembered in this process and,
+unless the failure may pass (out of memory), in the decision cache for later processes on the same target
+fingerprint. Failures are kept per problem signature (:attr:`AttentionProblem.signature`: head dims, GQA ratio, mask,
+layout, dtype, phase, size class), so a packed loop whose sizes change every step does not meet the same failure
+at every new packing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+
+from attnselect import memos
+from attnselect.choose import debug, store
+from attnselect.choose.distributed import is_distributed
+from attnselect.spec.options import Candidate
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
+
+# Candidates that failed in this process: (problem signature, target) -> {candidate: error}. Kept across
+# clear_cache(): they are facts about this machine and its library versions, not memoized choices.
+_FAILED: dict[tuple, dict] = {}
+# Those earlier processes recorded in the decision cache: its entry key -> {candidate: error}, read once per process.
+_RECORDED: dict | None = None
+FAILED_AT_RUN_TIME = "failed at run time"  # the policy field of their cache entries
+
+
+def failures(problem: AttentionProblem, target: Target) -> dict:
+    """{candidate: error} of the candidates that failed at run time for ``problem`` on ``target``: in this
+    process, or recorded in the decision cache by an earlier one on the same target fingerprint (not under
+    torch.distributed, where ranks could read different cache files and then disagree)."""
+    failed = _FAILED.get((_signature(problem), target), {})
+    recorded = _recorded_failures()
+    if not recorded or is_distributed():
+        return failed
+    earlier = recorded.get(_entry_key(problem, target))
+    return {**earlier, **failed} if earlier else failed
+
+
+def _recorded_failures() -> dict:
+    global _RECORDED
+    if _RECORDED is None:
+        recorded = {}
+        for key, entry in store.entries().items():
+            if not _is_failure_key(key):  # another policy's entry, or not one of attnselect's keys at all
+                continue
+            try:
+                recorded[key] = {Candidate(**f["candidate"]): str(f["error"]) for f in entry.get("failed", ())}
+            except (TypeError, KeyError, ValueError, AttributeError) as exc:  # written by hand, or by another version
+                store.malformed(key, exc)
+        _RECORDED = recorded
+    return _RECORDED
+
+
+def mark_failed(
+    problem: AttentionProblem, target: Target, candidate: Candidate, error: BaseException, *, falls_back: bool = True
+) -> None:
+    """Record a run-time failure (one warning) and forget decisions, so the next call re-selects without it.
+
+    Failures that may pass (out of memory) stay in this process; others are also recorded in the decision
+    cache under the target fingerprint, so later processes on the same GPU and library versions skip the
+    candidate too (the fingerprint changes with any version, which retries it)."""
+    text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+    _FAILED.setdefault((_signature(problem), target), {})[candidate] = text
+    transient = is_transient(error)
+    if not transient:
+        store.remember(
+            _entry_key(problem, target),
+            {"failed": [{"candidate": candidate.to_dict(), "error": text}]},
+            combine=_with_earlier,
+        )
+    debug.LOGGER.warning(
+        "attnselect: %s failed on %s (%s); %s (%s)",
+        candidate,
+        problem.describe(),
+        text,
+        "falling back to the next candidate; ATTNSELECT_STRICT=1 raises instead" if falls_back else "raising it",
+        "for this process only: it may pass" if transient else "recorded in the decision cache for this target",
+    )
+    memos.clear_cache()
+
+
+def _is_failure_key(key: str) -> bool:
+    try:
+        parsed = json.loads(key)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("policy") == FAILED_AT_RUN_TIME
+
+
+def _signature(problem: AttentionProblem) -> tuple:
+    """The signature failures are kept under: the call's, as if made eagerly, so what failed in an eager call (the
+    warm-up before a CUDA graph capture, say) is refused inside a compiled graph and under capture too."""
+    if problem.cuda_graph_capture or problem.compiled_graph:
+        problem = dataclasses.replace(problem, cuda_graph_capture=False, compiled_graph=False)
+    return problem.signature
+
+
+def _entry_key(problem: AttentionProblem, target: Target) -> str:
+    """The decision cache's key of a problem signature's failures on a target fingerprint."""
+    return json.dumps(
+        {"signature": list(_signature(problem)), "policy": FAILED_AT_RUN_TIME, "target": store.fingerprint(target)},
+        sort_keys=True,
+    )
+
+
+def is_transient(error: BaseException) -> bool:
+    """A failure that may pass: out of memory on the GPU or the CPU (torch's allocators' messages), or an interrupt."""
+    text = str(error).lower()
+    return isinstance(error, (*_OUT_OF_MEMORY, KeyboardInterrupt, InterruptedError)) or any(
+        sign in text for sign in _MEMORY_SIGNS
+    )
+
+
+# torch's CUDA caching allocator ("CUDA out of memory"), its CPU allocator ("DefaultCPUAllocator: can't allocate
+# memory"), cuBLAS and the CUDA runtime's allocation failures, and cuDNN's: its handle cannot be made when no stream
+# can be created ("cudnnHandle Create failed cudaStreamCreateWithFlags", seen on the H200 while other processes held
+# its memory, results/h200_correctness_grid.md; the same call passed in another process).
+_MEMORY_SIGNS = (
+    "out of memory",
+    "can't allocate memory",
+    "cublas_status_alloc_failed",
+    "cudaerrormemoryallocation",
+    "cudnn_status_alloc_failed",
+    "cudnnhandle create failed",
+)
+_OUT_OF_MEMORY = (MemoryError, *((torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()))
+
+
+def _with_earlier(old: dict | None, new: dict) -> dict:
+    """A failure entry merged with what the file already holds (another process may have added to it; what is
+    malformed there is dropped)."""
+    replaced = [f["candidate"] for f in new["failed"]]
+    earlier = (old or {}).get("failed", ())
+    kept = [f for f in (earlier if isinstance(earlier, list) else ()) if isinstance(f, dict) and "candidate" in f]
+    return {"failed": [f for f in kept if f["candidate"] not in replaced] + new["failed"]}

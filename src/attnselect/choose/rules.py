@@ -1,0 +1,364 @@
+"""The rules policy: rank supported candidates by a preference table per arch family and phase.
+
+A table lists candidates fastest first ("name" = native, "name+pad" = padded). Padding wins
+only where a padded entry ranks above every supported native one. Supported candidates the
+table does not list rank last, in registry order. On packed (thd) input a candidate whose backend
+builds something for every new packing (:class:`~attnselect.backends.shape_cache.ShapeCache`,
+``rebuilds_per_packing``) then moves down to just after the last candidate on its path (one packed call,
+or sequence by sequence) that does not, since a training loop packs anew every step: on the H200 loop
+(results/h200_training_loop.md) no such candidate was faster with its rebuild than those without one.
+"""
+
+from __future__ import annotations
+
+from attnselect import backends
+from attnselect.choose.candidates import Verdict
+from attnselect.spec.options import Candidate
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
+
+_SLOW_TAIL = ("sdpa_efficient", "sdpa_efficient+pad", "sdpa_math", "sdpa_math+pad", "reference", "reference+pad")
+
+PREFERENCES: dict[tuple[str, str], tuple[str, ...]] = {
+    # H200, torch 2.11, cuDNN 9.19 (docs/sources/h200-measurements.md), fwd+bwd TFLOP/s, 192/128:
+    # cuDNN 392 (frontend 399) > cuDNN padded 275 > FA2 padded 189 > flex 154 > efficient 45 > padded 36;
+    # 128/128: cuDNN 425 > flex 327 > FA2 236 > efficient 117. TransformerEngine (utils.py) drops
+    # FlashAttention when fused attention also serves on sm90+, so FA3 follows cuDNN. FA4 (flash-attn-4 4.0.0b36)
+    # led cuDNN on every dense problem measured on the same H200 (docs/sources/h200-measurements-2026-12.md,
+    # fwd+bwd TFLOP/s, causal bf16: B2 S4k H16 192/128 455 against 414; B1 S8k H128 493/478; B1 S16k H16 502/493;
+    # 128/128 542/481; 192/192 523/372; forward 629/507 to 701/570).
+    ("sm90", "training"): (
+        "flash_attn4",
+        "sdpa_cudnn",
+        "cudnn_frontend",
+        "flash_attn3",
+        "flash_attn4+pad",
+        "sdpa_cudnn+pad",
+        "cudnn_frontend+pad",
+        "flash_attn3+pad",
+        "flash_attn2+pad",
+        "sdpa_flash+pad",
+        "flex",
+        "flash_attn2",
+        "sdpa_flash",
+        "flex+pad",
+        *_SLOW_TAIL,
+    ),
+    # Same machine, forward TFLOP/s, 192/128: cuDNN 500 (frontend 514) > cuDNN padded 473 > flex 273 >
+    # FA2 padded 222 > efficient 135 > padded 100; 128/128: cuDNN 514 > flex 335 > FA2 269 > efficient 150.
+    ("sm90", "inference"): (
+        "flash_attn4",
+        "sdpa_cudnn",
+        "cudnn_frontend",
+        "flash_attn3",
+        "flash_attn4+pad",
+        "sdpa_cudnn+pad",
+        "cudnn_frontend+pad",
+        "flash_attn3+pad",
+        "flex",
+        "flash_attn2",
+        "sdpa_flash",
+        "flash_attn2+pad",
+        "sdpa_flash+pad",
+        "flex+pad",
+        *_SLOW_TAIL,
+    ),
+    # A100: no fused cuDNN kernel above head dim 128 (TE fused_attn.cpp); Megatron-LM #6241 measured
+    # padded FA2 0.96 ms against 113.7 ms for the native fallback. TE prefers FlashAttention below sm90.
+    ("sm80", "training"): (
+        "flash_attn2",
+        "sdpa_flash",
+        "flash_attn2+pad",
+        "sdpa_flash+pad",
+        "sdpa_cudnn",
+        "cudnn_frontend",
+        "sdpa_cudnn+pad",
+        "cudnn_frontend+pad",
+        "flex",
+        "flex+pad",
+        *_SLOW_TAIL,
+    ),
+    # Blackwell: Megatron-LM #6241 on sm103, core attention 0.35 ms native against 0.45 ms padded;
+    # padded 192/192 has no cuDNN backward (sdpa_cudnn rules). TE prefers fused attention on sm90+; the cuDNN
+    # frontend's GB200 DSv3 results (dsv3_20260724_041401.csv, causal 8k) put cuDNN ahead of FA4 too (fwd 1646
+    # against 1576, bwd 1257 against 1101 TFLOP/s), so FA4 follows cuDNN there. FA4 serves MLA's 192/128 natively on
+    # sm100, forward and backward (flash_attn/cute/interface.py _validate_head_dims; the backward: flash-attention
+    # PR #2270), so flash_attn4 ranks above every padded candidate.
+    ("sm100", "training"): (
+        "sdpa_cudnn",
+        "cudnn_frontend",
+        "flash_attn4",
+        "sdpa_cudnn+pad",
+        "cudnn_frontend+pad",
+        "flash_attn4+pad",
+        "flash_attn2",
+        "sdpa_flash",
+        "flash_attn2+pad",
+        "sdpa_flash+pad",
+        "flex",
+        "flex+pad",
+        *_SLOW_TAIL,
+    ),
+    # CPU: SDPA's C++ flash kernel is the fused path; math and reference materialise the scores and
+    # eager flex is an unfused fallback.
+    ("cpu", "training"): (
+        "sdpa_flash",
+        "sdpa_flash+pad",
+        "sdpa_math",
+        "sdpa_math+pad",
+        "flex",
+        "flex+pad",
+        "reference",
+        "reference+pad",
+    ),
+}
+# Packed (thd) input. Backends without a packed kernel run sequence by sequence and rank after the
+# packed ones ("per-sequence" below). H200, 32k tokens in 18 sequences, 192/128 causal bf16
+# (docs/sources/h200-measurements.md), fwd+bwd TFLOP/s: cuDNN frontend THD 357 > padded 233 >
+# varlen_attn V padded 186 > flex document mask 147 > per-sequence SDPA 87; forward: 471 > 376 >
+# flex 266 > varlen padded 215 > per-sequence 199. FA4's varlen kernel, same GPU (h200-measurements-2026-12.md):
+# 570 / 435 against the frontend's 461 / 390 on that packing, and 5.2 against 7.6 ms a step in a loop that packs
+# anew (long-tailed documents; 1.6 against 2.0 ms on short chat turns).
+_PER_SEQUENCE = (
+    "sdpa_cudnn",
+    "flash_attn3",
+    "sdpa_cudnn+pad",
+    "flash_attn2",
+    "sdpa_flash",
+    "flash_attn2+pad",
+    "sdpa_flash+pad",
+    *_SLOW_TAIL,
+)
+PREFERENCES.update(
+    {
+        ("sm90", "training", "thd"): (
+            "flash_attn4",
+            "cudnn_frontend",
+            "flash_attn4+pad",
+            "cudnn_frontend+pad",
+            "varlen_fa2+pad",
+            "flex",
+            "varlen_fa2",
+            "flex+pad",
+            *_PER_SEQUENCE,
+        ),
+        ("sm90", "inference", "thd"): (
+            "flash_attn4",
+            "cudnn_frontend",
+            "flash_attn4+pad",
+            "cudnn_frontend+pad",
+            "flex",
+            "varlen_fa2+pad",
+            "varlen_fa2",
+            "flex+pad",
+            *_PER_SEQUENCE,
+        ),
+        # A100: FA2 first as for dense input; Blackwell: cuDNN first (padded 192/192 cannot train there).
+        ("sm80", "training", "thd"): (
+            "varlen_fa2",
+            "varlen_fa2+pad",
+            "cudnn_frontend",
+            "cudnn_frontend+pad",
+            "flex",
+            "flex+pad",
+            *_PER_SEQUENCE,
+        ),
+        ("sm100", "training", "thd"): (
+            "cudnn_frontend",
+            "cudnn_frontend+pad",
+            "flash_attn4",
+            "flash_attn4+pad",
+            "varlen_fa2",
+            "varlen_fa2+pad",
+            "flex",
+            "flex+pad",
+            *_PER_SEQUENCE,
+        ),
+        # CPU: eager flex would materialise a T x T score matrix for the whole pack; per sequence is smaller.
+        ("cpu", "training", "thd"): (
+            "sdpa_flash",
+            "sdpa_flash+pad",
+            "sdpa_math",
+            "sdpa_math+pad",
+            "flex",
+            "flex+pad",
+            "reference",
+            "reference+pad",
+        ),
+    }
+)
+# Refinements, keyed by the base key plus a name, for problems where the measured order differs.
+# "short documents" (thd, every sequence <= SHORT_DOCUMENTS tokens and little work in the whole pack), sm90
+# training: the cuDNN frontend's torch op spends about 2 ms of host time per forward+backward call, so when the
+# pack's GPU work is smaller than that, varlen_attn with V padded is faster (192/128, 16 heads, fwd+bwd ms queued:
+# results/h200_thd_bench.md, 16k tokens of 128..512-token documents, 1.40 against 2.02; results/h200_thd_crossover.md,
+# equal documents of 128 / 256 / 512 tokens, 1.02 / 1.42 / 1.44 against 2.04 / 2.00 / 2.25, at 1024 they trade
+# places between runs, and with more work, 16k of 2048-token documents or 32k of 256..1024, cuDNN leads, 2.16 against
+# 3.36 and 2.26 against 3.50). The work bound is H * (d_qk + d_v) * sequences * max_seqlen^2 (the forward's FLOPs
+# with every sequence as long as the longest): 6.7e10 for the 16k pack of 128..512 (51 sequences), 1.7e11 for
+# 2048-token documents.
+# Forward only, the order stays: uncontended, cuDNN led that pack (0.24 ms against 0.39 for flex and varlen); the
+# crossover run, beside another GPU's test suite, had flex ahead on equal short documents, which is unsettled.
+SHORT_DOCUMENTS, SHORT_PACK_WORK = 512, 8e10
+PREFERENCES[("sm90", "training", "thd", "short documents")] = (
+    "flash_attn4",
+    "flash_attn4+pad",
+    "varlen_fa2",
+    "varlen_fa2+pad",
+    "cudnn_frontend",
+    "cudnn_frontend+pad",
+    "flex",
+    "flex+pad",
+    *_PER_SEQUENCE,
+)
+# "small pack" (thd, sm90 inference outside CUDA graph capture, pack work <= SMALL_PACK_WORK; only what was measured:
+# as many queries as keys in every sequence, causal, no grouped heads, head dims up to 192): the cuDNN frontend's and
+# FA4's packed forwards are host-bound there, so torch's packed FlashAttention-2 (varlen_fa2) serves the loop faster.
+# results/h200_thd_inference.md (no FA4) and _fa4.md, measured through varlen_attn, 16 heads, a new packing every
+# step, 8 calls a step, on the configurations below the bound (1k-4k tokens), wall us a call: the frontend 241-574
+# and FA4 162-317 while their GPU time is 15-65, varlen_attn 128-335 (native on 128/128, V padded on 192/128;
+# 1.6-2.6x the frontend's speed in the run without FA4). FA4 native matches varlen padded on 192/128 (286-317 against
+# 296-322) and trails varlen native on 128/128 (162-181 against 125-140). The frontend leads from 16k tokens on
+# 192/128 and from 32k on 128/128. Below the bound the GPU time given up for varlen is at most 32 us a call (128/128
+# at 1k tokens: 47 against FA4's 16); the bound counts heads, so a 128-head model meets it with an eighth of the
+# tokens. results/h200_thd_inference_aten.md, varlen_fa2 on the op under varlen_attn: on the packs where the default
+# chose it alone (1k-4k tokens of 32..256-token documents, 1k of 128..1024) it takes 82-143 us a call against the
+# frontend's 287-466 in the same run. Under capture a graph replays without host
+# time: the general order (FA4 where installed, which then compiles on its first call inside the capture if the
+# eager warm-up ran varlen_fa2).
+SMALL_PACK_WORK = 1.5e10
+PREFERENCES[("sm90", "inference", "thd", "small pack")] = (
+    "varlen_fa2",
+    "flash_attn4",
+    "varlen_fa2+pad",
+    "flash_attn4+pad",
+    "cudnn_frontend",
+    "cudnn_frontend+pad",
+    "flex",
+    "flex+pad",
+    *_PER_SEQUENCE,
+)
+# "wide heads" (a head dim above 256: absorbed MLA, 576/512 with one key/value head), sm90 prefill (as many queries as
+# keys, >= 1024 of them): results/h200_bench.md, B*S = 16k, 128 query heads, causal: sdpa_efficient 21.5 / 71.7 / 301
+# ms at 1k / 4k / 16k against the cuDNN frontend's 28.7 / 105 / 427 ms (2026-11-30). Decode (one query against a long
+# cache) is not measured and keeps the general order.
+WIDE_PREFILL = 1024
+PREFERENCES[("sm90", "inference", "wide heads")] = (
+    "sdpa_efficient",
+    "cudnn_frontend",
+    "sdpa_efficient+pad",
+    "cudnn_frontend+pad",
+    "sdpa_math",
+    "sdpa_math+pad",
+    "reference",
+    "reference+pad",
+)
+for _family in ("sm80", "sm100", "sm120", "cpu"):
+    PREFERENCES[(_family, "inference", "thd")] = PREFERENCES[
+        ("sm100" if _family == "sm120" else _family, "training", "thd")
+    ]
+PREFERENCES[("sm120", "training", "thd")] = PREFERENCES[("sm100", "training", "thd")]
+PREFERENCES[("sm80", "inference")] = PREFERENCES[("sm80", "training")]
+PREFERENCES[("sm100", "inference")] = PREFERENCES[("sm100", "training")]
+# sm120 (RTX PRO 6000): TE keeps fused attention first on sm90+; its cuDNN rules refuse > 128.
+PREFERENCES[("sm120", "training")] = PREFERENCES[("sm100", "training")]
+PREFERENCES[("sm120", "inference")] = PREFERENCES[("sm100", "inference")]
+PREFERENCES[("cpu", "inference")] = PREFERENCES[("cpu", "training")]
+
+
+def parse_table(key: tuple, names: tuple[str, ...]) -> tuple[tuple[str, bool], ...]:
+    """A table's "name" / "name+pad" strings as (backend, padded) entries, checked against the registry: a misspelt
+    or repeated entry raises here, at import, instead of silently ranking last."""
+    known = {b.name for b in backends.all_backends()}
+    entries = []
+    for name in names:
+        backend, plus, pad = name.partition("+")
+        if backend not in known or (plus and pad != "pad"):
+            raise ValueError(f"rules table {key}: got entry {name!r}, expected 'name' or 'name+pad' of a registered "
+                             f"backend ({', '.join(sorted(known))})")  # fmt: skip
+        entries.append((backend, bool(plus)))
+    if len(set(entries)) != len(entries):
+        raise ValueError(f"rules table {key}: got an entry twice, expected each candidate once")
+    return tuple(entries)
+
+
+TABLES = {key: parse_table(key, names) for key, names in PREFERENCES.items()}
+
+
+def arch_family(target: Target) -> str:
+    if not target.is_cuda:
+        return "cpu"
+    major = target.capability[0]
+    return {8: "sm80", 9: "sm90", 10: "sm100", 11: "sm100", 12: "sm120"}.get(major, "sm80" if major < 8 else "sm120")
+
+
+def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]:
+    """The key of the table that ranks ``problem`` on ``target`` and its (backend, padded) entries, best first."""
+    key = (arch_family(target), "training" if problem.training else "inference")
+    if problem.layout == "thd":
+        key += ("thd",)
+    work = pack_work(
+        problem.heads_q, problem.head_dim_qk, problem.head_dim_v, problem.batch, problem.seqlen_q, problem.seqlen_kv
+    )
+    refinements = {
+        "short documents": problem.layout == "thd"
+        and problem.seqlen_q <= SHORT_DOCUMENTS
+        and problem.seqlen_kv <= SHORT_DOCUMENTS
+        and work <= SHORT_PACK_WORK,
+        "small pack": problem.layout == "thd"
+        and not problem.cuda_graph_capture
+        and work <= SMALL_PACK_WORK
+        and problem.square
+        and problem.mask in ("causal", "causal_bottom_right")
+        and problem.heads_q == problem.heads_kv
+        and max(problem.head_dim_qk, problem.head_dim_v) <= 192,
+        "wide heads": max(problem.head_dim_qk, problem.head_dim_v) > 256
+        and problem.seqlen_q == problem.seqlen_kv >= WIDE_PREFILL,
+    }
+    for name, applies in refinements.items():
+        if applies and key + (name,) in TABLES:
+            return key + (name,), TABLES[key + (name,)]
+    return key, TABLES[key]
+
+
+def pack_work(heads_q: int, head_dim_qk: int, head_dim_v: int, sequences: int, seqlen_q: int, seqlen_kv: int) -> int:
+    """A pack's work bound, ``H * (d_qk + d_v) * sequences * max_seqlen_q * max_seqlen_kv``: its forward's FLOPs up to
+    a constant with every sequence as long as the longest (what the refinements' thresholds compare)."""
+    return heads_q * (head_dim_qk + head_dim_v) * sequences * seqlen_q * seqlen_kv
+
+
+def entry(c: Candidate) -> tuple[str, bool]:
+    """A candidate as the parsed tables hold it: (backend, padded)."""
+    return c.backend, c.padded
+
+
+def rank(verdicts: tuple[Verdict, ...], problem: AttentionProblem, target: Target) -> tuple[Candidate, ...]:
+    """Supported candidates, best first."""
+    _, table = table_for(problem, target)
+    position = {entry: i for i, entry in enumerate(table)}
+    supported = [v.candidate for v in verdicts if v.supported]
+    registry_order = {c: i for i, c in enumerate(supported)}
+
+    def key(c: Candidate) -> tuple[int, int]:
+        return (position.get(entry(c), len(table)), registry_order[c])
+
+    ordered = sorted(supported, key=key)
+    return tuple(_stable_across_packings(ordered, target) if problem.layout == "thd" else ordered)
+
+
+def _stable_across_packings(ordered: list[Candidate], target: Target) -> list[Candidate]:
+    """``ordered`` with each candidate that rebuilds per new packing moved to just after the last candidate on
+    its path (packed, or per sequence) that does not."""
+    rebuilds, packed = {}, {}
+    for c in ordered:
+        backend = backends.get(c.backend)
+        rebuilds[c] = backend.shape_cache is not None and backend.shape_cache.rebuilds_per_packing
+        packed[c] = backend.packs_thd(target)
+    result = [c for c in ordered if not rebuilds[c]]
+    place = {c: i for i, c in enumerate(ordered)}
+    for c in (c for c in ordered if rebuilds[c]):
+        after = [i for i, other in enumerate(result) if packed[other] == packed[c]]
+        if not any(not rebuilds[result[i]] for i in after):  # nothing on its path is stable: it keeps its place
+            after = [i for i, other in enumerate(result) if place[other] < place[c]]
+        result.insert(after[-1] + 1 if after else 0, c)
+    return result

@@ -1,0 +1,161 @@
+"""`select`: judge every candidate, rank the supported ones, and memoize the decision."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+import torch
+
+from attnselect import backends
+from attnselect.backends import evidence
+from attnselect.choose import debug, measure, rules, settings
+from attnselect.choose.candidates import judge, override_reasons
+from attnselect.choose.decision import Decision, no_candidate_message
+from attnselect.choose.distributed import is_distributed
+from attnselect.choose.failures import failures
+from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
+from attnselect.memos import generation, register_cache
+from attnselect.spec.options import Candidate
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
+
+_MEMO: OrderedDict[tuple, Decision] = OrderedDict()
+MEMO_SIZE = 4096  # distinct (problem, target, controls) decisions kept; the oldest go first
+register_cache(_MEMO.clear)
+
+
+def select(
+    problem: AttentionProblem,
+    *,
+    target: Target | None = None,
+    policy: str | None = None,
+    backend: str | None = None,
+    pad=None,
+    disable=None,
+) -> Decision:
+    """Choose a candidate for ``problem`` on ``target`` (default: the live machine).
+
+    ``backend`` forces a backend, ``pad`` is "auto", "always"/True or "never"/False, ``disable``
+    excludes backends; each defaults to its ATTNSELECT_* variable. Raises
+    :class:`NoSupportedCandidateError` or :class:`ForcedChoiceError` listing every reason.
+    """
+    if not isinstance(problem, AttentionProblem):
+        hint = (
+            " (AttentionProblem.from_tensors(q, k, v, ...) describes a call from its tensors)"
+            if isinstance(problem, torch.Tensor)
+            else ""
+        )
+        raise InvalidInputError(f"problem: got {type(problem).__name__}, expected an AttentionProblem{hint}")
+    problem.check_context_parallel()  # what attention(cp_group=) refuses, select and explain refuse too
+    target = Target.of(target)
+    env, scoped = settings.environment(), settings.scope()
+    if disable is not None and not isinstance(disable, str):
+        disable = settings.names(disable, "disable")
+    key = (problem, target, policy, backend, pad, disable, env, scoped)
+    try:
+        decision = _MEMO.get(key)
+    except TypeError:  # an unhashable control: resolve() names it
+        decision, key = None, None
+    if decision is None:
+        # Settings read only on some paths fail on every call alike: before anything is decided or memoized.
+        debug.debug_level()
+        evidence.allowlist_enabled()
+        settings.self_check_mode()
+        cleared = generation()
+        decision = _decide(
+            problem,
+            target,
+            settings.resolve(policy=policy, backend=backend, pad=pad, disable=disable, env=env, scoped=scoped),
+        )
+        if key is not None:
+            _remember(_MEMO, key, decision, cleared)
+        debug.log_decision(decision)
+    return decision
+
+
+# Packed problems change their sizes (sequence count, max lengths) every step of a loop: per problem with the sizes
+# left out, the last decision and the problem it was last found to hold for (every layer of a step repeats it).
+_PACKED: OrderedDict[tuple, tuple[Decision, AttentionProblem]] = OrderedDict()
+register_cache(_PACKED.clear)
+
+
+def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pad=None, disable=None) -> Decision:
+    """:func:`select` for a packed call, without judging every candidate again when only the sizes changed.
+
+    The decision made for the same problem at other sizes stands (it is returned, describing those sizes) when the
+    rules chose it, the rules table for the new sizes is the same, its choice still serves them and has not failed
+    for them, and no candidate that was refused there and that the table puts above the choice (any refused one,
+    where the choice rebuilds per packing) serves them now. Otherwise, or under the measure policy, :func:`select`.
+    """
+    cleared = generation()
+    try:
+        key = (
+            dataclasses.replace(problem, batch=0, seqlen_q=0, seqlen_kv=0),
+            target,
+            backend,
+            pad,
+            disable,
+            settings.environment(),
+            settings.scope(),
+        )
+        earlier, held_for = _PACKED.get(key, (None, None))
+    except TypeError:  # an unhashable control: select() names it
+        return select(problem, target=target, backend=backend, pad=pad, disable=disable)
+    if earlier is not None and (problem == held_for or _still_stands(earlier, problem, target)):
+        _remember(_PACKED, key, (earlier, problem), cleared)
+        return earlier
+    decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
+    _remember(_PACKED, key, (decision, problem), cleared)
+    return decision
+
+
+def _remember(memo: OrderedDict, key, value, cleared: int) -> None:
+    """``memo[key] = value``, the oldest entry past MEMO_SIZE dropped; dropped again where a clear began after
+    ``cleared`` (caches.generation() before the value was worked out)."""
+    memo[key] = value
+    if len(memo) > MEMO_SIZE:
+        memo.popitem(last=False)
+    if generation() != cleared:
+        memo.pop(key, None)
+
+
+def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) -> bool:
+    table_key, table = rules.table_for(problem, target)
+    if earlier.policy != "rules" or table_key != rules.table_for(earlier.problem, target)[0]:
+        return False
+    chosen = earlier.chosen
+
+    def serves(c: Candidate) -> bool:
+        return not backends.get(c.backend).not_supported_reasons(
+            problem if c.pad_to is None else problem.padded(c.pad_to), target
+        )
+
+    if not serves(chosen) or chosen in failures(problem, target):
+        return False
+    position = {entry: i for i, entry in enumerate(table)}
+    cache = backends.get(chosen.backend).shape_cache
+    above = (
+        len(table)
+        if cache is not None and cache.rebuilds_per_packing
+        else position.get(rules.entry(chosen), len(table))
+    )
+    refused = (
+        v.candidate
+        for v in earlier.verdicts
+        if not v.supported and not override_reasons(earlier.overrides, v.candidate, problem)
+    )
+    return not any(serves(c) for c in refused if position.get(rules.entry(c), len(table)) <= above)
+
+
+def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overrides) -> Decision:
+    verdicts = judge(problem, target, overrides, failures(problem, target))
+    ranked = rules.rank(verdicts, problem, target)
+    if not ranked:
+        error = ForcedChoiceError if overrides.backend or overrides.pad != "auto" else NoSupportedCandidateError
+        raise error(no_candidate_message(problem, target, verdicts, overrides))
+    timings = None
+    # Under torch.distributed every rank enters the measurement (and its broadcast), whatever it has left.
+    if overrides.policy == "measure" and (len(ranked) > 1 or is_distributed()):
+        ranked, timings = measure.measured(problem, target, ranked)
+    return Decision(problem, target, overrides.policy, overrides, ranked[0], ranked, verdicts, timings)

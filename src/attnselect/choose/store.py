@@ -1,0 +1,150 @@
+"""The persistent decision cache: what the measure policy measured, kept across processes and runs.
+
+A JSON file ``decisions.json`` in the user cache directory (platformdirs), or in
+ATTNSELECT_CACHE_DIR. Entries are keyed by the problem's bucket, the policy and a target
+fingerprint (GPU name, compute capability, CUDA, torch, cuDNN, cudnn-frontend and flash-attn
+versions), so a change of any of them ignores old entries. Writes are atomic (a temporary
+file renamed over the old one) under an exclusive file lock, so ranks sharing the file
+never lose each other's entries. A corrupt or unreadable file gives one warning and is
+rebuilt; a directory that cannot be written falls back to memory with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from attnselect.memos import cache_dir
+
+log = logging.getLogger("attnselect")
+FORMAT = 1
+LOCK_TIMEOUT_S = 30.0  # a lock held longer is taken as stuck: the write falls back to memory with one warning
+_warned: set = set()
+_memory: dict = {}
+
+
+def cache_file() -> Path:
+    return cache_dir() / "decisions.json"
+
+
+def fingerprint(target) -> dict:
+    return {
+        "name": target.name,
+        "capability": list(target.capability) if target.capability else None,
+        "cuda": torch.version.cuda,
+        "torch": target.torch_version,
+        "cudnn": target.cudnn_version,
+        "cudnn_frontend": target.cudnn_frontend_version,
+        "flash_attn": target.flash_attn_version,
+        "flash_attn3": target.flash_attn3_version,
+        "flash_attn4": target.flash_attn4_version,
+    }
+
+
+def entry_key(problem, policy: str, target) -> str:
+    return json.dumps({"problem": problem.to_dict(), "policy": policy, "target": fingerprint(target)}, sort_keys=True)
+
+
+def lookup(key: str) -> dict | None:
+    if key in _memory:
+        return _memory[key]
+    return _read(cache_file()).get(key)
+
+
+def entries() -> dict:
+    """Every entry: the file's (one read) and this process's own."""
+    return {**_read(cache_file()), **_memory}
+
+
+def keep(key: str, value: dict) -> None:
+    """Add one entry for this process only (a decision another rank measured and wrote)."""
+    _memory[key] = value
+
+
+def remember(key: str, value: dict, combine=None) -> None:
+    """Add one entry: to the file when it can be written, else to this process's memory. ``combine(old, new)``
+    merges it with the entry already there (read under the lock), instead of replacing it."""
+    path = cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with locked(path):
+            entries = _read(path)
+            entries[key] = combine(entries.get(key), value) if combine else value
+            fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".decisions-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": FORMAT, "entries": entries}, f)
+            os.replace(temporary, path)
+    except OSError as exc:
+        _warn_once(
+            f"write:{path.parent}",
+            "attnselect: cannot write the decision cache in %s (%s); keeping decisions in memory for this process",
+            path.parent,
+            exc,
+        )
+        _memory[key] = combine(_memory.get(key), value) if combine else value
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        if not (isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("entries"), dict)):
+            raise ValueError(f"not an attnselect decision cache of format {FORMAT}")
+        entries = {key: value for key, value in data["entries"].items() if isinstance(value, dict)}
+        if len(entries) != len(data["entries"]):
+            _warn_once(f"entries:{path}", "attnselect: ignoring %d malformed entries of the decision cache %s",
+                       len(data["entries"]) - len(entries), path)  # fmt: skip
+        return entries
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError) as exc:
+        _warn_once(
+            f"read:{path}", "attnselect: ignoring the unreadable decision cache %s (%s); it will be rebuilt", path, exc
+        )
+        return {}
+
+
+def malformed(path_or_tag: str, exc: Exception) -> None:
+    """One warning for a cache entry whose content a reader could not use (it is then ignored)."""
+    _warn_once(f"malformed:{path_or_tag}", "attnselect: ignoring a malformed decision cache entry (%s: %s)",
+               type(exc).__name__, exc)  # fmt: skip
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """Hold ``path``'s lock file (``path`` with the suffix ``.lock``) against other processes (POSIX; elsewhere
+    nothing is held: writers replace files atomically)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: atomic replacement still keeps the file whole
+        yield
+        return
+    with open(path.with_suffix(".lock"), "a") as lock:
+        waited = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() - waited > LOCK_TIMEOUT_S:
+                    raise TimeoutError(
+                        f"{lock.name} has been held by another process for {LOCK_TIMEOUT_S:.0f} s; remove it if no "
+                        "attnselect process is running"
+                    ) from None
+                time.sleep(0.01)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _warn_once(tag: str, message: str, *args) -> None:
+    if tag not in _warned:
+        _warned.add(tag)
+        log.warning(message, *args)

@@ -1,0 +1,217 @@
+"""attention()'s memo of the calls it has validated and decided: a repeated call goes straight to its runner.
+
+A call is known by everything validation, selection and its runner read: its options; the types, shapes, strides,
+dtypes, devices and requires_grad of its tensors (q, k, v, the sinks, a packed call's boundaries), which of q, k and
+v are one tensor, and the storage offsets of q, k and v; the gradient mode, deterministic algorithms, autocast,
+TorchFunctionModes, the ATTNSELECT_* variables, the :func:`attnselect.overrides` scope and, for CUDA tensors, graph
+capture. A change to the backend registry clears the memo (:func:`attnselect.backends.register`). Two levels:
+
+- the recent calls (``RECENT``, newest first): one tuple of the options and the global state compared by value,
+  one C++ check of the tensors (torch's ``TensorGuards``, what torch.compile's guards run on every call of a
+  compiled function; it also sees inference mode and autocast for the tensors' device, through their dispatch keys),
+  the offsets and, for a call on CUDA tensors, the capture state;
+- every call decided before (``MEMO_SIZE``), by a hashable key of the same values; a hit there becomes recent.
+
+Calls the key cannot describe are not known and take the slow path, which validates them: values that compare
+equal to a valid one of another type (``1 == True``, ``True == 1.0``), lists and iterators, nested tensors, padded
+offsets, and packed calls whose problem depends on the boundaries' values (on the CPU, without both ``max_seqlen``
+as integers, or with keys that have their own boundaries).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from attnselect.choose import settings
+from attnselect.choose.selection import MEMO_SIZE
+from attnselect.memos import generation, register_cache
+from attnselect.spec.options import Candidate, KernelCall
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
+
+try:  # what torch.compile's tensor guards run (torch/_dynamo/guards.py); absent, the memo keys every call
+    from torch._C._dynamo.guards import TensorGuards
+except ImportError:  # pragma: no cover (every supported torch has it)
+    TensorGuards = None
+    logging.getLogger("attnselect").info("torch has no TensorGuards: repeated calls are looked up by key only")
+
+RECENT = 8  # recent calls checked before the key is built: a model's distinct attention calls, alternating layers
+
+
+class KnownCall(NamedTuple):
+    """A call validated and decided before: what running it again needs."""
+
+    problem: AttentionProblem
+    chosen: Candidate
+    target: Target
+    call: KernelCall  # kernel options, the scale included
+    forced: bool  # the caller forced the backend: failures re-raise
+    runner: Callable | None  # run(q, k, v) (dense, the layout work prepared) or run(q, k, v, cu_seqlens_q) (packed)
+
+
+class _Entry(NamedTuple):
+    state: tuple  # the options and the global state, as recall() builds them
+    guard: object  # TensorGuards of the call's tensors
+    offsets: tuple  # storage offsets of q, k, v (the key's last item)
+    capturing: bool | None  # CUDA graph capture during the call; None where its tensors are not on CUDA
+    known: KnownCall
+
+
+class Unknown(NamedTuple):
+    """A call not decided before: :meth:`remember` keeps its decision, unless the memo was cleared meanwhile."""
+
+    state: tuple
+    tensors: tuple
+    capturing: bool | None
+    key: tuple
+    generation: int  # caches.generation() when the call was looked up
+
+    def remember(self, known: KnownCall) -> None:
+        guard = None
+        if TensorGuards is not None:
+            guard = TensorGuards(
+                *self.tensors,
+                dynamic_dims_sizes=[list(t.shape) for t in self.tensors],
+                dynamic_dims_strides=[list(t.stride()) for t in self.tensors],
+            )
+        entry = _Entry(self.state, guard, self.key[-1], self.capturing, known)
+        _CALLS[self.key] = entry
+        if len(_CALLS) > MEMO_SIZE:
+            _CALLS.popitem(last=False)
+        _make_recent(entry)
+        if generation() != self.generation:  # cleared while deciding: the decision may rest on what it forgot
+            _CALLS.pop(self.key, None)
+            _set_recent([recent for recent in _RECENT if recent is not entry])
+
+
+_CALLS: OrderedDict[tuple, _Entry] = OrderedDict()
+_RECENT: list[_Entry] = []
+
+
+def _clear() -> None:
+    _CALLS.clear()
+    _set_recent([])
+
+
+register_cache(_clear)
+
+
+def known_calls() -> list[KnownCall]:
+    """Every call decided before, oldest first."""
+    return [entry.known for entry in _CALLS.values()]
+
+
+def _make_recent(entry: _Entry) -> None:
+    """Check ``entry`` first from now on, unless it is recent already (found by key because its guard failed, as on
+    tensors whose dispatch keys differ from the first call's: inference mode)."""
+    if entry.guard is not None and not any(recent is entry for recent in _RECENT):
+        _set_recent([entry, *_RECENT][:RECENT])
+
+
+def _set_recent(entries: list[_Entry]) -> None:
+    """Make ``entries`` the recent calls: a new list swapped in whole, so a thread checking the old one is not
+    disturbed (recall reads the module's list once per call)."""
+    global _RECENT
+    _RECENT = entries
+
+
+# What torch.is_grad_enabled, torch.are_deterministic_algorithms_enabled and torch.cuda.is_current_stream_capturing
+# return, without their Python frames (this runs on every call; a recent call's capture state is read only for CUDA
+# tensors: the guard has checked the device).
+_grad = torch._C.is_grad_enabled
+_deterministic = torch._C._get_deterministic_algorithms
+# Autocast and TorchFunctionModes act on the calls a runner makes (SDPA is on autocast's lower-precision list; a
+# mode may intercept it), so a runner prepared outside them does not serve inside them (backends/_sdpa.py). Autocast
+# is in the key only: a recent call's TensorGuards check fails when autocast for its tensors' device changes, since
+# it compares each tensor's dispatch keys after the thread's included and excluded keys, and that device's autocast
+# key is excluded when off (torch/csrc/dynamo/guards.cpp LocalState::apply; c10 set_autocast_enabled). Autocast for
+# another device does not act on these tensors' ops, and the autocast dtype is in neither.
+_autocast = torch._C._is_any_autocast_enabled
+_function_mode = torch._C._is_torch_function_mode_enabled
+stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # a CPU build has no CUDA
+# The current device's current stream, as a raw pointer (-1: the current device). A capture runs on another stream
+# than the default one (0): CUDA cannot capture the legacy default stream, and torch's CUDAGraph.capture_begin refuses
+# it ("CUDA graphs must be captured on a non-default stream"), so on the default stream stream_capturing() is False,
+# and this answers that in a fraction of its time (it asks the CUDA runtime).
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0)
+_no_environment, _environment = settings.no_environment, settings.raw_environment
+_scope = settings.scope
+_NUMBER = (float, int, type(None))
+
+
+def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
+    """The call's :class:`KnownCall` if it was decided before; else :class:`Unknown`, or None where the memo cannot
+    know it (see the module docstring). ``options``: a :class:`~attnselect.spec.options.CallOptions`, or a plain
+    tuple of its fields (attention() builds its object only off this path)."""
+    (
+        layout, causal, window, scale, dropout_p, cu_q, cu_kv, max_q, max_kv, cu_q_padded, cu_kv_padded, return_lse,
+        softcap, sinks, return_max_logit, _, backend, pad, disable,
+    ) = options  # fmt: skip
+    if cu_q_padded is not None or cu_kv_padded is not None:
+        return None
+    if layout == "thd":
+        if not (
+            type(max_q) is int
+            and type(max_kv) is int
+            and (cu_kv is None or cu_kv is cu_q)
+            and type(cu_q) is torch.Tensor
+            and not cu_q.is_cpu
+            and not cu_q.is_nested
+        ):
+            return None
+    elif cu_q is not None or cu_kv is not None:
+        return None
+    if not (
+        (causal is False or causal is True or type(causal) is str)
+        and (scale is None or type(scale) in _NUMBER)
+        and (softcap is None or type(softcap) in _NUMBER)
+        and (return_lse is False or return_lse is True)
+        and (return_max_logit is False or return_max_logit is True)
+        and (pad is None or pad is True or pad is False or type(pad) is str)
+        and (disable is None or type(disable) is str)
+        and (window is None or (type(window) is tuple and all(type(x) is int for x in window)))
+        and type(dropout_p) in (float, int)
+    ):
+        return None  # 1 == True and 2.0 == 2 as keys: the slow path refuses what it must, whatever ran before
+    try:
+        if q.is_nested or k.is_nested or v.is_nested or (sinks is not None and sinks.is_nested):
+            return None  # TensorGuards cannot check a strided nested tensor (the process aborts); validation names it
+        offsets = (q.storage_offset(), k.storage_offset(), v.storage_offset())
+        # TensorGuards' check fails for a tensor passed twice: an aliased q, k or v is guarded once, its pattern kept
+        aliases = None if k is not q and v is not q and v is not k else (k is q, v is q, v is k)
+        state = (
+            layout, causal, window, scale, dropout_p, max_q, max_kv, return_lse, softcap, return_max_logit, backend,
+            pad, disable, sinks is None, aliases, _grad(), _deterministic(), _function_mode(),
+            _no_environment() or _environment(), _scope(),
+        )  # fmt: skip
+        tensors = (q, k, v) if aliases is None else tuple({id(t): t for t in (q, k, v)}.values())
+        if cu_q is not None:
+            tensors += (cu_q,) if sinks is None else (cu_q, sinks)
+        elif sinks is not None:
+            tensors += (sinks,)
+        for entry_state, guard, entry_offsets, capturing, known in _RECENT:
+            if (
+                entry_state == state
+                and guard.check(*tensors)
+                and entry_offsets == offsets
+                and (capturing is None or capturing is (raw_stream(-1) != 0 and stream_capturing()))  # None: not CUDA
+            ):
+                return known
+        capturing = stream_capturing() if q.is_cuda else None
+        key = (
+            state, capturing, _autocast(), tuple(map(type, tensors)), tuple(t.shape for t in tensors),
+            tuple(t.stride() for t in tensors), tuple(t.dtype for t in tensors), tuple(t.device for t in tensors),
+            tuple(t.requires_grad for t in tensors), offsets,
+        )  # fmt: skip
+        entry = _CALLS.get(key)
+    except Exception:  # not tensors, an unhashable or incomparable option...: the slow path validates and names it
+        return None
+    if entry is None:
+        return Unknown(state, tensors, capturing, key, generation())
+    _make_recent(entry)
+    return entry.known

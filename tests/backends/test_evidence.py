@@ -1,0 +1,107 @@
+"""The young kernels' allowlists from the correctness grid (attnselect.backends.evidence)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from attnselect.backends import evidence, get
+from attnselect.errors import InvalidInputError
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
+
+H200 = Target.preset("h200")
+
+
+def _problem(**kw):
+    fields = dict(batch=2, seqlen_q=512, seqlen_kv=512, heads_q=8, heads_kv=8, head_dim_qk=192, head_dim_v=128)
+    return AttentionProblem(**{**fields, **kw})
+
+
+@pytest.fixture
+def grid(monkeypatch):
+    data = {
+        "source": "results/grid.md",
+        "device": "NVIDIA H200",
+        "fingerprint": evidence.base_fingerprint(H200),
+        "packages": {"flex": None},
+        "kernels": {
+            "flex": {
+                "dense 192/128 training": {"passed": 3, "failed": 0},
+                "dense 64/256 training": {"passed": 2, "failed": 1, "example": "row 7: InductorError: out of resource"},
+            }
+        },
+        "covered": frozenset({json.dumps(["flex", None, list(_problem(training=True).signature)])}),
+    }
+    monkeypatch.setattr(evidence, "grid_for", lambda arch: data if arch == "sm90" else None)
+    return data
+
+
+def test_a_young_kernel_is_served_only_where_every_row_passed(grid):
+    flex = get("flex")
+    assert flex.not_supported_reasons(_problem(training=True), H200) == []
+    failed = flex.not_supported_reasons(_problem(training=True, head_dim_qk=64, head_dim_v=256), H200)
+    assert failed == ["failed 1 of 3 rows at dense 64/256 training in results/grid.md"]
+    unseen = flex.not_supported_reasons(_problem(training=True, head_dim_qk=80, head_dim_v=80), H200)
+    assert unseen == ["no correctness grid row ran it at dense 80/80 training (results/grid.md)"]
+    elsewhere = flex.not_supported_reasons(_problem(training=True), Target.preset("b200"))
+    assert elsewhere == ["no correctness grid has passed it on sm100 (benchmarks/correctness_grid.py)"]
+
+
+def test_the_allowlist_leaves_older_kernels_and_the_cpu_alone(grid):
+    assert get("sdpa_cudnn").not_supported_reasons(_problem(head_dim_qk=80, head_dim_v=80), H200) == []
+    assert get("flex").not_supported_reasons(_problem(head_dim_qk=80, head_dim_v=80), Target.preset("cpu")) == []
+
+
+def test_the_allowlist_can_be_switched_off(grid, monkeypatch):
+    monkeypatch.setenv("ATTNSELECT_ALLOWLIST", "0")
+    assert get("flex").not_supported_reasons(_problem(training=True, head_dim_qk=80, head_dim_v=80), H200) == []
+    monkeypatch.setenv("ATTNSELECT_ALLOWLIST", "yes")
+    with pytest.raises(InvalidInputError, match="ATTNSELECT_ALLOWLIST: got 'yes'"):
+        evidence.allowlist_enabled()
+
+
+def test_covered_signatures_need_the_same_versions(grid):
+    problem = _problem(training=True)
+    assert evidence.covers("flex", None, problem, H200, None)
+    assert not evidence.covers("flex", None, _problem(training=True, seqlen_q=4096, seqlen_kv=4096), H200, None)
+    assert not evidence.covers("flex", None, problem, Target.preset("h200", torch_version="2.12.0"), None)
+    grid["packages"]["flex"] = "1.0"  # a backend's own package version must match too
+    assert not evidence.covers("flex", None, problem, H200, None)
+
+
+def test_the_packaged_h200_grid_loads_and_names_its_source():
+    evidence.grid_for.cache_clear()
+    data = evidence.grid_for("sm90")
+    assert data is not None and data["source"].startswith("results/h200_correctness_grid.md")
+    assert {"flex", "cudnn_frontend"} <= set(data["kernels"])
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "not json",
+        json.dumps({"format": 99}),
+        json.dumps([1, 2]),
+        json.dumps({"format": 1, "source": "x", "covered": [], "kernels": {"flex": [1]}}),
+        json.dumps({"format": 1, "source": "x", "covered": [[1]], "kernels": {}}),
+    ],
+)
+def test_a_foreign_or_corrupt_summary_is_ignored_with_one_warning(content, monkeypatch, caplog):
+    class Files:
+        def joinpath(self, *parts):
+            return self
+
+        def read_text(self):
+            return content
+
+    monkeypatch.setattr(evidence.resources, "files", lambda package: Files())
+    evidence.grid_for.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="attnselect"):
+            assert evidence.grid_for("sm90") is None
+        assert sum("ignoring the correctness summary" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        evidence.grid_for.cache_clear()

@@ -1,0 +1,46 @@
+"""Run-time failures: transient ones (out of memory, interrupts) stay in the process; the rest are recorded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import attnselect
+from attnselect.choose import failures, store
+from attnselect.spec.options import Candidate
+from attnselect.spec.problem import AttentionProblem
+
+P = AttentionProblem(1, 8, 8, 2, 2, 16, 16, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4294967296 bytes"),
+        RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+        RuntimeError("cudnnHandle Create failed cudaStreamCreateWithFlags(&ctx->streamPool[0][i], 0x01)"),
+        MemoryError(),
+        InterruptedError("interrupted system call"),
+    ],
+)
+def test_transient_failures_are_kept_in_the_process_only(error, tmp_path):
+    target = attnselect.Target.current()
+    failures.mark_failed(P, target, Candidate("sdpa_math"), error)
+    assert Candidate("sdpa_math") in failures.failures(P, target)
+    assert not (tmp_path / "decisions.json").exists() or failures.FAILED_AT_RUN_TIME not in (
+        store.cache_file().read_text() if store.cache_file().exists() else ""
+    )
+
+
+def test_a_lasting_failure_is_recorded_for_the_signature():
+    target = attnselect.Target.current()
+    failures.mark_failed(P, target, Candidate("sdpa_math"), RuntimeError("no kernel image is available"))
+    entries = json.loads(store.cache_file().read_text())["entries"]
+    assert [json.loads(k)["signature"] for k in entries] == [list(json.loads(json.dumps(P.signature)))]
+    failures._FAILED.clear()
+    failures._RECORDED = None
+    bigger = AttentionProblem(1, 9, 9, 2, 2, 16, 16, dtype=torch.float32)  # the same size class: the same signature
+    assert failures.failures(bigger, target) == {Candidate("sdpa_math"): "RuntimeError: no kernel image is available"}

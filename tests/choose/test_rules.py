@@ -1,0 +1,353 @@
+"""The rules policy on simulated targets: the cases the foundation issue names (5a-5f)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnselect
+from attnselect import AttentionProblem, Candidate, Target
+from attnselect.spec.options import CallOptions
+
+MLA = dict(
+    batch=2,
+    seqlen_q=4096,
+    seqlen_kv=4096,
+    heads_q=16,
+    heads_kv=16,
+    head_dim_qk=192,
+    head_dim_v=128,
+    dtype=torch.bfloat16,
+    mask="causal",
+)
+
+
+def verdict(decision, backend, pad_to=None):
+    return next(v for v in decision.verdicts if v.candidate == Candidate(backend, pad_to))
+
+
+@pytest.mark.parametrize("preset", ["h100", "h200"])
+@pytest.mark.parametrize("training", [True, False])
+def test_a_hopper_mla_runs_native_cudnn(preset, training):
+    d = attnselect.select(AttentionProblem(**MLA, training=training), target=Target.preset(preset))
+    assert d.chosen == Candidate("sdpa_cudnn")
+    assert not d.chosen.padded
+    assert "native" in d.why
+
+
+@pytest.mark.parametrize("preset", ["b200", "b300"])
+def test_b_blackwell_mla_training_native_cudnn_and_padded_rejected_for_backward(preset):
+    d = attnselect.select(AttentionProblem(**MLA, training=True), target=Target.preset(preset))
+    assert d.chosen == Candidate("sdpa_cudnn")
+    padded = verdict(d, "sdpa_cudnn", 192)
+    assert not padded.supported
+    assert any("no backward kernel for head dims 192/192" in r for r in padded.reasons)
+
+
+def test_b_blackwell_mla_inference_follows_pytorch_cudnn_gate():
+    # sdp_utils.cpp: above 128 on sm10x only exactly 192/128 (cuDNN >= 9.11) or anything up to 256 with
+    # cuDNN > 9.22, so padded 192/192 inference depends on the cuDNN version; native still wins.
+    old = attnselect.select(AttentionProblem(**MLA), target=Target.preset("b200"))
+    assert old.chosen == Candidate("sdpa_cudnn") and not verdict(old, "sdpa_cudnn", 192).supported
+    new = attnselect.select(AttentionProblem(**MLA), target=Target.preset("b200", cudnn_version="9.23.0"))
+    assert new.chosen == Candidate("sdpa_cudnn") and verdict(new, "sdpa_cudnn", 192).supported
+
+
+def test_b_blackwell_mla_needs_cudnn_9_11():
+    d = attnselect.select(AttentionProblem(**MLA, training=True), target=Target.preset("b200", cudnn_version="9.10.0"))
+    assert d.chosen.backend != "sdpa_cudnn"
+    assert any("9.11" in r for r in verdict(d, "sdpa_cudnn").reasons)
+
+
+def test_c_a100_mla_training_pads_for_flash():
+    d = attnselect.select(AttentionProblem(**MLA, training=True), target=Target.preset("a100"))
+    assert d.chosen == Candidate("sdpa_flash", 192)
+    natives = [c for c in d.ranked if not c.padded]
+    assert natives and d.ranked.index(natives[0]) > 0
+    assert "padding wins" in d.why
+    assert any("above 128" in r for r in verdict(d, "sdpa_cudnn").reasons)
+
+
+@pytest.mark.parametrize("preset", ["a100", "h200", "b200", "cpu"])
+def test_d_equal_head_dims_have_no_padded_candidate(preset):
+    p = AttentionProblem(**{**MLA, "head_dim_qk": 128, "head_dim_v": 128, "dtype": torch.float16})
+    d = attnselect.select(p, target=Target.preset(preset))
+    assert all(v.candidate.pad_to is None for v in d.verdicts)
+
+
+def test_e_context_parallel_inference_takes_any_candidate_with_an_lse():
+    h200 = Target.preset("h200")
+    d = attnselect.select(AttentionProblem(**MLA, return_lse=True, context_parallel_size=2), target=h200)
+    assert d.chosen == attnselect.select(AttentionProblem(**MLA, return_lse=True), target=h200).chosen
+
+
+def test_e_context_parallel_training_needs_an_lse_that_carries_a_gradient():
+    p = AttentionProblem(**MLA, training=True, return_lse=True, context_parallel_size=2)
+    d = attnselect.select(p, target=Target.preset("h200"))
+    assert attnselect.backends.get(d.chosen.backend).surfaces["cuda"].lse_gradient
+    for name in ("sdpa_cudnn", "sdpa_efficient"):
+        assert "cannot train under context parallelism: its log-sum-exp carries no gradient" in verdict(d, name).reasons
+
+
+def test_e_nothing_eligible_lists_every_candidate_with_reasons():
+    p = AttentionProblem(**{**MLA, "dtype": torch.float32}, training=True, fp8=True, context_parallel_size=4)
+    with pytest.raises(attnselect.NoSupportedCandidateError) as err:
+        attnselect.select(p, target=Target.preset("cpu"))
+    message = str(err.value)
+    for backend in ("sdpa_cudnn", "sdpa_flash", "flex", "sdpa_math", "reference", "cudnn_frontend"):
+        assert f"{backend} native:" in message and f"{backend} padded to 192:" in message
+    assert "context parallelism" in message and "not installed" in message
+
+
+def test_f_cpu_target_chooses_a_cpu_candidate_that_runs():
+    q = torch.randn(1, 16, 2, 24, requires_grad=True)
+    k = torch.randn(1, 16, 2, 24, requires_grad=True)
+    v = torch.randn(1, 16, 2, 16, requires_grad=True)
+    d = attnselect.select(AttentionProblem.from_tensors(q, k, v, causal=True), target=Target.preset("cpu"))
+    assert d.chosen == Candidate("sdpa_flash", 24)  # SDPA's C++ flash kernel, padded to equal dims
+    out = attnselect.attention(q, k, v, causal=True)
+    out.sum().backward()
+    assert out.shape == (1, 16, 2, 16) and q.grad is not None
+
+
+def test_rtx_pro_6000_mla_training_pads_for_flash():
+    # sm120: cuDNN serves no head dim above 128 there (sdp_utils.cpp), FA2 trains 192 (not in (192, 224]).
+    d = attnselect.select(AttentionProblem(**MLA, training=True), target=Target.preset("rtx-pro-6000"))
+    assert d.chosen == Candidate("sdpa_flash", 192)
+
+
+def test_absorbed_mla_on_hopper_uses_the_only_kernel_that_fits():
+    p = AttentionProblem(**{**MLA, "head_dim_qk": 576, "head_dim_v": 512})
+    d = attnselect.select(p, target=Target.preset("h200"))
+    assert d.chosen == Candidate("sdpa_efficient")  # measured: cuDNN, flash and flex refuse 576/512
+
+
+def test_installed_fa3_on_hopper_follows_cudnn_like_transformer_engine():
+    target = Target.preset("h200").with_versions(flash_attn3_version="3.0.0")
+    d = attnselect.select(AttentionProblem(**MLA, training=True), target=target)
+    assert d.ranked[:2] == (Candidate("sdpa_cudnn"), Candidate("flash_attn3"))
+
+
+THD = dict(MLA, layout="thd", batch=4, mask="causal_bottom_right", training=True)
+
+
+def test_thd_per_sequence_facts_reach_the_rules():
+    fa2 = Target.preset("a100", flash_attn_version="2.6.3")
+    top_left = dict(THD, mask="causal", head_dim_qk=128)
+    same = attnselect.select(AttentionProblem(**top_left), target=fa2)
+    assert same.chosen == Candidate("varlen_fa2") and verdict(same, "flash_attn2").supported
+    differ = attnselect.select(AttentionProblem(**top_left, varlen_seqlens_match=False), target=fa2)
+    for name in ("varlen_fa2", "flash_attn2"):  # bottom-right causal kernels, packed or per sequence
+        assert any("every sequence" in r for r in verdict(differ, name).reasons)
+    h200 = Target.preset("h200")
+    assert verdict(attnselect.select(AttentionProblem(**THD), target=h200), "sdpa_cudnn").supported
+    longer_keys = attnselect.select(AttentionProblem(**THD, varlen_seqlens_match=False), target=h200)
+    assert verdict(longer_keys, "sdpa_cudnn").supported  # every query still sees a key
+    for facts in ({"varlen_seqlens_match": False, "varlen_rows_without_keys": True}, {"varlen_single_key": True}):
+        d = attnselect.select(AttentionProblem(**THD, **facts), target=h200)
+        assert not verdict(d, "sdpa_cudnn").supported
+
+
+@pytest.mark.parametrize(
+    "installed,chosen",
+    [({}, Candidate("varlen_fa2", 192)), ({"cudnn_frontend_version": "1.32.0"}, Candidate("cudnn_frontend"))],
+)
+def test_thd_mla_training_on_hopper(installed, chosen):
+    # H200, 32k tokens / 18 sequences, fwd+bwd: cuDNN frontend THD 357 TFLOP/s > varlen_attn V padded 186
+    # > flex 147 > per-sequence SDPA 87 (research measurements).
+    d = attnselect.select(AttentionProblem(**THD), target=Target.preset("h200", **installed))
+    assert d.chosen == chosen
+
+
+def test_thd_facts_are_read_from_cu_seqlens():
+    q = torch.randn(9, 2, 16)
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    same = AttentionProblem.from_tensors(q, q, q, layout="thd", cu_seqlens_q=cu_q)
+    assert same.varlen_seqlens_match and not same.varlen_single_key and same.seqlen_q == 5
+    cu_kv = torch.tensor([0, 1, 9], dtype=torch.int32)
+    other = AttentionProblem.from_tensors(q, q, q, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+    assert not other.varlen_seqlens_match and other.varlen_single_key and other.seqlen_kv == 8
+    assert not other.varlen_rows_without_keys  # no mask: every query sees its sequence's keys
+    bottom_right = AttentionProblem.from_tensors(
+        q, q, q, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, causal="bottom_right"
+    )
+    assert bottom_right.varlen_rows_without_keys  # 4 queries, 1 key: the first 3 see none
+
+
+def test_newer_torch_on_hopper_follows_the_newest_cudnn_gate():
+    newer = Target.preset("h200", torch_version="2.13.0")
+    padded = verdict(attnselect.select(AttentionProblem(**MLA, training=True), target=newer), "sdpa_cudnn", 192)
+    assert any("9.22" in r for r in padded.reasons)
+    assert verdict(attnselect.select(AttentionProblem(**MLA), target=newer), "sdpa_cudnn").supported
+
+
+@pytest.mark.parametrize(
+    "max_seqlen,heads,training,chosen",
+    [
+        (512, 16, True, Candidate("varlen_fa2", 192)),  # short documents: the frontend op's host time dominates
+        (1024, 16, True, Candidate("cudnn_frontend")),
+        (512, 128, True, Candidate("cudnn_frontend")),  # short, but enough work in the pack to hide the host time
+        (512, 16, False, Candidate("cudnn_frontend")),  # forward only: cuDNN led the uncontended run
+    ],
+)
+def test_packed_short_documents_train_on_varlen_on_hopper(max_seqlen, heads, training, chosen):
+    problem = AttentionProblem(
+        **{**MLA, "batch": 32, "seqlen_q": max_seqlen, "seqlen_kv": max_seqlen, "heads_q": heads, "heads_kv": heads},
+        layout="thd",
+        training=training,
+    )
+    d = attnselect.select(problem, target=Target.preset("h200", cudnn_frontend_version="1.32.0"))
+    assert d.chosen == chosen
+    assert ("short documents" in d.why) == (chosen.backend == "varlen_fa2")
+
+
+def test_absorbed_mla_prefill_prefers_the_efficient_kernel_on_hopper():
+    h200 = Target.preset("h200", cudnn_frontend_version="1.32.0")
+    absorbed = AttentionProblem(16, 1024, 1024, 128, 1, 576, 512, mask="causal")
+    d = attnselect.select(absorbed, target=h200)
+    assert d.chosen == Candidate("sdpa_efficient")
+    assert "wide heads" in d.why
+    decode = AttentionProblem(16, 1, 4096, 128, 1, 576, 512, mask="causal_bottom_right")  # not measured: general order
+    assert attnselect.select(decode, target=h200).chosen == Candidate("cudnn_frontend")
+    short = AttentionProblem(16, 512, 512, 128, 1, 576, 512, mask="causal")
+    assert "wide heads" not in attnselect.select(short, target=h200).why
+
+
+def test_rules_choose_what_the_h200_packed_benchmark_measured_fastest():
+    """results/h200_thd_bench.json: on each packing and phase the rules' choice is the fastest candidate there."""
+    import dataclasses
+    import json
+    import pathlib
+
+    from attnselect.spec.problem import describe_call
+
+    report = json.loads((pathlib.Path(__file__).parents[2] / "results" / "h200_thd_bench.json").read_text())
+    h200 = Target.preset("h200", cudnn_frontend_version=report["meta"]["cudnn_frontend"])
+    for entry in report["results"]:
+        lengths, total = entry["lengths"], sum(entry["lengths"])
+        q, k = (torch.empty(total, 16, 192, dtype=torch.bfloat16) for _ in range(2))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        problem, _ = describe_call(
+            q,
+            k,
+            torch.empty(total, 16, 128, dtype=torch.bfloat16),
+            CallOptions(
+                layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
+            ),
+        )
+        problem = dataclasses.replace(problem, training=entry["phase"] == "forward+backward")
+        assert str(attnselect.select(problem, target=h200).chosen) == entry["fastest"], (
+            entry["packing"],
+            entry["phase"],
+        )
+
+
+def test_on_packed_input_a_per_packing_rebuilder_ranks_after_the_stable_packed_candidates():
+    """flex builds a document mask for every new packing; varlen_fa2 builds nothing: in a loop that packs anew
+    the table's forward order (flex first once the frontend is absent) must not stand."""
+    packed = AttentionProblem(**{**MLA, "batch": 18, "seqlen_q": 4096, "seqlen_kv": 4096}, layout="thd")
+    d = attnselect.select(packed, target=Target.preset("h200"))
+    assert d.chosen == Candidate("varlen_fa2", 192)
+    assert d.rank_of(Candidate("flex")) == d.rank_of(Candidate("varlen_fa2", 192)) + 1
+    dense = attnselect.select(AttentionProblem(**MLA), target=Target.preset("h200"))  # dense keeps the table
+    assert dense.rank_of(Candidate("flex")) < dense.rank_of(Candidate("sdpa_flash", 192))
+    per_sequence = [c.backend for c in d.ranked if c.backend in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient")]
+    assert per_sequence.index("sdpa_cudnn") > per_sequence.index("sdpa_efficient")  # a graph per new length
+    float32 = attnselect.select(
+        AttentionProblem(**{**MLA, "dtype": torch.float32}, layout="thd"), target=Target.preset("h200")
+    )
+    assert float32.chosen == Candidate("flex")  # the only packed kernel for float32 keeps its place
+
+
+def test_every_rules_table_names_each_candidate_once_and_only_registered_backends():
+    from attnselect.choose.rules import PREFERENCES, TABLES, parse_table
+
+    assert TABLES.keys() == PREFERENCES.keys()  # parsed and checked at import
+    assert TABLES[("sm90", "training")][:2] == (("flash_attn4", False), ("sdpa_cudnn", False))
+    with pytest.raises(ValueError, match="got entry 'sdpa_cuddn'"):
+        parse_table(("sm90", "training"), ("sdpa_cudnn", "sdpa_cuddn"))
+    with pytest.raises(ValueError, match="got entry 'flex\\+padded'"):
+        parse_table(("sm90", "training"), ("flex+padded",))
+    with pytest.raises(ValueError, match="twice"):
+        parse_table(("sm90", "training"), ("flex", "flex"))
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+@pytest.mark.parametrize("head_dim,pad_to", [(59, 64), (15, 16)])
+def test_head_dims_a_kernel_takes_only_rounded_up_run_padded_on_a_fast_kernel(layout, head_dim, pad_to):
+    # The H200 (results/h200_rules_grid.md, odd head dims): varlen_attn raises "head_size must be a multiple of 8"
+    # for 59, inductor's flex template refuses head dims below 16; their padded candidates serve.
+    p = AttentionProblem(**{**MLA, "head_dim_qk": head_dim, "head_dim_v": head_dim, "layout": layout, "training": True})
+    d = attnselect.select(p, target=Target.preset("h200"))
+    assert d.chosen == Candidate("sdpa_cudnn" if layout == "bshd" else "varlen_fa2", pad_to)  # no frontend, no FA4
+    assert verdict(d, "sdpa_cudnn").reasons and not verdict(d, "sdpa_cudnn", pad_to).reasons
+    if layout == "thd":
+        assert any("multiples of 8" in r for r in verdict(d, "varlen_fa2").reasons)
+        assert not verdict(d, "varlen_fa2", pad_to).reasons
+    if head_dim < 16:
+        assert any("at least 16" in r for r in verdict(d, "flex").reasons)
+    assert "padding wins" in d.why
+
+
+@pytest.mark.parametrize(
+    "dims,fa4,chosen",
+    [
+        ((128, 128), False, Candidate("varlen_fa2")),
+        ((192, 128), False, Candidate("varlen_fa2", 192)),  # V padded still beats the frontend's host time
+        ((128, 128), True, Candidate("varlen_fa2")),  # FA4's host time too
+        ((192, 128), True, Candidate("flash_attn4")),  # FA4 native matched varlen padded there
+    ],
+)
+def test_small_inference_packs_run_where_the_host_time_is_least_on_hopper(dims, fa4, chosen):
+    versions = {"cudnn_frontend_version": "1.32.0", **({"flash_attn4_version": "4.0.0b36"} if fa4 else {})}
+    h200 = Target.preset("h200", **versions)
+
+    def pack(batch=4, seqlen=400, heads=16, heads_kv=16, head_dims=dims, **options):  # benchmarks/hot_path.py's
+        options = {"layout": "thd", "mask": "causal", **options}
+        return AttentionProblem(batch, seqlen, seqlen, heads, heads_kv, *head_dims, **options)
+
+    d = attnselect.select(pack(), target=h200)
+    assert d.chosen == chosen and "small pack" in d.why
+    large = attnselect.select(pack(batch=30, seqlen=1024), target=h200)
+    assert large.chosen == Candidate("flash_attn4" if fa4 else "cudnn_frontend")
+    unmeasured_or_host_free = [
+        pack(heads=128, heads_kv=128),  # 8x the work: the GPU time counts
+        pack(cuda_graph_capture=True),  # a replay has no host time
+        pack(heads_kv=4),  # grouped heads
+        pack(varlen_seqlens_match=False),  # fewer queries than keys (chunked prefill, decode)
+        pack(head_dims=(256, 256)),
+        pack(mask="none"),
+    ]
+    for problem in unmeasured_or_host_free:
+        assert "small pack" not in attnselect.select(problem, target=h200).why, problem.describe()
+
+
+def test_the_small_pack_bound_sits_where_the_h200_inference_loop_measured_it():
+    """results/h200_thd_inference*.json: under SMALL_PACK_WORK the rules' choice led every configuration by wall time
+    (FA4 within 3%) and gave up at most 32 us of GPU time a call against the fastest GPU time measured there; above
+    1e11 the frontend led varlen_attn."""
+    import json
+    import pathlib
+
+    from attnselect.choose.rules import SMALL_PACK_WORK
+
+    results = pathlib.Path(__file__).parents[2] / "results"
+    below = above = 0
+    for name, versions in (("h200_thd_inference.json", {}), ("h200_thd_inference_fa4.json", {"fa4": "4.0.0b36"})):
+        h200 = Target.preset("h200", cudnn_frontend_version="1.32.0", flash_attn4_version=versions.get("fa4"))
+        for entry in json.loads((results / name).read_text())["results"]:
+            rows = {row: r for row, r in entry["rows"].items() if row != "attnselect default"}
+            if entry["work"][1] <= SMALL_PACK_WORK:
+                below += 1
+                problem = AttentionProblem(4, 400, 400, 16, 16, entry["d_qk"], entry["d_v"], layout="thd",
+                                           mask="causal")  # fmt: skip
+                chosen = rows[str(attnselect.select(problem, target=h200).chosen)]
+                fastest_wall = min(r["wall_us"]["median"] for r in rows.values())
+                assert chosen["wall_us"]["median"] <= 1.03 * fastest_wall, (name, entry["total"], entry["d_qk"])
+                fastest_gpu = min(r["gpu_us"]["median"] for r in rows.values())
+                assert chosen["gpu_us"]["median"] - fastest_gpu <= 32, (name, entry["total"], entry["d_qk"])
+            elif entry["work"][0] > 1e11 and not versions:
+                above += 1
+                varlen = next(r for row, r in rows.items() if row.startswith("varlen_fa2"))
+                assert rows["cudnn_frontend native"]["wall_us"]["median"] < 1.05 * varlen["wall_us"]["median"]
+    assert below >= 12 and above >= 3

@@ -1,0 +1,271 @@
+"""The memo of repeated calls: a call is known again only where everything validation and selection read is equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnselect
+from attnselect import dispatch
+from attnselect.dispatch import KnownCall, Unknown
+from attnselect.spec.options import CallOptions
+
+
+def _qkv(dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 9, 2, d, generator=g, dtype=dtype) for d in (24, 24, 16)]
+
+
+def _recall(q, k, v, **options):
+    """dispatch.recall for attention(q, k, v, **options)."""
+    return dispatch.recall(q, k, v, CallOptions(**options))
+
+
+def test_a_repeated_call_is_found_among_the_recent_ones():
+    q, k, v = _qkv()
+    assert type(_recall(q, k, v, causal=True)) is Unknown
+    attnselect.attention(q, k, v, causal=True)
+    assert len(dispatch._RECENT) == 1
+    known = _recall(*(t.clone() for t in (q, k, v)), causal=True)  # new tensors, the same description
+    assert type(known) is KnownCall and known is dispatch.known_calls()[0]
+
+
+def test_a_call_passing_one_tensor_twice_is_found_among_the_recent_ones_and_known_by_which_it_repeats():
+    q, _, v = _qkv()
+    attnselect.attention(q, q, v)  # self-attention: k is q
+    dispatch._CALLS.clear()  # what is found now is found among the recent calls
+    assert type(_recall(q, q, v)) is KnownCall
+    assert type(_recall(q, q.clone(), v)) is Unknown  # no longer the same tensor twice
+    w = torch.randn(2, 9, 2, 16, dtype=q.dtype)
+    with pytest.raises(attnselect.InvalidInputError, match="head dim"):  # k is v: q 24, k 16, unlike the call above
+        attnselect.attention(q, w, w)
+    k = q.clone()
+    attnselect.attention(q, k, q)  # v is q: the same two tensors as (q, k, k), another call
+    assert type(_recall(q, k, k)) is Unknown
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: t.float(),  # dtype
+        lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),  # strides
+        lambda t: t.detach().requires_grad_(),  # gradients
+        lambda t: torch.cat([t.flatten(), t.flatten()])[t.numel() :].view(t.shape),  # storage offset
+        lambda t: t[:1],  # shape
+        lambda t: t.to("meta"),  # device
+    ],
+    ids=["dtype", "strides", "requires_grad", "storage_offset", "shape", "device"],
+)
+def test_a_call_whose_tensors_differ_in_what_validation_reads_is_not_known(change):
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v)
+    assert type(_recall(change(q), k, v)) is Unknown
+    assert type(_recall(q, k, change(v))) is Unknown
+
+
+def test_global_state_and_options_are_part_of_the_call(monkeypatch):
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v)
+    assert type(_recall(q, k, v)) is KnownCall
+    with torch.no_grad():
+        assert type(_recall(q, k, v)) is Unknown
+    with attnselect.overrides(backend="reference"):
+        assert type(_recall(q, k, v)) is Unknown
+    assert type(_recall(q, k, v, scale=0.5)) is Unknown and type(_recall(q, k, v, causal=True)) is Unknown
+    monkeypatch.setenv("ATTNSELECT_PAD", "never")
+    assert type(_recall(q, k, v)) is Unknown
+
+
+def test_values_equal_to_a_known_one_but_of_another_type_are_not_known():
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v, causal=True, scale=1.0, return_lse=True)
+    assert type(_recall(q, k, v, causal=True, scale=1.0, return_lse=True)) is KnownCall
+    for other in (dict(causal=1), dict(scale=True), dict(return_lse=1), dict(window=[0, 0]), dict(dropout_p=False)):
+        assert _recall(q, k, v, **{**dict(causal=True, scale=1.0, return_lse=True), **other}) is None, other
+
+
+def test_alternating_calls_stay_recent_and_the_list_is_bounded(monkeypatch):
+    monkeypatch.setattr(dispatch, "RECENT", 2)
+    q, k, v = _qkv()
+    for causal in (False, True, False, True):
+        attnselect.attention(q, k, v, causal=causal)
+    assert len(dispatch._RECENT) == 2 and len(dispatch.known_calls()) == 2
+    attnselect.attention(q, k, v, window=(2, 0))
+    assert len(dispatch._RECENT) == 2 and len(dispatch.known_calls()) == 3
+    evicted = [e for e in dispatch._CALLS.values() if not any(e is r for r in dispatch._RECENT)]
+    assert len(evicted) == 1 and evicted[0].known.problem.mask == "none"
+    assert type(_recall(q, k, v)) is KnownCall and dispatch._RECENT[0] is evicted[0]  # found by its key: recent
+
+
+def test_without_tensor_guards_calls_are_found_by_key(monkeypatch):
+    monkeypatch.setattr(dispatch, "TensorGuards", None)
+    q, k, v = _qkv()
+    first = attnselect.attention(q, k, v, causal=True)
+    assert not dispatch._RECENT and type(_recall(q, k, v, causal=True)) is KnownCall
+    assert torch.equal(attnselect.attention(q, k, v, causal=True), first)
+    assert type(_recall(q.float(), k, v, causal=True)) is Unknown
+
+
+def test_calls_with_sinks_are_known_by_the_sinks_too():
+    q, k, v = _qkv()
+    sinks = torch.zeros(2, dtype=torch.float64)
+    first = attnselect.attention(q, k, v, sinks=sinks)
+    assert type(_recall(q, k, v, sinks=sinks.clone())) is KnownCall
+    assert type(_recall(q, k, v)) is Unknown and type(_recall(q, k, v, sinks=sinks.float())) is Unknown
+    assert torch.equal(attnselect.attention(q, k, v, sinks=sinks), first)
+
+
+def test_calls_the_memo_cannot_describe_still_get_the_library_s_own_error():
+    import numpy as np
+
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v)
+    nested = torch.nested.nested_tensor([q[0], q[1]])  # torch's tensor guards would abort the process on it
+    assert _recall(nested, k, v) is None
+    with pytest.raises(attnselect.InvalidInputError):
+        attnselect.attention(nested, k, v)
+    with pytest.raises(attnselect.InvalidInputError, match="backend"):
+        attnselect.attention(q, k, v, backend=np.array(["reference", "flex"]))  # == gives an array, not a bool
+
+
+def test_a_call_under_autocast_is_remembered_apart_from_the_same_call_outside_it():
+    """Autocast is not in the recent calls' state: their tensor check fails when it changes, and the key holds it."""
+    q, k, v = _qkv(torch.float32)
+    attnselect.attention(q, k, v)
+    outside = _recall(q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attnselect.attention(q, k, v)
+        inside = _recall(q, k, v)
+        assert type(inside) is KnownCall and inside is not outside
+        assert _recall(q, k, v) is inside
+    assert _recall(q, k, v) is outside
+
+
+def test_autocast_function_modes_and_subclasses_are_part_of_the_call():
+    from torch.overrides import TorchFunctionMode
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Sub(torch.Tensor):
+        pass
+
+    q, k, v = _qkv(torch.float32)
+    attnselect.attention(q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert type(_recall(q, k, v)) is Unknown
+    with Mode():
+        assert type(_recall(q, k, v)) is Unknown
+    assert type(_recall(q.as_subclass(Sub), k, v)) is Unknown
+    assert type(_recall(q, k, v)) is KnownCall
+
+
+def test_a_change_to_the_backend_registry_forgets_every_call():
+    from attnselect import backends
+    from attnselect.backends.sdpa_math import SdpaMath
+
+    class Fake(SdpaMath):
+        name = "fake_registered"
+
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v)
+    assert dispatch.known_calls() and dispatch._RECENT
+    backends.register(Fake())
+    try:
+        assert not dispatch.known_calls() and not dispatch._RECENT
+        attnselect.attention(q, k, v)
+        assert len(dispatch.known_calls()) == 1
+    finally:
+        backends.unregister("fake_registered")
+    assert not dispatch.known_calls()
+
+
+def test_a_recent_call_on_cuda_tensors_is_known_only_under_its_capture_state(monkeypatch):
+    """A recent entry made on CUDA tensors holds its capture state (one made on others, None); the check reads the
+    capture state only off the default stream, where a capture can run. Stood in for on the CPU."""
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v)
+    dispatch._CALLS.clear()  # what is found now is found among the recent calls
+    made_on_cuda = dispatch._RECENT[0]._replace(capturing=False)  # as made on CUDA tensors, not capturing
+    dispatch._set_recent([])
+    dispatch._make_recent(made_on_cuda)
+    asked = []
+    monkeypatch.setattr(dispatch, "stream_capturing", lambda: asked.append(1) or True)
+    monkeypatch.setattr(dispatch, "raw_stream", lambda index: 0)  # the default stream: no capture, none asked
+    assert type(_recall(q, k, v)) is KnownCall and not asked
+    monkeypatch.setattr(dispatch, "raw_stream", lambda index: 1234)  # a side stream, capturing
+    assert type(_recall(q, k, v)) is Unknown and asked
+    monkeypatch.setattr(dispatch, "stream_capturing", lambda: False)  # a side stream, not capturing
+    assert type(_recall(q, k, v)) is KnownCall
+
+
+def test_a_call_decided_while_the_memo_is_cleared_is_not_kept(monkeypatch):
+    """A backend registered by another thread while a call is decided clears the memo: that decision may rest on the
+    registry it forgot, so neither the call memo nor selection's keeps it."""
+    from attnselect.choose import selection
+
+    decide = selection._decide
+
+    def decide_while_cleared(*args):
+        attnselect.clear_cache()  # what backends.register does, in the middle of the decision
+        return decide(*args)
+
+    monkeypatch.setattr(selection, "_decide", decide_while_cleared)
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v)
+    assert not dispatch.known_calls() and not dispatch._RECENT and not selection._MEMO
+    monkeypatch.setattr(selection, "_decide", decide)
+    attnselect.attention(q, k, v)
+    assert len(dispatch.known_calls()) == 1 and type(_recall(q, k, v)) is KnownCall
+
+
+def test_threads_calling_at_once_share_the_recent_calls_without_errors():
+    """Twelve calls alternating over six threads, switching as often as the interpreter lets them: the recent calls
+    change under each other's checks, and each list is swapped in whole."""
+    import sys
+    import threading
+
+    shapes = [torch.randn(1, 2 + i, 2, 8) for i in range(12)]
+    expected = [attnselect.attention(q, q, q) for q in shapes]
+    errors = []
+
+    def work(seed):
+        try:
+            for n in range(600):
+                i = (seed * 7 + n) % len(shapes)
+                if not torch.equal(attnselect.attention(shapes[i], shapes[i], shapes[i]), expected[i]):
+                    errors.append(f"another result for shape {i}")
+        except Exception as exc:  # the test reports it
+            errors.append(repr(exc))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+    assert len(dispatch._RECENT) == dispatch.RECENT
+
+
+def test_a_check_that_raises_leaves_the_call_to_the_slow_path(monkeypatch):
+    """Reading the capture state raises: the lookup does not know the call, and attention() decides it afresh."""
+    q, k, v = _qkv()
+    first = attnselect.attention(q, k, v)
+    made_on_cuda = dispatch._RECENT[0]._replace(capturing=False)
+    dispatch._CALLS.clear()
+    dispatch._set_recent([])
+    dispatch._make_recent(made_on_cuda)
+    monkeypatch.setattr(dispatch, "raw_stream", lambda index: 1234)  # a side stream
+
+    def broken():
+        raise RuntimeError("no capture state")
+
+    monkeypatch.setattr(dispatch, "stream_capturing", broken)
+    assert _recall(q, k, v) is None
+    assert torch.equal(attnselect.attention(q, k, v), first)
