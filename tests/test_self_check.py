@@ -339,3 +339,33 @@ def test_check_slices_cover_every_sequence_and_kv_head_within_the_budget(monkeyp
     assert len(self_check.check_slices(big, None)) == 3
     huge = attnselect.AttentionProblem(1, 65536, 65536, 16, 16, 192, 128, training=True)
     assert len(self_check.check_slices(huge, None)) == 1  # over the budget: the one slice still
+
+
+@pytest.mark.parametrize("wrong", ["forward"], indirect=True)
+def test_a_slice_whose_reference_overflows_leaves_the_others_to_judge(wrong):
+    """fp16 logits past 65504 in batch row 0 make that slice's naive reference overflow (no verdict there); row 1
+    still judges the kernel, and it is wrong."""
+    q, k, v = dense_inputs(b=2, sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, dtype=torch.float16, requires_grad=False)
+    q[0] *= 300
+    k[0] *= 300
+    with pytest.raises(WrongResultError, match="out"):
+        attnselect.attention(q, k, v, backend=wrong.name)
+
+
+def test_the_walk_passes_over_long_and_empty_sequences(monkeypatch):
+    """A sequence too long for what is left of the budget, or with no query, is passed over, not the end of the
+    walk."""
+    from attnselect.spec.options import Packing
+
+    def packing(lengths):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        return Packing(cu, cu, max(lengths), max(lengths), cu, cu)
+
+    problem = attnselect.AttentionProblem(8, 12000, 12000, 32, 8, 64, 64, layout="thd", training=True)
+    monkeypatch.setattr(self_check, "CHECK_ELEMENTS", 4 * 12000 * 12000 + 4 * 100 * 100 * 40)
+    pieces = self_check.check_slices(problem, packing([12000] + [100] * 7))
+    assert pieces[0].sequence == 0 and len(pieces) > 8  # the long one first, then the short ones
+    assert {p.sequence for p in pieces} == set(range(8)) and {p.kv_head for p in pieces} == set(range(8))
+    problem = attnselect.AttentionProblem(64, 100, 100, 4, 4, 64, 64, layout="thd")
+    pieces = self_check.check_slices(problem, packing([0] * 40 + [100] * 24))
+    assert all(p.length_q for p in pieces) and len(pieces) == self_check.CHECK_SLICES

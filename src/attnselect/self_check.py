@@ -114,44 +114,45 @@ def judge(problem, call: KernelCall, result, q, k, v, packing: Packing | None, s
                 if is_transient(exc):
                     raise ReferenceFailed(f"the check ran out of memory ({type(exc).__name__}: {exc})") from exc
                 raise
-        try:
-            return _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse)
-        except Exception as exc:
-            raise ReferenceFailed(f"{type(exc).__name__}: {exc}") from exc
+        return _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse)
 
 
 def _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse) -> correctness.Judgement:
-    out, lse = result[0], result[1]
-    layout = problem.layout
-    judgement = None
-    with torch.no_grad():
-        for piece in slices:
-            got = {"out": correctness.rows(out, layout, piece, piece.q_heads)}
-            if lse is not None:
-                got["lse"] = correctness.lse_rows(lse, layout, piece)
-            for name, grad in grads.items():
-                heads = piece.q_heads if name == "dq" else piece.kv_head
-                got[name] = correctness.rows(grad, layout, piece, heads, keys=name != "dq")
-            sliced = (
-                correctness.rows(q, layout, piece, piece.q_heads).detach(),
-                correctness.rows(k, layout, piece, piece.kv_head, keys=True).detach(),
-                correctness.rows(v, layout, piece, piece.kv_head, keys=True).detach(),
-                correctness.rows(dout, layout, piece, piece.q_heads) if dout is not None else None,
-            )
-            found = correctness.compare(
-                *sliced, call, got, dlse=correctness.lse_rows(dlse, layout, piece) if dlse is not None else None
-            )
-            judgement = found if judgement is None else judgement.worse(found)
+    """The worst judgement over the slices whose references could be computed; :class:`ReferenceFailed` where none
+    could (a slice whose naive reference overflows, say, leaves the others to judge)."""
+    judgement, failed = None, None
+    for piece in slices:
+        try:
+            found = _judge_slice(problem, call, result, q, k, v, dout, grads, piece, dlse)
+        except Exception as exc:
+            failed = exc
+            continue
+        judgement = found if judgement is None else judgement.worse(found)
+        if not judgement.passed:  # wrong: no need to look further
+            break
+    if judgement is None:
+        raise ReferenceFailed(f"{type(failed).__name__}: {failed}") from failed
     return judgement
 
 
-def slices(problem: AttentionProblem, packing: Packing | None) -> list[correctness.Slice]:
-    """Two slices far apart: the first sequence with the first K/V head, and the last (thd: longest) sequence with
-    the last K/V head (one, where they coincide)."""
-    placed = _placement(problem, packing)
-    first = _slice_at(problem, placed, 0, kv_head=0)
-    last = _slice_at(problem, placed, _last(placed))
-    return [first] if first == last else [first, last]
+def _judge_slice(problem, call, result, q, k, v, dout, grads, piece, dlse) -> correctness.Judgement:
+    out, lse, layout = result[0], result[1], problem.layout
+    with torch.no_grad():
+        got = {"out": correctness.rows(out, layout, piece, piece.q_heads)}
+        if lse is not None:
+            got["lse"] = correctness.lse_rows(lse, layout, piece)
+        for name, grad in grads.items():
+            heads = piece.q_heads if name == "dq" else piece.kv_head
+            got[name] = correctness.rows(grad, layout, piece, heads, keys=name != "dq")
+        sliced = (
+            correctness.rows(q, layout, piece, piece.q_heads).detach(),
+            correctness.rows(k, layout, piece, piece.kv_head, keys=True).detach(),
+            correctness.rows(v, layout, piece, piece.kv_head, keys=True).detach(),
+            correctness.rows(dout, layout, piece, piece.q_heads) if dout is not None else None,
+        )
+        return correctness.compare(
+            *sliced, call, got, dlse=correctness.lse_rows(dlse, layout, piece) if dlse is not None else None
+        )
 
 
 # The self-check's slices: up to this many, and this many reference score elements (query rows x keys x query heads)
@@ -166,7 +167,8 @@ CHECK_ELEMENTS = 2**30
 def check_slices(problem: AttentionProblem, packing: Packing | None) -> list[correctness.Slice]:
     """Slices spread over the call: the last (thd: longest) sequence's last K/V head, then the i-th sequence mod B
     with K/V head i mod Hkv, walking diagonals (max(B, Hkv) slices cover every sequence and every K/V head; more
-    cover more pairs), as many as :data:`CHECK_SLICES` and :data:`CHECK_ELEMENTS` allow, one at least."""
+    cover more pairs), as many as :data:`CHECK_SLICES` and :data:`CHECK_ELEMENTS` allow (a sequence with no query,
+    or too long for what is left, is passed over), one at least."""
     placed = _placement(problem, packing)
     lengths = placed[0]
     chosen = [_slice_at(problem, placed, _last(placed))]
@@ -175,13 +177,16 @@ def check_slices(problem: AttentionProblem, packing: Packing | None) -> list[cor
     spent = cost(chosen[0].sequence) if lengths else 0
     batch, kv_heads = len(lengths), problem.heads_kv
     for i in range(batch * kv_heads):
-        if len(chosen) >= CHECK_SLICES or spent + cost(i % batch) > CHECK_ELEMENTS:
+        if len(chosen) >= CHECK_SLICES:
             break
+        sequence = i % batch
+        if lengths[sequence][0] == 0 or spent + cost(sequence) > CHECK_ELEMENTS:  # nothing to see, or too long
+            continue
         kv_head = (i + i // math.lcm(batch, kv_heads)) % kv_heads  # the next diagonal after each full lap
-        piece = _slice_at(problem, placed, i % batch, kv_head=kv_head)
+        piece = _slice_at(problem, placed, sequence, kv_head=kv_head)
         if piece not in chosen:
             chosen.append(piece)
-            spent += cost(i % batch)
+            spent += cost(sequence)
     return chosen
 
 

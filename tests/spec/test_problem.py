@@ -100,3 +100,14 @@ def test_from_dict_refuses_junk_by_name(d, message):
 def test_describe_and_dict():
     assert "d_qk=192 d_v=128" in P.describe() and "Hq=16 Hkv=4" in P.describe()
     assert P.to_dict()["dtype"] == "bfloat16"
+
+
+def test_a_top_left_window_where_the_anchors_coincide_is_the_bottom_right_one():
+    """Sq == Skv (thd: every sequence): one mask, one name, so the kernels that take a window serve it."""
+    square = AttentionProblem(1, 64, 64, 4, 4, 64, 64, mask="sliding_window_top_left", window=(8, 0))
+    assert square.mask == "sliding_window"
+    cross = AttentionProblem(1, 64, 128, 4, 4, 64, 64, mask="sliding_window_top_left", window=(8, 0))
+    assert cross.mask == "sliding_window_top_left"
+    packed = dict(layout="thd", mask="sliding_window_top_left", window=(8, 0))
+    assert AttentionProblem(2, 64, 64, 4, 4, 64, 64, **packed).mask == "sliding_window"  # lengths match
+    assert AttentionProblem(2, 64, 64, 4, 4, 64, 64, varlen_seqlens_match=False, **packed).mask == packed["mask"]

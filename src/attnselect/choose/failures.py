@@ -123,7 +123,7 @@ _MEMORY_SIGNS = (
     "cublas_status_alloc_failed",
     "cudaerrormemoryallocation",
     "cudnn_status_alloc_failed",
-    "cudnnhandle create failed",
+    "cudnnhandle create failed cudastreamcreatewithflags",
 )
 _OUT_OF_MEMORY = (MemoryError, *((torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()))
 

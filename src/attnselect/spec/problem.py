@@ -99,6 +99,8 @@ class AttentionProblem:
         require(self.dtype in DTYPES, "dtype", repr(self.dtype), DTYPE_CHOICES)
         require(self.layout in LAYOUTS, "layout", repr(self.layout), f"one of {LAYOUTS}")
         require(self.mask in MASKS, "mask", repr(self.mask), f"one of {MASKS}")
+        if self.mask == "sliding_window_top_left" and self.square:  # the anchors coincide: one mask, one name
+            object.__setattr__(self, "mask", "sliding_window")
         if self.mask in ("sliding_window", "sliding_window_top_left"):
             w = self.window
             require(
