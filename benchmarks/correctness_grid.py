@@ -418,7 +418,7 @@ def summary(records: list[dict], meta: dict, earlier: list[dict] = ()) -> dict:
     if earlier:
         saved = os.environ.get("ATTNSELECT_ALLOWLIST")
         os.environ["ATTNSELECT_ALLOWLIST"] = "0"  # the static surface: what today serves without any grid
-        target = Target(**{**meta["earlier_target"], "capability": tuple(meta["earlier_target"]["capability"])})
+        target = Target.from_dict(meta["earlier_target"])
         for r in earlier:
             if r["backend"] not in YOUNG:
                 continue
@@ -497,12 +497,9 @@ def meta_now() -> dict:
 
     target = Target.current()
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": target.cudnn_version}
-    for label, field in (("cudnn-frontend", "cudnn_frontend_version"), ("flash-attn-4", "flash_attn4_version")):
-        versions[label] = getattr(target, field)
-    packages = {}
-    for name in YOUNG:
-        package = backends.get(name).package
-        packages[name] = getattr(target, package[0]) if package else None
+    for distribution in ("nvidia-cudnn-frontend", "flash-attn-4"):
+        versions[distribution] = target.version(distribution)
+    packages = {name: backends.get(name).package_version(target) for name in YOUNG}
     return {
         "device": target.name,
         "arch": target.arch,

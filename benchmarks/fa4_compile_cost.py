@@ -97,7 +97,7 @@ def main() -> None:
         "meta": {
             "device": target.name,
             "torch": torch.__version__,
-            "flash_attn4": target.flash_attn4_version,
+            "flash_attn4": target.version("flash-attn-4"),
             "date": time.strftime("%Y-%m-%d"),
         },
         "rows": rows,

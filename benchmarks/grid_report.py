@@ -45,9 +45,7 @@ def target_of(meta: dict) -> Target:
     """The target a grid ran on, from its meta file (older files name an H200 only)."""
     if "target" not in meta:
         return Target(name="NVIDIA H200", capability=(9, 0), torch_version=meta["torch"], cudnn_version=meta["cudnn"])
-    t = dict(meta["target"])
-    t["capability"] = tuple(t["capability"]) if t["capability"] else None
-    return Target(**t)
+    return Target.from_dict(meta["target"])
 
 
 def main(path: str) -> None:

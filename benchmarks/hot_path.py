@@ -245,7 +245,9 @@ def main() -> None:
         cases = [(*dense_rows(device), a.calls, a.repeats)]
         if device == "cuda":
             cases.append((*packed_rows(device), a.packed_calls, a.packed_repeats))
-            if cases[-1][1].backend != "cudnn_frontend" and attnselect.Target.current().cudnn_frontend_version:
+            if cases[-1][1].backend != "cudnn_frontend" and attnselect.Target.current().version(
+                "nvidia-cudnn-frontend"
+            ):
                 cases.append((*packed_rows(device, forced="cudnn_frontend"), a.packed_calls, a.packed_repeats))
     report = {
         "meta": {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d")},

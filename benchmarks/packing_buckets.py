@@ -239,7 +239,7 @@ def main() -> None:
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "cudnn": attnselect.Target.current().cudnn_version,
-            "cudnn_frontend": attnselect.Target.current().cudnn_frontend_version,
+            "cudnn_frontend": attnselect.Target.current().version("nvidia-cudnn-frontend"),
             "date": time.strftime("%Y-%m-%d"),
             "packings": a.packings,
         },

@@ -229,7 +229,7 @@ def main() -> None:
             "cuda": torch.version.cuda,
             "torch": torch.__version__,
             "cudnn": target.cudnn_version,
-            "cudnn_frontend": target.cudnn_frontend_version,
+            "cudnn_frontend": target.version("nvidia-cudnn-frontend"),
             "dtype": str(dtype).replace("torch.", ""),
             "date": time.strftime("%Y-%m-%d"),
         },

@@ -38,7 +38,7 @@ def test_versions_are_validated(version):
     with pytest.raises(InvalidInputError, match="cudnn_version: got"):
         Target.preset("b200", cudnn_version=version)
     assert Target.preset("b200", cudnn_version="9.19.0").cudnn_version == "9.19.0"
-    assert Target.preset("h200", flash_attn4_version="4.0.0b36", torch_version="2.11.0+cu130")
+    assert Target.preset("h200", packages={"flash-attn-4": "4.0.0b36"}, torch_version="2.11.0+cu130")
 
 
 def test_booleans_are_booleans():
@@ -85,7 +85,7 @@ def test_reasons_are_short_enough_to_read():
 
     from attnselect.choose.candidates import judge
 
-    targets = [Target.preset(name, flash_attn4_version="4.0.0b36", cudnn_frontend_version="1.32.0")
+    targets = [Target.preset(name, packages={"flash-attn-4": "4.0.0b36", "nvidia-cudnn-frontend": "1.32.0"})
                for name in ("a100", "h200", "b200", "b300", "rtx-pro-6000", "cpu")]  # fmt: skip
     for target, (dqk, dv), layout, training in itertools.product(
         targets, [(192, 128), (192, 192), (576, 512), (59, 59)], ["bshd", "thd"], [True, False]
@@ -97,7 +97,7 @@ def test_reasons_are_short_enough_to_read():
 
 
 def test_a_package_without_metadata_still_makes_a_target():
-    assert Target.preset("h200", flash_attn3_version="unknown").flash_attn3_version == "unknown"
+    assert Target.preset("h200", packages={"flash-attn-3": "unknown"}).version("flash-attn-3") == "unknown"
     assert Target.preset("h200", torch_version="4.0.0b36+local_x")  # PEP 440 local part with an underscore
     with pytest.raises(InvalidInputError, match="torch_version"):
         Target.preset("h200", torch_version="2.11.0+" + "a" * 40 + "_")  # refused, and at once

@@ -205,7 +205,7 @@ def test_fa4_wrong_gradients_at_128_64_are_caught_in_every_process(tmp_path):
     gradients are right."""
     from attnselect.spec.target import Target
 
-    if Target.current().flash_attn4_version is None:
+    if Target.current().version("flash-attn-4") is None:
         pytest.skip("flash-attn-4 is not installed here")
     results = []
     for seed in range(4):

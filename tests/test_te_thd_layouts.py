@@ -315,7 +315,7 @@ def test_te_cross_attention_top_left_window_keeps_its_anchor_on_the_gpu_when_len
         problem, _ = describe_call(q, k, v, options)
         assert problem.mask == "sliding_window_top_left" and problem.window == (4, 0)
     assert len(compared) == 2
-    h200 = attnselect.Target.preset("h200", flash_attn4_version="4.0.0b36", cudnn_frontend_version="1.32.0")
+    h200 = attnselect.Target.preset("h200", packages={"flash-attn-4": "4.0.0b36", "nvidia-cudnn-frontend": "1.32.0"})
     for name in ("varlen_fa2", "flash_attn4"):
         reasons = attnselect.backends.get(name).not_supported_reasons(problem, h200)
         assert any("window is anchored bottom-right" in r for r in reasons), (name, reasons)

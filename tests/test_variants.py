@@ -125,7 +125,7 @@ def test_flex_on_the_cpu_serves_softcap_and_inference_sinks_but_not_the_max_logi
 
 
 def test_candidates_that_cannot_serve_a_variant_say_why_and_are_not_chosen():
-    target = attnselect.Target.preset("h200", flash_attn_version="2.8.3", flash_attn3_version="3.0.0")
+    target = attnselect.Target.preset("h200", packages={"flash-attn": "2.8.3", "flash-attn-3": "3.0.0"})
     mla = dict(batch=1, seqlen_q=4096, seqlen_kv=4096, heads_q=16, heads_kv=16, head_dim_qk=128, head_dim_v=128)
     verdicts = {
         (v.candidate.backend, v.candidate.padded): v

@@ -188,7 +188,7 @@ def cmd_backends(a) -> int:
     target = Target.current()
     print(f"target: {target.describe()}")
     for backend in all_backends():
-        installed = not (backend.package and getattr(target, backend.package[0]) is None)
+        installed = not (backend.package and backend.package_version(target) is None)
         runs_here = installed and target.device_type in backend.surfaces
         print(f"  {backend.name:<15} {'available' if runs_here else 'unavailable':<12} {backend.summary}")
         if backend.shape_cache is not None:

@@ -56,8 +56,7 @@ def needed(problem: AttentionProblem, chosen: Candidate, target: Target) -> bool
         return False
     if (target, chosen, problem.signature) in _PASSED:
         return False
-    package = backends.get(chosen.backend).package
-    version = getattr(target, package[0]) if package else None
+    version = backends.get(chosen.backend).package_version(target)
     return checking == "all" or not evidence.covers(chosen.backend, chosen.pad_to, problem, target, version)
 
 

@@ -120,7 +120,7 @@ def test_gpu_mla_choice_on_hopper_is_native():
         pytest.skip(f"Hopper-specific expectation; this GPU is {target.arch}")
     q, k, v = dense_inputs(sq=256, skv=256, hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
     decision = attnselect.select(attnselect.AttentionProblem.from_tensors(q, k, v, causal=True))
-    expected = "flash_attn4" if target.flash_attn4_version else "sdpa_cudnn"  # FA4 leads where installed
+    expected = "flash_attn4" if target.version("flash-attn-4") else "sdpa_cudnn"  # FA4 leads where installed
     assert decision.chosen == attnselect.Candidate(expected)
 
 
@@ -323,3 +323,34 @@ def test_flex_refuses_grouped_heads_with_few_queries_on_cuda():
     assert flex.extra_reasons(AttentionProblem(1, 128, 128, 4, 1, 64, 64), h200) == []
     assert flex.extra_reasons(AttentionProblem(1, 77, 77, 4, 4, 64, 64), h200) == []
     assert flex.extra_reasons(few, Target.preset("cpu")) == []
+
+
+def test_a_package_backend_is_its_module_and_one_registration():
+    """A backend that needs a pip package declares it (Backend.package); registering it is all it takes for the
+    target to know the package's version and for its verdicts to say when it is missing."""
+    from attnselect.backends.reference import Reference
+    from attnselect.spec.target import Package
+
+    class Packaged(Reference):
+        name = "packaged_reference"
+        package = Package("attnselect-test-distribution", "json")  # imports, with no metadata: "unknown"
+
+    class Missing(Reference):
+        name = "missing_reference"
+        package = Package("attnselect-missing-distribution", "attnselect_no_such_module")
+
+    problem = attnselect.AttentionProblem(1, 8, 8, 1, 1, 16, 16, torch.float32)
+    try:
+        attnselect.backends.register(Packaged())
+        attnselect.backends.register(Missing())
+        target = Target.current("cpu")
+        assert target.version("attnselect-test-distribution") == "unknown"
+        assert "attnselect-test-distribution unknown" in target.describe()
+        assert Packaged().not_supported_reasons(problem, target) == []
+        assert Missing().not_supported_reasons(problem, target) == [
+            "package attnselect-missing-distribution is not installed"
+        ]
+    finally:
+        attnselect.backends.unregister("packaged_reference")
+        attnselect.backends.unregister("missing_reference")
+    assert Target.current("cpu").version("attnselect-test-distribution") is None

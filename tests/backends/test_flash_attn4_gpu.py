@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _installed():
-    if Target.current().flash_attn4_version is None:
+    if Target.current().version("flash-attn-4") is None:
         pytest.skip("flash-attn-4 is not installed here")
 
 

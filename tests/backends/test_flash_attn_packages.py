@@ -145,7 +145,7 @@ def test_flash_attn4_packed_mapping_matches_the_reference(kwargs, lengths, monke
     problem, packing = describe_call(
         q, k, v, CallOptions(layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
     )
-    fa4 = attnselect.Target.preset("h200", flash_attn4_version="4.0.0b36")
+    fa4 = attnselect.Target.preset("h200", packages={"flash-attn-4": "4.0.0b36"})
     assert attnselect.backends.get("flash_attn4").packs_thd(fa4)
     out, lse = run_candidate(Candidate("flash_attn4"), problem, q, k, v, packing=packing, target=fa4)
     ref, ref_lse = run_candidate(Candidate("reference"), problem, q, k, v, packing=packing)
@@ -156,7 +156,7 @@ def test_flash_attn4_packed_mapping_matches_the_reference(kwargs, lengths, monke
 
 def test_flash_attn4_leads_on_hopper_where_installed_dense_and_packed():
     """The H200 measured FA4 ahead of cuDNN on every dense problem and on packed MLA (h200-measurements-2026-12)."""
-    fa4 = attnselect.Target.preset("h200", flash_attn4_version="4.0.0b36", cudnn_frontend_version="1.32.0")
+    fa4 = attnselect.Target.preset("h200", packages={"flash-attn-4": "4.0.0b36", "nvidia-cudnn-frontend": "1.32.0"})
     mla = dict(
         batch=2, seqlen_q=4096, seqlen_kv=4096, heads_q=16, heads_kv=16, head_dim_qk=192, head_dim_v=128, mask="causal"
     )
@@ -166,7 +166,7 @@ def test_flash_attn4_leads_on_hopper_where_installed_dense_and_packed():
             assert attnselect.select(problem, target=fa4).chosen == Candidate("flash_attn4")
     non_square = attnselect.AttentionProblem(**dict(mla, seqlen_q=1024), training=True)  # top-left, Sq < Skv
     assert attnselect.select(non_square, target=fa4).chosen == Candidate("sdpa_cudnn")
-    blackwell = attnselect.Target.preset("b200", flash_attn4_version="4.0.0b36")
+    blackwell = attnselect.Target.preset("b200", packages={"flash-attn-4": "4.0.0b36"})
     assert attnselect.select(attnselect.AttentionProblem(**mla, training=True), target=blackwell).chosen == Candidate(
         "sdpa_cudnn"
     )
@@ -188,7 +188,7 @@ def test_flash_attn4_keeps_its_compiled_kernels_under_attnselects_cache(monkeypa
 
 
 def test_flash_attn4_refuses_the_sm90_gqa_backward_of_unequal_head_dims():
-    fa4 = attnselect.Target.preset("h200", flash_attn4_version="4.0.0b36")
+    fa4 = attnselect.Target.preset("h200", packages={"flash-attn-4": "4.0.0b36"})
     gqa = attnselect.AttentionProblem(2, 128, 128, 8, 2, 192, 128, mask="causal", training=True)
     reasons = attnselect.backends.get("flash_attn4").not_supported_reasons(gqa, fa4)
     assert any("GQA" in r and "padding to 192" in r for r in reasons)
@@ -202,12 +202,14 @@ def test_flash_attn4_refuses_the_sm90_gqa_backward_of_unequal_head_dims():
     "head_dim,trains", [(16, False), (48, False), (112, False), (32, True), (96, True), (128, True)]
 )
 def test_flash_attn4_trains_on_sm90_only_the_head_dims_whose_gradients_matched_on_the_h200(head_dim, trains):
-    fa4 = attnselect.Target.preset("h200", flash_attn4_version="4.0.0b36")
+    fa4 = attnselect.Target.preset("h200", packages={"flash-attn-4": "4.0.0b36"})
     p = attnselect.AttentionProblem(2, 128, 128, 8, 8, head_dim, head_dim, mask="causal", training=True)
     reasons = attnselect.backends.get("flash_attn4").not_supported_reasons(p, fa4)
     assert (not reasons) == trains and all("correct gradients on the H200 only" in r for r in reasons)
     assert not attnselect.backends.get("flash_attn4").not_supported_reasons(dataclasses.replace(p, training=False), fa4)
-    b200 = attnselect.Target.preset("b200", flash_attn4_version="4.0.0b36")  # measured on sm90 only: no grid there
+    b200 = attnselect.Target.preset(
+        "b200", packages={"flash-attn-4": "4.0.0b36"}
+    )  # measured on sm90 only: no grid there
     assert attnselect.backends.get("flash_attn4").not_supported_reasons(p, b200) == [
         "no correctness grid has passed it on sm100 (benchmarks/correctness_grid.py)"
     ]

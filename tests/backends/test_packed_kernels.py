@@ -225,7 +225,7 @@ def test_varlen_fa2_refuses_dense_and_unequal_dims():
 
 
 def test_gaps_are_refused_by_kernels_without_offsets():
-    h200 = attnselect.Target.preset("h200", cudnn_frontend_version="1.32.0")
+    h200 = attnselect.Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"})
     gapped = attnselect.AttentionProblem(2, 64, 64, 4, 4, 192, 128, layout="thd", varlen_gaps=True)
     for name in ("cudnn_frontend", "varlen_fa2"):
         assert any("gaps" in r for r in get(name).not_supported_reasons(gapped.padded(192), h200))
@@ -233,7 +233,7 @@ def test_gaps_are_refused_by_kernels_without_offsets():
 
 
 def test_cudnn_frontend_serves_absorbed_mla_forward_only_where_measured():
-    h200 = attnselect.Target.preset("h200", cudnn_frontend_version="1.32.0")
+    h200 = attnselect.Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"})
     absorbed = attnselect.AttentionProblem(2, 1, 4096, 16, 1, 576, 512, mask="causal_bottom_right")
     assert not get("cudnn_frontend").not_supported_reasons(absorbed, h200)
     assert not get("cudnn_frontend").not_supported_reasons(absorbed.padded(576), h200)
@@ -241,7 +241,7 @@ def test_cudnn_frontend_serves_absorbed_mla_forward_only_where_measured():
         (absorbed, h200.with_versions(cudnn_version="9.18.0")),
         (absorbed.padded(640), h200),
         (dataclasses.replace(absorbed, training=True), h200),
-        (absorbed, attnselect.Target.preset("b200", cudnn_frontend_version="1.32.0")),
+        (absorbed, attnselect.Target.preset("b200", packages={"nvidia-cudnn-frontend": "1.32.0"})),
     ]
     for problem, target in refused:
         assert any("above 256" in r for r in get("cudnn_frontend").not_supported_reasons(problem, target))
@@ -249,7 +249,7 @@ def test_cudnn_frontend_serves_absorbed_mla_forward_only_where_measured():
 
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
 def test_cudnn_frontend_refuses_the_backward_of_one_query_and_one_key(layout):
-    h200 = attnselect.Target.preset("h200", cudnn_frontend_version="1.32.0")
+    h200 = attnselect.Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"})
     single = attnselect.AttentionProblem(3, 1, 1, 4, 4, 192, 128, layout=layout, mask="causal", training=True)
     assert any("s_q = s_kv = 1" in r for r in get("cudnn_frontend").not_supported_reasons(single, h200))
     for served in (dataclasses.replace(single, training=False), dataclasses.replace(single, seqlen_kv=2)):

@@ -77,7 +77,7 @@ def test_thd_candidate_matches_float64(backend, pad_to, kwargs, shape):
 
 
 def _frontend_installed():
-    return torch.cuda.is_available() and Target.current().cudnn_frontend_version is not None
+    return torch.cuda.is_available() and Target.current().version("nvidia-cudnn-frontend") is not None
 
 
 @pytest.mark.gpu

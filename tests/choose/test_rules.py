@@ -123,7 +123,7 @@ def test_absorbed_mla_on_hopper_uses_the_only_kernel_that_fits():
 
 
 def test_installed_fa3_on_hopper_follows_cudnn_like_transformer_engine():
-    target = Target.preset("h200").with_versions(flash_attn3_version="3.0.0")
+    target = Target.preset("h200").with_versions(packages={"flash-attn-3": "3.0.0"})
     d = attnselect.select(AttentionProblem(**MLA, training=True), target=target)
     assert d.ranked[:2] == (Candidate("sdpa_cudnn"), Candidate("flash_attn3"))
 
@@ -132,7 +132,7 @@ THD = dict(MLA, layout="thd", batch=4, mask="causal_bottom_right", training=True
 
 
 def test_thd_per_sequence_facts_reach_the_rules():
-    fa2 = Target.preset("a100", flash_attn_version="2.6.3")
+    fa2 = Target.preset("a100", packages={"flash-attn": "2.6.3"})
     top_left = dict(THD, mask="causal", head_dim_qk=128)
     same = attnselect.select(AttentionProblem(**top_left), target=fa2)
     assert same.chosen == Candidate("varlen_fa2") and verdict(same, "flash_attn2").supported
@@ -150,7 +150,10 @@ def test_thd_per_sequence_facts_reach_the_rules():
 
 @pytest.mark.parametrize(
     "installed,chosen",
-    [({}, Candidate("varlen_fa2", 192)), ({"cudnn_frontend_version": "1.32.0"}, Candidate("cudnn_frontend"))],
+    [
+        ({}, Candidate("varlen_fa2", 192)),
+        ({"packages": {"nvidia-cudnn-frontend": "1.32.0"}}, Candidate("cudnn_frontend")),
+    ],
 )
 def test_thd_mla_training_on_hopper(installed, chosen):
     # H200, 32k tokens / 18 sequences, fwd+bwd: cuDNN frontend THD 357 TFLOP/s > varlen_attn V padded 186
@@ -196,13 +199,13 @@ def test_packed_short_documents_train_on_varlen_on_hopper(max_seqlen, heads, tra
         layout="thd",
         training=training,
     )
-    d = attnselect.select(problem, target=Target.preset("h200", cudnn_frontend_version="1.32.0"))
+    d = attnselect.select(problem, target=Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"}))
     assert d.chosen == chosen
     assert ("short documents" in d.why) == (chosen.backend == "varlen_fa2")
 
 
 def test_absorbed_mla_prefill_prefers_the_efficient_kernel_on_hopper():
-    h200 = Target.preset("h200", cudnn_frontend_version="1.32.0")
+    h200 = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"})
     absorbed = AttentionProblem(16, 1024, 1024, 128, 1, 576, 512, mask="causal")
     d = attnselect.select(absorbed, target=h200)
     assert d.chosen == Candidate("sdpa_efficient")
@@ -222,7 +225,7 @@ def test_rules_choose_what_the_h200_packed_benchmark_measured_fastest():
     from attnselect.spec.problem import describe_call
 
     report = json.loads((pathlib.Path(__file__).parents[2] / "results" / "h200_thd_bench.json").read_text())
-    h200 = Target.preset("h200", cudnn_frontend_version=report["meta"]["cudnn_frontend"])
+    h200 = Target.preset("h200", packages={"nvidia-cudnn-frontend": report["meta"]["cudnn_frontend"]})
     for entry in report["results"]:
         lengths, total = entry["lengths"], sum(entry["lengths"])
         q, k = (torch.empty(total, 16, 192, dtype=torch.bfloat16) for _ in range(2))
@@ -299,8 +302,8 @@ def test_head_dims_a_kernel_takes_only_rounded_up_run_padded_on_a_fast_kernel(la
     ],
 )
 def test_small_inference_packs_run_where_the_host_time_is_least_on_hopper(dims, fa4, chosen):
-    versions = {"cudnn_frontend_version": "1.32.0", **({"flash_attn4_version": "4.0.0b36"} if fa4 else {})}
-    h200 = Target.preset("h200", **versions)
+    packages = {"nvidia-cudnn-frontend": "1.32.0", **({"flash-attn-4": "4.0.0b36"} if fa4 else {})}
+    h200 = Target.preset("h200", packages=packages)
 
     def pack(batch=4, seqlen=400, heads=16, heads_kv=16, head_dims=dims, **options):  # benchmarks/hot_path.py's
         options = {"layout": "thd", "mask": "causal", **options}
@@ -334,7 +337,7 @@ def test_the_small_pack_bound_sits_where_the_h200_inference_loop_measured_it():
     results = pathlib.Path(__file__).parents[2] / "results"
     below = above = 0
     for name, versions in (("h200_thd_inference.json", {}), ("h200_thd_inference_fa4.json", {"fa4": "4.0.0b36"})):
-        h200 = Target.preset("h200", cudnn_frontend_version="1.32.0", flash_attn4_version=versions.get("fa4"))
+        h200 = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": versions.get("fa4")})
         for entry in json.loads((results / name).read_text())["results"]:
             rows = {row: r for row, r in entry["rows"].items() if row != "attnselect default"}
             if entry["work"][1] <= SMALL_PACK_WORK:

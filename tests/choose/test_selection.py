@@ -189,7 +189,7 @@ def test_overrides_reach_the_attention_fast_path():
 
 
 def test_cuda_graph_capture_keeps_only_capturable_candidates():
-    h200 = Target.preset("h200", cudnn_frontend_version="1.32.0")
+    h200 = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"})
     mla = AttentionProblem(2, 1024, 1024, 16, 16, 192, 128, mask="causal", training=True, cuda_graph_capture=True)
     d = attnselect.select(mla, target=h200)
     refused = {v.candidate.backend: v.reasons for v in d.verdicts if not v.supported}
@@ -205,9 +205,7 @@ def test_cuda_graph_capture_keeps_only_capturable_candidates():
     )
     # flash-attn 2 and 3 were never captured on our H200 (not installed there): refused, with the reason; FA4 was
     # (results/h200_gpu_tests_fa4.txt) and serves under capture
-    with_fa = Target.preset(
-        "h200", flash_attn_version="2.8.3", flash_attn3_version="3.0.0", flash_attn4_version="4.0.0"
-    )
+    with_fa = Target.preset("h200", packages={"flash-attn": "2.8.3", "flash-attn-3": "3.0.0", "flash-attn-4": "4.0.0"})
     equal = AttentionProblem(2, 1024, 1024, 16, 16, 128, 128, mask="causal", training=True, cuda_graph_capture=True)
     assert attnselect.select(equal, target=with_fa, backend="flash_attn4").chosen == Candidate("flash_attn4")
     for backend in ("flash_attn2", "flash_attn3"):
@@ -221,7 +219,7 @@ def test_cuda_graph_capture_keeps_only_capturable_candidates():
 
 @pytest.mark.parametrize(
     "installed",
-    [{}, {"cudnn_frontend_version": "1.32.0"}, {"cudnn_frontend_version": "1.32.0", "flash_attn4_version": "4.0.0b36"}],
+    [{}, {"nvidia-cudnn-frontend": "1.32.0"}, {"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"}],
 )
 def test_packed_decisions_carried_across_sizes_choose_what_a_fresh_selection_chooses(installed):
     """select_packed reuses a packed problem's decision at new sizes only where a full selection agrees: sizes that
@@ -231,7 +229,7 @@ def test_packed_decisions_carried_across_sizes_choose_what_a_fresh_selection_cho
     from attnselect.choose.selection import select_packed
 
     rng = random.Random(0)
-    for target in (Target.preset("h200", **installed), Target.preset("a100"), Target.preset("cpu")):
+    for target in (Target.preset("h200", packages=installed), Target.preset("a100"), Target.preset("cpu")):
         for _ in range(300):
             seqlen = rng.choice([1, 2, 37, 300, 512, 513, 2048, 9000])
             problem = AttentionProblem(
@@ -258,7 +256,7 @@ def test_packed_decisions_carried_across_sizes_choose_what_a_fresh_selection_cho
 def test_packed_decisions_at_new_sizes_judge_no_candidate_again(monkeypatch):
     from attnselect.choose import candidates, selection
 
-    h200 = Target.preset("h200", cudnn_frontend_version="1.32.0")
+    h200 = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"})
     judged = []
     real = candidates.judge
     monkeypatch.setattr(selection, "judge", lambda *a, **k: judged.append(1) or real(*a, **k))

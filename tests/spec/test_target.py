@@ -32,7 +32,8 @@ def test_version_override_and_comparison():
     t = Target.preset("b200", cudnn_version="9.10.0")
     assert t.cudnn_version == "9.10.0" and Target.preset("b200").cudnn_version == target_module.DEFAULT_CUDNN
     assert t.at_least("cudnn_version", "9.9") and not t.at_least("cudnn_version", "9.11")
-    assert not t.at_least("flash_attn_version", "2.0")
+    assert not t.at_least("flash-attn", "2.0")
+    assert Target.preset("b200", packages={"flash-attn": "2.8.3"}).at_least("flash-attn", "2.3")
     with pytest.raises(InvalidInputError, match="unknown field"):
         t.with_versions(cuda="13")
     with pytest.raises(InvalidInputError, match="target: got 'v100'"):
@@ -50,14 +51,14 @@ def test_current_never_crashes_when_cuda_is_broken(monkeypatch, caplog):
         raise RuntimeError("CUDA driver initialization failed")
 
     monkeypatch.setattr(torch.cuda, "is_available", broken)
-    target_module.target_for_device.cache_clear()
+    target_module._target_for.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="attnselect"):
             assert Target.current().device_type == "cpu"
             assert Target.current("cuda:0").device_type == "cpu"
         assert "unusable" in caplog.text
     finally:
-        target_module.target_for_device.cache_clear()
+        target_module._target_for.cache_clear()
 
 
 def test_describe_and_dict():
@@ -94,8 +95,8 @@ def test_flash_attn_4_alone_does_not_look_like_flash_attn_2(tmp_path, monkeypatc
     (tmp_path / "flash_attn" / "__init__.py").write_text("")
     (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
-    packages = target_module._installed_packages()
-    assert packages["flash_attn_version"] is None and packages["flash_attn4_version"] is None
+    packages = target_module._installed_packages(("flash-attn", "flash-attn-4"))["packages"]
+    assert "flash-attn" not in packages and "flash-attn-4" not in packages
 
 
 _HIDDEN_OR_BROKEN = """

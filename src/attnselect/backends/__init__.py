@@ -20,6 +20,7 @@ from attnselect.backends.sdpa_math import SdpaMath
 from attnselect.backends.varlen_fa2 import VarlenFa2
 from attnselect.memos import clear_cache
 from attnselect.spec.options import KernelCall, Packing
+from attnselect.spec.target import register_package, unregister_package
 
 _REGISTRY: dict[str, Backend] = {}
 
@@ -27,11 +28,15 @@ _REGISTRY: dict[str, Backend] = {}
 def register(backend: Backend) -> None:
     """Add (or replace) a backend under ``backend.name``."""
     _REGISTRY[backend.name] = backend
+    if backend.package is not None:  # Target.current reads its version from now on
+        register_package(backend.package)
     clear_cache()
 
 
 def unregister(name: str) -> None:
-    _REGISTRY.pop(name, None)
+    gone = _REGISTRY.pop(name, None)
+    if gone is not None and gone.package and not any(b.package == gone.package for b in _REGISTRY.values()):
+        unregister_package(gone.package.distribution)
     clear_cache()
 
 

@@ -18,7 +18,7 @@ from attnselect.backends import evidence
 from attnselect.backends.shape_cache import ShapeCache
 from attnselect.spec.options import MASKS, KernelCall, Packing, dtype_name
 from attnselect.spec.problem import AttentionProblem
-from attnselect.spec.target import Target
+from attnselect.spec.target import Package, Target
 
 HALF = frozenset({torch.float16, torch.bfloat16})
 ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -138,7 +138,7 @@ class Backend:
     summary: ClassVar[str]
     layout: ClassVar[str] = "bhsd"  # dense layout that run() takes
     surfaces: ClassVar[dict[str, Surface]]  # keyed by device type ("cuda", "cpu")
-    package: ClassVar[tuple[str, str] | None] = None  # (Target version field, pip name)
+    package: ClassVar[Package | None] = None  # the pip distribution it needs, if any
     shape_cache: ClassVar[ShapeCache | None] = None  # None: nothing is built per shape
     # Device types where the surface is an allowlist from the correctness grid (attnselect.backends.evidence): young
     # kernels.
@@ -146,8 +146,8 @@ class Backend:
 
     def not_supported_reasons(self, problem: AttentionProblem, target: Target) -> list[str]:
         """Why this backend cannot serve ``problem`` on ``target``; empty when it can."""
-        if self.package and getattr(target, self.package[0]) is None:
-            return [f"package {self.package[1]} is not installed"]
+        if self.package and target.version(self.package.distribution) is None:
+            return [f"package {self.package.distribution} is not installed"]
         surface = self.surfaces.get(target.device_type)
         if surface is None:
             return [f"runs on {' and '.join(self.surfaces)} only, not on {target.device_type}"]
@@ -155,6 +155,10 @@ class Backend:
         if not reasons and target.device_type in self.evidence_required:
             reasons = evidence.reasons(self.name, problem, target)
         return reasons
+
+    def package_version(self, target: Target) -> str | None:
+        """The version of its package on ``target`` (None: none needed, or not installed)."""
+        return target.version(self.package.distribution) if self.package else None
 
     def extra_reasons(self, problem: AttentionProblem, target: Target) -> list[str]:
         """Rules that are not plain data (arch- and version-dependent head-dim pairs...)."""

@@ -13,13 +13,14 @@ from attnselect.backends.base import HALF, Backend, Surface
 from attnselect.backends.shape_cache import PackingBuckets, Rounding, ShapeCache
 from attnselect.spec import masks
 from attnselect.spec.options import MASKS, KernelCall, Packing
+from attnselect.spec.target import Package
 
 
 class CudnnFrontend(Backend):
     name = "cudnn_frontend"
     summary = "cuDNN frontend torch op: dense and packed thd (cu_seqlens), 192/128 natively, fwd+bwd"
     layout = "bhsd"
-    package = ("cudnn_frontend_version", "nvidia-cudnn-frontend")
+    package = Package("nvidia-cudnn-frontend", "cudnn")
     # Source: cudnn-frontend python/cudnn/sdpa/fwd/torch_op.py (1.32: torch.ops.cudnn.sdpa_fwd/sdpa_bwd;
     # fp16/bf16 only, no dropout argument, dense BHSD or THD with cu_seqlens and max_seqlen, no separate
     # ragged offsets, so no gaps between sequences); head dims multiples of 8

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from attnselect.backends._flash_attn import FlashAttnPackageBackend
 from attnselect.backends.base import HALF, Surface
+from attnselect.spec.target import Package
 
 
 class FlashAttn2(FlashAttnPackageBackend):
     name = "flash_attn2"
     summary = "flash-attn 2.x flash_attn_func: equal head dims <= 256, sm80+"
-    package = ("flash_attn_version", "flash-attn")
+    package = Package("flash-attn", "flash_attn", shared_module=True)  # flash-attn-4 installs flash_attn too
     module = "flash_attn"
     dropout_argument = True
     lse_argument = "return_attn_probs"  # returns (out, softmax_lse, S_dmask)
@@ -33,8 +34,8 @@ class FlashAttn2(FlashAttnPackageBackend):
     def extra_reasons(self, p, t):
         r = []
         # TransformerEngine utils.py: sliding windows need flash-attn 2.3+.
-        if p.mask == "sliding_window" and not t.at_least("flash_attn_version", "2.3"):
-            r.append(f"sliding windows need flash-attn >= 2.3, the target has {t.flash_attn_version}")
+        if p.mask == "sliding_window" and not t.at_least("flash-attn", "2.3"):
+            r.append(f"sliding windows need flash-attn >= 2.3, the target has {t.version('flash-attn')}")
         # csrc/flash_attn/flash_api.cpp: "Softcapping does not support dropout for now".
         if p.softcap and p.dropout_p:
             r.append("cannot softcap with dropout (flash_api.cpp); drop one of softcap= and dropout_p=")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from attnselect.backends._flash_attn import FlashAttnPackageBackend
 from attnselect.backends.base import HALF, Surface
+from attnselect.spec.target import Package
 
 
 class FlashAttn3(FlashAttnPackageBackend):
     name = "flash_attn3"
     summary = "FlashAttention-3 (hopper/) flash_attn_func: sm90, 192/128 natively, no dropout"
-    package = ("flash_attn3_version", "flash-attn-3")
+    package = Package("flash-attn-3", "flash_attn_interface")
     module = "flash_attn_interface"
     lse_argument = "return_attn_probs"  # returns (out, softmax_lse)
     # Source: Dao-AILab/flash-attention hopper/flash_api.cpp and hopper/flash_attn_interface.py:

@@ -18,6 +18,7 @@ from attnselect.backends._flash_attn import FlashAttnPackageBackend
 from attnselect.backends.base import HALF, Surface
 from attnselect.backends.shape_cache import ShapeCache
 from attnselect.memos import cache_dir
+from attnselect.spec.target import Package
 
 log = logging.getLogger("attnselect")
 
@@ -28,7 +29,7 @@ CACHE_ENABLED, CACHE_DIR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTE
 class FlashAttn4(FlashAttnPackageBackend):
     name = "flash_attn4"
     summary = "FlashAttention-4 (flash_attn.cute): dense and packed thd, sm90-sm11x, 192/128 natively, fwd+bwd"
-    package = ("flash_attn4_version", "flash-attn-4")
+    package = Package("flash-attn-4", "flash_attn.cute", shared_module=True)
     module = "flash_attn.cute"
     unbounded = None
     lse_argument = "return_lse"  # always returns (out, lse)

@@ -41,10 +41,7 @@ def fingerprint(target) -> dict:
         "cuda": torch.version.cuda,
         "torch": target.torch_version,
         "cudnn": target.cudnn_version,
-        "cudnn_frontend": target.cudnn_frontend_version,
-        "flash_attn": target.flash_attn_version,
-        "flash_attn3": target.flash_attn3_version,
-        "flash_attn4": target.flash_attn4_version,
+        "packages": dict(target.packages),
     }
 
 

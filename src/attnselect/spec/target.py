@@ -9,6 +9,7 @@ import importlib.util
 import logging
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,12 +37,43 @@ def version_tuple(version: str | None) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
+class Package(NamedTuple):
+    """A pip distribution a backend needs (``Backend.package``), and the module whose presence shows it."""
+
+    distribution: str  # e.g. "flash-attn-4"
+    module: str  # e.g. "flash_attn.cute"
+    shared_module: bool = False  # other distributions install the module too: only the metadata tells
+
+
+# distribution -> Package: the packages the registered backends need (attnselect.backends.register adds them).
+_PACKAGES: dict[str, Package] = {}
+
+
+def register_package(package: Package) -> None:
+    """Have :meth:`Target.current` read this package's installed version."""
+    _PACKAGES[package.distribution] = package
+
+
+def unregister_package(distribution: str) -> None:
+    _PACKAGES.pop(distribution, None)
+
+
+# The package fields of Target before the packages mapping (results files of 2026-12-02 and earlier hold them).
+LEGACY_PACKAGE_FIELDS = {
+    "cudnn_frontend_version": "nvidia-cudnn-frontend",
+    "flash_attn_version": "flash-attn",
+    "flash_attn3_version": "flash-attn-3",
+    "flash_attn4_version": "flash-attn-4",
+}
+
+
 @dataclass(frozen=True)
 class Target:
     """What a choice is for: the device and the versions of the libraries that serve it.
 
-    ``capability`` is the CUDA compute capability, e.g. (9, 0), or None for the CPU.
-    Version fields are strings, or None when the library is absent.
+    ``capability`` is the CUDA compute capability, e.g. (9, 0), or None for the CPU. Version fields are strings, or
+    None when the library is absent. ``packages`` holds the installed versions of the packages backends need, as
+    sorted (distribution, version) pairs (:meth:`version` reads one); a dict is taken too.
     """
 
     name: str
@@ -49,23 +81,28 @@ class Target:
     capability: tuple[int, int] | None = None
     torch_version: str = DEFAULT_TORCH
     cudnn_version: str | None = DEFAULT_CUDNN
-    cudnn_frontend_version: str | None = None
-    flash_attn_version: str | None = None  # FlashAttention-2, package flash-attn
-    flash_attn3_version: str | None = None  # FlashAttention-3, module flash_attn_interface
-    flash_attn4_version: str | None = None  # FlashAttention-4, module flash_attn.cute
+    packages: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise InvalidInputError(f"name: got {self.name!r}, expected a non-empty string (the device's name)")
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if (
-                f.name.endswith("_version")
-                and value is not None
-                and not (isinstance(value, str) and _VERSION.fullmatch(value))
-            ):
+        packages = self.packages
+        if isinstance(packages, dict):
+            packages = tuple(sorted((k, v) for k, v in packages.items() if v is not None))
+        if not (
+            isinstance(packages, tuple)
+            and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and p[0] for p in packages)
+        ):
+            raise InvalidInputError(
+                f"packages: got {self.packages!r}, expected a dict of distribution name to version, e.g. "
+                "{'flash-attn-4': '4.0.0b36'}"
+            )
+        object.__setattr__(self, "packages", tuple(sorted(packages)))
+        versions = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name.endswith("_version")]
+        for name, value in versions + [(f"packages[{d!r}]", v) for d, v in self.packages]:
+            if value is not None and not (isinstance(value, str) and _VERSION.fullmatch(value)):
                 raise InvalidInputError(
-                    f"{f.name}: got {value!r}, expected None or a version string such as '9.19.0' or '2.11.0+cu130'"
+                    f"{name}: got {value!r}, expected None or a version string such as '9.19.0' or '2.11.0+cu130'"
                 )
         if self.device_type not in ("cuda", "cpu"):
             raise InvalidInputError(f"device_type: got {self.device_type!r}, expected 'cuda' or 'cpu'")
@@ -86,44 +123,65 @@ class Target:
         """'sm90' style label, or 'cpu'."""
         return f"sm{self.capability[0]}{self.capability[1]}" if self.is_cuda else "cpu"
 
-    def at_least(self, field: str, version: str) -> bool:
-        have = getattr(self, field)
+    def version(self, distribution: str) -> str | None:
+        """The installed version of a package (a pip distribution name), or None."""
+        return next((v for d, v in self.packages if d == distribution), None)
+
+    def at_least(self, name: str, version: str) -> bool:
+        """Whether ``name`` (``torch_version``, ``cudnn_version`` or a package's distribution) is at ``version`` or
+        later."""
+        have = getattr(self, name) if name.endswith("_version") else self.version(name)
         return have is not None and version_tuple(have) >= version_tuple(version)
 
-    def with_versions(self, **versions: str | None) -> Target:
-        """A copy with some library versions replaced, e.g. ``cudnn_version="9.10.0"``."""
+    def with_versions(self, *, packages: dict | None = None, **versions: str | None) -> Target:
+        """A copy with some library versions replaced, e.g. ``cudnn_version="9.10.0"`` or
+        ``packages={"flash-attn-4": "4.0.0b36"}`` (None removes a package)."""
         unknown = set(versions) - {f.name for f in dataclasses.fields(self) if f.name.endswith("_version")}
         if unknown:
             raise InvalidInputError(
-                f"versions: got unknown field(s) {sorted(unknown)}, expected *_version fields of Target"
+                f"versions: got unknown field(s) {sorted(unknown)}, expected torch_version, cudnn_version or "
+                "packages={distribution: version}"
             )
+        if packages is not None:
+            if not isinstance(packages, dict):
+                raise InvalidInputError(f"packages: got {packages!r}, expected a dict of distribution to version")
+            versions["packages"] = {**dict(self.packages), **packages}
         return dataclasses.replace(self, **versions)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["capability"] = list(self.capability) if self.capability else None
+        d["packages"] = dict(self.packages)
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Target:
+        """A target from :meth:`to_dict`; also from the older form with one field per package
+        (:data:`LEGACY_PACKAGE_FIELDS`), as results files of 2026-12-02 and earlier hold it."""
+        fields = dict(d)
+        packages = dict(fields.pop("packages", None) or {})
+        for field, distribution in LEGACY_PACKAGE_FIELDS.items():
+            if fields.get(field) is not None:
+                packages[distribution] = fields[field]
+            fields.pop(field, None)
+        if fields.get("capability") is not None:
+            fields["capability"] = tuple(fields["capability"])
+        return cls(**fields, packages=packages)
+
     def describe(self) -> str:
-        libs = [f"torch {self.torch_version}"]
-        for label, field in (
-            ("cuDNN", "cudnn_version"),
-            ("cudnn-frontend", "cudnn_frontend_version"),
-            ("flash-attn", "flash_attn_version"),
-            ("FA3", "flash_attn3_version"),
-            ("FA4", "flash_attn4_version"),
-        ):
-            if getattr(self, field):
-                libs.append(f"{label} {getattr(self, field)}")
+        libs = [f"torch {self.torch_version}"] + ([f"cuDNN {self.cudnn_version}"] if self.cudnn_version else [])
+        libs += [f"{distribution} {version}" for distribution, version in self.packages]
         return f"{self.name} ({self.arch}), " + ", ".join(libs)
 
     # -- constructors --------------------------------------------------------------------
     @classmethod
-    def preset(cls, name: str, **versions: str | None) -> Target:
-        """A simulated target: one of :data:`PRESETS`, with library versions overridable."""
+    def preset(cls, name: str, *, packages: dict | None = None, **versions: str | None) -> Target:
+        """A simulated target: one of :data:`PRESETS`, with library versions and packages overridable."""
         if not isinstance(name, str) or name not in PRESETS:
             raise InvalidInputError(f"target: got {name!r}, expected one of {sorted(PRESETS)} or 'current'")
-        return PRESETS[name].with_versions(**versions) if versions else PRESETS[name]
+        if packages is None and not versions:
+            return PRESETS[name]
+        return PRESETS[name].with_versions(packages=packages, **versions)
 
     @classmethod
     def of(cls, target: Target | str | None, argument: str = "target") -> Target:
@@ -143,7 +201,8 @@ class Target:
     def current(cls, device: torch.device | str | int | None = None) -> Target:
         """The live machine. Never raises: without a usable CUDA device it is the CPU target."""
         if device is None:
-            return _cuda_target(_current_cuda_index()) if _cuda_usable() else _cpu_target()
+            packages = tuple(_PACKAGES)
+            return _cuda_target(_current_cuda_index(), packages) if _cuda_usable() else _cpu_target(packages)
         try:
             dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         except (RuntimeError, TypeError) as exc:
@@ -153,12 +212,16 @@ class Target:
         return target_for_device(dev)
 
 
-@functools.cache
 def target_for_device(device: torch.device) -> Target:
     """The target of the device tensors live on (memoized: cheap on the hot path)."""
+    return _target_for(device, tuple(_PACKAGES))
+
+
+@functools.cache
+def _target_for(device: torch.device, packages: tuple) -> Target:
     if device.type != "cuda" or not _cuda_usable():
-        return _cpu_target()
-    return _cuda_target(device.index if device.index is not None else _current_cuda_index())
+        return _cpu_target(packages)
+    return _cuda_target(device.index if device.index is not None else _current_cuda_index(), packages)
 
 
 def _cuda_usable() -> bool:
@@ -176,13 +239,14 @@ def _current_cuda_index() -> int:
         return 0
 
 
-def _package_version(distribution: str, module: str, *, shared_module: bool = False) -> str | None:
-    """The installed version of ``distribution`` if ``module`` imports, else None.
+def _package_version(package: Package) -> str | None:
+    """The installed version of the package's distribution if its module imports, else None.
 
     Without package metadata the version is "unknown", except for a module that several
     distributions install (``flash_attn`` comes with flash-attn and with flash-attn-4):
     there the metadata decides.
     """
+    distribution, module, shared_module = package
     try:
         if importlib.util.find_spec(module.split(".")[0]) is None:
             return None
@@ -196,13 +260,9 @@ def _package_version(distribution: str, module: str, *, shared_module: bool = Fa
         return None if shared_module else "unknown"
 
 
-def _installed_packages() -> dict:
-    return dict(
-        cudnn_frontend_version=_package_version("nvidia-cudnn-frontend", "cudnn"),
-        flash_attn_version=_package_version("flash-attn", "flash_attn", shared_module=True),
-        flash_attn3_version=_package_version("flash-attn-3", "flash_attn_interface"),
-        flash_attn4_version=_package_version("flash-attn-4", "flash_attn.cute", shared_module=True),
-    )
+def _installed_packages(distributions: tuple) -> dict:
+    versions = {d: _package_version(_PACKAGES[d]) for d in distributions if d in _PACKAGES}
+    return {"packages": {d: v for d, v in versions.items() if v is not None}}
 
 
 def cudnn_version_string(number: int) -> str:
@@ -213,26 +273,26 @@ def cudnn_version_string(number: int) -> str:
 
 
 @functools.cache
-def _cpu_target() -> Target:
+def _cpu_target(packages: tuple = ()) -> Target:
     return Target(
         name="cpu",
         device_type="cpu",
         capability=None,
         torch_version=torch.__version__,
         cudnn_version=None,
-        **_installed_packages(),
+        **_installed_packages(packages),
     )
 
 
 @functools.cache
-def _cuda_target(index: int) -> Target:
+def _cuda_target(index: int, packages: tuple = ()) -> Target:
     try:
         capability = tuple(torch.cuda.get_device_capability(index))
         name = torch.cuda.get_device_name(index)
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     except Exception as exc:
         log.warning("attnselect: could not read CUDA device %d (%s); using the cpu target", index, exc)
-        return _cpu_target()
+        return _cpu_target(packages)
     cudnn_version = cudnn_version_string(cudnn) if cudnn else None
     return Target(
         name=name,
@@ -240,7 +300,7 @@ def _cuda_target(index: int) -> Target:
         capability=capability,
         torch_version=torch.__version__,
         cudnn_version=cudnn_version,
-        **_installed_packages(),
+        **_installed_packages(packages),
     )
 
 
