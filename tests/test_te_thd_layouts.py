@@ -56,6 +56,7 @@ import pytest
 import torch
 
 import attnselect
+from attnselect import memos
 from attnselect.spec import validate
 from attnselect.spec.options import CallOptions, Packing
 from attnselect.spec.problem import describe_call
@@ -350,7 +351,7 @@ def test_a_copy_that_cannot_be_compared_keeps_the_top_left_anchor(monkeypatch, c
     cu_seqlens_kv may hold other boundaries: the window stays anchored top-left (right either way); with
     cu_seqlens_kv=None it is self-attention, the bottom-right window the fast kernels take."""
     (q, k, v), call = _meta_te_tensors()
-    monkeypatch.setattr(validate, "_WARNED", set())
+    monkeypatch.setattr(memos, "_WARNED", set())
     for _ in range(2):  # one warning, with the way out
         problem, _ = describe_call(q, k, v, CallOptions(causal=True, window=(4, 0), **call))  # meta: never comparable
     assert problem.mask == "sliding_window_top_left"

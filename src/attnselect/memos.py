@@ -23,6 +23,7 @@ from the one or computed in the other is remembered. (A WeakKeyDictionary would 
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from collections.abc import Callable, Hashable
@@ -42,6 +43,16 @@ def register_cache(clear) -> None:
 def generation() -> int:
     """How many clears have begun: a value stored under an earlier one may come from the state they forgot."""
     return _generation[0]
+
+
+_WARNED: set = set()  # the tags warn_once has warned of in this process
+
+
+def warn_once(tag: str, message: str, *args) -> None:
+    """Log ``message % args`` at WARNING the first time ``tag`` is seen in this process."""
+    if tag not in _WARNED:
+        _WARNED.add(tag)
+        logging.getLogger("attnselect").warning(message, *args)
 
 
 def cache_dir() -> Path:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import attnselect
-from attnselect import AttentionProblem, Candidate, Target
+from attnselect import AttentionProblem, Candidate, Target, memos
 from attnselect.choose import measure, store, timing
 
 P = AttentionProblem(
@@ -34,7 +34,7 @@ P = AttentionProblem(
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
     store._memory.clear()
-    store._warned.clear()
+    memos._WARNED.clear()
     return tmp_path
 
 

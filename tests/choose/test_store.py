@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attnselect
+from attnselect import memos
 from attnselect.choose import failures, measure, store
 from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
@@ -39,7 +40,7 @@ def test_any_content_of_the_cache_file_is_ignored_with_one_warning(content, tmp_
     directory = tmp_path_factory.mktemp("cache")
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(directory))
     monkeypatch.setattr(failures, "_RECORDED", None)
-    store._warned.clear()
+    memos._WARNED.clear()
     kind, data = content
     path = directory / "decisions.json"
     path.write_bytes(data) if kind == "bytes" else path.write_text(data)
@@ -65,7 +66,7 @@ def test_a_lock_held_too_long_times_out_and_the_entry_stays_in_memory(tmp_path, 
 
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(store, "LOCK_TIMEOUT_S", 0.2)
-    store._warned.clear()
+    memos._WARNED.clear()
     store._memory.clear()
     with open(tmp_path / "decisions.lock", "a") as held:  # another open file: flock treats it as another holder
         fcntl.flock(held, fcntl.LOCK_EX)

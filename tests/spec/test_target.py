@@ -51,14 +51,14 @@ def test_current_never_crashes_when_cuda_is_broken(monkeypatch, caplog):
         raise RuntimeError("CUDA driver initialization failed")
 
     monkeypatch.setattr(torch.cuda, "is_available", broken)
-    target_module._target_for.cache_clear()
+    target_module.target_for_device.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="attnselect"):
             assert Target.current().device_type == "cpu"
             assert Target.current("cuda:0").device_type == "cpu"
         assert "unusable" in caplog.text
     finally:
-        target_module._target_for.cache_clear()
+        target_module.target_for_device.cache_clear()
 
 
 def test_describe_and_dict():
@@ -95,7 +95,7 @@ def test_flash_attn_4_alone_does_not_look_like_flash_attn_2(tmp_path, monkeypatc
     (tmp_path / "flash_attn" / "__init__.py").write_text("")
     (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
-    packages = target_module._installed_packages(("flash-attn", "flash-attn-4"))["packages"]
+    packages = target_module._installed_packages()["packages"]
     assert "flash-attn" not in packages and "flash-attn-4" not in packages
 
 

@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 
-from attnselect.memos import cache_dir
+from attnselect.memos import cache_dir, warn_once
 
 log = logging.getLogger("attnselect")
 FORMAT = 1
 LOCK_TIMEOUT_S = 30.0  # a lock held longer is taken as stuck: the write falls back to memory with one warning
-_warned: set = set()
 _memory: dict = {}
 
 
@@ -79,7 +78,7 @@ def remember(key: str, value: dict, combine=None) -> None:
                 json.dump({"format": FORMAT, "entries": entries}, f)
             os.replace(temporary, path)
     except OSError as exc:
-        _warn_once(
+        warn_once(
             f"write:{path.parent}",
             "attnselect: cannot write the decision cache in %s (%s); keeping decisions in memory for this process",
             path.parent,
@@ -95,13 +94,13 @@ def _read(path: Path) -> dict:
             raise ValueError(f"not an attnselect decision cache of format {FORMAT}")
         entries = {key: value for key, value in data["entries"].items() if isinstance(value, dict)}
         if len(entries) != len(data["entries"]):
-            _warn_once(f"entries:{path}", "attnselect: ignoring %d malformed entries of the decision cache %s",
-                       len(data["entries"]) - len(entries), path)  # fmt: skip
+            warn_once(f"entries:{path}", "attnselect: ignoring %d malformed entries of the decision cache %s",
+                      len(data["entries"]) - len(entries), path)  # fmt: skip
         return entries
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, RecursionError) as exc:
-        _warn_once(
+        warn_once(
             f"read:{path}", "attnselect: ignoring the unreadable decision cache %s (%s); it will be rebuilt", path, exc
         )
         return {}
@@ -109,8 +108,8 @@ def _read(path: Path) -> dict:
 
 def malformed(path_or_tag: str, exc: Exception) -> None:
     """One warning for a cache entry whose content a reader could not use (it is then ignored)."""
-    _warn_once(f"malformed:{path_or_tag}", "attnselect: ignoring a malformed decision cache entry (%s: %s)",
-               type(exc).__name__, exc)  # fmt: skip
+    warn_once(f"malformed:{path_or_tag}", "attnselect: ignoring a malformed decision cache entry (%s: %s)",
+              type(exc).__name__, exc)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -139,9 +138,3 @@ def locked(path: Path):
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _warn_once(tag: str, message: str, *args) -> None:
-    if tag not in _warned:
-        _warned.add(tag)
-        log.warning(message, *args)

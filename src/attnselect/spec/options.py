@@ -109,15 +109,13 @@ def require(ok: bool, name: str, seen, expected: str) -> None:
         raise InvalidInputError(f"{name}: got {seen}, expected {expected}")
 
 
-def mask_from_arguments(
-    causal: bool | str, window: tuple[int, int] | None, square: bool = False
-) -> tuple[str, tuple[int, int] | None]:
+def mask_from_arguments(causal: bool | str, window: tuple[int, int] | None) -> tuple[str, tuple[int, int] | None]:
     """Turn the user-facing ``causal=`` / ``window=`` arguments into (mask, window).
 
     ``causal`` is False, True (top-left, as SDPA), "top_left" or "bottom_right". A window is anchored where the
     causal diagonal is: top-left with top-left causal (``sliding_window_top_left``), else bottom-right
-    (``sliding_window``); with causal it must have right == 0 (or -1, taken as 0). ``square``: every sequence has
-    as many queries as keys, where the two anchors coincide (then ``sliding_window``, which more kernels serve).
+    (``sliding_window``); with causal it must have right == 0 (or -1, taken as 0). Where every sequence has as many
+    queries as keys the two coincide: :class:`AttentionProblem` names that mask ``sliding_window``.
     """
     kinds = {False: "none", True: "causal", "top_left": "causal", "bottom_right": "causal_bottom_right"}
     require(
@@ -146,7 +144,7 @@ def mask_from_arguments(
             f"right = 0 or -1 with causal={causal!r} (a causal window cannot look ahead)",
         )
         right = 0
-    return ("sliding_window_top_left" if mask == "causal" and not square else "sliding_window"), (left, right)
+    return ("sliding_window_top_left" if mask == "causal" else "sliding_window"), (left, right)
 
 
 @dataclass(frozen=True)

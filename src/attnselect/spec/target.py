@@ -51,11 +51,20 @@ _PACKAGES: dict[str, Package] = {}
 
 def register_package(package: Package) -> None:
     """Have :meth:`Target.current` read this package's installed version."""
-    _PACKAGES[package.distribution] = package
+    if _PACKAGES.get(package.distribution) != package:
+        _PACKAGES[package.distribution] = package
+        _forget_targets()
 
 
 def unregister_package(distribution: str) -> None:
-    _PACKAGES.pop(distribution, None)
+    if _PACKAGES.pop(distribution, None) is not None:
+        _forget_targets()
+
+
+def _forget_targets() -> None:
+    """The live targets are read again: the packages they hold changed."""
+    for cached in (target_for_device, _cpu_target, _cuda_target):
+        cached.cache_clear()
 
 
 # The package fields of Target before the packages mapping (results files of 2026-12-02 and earlier hold them).
@@ -201,8 +210,7 @@ class Target:
     def current(cls, device: torch.device | str | int | None = None) -> Target:
         """The live machine. Never raises: without a usable CUDA device it is the CPU target."""
         if device is None:
-            packages = tuple(_PACKAGES)
-            return _cuda_target(_current_cuda_index(), packages) if _cuda_usable() else _cpu_target(packages)
+            return _cuda_target(_current_cuda_index()) if _cuda_usable() else _cpu_target()
         try:
             dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         except (RuntimeError, TypeError) as exc:
@@ -212,16 +220,12 @@ class Target:
         return target_for_device(dev)
 
 
+@functools.cache
 def target_for_device(device: torch.device) -> Target:
     """The target of the device tensors live on (memoized: cheap on the hot path)."""
-    return _target_for(device, tuple(_PACKAGES))
-
-
-@functools.cache
-def _target_for(device: torch.device, packages: tuple) -> Target:
     if device.type != "cuda" or not _cuda_usable():
-        return _cpu_target(packages)
-    return _cuda_target(device.index if device.index is not None else _current_cuda_index(), packages)
+        return _cpu_target()
+    return _cuda_target(device.index if device.index is not None else _current_cuda_index())
 
 
 def _cuda_usable() -> bool:
@@ -260,8 +264,8 @@ def _package_version(package: Package) -> str | None:
         return None if shared_module else "unknown"
 
 
-def _installed_packages(distributions: tuple) -> dict:
-    versions = {d: _package_version(_PACKAGES[d]) for d in distributions if d in _PACKAGES}
+def _installed_packages() -> dict:
+    versions = {d: _package_version(package) for d, package in _PACKAGES.items()}
     return {"packages": {d: v for d, v in versions.items() if v is not None}}
 
 
@@ -273,26 +277,26 @@ def cudnn_version_string(number: int) -> str:
 
 
 @functools.cache
-def _cpu_target(packages: tuple = ()) -> Target:
+def _cpu_target() -> Target:
     return Target(
         name="cpu",
         device_type="cpu",
         capability=None,
         torch_version=torch.__version__,
         cudnn_version=None,
-        **_installed_packages(packages),
+        **_installed_packages(),
     )
 
 
 @functools.cache
-def _cuda_target(index: int, packages: tuple = ()) -> Target:
+def _cuda_target(index: int) -> Target:
     try:
         capability = tuple(torch.cuda.get_device_capability(index))
         name = torch.cuda.get_device_name(index)
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     except Exception as exc:
         log.warning("attnselect: could not read CUDA device %d (%s); using the cpu target", index, exc)
-        return _cpu_target(packages)
+        return _cpu_target()
     cudnn_version = cudnn_version_string(cudnn) if cudnn else None
     return Target(
         name=name,
@@ -300,7 +304,7 @@ def _cuda_target(index: int, packages: tuple = ()) -> Target:
         capability=capability,
         torch_version=torch.__version__,
         cudnn_version=cudnn_version,
-        **_installed_packages(packages),
+        **_installed_packages(),
     )
 
 

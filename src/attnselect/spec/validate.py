@@ -6,13 +6,12 @@ value seen and what was expected, before any kernel runs.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 
 from attnselect.errors import InvalidInputError
-from attnselect.memos import TensorMemo
+from attnselect.memos import TensorMemo, warn_once
 from attnselect.spec import masks
 from attnselect.spec.options import DTYPES, LAYOUTS, CallOptions, Packing, mask_from_arguments
 
@@ -115,16 +114,12 @@ def read_call(q, k, v, options: CallOptions, *, context_parallel_size: int = 1) 
         # the window is the one the fast kernels take, so they are compared here (once per pair, _shared_after_all).
         packing, lengths = _shared_after_all(packing, lengths, q, k, capturing)
         if not lengths[2] and not _told_apart(packing, q, k) and not _comparable(*packing[:2], capturing):
-            _warn_once(
+            warn_once(
+                "unread-window",
                 "attnselect: cu_seqlens_kv, a tensor of its own, could not be compared with cu_seqlens_q here (CUDA "
                 "graph capture, torch.compile or inference tensors), so causal=True with window= stays anchored "
-                "top-left, a mask FlashAttention does not serve; for self-attention pass cu_seqlens_kv=None"
+                "top-left, a mask FlashAttention does not serve; for self-attention pass cu_seqlens_kv=None",
             )
-    if mask == "sliding_window_top_left":  # the same mask as a bottom-right window where every sequence is square
-        square = (
-            (lengths[0] == lengths[1] if lengths[0] is not None else lengths[2]) if o.layout == "thd" else sq == skv
-        )
-        mask, window = mask_from_arguments(o.causal, o.window, square=square)
     facts = packing_facts(mask, window, *lengths) if o.layout == "thd" else {}
     check_scale(o.scale)
     for name, flag in (("return_lse", o.return_lse), ("return_max_logit", o.return_max_logit)):
@@ -338,15 +333,6 @@ def _shared_after_all(packing: Packing, lengths: tuple, q, k, capturing: bool) -
         return packing, lengths
     offsets_kv = cu_q if packing.offsets_kv is cu_kv else packing.offsets_kv  # unpadded keys stay unpadded
     return packing._replace(cu_seqlens_kv=cu_q, offsets_kv=offsets_kv), (None, None, True)
-
-
-_WARNED: set = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logging.getLogger("attnselect").warning(message)
 
 
 def _told_apart(packing: Packing, q, k) -> bool:
