@@ -299,7 +299,7 @@ def worker(index: int, workers: int, directory: str, deadline: float, only_young
                 continue
             for verdict in judge(problem, target):
                 backend = backends.get(verdict.candidate.backend)
-                if not verdict.supported or (backend.package and getattr(target, backend.package[0]) is None):
+                if not verdict.supported or (backend.package and backend.package_version(target) is None):
                     continue
                 young = verdict.candidate.backend in YOUNG
                 if (repeat == 1 or only_young) and not young:
@@ -390,12 +390,13 @@ EARLIER = "results/h200_rules_grid.jsonl"  # the rules grid of 2026-12-01 (same 
 
 
 def summary(records: list[dict], meta: dict, earlier: list[dict] = ()) -> dict:
-    """The package data: young kernels' results per allowlist key, and the signatures every process passed.
+    """The package data: young kernels' results per allowlist key (and per K/V grouping within it), and the
+    signatures every process passed.
 
     ``earlier``: rows of the rules grid (benchmarks/rules_grid.py, relative error within 2e-2, one process), counted
     for the allowlist where today's static surface serves the candidate (it ran them all, served or not)."""
     from attnselect import backends
-    from attnselect.backends.evidence import FORMAT, kernel_key
+    from attnselect.backends.evidence import FORMAT, grouping, kernel_key
     from attnselect.spec.problem import AttentionProblem
     from attnselect.spec.target import Target
 
@@ -405,6 +406,8 @@ def summary(records: list[dict], meta: dict, earlier: list[dict] = ()) -> dict:
     def count(backend, problem, passed, finding, source):
         entry = kernels.setdefault(backend, {}).setdefault(kernel_key(problem), {"passed": 0, "failed": 0})
         entry["passed" if passed else "failed"] += 1
+        own = entry.setdefault("by_grouping", {}).setdefault(grouping(problem), {"passed": 0, "failed": 0})
+        own["passed" if passed else "failed"] += 1
         if not passed:
             entry.setdefault("example", f"{source}: {finding}"[:240])
 

@@ -20,7 +20,7 @@ BASE = dict(
     cu_q=[0, 122, 235, 348, 459, 582, 693, 816, 943, 1053],
     cu_kv=[0, 0, 214, 416, 619, 817, 817, 1018, 1232, 1232],
     heads=6, d=256, dtype="float16", window=[99, 73], softcap=15.0, causal=False, max_seqlen=True, lse=True,
-    training=False,
+    training=False, another_total=False, before=(),
 )  # fmt: skip
 VARIANTS = {
     "the call": {},
@@ -33,6 +33,26 @@ VARIANTS = {
     "no lse": dict(lse=False),
     "causal window": dict(window=[99, 0], causal="bottom_right"),
     "training": dict(training=True),
+    # Packed flex compiles with dynamic=None: a second token total makes the totals dynamic. These run one call of
+    # another total first (the last sequence dropped), as a process with several packings does.
+    "after another total": dict(another_total=True),
+    "after another total, no softcap": dict(another_total=True, softcap=None),
+    "after another total, no window": dict(another_total=True, window=None),
+    "after another total, no empty key sequence": dict(
+        another_total=True, cu_kv=[0, 107, 214, 416, 619, 817, 917, 1018, 1125, 1232]
+    ),
+    "after another total, bfloat16": dict(another_total=True, dtype="bfloat16"),
+    "after another total, no lse": dict(another_total=True, lse=False),
+    "after another total, head dim 128": dict(another_total=True, d=128, softcap=None),
+    # A process that has compiled flex for other head dims: torch.compile's automatic dynamic shapes may then make
+    # the head dim symbolic too (the peer sweep's and the GPU tests' processes had run many flex configurations).
+    "after head dims 64 and 128": dict(before=[dict(d=64, softcap=None), dict(d=128, softcap=None)]),
+    "after head dims 64 and 128, training": dict(
+        training=True, before=[dict(d=64, softcap=None, training=True), dict(d=128, softcap=None, training=True)]
+    ),
+    "after head dims 64 and 128 and another total": dict(
+        another_total=True, before=[dict(d=64, softcap=None), dict(d=128, softcap=None)]
+    ),
 }
 
 
@@ -42,6 +62,13 @@ def child(spec: dict) -> dict:
     import attnselect
 
     dtype = getattr(torch, spec["dtype"])
+    first = None
+    for earlier in spec["before"]:  # other configurations first, in this process
+        child(dict(spec, **earlier, another_total=False, before=()))
+    if spec["another_total"]:  # the same call without its last sequence, first
+        first = child(dict(spec, cu_q=spec["cu_q"][:-1], cu_kv=spec["cu_kv"][:-1], another_total=False, before=()))[
+            "status"
+        ]
     g = torch.Generator(device="cuda").manual_seed(0)
     tq, tkv = spec["cu_q"][-1], spec["cu_kv"][-1]
     q = torch.randn(tq, spec["heads"], spec["d"], device="cuda", dtype=dtype, generator=g)
@@ -65,6 +92,8 @@ def child(spec: dict) -> dict:
         status = "ok"
     except Exception as exc:
         status = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+    if first is not None:
+        status = f"first total: {first}; second total: {status}"
     return {"status": status, "seconds": round(time.perf_counter() - started, 1)}
 
 

@@ -270,7 +270,8 @@ def main() -> None:
                 for v in judge(problem, target)
                 if not (
                     backends.get(v.candidate.backend).package
-                    and v.reasons == (f"package {backends.get(v.candidate.backend).package[1]} is not installed",)
+                    and v.reasons
+                    == (f"package {backends.get(v.candidate.backend).package.distribution} is not installed",)
                 )
                 and (wanted is None or v.candidate.backend in wanted)
                 and v.candidate.backend not in skipped

@@ -93,6 +93,14 @@ def test_rules_grid_smoke(tmp_path):
     assert "3 problems" in report
 
 
+def test_correctness_grid_smoke(tmp_path):
+    done = _run("benchmarks/correctness_grid.py", "--out", str(tmp_path), "--workers", "1", "--ids", "0,1",
+                "--deadline", "300")  # fmt: skip
+    rows = [json.loads(line) for f in tmp_path.glob("rows-*.jsonl") for line in f.read_text().splitlines()]
+    assert rows and all(r["passed"] for r in rows), done.stdout
+    assert {r["repeat"] for r in rows if r["backend"] == "flex"} == {0, 1}  # young kernels run twice
+
+
 def test_hf_deepseek_smoke(tmp_path):
     pytest.importorskip("transformers", reason="the test extra installs transformers")
     _run("benchmarks/hf_deepseek.py", "--smoke", "--out", str(tmp_path / "hf"))

@@ -182,9 +182,9 @@ GPU_CASES = [(v, b, t, layout) for v, b, t, layouts in GPU_VARIANTS for layout i
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant, backend, training, layout", GPU_CASES)
 def test_gpu_candidates_serving_a_variant_match_the_float64_oracle(variant, backend, training, layout):
-    package = attnselect.backends.get(backend).package  # (Target version field, pip name) or None
-    if package and getattr(attnselect.Target.current(), package[0]) is None:
-        pytest.skip(f"{package[1]} is not installed")
+    chosen = attnselect.backends.get(backend)
+    if chosen.package and chosen.package_version(attnselect.Target.current()) is None:
+        pytest.skip(f"{chosen.package.distribution} is not installed")
     g = torch.Generator(device="cuda").manual_seed(0)
     hq, hkv, lengths = 8, 2, [64, 0, 200, 17]
     total = sum(lengths)

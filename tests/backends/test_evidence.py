@@ -43,11 +43,24 @@ def test_a_young_kernel_is_served_only_where_every_row_passed(grid):
     flex = get("flex")
     assert flex.not_supported_reasons(_problem(training=True), H200) == []
     failed = flex.not_supported_reasons(_problem(training=True, head_dim_qk=64, head_dim_v=256), H200)
-    assert failed == ["failed 1 of 3 rows at dense 64/256 training in results/grid.md"]
+    assert failed == ["failed 1 of 3 rows at dense 64/256 training (no MHA row) in results/grid.md"]
     unseen = flex.not_supported_reasons(_problem(training=True, head_dim_qk=80, head_dim_v=80), H200)
     assert unseen == ["no correctness grid row ran it at dense 80/80 training (results/grid.md)"]
     elsewhere = flex.not_supported_reasons(_problem(training=True), Target.preset("b200"))
     assert elsewhere == ["no correctness grid has passed it on sm100 (benchmarks/correctness_grid.py)"]
+
+
+def test_a_key_with_failures_serves_the_groupings_whose_rows_all_passed(grid):
+    grid["kernels"]["flex"]["thd 128/128 inference"] = {
+        "passed": 34, "failed": 2,
+        "by_grouping": {"MQA": {"passed": 24, "failed": 2}, "MHA": {"passed": 4, "failed": 0}},
+    }  # fmt: skip
+    flex, thd = get("flex"), dict(layout="thd", head_dim_qk=128, head_dim_v=128)
+    assert flex.not_supported_reasons(_problem(**thd), H200) == []
+    mqa = flex.not_supported_reasons(_problem(**thd, heads_kv=1), H200)
+    assert mqa == ["failed 2 of 36 rows at thd 128/128 inference (2 of 26 MQA rows) in results/grid.md"]
+    gqa = flex.not_supported_reasons(_problem(**thd, heads_kv=2), H200)  # no evidence of its own
+    assert gqa == ["failed 2 of 36 rows at thd 128/128 inference (no GQA row) in results/grid.md"]
 
 
 def test_the_allowlist_leaves_older_kernels_and_the_cpu_alone(grid):
@@ -87,6 +100,14 @@ def test_the_packaged_h200_grid_loads_and_names_its_source():
         json.dumps([1, 2]),
         json.dumps({"format": 1, "source": "x", "covered": [], "kernels": {"flex": [1]}}),
         json.dumps({"format": 1, "source": "x", "covered": [[1]], "kernels": {}}),
+        json.dumps(
+            {
+                "format": 1,
+                "source": "x",
+                "covered": [],
+                "kernels": {"flex": {"k": {"passed": 1, "failed": 0, "by_grouping": []}}},
+            }
+        ),
     ],
 )
 def test_a_foreign_or_corrupt_summary_is_ignored_with_one_warning(content, monkeypatch, caplog):

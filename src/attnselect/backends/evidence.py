@@ -5,7 +5,9 @@ their documentation makes: FA4 4.0.0b36's sm90 backward gives wrong gradients at
 sizes, cannot launch at 64/128, fails to compile at 128/96 (docs/sources/h200-measurements-2026-12-02.md). So on
 the GPUs where they need evidence, their surface is an allowlist: a kernel configuration (layout kind, the head
 dims the kernel gets, phase) is served only where benchmarks/correctness_grid.py ran it and every one of its rows
-passed, in every process. Everything else is refused with a reason that names the grid's file.
+passed, in every process; where some of its rows failed, a call is served only if rows of its own K/V grouping
+(MHA, GQA or MQA) ran and all of them passed (flex's packed 128/128 inference failed only with one K/V head, for
+want of an inductor template). Everything else is refused with a reason that names the grid's file.
 
 The grid's summary ships as package data, one file per GPU (``attnselect/data/correctness_<arch>.json``, written by
 ``python benchmarks/correctness_grid.py --report DIR --earlier``). Its ``covered`` signatures also spare the first-use
@@ -46,6 +48,17 @@ def kernel_key(problem: AttentionProblem) -> str:
     return f"{layout} {problem.head_dim_qk}/{problem.head_dim_v} {phase}"
 
 
+def grouping(problem: AttentionProblem) -> str:
+    """The K/V grouping a key's counts are split by: 'MHA', 'GQA' or 'MQA' (one K/V head)."""
+    if problem.heads_kv == problem.heads_q:
+        return "MHA"
+    return "MQA" if problem.heads_kv == 1 else "GQA"
+
+
+def _counts(entry) -> bool:
+    return isinstance(entry, dict) and type(entry.get("passed")) is int and type(entry.get("failed")) is int
+
+
 @functools.cache
 def grid_for(arch: str) -> dict | None:
     """The packaged grid summary for an arch ('sm90'), or None; a foreign or corrupt file gives one warning."""
@@ -68,7 +81,9 @@ def grid_for(arch: str) -> dict | None:
             and all(
                 isinstance(entries, dict)
                 and all(
-                    isinstance(e, dict) and type(e.get("passed")) is int and type(e.get("failed")) is int
+                    _counts(e)
+                    and isinstance(e.get("by_grouping", {}), dict)
+                    and all(_counts(g) for g in e.get("by_grouping", {}).values())
                     for e in entries.values()
                 )
                 for entries in kernels.values()
@@ -94,9 +109,14 @@ def reasons(backend: str, problem: AttentionProblem, target: Target) -> list[str
     seen = grid["kernels"].get(backend, {}).get(key)
     if seen is None:
         return [f"no correctness grid row ran it at {key} ({grid['source']})"]
-    if seen.get("failed"):
-        return [f"failed {seen['failed']} of {seen['failed'] + seen['passed']} rows at {key} in {grid['source']}"]
-    return []
+    if not seen.get("failed"):
+        return []
+    kind = grouping(problem)
+    own = seen.get("by_grouping", {}).get(kind)
+    if own and own["passed"] and not own["failed"]:  # the failures were at other groupings
+        return []
+    found = f"{own['failed']} of {own['failed'] + own['passed']} {kind} rows" if own else f"no {kind} row"
+    return [f"failed {seen['failed']} of {seen['failed'] + seen['passed']} rows at {key} ({found}) in {grid['source']}"]
 
 
 def base_fingerprint(target: Target) -> dict:
