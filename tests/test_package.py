@@ -72,3 +72,31 @@ def test_no_module_imports_one_that_imports_it_back():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest chain of imports, top module first (the graph has no cycles)."""
+    memo: dict[str, list[str]] = {}
+
+    def chain(name: str) -> list[str]:
+        if name not in memo:
+            memo[name] = [name, *max((chain(m) for m in sorted(graph[name])), key=len, default=[])]
+        return memo[name]
+
+    return max((chain(name) for name in sorted(graph)), key=len)
+
+
+# Floors: the modules on the longest chain of imports (a package's __init__ counts as a module). The layers are
+# spec -> backends (their registry below the kernels) -> choose -> dispatch -> api -> integrations and the CLI.
+MAX_FLOORS = 12
+
+
+def test_the_package_stands_on_at_most_twelve_floors():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    chain = _longest_chain(graph)
+    assert len(chain) <= MAX_FLOORS, " -> ".join(chain)
+
+
+def test_the_chain_finder_finds_the_longest_chain():
+    assert _longest_chain({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"c"}}) == ["a", "b", "c"]

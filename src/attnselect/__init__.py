@@ -5,13 +5,12 @@ Public API: :func:`attention`, :func:`select`, :func:`explain`, :class:`Attentio
 """
 
 from attnselect.api import attention, explain
-from attnselect.choose.candidates import Verdict
 from attnselect.choose.decision import Decision
 from attnselect.choose.selection import select
 from attnselect.choose.settings import overrides
 from attnselect.errors import AttnSelectError, ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.memos import clear_cache
-from attnselect.spec.options import Candidate
+from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from attnselect.choose import settings
-from attnselect.choose.selection import MEMO_SIZE
+from attnselect.choose.settings import MEMO_SIZE
 from attnselect.memos import generation, register_cache
 from attnselect.spec.options import Candidate, KernelCall
 from attnselect.spec.problem import AttentionProblem

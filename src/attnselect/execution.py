@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attnselect import backends
+from attnselect.backends.base import get as backend_named
 from attnselect.backends.shape_cache import bucketed, padded_boundaries
 from attnselect.spec.options import Candidate, KernelCall, Packing
 from attnselect.spec.problem import AttentionProblem
@@ -106,7 +106,7 @@ def run_call(
     target: Target | None = None,
 ):
     """:func:`run_candidate` with the kernel options already built."""
-    backend = backends.get(candidate.backend)
+    backend = backend_named(candidate.backend)
     if problem.layout != "thd":
         return dense_runner(backend, candidate.pad_to, problem.layout, call)(q, k, v)
     if backend.packs_thd(target or target_for_device(q.device)):

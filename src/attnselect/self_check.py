@@ -27,8 +27,9 @@ import math
 
 import torch
 
-from attnselect import backends, correctness
+from attnselect import correctness
 from attnselect.backends import evidence
+from attnselect.backends.base import get as backend_named
 from attnselect.choose.failures import is_transient
 from attnselect.choose.settings import self_check_mode
 from attnselect.errors import AttnSelectError
@@ -56,7 +57,7 @@ def needed(problem: AttentionProblem, chosen: Candidate, target: Target) -> bool
         return False
     if (target, chosen, problem.signature) in _PASSED:
         return False
-    version = backends.get(chosen.backend).package_version(target)
+    version = backend_named(chosen.backend).package_version(target)
     return checking == "all" or not evidence.covers(chosen.backend, chosen.pad_to, problem, target, version)
 
 

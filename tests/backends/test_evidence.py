@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from attnselect.backends import evidence, get
+from attnselect.choose.candidates import kernel_reasons
 from attnselect.errors import InvalidInputError
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
@@ -41,12 +42,12 @@ def grid(monkeypatch):
 
 def test_a_young_kernel_is_served_only_where_every_row_passed(grid):
     flex = get("flex")
-    assert flex.not_supported_reasons(_problem(training=True), H200) == []
-    failed = flex.not_supported_reasons(_problem(training=True, head_dim_qk=64, head_dim_v=256), H200)
+    assert kernel_reasons(flex, _problem(training=True), H200) == []
+    failed = kernel_reasons(flex, _problem(training=True, head_dim_qk=64, head_dim_v=256), H200)
     assert failed == ["failed 1 of 3 rows at dense 64/256 training (no MHA row) in results/grid.md"]
-    unseen = flex.not_supported_reasons(_problem(training=True, head_dim_qk=80, head_dim_v=80), H200)
+    unseen = kernel_reasons(flex, _problem(training=True, head_dim_qk=80, head_dim_v=80), H200)
     assert unseen == ["no correctness grid row ran it at dense 80/80 training (results/grid.md)"]
-    elsewhere = flex.not_supported_reasons(_problem(training=True), Target.preset("b200"))
+    elsewhere = kernel_reasons(flex, _problem(training=True), Target.preset("b200"))
     assert elsewhere == ["no correctness grid has passed it on sm100 (benchmarks/correctness_grid.py)"]
 
 
@@ -56,21 +57,21 @@ def test_a_key_with_failures_serves_the_groupings_whose_rows_all_passed(grid):
         "by_grouping": {"MQA": {"passed": 24, "failed": 2}, "MHA": {"passed": 4, "failed": 0}},
     }  # fmt: skip
     flex, thd = get("flex"), dict(layout="thd", head_dim_qk=128, head_dim_v=128)
-    assert flex.not_supported_reasons(_problem(**thd), H200) == []
-    mqa = flex.not_supported_reasons(_problem(**thd, heads_kv=1), H200)
+    assert kernel_reasons(flex, _problem(**thd), H200) == []
+    mqa = kernel_reasons(flex, _problem(**thd, heads_kv=1), H200)
     assert mqa == ["failed 2 of 36 rows at thd 128/128 inference (2 of 26 MQA rows) in results/grid.md"]
-    gqa = flex.not_supported_reasons(_problem(**thd, heads_kv=2), H200)  # no evidence of its own
+    gqa = kernel_reasons(flex, _problem(**thd, heads_kv=2), H200)  # no evidence of its own
     assert gqa == ["failed 2 of 36 rows at thd 128/128 inference (no GQA row) in results/grid.md"]
 
 
 def test_the_allowlist_leaves_older_kernels_and_the_cpu_alone(grid):
-    assert get("sdpa_cudnn").not_supported_reasons(_problem(head_dim_qk=80, head_dim_v=80), H200) == []
-    assert get("flex").not_supported_reasons(_problem(head_dim_qk=80, head_dim_v=80), Target.preset("cpu")) == []
+    assert kernel_reasons(get("sdpa_cudnn"), _problem(head_dim_qk=80, head_dim_v=80), H200) == []
+    assert kernel_reasons(get("flex"), _problem(head_dim_qk=80, head_dim_v=80), Target.preset("cpu")) == []
 
 
 def test_the_allowlist_can_be_switched_off(grid, monkeypatch):
     monkeypatch.setenv("ATTNSELECT_ALLOWLIST", "0")
-    assert get("flex").not_supported_reasons(_problem(training=True, head_dim_qk=80, head_dim_v=80), H200) == []
+    assert kernel_reasons(get("flex"), _problem(training=True, head_dim_qk=80, head_dim_v=80), H200) == []
     monkeypatch.setenv("ATTNSELECT_ALLOWLIST", "yes")
     with pytest.raises(InvalidInputError, match="ATTNSELECT_ALLOWLIST: got 'yes'"):
         evidence.allowlist_enabled()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import attnselect
+from attnselect.choose.candidates import kernel_reasons
 from attnselect.execution import run_candidate
 from attnselect.spec.options import CallOptions, Candidate
 from helpers import dense_inputs, rel_err
@@ -210,6 +211,6 @@ def test_flash_attn4_trains_on_sm90_only_the_head_dims_whose_gradients_matched_o
     b200 = attnselect.Target.preset(
         "b200", packages={"flash-attn-4": "4.0.0b36"}
     )  # measured on sm90 only: no grid there
-    assert attnselect.backends.get("flash_attn4").not_supported_reasons(p, b200) == [
+    assert kernel_reasons(attnselect.backends.get("flash_attn4"), p, b200) == [
         "no correctness grid has passed it on sm100 (benchmarks/correctness_grid.py)"
     ]

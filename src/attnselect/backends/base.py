@@ -1,10 +1,15 @@
-"""The backend contract: a support surface as data, readable reasons, and one dense kernel call.
+"""The backend contract: a support surface as data, readable reasons, one dense kernel call, and the registry.
 
 A backend declares, per device type, a :class:`Surface` (what it serves) and may add
 arch- or version-dependent rules in :meth:`Backend.extra_reasons`. The executor hands
 :meth:`Backend.run` dense tensors in the backend's ``layout`` (already padded, when the
 candidate pads) and a :class:`KernelCall`; the backend returns ``(out, lse)`` where lse
 is float32 (B, Hq, Sq) or None when not requested.
+
+The registry (:func:`register`, :func:`get`, :func:`all_backends`) lives here, beside the contract, so that the
+choice reads it without importing the kernels: :mod:`attnselect.backends` registers the built-in backends on import
+(which importing any module of the package does first). Every change forgets the memoized decisions
+(:func:`attnselect.clear_cache`), which may have chosen or refused the backend.
 """
 
 from __future__ import annotations
@@ -14,11 +19,11 @@ from typing import ClassVar
 
 import torch
 
-from attnselect.backends import evidence
 from attnselect.backends.shape_cache import ShapeCache
+from attnselect.memos import clear_cache
 from attnselect.spec.options import MASKS, KernelCall, Packing, dtype_name
 from attnselect.spec.problem import AttentionProblem
-from attnselect.spec.target import Package, Target
+from attnselect.spec.target import Package, Target, register_package, unregister_package
 
 HALF = frozenset({torch.float16, torch.bfloat16})
 ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -140,21 +145,19 @@ class Backend:
     surfaces: ClassVar[dict[str, Surface]]  # keyed by device type ("cuda", "cpu")
     package: ClassVar[Package | None] = None  # the pip distribution it needs, if any
     shape_cache: ClassVar[ShapeCache | None] = None  # None: nothing is built per shape
-    # Device types where the surface is an allowlist from the correctness grid (attnselect.backends.evidence): young
-    # kernels.
+    # Device types where the surface is an allowlist from the correctness grid (attnselect.backends.evidence, which
+    # attnselect.choose.candidates applies after these reasons): young kernels.
     evidence_required: ClassVar[frozenset[str]] = frozenset()
 
     def not_supported_reasons(self, problem: AttentionProblem, target: Target) -> list[str]:
-        """Why this backend cannot serve ``problem`` on ``target``; empty when it can."""
+        """Why this backend's documented surface does not serve ``problem`` on ``target``; empty when it does (the
+        young kernels' allowlists come on top: attnselect.choose.candidates.kernel_reasons)."""
         if self.package and target.version(self.package.distribution) is None:
             return [f"package {self.package.distribution} is not installed"]
         surface = self.surfaces.get(target.device_type)
         if surface is None:
             return [f"runs on {' and '.join(self.surfaces)} only, not on {target.device_type}"]
-        reasons = surface.reasons(problem, target) + self.extra_reasons(problem, target)
-        if not reasons and target.device_type in self.evidence_required:
-            reasons = evidence.reasons(self.name, problem, target)
-        return reasons
+        return surface.reasons(problem, target) + self.extra_reasons(problem, target)
 
     def package_version(self, target: Target) -> str | None:
         """The version of its package on ``target`` (None: none needed, or not installed)."""
@@ -208,3 +211,29 @@ def expand_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim:
 
 def _cc(cc: tuple[int, int]) -> str:
     return f"{cc[0]}.{cc[1]}"
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> None:
+    """Add (or replace) a backend under ``backend.name``."""
+    _REGISTRY[backend.name] = backend
+    if backend.package is not None:  # Target.current reads its version from now on
+        register_package(backend.package)
+    clear_cache()
+
+
+def unregister(name: str) -> None:
+    gone = _REGISTRY.pop(name, None)
+    if gone is not None and gone.package and not any(b.package == gone.package for b in _REGISTRY.values()):
+        unregister_package(gone.package.distribution)
+    clear_cache()
+
+
+def all_backends() -> tuple[Backend, ...]:
+    return tuple(_REGISTRY.values())
+
+
+def get(name: str) -> Backend | None:
+    return _REGISTRY.get(name)

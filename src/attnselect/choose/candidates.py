@@ -7,25 +7,24 @@ Every registered backend gives a native candidate and, when the head dims differ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from attnselect import backends
+from attnselect.backends import evidence
+from attnselect.backends.base import Backend, all_backends
 from attnselect.choose.settings import Overrides
-from attnselect.spec.options import Candidate
+from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 
 NO_OVERRIDES = Overrides()
 
 
-@dataclass(frozen=True)
-class Verdict:
-    candidate: Candidate
-    reasons: tuple[str, ...]
-
-    @property
-    def supported(self) -> bool:
-        return not self.reasons
+def kernel_reasons(backend: Backend, problem: AttentionProblem, target: Target) -> list[str]:
+    """Why ``backend`` cannot serve ``problem`` (the problem the kernel gets: padded where the candidate pads) on
+    ``target``: its documented surface, then, for young kernels, the correctness grid's allowlist
+    (:mod:`attnselect.backends.evidence`)."""
+    reasons = backend.not_supported_reasons(problem, target)
+    if not reasons and target.device_type in backend.evidence_required:
+        reasons = evidence.reasons(backend.name, problem, target)
+    return reasons
 
 
 def override_reasons(overrides: Overrides, candidate: Candidate, problem: AttentionProblem) -> list[str]:
@@ -52,7 +51,7 @@ def judge(
     verdicts = []
     pad_target = problem.pad_target
     padded = problem if pad_target is None else problem.padded(pad_target)
-    for backend in backends.all_backends():
+    for backend in all_backends():
         options = [None] if pad_target is None else [None, pad_target]
         for pad_to in options:
             candidate = Candidate(backend.name, pad_to)
@@ -60,6 +59,6 @@ def judge(
             if failed and candidate in failed:
                 reasons = [f"failed at run time on this target: {failed[candidate]}"]
             if not reasons:
-                reasons = backend.not_supported_reasons(problem if pad_to is None else padded, target)
+                reasons = kernel_reasons(backend, problem if pad_to is None else padded, target)
             verdicts.append(Verdict(candidate, tuple(reasons)))
     return tuple(verdicts)

@@ -12,12 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
 
 from attnselect.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from attnselect.choose.decision import Decision
 
 LOGGER = logging.getLogger("attnselect")
 _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
@@ -60,8 +56,9 @@ def _apply(level: int) -> None:
         LOGGER.setLevel(_LEVELS[level])
 
 
-def log_decision(decision: Decision) -> None:
-    """Log a new decision: one INFO line; with level 2 every candidate at DEBUG."""
+def log_decision(decision) -> None:
+    """Log a new decision (a :class:`~attnselect.choose.decision.Decision`): one INFO line; with level 2 every
+    candidate at DEBUG."""
     _apply(debug_level())
     if LOGGER.isEnabledFor(logging.INFO):  # the prose costs more than the decision
         LOGGER.info("%s | %s", decision.problem.describe(), decision.why)

@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnselect.choose import rules
-from attnselect.choose.candidates import Verdict
 from attnselect.choose.settings import Overrides
-from attnselect.spec.options import Candidate
+from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 

@@ -11,9 +11,9 @@ or sequence by sequence) that does not, since a training loop packs anew every s
 
 from __future__ import annotations
 
-from attnselect import backends
-from attnselect.choose.candidates import Verdict
-from attnselect.spec.options import Candidate
+from attnselect.backends.base import all_backends
+from attnselect.backends.base import get as backend_named
+from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 
@@ -269,7 +269,7 @@ PREFERENCES[("cpu", "inference")] = PREFERENCES[("cpu", "training")]
 def parse_table(key: tuple, names: tuple[str, ...]) -> tuple[tuple[str, bool], ...]:
     """A table's "name" / "name+pad" strings as (backend, padded) entries, checked against the registry: a misspelt
     or repeated entry raises here, at import, instead of silently ranking last."""
-    known = {b.name for b in backends.all_backends()}
+    known = {b.name for b in all_backends()}
     entries = []
     for name in names:
         backend, plus, pad = name.partition("+")
@@ -351,7 +351,7 @@ def _stable_across_packings(ordered: list[Candidate], target: Target) -> list[Ca
     its path (packed, or per sequence) that does not."""
     rebuilds, packed = {}, {}
     for c in ordered:
-        backend = backends.get(c.backend)
+        backend = backend_named(c.backend)
         rebuilds[c] = backend.shape_cache is not None and backend.shape_cache.rebuilds_per_packing
         packed[c] = backend.packs_thd(target)
     result = [c for c in ordered if not rebuilds[c]]

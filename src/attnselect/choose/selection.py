@@ -7,13 +7,14 @@ from collections import OrderedDict
 
 import torch
 
-from attnselect import backends
 from attnselect.backends import evidence
+from attnselect.backends.base import get as backend_named
 from attnselect.choose import debug, measure, rules, settings
-from attnselect.choose.candidates import judge, override_reasons
+from attnselect.choose.candidates import judge, kernel_reasons, override_reasons
 from attnselect.choose.decision import Decision, no_candidate_message
 from attnselect.choose.distributed import is_distributed
 from attnselect.choose.failures import failures
+from attnselect.choose.settings import MEMO_SIZE
 from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.memos import generation, register_cache
 from attnselect.spec.options import Candidate
@@ -21,7 +22,6 @@ from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 
 _MEMO: OrderedDict[tuple, Decision] = OrderedDict()
-MEMO_SIZE = 4096  # distinct (problem, target, controls) decisions kept; the oldest go first
 register_cache(_MEMO.clear)
 
 
@@ -127,14 +127,14 @@ def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) 
     chosen = earlier.chosen
 
     def serves(c: Candidate) -> bool:
-        return not backends.get(c.backend).not_supported_reasons(
-            problem if c.pad_to is None else problem.padded(c.pad_to), target
+        return not kernel_reasons(
+            backend_named(c.backend), problem if c.pad_to is None else problem.padded(c.pad_to), target
         )
 
     if not serves(chosen) or chosen in failures(problem, target):
         return False
     position = {entry: i for i, entry in enumerate(table)}
-    cache = backends.get(chosen.backend).shape_cache
+    cache = backend_named(chosen.backend).shape_cache
     above = (
         len(table)
         if cache is not None and cache.rebuilds_per_packing

@@ -16,6 +16,7 @@ from attnselect.errors import ForcedChoiceError, InvalidInputError
 
 POLICIES = ("rules", "measure")
 PAD_MODES = ("auto", "always", "never")
+MEMO_SIZE = 4096  # distinct (problem, target, controls) decisions kept in memory; the oldest go first
 ENV_VARS = (
     "ATTNSELECT_POLICY",
     "ATTNSELECT_BACKEND",
@@ -124,7 +125,7 @@ def resolve(
     *, policy=None, backend=None, pad=None, disable=None, env: tuple = (), scoped: tuple = _NO_SCOPE
 ) -> Overrides:
     """Merge keyword arguments, an :func:`overrides` scope and the environment snapshot ``env``."""
-    from attnselect import backends
+    from attnselect.backends.base import all_backends
 
     env_policy, env_backend, env_pad, env_disable = [
         s if s is not None else e for s, e in zip(scoped, (env or environment())[:4])
@@ -137,7 +138,7 @@ def resolve(
     pad, source = _pick(pad, env_pad, "pad", "ATTNSELECT_PAD")
     if not isinstance(pad, (str, type(None))) or (pad or "auto") not in PAD_MODES:
         raise InvalidInputError(f"{source}: got {pad!r}, expected True, False or one of {PAD_MODES}")
-    known = [b.name for b in backends.all_backends()]
+    known = [b.name for b in all_backends()]
     backend, source = _pick(backend, env_backend, "backend", "ATTNSELECT_BACKEND")
     if not isinstance(backend, (str, type(None))):
         raise InvalidInputError(f"{source}: got {backend!r}, expected a backend name")

@@ -36,7 +36,7 @@ import math
 
 import torch
 
-import attnselect
+from attnselect import api
 from attnselect.errors import InvalidInputError
 from attnselect.integrations import optional_int
 from attnselect.memos import TensorMemo
@@ -164,9 +164,9 @@ class CoreAttention(MegatronModule):
         with tensor_parallel.get_cuda_rng_tracker().fork() if options["dropout_p"] else contextlib.nullcontext():
             if packed:
                 packing = _packing(packed_seq_params, self.cp_size)
-                out = attnselect.attention(query, key, value, layout="thd", **packing, **options)
+                out = api.attention(query, key, value, layout="thd", **packing, **options)
             else:
-                out = attnselect.attention(query, key, value, layout="sbhd", **options)
+                out = api.attention(query, key, value, layout="sbhd", **options)
         if self.track_max_logit:
             out, max_logit = out
             seen = self.current_max_attn_logits

@@ -37,7 +37,7 @@ import weakref
 
 import torch
 
-import attnselect
+from attnselect import api
 from attnselect.errors import InvalidInputError
 from attnselect.integrations import optional_int
 
@@ -97,7 +97,7 @@ def attention_forward(
     if kwargs.get("cu_seq_lens_q") is not None:
         return _packed(query, key, value, kwargs, options), None
     if attention_mask is None:
-        out = attnselect.attention(query, key, value, layout="bhsd", **options)
+        out = api.attention(query, key, value, layout="bhsd", **options)
         return out.transpose(1, 2), None
     if attention_mask.dim() == 4:
         for name in ("softcap", "s_aux"):  # torch's SDPA, which runs a 4-D mask, applies neither
@@ -178,7 +178,7 @@ def _packed(query, key, value, kwargs, options):
     if query.shape[0] != 1:
         raise InvalidInputError(f"query.shape[0]: got {query.shape[0]}, expected 1 with cu_seq_lens_q (packed)")
     to_thd = lambda t: t[0].transpose(0, 1)  # noqa: E731   (1, H, T, D) -> (T, H, D)
-    out = attnselect.attention(
+    out = api.attention(
         to_thd(query),
         to_thd(key),
         to_thd(value),
@@ -234,7 +234,7 @@ def _unpadded(query, key, value, keep, options):
     lengths_q, lengths_kv = keep_q.sum(1, dtype=torch.int32), keep.sum(1, dtype=torch.int32)
     cu_q, cu_kv = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (lengths_q, lengths_kv))
     tokens = lambda t, rows: t.transpose(1, 2)[rows]  # noqa: E731   (B, H, S, D) -> (T, H, D)
-    packed = attnselect.attention(
+    packed = api.attention(
         tokens(query, keep_q),
         tokens(key, keep),
         tokens(value, keep),

@@ -163,3 +163,15 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "pad_to": self.pad_to}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A candidate and why it cannot serve a call (no reasons: it can)."""
+
+    candidate: Candidate
+    reasons: tuple[str, ...]
+
+    @property
+    def supported(self) -> bool:
+        return not self.reasons
