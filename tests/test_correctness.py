@@ -94,3 +94,20 @@ def test_a_naive_reference_that_overflows_gives_no_verdict():
         assert not judgement.passed
     with pytest.raises(ValueError, match="not finite"):
         correctness.compare(q * 1e3, k * 1e3, v, None, _call(), {"out": got["out"]})
+
+
+def test_a_batch_of_slices_is_judged_as_each_slice_alone():
+    """compare_batch judges n slices with one reference each way: each slice's judgement is the one compare gives it
+    alone, a wrong slice fails alone, and a slice whose naive reference overflows gets no judgement."""
+    call = _call("causal_bottom_right")
+    slices = [_slice_inputs(seed=seed, dtype=torch.float16) for seed in range(3)]
+    gots = [_kernel(*inputs, call) for inputs in slices]
+    gots[1]["dk"] = gots[1]["dk"] * 1.1  # wrong in the second slice only
+    slices[2] = (slices[2][0] * 300, slices[2][1] * 300, *slices[2][2:])  # fp16 logits past 65504: no bound
+    gots[2] = _kernel(*slices[2], call)
+    stacked = [torch.stack(ts) for ts in zip(*slices)]
+    got = {name: torch.stack([g[name] for g in gots]) for name in gots[0]}
+    batch = correctness.compare_batch(*stacked, call, got)
+    alone = correctness.compare(*slices[0], call, gots[0])
+    assert batch[0].errors == alone.errors and batch[0].bounds == alone.bounds and batch[0].passed
+    assert batch[1].failures == ["dk"] and batch[2] is None

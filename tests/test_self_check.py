@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import attnselect
-from attnselect import backends, self_check
+from attnselect import backends, correctness, self_check
 from attnselect.backends.reference import Reference
 from attnselect.choose import failures
 from attnselect.errors import InvalidInputError
@@ -150,9 +150,8 @@ def test_all_checks_signatures_the_grid_covered(monkeypatch):
 
 
 def test_a_reference_that_cannot_run_skips_the_check_with_a_warning(monkeypatch, caplog):
-    from attnselect import correctness
 
-    monkeypatch.setattr(correctness, "compare", lambda *a, **kw: (_ for _ in ()).throw(MemoryError("no room")))
+    monkeypatch.setattr(correctness, "compare_batch", lambda *a, **kw: (_ for _ in ()).throw(MemoryError("no room")))
     q, k, v = dense_inputs(dtype=torch.float32, requires_grad=False)
     with caplog.at_level(logging.WARNING, logger="attnselect"):
         out = attnselect.attention(q, k, v)
@@ -369,3 +368,16 @@ def test_the_walk_passes_over_long_and_empty_sequences(monkeypatch):
     problem = attnselect.AttentionProblem(64, 100, 100, 4, 4, 64, 64, layout="thd")
     pieces = self_check.check_slices(problem, packing([0] * 40 + [100] * 24))
     assert all(p.length_q for p in pieces) and len(pieces) == self_check.CHECK_SLICES
+
+
+def test_slices_of_equal_lengths_share_one_reference(monkeypatch):
+    """The check runs the exact and the naive reference once for a dense call's slices (one batch), not per slice."""
+    q, k, v = dense_inputs(b=4, sq=12, skv=12, hq=4, hkv=4, dqk=16, dv=8, dtype=torch.float32)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v)
+    assert len(self_check.check_slices(problem, None)) == 16
+    calls = []
+    real = correctness.reference
+    monkeypatch.setattr(correctness, "reference", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    monkeypatch.setenv("ATTNSELECT_SELF_CHECK", "all")
+    attnselect.attention(q, k, v)
+    assert [shape[0] for shape in calls] == [16, 16]

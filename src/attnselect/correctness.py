@@ -88,22 +88,53 @@ def lse_rows(lse: torch.Tensor, layout: str, s: Slice) -> torch.Tensor:
     return lse[s.sequence].index_select(0, index)
 
 
+def judge_slices(layout: str, pieces, call: KernelCall, out, lse, grads: dict, q, k, v, dout, dlse) -> list:
+    """Judge a call's result on ``pieces`` (slices of equal lengths and head counts) at once: the kernel's ``out``,
+    ``lse`` (or None) and ``grads`` ({"dq": ..., "dk": ..., "dv": ...}, those it has) against the references on the
+    call's q, k, v for the output gradient ``dout`` (and ``dlse``, where the lse carries one). One
+    :class:`Judgement` per slice, None where its naive reference is not finite (:func:`compare_batch`)."""
+
+    def stack(t, heads_of, keys=False):
+        return torch.stack([rows(t, layout, p, heads_of(p), keys=keys) for p in pieces])
+
+    queries, kv_head = (lambda p: p.q_heads), (lambda p: p.kv_head)
+    with torch.no_grad():
+        got = {"out": stack(out, queries)}
+        if lse is not None:
+            got["lse"] = torch.stack([lse_rows(lse, layout, p) for p in pieces])
+        for name, grad in grads.items():
+            got[name] = stack(grad, queries if name == "dq" else kv_head, keys=name != "dq")
+        sliced = (
+            stack(q, queries).detach(),
+            stack(k, kv_head, keys=True).detach(),
+            stack(v, kv_head, keys=True).detach(),
+            stack(dout, queries) if dout is not None else None,
+        )
+        dlse_rows = torch.stack([lse_rows(dlse, layout, p) for p in pieces]) if dlse is not None else None
+        return compare_batch(*sliced, call, got, dlse=dlse_rows)
+
+
 def reference(q, k, v, dout, call: KernelCall, dtype: torch.dtype, *, lse: bool = True, dlse=None):
     """Attention of (S, h, D) query rows over (S_kv, 1, D) key rows in ``dtype``: (out, lse (h, S), dq, dk, dv),
     the gradients for ``dout`` (None: none) and, where given, ``dlse`` (h, S) on the lse too (sinks rescale the
-    output by it). Chunked over queries so long sequences fit."""
-    sq, skv = q.shape[0], k.shape[0]
+    output by it). Chunked over queries so long sequences fit. Slices of equal lengths go as one batch: a leading
+    dimension n on every tensor (q (n, S, h, D), lse (n, h, S), ...)."""
+    if q.dim() == 3:
+        batched = [t.unsqueeze(0) if t is not None else None for t in (q, k, v, dout, dlse)]
+        return tuple(t[0] if t is not None else None for t in reference(*batched[:4], call, dtype, lse=lse,
+                                                                          dlse=batched[4]))  # fmt: skip
+    sq, skv = q.shape[1], k.shape[1]
     kk = k.detach().to(dtype).requires_grad_(dout is not None)
     vv = v.detach().to(dtype).requires_grad_(dout is not None)
     allowed = masks.visible(call.mask, call.window, sq, skv, q.device)
     outs, lses, dqs = [], [], []
     for begin in range(0, max(sq, 1), QUERY_CHUNK):
         end = min(sq, begin + QUERY_CHUNK)
-        qq = q[begin:end].detach().to(dtype).requires_grad_(dout is not None)
+        qq = q[:, begin:end].detach().to(dtype).requires_grad_(dout is not None)
         with torch.enable_grad() if dout is not None else torch.no_grad():
             # The scale goes on q first, as FlashAttention's attention_ref does: a product of unscaled fp16 rows
             # can overflow where the kernel's scaled logits do not.
-            scores = torch.einsum("shd,thd->hst", qq * call.scale, kk.expand(-1, qq.shape[1], -1))
+            scores = torch.einsum("nshd,nthd->nhst", qq * call.scale, kk.expand(-1, -1, qq.shape[2], -1))
             if call.softcap is not None:
                 scores = call.softcap * torch.tanh(scores / call.softcap)
             empty = None
@@ -118,20 +149,20 @@ def reference(q, k, v, dout, call: KernelCall, dtype: torch.dtype, *, lse: bool 
                 probs = probs.masked_fill(empty[:, None], 0.0)
                 if row_lse is not None:
                     row_lse = row_lse.masked_fill(empty, float("-inf"))
-            out = torch.einsum("hst,thd->shd", probs, vv.expand(-1, qq.shape[1], -1))
+            out = torch.einsum("nhst,nthd->nshd", probs, vv.expand(-1, -1, qq.shape[2], -1))
             if dout is not None and dlse is not None:
-                torch.autograd.backward([out, row_lse], [dout[begin:end].to(dtype), dlse[:, begin:end].float()])
+                torch.autograd.backward([out, row_lse], [dout[:, begin:end].to(dtype), dlse[:, :, begin:end].float()])
                 dqs.append(qq.grad)
             elif dout is not None:
-                out.backward(dout[begin:end].to(dtype))
+                out.backward(dout[:, begin:end].to(dtype))
                 dqs.append(qq.grad)
         outs.append(out.detach())
         lses.append(row_lse.detach() if row_lse is not None else None)
-    out = torch.cat(outs)
-    row_lse = torch.cat(lses, dim=1) if lse else None
+    out = torch.cat(outs, dim=1)
+    row_lse = torch.cat(lses, dim=2) if lse else None
     if dout is None:
         return out, row_lse, None, None, None
-    return out, row_lse, torch.cat(dqs), kk.grad, vv.grad
+    return out, row_lse, torch.cat(dqs, dim=1), kk.grad, vv.grad
 
 
 @dataclass(frozen=True)
@@ -169,7 +200,19 @@ class Judgement:
 def compare(q, k, v, dout, call: KernelCall, got: dict, dlse=None) -> Judgement:
     """Judge ``got`` ({"out": ..., "lse": ..., "dq": ..., "dk": ..., "dv": ...}, each optional, the kernel's
     values on the slice: out/dq (S, h, D), dk/dv (S_kv, 1, D), lse (h, S)) for slice inputs q (S, h, Dqk),
-    k/v (S_kv, 1, D) and, for gradients, dout (S, h, Dv) and, where the lse carries one, dlse (h, S)."""
+    k/v (S_kv, 1, D) and, for gradients, dout (S, h, Dv) and, where the lse carries one, dlse (h, S). Raises
+    ValueError where the naive reference is not finite (no bound to judge by)."""
+    batch = [t.unsqueeze(0) if t is not None else None for t in (q, k, v, dout, dlse)]
+    judgement = compare_batch(*batch[:4], call, {name: value.unsqueeze(0) for name, value in got.items()}, batch[4])[0]
+    if judgement is None:
+        raise ValueError("the naive reference is not finite: no bound to judge by")
+    return judgement
+
+
+def compare_batch(q, k, v, dout, call: KernelCall, got: dict, dlse=None) -> list[Judgement | None]:
+    """:func:`compare` for n slices of equal lengths at once (a leading dimension n on every tensor): one judgement
+    per slice, None for a slice whose naive reference is not finite (fp16 logits past 65504, say). The references
+    run once for the batch and the errors come back to the host in one transfer."""
     dtype = q.dtype
     exact_dtype = torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
     # float64 inputs are judged at float32's precision: kernels compute them with float32-level error (PyTorch's CPU
@@ -179,35 +222,54 @@ def compare(q, k, v, dout, call: KernelCall, got: dict, dlse=None) -> Judgement:
     dlse = dlse if grads is not None else None
     exact = dict(zip(("out", "lse", "dq", "dk", "dv"), reference(q, k, v, grads, call, exact_dtype, dlse=dlse)))
     naive = dict(zip(("out", "lse", "dq", "dk", "dv"), reference(q, k, v, grads, call, naive_dtype, dlse=dlse)))
-    errors, bounds = {}, {}
-    for name, value in got.items():
-        ref, plain = exact[name], naive[name]
+    names, columns = list(got), []
+    for name in names:
+        value, ref, plain = got[name], exact[name], naive[name]
         factor = OUT_FACTOR if name in ("out", "lse") else GRAD_FACTOR
-        if name == "lse":
+        misplaced = None
+        if name == "lse":  # a row that sees no key must have lse -inf; the other rows are compared
             keyless = torch.isinf(ref)
-            if bool((value[keyless] != float("-inf")).any()):
-                errors[name], bounds[name] = float("inf"), 0.0  # a row that sees no key must have lse -inf
-                continue
-            value, ref, plain = value[~keyless], ref[~keyless], plain[~keyless]
-        errors[name] = _max_error(value, ref)
-        naive_error = _max_error(plain, ref)
-        if not math.isfinite(naive_error):
-            raise ValueError(f"the naive reference's {name} is not finite: no bound to judge by")
-        rounding = 2 * _max_error((ref.to(naive_dtype) + 0.3 - 0.3).to(ref.dtype), ref) if name != "lse" else 1e-5
+            misplaced = ((value != float("-inf")) & keyless).flatten(1).any(1)
+            value, ref, plain = (t.masked_fill(keyless, 0.0) for t in (value, ref, plain))
+        error = _max_errors(value, ref)
+        naive_error = _max_errors(plain, ref)
+        rounding = (
+            2 * _max_errors((ref.to(naive_dtype) + 0.3 - 0.3).to(ref.dtype), ref)
+            if name != "lse"
+            else torch.full_like(error, 1e-5)
+        )
         # A floor where the naive reference is exact (a value that is exactly 0, as dk with one key): some units in
         # the last place of the kernels' float32 accumulation at the value's scale, which summation order alone can
         # differ by (PyTorch's CPU flash kernel: 2e-6 to 6e-6 on a dk of 0).
-        floor = FLOOR_ULPS * torch.finfo(torch.float32).eps * max(1.0, float(ref.abs().max()) if ref.numel() else 1.0)
-        bounds[name] = factor * naive_error + rounding + floor
-    return Judgement(errors, bounds)
+        scale = ref.abs().flatten(1).amax(1).double().clamp(min=1.0) if ref[0].numel() else torch.ones_like(error)
+        bound = factor * naive_error + rounding + FLOOR_ULPS * torch.finfo(torch.float32).eps * scale
+        if misplaced is not None:
+            error = torch.where(misplaced, torch.full_like(error, float("inf")), error)
+            bound = torch.where(misplaced, torch.zeros_like(bound), bound)
+        columns.append(torch.stack([error, bound, naive_error]))
+    if not columns:
+        return [Judgement({}, {}) for _ in range(q.shape[0])]
+    table = torch.stack(columns).tolist()  # (values, 3, n): one transfer
+    judgements = []
+    for i in range(q.shape[0]):
+        if not all(math.isfinite(table[j][2][i]) for j in range(len(names))):
+            judgements.append(None)
+            continue
+        judgements.append(
+            Judgement(
+                {n: table[j][0][i] for j, n in enumerate(names)}, {n: table[j][1][i] for j, n in enumerate(names)}
+            )
+        )
+    return judgements
 
 
 def _ratio(err: float, bound: float) -> float:
     return err / bound if bound > 0 else float("inf") if err > 0 else 0.0
 
 
-def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.numel() == 0:
-        return 0.0
-    diff = (a.double() - b.double()).abs()
-    return float("inf") if not bool(torch.isfinite(a).all()) else float(diff.max())
+def _max_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The largest absolute difference per slice (leading dimension), float64; inf where ``a`` is not finite."""
+    if a[0].numel() == 0:
+        return torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
+    diff = (a.double() - b.double()).abs().flatten(1).amax(1)
+    return torch.where(torch.isfinite(a).flatten(1).all(1), diff, torch.full_like(diff, float("inf")))

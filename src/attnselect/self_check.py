@@ -119,40 +119,44 @@ def judge(problem, call: KernelCall, result, q, k, v, packing: Packing | None, s
 
 def _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse) -> correctness.Judgement:
     """The worst judgement over the slices whose references could be computed; :class:`ReferenceFailed` where none
-    could (a slice whose naive reference overflows, say, leaves the others to judge)."""
+    could (a slice whose naive reference overflows, say, leaves the others to judge). Slices of equal lengths are
+    judged together, as many at once as :data:`BATCH_ELEMENTS` allows."""
     judgement, failed = None, None
-    for piece in slices:
+    for batch in _batches(slices):
         try:
-            found = _judge_slice(problem, call, result, q, k, v, dout, grads, piece, dlse)
+            found = correctness.judge_slices(
+                problem.layout, batch, call, result[0], result[1], grads, q, k, v, dout, dlse
+            )
         except Exception as exc:
             failed = exc
             continue
-        judgement = found if judgement is None else judgement.worse(found)
-        if not judgement.passed:  # wrong: no need to look further
+        for one in found:
+            if one is None:
+                failed = failed or ValueError("the naive reference is not finite: no bound to judge by")
+                continue
+            judgement = one if judgement is None else judgement.worse(one)
+        if judgement is not None and not judgement.passed:  # wrong: no need to look further
             break
     if judgement is None:
         raise ReferenceFailed(f"{type(failed).__name__}: {failed}") from failed
     return judgement
 
 
-def _judge_slice(problem, call, result, q, k, v, dout, grads, piece, dlse) -> correctness.Judgement:
-    out, lse, layout = result[0], result[1], problem.layout
-    with torch.no_grad():
-        got = {"out": correctness.rows(out, layout, piece, piece.q_heads)}
-        if lse is not None:
-            got["lse"] = correctness.lse_rows(lse, layout, piece)
-        for name, grad in grads.items():
-            heads = piece.q_heads if name == "dq" else piece.kv_head
-            got[name] = correctness.rows(grad, layout, piece, heads, keys=name != "dq")
-        sliced = (
-            correctness.rows(q, layout, piece, piece.q_heads).detach(),
-            correctness.rows(k, layout, piece, piece.kv_head, keys=True).detach(),
-            correctness.rows(v, layout, piece, piece.kv_head, keys=True).detach(),
-            correctness.rows(dout, layout, piece, piece.q_heads) if dout is not None else None,
-        )
-        return correctness.compare(
-            *sliced, call, got, dlse=correctness.lse_rows(dlse, layout, piece) if dlse is not None else None
-        )
+# Reference score elements (slices x query heads x query rows of a chunk x keys) judged at once: slices of equal
+# lengths go as one batch (one reference, one transfer of the errors) up to this size.
+BATCH_ELEMENTS = 2**27
+
+
+def _batches(slices) -> list[list[correctness.Slice]]:
+    groups: dict = {}
+    for piece in slices:
+        groups.setdefault((piece.length_q, piece.length_kv, len(piece.q_heads)), []).append(piece)
+    out = []
+    for (length_q, length_kv, heads), members in groups.items():
+        each = heads * max(min(length_q, correctness.QUERY_CHUNK), 1) * max(length_kv, 1)
+        size = max(1, BATCH_ELEMENTS // each)
+        out += [members[i : i + size] for i in range(0, len(members), size)]
+    return out
 
 
 # The self-check's slices: up to this many, and this many reference score elements (query rows x keys x query heads)
