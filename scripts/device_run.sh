@@ -13,6 +13,8 @@
 #                                      # benchmarks/peer_sweep.py under ATTNSELECT_STRICT=1 with and without (SWEEP_DEADLINE)
 #   bash scripts/device_run.sh self-check-cost # benchmarks/self_check_cost.py       -> $OUT/h200_self_check_cost.*
 #   bash scripts/device_run.sh flex-probe # benchmarks/flex_probe.py                  -> $OUT/h200_flex_probe.*
+#   bash scripts/device_run.sh calibrate # benchmarks/calibrate.py (CALIBRATE_ARGS="--pairs 192/128,128/128",
+#                                      # CALIBRATE_PART=name)          -> $OUT/h200_calibration${CALIBRATE_PART:+_name}.*
 #   bash scripts/device_run.sh pytest  # pytest $PYTEST_ARGS, the whole log  -> $OUT/h200_pytest_$TEST_PART.txt
 #                                      # (NO_FA4=1 leaves an installed FA4 off the path, for any step)
 #   bash scripts/device_run.sh grid-odd # its head dims below 16 and not multiples of 8, every backend but FA4,
@@ -133,6 +135,10 @@ case "$step" in
     } > "$OUT/h200_pytest${TEST_PART:+_$TEST_PART}.txt"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/h200_pytest${TEST_PART:+_$TEST_PART}.txt" | tail -30 ;;
   flex-probe)
     timeout 200 python3 benchmarks/flex_probe.py --out "$OUT/h200_flex_probe" 2>&1 | grep -E '^\|' ;;
+  calibrate)
+    timeout ${CALIBRATE_TIMEOUT:-540} python3 benchmarks/calibrate.py \
+      --out "$OUT/h200_calibration${CALIBRATE_PART:+_$CALIBRATE_PART}" ${CALIBRATE_ARGS:-} \
+      2>&1 | grep -v -i warn | tail -40 ;;
   self-check-cost)
     timeout 300 python3 benchmarks/self_check_cost.py --out "$OUT/h200_self_check_cost" 2>&1 | grep -v -i warn \
       | grep -E '^\|' ;;
@@ -230,7 +236,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests pytest flex-probe correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests pytest flex-probe calibrate correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 import attnselect
+from attnselect.choose.calibration import fingerprint
+from attnselect.spec.target import Target
 
 SHAPES = {
     "bshd": lambda b, s, h, d: (b, s, h, d),
@@ -104,3 +106,28 @@ def run_group(script: str, n: int, *arguments: str, timeout: float = 600) -> dic
                 report = json.loads(line)
                 reports[report["rank"], report["case"]] = report
     return reports
+
+
+CALIBRATED_H200 = Target.preset("h200", packages={"flash-attn-4": "4.0.0b36"})
+
+
+def calibration_sample(target: Target = CALIBRATED_H200, **changes) -> dict:
+    """A small calibration of ``target``: sdpa_cudnn and flash_attn4 on dense 192/128 training."""
+    data = {
+        "format": 1,
+        "fingerprint": fingerprint(target),
+        "device": target.describe(),
+        "date": "2026-12-02",
+        "source": "tests",
+        "host_us": {
+            "sdpa_cudnn": {"dense training": 60.0, "dense inference": 25.0},
+            "flash_attn4": {"dense training": 300.0, "dense inference": 130.0},
+        },
+        "gpu": {
+            "sdpa_cudnn": {"dense 192/128 training": [[10.0, 20.0], [1e4, 1000.0]]},
+            "flash_attn4": {"dense 192/128 training": [[10.0, 15.0], [1e4, 800.0]]},
+        },
+        "first_call_ms": {"flash_attn4": 4000.0},
+    }
+    data.update(changes)
+    return data

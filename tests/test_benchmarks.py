@@ -101,6 +101,17 @@ def test_correctness_grid_smoke(tmp_path):
     assert {r["repeat"] for r in rows if r["backend"] == "flex"} == {0, 1}  # young kernels run twice
 
 
+def test_calibrate_smoke(tmp_path):
+    for pair in ("64/64", "128/128"):
+        _run("benchmarks/calibrate.py", "--quick", "--pairs", pair, "--out", str(tmp_path / pair.replace("/", "_")))
+    _run("benchmarks/calibrate.py", "--merge", str(tmp_path / "64_64.json"), str(tmp_path / "128_128.json"),
+         "--out", str(tmp_path / "both"))  # fmt: skip
+    data = json.loads((tmp_path / "both.json").read_text())
+    assert set(data["gpu"]["sdpa_flash"]) == {f"{layout} {pair} training" for layout in ("dense", "thd")
+                                              for pair in ("64/64", "128/128")}  # fmt: skip
+    assert "## Host time per call (us)" in (tmp_path / "both.md").read_text()
+
+
 def test_hf_deepseek_smoke(tmp_path):
     pytest.importorskip("transformers", reason="the test extra installs transformers")
     _run("benchmarks/hf_deepseek.py", "--smoke", "--out", str(tmp_path / "hf"))

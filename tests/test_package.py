@@ -100,3 +100,67 @@ def test_the_package_stands_on_at_most_twelve_floors():
 
 def test_the_chain_finder_finds_the_longest_chain():
     assert _longest_chain({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"c"}}) == ["a", "b", "c"]
+
+
+def _walk_of_q(monkeypatch) -> list[str]:
+    """The modules a dense call's ``q`` passes through in ``attnselect.attention`` (a decision, not memoized; the
+    self-check off), in order: a stay is a run of frames of one module that hold ``q``, entered by a call or by a
+    return to the caller."""
+    import sys
+
+    import torch
+
+    import attnselect
+
+    monkeypatch.setenv("ATTNSELECT_SELF_CHECK", "0")
+    q, k, v = torch.randn(1, 64, 4, 32), torch.randn(1, 64, 4, 32), torch.randn(1, 64, 4, 16)
+    attnselect.clear_cache()
+
+    def holds(frame) -> bool:
+        if frame is None or not frame.f_globals.get("__name__", "").startswith("attnselect"):
+            return False
+        values = frame.f_locals.values()
+        return any(x is q or (isinstance(x, (tuple, list)) and any(y is q for y in x)) for x in values)
+
+    stays: list[str] = []
+
+    def visit(frame) -> None:
+        if not stays or stays[-1] != frame.f_globals["__name__"]:
+            stays.append(frame.f_globals["__name__"])
+
+    def profile(frame, event, arg) -> None:
+        if event == "call" and holds(frame):
+            visit(frame)
+        elif event == "return" and holds(frame) and holds(frame.f_back):
+            visit(frame.f_back)
+
+    sys.setprofile(profile)
+    try:
+        attnselect.attention(q, k, v, causal=True)
+    finally:
+        sys.setprofile(None)
+    return stays
+
+
+def test_q_climbs_back_up_at_most_four_times_on_its_way_through_attention(monkeypatch):
+    """The architecture review (2026-12-02) counted 9 climbs back up (a stay on a higher floor than the one before)
+    for ``q`` through attention(); the layout step asked for at most half. Each climb left is a return to the
+    caller (api.py orchestrates the slow path), none a call up into a higher module."""
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    floor = {name: len(_longest_chain({n: graph[n] for n in graph if n in _below(name, graph)})) for name in graph}
+    stays = _walk_of_q(monkeypatch)
+    climbs = [i for i in range(1, len(stays)) if floor[stays[i]] > floor[stays[i - 1]]]
+    assert stays[0] == "attnselect.api" and len(climbs) <= 4, " -> ".join(stays)
+    assert all(stays[i] in stays[: i - 1] for i in climbs), " -> ".join(stays)  # each a return to a caller
+
+
+def _below(name: str, graph: dict[str, set[str]]) -> set[str]:
+    """``name`` and every module it imports, directly or not."""
+    seen, todo = set(), [name]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(graph[n])
+    return seen

@@ -1,11 +1,12 @@
 """Command line: ``attnselect explain`` (which kernel, and why), ``demo`` (a real run), ``backends``, ``tune``,
-``bench``."""
+``bench``, ``calibrate``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import pathlib
 import sys
 
 import torch
@@ -14,7 +15,7 @@ from attnselect.api import attention
 from attnselect.backends import all_backends
 from attnselect.bench.models import MODELS
 from attnselect.choose.selection import select
-from attnselect.errors import AttnSelectError
+from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.spec.options import mask_from_arguments
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import PRESETS, Target
@@ -183,6 +184,28 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_calibrate(a) -> int:
+    from attnselect.bench import calibrate
+    from attnselect.choose import calibration
+    from attnselect.memos import clear_cache
+
+    target = Target.current()
+    if not target.is_cuda:
+        raise InvalidInputError(
+            "attnselect calibrate: got a machine without a CUDA GPU, expected one (on the CPU the rules table orders "
+            "the candidates)"
+        )
+    data = calibrate.run(target, quick=a.quick, progress=calibrate.print_progress)
+    path = pathlib.Path(a.out) if a.out else calibration.user_path(target.arch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(data, indent=1))
+    os.replace(temporary, path)
+    clear_cache()
+    print(f"calibration of {target.describe()} -> {path}")
+    return 0
+
+
 def cmd_backends(a) -> int:
     """Every registered backend, what it is, and whether this machine can run it at all."""
     target = Target.current()
@@ -230,6 +253,9 @@ def main(argv=None) -> int:
     no_timing = bench.add_mutually_exclusive_group()
     no_timing.add_argument("--render", action="store_true", help="only rewrite .md and .png from an existing .json")
     no_timing.add_argument("--merge", nargs="+", metavar="PART.json", help="join shards' reports into --out")
+    calibrate = sub.add_parser("calibrate", help="measure this GPU's backends for the rules' predicted times")
+    calibrate.add_argument("--quick", action="store_true", help="one head-dim pair and two sizes (minutes less)")
+    calibrate.add_argument("--out", help="write here instead of the cache directory (where it takes precedence)")
     tune = sub.add_parser("tune", help="measure model shapes now and keep the decisions in the cache")
     tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["deepseek-v3"])
     tune.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096])
@@ -245,6 +271,7 @@ def main(argv=None) -> int:
             "backends": cmd_backends,
             "tune": cmd_tune,
             "bench": cmd_bench,
+            "calibrate": cmd_calibrate,
         }[a.command](a)
     except AttnSelectError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)

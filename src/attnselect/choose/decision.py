@@ -24,6 +24,8 @@ class Decision:
     ranked: tuple[Candidate, ...]
     verdicts: tuple[Verdict, ...]
     timings: dict | None = None  # measure policy: Candidate -> Timing, or None where it failed
+    predictions: dict | None = None  # a calibration held: Candidate -> Prediction, or None where it has none
+    calibration: str = ""  # the calibration's source, or why none holds
 
     @property
     def why(self) -> str:
@@ -32,6 +34,11 @@ class Decision:
         because = (
             f"it ranks first of {len(self.ranked)} supported candidates in the {self.policy} table for {' '.join(key)}"
         )
+        if self.predictions and self.predictions.get(self.chosen) is not None:
+            because = (
+                f"its predicted time, {self.predictions[self.chosen]}, is the lowest of {len(self.ranked)} supported "
+                f"candidates (calibration {self.calibration})"
+            )
         if self.timings:
             timed = {c: t for c, t in self.timings.items() if t is not None}
             fastest = min(timed, key=lambda c: timed[c].median_ms)
@@ -70,16 +77,31 @@ class Decision:
         unranked = len(self.ranked) + 1
         by_rank = sorted((v for v in self.verdicts if v.supported), key=lambda v: self.rank_of(v.candidate) or unranked)
         refused = [v for v in self.verdicts if not v.supported]
-        rows = [("backend", "padded to", "supported", "rank", "reasons")]
+        predicted = self.predictions is not None
+        rows = [("backend", "padded to", "supported", "rank", *(("predicted us (host, GPU)",) * predicted), "reasons")]
         for verdict in by_rank + (refused if show_all else []):
             c = verdict.candidate
             rank = self.rank_of(c)
-            rows.append((c.backend, str(c.pad_to) if c.padded else "-", "yes" if verdict.supported else "no",
-                         str(rank) if rank else "-", "; ".join(verdict.reasons)))  # fmt: skip
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [f"problem: {self.problem.describe()}", f"target:  {self.target.describe()}", ""]
+            time = (self.predictions or {}).get(c)
+            cells = (c.backend, str(c.pad_to) if c.padded else "-", "yes" if verdict.supported else "no",
+                     str(rank) if rank else "-")  # fmt: skip
+            if predicted:
+                shown = f"{time.total_us:.1f} ({time.host_us:.1f}, {time.gpu_us:.1f})" if time else "-"
+                cells += (shown if verdict.supported else "",)
+            reasons = "; ".join(verdict.reasons)
+            if time is not None and time.basis.endswith("(nearest calibrated dims)"):
+                reasons = f"predicted from {time.basis}"
+            rows.append((*cells, reasons))
+        columns = len(rows[0]) - 1
+        widths = [max(len(r[i]) for r in rows) for i in range(columns)]
+        lines = [f"problem: {self.problem.describe()}", f"target:  {self.target.describe()}"]
+        if predicted:
+            lines.append(f"ranked:  by predicted time (calibration {self.calibration})")
+        elif self.calibration:
+            lines.append(f"ranked:  by the rules table ({self.calibration})")
+        lines.append("")
         for r in rows:
-            lines.append(("  ".join(cell.ljust(w) for cell, w in zip(r[:4], widths)) + "  " + r[4]).rstrip())
+            lines.append(("  ".join(cell.ljust(w) for cell, w in zip(r[:columns], widths)) + "  " + r[-1]).rstrip())
         if refused and not show_all:
             groups: dict[str, list[str]] = {}
             for v in refused:

@@ -1,4 +1,9 @@
-"""The rules policy: rank supported candidates by a preference table per arch family and phase.
+"""The rules policy: rank supported candidates by their predicted time where a calibration holds, else by a
+preference table per arch family and phase.
+
+Where a calibration of this GPU and these library versions holds (:mod:`attnselect.choose.calibration`), the
+supported candidates go by their predicted time for the call (:mod:`attnselect.choose.predict`), the table breaking
+ties and candidates without a prediction last. Elsewhere the table orders them, as follows.
 
 A table lists candidates fastest first ("name" = native, "name+pad" = padded). Padding wins
 only where a padded entry ranks above every supported native one. Supported candidates the
@@ -13,6 +18,8 @@ from __future__ import annotations
 
 from attnselect.backends.base import all_backends
 from attnselect.backends.base import get as backend_named
+from attnselect.choose import calibration
+from attnselect.choose.predict import Prediction, predict
 from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
@@ -332,18 +339,41 @@ def entry(c: Candidate) -> tuple[str, bool]:
     return c.backend, c.padded
 
 
-def rank(verdicts: tuple[Verdict, ...], problem: AttentionProblem, target: Target) -> tuple[Candidate, ...]:
-    """Supported candidates, best first."""
+def predictions(
+    verdicts: tuple[Verdict, ...], problem: AttentionProblem, target: Target
+) -> tuple[dict[Candidate, Prediction | None] | None, str]:
+    """Each supported candidate's predicted time (None where the calibration has none for it) and the calibration's
+    source; (None, why not) where no calibration holds on ``target``."""
+    found, source = calibration.for_target(target)
+    if found is None:
+        return None, source
+    return {v.candidate: predict(v.candidate, problem, found) for v in verdicts if v.supported}, source
+
+
+def rank(
+    verdicts: tuple[Verdict, ...],
+    problem: AttentionProblem,
+    target: Target,
+    predicted: dict[Candidate, Prediction | None] | None = None,
+) -> tuple[Candidate, ...]:
+    """Supported candidates, best first: by ``predicted`` time (:func:`predictions`) where given, else by the
+    table."""
     _, table = table_for(problem, target)
     position = {entry: i for i, entry in enumerate(table)}
     supported = [v.candidate for v in verdicts if v.supported]
     registry_order = {c: i for i, c in enumerate(supported)}
 
-    def key(c: Candidate) -> tuple[int, int]:
-        return (position.get(entry(c), len(table)), registry_order[c])
+    def key(c: Candidate) -> tuple:
+        in_table = (position.get(entry(c), len(table)), registry_order[c])
+        if predicted is None:
+            return in_table
+        time = predicted.get(c)
+        return (time is None, time.total_us if time is not None else 0.0, *in_table)
 
     ordered = sorted(supported, key=key)
-    return tuple(_stable_across_packings(ordered, target) if problem.layout == "thd" else ordered)
+    # A calibrated thd host time is measured with a new packing every call: a rebuild per packing is in it already.
+    stable = problem.layout == "thd" and predicted is None
+    return tuple(_stable_across_packings(ordered, target) if stable else ordered)
 
 
 def _stable_across_packings(ordered: list[Candidate], target: Target) -> list[Candidate]:

@@ -124,6 +124,8 @@ def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) 
     table_key, table = rules.table_for(problem, target)
     if earlier.policy != "rules" or table_key != rules.table_for(earlier.problem, target)[0]:
         return False
+    if earlier.predictions is not None:  # ranked by predicted time: the new size may rank otherwise
+        return False
     chosen = earlier.chosen
 
     def serves(c: Candidate) -> bool:
@@ -150,7 +152,8 @@ def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) 
 
 def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overrides) -> Decision:
     verdicts = judge(problem, target, overrides, failures(problem, target))
-    ranked = rules.rank(verdicts, problem, target)
+    predicted, calibration = rules.predictions(verdicts, problem, target)
+    ranked = rules.rank(verdicts, problem, target, predicted)
     if not ranked:
         error = ForcedChoiceError if overrides.backend or overrides.pad != "auto" else NoSupportedCandidateError
         raise error(no_candidate_message(problem, target, verdicts, overrides))
@@ -158,4 +161,6 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
     # Under torch.distributed every rank enters the measurement (and its broadcast), whatever it has left.
     if overrides.policy == "measure" and (len(ranked) > 1 or is_distributed()):
         ranked, timings = measure.measured(problem, target, ranked)
-    return Decision(problem, target, overrides.policy, overrides, ranked[0], ranked, verdicts, timings)
+    return Decision(
+        problem, target, overrides.policy, overrides, ranked[0], ranked, verdicts, timings, predicted, calibration
+    )

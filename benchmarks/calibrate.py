@@ -1,0 +1,95 @@
+"""The packaged calibration of a GPU: ``attnselect calibrate`` in full, with its report.
+
+    python benchmarks/calibrate.py --out results/h200_calibration           # on the GPU: .json and .md
+    python benchmarks/calibrate.py --package results/h200_calibration.json  # here: the package data of its arch
+    # in parts, one device call each (--pairs 192/128,128/128 then --pairs 64/64,256/256), joined:
+    python benchmarks/calibrate.py --merge part1.json part2.json --out results/h200_calibration
+
+The calibration holds only for the GPU and library versions it ran on (attnselect.choose.calibration.fingerprint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def report(data: dict) -> str:
+    lines = [
+        "# Calibration",
+        "",
+        f"{data['device']}, {data['date']}. Produced by `benchmarks/calibrate.py` (attnselect.bench.calibrate): the "
+        "GPU's time of a call (median, queued behind a spin) over a ladder of sizes, 16 heads, causal, bf16; the "
+        "host's time to issue one call at the smallest size; the first call's extra time.",
+        "",
+        "## Host time per call (us)",
+        "",
+        "| backend | " + " | ".join(sorted({k for v in data["host_us"].values() for k in v})) + " |",
+    ]
+    keys = sorted({k for v in data["host_us"].values() for k in v})
+    lines.append("|---|" + "---|" * len(keys))
+    for backend, times in sorted(data["host_us"].items()):
+        lines.append(f"| {backend} | " + " | ".join(str(times.get(k, "-")) for k in keys) + " |")
+    lines += ["", "## GPU time per call (us) by work (1e6 score pairs x heads x (d_qk + d_v))", ""]
+    lines += ["| backend | curve | points (work: us) |", "|---|---|---|"]
+    for backend, curves in sorted(data["gpu"].items()):
+        for key, points in sorted(curves.items()):
+            lines.append(f"| {backend} | {key} | " + ", ".join(f"{w}: {us}" for w, us in points) + " |")
+    lines += ["", "## First call of a configuration, extra ms (median over configurations)", ""]
+    lines += ["| backend | ms |", "|---|---|"]
+    lines += [f"| {b} | {ms} |" for b, ms in sorted(data["first_call_ms"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="path without extension: .json and .md")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--package", help="a calibration .json to install as the package data of its arch")
+    ap.add_argument("--pairs", help="head-dim pairs, e.g. 192/128,128/128 (default: attnselect.bench.calibrate.PAIRS)")
+    ap.add_argument("--merge", nargs="+", help="calibrations of one machine to join into --out")
+    a = ap.parse_args()
+    from attnselect.choose import calibration
+
+    if a.merge:
+        parts = [json.loads(pathlib.Path(p).read_text()) for p in a.merge]
+        if any(p["fingerprint"] != parts[0]["fingerprint"] for p in parts):
+            raise SystemExit("the parts ran on different machines or versions")
+        data = dict(parts[0], host_us={}, gpu={}, first_call_ms={})
+        for part in parts:
+            for backend, times in part["host_us"].items():
+                data["host_us"].setdefault(backend, {}).update(times)
+            for backend, curves in part["gpu"].items():
+                data["gpu"].setdefault(backend, {}).update(curves)
+            for backend, ms in part["first_call_ms"].items():
+                data["first_call_ms"][backend] = max(ms, data["first_call_ms"].get(backend, 0.0))
+        pathlib.Path(a.out + ".json").write_text(json.dumps(data, indent=1))
+        pathlib.Path(a.out + ".md").write_text(report(data))
+        return
+
+    if a.package:
+        data = json.loads(pathlib.Path(a.package).read_text())
+        problem = calibration._problem(data)
+        if problem:
+            raise SystemExit(f"{a.package}: {problem}")
+        capability = data["fingerprint"]["capability"]
+        arch = f"sm{capability[0]}{capability[1]}" if capability else "cpu"
+        target = ROOT / "src" / "attnselect" / "data" / f"calibration_{arch}.json"
+        shutil.copyfile(a.package, target)
+        print(f"{a.package} -> {target.relative_to(ROOT)}")
+        return
+    from attnselect.bench import calibrate
+
+    pairs = tuple(tuple(int(d) for d in p.split("/")) for p in a.pairs.split(",")) if a.pairs else calibrate.PAIRS
+    data = calibrate.run(quick=a.quick, pairs=pairs, progress=calibrate.print_progress)
+    pathlib.Path(a.out + ".json").write_text(json.dumps(data, indent=1))
+    pathlib.Path(a.out + ".md").write_text(report(data))
+    print(report(data))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""``attnselect calibrate``: measure what each installed backend costs on this GPU, for the rules' predicted times.
+
+For each head-dim pair of :data:`PAIRS`, layout (dense, and packed thd with a new packing every call), phase
+(inference, training) and supported candidate (native, and padded where the dims differ; not the reference or
+``sdpa_math``), it times the call over a ladder of sizes (:data:`LADDER`) side by side
+(:func:`attnselect.choose.timing.time_steps`, queued behind a spin, so each time is the GPU's); per backend, layout
+and phase, the host's time to issue one call at the smallest size while the GPU is busy; and per backend, what the
+first call of a configuration costs on top of a later one (a JIT compile). The result is the format
+:mod:`attnselect.choose.calibration` reads, for this GPU and these versions; ``attnselect calibrate`` stores it in
+the cache directory, where it takes precedence over the packaged one. ``quick`` measures one pair, one phase and
+two sizes (a smoke test).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from attnselect.choose import calibration
+from attnselect.choose.candidates import judge
+from attnselect.choose.predict import work
+from attnselect.choose.timing import candidate_step, random_inputs, time_steps
+from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
+
+PAIRS = ((192, 128), (128, 128), (64, 64), (256, 256))
+# (batch, sequence length): from host-bound to GPU-bound, 16 heads, causal
+LADDER = ((1, 128), (1, 512), (2, 1024), (1, 4096), (2, 8192), (1, 32768))
+HEADS = 16
+SKIPPED = ("reference", "sdpa_math")  # never the fastest where anything else serves
+HOST_CALLS = 50
+COMPILING_MS = 1000.0  # a backend whose first call took this much longer compiles per shape: fewer ladder points
+
+
+def run(target: Target | None = None, *, quick: bool = False, pairs=PAIRS, progress=None) -> dict:
+    """Measure this machine's backends at the head-dim ``pairs``: a calibration (the
+    :mod:`attnselect.choose.calibration` format). A backend that compiles per shape (its first call
+    :data:`COMPILING_MS` longer than the next) is timed at the ladder's first, middle and last sizes only."""
+    target = target or Target.current()
+    device = torch.device("cuda" if target.is_cuda else "cpu")
+    dtype = torch.bfloat16 if target.is_cuda else torch.float32
+    pairs, phases, ladder = (pairs[:1], (True,), LADDER[:2]) if quick else (tuple(pairs), (False, True), LADDER)
+    sparse = {ladder[0], ladder[len(ladder) // 2], ladder[-1]}
+    jobs = [(pair, layout, training) for pair in pairs for layout in ("bshd", "thd") for training in phases]
+    gpu: dict = {}
+    host: dict = {}
+    first: dict = {}
+    for index, (pair, layout, training) in enumerate(jobs):
+        if progress:
+            progress(index, len(jobs), f"{layout} {pair[0]}/{pair[1]} {'training' if training else 'inference'}")
+        compiling: set = set()
+        for batch, seqlen in ladder:
+            problem = AttentionProblem(batch, seqlen, seqlen, HEADS, HEADS, *pair, dtype=dtype, layout=layout,
+                                       mask="causal", training=training)  # fmt: skip
+            if layout == "thd" and batch == 1:  # a packing of one sequence is a dense call: pack four
+                problem = AttentionProblem(4, seqlen, seqlen, HEADS, HEADS, *pair, dtype=dtype, layout=layout,
+                                           mask="causal", training=training)  # fmt: skip
+            candidates = [v.candidate for v in judge(problem, target) if v.supported]
+            candidates = [c for c in candidates if c.backend not in SKIPPED]
+            candidates = [c for c in candidates if c.backend not in compiling or (batch, seqlen) in sparse]
+            try:
+                inputs = random_inputs(problem, device)
+            except torch.OutOfMemoryError:
+                continue
+            steps = {c: candidate_step(c, problem, target, inputs) for c in candidates}
+            for c in candidates:  # the first call of each configuration, then a second one
+                extra = _first_call_extra(steps[c], device)
+                first.setdefault(c.backend, []).append(extra)
+                if extra > COMPILING_MS:
+                    compiling.add(c.backend)
+            timed = time_steps(steps, device, budget_s=2.0 if not quick else 0.5)
+            for c, timing in timed.items():
+                if isinstance(timing, Exception):
+                    continue
+                key = calibration.curve_key(layout, *pair, c.padded, training)
+                point = [round(work(problem), 3), round(timing.median_ms * 1e3, 2)]
+                gpu.setdefault(c.backend, {}).setdefault(key, []).append(point)
+            if (batch, seqlen) == ladder[0]:
+                for c in candidates:
+                    issued = _host_us(steps[c], device)
+                    key = calibration.host_key(layout, c.padded, training)
+                    if issued is not None and key not in host.get(c.backend, {}):
+                        host.setdefault(c.backend, {})[key] = round(issued, 2)
+            del steps, inputs
+    if progress:
+        progress(len(jobs), len(jobs), "done")
+    return {
+        "format": calibration.FORMAT,
+        "fingerprint": calibration.fingerprint(target),
+        "device": target.describe(),
+        "date": time.strftime("%Y-%m-%d"),
+        "source": "attnselect calibrate" + (" --quick" if quick else ""),
+        "host_us": host,
+        "gpu": {b: {k: _increasing(points) for k, points in curves.items()} for b, curves in gpu.items()},
+        "first_call_ms": {b: round(max(statistics.median(v), 0.0), 3) for b, v in first.items() if v},
+    }
+
+
+def _increasing(points: list) -> list:
+    """The curve's points by work, one per work size (the faster kept)."""
+    best: dict = {}
+    for w, us in points:
+        best[w] = min(us, best.get(w, us))
+    return [[w, best[w]] for w in sorted(best)]
+
+
+def _first_call_extra(step, device) -> float:
+    """Milliseconds the first call of a configuration took beyond the second (a compile, a plan): 0 where none."""
+    times = []
+    for _ in range(2):
+        _sync(device)
+        started = time.perf_counter()
+        try:
+            step()
+        except Exception:
+            return 0.0
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return max(times[0] - times[1], 0.0) * 1e3
+
+
+def _host_us(step, device) -> float | None:
+    """Microseconds the host takes to issue one call while the GPU is busy (median of :data:`HOST_CALLS`)."""
+    issued = []
+    try:
+        for _ in range(HOST_CALLS):
+            if device.type == "cuda":
+                torch.cuda._sleep(2_000_000)  # about a millisecond: the call's issue does not wait for the GPU
+            started = time.perf_counter()
+            step()
+            issued.append(time.perf_counter() - started)
+        _sync(device)
+    except Exception:
+        return None
+    return statistics.median(issued) * 1e6
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def print_progress(done: int, total: int, what: str) -> None:
+    bar = "#" * (20 * done // max(total, 1))
+    sys.stderr.write(f"\r[{bar:<20}] {done}/{total} {what:<40}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()

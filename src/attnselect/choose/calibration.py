@@ -1,0 +1,167 @@
+"""Calibrations: what each installed backend costs on one GPU with one set of library versions, measured.
+
+A calibration (written by ``attnselect calibrate`` on the user's GPU, or shipped as package data per GPU from
+``benchmarks/calibrate.py``: ``attnselect/data/calibration_<arch>.json``) holds, per backend:
+
+- ``host_us``: the host's time to issue one call (forward, or forward and backward), by layout, padding and phase
+  (:func:`host_key`: ``"dense inference"``, ``"thd+pad training"``, a new packing every call), at a size where the
+  GPU waits for the host;
+- ``gpu``: the GPU's time of a call over a ladder of work sizes, by candidate key
+  (:func:`curve_key`: layout, the call's head dims, ``+pad`` for the padded candidate, phase), as [work, us] points
+  (:func:`attnselect.choose.predict.work`);
+- ``first_call_ms``: what the first call of a new configuration costs on top (a JIT compile), where it does.
+
+It holds for the GPU and versions it ran on (:func:`fingerprint`): another GPU, another torch, cuDNN or any
+backend package version, and it is not used (the rules table orders the candidates, and ``explain`` says why).
+One the user ran (in the cache directory) takes precedence over the packaged one. A file that is not a calibration
+of this format is ignored with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+from importlib import resources
+from pathlib import Path
+
+from attnselect.memos import cache_dir, register_cache, warn_once
+from attnselect.spec.target import Target
+
+log = logging.getLogger("attnselect")
+FORMAT = 1
+PHASES = ("inference", "training")
+LAYOUTS = ("dense", "thd")
+
+
+def fingerprint(target: Target) -> dict:
+    """What a calibration must share with the machine to hold there: the GPU, torch, cuDNN and the versions of the
+    backends' packages."""
+    return {
+        "name": target.name,
+        "capability": list(target.capability) if target.capability else None,
+        "torch": target.torch_version,
+        "cudnn": target.cudnn_version,
+        "packages": {distribution: version for distribution, version in sorted(target.packages) if version},
+    }
+
+
+def curve_key(layout: str, head_dim_qk: int, head_dim_v: int, padded: bool, training: bool) -> str:
+    """The key of a candidate's GPU curve: e.g. ``"dense 192/128+pad training"``."""
+    kind = "thd" if layout == "thd" else "dense"
+    return f"{kind} {head_dim_qk}/{head_dim_v}{'+pad' if padded else ''} {'training' if training else 'inference'}"
+
+
+def host_key(layout: str, padded: bool, training: bool) -> str:
+    """The key of a backend's host time: e.g. ``"thd+pad training"`` (padding adds copies the host issues)."""
+    return (
+        f"{'thd' if layout == 'thd' else 'dense'}{'+pad' if padded else ''} {'training' if training else 'inference'}"
+    )
+
+
+def user_path(arch: str) -> Path:
+    """Where ``attnselect calibrate`` stores a GPU's calibration (``arch``: "sm90")."""
+    return cache_dir() / f"calibration_{arch}.json"
+
+
+def for_target(target: Target) -> tuple[dict | None, str]:
+    """The calibration that holds on ``target`` and where it comes from, or (None, why there is none; empty on the
+    CPU)."""
+    if not target.is_cuda:  # the CPU's order is the rules table's, and explain does not dwell on it
+        return None, ""
+    found = []
+    for source, text in _texts(target.arch):
+        data = parse(text, source)
+        if data is None:
+            continue
+        if data["fingerprint"] != fingerprint(target):
+            found.append(f"{source} is for {_describe(data['fingerprint'])}")
+            continue
+        return data, source
+    if found:
+        return None, "; ".join(found) + ": run `attnselect calibrate`"
+    return None, f"no calibration for {target.arch}: run `attnselect calibrate`"
+
+
+def _texts(arch: str):
+    """(source, text) of the user's calibration, then the packaged one, where present."""
+    for source, read in ((str(user_path(arch)), lambda: user_path(arch).read_text()),
+                         (f"attnselect/data/calibration_{arch}.json", lambda: _packaged(arch))):  # fmt: skip
+        text = _read(source, read)
+        if text is not None:
+            yield source, text
+
+
+def _packaged(arch: str) -> str:
+    return resources.files("attnselect").joinpath("data", f"calibration_{arch}.json").read_text()
+
+
+def _read(source: str, read) -> str | None:
+    try:
+        return read()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        warn_once(f"calibration {source}", "attnselect: ignoring the calibration %s (%s)", source, exc)
+        return None
+
+
+@functools.cache
+def parse(text: str, source: str) -> dict | None:
+    """A calibration from its JSON text, checked against the format; None (one warning per source) otherwise."""
+    try:
+        data = json.loads(text)
+        problem = _problem(data)
+    except ValueError as exc:  # json.JSONDecodeError included
+        problem = str(exc)
+    if problem:
+        warn_once(f"calibration {source}", "attnselect: ignoring the calibration %s (%s)", source, problem)
+        return None
+    return data
+
+
+def _problem(data) -> str | None:
+    """What makes ``data`` not a calibration of this format (None: nothing)."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return f"not a calibration of format {FORMAT}"
+    fp = data.get("fingerprint")
+    if not (isinstance(fp, dict) and set(fp) == {"name", "capability", "torch", "cudnn", "packages"}):
+        return "its fingerprint is not a dict of name, capability, torch, cudnn and packages"
+    if not isinstance(fp["packages"], dict):
+        return "its fingerprint's packages are not a dict"
+    host, gpu, first = data.get("host_us"), data.get("gpu"), data.get("first_call_ms", {})
+    for name, table, check in (("host_us", host, _is_time), ("first_call_ms", first, _is_time)):
+        if not isinstance(table, dict):
+            return f"{name} is not a dict"
+        for backend, entry in table.items():
+            values = entry.values() if isinstance(entry, dict) else [entry]
+            if not (isinstance(backend, str) and all(check(v) for v in values)):
+                return f"{name}[{backend!r}] does not hold times"
+    if not isinstance(gpu, dict):
+        return "gpu is not a dict"
+    for backend, curves in gpu.items():
+        if not isinstance(curves, dict):
+            return f"gpu[{backend!r}] is not a dict"
+        for key, points in curves.items():
+            if not (isinstance(points, list) and points and all(_is_point(p) for p in points)):
+                return f"gpu[{backend!r}][{key!r}] is not a list of [work, us] points"
+            if [p[0] for p in points] != sorted({p[0] for p in points}):
+                return f"gpu[{backend!r}][{key!r}]: its work sizes do not increase"
+    return None
+
+
+def _is_time(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+
+
+def _is_point(point) -> bool:
+    return isinstance(point, list) and len(point) == 2 and all(_is_time(x) for x in point) and point[0] > 0
+
+
+def _describe(fp: dict) -> str:
+    packages = ", ".join(f"{d} {v}" for d, v in fp["packages"].items())
+    return f"{fp['name']}, torch {fp['torch']}, cuDNN {fp['cudnn']}" + (f", {packages}" if packages else "")
+
+
+register_cache(parse.cache_clear)

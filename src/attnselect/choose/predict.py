@@ -1,0 +1,112 @@
+"""A candidate's predicted time for a call, from a calibration (:mod:`attnselect.choose.calibration`).
+
+The GPU time comes from the candidate's curve over work sizes: interpolated between the two measured points around
+the call's work (linear in log-log), the first point's time below the ladder (launch-bound), and the last point's
+throughput above it. Work is the score pairs the mask leaves visible times the query heads times d_qk + d_v
+(:func:`work`), so one curve covers batch, heads, lengths and masks. Where the call's head dims were not
+calibrated, the candidate's curve at the nearest calibrated dims (by d_qk + d_v) stands in, and the prediction says
+so. The host time is the backend's time to issue a call of that layout and phase.
+
+The two combine as ``max(host, gpu)``: a model issues its layers' calls back to back, so while the GPU runs one call
+the host issues the next, and a step takes the longer of the two (a call alone, synchronised, would take their sum).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attnselect.choose.calibration import curve_key, host_key
+from attnselect.spec import masks
+from attnselect.spec.options import Candidate
+from attnselect.spec.problem import AttentionProblem
+
+
+@dataclass(frozen=True)
+class Prediction:
+    host_us: float
+    gpu_us: float
+    basis: str  # the curve it comes from, e.g. "dense 192/128 training" or "... (nearest calibrated dims)"
+
+    @property
+    def total_us(self) -> float:
+        return max(self.host_us, self.gpu_us)
+
+    def __str__(self) -> str:
+        return f"{self.total_us:.1f} us (host {self.host_us:.1f}, GPU {self.gpu_us:.1f})"
+
+
+def visible_pairs(mask: str, window, seqlen_q: int, seqlen_kv: int) -> int:
+    """The (query, key) pairs a mask leaves visible in one sequence: query i sees keys i + offset - left ..
+    i + offset + right (:func:`attnselect.spec.masks.band`), clipped to the keys."""
+    band = masks.band(mask, window, seqlen_q, seqlen_kv)
+    if band is None or seqlen_q == 0 or seqlen_kv == 0:
+        return seqlen_q * seqlen_kv
+    offset, left, right = band
+    diagonal = torch.arange(seqlen_q, dtype=torch.int64) + offset
+    hi = (diagonal + right).clamp(max=seqlen_kv - 1) if right is not None else torch.full_like(diagonal, seqlen_kv - 1)
+    lo = (diagonal - left).clamp(min=0) if left is not None else torch.zeros_like(diagonal)
+    return int((hi - lo + 1).clamp(min=0).sum())
+
+
+def work(problem: AttentionProblem) -> float:
+    """The call's work in units of 1e6: visible score pairs x query heads x (d_qk + d_v)."""
+    pairs = visible_pairs(problem.mask, problem.window, problem.seqlen_q, problem.seqlen_kv)
+    return problem.batch * problem.heads_q * pairs * (problem.head_dim_qk + problem.head_dim_v) / 1e6
+
+
+def predict(candidate: Candidate, problem: AttentionProblem, calibration: dict) -> Prediction | None:
+    """The candidate's predicted time for ``problem``, or None where the calibration has no curve or host time of
+    its backend for this layout and phase."""
+    host = (
+        calibration["host_us"]
+        .get(candidate.backend, {})
+        .get(host_key(problem.layout, candidate.padded, problem.training))
+    )
+    curves = calibration["gpu"].get(candidate.backend, {})
+    key = curve_key(problem.layout, problem.head_dim_qk, problem.head_dim_v, candidate.padded, problem.training)
+    basis = key
+    if key not in curves:
+        key = _nearest(curves, problem, candidate.padded)
+        if key is None or host is None:
+            return None
+        basis = f"{key} (nearest calibrated dims)"
+    if host is None:
+        return None
+    return Prediction(host_us=float(host), gpu_us=_along(curves[key], work(problem)), basis=basis)
+
+
+def _nearest(curves: dict, problem: AttentionProblem, padded: bool) -> str | None:
+    """The key of the curve of the same layout, phase and padding at the nearest calibrated d_qk + d_v."""
+    size = problem.head_dim_qk + problem.head_dim_v
+    best = None
+    for key in curves:
+        layout, dims, phase = key.split(" ")
+        if layout != ("thd" if problem.layout == "thd" else "dense") or phase != (
+            "training" if problem.training else "inference"
+        ):
+            continue
+        if dims.endswith("+pad") != padded:
+            continue
+        d_qk, d_v = (int(x) for x in dims.removesuffix("+pad").split("/"))
+        distance = abs(d_qk + d_v - size)
+        if best is None or distance < best[0]:
+            best = (distance, key)
+    return best[1] if best else None
+
+
+def _along(points: list, at: float) -> float:
+    """The time at work ``at`` along measured [work, us] points (increasing work)."""
+    if at <= points[0][0]:
+        return float(points[0][1])
+    if at >= points[-1][0]:
+        return float(points[-1][1]) * at / points[-1][0]
+    for (w0, t0), (w1, t1) in zip(points, points[1:]):
+        if w0 <= at <= w1:
+            if t0 <= 0 or t1 <= 0:
+                return float(t0 + (t1 - t0) * (at - w0) / (w1 - w0))
+            share = (math.log(at) - math.log(w0)) / (math.log(w1) - math.log(w0))
+            return float(math.exp(math.log(t0) + share * (math.log(t1) - math.log(t0))))
+    return float(points[-1][1])

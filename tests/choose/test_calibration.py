@@ -1,0 +1,85 @@
+"""Calibrations: the file format, where they come from, and which GPU and versions they hold for
+(attnselect.choose.calibration)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from attnselect.choose import calibration
+from attnselect.spec.target import Target
+from helpers import CALIBRATED_H200 as H200
+from helpers import calibration_sample as sample
+
+
+@pytest.fixture
+def user_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    calibration.parse.cache_clear()
+    yield calibration.user_path("sm90")
+    calibration.parse.cache_clear()
+
+
+def test_a_calibration_of_this_gpu_and_these_versions_holds(user_file):
+    user_file.write_text(json.dumps(sample()))
+    found, source = calibration.for_target(H200)
+    assert found is not None and source == str(user_file)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        Target.preset("h200"),  # FA4 not installed
+        Target.preset("h200", packages={"flash-attn-4": "4.0.0b37"}),
+        Target.preset("h200", torch_version="2.12.0", packages={"flash-attn-4": "4.0.0b36"}),
+        Target.preset("h100", packages={"flash-attn-4": "4.0.0b36"}),
+    ],
+)
+def test_another_gpu_or_version_gets_no_calibration_and_is_told_why(user_file, other):
+    user_file.write_text(json.dumps(sample()))
+    found, why = calibration.for_target(other)
+    assert found is None and "is for NVIDIA H200" in why and "attnselect calibrate" in why
+
+
+def test_the_cpu_has_no_calibration():
+    assert calibration.for_target(Target.preset("cpu")) == (None, "")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "not json",
+        "[1, 2]",
+        json.dumps({"format": 99}),
+        json.dumps(sample(fingerprint={"name": "x"})),
+        json.dumps(sample(host_us={"sdpa_cudnn": {"dense training": "fast"}})),
+        json.dumps(sample(host_us={"sdpa_cudnn": {"dense training": -1.0}})),
+        json.dumps(sample(gpu={"sdpa_cudnn": {"dense 192/128 training": [[10.0]]}})),
+        json.dumps(sample(gpu={"sdpa_cudnn": {"dense 192/128 training": [[100.0, 1.0], [10.0, 2.0]]}})),
+        json.dumps(sample(gpu={"sdpa_cudnn": {"dense 192/128 training": []}})),
+        json.dumps(sample(first_call_ms=[1])),
+    ],
+)
+def test_a_corrupt_or_foreign_file_is_ignored_with_one_warning(user_file, content, caplog):
+    user_file.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="attnselect"):
+        for _ in range(3):
+            found, _ = calibration.for_target(H200)
+            assert found is None
+    assert sum("ignoring the calibration" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_random_bytes_are_ignored(user_file, caplog):
+    user_file.write_bytes(bytes(range(256)) * 4)
+    with caplog.at_level(logging.WARNING, logger="attnselect"):
+        assert calibration.for_target(H200)[0] is None
+    assert any("ignoring the calibration" in r.getMessage() for r in caplog.records)
+
+
+def test_the_keys_name_layout_dims_padding_and_phase():
+    assert calibration.curve_key("bshd", 192, 128, True, True) == "dense 192/128+pad training"
+    assert calibration.curve_key("thd", 64, 64, False, False) == "thd 64/64 inference"
+    assert calibration.host_key("sbhd", False, False) == "dense inference"
+    assert calibration.host_key("thd", True, True) == "thd+pad training"

@@ -1,0 +1,84 @@
+"""Predicted times from a calibration, and the rules' ranking by them (attnselect.choose.predict, rules)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import attnselect
+from attnselect.choose import calibration, predict
+from attnselect.spec.masks import visible
+from attnselect.spec.options import Candidate
+from attnselect.spec.problem import AttentionProblem
+from helpers import CALIBRATED_H200 as H200
+from helpers import calibration_sample as sample
+
+
+@pytest.mark.parametrize(
+    "mask,window,sq,skv",
+    [("none", None, 5, 7), ("causal", None, 6, 6), ("causal_bottom_right", None, 3, 8),
+     ("causal_bottom_right", None, 8, 3), ("sliding_window", (2, 1), 9, 9), ("sliding_window", (2, 0), 4, 9),
+     ("sliding_window_top_left", (3, 0), 6, 10)],
+)  # fmt: skip
+def test_visible_pairs_count_what_the_mask_shows(mask, window, sq, skv):
+    shown = visible(mask, window, sq, skv, "cpu")
+    assert predict.visible_pairs(mask, window, sq, skv) == (sq * skv if shown is None else int(shown.sum()))
+
+
+def test_the_time_follows_the_curve_between_below_and_above_its_points():
+    points = [[10.0, 20.0], [1000.0, 200.0]]
+    assert predict._along(points, 1.0) == 20.0  # below the ladder: the first point (launch-bound)
+    assert predict._along(points, 100.0) == pytest.approx(63.245, rel=1e-4)  # log-log between the two
+    assert predict._along(points, 2000.0) == 400.0  # above: the last point's throughput
+
+
+def test_a_prediction_is_the_longer_of_host_and_gpu():
+    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True)
+    small = predict.predict(Candidate("sdpa_cudnn"), problem, sample())
+    assert small.host_us == 60.0 and small.total_us == max(small.host_us, small.gpu_us)
+    assert predict.predict(Candidate("sdpa_math"), problem, sample()) is None  # not calibrated
+    other_dims = predict.predict(Candidate("sdpa_cudnn"), AttentionProblem(1, 256, 256, 16, 16, 128, 128,
+                                                                           training=True), sample())  # fmt: skip
+    assert other_dims.basis == "dense 192/128 training (nearest calibrated dims)"
+    assert predict.predict(Candidate("sdpa_cudnn", 192), problem, sample()) is None  # no padded curve
+
+
+@pytest.fixture
+def calibrated(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    calibration.parse.cache_clear()
+    calibration.user_path("sm90").write_text(json.dumps(sample()))
+    attnselect.clear_cache()
+    yield
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+
+
+def test_small_calls_go_to_the_kernel_with_the_least_host_time_and_large_ones_to_the_fastest_gpu(calibrated):
+    small = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True)
+    large = AttentionProblem(4, 8192, 8192, 16, 16, 192, 128, mask="causal", training=True)
+    decision = attnselect.select(small, target=H200)
+    assert decision.chosen == Candidate("sdpa_cudnn") and decision.predictions is not None
+    assert "its predicted time" in decision.why and "is the lowest" in decision.why
+    assert attnselect.select(large, target=H200).chosen == Candidate("flash_attn4")
+    # the same call always gets the same choice
+    assert attnselect.select(small, target=H200).chosen == decision.chosen
+
+
+def test_explain_prints_each_candidates_predicted_time_and_its_parts(calibrated):
+    report = attnselect.explain(AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True),
+                                target=H200)  # fmt: skip
+    assert "ranked:  by predicted time (calibration" in report and "predicted us (host, GPU)" in report
+    row = next(line for line in report.splitlines() if line.startswith("sdpa_cudnn "))
+    assert "(60.0," in row
+
+
+def test_without_a_calibration_the_table_ranks_and_explain_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True)
+    decision = attnselect.select(problem, target=H200)
+    assert decision.predictions is None and decision.chosen == Candidate("flash_attn4")
+    assert "ranked:  by the rules table (no calibration for sm90: run `attnselect calibrate`)" in decision.report()
