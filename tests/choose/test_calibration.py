@@ -7,8 +7,13 @@ import json
 import logging
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import attnselect
+from attnselect import memos
 from attnselect.choose import calibration
+from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 from helpers import CALIBRATED_H200 as H200
 from helpers import calibration_sample as sample
@@ -83,3 +88,44 @@ def test_the_keys_name_layout_dims_padding_and_phase():
     assert calibration.curve_key("thd", 64, 64, False, False) == "thd 64/64 inference"
     assert calibration.host_key("sbhd", False, False) == "dense inference"
     assert calibration.host_key("thd", True, True) == "thd+pad training"
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+CONTENT = st.one_of(
+    st.binary(max_size=64).map(lambda b: ("bytes", b)),
+    JSON.map(lambda j: ("text", json.dumps(j))),
+    st.fixed_dictionaries({"host_us": JSON, "gpu": JSON, "first_call_ms": JSON}).map(  # the format, any tables
+        lambda tables: ("text", json.dumps(sample(**tables)))
+    ),
+    st.dictionaries(st.text(max_size=12), st.lists(st.lists(JSON, max_size=3), max_size=3), max_size=3).map(
+        lambda curves: ("text", json.dumps(sample(gpu={"sdpa_cudnn": curves})))
+    ),
+    st.integers(1, 200).map(lambda n: ("text", json.dumps(sample())[:n])),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=CONTENT)
+def test_any_content_of_the_calibration_file_never_breaks_a_choice(content, tmp_path_factory, monkeypatch, caplog):
+    """Whatever the user's calibration file holds, select() and explain() choose (by prediction where it is a
+    calibration, else by the table) with at most one warning, and never raise."""
+    directory = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(directory))
+    calibration.parse.cache_clear()
+    memos._WARNED.clear()
+    attnselect.clear_cache()
+    kind, data = content
+    path = calibration.user_path("sm90")
+    path.write_bytes(data) if kind == "bytes" else path.write_text(data)
+    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True)
+    with caplog.at_level(logging.WARNING, logger="attnselect"):
+        caplog.clear()
+        for _ in range(2):
+            decision = attnselect.select(problem, target=H200)
+            assert decision.chosen in decision.ranked and "ranked:  by" in decision.report()
+            attnselect.clear_cache()
+    assert len([r for r in caplog.records if "ignoring the calibration" in r.getMessage()]) <= 1

@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import math
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -31,8 +32,8 @@ from attnselect.spec.target import Target
 
 log = logging.getLogger("attnselect")
 FORMAT = 1
-PHASES = ("inference", "training")
-LAYOUTS = ("dense", "thd")
+CURVE_KEY = re.compile(r"(dense|thd) [1-9][0-9]*/[1-9][0-9]*(\+pad)? (inference|training)")
+HOST_KEY = re.compile(r"(dense|thd)(\+pad)? (inference|training)")
 
 
 def fingerprint(target: Target) -> dict:
@@ -131,19 +132,21 @@ def _problem(data) -> str | None:
     if not isinstance(fp["packages"], dict):
         return "its fingerprint's packages are not a dict"
     host, gpu, first = data.get("host_us"), data.get("gpu"), data.get("first_call_ms", {})
-    for name, table, check in (("host_us", host, _is_time), ("first_call_ms", first, _is_time)):
-        if not isinstance(table, dict):
-            return f"{name} is not a dict"
-        for backend, entry in table.items():
-            values = entry.values() if isinstance(entry, dict) else [entry]
-            if not (isinstance(backend, str) and all(check(v) for v in values)):
-                return f"{name}[{backend!r}] does not hold times"
+    if not (isinstance(first, dict) and all(_is_time(ms) for ms in first.values())):
+        return "first_call_ms is not a dict of times"
+    if not isinstance(host, dict):
+        return "host_us is not a dict"
+    for backend, times in host.items():
+        if not (isinstance(times, dict) and all(HOST_KEY.fullmatch(k) and _is_time(t) for k, t in times.items())):
+            return f"host_us[{backend!r}] is not a dict of times by layout, padding and phase"
     if not isinstance(gpu, dict):
         return "gpu is not a dict"
     for backend, curves in gpu.items():
         if not isinstance(curves, dict):
             return f"gpu[{backend!r}] is not a dict"
         for key, points in curves.items():
+            if not CURVE_KEY.fullmatch(key):
+                return f"gpu[{backend!r}]: {key!r} is not a curve key (layout d_qk/d_v[+pad] phase)"
             if not (isinstance(points, list) and points and all(_is_point(p) for p in points)):
                 return f"gpu[{backend!r}][{key!r}] is not a list of [work, us] points"
             if [p[0] for p in points] != sorted({p[0] for p in points}):
