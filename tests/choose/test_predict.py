@@ -81,4 +81,6 @@ def test_without_a_calibration_the_table_ranks_and_explain_says_so(tmp_path, mon
     problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True)
     decision = attnselect.select(problem, target=H200)
     assert decision.predictions is None and decision.chosen == Candidate("flash_attn4")
-    assert "ranked:  by the rules table (no calibration for sm90: run `attnselect calibrate`)" in decision.report()
+    assert "ranked:  by the rules table (no calibration for sm90: `attnselect calibrate` on such a GPU makes one)" in (
+        decision.report()
+    )

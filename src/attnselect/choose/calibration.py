@@ -81,8 +81,8 @@ def for_target(target: Target) -> tuple[dict | None, str]:
             continue
         return data, source
     if found:
-        return None, "; ".join(found) + ": run `attnselect calibrate`"
-    return None, f"no calibration for {target.arch}: run `attnselect calibrate`"
+        return None, "; ".join(found) + ": `attnselect calibrate` on this GPU makes one for these versions"
+    return None, f"no calibration for {target.arch}: `attnselect calibrate` on such a GPU makes one"
 
 
 def _texts(arch: str):
