@@ -55,8 +55,13 @@ def main() -> None:
     a = ap.parse_args()
     from attnselect.choose import calibration
 
+    if not a.out and not a.package:
+        ap.error("--out is needed (or --package)")
     if a.merge:
         parts = [json.loads(pathlib.Path(p).read_text()) for p in a.merge]
+        for name, part in zip(a.merge, parts):
+            if calibration._problem(part):
+                raise SystemExit(f"{name}: {calibration._problem(part)}")
         if any(p["fingerprint"] != parts[0]["fingerprint"] for p in parts):
             raise SystemExit("the parts ran on different machines or versions")
         data = dict(parts[0], host_us={}, gpu={}, first_call_ms={})
@@ -85,7 +90,11 @@ def main() -> None:
     from attnselect.bench import calibrate
 
     pairs = tuple(tuple(int(d) for d in p.split("/")) for p in a.pairs.split(",")) if a.pairs else calibrate.PAIRS
-    data = calibrate.run(quick=a.quick, pairs=pairs, progress=calibrate.print_progress)
+
+    def checkpoint(partial: dict) -> None:  # what a deadline or a crash would otherwise lose
+        pathlib.Path(a.out + ".json").write_text(json.dumps(partial, indent=1))
+
+    data = calibrate.run(quick=a.quick, pairs=pairs, progress=calibrate.print_progress, checkpoint=checkpoint)
     pathlib.Path(a.out + ".json").write_text(json.dumps(data, indent=1))
     pathlib.Path(a.out + ".md").write_text(report(data))
     print(report(data))

@@ -381,3 +381,19 @@ def test_slices_of_equal_lengths_share_one_reference(monkeypatch):
     monkeypatch.setenv("ATTNSELECT_SELF_CHECK", "all")
     attnselect.attention(q, k, v)
     assert [shape[0] for shape in calls] == [16, 16]
+
+
+@pytest.mark.parametrize("wrong", ["backward"], indirect=True)
+def test_a_batch_out_of_memory_is_judged_slice_by_slice(wrong, monkeypatch):
+    """Where the batch of slices does not fit, each slice is judged alone: the wrong kernel is still caught."""
+    real = correctness.judge_slices
+
+    def tight(layout, pieces, *args, **kwargs):
+        if len(pieces) > 1:
+            raise torch.OutOfMemoryError("out of memory: the batch")
+        return real(layout, pieces, *args, **kwargs)
+
+    monkeypatch.setattr(correctness, "judge_slices", tight)
+    q, k, v = dense_inputs(b=4, sq=12, skv=12, hq=4, hkv=4, dqk=16, dv=8, dtype=torch.float32)
+    with pytest.raises(WrongResultError, match="dq"):
+        attnselect.attention(q, k, v, backend=wrong.name)

@@ -189,6 +189,9 @@ def cmd_calibrate(a) -> int:
     from attnselect.choose import calibration
     from attnselect.memos import clear_cache
 
+    if a.quick and not a.out:
+        raise InvalidInputError("--quick: got no --out, expected one (a quick calibration is a smoke test: it would "
+                                "rank every call from two sizes of one head-dim pair)")  # fmt: skip
     target = Target.current()
     if not target.is_cuda:
         raise InvalidInputError(
@@ -196,7 +199,7 @@ def cmd_calibrate(a) -> int:
             "the candidates)"
         )
     data = calibrate.run(target, quick=a.quick, progress=calibrate.print_progress)
-    path = pathlib.Path(a.out) if a.out else calibration.user_path(target.arch)
+    path = pathlib.Path(a.out) if a.out else calibration.user_path(target)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".json.tmp")
     temporary.write_text(json.dumps(data, indent=1))
@@ -254,7 +257,7 @@ def main(argv=None) -> int:
     no_timing.add_argument("--render", action="store_true", help="only rewrite .md and .png from an existing .json")
     no_timing.add_argument("--merge", nargs="+", metavar="PART.json", help="join shards' reports into --out")
     calibrate = sub.add_parser("calibrate", help="measure this GPU's backends for the rules' predicted times")
-    calibrate.add_argument("--quick", action="store_true", help="one head-dim pair and two sizes (minutes less)")
+    calibrate.add_argument("--quick", action="store_true", help="one head-dim pair and two sizes (needs --out)")
     calibrate.add_argument("--out", help="write here instead of the cache directory (where it takes precedence)")
     tune = sub.add_parser("tune", help="measure model shapes now and keep the decisions in the cache")
     tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["deepseek-v3"])

@@ -122,12 +122,17 @@ def _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse) -> 
     could (a slice whose naive reference overflows, say, leaves the others to judge). Slices of equal lengths are
     judged together, as many at once as :data:`BATCH_ELEMENTS` allows."""
     judgement, failed = None, None
-    for batch in _batches(slices):
+    batches = _batches(slices)
+    while batches:
+        batch = batches.pop(0)
         try:
             found = correctness.judge_slices(
                 problem.layout, batch, call, result[0], result[1], grads, q, k, v, dout, dlse
             )
         except Exception as exc:
+            if len(batch) > 1 and is_transient(exc):  # out of memory: one slice at a time fits where a batch did not
+                batches[:0] = [[piece] for piece in batch]
+                continue
             failed = exc
             continue
         for one in found:
@@ -143,8 +148,9 @@ def _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse) -> 
 
 
 # Reference score elements (slices x query heads x query rows of a chunk x keys) judged at once: slices of equal
-# lengths go as one batch (one reference, one transfer of the errors) up to this size.
-BATCH_ELEMENTS = 2**27
+# lengths go as one batch (one reference, one transfer of the errors) up to this size (2**24: about 300 MB of float32
+# scores, softmax and gradients); a batch that runs out of memory is judged again slice by slice.
+BATCH_ELEMENTS = 2**24
 
 
 def _batches(slices) -> list[list[correctness.Slice]]:

@@ -23,7 +23,7 @@ from helpers import calibration_sample as sample
 def user_file(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
     calibration.parse.cache_clear()
-    yield calibration.user_path("sm90")
+    yield calibration.user_path(H200)
     calibration.parse.cache_clear()
 
 
@@ -39,13 +39,25 @@ def test_a_calibration_of_this_gpu_and_these_versions_holds(user_file):
         Target.preset("h200"),  # FA4 not installed
         Target.preset("h200", packages={"flash-attn-4": "4.0.0b37"}),
         Target.preset("h200", torch_version="2.12.0", packages={"flash-attn-4": "4.0.0b36"}),
-        Target.preset("h100", packages={"flash-attn-4": "4.0.0b36"}),
     ],
 )
-def test_another_gpu_or_version_gets_no_calibration_and_is_told_why(user_file, other):
+def test_other_versions_get_no_calibration_and_are_told_why(user_file, other):
     user_file.write_text(json.dumps(sample()))
     found, why = calibration.for_target(other)
     assert found is None and "is for NVIDIA H200" in why and "attnselect calibrate" in why
+
+
+def test_gpu_models_of_one_arch_keep_their_own_files(user_file):
+    """An H100 and an H200 sharing a cache directory do not read (or overwrite) each other's calibration."""
+    h100 = Target.preset("h100", packages={"flash-attn-4": "4.0.0b36"})
+    assert calibration.user_path(h100) != user_file
+    user_file.write_text(json.dumps(sample()))
+    assert calibration.for_target(h100) == (None, "no calibration for sm90: `attnselect calibrate` on such a GPU "
+                                                  "makes one")  # fmt: skip
+    stamped = sample()
+    stamped["fingerprint"] = dict(stamped["fingerprint"], attnselect="0.0.1")  # another attnselect
+    user_file.write_text(json.dumps(stamped))
+    assert calibration.for_target(H200)[0] is None
 
 
 def test_the_cpu_has_no_calibration():
@@ -65,6 +77,10 @@ def test_the_cpu_has_no_calibration():
         json.dumps(sample(gpu={"sdpa_cudnn": {"dense 192/128 training": [[100.0, 1.0], [10.0, 2.0]]}})),
         json.dumps(sample(gpu={"sdpa_cudnn": {"dense 192/128 training": []}})),
         json.dumps(sample(first_call_ms=[1])),
+        json.dumps(sample(format=True)),
+        json.dumps(sample(host_us={"sdpa_cudnn": {"dense training": 10**400}})),
+        "[" * 100_000,
+        json.dumps(sample(skipped="flex")),
     ],
 )
 def test_a_corrupt_or_foreign_file_is_ignored_with_one_warning(user_file, content, caplog):
@@ -119,7 +135,7 @@ def test_any_content_of_the_calibration_file_never_breaks_a_choice(content, tmp_
     memos._WARNED.clear()
     attnselect.clear_cache()
     kind, data = content
-    path = calibration.user_path("sm90")
+    path = calibration.user_path(H200)
     path.write_bytes(data) if kind == "bytes" else path.write_text(data)
     problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True)
     with caplog.at_level(logging.WARNING, logger="attnselect"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import attnselect
 from attnselect.choose import calibration, predict
@@ -34,21 +35,21 @@ def test_the_time_follows_the_curve_between_below_and_above_its_points():
 
 
 def test_a_prediction_is_the_longer_of_host_and_gpu():
-    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True)
+    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
     small = predict.predict(Candidate("sdpa_cudnn"), problem, sample())
     assert small.host_us == 60.0 and small.total_us == max(small.host_us, small.gpu_us)
     assert predict.predict(Candidate("sdpa_math"), problem, sample()) is None  # not calibrated
-    other_dims = predict.predict(Candidate("sdpa_cudnn"), AttentionProblem(1, 256, 256, 16, 16, 128, 128,
-                                                                           training=True), sample())  # fmt: skip
+    other = AttentionProblem(1, 256, 256, 16, 16, 128, 128, training=True, dtype=torch.bfloat16)
+    other_dims = predict.predict(Candidate("sdpa_cudnn"), other, sample())
     assert other_dims.basis == "dense 192/128 training (nearest calibrated dims)"
-    assert predict.predict(Candidate("sdpa_cudnn", 192), problem, sample()) is None  # no padded curve
+    assert predict.predict(Candidate("sdpa_flash", 192), problem, sample()) is None  # no curve of its own
 
 
 @pytest.fixture
 def calibrated(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
     calibration.parse.cache_clear()
-    calibration.user_path("sm90").write_text(json.dumps(sample()))
+    calibration.user_path(H200).write_text(json.dumps(sample()))
     attnselect.clear_cache()
     yield
     calibration.parse.cache_clear()
@@ -56,8 +57,8 @@ def calibrated(tmp_path, monkeypatch):
 
 
 def test_small_calls_go_to_the_kernel_with_the_least_host_time_and_large_ones_to_the_fastest_gpu(calibrated):
-    small = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True)
-    large = AttentionProblem(4, 8192, 8192, 16, 16, 192, 128, mask="causal", training=True)
+    small = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    large = AttentionProblem(4, 8192, 8192, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
     decision = attnselect.select(small, target=H200)
     assert decision.chosen == Candidate("sdpa_cudnn") and decision.predictions is not None
     assert "its predicted time" in decision.why and "is the lowest" in decision.why
@@ -67,8 +68,8 @@ def test_small_calls_go_to_the_kernel_with_the_least_host_time_and_large_ones_to
 
 
 def test_explain_prints_each_candidates_predicted_time_and_its_parts(calibrated):
-    report = attnselect.explain(AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True),
-                                target=H200)  # fmt: skip
+    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    report = attnselect.explain(problem, target=H200)
     assert "ranked:  by predicted time (calibration" in report and "predicted us (host, GPU)" in report
     row = next(line for line in report.splitlines() if line.startswith("sdpa_cudnn "))
     assert "(60.0," in row
@@ -78,9 +79,31 @@ def test_without_a_calibration_the_table_ranks_and_explain_says_so(tmp_path, mon
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
     calibration.parse.cache_clear()
     attnselect.clear_cache()
-    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True)
+    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
     decision = attnselect.select(problem, target=H200)
     assert decision.predictions is None and decision.chosen == Candidate("flash_attn4")
     assert "ranked:  by the rules table (no calibration for sm90: `attnselect calibrate` on such a GPU makes one)" in (
         decision.report()
     )
+
+
+def test_calls_unlike_the_calibrated_ones_are_ranked_by_the_table(calibrated):
+    """Decoding, fp32, sliding windows and packed calls are not what calibrations measure: the table ranks them, and
+    explain says why."""
+    base = dict(batch=1, seqlen_q=256, seqlen_kv=256, heads_q=16, heads_kv=16, head_dim_qk=192, head_dim_v=128,
+                training=True, dtype=torch.bfloat16)  # fmt: skip
+    for change in (dict(seqlen_q=1, mask="causal_bottom_right"), dict(dtype=torch.float32), dict(layout="thd"),
+                   dict(mask="sliding_window", window=(64, 0))):  # fmt: skip
+        decision = attnselect.select(AttentionProblem(**{**base, **change}), target=H200)
+        assert decision.predictions is None and "covers dense bf16/fp16 calls" in decision.calibration, change
+
+
+def test_a_calibration_missing_a_served_candidate_ranks_nothing(calibrated):
+    """A candidate the calibration neither measured nor skipped would rank last on no evidence: the table ranks."""
+    partial = sample(skipped=["sdpa_math", "reference"])
+    calibration.user_path(H200).write_text(json.dumps(partial))
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    decision = attnselect.select(problem, target=H200)
+    assert decision.predictions is None and "has no curve for" in decision.calibration

@@ -1,14 +1,14 @@
 """``attnselect calibrate``: measure what each installed backend costs on this GPU, for the rules' predicted times.
 
-For each head-dim pair of :data:`PAIRS`, layout (dense, and packed thd with a new packing every call), phase
-(inference, training) and supported candidate (native, and padded where the dims differ; not the reference or
-``sdpa_math``), it times the call over a ladder of sizes (:data:`LADDER`) side by side
-(:func:`attnselect.choose.timing.time_steps`, queued behind a spin, so each time is the GPU's); per backend, layout
-and phase, the host's time to issue one call at the smallest size while the GPU is busy; and per backend, what the
-first call of a configuration costs on top of a later one (a JIT compile). The result is the format
-:mod:`attnselect.choose.calibration` reads, for this GPU and these versions; ``attnselect calibrate`` stores it in
-the cache directory, where it takes precedence over the packaged one. ``quick`` measures one pair, one phase and
-two sizes (a smoke test).
+For each head-dim pair of :data:`PAIRS`, phase (inference, training) and supported candidate (native, and padded
+where the dims differ; not those of :data:`SKIPPED`), it times a dense causal call over a ladder of sizes
+(:data:`LADDER`) side by side (:func:`attnselect.choose.timing.time_steps`, queued behind a spin, so each time is
+the GPU's); per backend, padding and phase, the host's time to issue one call at the smallest size that serves it,
+while the GPU is busy; and per backend, what the first call of a configuration costs on top of a later one (a JIT
+compile). Packed (thd) calls are not calibrated yet: their work depends on the packing, which the problem does not
+hold. The result is the format :mod:`attnselect.choose.calibration` reads, for this GPU and these versions;
+``attnselect calibrate`` stores it in the cache directory, where it takes precedence over the packaged one.
+``quick`` measures one pair, one phase and two sizes (a smoke test, never stored there).
 """
 
 from __future__ import annotations
@@ -30,21 +30,25 @@ PAIRS = ((192, 128), (128, 128), (64, 64), (256, 256))
 # (batch, sequence length): from host-bound to GPU-bound, 16 heads, causal
 LADDER = ((1, 128), (1, 512), (2, 1024), (1, 4096), (2, 8192), (1, 32768))
 HEADS = 16
-SKIPPED = ("reference", "sdpa_math")  # never the fastest where anything else serves
+# Left out and ranked after the calibrated candidates: the reference and sdpa_math are never the fastest where
+# anything else serves; flex compiles for every dense shape (40-56 s a compile on the H200:
+# results/h200_flex_probe.md), more than a calibration can spend.
+SKIPPED = ("reference", "sdpa_math", "flex")
 HOST_CALLS = 50
 COMPILING_MS = 1000.0  # a backend whose first call took this much longer compiles per shape: fewer ladder points
 
 
-def run(target: Target | None = None, *, quick: bool = False, pairs=PAIRS, progress=None) -> dict:
+def run(target: Target | None = None, *, quick: bool = False, pairs=PAIRS, progress=None, checkpoint=None) -> dict:
     """Measure this machine's backends at the head-dim ``pairs``: a calibration (the
-    :mod:`attnselect.choose.calibration` format). A backend that compiles per shape (its first call
-    :data:`COMPILING_MS` longer than the next) is timed at the ladder's first, middle and last sizes only."""
+    :mod:`attnselect.choose.calibration` format), handed to ``checkpoint`` after each pair and phase too. A backend
+    that compiles per shape (its first call :data:`COMPILING_MS` longer than the next) is timed at the ladder's
+    first, middle and last sizes only."""
     target = target or Target.current()
     device = torch.device("cuda" if target.is_cuda else "cpu")
     dtype = torch.bfloat16 if target.is_cuda else torch.float32
     pairs, phases, ladder = (pairs[:1], (True,), LADDER[:2]) if quick else (tuple(pairs), (False, True), LADDER)
     sparse = {ladder[0], ladder[len(ladder) // 2], ladder[-1]}
-    jobs = [(pair, layout, training) for pair in pairs for layout in ("bshd", "thd") for training in phases]
+    jobs = [(pair, "bshd", training) for pair in pairs for training in phases]
     gpu: dict = {}
     host: dict = {}
     first: dict = {}
@@ -55,9 +59,6 @@ def run(target: Target | None = None, *, quick: bool = False, pairs=PAIRS, progr
         for batch, seqlen in ladder:
             problem = AttentionProblem(batch, seqlen, seqlen, HEADS, HEADS, *pair, dtype=dtype, layout=layout,
                                        mask="causal", training=training)  # fmt: skip
-            if layout == "thd" and batch == 1:  # a packing of one sequence is a dense call: pack four
-                problem = AttentionProblem(4, seqlen, seqlen, HEADS, HEADS, *pair, dtype=dtype, layout=layout,
-                                           mask="causal", training=training)  # fmt: skip
             candidates = [v.candidate for v in judge(problem, target) if v.supported]
             candidates = [c for c in candidates if c.backend not in SKIPPED]
             candidates = [c for c in candidates if c.backend not in compiling or (batch, seqlen) in sparse]
@@ -78,15 +79,21 @@ def run(target: Target | None = None, *, quick: bool = False, pairs=PAIRS, progr
                 key = calibration.curve_key(layout, *pair, c.padded, training)
                 point = [round(work(problem), 3), round(timing.median_ms * 1e3, 2)]
                 gpu.setdefault(c.backend, {}).setdefault(key, []).append(point)
-            if (batch, seqlen) == ladder[0]:
-                for c in candidates:
+            for c in candidates:  # at the smallest size that serves it
+                key = calibration.host_key(layout, c.padded, training)
+                if key not in host.get(c.backend, {}) and not isinstance(timed.get(c), Exception):
                     issued = _host_us(steps[c], device)
-                    key = calibration.host_key(layout, c.padded, training)
-                    if issued is not None and key not in host.get(c.backend, {}):
+                    if issued is not None:
                         host.setdefault(c.backend, {})[key] = round(issued, 2)
             del steps, inputs
+        if checkpoint:
+            checkpoint(_result(target, quick, host, gpu, first))
     if progress:
         progress(len(jobs), len(jobs), "done")
+    return _result(target, quick, host, gpu, first)
+
+
+def _result(target: Target, quick: bool, host: dict, gpu: dict, first: dict) -> dict:
     return {
         "format": calibration.FORMAT,
         "fingerprint": calibration.fingerprint(target),
@@ -95,7 +102,8 @@ def run(target: Target | None = None, *, quick: bool = False, pairs=PAIRS, progr
         "source": "attnselect calibrate" + (" --quick" if quick else ""),
         "host_us": host,
         "gpu": {b: {k: _increasing(points) for k, points in curves.items()} for b, curves in gpu.items()},
-        "first_call_ms": {b: round(max(statistics.median(v), 0.0), 3) for b, v in first.items() if v},
+        "first_call_ms": {b: round(max(v), 3) for b, v in first.items() if v},  # the costliest configuration
+        "skipped": list(SKIPPED),
     }
 
 

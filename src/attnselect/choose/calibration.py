@@ -9,10 +9,12 @@ A calibration (written by ``attnselect calibrate`` on the user's GPU, or shipped
 - ``gpu``: the GPU's time of a call over a ladder of work sizes, by candidate key
   (:func:`curve_key`: layout, the call's head dims, ``+pad`` for the padded candidate, phase), as [work, us] points
   (:func:`attnselect.choose.predict.work`);
-- ``first_call_ms``: what the first call of a new configuration costs on top (a JIT compile), where it does.
+- ``first_call_ms``: what the first call of a new configuration costs on top (a JIT compile), where it does;
+- ``skipped``: backends it leaves out on purpose (never the fastest, or a compile per shape): they rank after the
+  calibrated ones.
 
-It holds for the GPU and versions it ran on (:func:`fingerprint`): another GPU, another torch, cuDNN or any
-backend package version, and it is not used (the rules table orders the candidates, and ``explain`` says why).
+It holds for the GPU and versions it ran on (:func:`fingerprint`): another GPU, another torch, cuDNN, attnselect or
+any backend package version, and it is not used (the rules table orders the candidates, and ``explain`` says why).
 One the user ran (in the cache directory) takes precedence over the packaged one. A file that is not a calibration
 of this format is ignored with one warning.
 """
@@ -24,14 +26,17 @@ import json
 import logging
 import math
 import re
-from importlib import resources
+from importlib import metadata, resources
 from pathlib import Path
+
+import torch
 
 from attnselect.memos import cache_dir, register_cache, warn_once
 from attnselect.spec.target import Target
 
 log = logging.getLogger("attnselect")
 FORMAT = 1
+MIN_QUERIES = 16  # fewer queries (decoding) is another kernel regime than the calibrated prefill ladder
 CURVE_KEY = re.compile(r"(dense|thd) [1-9][0-9]*/[1-9][0-9]*(\+pad)? (inference|training)")
 HOST_KEY = re.compile(r"(dense|thd)(\+pad)? (inference|training)")
 
@@ -45,7 +50,16 @@ def fingerprint(target: Target) -> dict:
         "torch": target.torch_version,
         "cudnn": target.cudnn_version,
         "packages": {distribution: version for distribution, version in sorted(target.packages) if version},
+        "attnselect": _version(),  # its host times include attnselect's own work per call
     }
+
+
+@functools.cache
+def _version() -> str:
+    try:
+        return metadata.version("attnselect")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def curve_key(layout: str, head_dim_qk: int, head_dim_v: int, padded: bool, training: bool) -> str:
@@ -61,9 +75,32 @@ def host_key(layout: str, padded: bool, training: bool) -> str:
     )
 
 
-def user_path(arch: str) -> Path:
-    """Where ``attnselect calibrate`` stores a GPU's calibration (``arch``: "sm90")."""
-    return cache_dir() / f"calibration_{arch}.json"
+def outside(problem) -> str | None:
+    """What the calibrations measure, where ``problem`` is not such a call (None where it is): its prediction would
+    come from curves of other calls, so the rules table ranks it."""
+    covered = (
+        problem.layout != "thd"
+        and problem.dtype in (torch.bfloat16, torch.float16)
+        and problem.mask in ("none", "causal", "causal_bottom_right")
+        and problem.seqlen_q >= MIN_QUERIES
+        and not (problem.dropout_p or problem.softcap or problem.sinks or problem.fp8)
+        and not problem.return_max_logit
+        and problem.context_parallel_size == 1
+    )
+    return None if covered else COVERS
+
+
+COVERS = (
+    f"dense bf16/fp16 calls of {MIN_QUERIES} or more queries, no mask or causal, without dropout, softcap, sinks, "
+    "fp8, max logit or context parallelism"
+)
+
+
+def user_path(target: Target) -> Path:
+    """Where ``attnselect calibrate`` stores a GPU's calibration: one file per GPU model (an H100 and an H200 may
+    share a cache directory)."""
+    model = re.sub(r"[^a-z0-9]+", "-", target.name.lower()).strip("-")
+    return cache_dir() / f"calibration_{target.arch}_{model}.json"
 
 
 def for_target(target: Target) -> tuple[dict | None, str]:
@@ -72,7 +109,7 @@ def for_target(target: Target) -> tuple[dict | None, str]:
     if not target.is_cuda:  # the CPU's order is the rules table's, and explain does not dwell on it
         return None, ""
     found = []
-    for source, text in _texts(target.arch):
+    for source, text in _texts(target):
         data = parse(text, source)
         if data is None:
             continue
@@ -85,9 +122,10 @@ def for_target(target: Target) -> tuple[dict | None, str]:
     return None, f"no calibration for {target.arch}: `attnselect calibrate` on such a GPU makes one"
 
 
-def _texts(arch: str):
+def _texts(target: Target):
     """(source, text) of the user's calibration, then the packaged one, where present."""
-    for source, read in ((str(user_path(arch)), lambda: user_path(arch).read_text()),
+    arch = target.arch
+    for source, read in ((str(user_path(target)), lambda: user_path(target).read_text()),
                          (f"attnselect/data/calibration_{arch}.json", lambda: _packaged(arch))):  # fmt: skip
         text = _read(source, read)
         if text is not None:
@@ -114,8 +152,8 @@ def parse(text: str, source: str) -> dict | None:
     try:
         data = json.loads(text)
         problem = _problem(data)
-    except ValueError as exc:  # json.JSONDecodeError included
-        problem = str(exc)
+    except (ValueError, OverflowError, RecursionError, TypeError) as exc:  # json.JSONDecodeError included
+        problem = f"{type(exc).__name__}: {str(exc)[:200]}"
     if problem:
         warn_once(f"calibration {source}", "attnselect: ignoring the calibration %s (%s)", source, problem)
         return None
@@ -124,11 +162,14 @@ def parse(text: str, source: str) -> dict | None:
 
 def _problem(data) -> str | None:
     """What makes ``data`` not a calibration of this format (None: nothing)."""
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    if not isinstance(data, dict) or type(data.get("format")) is not int or data["format"] != FORMAT:
         return f"not a calibration of format {FORMAT}"
     fp = data.get("fingerprint")
-    if not (isinstance(fp, dict) and set(fp) == {"name", "capability", "torch", "cudnn", "packages"}):
-        return "its fingerprint is not a dict of name, capability, torch, cudnn and packages"
+    if not (isinstance(fp, dict) and set(fp) == {"name", "capability", "torch", "cudnn", "packages", "attnselect"}):
+        return "its fingerprint is not a dict of name, capability, torch, cudnn, packages and attnselect"
+    skipped = data.setdefault("skipped", [])
+    if not (isinstance(skipped, list) and all(isinstance(b, str) for b in skipped)):
+        return "skipped is not a list of backend names"
     if not isinstance(fp["packages"], dict):
         return "its fingerprint's packages are not a dict"
     host, gpu, first = data.get("host_us"), data.get("gpu"), data.get("first_call_ms", {})
@@ -155,7 +196,9 @@ def _problem(data) -> str | None:
 
 
 def _is_time(value) -> bool:
-    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+    if type(value) is int:
+        return 0 <= value < 2**53
+    return type(value) is float and math.isfinite(value) and value >= 0
 
 
 def _is_point(point) -> bool:

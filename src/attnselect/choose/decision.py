@@ -95,7 +95,9 @@ class Decision:
         columns = len(rows[0]) - 1
         widths = [max(len(r[i]) for r in rows) for i in range(columns)]
         lines = [f"problem: {self.problem.describe()}", f"target:  {self.target.describe()}"]
-        if predicted:
+        if self.timings is not None:
+            pass  # measured: the why says so
+        elif predicted:
             lines.append(f"ranked:  by predicted time (calibration {self.calibration})")
         elif self.calibration:
             lines.append(f"ranked:  by the rules table ({self.calibration})")

@@ -342,12 +342,27 @@ def entry(c: Candidate) -> tuple[str, bool]:
 def predictions(
     verdicts: tuple[Verdict, ...], problem: AttentionProblem, target: Target
 ) -> tuple[dict[Candidate, Prediction | None] | None, str]:
-    """Each supported candidate's predicted time (None where the calibration has none for it) and the calibration's
-    source; (None, why not) where no calibration holds on ``target``."""
+    """Each supported candidate's predicted time (None for backends the calibration skips on purpose: they rank
+    after the others) and the calibration's source; (None, why not) where no calibration holds on ``target``, the
+    call is not one calibrations measure (:func:`attnselect.choose.calibration.outside`: the table ranks it), or a
+    candidate the calibration did not skip has no curve for it (a partial calibration orders nothing)."""
     found, source = calibration.for_target(target)
     if found is None:
         return None, source
-    return {v.candidate: predict(v.candidate, problem, found) for v in verdicts if v.supported}, source
+    outside = calibration.outside(problem)
+    if outside:
+        return None, f"calibration {source} covers {outside}"
+    predicted: dict[Candidate, Prediction | None] = {}
+    for verdict in verdicts:
+        c = verdict.candidate
+        if not verdict.supported:
+            continue
+        predicted[c] = None if c.backend in found["skipped"] else predict(c, problem, found)
+        if predicted[c] is None and c.backend not in found["skipped"]:
+            return None, f"calibration {source} has no curve for {c} at this call"
+    if not any(predicted.values()):
+        return None, f"calibration {source} has no curve for this call's candidates"
+    return predicted, source
 
 
 def rank(
