@@ -35,14 +35,15 @@ HEADS = 16
 # results/h200_flex_probe.md), more than a calibration can spend.
 SKIPPED = ("reference", "sdpa_math", "flex")
 HOST_CALLS = 50
-COMPILING_MS = 1000.0  # a backend whose first call took this much longer compiles per shape: fewer ladder points
+COMPILING_MS = 1000.0  # a backend whose first call took this much longer at two sizes in a row compiles per shape
 
 
 def run(target: Target | None = None, *, quick: bool = False, pairs=PAIRS, progress=None, checkpoint=None) -> dict:
     """Measure this machine's backends at the head-dim ``pairs``: a calibration (the
     :mod:`attnselect.choose.calibration` format), handed to ``checkpoint`` after each pair and phase too. A backend
-    that compiles per shape (its first call :data:`COMPILING_MS` longer than the next) is timed at the ladder's
-    first, middle and last sizes only."""
+    that compiles per shape (its first call :data:`COMPILING_MS` longer than the next at two sizes in a row; a
+    compile per configuration, FA4's, costs once) is timed at the ladder's first, middle and last sizes after that.
+    A CUDA error that leaves the context unusable stops the run (raised; the checkpoints keep what was measured)."""
     target = target or Target.current()
     device = torch.device("cuda" if target.is_cuda else "cpu")
     dtype = torch.bfloat16 if target.is_cuda else torch.float32
@@ -55,24 +56,31 @@ def run(target: Target | None = None, *, quick: bool = False, pairs=PAIRS, progr
     for index, (pair, layout, training) in enumerate(jobs):
         if progress:
             progress(index, len(jobs), f"{layout} {pair[0]}/{pair[1]} {'training' if training else 'inference'}")
-        compiling: set = set()
+        compiled: dict = {}  # backend -> ladder sizes in a row whose first call compiled
         for batch, seqlen in ladder:
             problem = AttentionProblem(batch, seqlen, seqlen, HEADS, HEADS, *pair, dtype=dtype, layout=layout,
                                        mask="causal", training=training)  # fmt: skip
             candidates = [v.candidate for v in judge(problem, target) if v.supported]
             candidates = [c for c in candidates if c.backend not in SKIPPED]
-            candidates = [c for c in candidates if c.backend not in compiling or (batch, seqlen) in sparse]
+            candidates = [c for c in candidates if compiled.get(c.backend, 0) < 2 or (batch, seqlen) in sparse]
             try:
                 inputs = random_inputs(problem, device)
             except torch.OutOfMemoryError:
                 continue
             steps = {c: candidate_step(c, problem, target, inputs) for c in candidates}
+            compiling_now = set()
             for c in candidates:  # the first call of each configuration, then a second one
                 extra = _first_call_extra(steps[c], device)
-                first.setdefault(c.backend, []).append(extra)
-                if extra > COMPILING_MS:
-                    compiling.add(c.backend)
+                if extra is not None:
+                    first.setdefault(c.backend, []).append(extra)
+                    if extra > COMPILING_MS:
+                        compiling_now.add(c.backend)
+            for c in candidates:  # compiled again at a second size in a row: it compiles per shape
+                compiled[c.backend] = compiled.get(c.backend, 0) + 1 if c.backend in compiling_now else 0
             timed = time_steps(steps, device, budget_s=2.0 if not quick else 0.5)
+            broken = [t for t in timed.values() if isinstance(t, Exception) and _context_lost(t)]
+            if broken:  # a sticky CUDA error: nothing after it in this process can be trusted
+                raise RuntimeError(f"calibration stopped: {type(broken[0]).__name__}: {broken[0]}") from broken[0]
             for c, timing in timed.items():
                 if isinstance(timing, Exception):
                     continue
@@ -115,8 +123,14 @@ def _increasing(points: list) -> list:
     return [[w, best[w]] for w in sorted(best)]
 
 
-def _first_call_extra(step, device) -> float:
-    """Milliseconds the first call of a configuration took beyond the second (a compile, a plan): 0 where none."""
+def _context_lost(exc: BaseException) -> bool:
+    """An error after which the CUDA context is unusable (an illegal memory access, a launch failure)."""
+    return "illegal memory access" in str(exc) or "unspecified launch failure" in str(exc)
+
+
+def _first_call_extra(step, device) -> float | None:
+    """Milliseconds the first call of a configuration took beyond the second (a compile, a plan); None where the
+    call failed (time_steps reports it)."""
     times = []
     for _ in range(2):
         _sync(device)
@@ -124,7 +138,7 @@ def _first_call_extra(step, device) -> float:
         try:
             step()
         except Exception:
-            return 0.0
+            return None
         _sync(device)
         times.append(time.perf_counter() - started)
     return max(times[0] - times[1], 0.0) * 1e3
