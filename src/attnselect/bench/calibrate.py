@@ -22,7 +22,7 @@ import torch
 from attnselect.choose import calibration
 from attnselect.choose.candidates import judge
 from attnselect.choose.predict import work
-from attnselect.choose.timing import candidate_step, random_inputs, time_steps
+from attnselect.choose.timing import _sized_call, candidate_step, random_inputs, time_steps
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 
@@ -131,17 +131,11 @@ def _context_lost(exc: BaseException) -> bool:
 def _first_call_extra(step, device) -> float | None:
     """Milliseconds the first call of a configuration took beyond the second (a compile, a plan); None where the
     call failed (time_steps reports it)."""
-    times = []
-    for _ in range(2):
-        _sync(device)
-        started = time.perf_counter()
-        try:
-            step()
-        except Exception:
-            return None
-        _sync(device)
-        times.append(time.perf_counter() - started)
-    return max(times[0] - times[1], 0.0) * 1e3
+    try:
+        (first, _), (second, _) = _sized_call(step, device), _sized_call(step, device)
+    except Exception:
+        return None
+    return max(first - second, 0.0)
 
 
 def _host_us(step, device) -> float | None:
@@ -154,15 +148,11 @@ def _host_us(step, device) -> float | None:
             started = time.perf_counter()
             step()
             issued.append(time.perf_counter() - started)
-        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     except Exception:
         return None
     return statistics.median(issued) * 1e6
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def print_progress(done: int, total: int, what: str) -> None:

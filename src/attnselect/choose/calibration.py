@@ -37,7 +37,7 @@ from attnselect.spec.target import Target
 log = logging.getLogger("attnselect")
 FORMAT = 1
 MIN_QUERIES = 16  # fewer queries (decoding) is another kernel regime than the calibrated prefill ladder
-CURVE_KEY = re.compile(r"(dense|thd) [1-9][0-9]*/[1-9][0-9]*(\+pad)? (inference|training)")
+CURVE_KEY = re.compile(r"(dense|thd) ([1-9][0-9]*)/([1-9][0-9]*)(\+pad)? (inference|training)")
 HOST_KEY = re.compile(r"(dense|thd)(\+pad)? (inference|training)")
 
 
@@ -64,15 +64,17 @@ def _version() -> str:
 
 def curve_key(layout: str, head_dim_qk: int, head_dim_v: int, padded: bool, training: bool) -> str:
     """The key of a candidate's GPU curve: e.g. ``"dense 192/128+pad training"``."""
-    kind = "thd" if layout == "thd" else "dense"
-    return f"{kind} {head_dim_qk}/{head_dim_v}{'+pad' if padded else ''} {'training' if training else 'inference'}"
+    return _key(layout, f" {head_dim_qk}/{head_dim_v}", padded, training)
 
 
 def host_key(layout: str, padded: bool, training: bool) -> str:
     """The key of a backend's host time: e.g. ``"thd+pad training"`` (padding adds copies the host issues)."""
-    return (
-        f"{'thd' if layout == 'thd' else 'dense'}{'+pad' if padded else ''} {'training' if training else 'inference'}"
-    )
+    return _key(layout, "", padded, training)
+
+
+def _key(layout: str, dims: str, padded: bool, training: bool) -> str:
+    kind = "thd" if layout == "thd" else "dense"
+    return f"{kind}{dims}{'+pad' if padded else ''} {'training' if training else 'inference'}"
 
 
 def outside(problem) -> str | None:

@@ -95,11 +95,9 @@ class Decision:
         columns = len(rows[0]) - 1
         widths = [max(len(r[i]) for r in rows) for i in range(columns)]
         lines = [f"problem: {self.problem.describe()}", f"target:  {self.target.describe()}"]
-        if self.timings is not None:
-            pass  # measured: the why says so
-        elif predicted:
+        if self.timings is None and predicted:  # measured: the why says so
             lines.append(f"ranked:  by predicted time (calibration {self.calibration})")
-        elif self.calibration:
+        elif self.timings is None and self.calibration:
             lines.append(f"ranked:  by the rules table ({self.calibration})")
         lines.append("")
         for r in rows:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnselect.choose.calibration import curve_key, host_key
+from attnselect.choose.calibration import CURVE_KEY, curve_key, host_key
 from attnselect.spec import masks
 from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
@@ -70,10 +70,8 @@ def predict(candidate: Candidate, problem: AttentionProblem, calibration: dict) 
     basis = key
     if key not in curves:
         key = _nearest(curves, problem, candidate.padded)
-        if key is None or host is None:
-            return None
         basis = f"{key} (nearest calibrated dims)"
-    if host is None:
+    if key is None or host is None:
         return None
     return Prediction(host_us=float(host), gpu_us=_along(curves[key], work(problem)), basis=basis)
 
@@ -82,15 +80,10 @@ def _nearest(curves: dict, problem: AttentionProblem, padded: bool) -> str | Non
     """The key of the curve of the same layout, phase and padding at the nearest calibrated d_qk + d_v."""
     size = problem.head_dim_qk + problem.head_dim_v
     best = None
-    for key in curves:
-        layout, dims, phase = key.split(" ")
-        if layout != ("thd" if problem.layout == "thd" else "dense") or phase != (
-            "training" if problem.training else "inference"
-        ):
+    for key in curves:  # keys the loader checked against CURVE_KEY
+        d_qk, d_v = (int(d) for d in CURVE_KEY.fullmatch(key).group(2, 3))
+        if key != curve_key(problem.layout, d_qk, d_v, padded, problem.training):  # another layout, phase, padding
             continue
-        if dims.endswith("+pad") != padded:
-            continue
-        d_qk, d_v = (int(x) for x in dims.removesuffix("+pad").split("/"))
         distance = abs(d_qk + d_v - size)
         if best is None or distance < best[0]:
             best = (distance, key)

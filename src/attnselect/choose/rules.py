@@ -3,7 +3,8 @@ preference table per arch family and phase.
 
 Where a calibration of this GPU and these library versions holds (:mod:`attnselect.choose.calibration`), the
 supported candidates go by their predicted time for the call (:mod:`attnselect.choose.predict`), the table breaking
-ties and candidates without a prediction last. Elsewhere the table orders them, as follows.
+ties and the backends the calibration skips last (packed calls are not predicted: :func:`predictions`). Elsewhere
+the table orders them, as follows.
 
 A table lists candidates fastest first ("name" = native, "name+pad" = padded). Padding wins
 only where a padded entry ranks above every supported native one. Supported candidates the
@@ -386,9 +387,7 @@ def rank(
         return (time is None, time.total_us if time is not None else 0.0, *in_table)
 
     ordered = sorted(supported, key=key)
-    # A calibrated thd host time is measured with a new packing every call: a rebuild per packing is in it already.
-    stable = problem.layout == "thd" and predicted is None
-    return tuple(_stable_across_packings(ordered, target) if stable else ordered)
+    return tuple(_stable_across_packings(ordered, target) if problem.layout == "thd" else ordered)
 
 
 def _stable_across_packings(ordered: list[Candidate], target: Target) -> list[Candidate]:

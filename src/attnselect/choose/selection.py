@@ -124,8 +124,6 @@ def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) 
     table_key, table = rules.table_for(problem, target)
     if earlier.policy != "rules" or table_key != rules.table_for(earlier.problem, target)[0]:
         return False
-    if earlier.predictions is not None:  # ranked by predicted time: the new size may rank otherwise
-        return False
     chosen = earlier.chosen
 
     def serves(c: Candidate) -> bool:
