@@ -387,12 +387,16 @@ def _transient(error: str) -> bool:
 
 
 EARLIER = "results/h200_rules_grid.jsonl"  # the rules grid of 2026-12-01 (same stack): its young kernels' rows too
+# The peer sweeps on the same stack (benchmarks/peer_sweep.py): a chosen candidate that was wrong or raised there is
+# refused at that problem signature, as a failure the self-check or a crash recorded would be (choose.failures).
+SWEEPS = ("results/h200_peer_sweep.jsonl", "results/h200_peer_sweep_fa4.jsonl")
 
 
-def summary(records: list[dict], meta: dict, earlier: list[dict] = ()) -> dict:
-    """The package data: young kernels' results per allowlist key (and per K/V grouping within it), and the
-    signatures every process passed.
+def summary(records: list[dict], meta: dict, earlier: list[dict] = (), sweeps: list[tuple] = ()) -> dict:
+    """The package data: young kernels' results per allowlist key (and per K/V grouping within it), the
+    signatures every process passed, and the (candidate, signature) pairs that failed in a peer sweep.
 
+    ``sweeps``: (file, record) of the peer sweeps' records (:data:`SWEEPS`).
     ``earlier``: rows of the rules grid (benchmarks/rules_grid.py, relative error within 2e-2, one process), counted
     for the allowlist where today's static surface serves the candidate (it ran them all, served or not)."""
     from attnselect import backends
@@ -436,6 +440,12 @@ def summary(records: list[dict], meta: dict, earlier: list[dict] = ()) -> dict:
         else:
             os.environ["ATTNSELECT_ALLOWLIST"] = saved
     covered = [json.loads(s) for s, ok in sorted(by_signature.items()) if ok]
+    failed = {}
+    for source, record in sweeps:
+        if record["status"] in ("wrong", "raised") and "signature" in record:
+            candidate = record["candidate"]
+            key = json.dumps([candidate["backend"], candidate["pad_to"], record["signature"]])
+            failed.setdefault(key, f"{record['status']} in {source}: {record['case']}: {record['error']}"[:300])
     return {
         "format": FORMAT,
         "source": SOURCE.replace(".jsonl", ".md") + (f" and {EARLIER.replace('.jsonl', '.md')}" if earlier else ""),
@@ -446,6 +456,7 @@ def summary(records: list[dict], meta: dict, earlier: list[dict] = ()) -> dict:
         "packages": meta["packages"],
         "kernels": kernels,
         "covered": covered,
+        "failed": [[*json.loads(key), finding] for key, finding in sorted(failed.items())],
     }
 
 
@@ -540,7 +551,9 @@ def main() -> None:
         data = os.path.join(root, "src", "attnselect", "data", f"correctness_{meta['arch']}.json")
         os.makedirs(os.path.dirname(data), exist_ok=True)
         earlier = [json.loads(line) for line in open(os.path.join(root, EARLIER))] if a.earlier else []
-        json.dump(summary(records, meta, earlier), open(data, "w"), indent=None, separators=(",", ":"))
+        sweeps = [(path, json.loads(line)) for path in SWEEPS if os.path.exists(os.path.join(root, path))
+                  for line in open(os.path.join(root, path))]  # fmt: skip
+        json.dump(summary(records, meta, earlier, sweeps), open(data, "w"), indent=None, separators=(",", ":"))
         print(f"{len(records)} results -> results/{a.name}.md and {os.path.relpath(data, root)}")
         return
     if a.worker is not None:

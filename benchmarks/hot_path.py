@@ -63,6 +63,9 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+WARMUP = 20  # calls of each row before the rounds
+
+
 def time_rows(rows: dict, device: str, calls: int, repeats: int) -> dict:
     """Per row: the median host time per call over ``repeats`` rounds of ``calls`` calls (from the first call to the
     return of the last, the queue empty at the start; the GPU drains it after), with the quartiles; the median with
@@ -72,7 +75,7 @@ def time_rows(rows: dict, device: str, calls: int, repeats: int) -> dict:
     Rounds are interleaved, in alternating order (forwards, then backwards), with the garbage collector off: the
     host of a shared machine drifts by more than the differences measured (results/h200_hot_path.md)."""
     for fn in rows.values():  # warm-up: choices, graphs, compiles
-        for _ in range(20):
+        for _ in range(WARMUP):
             fn()
     host = {name: [] for name in rows}
     synced = {name: [] for name in rows}
@@ -162,6 +165,61 @@ def dense_rows(device: str):
     return problem, chosen, rows
 
 
+def dense_training_rows(device: str):
+    """The dense case in training: each row a forward and a backward (torch.autograd.grad, so no row accumulates
+    into .grad), on the same inputs in the chosen kernel's own layout; attnselect also on bshd tensors, as most
+    models call it, beside F.sdpa on the transposed views of the same tensors."""
+    q, k, v, layout, _ = dense_inputs(device)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, layout=layout)
+    chosen = attnselect.select(problem).chosen
+    backend = backends.get(chosen.backend)
+    call = kernel_call(problem)
+    inputs = (q, k, v)
+
+    def trained(forward):
+        def step():
+            out = forward()
+            out = out[0] if isinstance(out, tuple) else out
+            return torch.autograd.grad(out, inputs, grad)
+
+        return step
+
+    grad = torch.randn_like(attnselect.attention(q, k, v, layout=layout))
+    rows = {f"attnselect.attention ({chosen}, layout={layout}), fwd+bwd": trained(
+        lambda: attnselect.attention(q, k, v, layout=layout)
+    )}  # fmt: skip
+    kernel = getattr(backend, "kernel", None)
+    if kernel is not None and not chosen.padded:
+        rows["F.scaled_dot_product_attention, default dispatch, fwd+bwd"] = trained(
+            lambda: F.scaled_dot_product_attention(q, k, v)
+        )
+        aten = backend.aten_op
+        if aten is not None and device == "cuda":
+            rows[f"torch.{aten.__name__}, the op SDPA's dispatch calls, fwd+bwd"] = trained(
+                lambda: aten(q, k, v, None, True)[0]
+            )
+    module = getattr(backend, "module", None)
+    if module is not None and not chosen.padded:
+        function = importlib.import_module(module).flash_attn_func
+        rows[f"{module}.flash_attn_func, fwd+bwd"] = trained(lambda: function(q, k, v))
+    if not chosen.padded:
+        rows[f"{chosen.backend} backend object, run(), fwd+bwd"] = trained(lambda: backend.run(q, k, v, call))
+    if layout == "bhsd":  # bshd tensors, as a model holds them: attnselect permutes, F.sdpa gets the views
+        qs, ks, vs = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        grad_s = grad.transpose(1, 2).contiguous()
+
+        def bshd_step(forward):
+            return lambda: torch.autograd.grad(forward(), (qs, ks, vs), grad_s)
+
+        rows["attnselect.attention, layout=bshd, fwd+bwd"] = bshd_step(lambda: attnselect.attention(qs, ks, vs))
+        if kernel is not None and not chosen.padded:
+            rows["F.scaled_dot_product_attention on bshd's transposed views, out back to bshd, fwd+bwd"] = bshd_step(
+                lambda: F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (qs, ks, vs))).transpose(1, 2)
+            )
+    return problem, chosen, rows
+
+
 def _prepared_runner(call, known: tuple):
     """The runner attnselect.attention prepared for ``call()`` (recall's arguments ``known``) and runs on its
     repeats."""
@@ -223,6 +281,84 @@ def packed_rows(device: str, forced: str | None = None):
     return problem, chosen, rows
 
 
+def new_packings(total: int, count: int, device: str) -> list:
+    """``count`` packings of ``total`` tokens, as (cu_seqlens, longest), no two with the same number of documents
+    (1 to 8) and longest document: a call on each is one attnselect's memo has not seen (it keys packed calls on
+    both), the first layer of a training step whose documents changed."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(n, longest) for n in range(1, 9) for longest in range(-(-total // n), total - n + 2)]
+    shapes = [shapes[i] for i in torch.randperm(len(shapes), generator=g)[:count].tolist()]
+    if len(shapes) < count:
+        raise SystemExit(f"{total} tokens make {len(shapes)} distinct packings, fewer than the {count} asked for")
+    packings = []
+    for n, longest in shapes:
+        lengths, rest = [longest], total - longest
+        for i in range(n - 1, 0, -1):  # the rest in n - 1 documents, none longer than the longest, none empty
+            low, high = max(1, rest - longest * (i - 1)), min(longest, rest - (i - 1))
+            lengths.append(int(torch.randint(low, high + 1, (), generator=g)))
+            rest -= lengths[-1]
+        edges = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        assert int(edges[-1]) == total and max(lengths) == longest
+        packings.append((edges.to(device), longest))
+    return packings
+
+
+def new_packing_rows(device: str, training: bool, calls: int):
+    """The packed case with a new packing on every call (:func:`new_packings`, made before the rounds: a data
+    loader's work): 1024 tokens (CUDA, H16, 128/128 bf16; CPU: 256 tokens), causal, both max_seqlen given. Rows:
+    attnselect, the chosen package's varlen function or op called directly (CUDA), and torch's varlen_attn (CUDA);
+    each a forward and a backward in training. ``calls``: how many calls the attnselect row makes in all."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    heads, total = (16, 1024) if device == "cuda" else (2, 256)
+    packings = new_packings(total, calls, device)
+    q, k, v = (torch.randn(total, heads, 128 if device == "cuda" else 16, device=device, dtype=dtype) for _ in range(3))
+    inputs = tuple(t.requires_grad_(training) for t in (q, k, v))
+
+    def row(forward):
+        turn = iter(packings)
+
+        def step():
+            out = forward(*next(turn))
+            out = out[0] if isinstance(out, tuple) else out
+            return torch.autograd.grad(out, inputs, out) if training else out
+
+        return step
+
+    cu, m = packings[0]
+    problem, _ = describe_call(q, k, v, CallOptions("thd", True, cu_seqlens_q=cu, max_seqlen_q=m, max_seqlen_kv=m))
+    chosen = attnselect.select(problem).chosen
+    rows = {f"attnselect.attention ({chosen}), a new packing each call": row(
+        lambda cu, m: attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=m,
+                                           max_seqlen_kv=m)
+    )}  # fmt: skip
+    backend = backends.get(chosen.backend)
+    module = getattr(backend, "module", None)
+    if module is not None and not chosen.padded:
+        function = importlib.import_module(module).flash_attn_varlen_func
+        rows[f"{module}.flash_attn_varlen_func, a new packing each call"] = row(
+            lambda cu, m: function(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m,
+                                   causal=True)
+        )  # fmt: skip
+    if chosen == attnselect.Candidate("cudnn_frontend"):
+        import cudnn
+
+        scale = kernel_call(problem).scale
+        rows["cudnn.sdpa_torch, a new packing each call"] = row(
+            lambda cu, m: cudnn.sdpa_torch(q, k, v, scale=scale, is_causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                           max_seqlen_q=m, max_seqlen_kv=m)
+        )  # fmt: skip
+    if device == "cuda":
+        from torch.nn.attention.varlen import varlen_attn
+
+        rows["torch varlen_attn, a new packing each call"] = row(
+            lambda cu, m: varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))
+        )
+    name = f"thd 1 to 8 documents in {total} tokens, a new packing each call, Hq=Hkv={heads} causal " + (
+        "training" if training else "inference"
+    )
+    return name, chosen, rows
+
+
 def write_report(out: str | None, report: dict, lines: list[str]) -> None:
     """Print the report's lines; with ``out``, write them to ``out``.md and the report to ``out``.json."""
     print("\n".join(lines))
@@ -237,18 +373,26 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=31)
     ap.add_argument("--packed-calls", type=int, default=100, help="calls a round of the packed case (slower calls)")
     ap.add_argument("--packed-repeats", type=int, default=151)
+    ap.add_argument("--training-calls", type=int, default=100, help="calls a round of the dense training case")
+    ap.add_argument("--new-packing-calls", type=int, default=20, help="calls a round of the new-packing cases")
+    ap.add_argument("--new-packing-repeats", type=int, default=31)
     ap.add_argument("--out", help="write .json and .md here")
     ap.add_argument("--profile", action="store_true", help="add cProfile's top functions of each attnselect row")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.no_grad():  # as the rows run: the prepared runners are those of inference
-        cases = [(*dense_rows(device), a.calls, a.repeats)]
+        cases = [(*dense_rows(device), a.calls, a.repeats, False)]
         if device == "cuda":
-            cases.append((*packed_rows(device), a.packed_calls, a.packed_repeats))
+            cases.append((*packed_rows(device), a.packed_calls, a.packed_repeats, False))
             if cases[-1][1].backend != "cudnn_frontend" and attnselect.Target.current().version(
                 "nvidia-cudnn-frontend"
             ):
-                cases.append((*packed_rows(device, forced="cudnn_frontend"), a.packed_calls, a.packed_repeats))
+                cases.append((*packed_rows(device, forced="cudnn_frontend"), a.packed_calls, a.packed_repeats, False))
+    new = (a.new_packing_calls, a.new_packing_repeats)
+    packings = WARMUP + new[0] * (new[1] + 1)  # each row's calls: its warm-up, the rounds, a profile's round
+    cases.append((*new_packing_rows(device, False, packings), *new, False))
+    cases.append((*dense_training_rows(device), a.training_calls, a.repeats, True))
+    cases.append((*new_packing_rows(device, True, packings), *new, True))
     report = {
         "meta": {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d")},
         "cases": [],
@@ -261,20 +405,20 @@ def main() -> None:
         "attnselect's row minus each row, the median of the per-round differences of host time (quartiles). "
         "Produced by `benchmarks/hot_path.py`.\n",
     ]
-    with torch.no_grad():
-        for problem, chosen, rows, calls, repeats in cases:
+    for problem, chosen, rows, calls, repeats, training in cases:
+        with torch.set_grad_enabled(training):
             timed = time_rows(rows, device, calls, repeats)
+            described = problem if isinstance(problem, str) else problem.describe()
             report["cases"].append(
-                {"problem": problem.describe(), "chosen": str(chosen), "calls": calls, "repeats": repeats,
-                 "rows": timed}
+                {"problem": described, "chosen": str(chosen), "calls": calls, "repeats": repeats, "rows": timed}
             )  # fmt: skip
-            lines += [f"\n## {problem.describe()}: {chosen}\n", f"{calls} calls a round, {repeats} rounds.\n",
+            lines += [f"\n## {described}: {chosen}\n", f"{calls} calls a round, {repeats} rounds.\n",
                       "| row | host us per call | with the sync | attnselect minus this row, host us |",
                       "|---|---|---|---|"]  # fmt: skip
             for name, r in timed.items():
                 d = r["first_minus_this"]
                 diff = f"{d['median']:+.1f} ({d['q1']:+.1f}..{d['q3']:+.1f})"
-                diff = "" if name.startswith("attnselect") and "runner" not in name else diff  # itself, a part
+                diff = "" if name == next(iter(timed)) else diff
                 host = f"{r['us']:.1f} ({r['q1']:.1f}..{r['q3']:.1f})"
                 lines.append(f"| {name} | {host} | {r['synced_us']:.1f} | {diff} |")
             if a.profile:

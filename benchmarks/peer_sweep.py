@@ -763,8 +763,9 @@ def run_case(case: Case, device: str, before_call=lambda record: None, with_lse:
     with torch.enable_grad() if case.training else torch.no_grad():
         try:
             problem = attnselect.AttentionProblem.from_tensors(q, k, v, **kwargs)
-            record["problem"] = problem.describe()
-            chosen = str(attnselect.select(problem).chosen)
+            record.update(problem=problem.describe(), signature=json.loads(json.dumps(problem.signature)))
+            decision = attnselect.select(problem)
+            chosen, record["candidate"] = str(decision.chosen), decision.chosen.to_dict()
         except (InvalidInputError, NoSupportedCandidateError) as exc:
             status, error = "refused", _first_line(exc)
         out = lse = grads = None
@@ -982,6 +983,33 @@ def summary_lines(records: list[dict], cases: list[Case], info: dict) -> list[st
     return lines
 
 
+FAILED = ("wrong", "raised")  # the statuses whose records name a failure of the chosen candidate
+
+
+def add_signatures(path: str) -> None:
+    """Give each failed record of ``path`` that lacks them its problem signature and chosen candidate, rebuilding
+    its case at the peers' own sizes on the CPU (a problem does not depend on the device)."""
+    import attnselect
+
+    records = [json.loads(line) for line in open(path)]
+    cases = {(c.family, c.name): c for c in all_cases(FAMILIES, Fit(None, None), False)}
+    for record in records:
+        if record["status"] not in FAILED or "signature" in record or not record.get("chosen"):
+            continue
+        case = cases[(record["family"], record["case"])]
+        q, k, v, _, kwargs, _ = build(case, "cpu", record.get("return_lse") in (True, "True"))
+        with torch.enable_grad() if case.training else torch.no_grad():
+            problem = attnselect.AttentionProblem.from_tensors(q, k, v, **kwargs)
+        backend, _, pad = record["chosen"].partition(" padded to ")
+        record.update(
+            signature=json.loads(json.dumps(problem.signature)),
+            candidate={"backend": backend.removesuffix(" native"), "pad_to": int(pad) if pad else None},
+        )
+        print(f"{record['family']}/{record['case']}: {record['candidate']} {record['signature']}")
+    with open(path, "w") as sink:
+        sink.writelines(json.dumps(r) + "\n" for r in records)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="PREFIX: writes PREFIX.jsonl and PREFIX.md")
@@ -999,6 +1027,12 @@ def main() -> None:
     ap.add_argument("--no-lse", action="store_true", help="call without return_lse (judge out and gradients only): "
                     "kernels that return no lse serve then, e.g. SDPA's on the CPU")  # fmt: skip
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
+    ap.add_argument(
+        "--add-signatures",
+        metavar="JSONL",
+        help="add the problem signature and candidate to each failed record of JSONL (written before records held "
+        "them), the case rebuilt on the CPU, and exit",
+    )
     ap.add_argument("--inline", action="store_true", help="run in this process (no restart after a crash)")
     ap.add_argument("--resume", action="store_true", help="keep PREFIX.jsonl's records and run the rest")
     ap.add_argument("--workers", type=int, default=1, help="processes sharing the device, each a shard of the cases")
@@ -1016,6 +1050,9 @@ def main() -> None:
         args.max_seqlen = 128 if cpu else None
     if args.max_batch == -1:
         args.max_batch = 2 if cpu else None
+    if args.add_signatures:
+        add_signatures(args.add_signatures)
+        return
     cases = all_cases(args.families, Fit(args.max_seqlen, args.max_batch), args.quick)
     if args.list:
         for c in cases:

@@ -11,6 +11,10 @@
 #   bash scripts/device_run.sh checks # after `correctness` on the same warm machine, FA4 installed: the grid's report
 #                                      # (package data included), pytest -m gpu -n 5 with FA4 and without (TEST_TIMEOUT),
 #                                      # benchmarks/peer_sweep.py under ATTNSELECT_STRICT=1 with and without (SWEEP_DEADLINE)
+#   bash scripts/device_run.sh suite  # pytest -m gpu -n 6 beside benchmarks/peer_sweep.py under ATTNSELECT_STRICT=1,
+#                                      # with FA4 where installed (NO_FA4=1: without) -> $OUT/h200_gpu_tests[_fa4].txt,
+#                                      # $OUT/h200_peer_sweep[_fa4].* (TEST_TIMEOUT, SWEEP_DEADLINE)
+#   bash scripts/device_run.sh sweep  # the peer sweep alone (SWEEP_WORKERS, default 6)  -> $OUT/h200_peer_sweep[_fa4].*
 #   bash scripts/device_run.sh self-check-cost # benchmarks/self_check_cost.py       -> $OUT/h200_self_check_cost.*
 #   bash scripts/device_run.sh flex-probe # benchmarks/flex_probe.py                  -> $OUT/h200_flex_probe.*
 #   bash scripts/device_run.sh calibrate # benchmarks/calibrate.py (CALIBRATE_ARGS="--pairs 192/128,128/128",
@@ -129,6 +133,24 @@ case "$step" in
     wait
     tail -4 /tmp/peer_fa4.log /tmp/peer.log 2>/dev/null
     for f in "$OUT"/h200_gpu_tests*.txt; do echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -12; done ;;
+  suite)   # pytest -m gpu -n 6 beside the peer sweep under ATTNSELECT_STRICT=1, FA4 as installed (NO_FA4=1: without)
+    fa4=$(python3 -c 'import flash_attn.cute' 2>/dev/null && echo _fa4)
+    export TORCHINDUCTOR_COMPILE_THREADS=1   # flex's compiles: one thread each, or 10 processes start 16 each
+    { echo "# pytest -m gpu -n 6 on $(python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
+      timeout ${TEST_TIMEOUT:-480} python3 -m pytest -m gpu -n 6 -v -p no:cacheprovider -W ignore tests 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | cut -c1-400; } > "$OUT/h200_gpu_tests$fa4.txt" 2>&1 &
+    ATTNSELECT_STRICT=1 timeout $((${SWEEP_DEADLINE:-420} + 60)) python3 benchmarks/peer_sweep.py \
+      --deadline ${SWEEP_DEADLINE:-420} --workers 4 --out "$OUT/h200_peer_sweep$fa4" > "/tmp/peer$fa4.log" 2>&1
+    wait
+    tail -3 "/tmp/peer$fa4.log"; grep -E "^\| all" "$OUT/h200_peer_sweep$fa4.md"
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/h200_gpu_tests$fa4.txt" | tail -20 ;;
+  sweep)   # the peer sweep alone under ATTNSELECT_STRICT=1, FA4 as installed (NO_FA4=1: without); SWEEP_ARGS adds
+           # arguments (--families fa3), SWEEP_PART names the output (h200_peer_sweep_<part>[_fa4])
+    fa4=${SWEEP_PART:+_$SWEEP_PART}$(python3 -c 'import flash_attn.cute' 2>/dev/null && echo _fa4)
+    ATTNSELECT_STRICT=1 TORCHINDUCTOR_COMPILE_THREADS=1 timeout $((${SWEEP_DEADLINE:-420} + 60)) \
+      python3 benchmarks/peer_sweep.py --deadline ${SWEEP_DEADLINE:-420} --workers ${SWEEP_WORKERS:-6} \
+      --out "$OUT/h200_peer_sweep$fa4" ${SWEEP_ARGS:-} > "/tmp/peer$fa4.log" 2>&1
+    tail -4 "/tmp/peer$fa4.log"; grep -E "^\| all" "$OUT/h200_peer_sweep$fa4.md" ;;
   pytest)   # PYTEST_ARGS, the whole log -> $OUT/h200_pytest${TEST_PART}.txt
     { echo "# pytest $PYTEST_ARGS on $(python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
       timeout ${TEST_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -W ignore $PYTEST_ARGS 2>&1
@@ -236,7 +258,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests pytest flex-probe calibrate correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests suite sweep pytest flex-probe calibrate correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

@@ -6,10 +6,13 @@ import json
 import logging
 
 import pytest
+import torch
 
 from attnselect.backends import evidence, get
 from attnselect.choose.candidates import kernel_reasons
+from attnselect.choose.selection import _failed, select
 from attnselect.errors import InvalidInputError
+from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 
@@ -86,11 +89,28 @@ def test_covered_signatures_need_the_same_versions(grid):
     assert not evidence.covers("flex", None, problem, H200, None)
 
 
+def test_a_signature_a_peer_sweep_failed_is_refused_there_as_a_failure(grid):
+    problem = _problem(training=True, dtype=torch.float16, softcap=True)
+    finding = "wrong in results/sweep.jsonl: case: self-check: WrongResultError: dq, dk wrong"
+    grid["failed"] = {"key": ["flex", None, json.loads(json.dumps(problem.signature)), finding]}
+    assert _failed(problem, H200) == {Candidate("flex"): finding, Candidate("flex", 192): finding}  # padded or not
+    square = _problem(training=True, dtype=torch.float16, softcap=True, head_dim_v=192)
+    grid["failed"]["square"] = ["flex", None, json.loads(json.dumps(square.signature)), finding]
+    assert _failed(square, H200) == {Candidate("flex"): finding}
+    decision = select(problem, target=H200)
+    assert decision.chosen.backend != "flex"
+    assert finding in decision.report(show_all=True)
+    assert _failed(_problem(training=True, dtype=torch.float16), H200) == {}  # another signature
+    assert _failed(problem, Target.preset("h200", torch_version="2.12.0")) == {}  # other versions: not known
+    assert _failed(problem, Target.preset("b200")) == {}
+
+
 def test_the_packaged_h200_grid_loads_and_names_its_source():
     evidence.grid_for.cache_clear()
     data = evidence.grid_for("sm90")
     assert data is not None and data["source"].startswith("results/h200_correctness_grid.md")
     assert {"flex", "cudnn_frontend"} <= set(data["kernels"])
+    assert all(" in results/h200_peer_sweep" in finding for *_, finding in data["failed"].values())
 
 
 @pytest.mark.parametrize(
@@ -101,6 +121,8 @@ def test_the_packaged_h200_grid_loads_and_names_its_source():
         json.dumps([1, 2]),
         json.dumps({"format": 1, "source": "x", "covered": [], "kernels": {"flex": [1]}}),
         json.dumps({"format": 1, "source": "x", "covered": [[1]], "kernels": {}}),
+        json.dumps({"format": 1, "source": "x", "covered": [], "kernels": {}, "failed": [["flex", 0, [], "x"]]}),
+        json.dumps({"format": 1, "source": "x", "covered": [], "kernels": {}, "failed": {"a": 1}}),
         json.dumps(
             {
                 "format": 1,

@@ -11,7 +11,9 @@ want of an inductor template). Everything else is refused with a reason that nam
 
 The grid's summary ships as package data, one file per GPU (``attnselect/data/correctness_<arch>.json``, written by
 ``python benchmarks/correctness_grid.py --report DIR --earlier``). Its ``covered`` signatures also spare the first-use
-self-check (:mod:`attnselect.self_check`) for calls the grid checked on the same GPU and library versions.
+self-check (:mod:`attnselect.self_check`) for calls the grid checked on the same GPU and library versions; its
+``failed`` ones, where the peer sweeps found a chosen candidate wrong or crashing, are refused there as failures
+(:func:`known_failures`, read by :mod:`attnselect.choose.failures`).
 ``ATTNSELECT_ALLOWLIST=0`` serves the young kernels' full documented surface instead (to test a kernel; the
 self-check still runs).
 """
@@ -90,7 +92,18 @@ def grid_for(arch: str) -> dict | None:
             )
         ):
             raise ValueError(f"not a correctness summary of format {FORMAT}")
+        failed = data.get("failed", [])
+        if not (
+            isinstance(failed, list)
+            and all(
+                isinstance(f, list) and len(f) == 4 and isinstance(f[0], str) and _pad(f[1])
+                and isinstance(f[2], list) and isinstance(f[3], str)
+                for f in failed
+            )
+        ):  # fmt: skip
+            raise ValueError("its failed signatures are not [backend, pad_to, signature, finding] lists")
         data["covered"] = frozenset(_signature_key(*entry) for entry in data["covered"])
+        data["failed"] = {_signature_key(*f[:3]): f for f in failed}
         return data
     except (ValueError, TypeError, AttributeError) as exc:
         log.warning("attnselect: ignoring the correctness summary %s (%s)", name, exc)
@@ -138,6 +151,26 @@ def covers(backend: str, pad_to: int | None, problem: AttentionProblem, target: 
     if grid.get("packages", {}).get(backend) != version:
         return False
     return _signature_key(backend, pad_to, problem.signature) in grid["covered"]
+
+
+def known_failures(problem: AttentionProblem, target: Target, version_of) -> dict:
+    """{backend: finding} of the backends a peer sweep on this GPU and these library versions found wrong or
+    crashing at this problem's signature (benchmarks/correctness_grid.py: SWEEPS), to be refused there as a failure
+    recorded at run time would be, padded or not (flex failed at the same signature natively and padded,
+    results/h200_peer_sweep_fa4.md). ``version_of(backend)``: its package's version here, None for none."""
+    grid = grid_for(target.arch) if target.is_cuda else None
+    if not grid or not grid.get("failed") or grid.get("fingerprint") != base_fingerprint(target):
+        return {}
+    signature = json.loads(json.dumps(problem.signature))  # as the file holds it: lists
+    return {
+        backend: finding
+        for backend, _, failed, finding in grid["failed"].values()
+        if failed == signature and grid.get("packages", {}).get(backend, "unknown") == version_of(backend)
+    }
+
+
+def _pad(value) -> bool:
+    return value is None or (type(value) is int and value > 0)
 
 
 def _signature_key(backend, pad_to, signature) -> str:

@@ -103,10 +103,15 @@ class Flex(Backend):
 
     def run_packed(self, q, k, v, call: KernelCall, packing: Packing):
         block_mask = _document_block_mask(packing, call.mask, call.window, q.shape[0], k.shape[0], q.device)
-        # Packed totals change from step to step: let torch.compile make that dimension dynamic.
-        out, lse, *max_logit = _flex(
-            *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask, call, dynamic=None
-        )
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        # Packed totals change from step to step: torch.compile (dynamic=None) makes a dimension dynamic once it
+        # changes. Heads and head dims stay static, so a process that ran flex at other head dims does not compile
+        # symbolic ones (the GPU tests' packed flex training case failed on FakeTensors in such a process,
+        # results/h200_gpu_tests_alone_fa4.txt; with this, it passed, results/h200_gpu_tests_fa4.txt).
+        for t in (q, k, v):
+            torch._dynamo.mark_static(t, 1)
+            torch._dynamo.mark_static(t, 3)
+        out, lse, *max_logit = _flex(q, k, v, block_mask, call, dynamic=None)
         return out[0].transpose(0, 1), (lse[0] if lse is not None else None), *max_logit
 
 

@@ -131,7 +131,7 @@ def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) 
             backend_named(c.backend), problem if c.pad_to is None else problem.padded(c.pad_to), target
         )
 
-    if not serves(chosen) or chosen in failures(problem, target):
+    if not serves(chosen) or chosen in _failed(problem, target):
         return False
     position = {entry: i for i, entry in enumerate(table)}
     cache = backend_named(chosen.backend).shape_cache
@@ -148,8 +148,18 @@ def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) 
     return not any(serves(c) for c in refused if position.get(rules.entry(c), len(table)) <= above)
 
 
+def _failed(problem: AttentionProblem, target: Target) -> dict:
+    """{candidate: error}: those that failed at run time (:func:`failures`) and the backends, native and padded, a
+    packaged peer sweep found wrong or crashing at this signature on this GPU and these versions
+    (:func:`evidence.known_failures`), refused alike."""
+    measured = evidence.known_failures(problem, target, lambda name: backend_named(name).package_version(target))
+    pads = (None,) if problem.pad_target is None else (None, problem.pad_target)
+    found = {Candidate(backend, pad): finding for backend, finding in measured.items() for pad in pads}
+    return {**found, **failures(problem, target)} if found else failures(problem, target)
+
+
 def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overrides) -> Decision:
-    verdicts = judge(problem, target, overrides, failures(problem, target))
+    verdicts = judge(problem, target, overrides, _failed(problem, target))
     predicted, calibration = rules.predictions(verdicts, problem, target)
     ranked = rules.rank(verdicts, problem, target, predicted)
     if not ranked:
