@@ -17,6 +17,8 @@
 #   bash scripts/device_run.sh sweep  # the peer sweep alone (SWEEP_WORKERS, default 6)  -> $OUT/h200_peer_sweep[_fa4].*
 #   bash scripts/device_run.sh self-check-cost # benchmarks/self_check_cost.py       -> $OUT/h200_self_check_cost.*
 #   bash scripts/device_run.sh flex-probe # benchmarks/flex_probe.py                  -> $OUT/h200_flex_probe.*
+#   bash scripts/device_run.sh ladder  # benchmarks/ladder.py (LADDER_ARGS, LADDER_DEADLINE), resuming the committed
+#                                      # rungs               -> $OUT/h200_ladder[_fa4].{json,md} (FA4 where installed)
 #   bash scripts/device_run.sh calibrate # benchmarks/calibrate.py (CALIBRATE_ARGS="--pairs 192/128,128/128",
 #                                      # CALIBRATE_PART=name)          -> $OUT/h200_calibration${CALIBRATE_PART:+_name}.*
 #   bash scripts/device_run.sh pytest  # pytest $PYTEST_ARGS, the whole log  -> $OUT/h200_pytest_$TEST_PART.txt
@@ -157,6 +159,11 @@ case "$step" in
     } > "$OUT/h200_pytest${TEST_PART:+_$TEST_PART}.txt"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/h200_pytest${TEST_PART:+_$TEST_PART}.txt" | tail -30 ;;
   flex-probe)
     timeout 200 python3 benchmarks/flex_probe.py --out "$OUT/h200_flex_probe" 2>&1 | grep -E '^\|' ;;
+  ladder)   # benchmarks/ladder.py, resuming results/h200_ladder${LADDER_PART:+_$LADDER_PART}.json where present
+    name=h200_ladder${LADDER_PART:+_$LADDER_PART}$(python3 -c 'import flash_attn.cute' 2>/dev/null && echo _fa4)
+    [ -f "results/$name.json" ] && cp "results/$name.json" "$OUT/"
+    timeout ${LADDER_TIMEOUT:-560} python3 benchmarks/ladder.py --out "$OUT/$name" --deadline ${LADDER_DEADLINE:-420} \
+      ${LADDER_ARGS:-} 2>&1 | grep -v -i warn | tail -30 ;;
   calibrate)
     timeout ${CALIBRATE_TIMEOUT:-540} python3 benchmarks/calibrate.py \
       --out "$OUT/h200_calibration${CALIBRATE_PART:+_$CALIBRATE_PART}" ${CALIBRATE_ARGS:-} \
@@ -258,7 +265,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests suite sweep pytest flex-probe calibrate correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests suite sweep ladder pytest flex-probe calibrate correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

@@ -244,6 +244,21 @@ def test_thd_inference_smoke(tmp_path):
     assert "| row | wall us a call | GPU us a call |" in (tmp_path / "inf.md").read_text()
 
 
+def test_ladder_smoke(tmp_path):
+    out = str(tmp_path / "ladder")
+    args = ("--smoke", "--rounds", "2", "--calls", "2", "--warmup", "1", "--layers", "2", "--out", out)
+    _run("benchmarks/ladder.py", *args, "--only", "B1 S16")
+    report = json.loads((tmp_path / "ladder.json").read_text())
+    assert [e["rung"] for e in report["results"]] == ["bshd B1 S16 24/16 inference", "bshd B1 S16 24/16 training"]
+    _run("benchmarks/ladder.py", *args)  # resumes: the rungs done stay, the rest run
+    report = json.loads((tmp_path / "ladder.json").read_text())
+    assert len(report["results"]) == 6 and report["results"][0]["rung"] == "bshd B1 S16 24/16 inference"
+    stats = report["results"][0]["stats"]
+    assert {"latency", "stack"} == set(stats) and "attnselect default" in stats["latency"]
+    assert "F.sdpa default" in stats["latency"]
+    assert "## Goals" in (tmp_path / "ladder.md").read_text()
+
+
 def test_hot_path_smoke(tmp_path):
     _run("benchmarks/hot_path.py", "--calls", "3", "--repeats", "3", "--out", str(tmp_path / "hot"))
     rows = json.loads((tmp_path / "hot.json").read_text())["cases"][0]["rows"]

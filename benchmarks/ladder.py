@@ -1,0 +1,334 @@
+"""A size ladder run as users run: attnselect's default beside every single-kernel way to make the same calls.
+
+    python benchmarks/ladder.py --out results/h200_ladder             # a GPU; writes .json and .md, resumable
+    python benchmarks/ladder.py --smoke --out /tmp/ladder              # tiny, any device
+
+Rungs (16 query and 16 K/V heads, causal, bf16; d_qk/d_v 192/128 and 128/128; inference and training, a forward and
+``torch.autograd.grad``):
+
+- dense, bshd: B1 S256, S1k, S4k, S8k, S16k, S32k and B8 S1k;
+- packed (thd): 2k, 8k, 16k and 64k tokens a step in documents of lognormal lengths (seeded), a new packing every
+  step, both max_seqlen given.
+
+Each rung is timed two ways: ``latency``, one call then a sync (a call alone waits for host and GPU), and ``stack``,
+a step of ``--layers`` calls then one sync (a stack of layers overlaps the host's work with the GPU's; packed: the
+step's packing is new, its layers share it), per call. Rows: attnselect's default; every candidate explain lists as
+supported, forced (a single-kernel policy: backend= and pad=), except the reference and sdpa_math (unfused
+references, not kernels a user picks for speed); F.scaled_dot_product_attention's default dispatch (dense, on the
+bshd tensors' transposed views, its output transposed back); torch's varlen_attn (packed, V zero-padded to d_qk
+where d_v is smaller); FlashAttention-4's flash_attn_func / flash_attn_varlen_func called directly where installed.
+Rows run interleaved, ``--rounds`` rounds of ``--calls`` timed calls (``stack``: steps) after ``--warmup`` untimed
+ones, in alternating order; the median and quartiles of the per-call ms of every round pooled.
+
+The report checks the goals (issue "Choose by predicted time"): on every rung and way, attnselect's default at
+least 0.97x as fast as the fastest single-kernel row; over the ladder, its geometric mean at least 1.05x as fast
+as each single-kernel policy's (each over the rung-ways the policy serves, with their count); never more than 3%
+slower than F.sdpa's default dispatch where that serves the call natively (the dense rungs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HEADS = 16
+PAIRS = [(192, 128), (128, 128)]
+DENSE = [(1, 256), (1, 1024), (1, 4096), (1, 8192), (1, 16384), (1, 32768), (8, 1024)]
+PACKED = [2048, 8192, 16384, 65536]
+SMOKE = dict(heads=2, pairs=[(24, 16)], dense=[(1, 16), (2, 8)], packed=[48])
+WAYS = ("latency", "stack")
+DEFAULT, SDPA, VARLEN, FA4 = "attnselect default", "F.sdpa default", "torch varlen_attn", "FA4 called directly"
+UNFUSED = ("reference", "sdpa_math")  # references, not kernels a user picks for speed
+
+
+def rungs(smoke: bool) -> list[dict]:
+    pairs, dense, packed = (SMOKE["pairs"], SMOKE["dense"], SMOKE["packed"]) if smoke else (PAIRS, DENSE, PACKED)
+    out = []
+    for phase in ("inference", "training"):
+        for d_qk, d_v in pairs:
+            out += [dict(layout="bshd", batch=b, seqlen=s, d_qk=d_qk, d_v=d_v, phase=phase) for b, s in dense]
+            out += [dict(layout="thd", tokens=t, d_qk=d_qk, d_v=d_v, phase=phase) for t in packed]
+    return out
+
+
+def rung_name(r: dict) -> str:
+    size = f"B{r['batch']} S{r['seqlen']}" if r["layout"] == "bshd" else f"{r['tokens']} tokens, new packing a step"
+    return f"{r['layout']} {size} {r['d_qk']}/{r['d_v']} {r['phase']}"
+
+
+def packing_lengths(tokens: int, seed: int) -> list[int]:
+    """Document lengths filling ``tokens``: lognormal (median about 700 tokens), the last one cut."""
+    rng, lengths = random.Random(seed), []
+    while sum(lengths) < tokens:
+        lengths.append(min(max(int(rng.lognormvariate(6.5, 1.0)), 16), tokens - sum(lengths)))
+    return lengths
+
+
+class Inputs:
+    """A rung's tensors and, packed, its stream of new packings (each a (cu_seqlens, longest) on the device)."""
+
+    def __init__(self, rung: dict, device: str, heads: int, dtype: torch.dtype):
+        self.rung, self.device = rung, device
+        training = rung["phase"] == "training"
+        g = torch.Generator(device=device).manual_seed(0)
+        if rung["layout"] == "bshd":
+            lead = (rung["batch"], rung["seqlen"], heads)
+        else:
+            lead = (rung["tokens"], heads)
+        self.q, self.k, self.v = (
+            torch.randn(*lead, d, device=device, dtype=dtype, generator=g).requires_grad_(training)
+            for d in (rung["d_qk"], rung["d_qk"], rung["d_v"])
+        )
+        self.grad = torch.randn(*lead, rung["d_v"], device=device, dtype=dtype, generator=g) if training else None
+        self.turn = 0
+
+    def packing(self):
+        """The next packing (the same sequence for every row of the rung: rows are timed interleaved)."""
+        self.turn += 1
+        lengths = packing_lengths(self.rung["tokens"], self.turn)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=self.device)
+        return cu, max(lengths)
+
+
+def callers(rung: dict, target, device: str) -> dict:
+    """{row: fn(inputs, packing) -> out} for one rung; packing is (cu_seqlens, longest) or None (dense)."""
+    import attnselect
+    from attnselect import backends
+    from attnselect.choose.candidates import judge
+
+    thd = rung["layout"] == "thd"
+
+    def through_attnselect(**kw):
+        if thd:
+            return lambda x, p: attnselect.attention(
+                x.q, x.k, x.v, layout="thd", cu_seqlens_q=p[0], max_seqlen_q=p[1], max_seqlen_kv=p[1], causal=True,
+                **kw,
+            )  # fmt: skip
+        return lambda x, p: attnselect.attention(x.q, x.k, x.v, causal=True, **kw)
+
+    rows = {DEFAULT: through_attnselect()}
+    for verdict in judge(problem_of(rung, device), target):
+        c = verdict.candidate
+        if not verdict.supported or c.backend in UNFUSED:
+            continue
+        if thd and not backends.get(c.backend).packs_thd(target):
+            continue  # sequence by sequence: not a kernel's speed
+        rows[f"forced {c}"] = through_attnselect(backend=c.backend, pad=c.padded)
+    if not thd:
+        rows[SDPA] = lambda x, p: F.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in (x.q, x.k, x.v)), is_causal=True
+        ).transpose(1, 2)
+    elif device == "cuda":
+        from torch.nn.attention.varlen import varlen_attn
+
+        def varlen(x, p):
+            d_qk, d_v = x.q.shape[-1], x.v.shape[-1]
+            v = F.pad(x.v, (0, d_qk - d_v)) if d_v < d_qk else x.v
+            return varlen_attn(x.q, x.k, v, p[0], p[0], p[1], p[1], window_size=(-1, 0))[..., :d_v]
+
+        rows[VARLEN] = varlen
+    fa4 = _fa4()
+    if fa4 is not None and device == "cuda":
+        dense, varlen_fa4 = fa4
+        if thd:
+            rows[FA4] = lambda x, p: _first(varlen_fa4(x.q, x.k, x.v, cu_seqlens_q=p[0], cu_seqlens_k=p[0],
+                                                       max_seqlen_q=p[1], max_seqlen_k=p[1], causal=True))  # fmt: skip
+        else:
+            rows[FA4] = lambda x, p: _first(dense(x.q, x.k, x.v, causal=True))
+    return rows
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _fa4():
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_func, flash_attn_varlen_func
+
+
+def problem_of(rung: dict, device: str):
+    """The rung's problem as explain sees it (packed: a typical packing's count and longest document)."""
+    import attnselect
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    common = dict(heads_q=HEADS if device == "cuda" else SMOKE["heads"], head_dim_qk=rung["d_qk"],
+                  head_dim_v=rung["d_v"], dtype=dtype, mask="causal", training=rung["phase"] == "training")  # fmt: skip
+    common["heads_kv"] = common["heads_q"]
+    if rung["layout"] == "bshd":
+        return attnselect.AttentionProblem(batch=rung["batch"], seqlen_q=rung["seqlen"], seqlen_kv=rung["seqlen"],
+                                           **common)  # fmt: skip
+    lengths = packing_lengths(rung["tokens"], 1)
+    return attnselect.AttentionProblem(batch=len(lengths), seqlen_q=max(lengths), seqlen_kv=max(lengths),
+                                       layout="thd", **common)  # fmt: skip
+
+
+def _call(fn, x: Inputs, packing):
+    out = fn(x, packing)
+    if x.grad is not None:
+        torch.autograd.grad(out, (x.q, x.k, x.v), x.grad)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_rung(rung: dict, rows: dict, x: Inputs, a) -> dict:
+    """{way: {row: [ms per call of each timed call or step]}}, rows interleaved, in alternating order."""
+    thd = rung["layout"] == "thd"
+    times = {way: {row: [] for row in rows} for way in WAYS}
+    errors = {}
+    with torch.enable_grad() if x.grad is not None else torch.no_grad():
+        for name, fn in rows.items():  # warm-up: choices, compiles, graphs
+            try:
+                for _ in range(a.warmup):
+                    _call(fn, x, x.packing() if thd else None)
+                _sync(a.device)
+            except Exception as exc:  # a row that cannot run the rung is reported, not fatal
+                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        live = {name: fn for name, fn in rows.items() if name not in errors}
+        for r in range(a.rounds):
+            order = list(live.items()) if r % 2 == 0 else list(reversed(live.items()))
+            for name, fn in order:
+                for _ in range(a.calls):  # latency: one call, then a sync
+                    packing = x.packing() if thd else None
+                    _sync(a.device)
+                    start = time.perf_counter()
+                    _call(fn, x, packing)
+                    _sync(a.device)
+                    times["latency"][name].append((time.perf_counter() - start) * 1e3)
+                for _ in range(a.calls):  # stack: a step of layers sharing the step's packing, one sync
+                    _sync(a.device)
+                    start = time.perf_counter()
+                    packing = x.packing() if thd else None
+                    for _ in range(a.layers):
+                        _call(fn, x, packing)
+                    _sync(a.device)
+                    times["stack"][name].append((time.perf_counter() - start) * 1e3 / a.layers)
+    return {"times": times, "errors": errors}
+
+
+def _stats(values: list[float]) -> dict:
+    q1, median, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    return {"median": statistics.median(values), "q1": q1, "q3": q3, "n": len(values)}
+
+
+def goals(results: list[dict]) -> dict:
+    """The three goals over the rungs measured so far (see the module docstring)."""
+    per_row, worst, sdpa = [], None, []
+    policies: dict[str, list[float]] = {}
+    for entry in results:
+        for way, rows in entry["stats"].items():
+            if DEFAULT not in rows:
+                continue
+            ours = rows[DEFAULT]["median"]
+            singles = {name: s["median"] for name, s in rows.items() if name != DEFAULT}
+            if singles:
+                best_name = min(singles, key=singles.get)
+                ratio = singles[best_name] / ours
+                per_row.append({"rung": entry["rung"], "way": way, "best": best_name, "speed": ratio})
+                worst = ratio if worst is None else min(worst, ratio)
+            for name, t in singles.items():
+                if name.startswith("forced "):
+                    policies.setdefault(name.removeprefix("forced "), []).append(t / ours)
+            if SDPA in rows:
+                sdpa.append({"rung": entry["rung"], "way": way, "speed": rows[SDPA]["median"] / ours})
+    geo = {p: {"speed": math.exp(statistics.fmean(map(math.log, r))), "rungs": len(r)} for p, r in policies.items()}
+    return {
+        "against the fastest single-kernel row (goal >= 0.97 everywhere)": {
+            "worst": worst, "met": worst is not None and worst >= 0.97, "rows": per_row},
+        "geometric mean against each single-kernel policy (goal >= 1.05)": {
+            "policies": geo, "met": bool(geo) and all(g["speed"] >= 1.05 for g in geo.values())},
+        "against F.sdpa's default dispatch (goal >= 0.97)": {
+            "worst": min((s["speed"] for s in sdpa), default=None),
+            "met": all(s["speed"] >= 0.97 for s in sdpa), "rows": sdpa},
+    }  # fmt: skip
+
+
+def markdown(report: dict) -> str:
+    lines = ["# Size ladder: attnselect's default beside every single-kernel way\n",
+             f"{report['meta']['device']}, {report['meta']['date']}. Produced by `benchmarks/ladder.py` (method in its "
+             "docstring): per call ms, median (quartiles) of every timed call or step pooled over the rounds; "
+             "`speed` is the row's median over attnselect's default (above 1: the default is faster).\n"]  # fmt: skip
+    g = report["goals"]
+    lines.append("## Goals\n")
+    for name, goal in g.items():
+        lines.append(f"- {name}: {'met' if goal['met'] else '**missed**'}"
+                     + (f", worst {goal['worst']:.3f}" if goal.get("worst") is not None else ""))  # fmt: skip
+        for policy, v in goal.get("policies", {}).items():
+            lines.append(f"  - {policy}: {v['speed']:.3f} over {v['rungs']} rung-ways")
+    for entry in report["results"]:
+        lines += [f"\n## {entry['rung']}\n", f"chosen: {entry['chosen']}\n"]
+        for way, rows in entry["stats"].items():
+            lines += [f"{way}:\n", "| row | ms a call | speed |", "|---|---|---|"]
+            ours = rows.get(DEFAULT, {}).get("median")
+            for name, s in sorted(rows.items(), key=lambda kv: kv[1]["median"]):
+                speed = f"{s['median'] / ours:.3f}" if ours else ""
+                lines.append(f"| {name} | {s['median']:.4f} ({s['q1']:.4f}..{s['q3']:.4f}) | {speed} |")
+            lines.append("")
+        for name, error in entry["errors"].items():
+            lines.append(f"- {name} could not run: {error}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="PREFIX: writes PREFIX.json and PREFIX.md; resumes PREFIX.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny rungs on any device")
+    ap.add_argument("--only", action="append", default=[], help="rungs whose name contains this (repeatable)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=10, help="timed calls (latency) and steps (stack) a row and round")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=8, help="calls a step in the stack way")
+    ap.add_argument("--deadline", type=float, help="seconds from now: no rung starts after it (resume later)")
+    a = ap.parse_args()
+    import attnselect
+
+    a.device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    target = attnselect.Target.current(a.device)
+    started = time.time()
+    path = Path(a.out + ".json")
+    report = json.loads(path.read_text()) if path.exists() else {"results": []}
+    report["meta"] = {"device": target.describe(), "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
+                      "rounds": a.rounds, "calls": a.calls, "warmup": a.warmup, "layers": a.layers}  # fmt: skip
+    done = {entry["rung"] for entry in report["results"]}
+    heads = SMOKE["heads"] if a.smoke else HEADS
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    for rung in rungs(a.smoke):
+        name = rung_name(rung)
+        if name in done or (a.only and not any(o in name for o in a.only)):
+            continue
+        if a.deadline is not None and time.time() - started > a.deadline:
+            print(f"deadline: {name} and later rungs not run (run again to resume)", flush=True)
+            break
+        rows = callers(rung, target, a.device)
+        measured = time_rung(rung, rows, Inputs(rung, a.device, heads, dtype), a)
+        chosen = str(attnselect.select(problem_of(rung, a.device), target=target).chosen)
+        stats = {way: {row: _stats(t) for row, t in by_row.items() if t} for way, by_row in measured["times"].items()}
+        report["results"].append({"rung": name, "chosen": chosen, "stats": stats, "errors": measured["errors"]})
+        report["goals"] = goals(report["results"])
+        path.write_text(json.dumps(report, indent=1))  # after every rung: a later call resumes
+        print(
+            f"{name}: chosen {chosen}; "
+            + ", ".join(f"{way} {stats[way][DEFAULT]['median']:.3f} ms" for way in WAYS if DEFAULT in stats[way]),
+            flush=True,
+        )
+    report["goals"] = goals(report["results"])
+    path.write_text(json.dumps(report, indent=1))
+    Path(a.out + ".md").write_text(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
