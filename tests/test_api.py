@@ -283,6 +283,26 @@ def test_a_packed_call_keys_the_fast_path_only_where_its_problem_follows_from_th
 
 
 @pytest.mark.gpu
+def test_a_new_packing_of_other_sizes_skips_validation_and_gives_the_slow_path_s_result(monkeypatch):
+    from attnselect import api
+
+    cu = torch.tensor([0, 3, 103, 103, 160], dtype=torch.int32, device="cuda")
+    q, k = (torch.randn(160, 8, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(160, 8, 128, device="cuda", dtype=torch.bfloat16)
+    kwargs = dict(layout="thd", cu_seqlens_q=cu, max_seqlen_q=100, max_seqlen_kv=100, causal=True)
+    attnselect.clear_cache()
+    attnselect.attention(q, k, v, **kwargs)
+    other = dict(kwargs, cu_seqlens_q=torch.tensor([0, 60, 100, 160], dtype=torch.int32, device="cuda"),
+                 max_seqlen_q=60, max_seqlen_kv=60)  # fmt: skip
+    with monkeypatch.context() as m:
+        m.setattr(api, "describe_call", lambda *a, **kw: pytest.fail("validated again"))
+        fast = attnselect.attention(q, k, v, **other)
+    slow = attnselect.attention(q, k, v, **other, cu_seqlens_kv=other["cu_seqlens_q"].clone())  # read: slow path
+    assert torch.equal(fast, slow)
+    assert [c.problem.batch for c in dispatch.known_calls()] == [4, 3, 3]
+
+
+@pytest.mark.gpu
 def test_a_repeated_packed_call_takes_the_fast_path_with_the_same_result():
     cu = torch.tensor([0, 3, 103, 103, 160], dtype=torch.int32, device="cuda")
     q, k = (torch.randn(160, 8, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -269,3 +269,49 @@ def test_a_check_that_raises_leaves_the_call_to_the_slow_path(monkeypatch):
     monkeypatch.setattr(dispatch, "stream_capturing", broken)
     assert _recall(q, k, v) is None
     assert torch.equal(attnselect.attention(q, k, v), first)
+
+
+def _packed(count=2, longest=7, heads=(4, 2), dims=(24, 16), tokens=12, **options):
+    """(q, k, v, CallOptions) of a packed self-attention call on meta tensors (no boundary is read)."""
+    q, k = (torch.empty(tokens, h, dims[0], device="meta") for h in heads)
+    v = torch.empty(tokens, heads[1], dims[1], device="meta")
+    cu = torch.empty(count + 1, dtype=torch.int32, device="meta")
+    options = CallOptions("thd", **{"causal": True, "max_seqlen_q": longest, "max_seqlen_kv": longest, **options},
+                          cu_seqlens_q=cu)  # fmt: skip
+    return q, k, v, options
+
+
+def test_a_packed_call_known_but_for_its_packing_s_sizes_has_that_call_as_its_sibling():
+    first = dispatch.recall(*_packed())
+    assert type(first) is Unknown and first.sibling is None
+    known = KnownCall(None, None, None, None, False, None)
+    first.remember(known)
+    again = dispatch.recall(*_packed(count=5, longest=9))  # a new packing: other sizes, the rest alike
+    assert type(again) is Unknown and again.sibling is known
+    assert dispatch.recall(*_packed(tokens=13)).sibling is None  # other tensors
+    assert dispatch.recall(*_packed(count=5, causal=False)).sibling is None  # other options
+    assert dispatch.recall(*_packed(count=5, return_lse=True)).sibling is None
+    attnselect.clear_cache()
+    assert dispatch.recall(*_packed(count=5)).sibling is None
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"causal": "bottom_right"}, {"causal": False, "window": (5, 3)}, {"causal": True, "window": (4, 0)},
+     {"softcap": 30.0, "return_lse": True}, {"dropout_p": 0.1}, {"causal": False}],
+)  # fmt: skip
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_sibling_s_problem_at_other_sizes_is_the_one_validation_describes(options, grad):
+    from attnselect.spec.problem import describe_call
+
+    with torch.set_grad_enabled(grad):
+        q, k, v, first = _packed(**options)
+        for t in (q, k, v):
+            t.requires_grad_(grad)
+        problem, _ = describe_call(q, k, v, first)
+        for count, longest in ((5, 9), (0, 0), (11, 1), (1, 12)):
+            *_, later = _packed(count=count, longest=longest, **options)
+            expected, _ = describe_call(q, k, v, later)
+            derived = problem._with(batch=count, seqlen_q=longest, seqlen_kv=longest)
+            assert derived == expected and derived.signature == expected.signature
+            assert derived.describe() == expected.describe()

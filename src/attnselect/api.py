@@ -115,7 +115,20 @@ def attention(
     packing, checking, collective = None, False, False
     if type(known) is not KnownCall:  # else the same shapes, dtypes, devices and options were validated and decided
         unknown, options = known, CallOptions._make(options)
-        problem, packing = describe_call(q, k, v, options)
+        if (
+            unknown is not None
+            and unknown.sibling is not None
+            and cu_seqlens_q.numel()
+            and max_seqlen_q >= 0
+            and max_seqlen_kv >= 0
+        ):
+            # a packed call known but for its packing's sizes (attnselect.dispatch): its problem at these sizes
+            problem = unknown.sibling.problem._with(
+                batch=cu_seqlens_q.numel() - 1, seqlen_q=max_seqlen_q, seqlen_kv=max_seqlen_kv
+            )
+            packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
+        else:
+            problem, packing = describe_call(q, k, v, options)
         target = target_for_device(q.device)
         decision = (
             select(problem, target=target, backend=backend, pad=pad, disable=disable)

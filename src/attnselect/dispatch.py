@@ -63,13 +63,20 @@ class _Entry(NamedTuple):
 
 
 class Unknown(NamedTuple):
-    """A call not decided before: :meth:`remember` keeps its decision, unless the memo was cleared meanwhile."""
+    """A call not decided before: :meth:`remember` keeps its decision, unless the memo was cleared meanwhile.
+
+    ``sibling``: for a packed call, a known one that differs from it only in its packing's sizes (the number of
+    sequences and both max_seqlen): the same tensors, options and state, validated then. The call's problem is
+    the sibling's at the new sizes (:meth:`AttentionProblem._with`), without validating q, k and v again: a
+    training loop's packing changes every step."""
 
     state: tuple
     tensors: tuple
     capturing: bool | None
     key: tuple
     generation: int  # caches.generation() when the call was looked up
+    sibling_key: tuple | None = None
+    sibling: KnownCall | None = None
 
     def remember(self, known: KnownCall) -> None:
         guard = None
@@ -83,18 +90,28 @@ class Unknown(NamedTuple):
         _CALLS[self.key] = entry
         if len(_CALLS) > MEMO_SIZE:
             _CALLS.popitem(last=False)
+        if self.sibling_key is not None:
+            _SIBLINGS[self.sibling_key] = known
+            _SIBLINGS.move_to_end(self.sibling_key)
+            if len(_SIBLINGS) > MEMO_SIZE:
+                _SIBLINGS.popitem(last=False)
         _make_recent(entry)
         if generation() != self.generation:  # cleared while deciding: the decision may rest on what it forgot
             _CALLS.pop(self.key, None)
+            if self.sibling_key is not None:
+                _SIBLINGS.pop(self.sibling_key, None)
             _set_recent([recent for recent in _RECENT if recent is not entry])
 
 
 _CALLS: OrderedDict[tuple, _Entry] = OrderedDict()
 _RECENT: list[_Entry] = []
+# Packed calls by their key without their packing's sizes: the last one decided (Unknown.sibling).
+_SIBLINGS: OrderedDict[tuple, KnownCall] = OrderedDict()
 
 
 def _clear() -> None:
     _CALLS.clear()
+    _SIBLINGS.clear()
     _set_recent([])
 
 
@@ -212,6 +229,11 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
     except Exception:  # not tensors, an unhashable or incomparable option...: the slow path validates and names it
         return None
     if entry is None:
-        return Unknown(state, tensors, capturing, key, generation())
+        if cu_q is None:
+            return Unknown(state, tensors, capturing, key, generation())
+        # the key without the sizes of the packing: max_seqlen_q/_kv in the state, the boundaries' length
+        sibling_key = (state[:5] + state[7:], *key[1:4], tuple(t.shape if t is not cu_q else None for t in tensors),
+                       *key[5:])  # fmt: skip
+        return Unknown(state, tensors, capturing, key, generation(), sibling_key, _SIBLINGS.get(sibling_key))
     _make_recent(entry)
     return entry.known

@@ -103,7 +103,9 @@ def grid_for(arch: str) -> dict | None:
         ):  # fmt: skip
             raise ValueError("its failed signatures are not [backend, pad_to, signature, finding] lists")
         data["covered"] = frozenset(_signature_key(*entry) for entry in data["covered"])
-        data["failed"] = {_signature_key(*f[:3]): f for f in failed}
+        data["failed"] = {}  # problem signature (as AttentionProblem.signature holds it) -> {backend: finding}
+        for backend, _, signature, finding in failed:
+            data["failed"].setdefault(_as_tuples(signature), {}).setdefault(backend, finding)
         return data
     except (ValueError, TypeError, AttributeError) as exc:
         log.warning("attnselect: ignoring the correctness summary %s (%s)", name, exc)
@@ -161,12 +163,20 @@ def known_failures(problem: AttentionProblem, target: Target, version_of) -> dic
     grid = grid_for(target.arch) if target.is_cuda else None
     if not grid or not grid.get("failed") or grid.get("fingerprint") != base_fingerprint(target):
         return {}
-    signature = json.loads(json.dumps(problem.signature))  # as the file holds it: lists
+    found = grid["failed"].get(problem.signature)
+    if not found:
+        return {}
+    packages = grid.get("packages", {})
     return {
         backend: finding
-        for backend, _, failed, finding in grid["failed"].values()
-        if failed == signature and grid.get("packages", {}).get(backend, "unknown") == version_of(backend)
+        for backend, finding in found.items()
+        if packages.get(backend, "unknown") == version_of(backend)
     }
+
+
+def _as_tuples(value):
+    """A JSON list, nested lists included, as the tuples it was written from."""
+    return tuple(map(_as_tuples, value)) if isinstance(value, list) else value
 
 
 def _pad(value) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 
 import torch
@@ -91,7 +90,7 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     cleared = generation()
     try:
         key = (
-            dataclasses.replace(problem, batch=0, seqlen_q=0, seqlen_kv=0),
+            problem._with(batch=0, seqlen_q=0, seqlen_kv=0),
             target,
             backend,
             pad,

@@ -76,50 +76,55 @@ class AttentionProblem:
     varlen_gaps: bool = False
 
     def __post_init__(self) -> None:
+        # Each check builds its message only when it fails: this runs for every new problem (a packed loop makes
+        # one a step).
         for name in ("batch", "seqlen_q", "seqlen_kv"):
-            require(
-                is_integer(getattr(self, name)) and getattr(self, name) >= 0,
-                name,
-                repr(getattr(self, name)),
-                "an integer >= 0",
-            )
+            value = getattr(self, name)
+            if not (is_integer(value) and value >= 0):
+                require(False, name, repr(value), "an integer >= 0")
         for name in ("heads_q", "heads_kv", "head_dim_qk", "head_dim_v", "context_parallel_size"):
+            value = getattr(self, name)
+            if not (is_integer(value) and value >= 1):
+                require(False, name, repr(value), "an integer >= 1")
+        if self.heads_q % self.heads_kv:
             require(
-                is_integer(getattr(self, name)) and getattr(self, name) >= 1,
-                name,
-                repr(getattr(self, name)),
-                "an integer >= 1",
+                False, "heads_q", f"{self.heads_q} with heads_kv={self.heads_kv}", "a multiple of heads_kv (GQA/MQA)"
             )
-        require(
-            self.heads_q % self.heads_kv == 0,
-            "heads_q",
-            f"{self.heads_q} with heads_kv={self.heads_kv}",
-            "a multiple of heads_kv (GQA/MQA)",
-        )
-        require(self.dtype in DTYPES, "dtype", repr(self.dtype), DTYPE_CHOICES)
-        require(self.layout in LAYOUTS, "layout", repr(self.layout), f"one of {LAYOUTS}")
-        require(self.mask in MASKS, "mask", repr(self.mask), f"one of {MASKS}")
+        if self.dtype not in DTYPES:
+            require(False, "dtype", repr(self.dtype), DTYPE_CHOICES)
+        if self.layout not in LAYOUTS:
+            require(False, "layout", repr(self.layout), f"one of {LAYOUTS}")
+        if self.mask not in MASKS:
+            require(False, "mask", repr(self.mask), f"one of {MASKS}")
         if self.mask == "sliding_window_top_left" and self.square:  # the anchors coincide: one mask, one name
             object.__setattr__(self, "mask", "sliding_window")
         if self.mask in ("sliding_window", "sliding_window_top_left"):
             w = self.window
-            require(
-                isinstance(w, tuple) and len(w) == 2 and all(is_integer(x) and x >= -1 for x in w),
-                "window",
-                repr(w),
-                "a (left, right) pair of integers >= -1 (-1 = unbounded)",
-            )
-        else:
-            require(self.window is None, "window", repr(self.window), "None unless mask is a sliding window")
-        require(
-            isinstance(self.dropout_p, float) and 0.0 <= self.dropout_p < 1.0,
-            "dropout_p",
-            repr(self.dropout_p),
-            "a float in [0, 1)",
-        )
-        for f in dataclasses.fields(self):
-            if f.type in ("bool", bool):
-                require(isinstance(getattr(self, f.name), bool), f.name, repr(getattr(self, f.name)), "True or False")
+            if not (isinstance(w, tuple) and len(w) == 2 and all(is_integer(x) and x >= -1 for x in w)):
+                require(False, "window", repr(w), "a (left, right) pair of integers >= -1 (-1 = unbounded)")
+        elif self.window is not None:
+            require(False, "window", repr(self.window), "None unless mask is a sliding window")
+        if not (isinstance(self.dropout_p, float) and 0.0 <= self.dropout_p < 1.0):
+            require(False, "dropout_p", repr(self.dropout_p), "a float in [0, 1)")
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                require(False, name, repr(getattr(self, name)), "True or False")
+
+    def _with(self, **changes) -> AttentionProblem:
+        """This problem with ``changes`` to fields that do not enter another field's check or normalisation (sizes of
+        a packed problem, head dims), each checked alone: a copy without __post_init__'s other checks, which this
+        problem passed. Other changes take :func:`dataclasses.replace`."""
+        if not changes.keys() <= _CHECKED_ALONE or (self.layout != "thd" and not changes.keys() <= _HEAD_DIMS):
+            return dataclasses.replace(self, **changes)
+        for name, value in changes.items():
+            low = 1 if name in _HEAD_DIMS else 0
+            if not (is_integer(value) and value >= low):
+                require(False, name, repr(value), f"an integer >= {low}")
+        copy = object.__new__(AttentionProblem)
+        fields = {name: self.__dict__[name] for name in _FIELDS}  # not the cached derived values (signature)
+        fields.update(changes)
+        copy.__dict__.update(fields)
+        return copy
 
     @classmethod
     def from_tensors(
@@ -253,7 +258,7 @@ class AttentionProblem:
             head_dim,
             f"an integer >= max(head_dim_qk, head_dim_v) = {max(self.head_dim_qk, self.head_dim_v)}",
         )
-        return dataclasses.replace(self, head_dim_qk=head_dim, head_dim_v=head_dim)
+        return self._with(head_dim_qk=head_dim, head_dim_v=head_dim)
 
     def describe(self) -> str:
         mask = self.mask if self.window is None else f"{self.mask}{self.window}"
@@ -303,6 +308,13 @@ class AttentionProblem:
                          f.default is dataclasses.MISSING)  # fmt: skip
         require(not missing, "problem", f"no {missing}", "every required field of AttentionProblem")
         return cls(**fields)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionProblem))
+_FLAGS = tuple(f.name for f in dataclasses.fields(AttentionProblem) if f.type in ("bool", bool))
+_HEAD_DIMS = frozenset({"head_dim_qk", "head_dim_v"})
+# Sizes that no other field's check reads on a packed problem (its squareness is a varlen fact), and head dims.
+_CHECKED_ALONE = frozenset({"batch", "seqlen_q", "seqlen_kv"}) | _HEAD_DIMS
 
 
 def describe_call(
