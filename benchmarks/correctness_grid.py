@@ -392,11 +392,16 @@ EARLIER = "results/h200_rules_grid.jsonl"  # the rules grid of 2026-12-01 (same 
 SWEEPS = ("results/h200_peer_sweep.jsonl", "results/h200_peer_sweep_fa4.jsonl")
 
 
-def summary(records: list[dict], meta: dict, earlier: list[dict] = (), sweeps: list[tuple] = ()) -> dict:
+def summary(
+    records: list[dict], meta: dict, earlier: list[dict] = (), sweeps: list[tuple] = (), shipped: dict | None = None
+) -> dict:
     """The package data: young kernels' results per allowlist key (and per K/V grouping within it), the
     signatures every process passed, and the (candidate, signature) pairs that failed in a peer sweep.
 
-    ``sweeps``: (file, record) of the peer sweeps' records (:data:`SWEEPS`).
+    ``sweeps``: (file, record) of the peer sweeps' records (:data:`SWEEPS`); a record that raised for the machine
+    (out of memory: choose.failures.is_transient) is not a failure of the kernel. ``shipped``: the package data written
+    before: its failures stay while the fingerprint and packages are the same (a sweep run with them shipped
+    chooses another kernel there, so it does not find them again).
     ``earlier``: rows of the rules grid (benchmarks/rules_grid.py, relative error within 2e-2, one process), counted
     for the allowlist where today's static surface serves the candidate (it ran them all, served or not)."""
     from attnselect import backends
@@ -440,9 +445,12 @@ def summary(records: list[dict], meta: dict, earlier: list[dict] = (), sweeps: l
         else:
             os.environ["ATTNSELECT_ALLOWLIST"] = saved
     covered = [json.loads(s) for s, ok in sorted(by_signature.items()) if ok]
+    same = shipped and shipped.get("fingerprint") == meta["fingerprint"] and shipped.get("packages") == meta["packages"]
+    kept = {json.dumps(f[:3]): f[3] for f in shipped.get("failed", [])} if same else {}
     failed = {}
     for source, record in sweeps:
-        if record["status"] in ("wrong", "raised") and "signature" in record:
+        machine = record["status"] == "raised" and _transient(record.get("error"))
+        if record["status"] in ("wrong", "raised") and "signature" in record and not machine:
             candidate = record["candidate"]
             key = json.dumps([candidate["backend"], candidate["pad_to"], record["signature"]])
             failed.setdefault(key, f"{record['status']} in {source}: {record['case']}: {record['error']}"[:300])
@@ -456,7 +464,7 @@ def summary(records: list[dict], meta: dict, earlier: list[dict] = (), sweeps: l
         "packages": meta["packages"],
         "kernels": kernels,
         "covered": covered,
-        "failed": [[*json.loads(key), finding] for key, finding in sorted(failed.items())],
+        "failed": [[*json.loads(key), finding] for key, finding in sorted({**kept, **failed}.items())],
     }
 
 
@@ -553,7 +561,9 @@ def main() -> None:
         earlier = [json.loads(line) for line in open(os.path.join(root, EARLIER))] if a.earlier else []
         sweeps = [(path, json.loads(line)) for path in SWEEPS if os.path.exists(os.path.join(root, path))
                   for line in open(os.path.join(root, path))]  # fmt: skip
-        json.dump(summary(records, meta, earlier, sweeps), open(data, "w"), indent=None, separators=(",", ":"))
+        shipped = json.load(open(data)) if os.path.exists(data) else None
+        summary_data = summary(records, meta, earlier, sweeps, shipped)
+        json.dump(summary_data, open(data, "w"), indent=None, separators=(",", ":"))
         print(f"{len(records)} results -> results/{a.name}.md and {os.path.relpath(data, root)}")
         return
     if a.worker is not None:

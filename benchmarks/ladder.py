@@ -17,8 +17,9 @@ supported, forced (a single-kernel policy: backend= and pad=), except the refere
 references, not kernels a user picks for speed); F.scaled_dot_product_attention's default dispatch (dense, on the
 bshd tensors' transposed views, its output transposed back); torch's varlen_attn (packed, V zero-padded to d_qk
 where d_v is smaller); FlashAttention-4's flash_attn_func / flash_attn_varlen_func called directly where installed.
-Rows run interleaved, ``--rounds`` rounds of ``--calls`` timed calls (``stack``: steps) after ``--warmup`` untimed
-ones, in alternating order; the median and quartiles of the per-call ms of every round pooled.
+Each row goes through the same packings (made before its clock starts). Rows run interleaved, ``--rounds`` rounds of
+``--calls`` timed calls (``stack``: steps) after ``--warmup`` untimed ones, in alternating order; the median and
+quartiles of the per-call ms of every round pooled.
 
 The report checks the goals (issue "Choose by predicted time"): on every rung and way, attnselect's default at
 least 0.97x as fast as the fastest single-kernel row; over the ladder, its geometric mean at least 1.05x as fast
@@ -88,17 +89,33 @@ class Inputs:
             for d in (rung["d_qk"], rung["d_qk"], rung["d_v"])
         )
         self.grad = torch.randn(*lead, rung["d_v"], device=device, dtype=dtype, generator=g) if training else None
-        self.turn = 0
+        self.turns: dict[str, int] = {}
 
-    def packing(self):
-        """The next packing (the same sequence for every row of the rung: rows are timed interleaved)."""
-        self.turn += 1
-        lengths = packing_lengths(self.rung["tokens"], self.turn)
+    def packing(self, row: str):
+        """The row's next packing: every row goes through the same sequence of packings, whatever the order rows
+        run in; None for a dense rung."""
+        if self.rung["layout"] != "thd":
+            return None
+        turn = self.turns[row] = self.turns.get(row, 0) + 1
+        return self.packing_at(turn)
+
+    def packing_at(self, turn: int):
+        lengths = packing_lengths(self.rung["tokens"], turn)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=self.device)
         return cu, max(lengths)
 
+    def problem(self):
+        """The problem of the rung's calls as attention() describes them (packed: on the first packing)."""
+        import attnselect
 
-def callers(rung: dict, target, device: str) -> dict:
+        if self.rung["layout"] != "thd":
+            return attnselect.AttentionProblem.from_tensors(self.q, self.k, self.v, causal=True)
+        cu, longest = self.packing_at(1)
+        packed = dict(layout="thd", cu_seqlens_q=cu, max_seqlen_q=longest, max_seqlen_kv=longest, causal=True)
+        return attnselect.AttentionProblem.from_tensors(self.q, self.k, self.v, **packed)
+
+
+def callers(rung: dict, problem, target, device: str) -> dict:
     """{row: fn(inputs, packing) -> out} for one rung; packing is (cu_seqlens, longest) or None (dense)."""
     import attnselect
     from attnselect import backends
@@ -115,7 +132,7 @@ def callers(rung: dict, target, device: str) -> dict:
         return lambda x, p: attnselect.attention(x.q, x.k, x.v, causal=True, **kw)
 
     rows = {DEFAULT: through_attnselect()}
-    for verdict in judge(problem_of(rung, device), target):
+    for verdict in judge(problem, target):
         c = verdict.candidate
         if not verdict.supported or c.backend in UNFUSED:
             continue
@@ -158,22 +175,6 @@ def _fa4():
     return flash_attn_func, flash_attn_varlen_func
 
 
-def problem_of(rung: dict, device: str):
-    """The rung's problem as explain sees it (packed: a typical packing's count and longest document)."""
-    import attnselect
-
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    common = dict(heads_q=HEADS if device == "cuda" else SMOKE["heads"], head_dim_qk=rung["d_qk"],
-                  head_dim_v=rung["d_v"], dtype=dtype, mask="causal", training=rung["phase"] == "training")  # fmt: skip
-    common["heads_kv"] = common["heads_q"]
-    if rung["layout"] == "bshd":
-        return attnselect.AttentionProblem(batch=rung["batch"], seqlen_q=rung["seqlen"], seqlen_kv=rung["seqlen"],
-                                           **common)  # fmt: skip
-    lengths = packing_lengths(rung["tokens"], 1)
-    return attnselect.AttentionProblem(batch=len(lengths), seqlen_q=max(lengths), seqlen_kv=max(lengths),
-                                       layout="thd", **common)  # fmt: skip
-
-
 def _call(fn, x: Inputs, packing):
     out = fn(x, packing)
     if x.grad is not None:
@@ -187,36 +188,43 @@ def _sync(device: str) -> None:
 
 def time_rung(rung: dict, rows: dict, x: Inputs, a) -> dict:
     """{way: {row: [ms per call of each timed call or step]}}, rows interleaved, in alternating order."""
-    thd = rung["layout"] == "thd"
     times = {way: {row: [] for row in rows} for way in WAYS}
     errors = {}
+
+    def failed(name, exc):  # a row that cannot run the rung is reported, not fatal; its timings are dropped
+        errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        for way in WAYS:
+            times[way][name] = []
+
     with torch.enable_grad() if x.grad is not None else torch.no_grad():
         for name, fn in rows.items():  # warm-up: choices, compiles, graphs
             try:
                 for _ in range(a.warmup):
-                    _call(fn, x, x.packing() if thd else None)
+                    _call(fn, x, x.packing(name))
                 _sync(a.device)
-            except Exception as exc:  # a row that cannot run the rung is reported, not fatal
-                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-        live = {name: fn for name, fn in rows.items() if name not in errors}
+            except Exception as exc:
+                failed(name, exc)
         for r in range(a.rounds):
-            order = list(live.items()) if r % 2 == 0 else list(reversed(live.items()))
-            for name, fn in order:
-                for _ in range(a.calls):  # latency: one call, then a sync
-                    packing = x.packing() if thd else None
-                    _sync(a.device)
-                    start = time.perf_counter()
-                    _call(fn, x, packing)
-                    _sync(a.device)
-                    times["latency"][name].append((time.perf_counter() - start) * 1e3)
-                for _ in range(a.calls):  # stack: a step of layers sharing the step's packing, one sync
-                    _sync(a.device)
-                    start = time.perf_counter()
-                    packing = x.packing() if thd else None
-                    for _ in range(a.layers):
+            live = [(name, fn) for name, fn in rows.items() if name not in errors]
+            for name, fn in live if r % 2 == 0 else reversed(live):
+                try:
+                    for _ in range(a.calls):  # latency: one call, then a sync
+                        packing = x.packing(name)  # made before the clock starts (a data loader's work)
+                        _sync(a.device)
+                        start = time.perf_counter()
                         _call(fn, x, packing)
-                    _sync(a.device)
-                    times["stack"][name].append((time.perf_counter() - start) * 1e3 / a.layers)
+                        _sync(a.device)
+                        times["latency"][name].append((time.perf_counter() - start) * 1e3)
+                    for _ in range(a.calls):  # stack: a step of layers sharing the step's packing, one sync
+                        packing = x.packing(name)
+                        _sync(a.device)
+                        start = time.perf_counter()
+                        for _ in range(a.layers):
+                            _call(fn, x, packing)
+                        _sync(a.device)
+                        times["stack"][name].append((time.perf_counter() - start) * 1e3 / a.layers)
+                except Exception as exc:
+                    failed(name, exc)
     return {"times": times, "errors": errors}
 
 
@@ -313,9 +321,12 @@ def main() -> None:
         if a.deadline is not None and time.time() - started > a.deadline:
             print(f"deadline: {name} and later rungs not run (run again to resume)", flush=True)
             break
-        rows = callers(rung, target, a.device)
-        measured = time_rung(rung, rows, Inputs(rung, a.device, heads, dtype), a)
-        chosen = str(attnselect.select(problem_of(rung, a.device), target=target).chosen)
+        inputs = Inputs(rung, a.device, heads, dtype)
+        with torch.enable_grad() if inputs.grad is not None else torch.no_grad():
+            problem = inputs.problem()
+        rows = callers(rung, problem, target, a.device)
+        measured = time_rung(rung, rows, inputs, a)
+        chosen = str(attnselect.select(problem, target=target).chosen)
         stats = {way: {row: _stats(t) for row, t in by_row.items() if t} for way, by_row in measured["times"].items()}
         report["results"].append({"rung": name, "chosen": chosen, "stats": stats, "errors": measured["errors"]})
         report["goals"] = goals(report["results"])

@@ -988,7 +988,7 @@ FAILED = ("wrong", "raised")  # the statuses whose records name a failure of the
 
 def add_signatures(path: str) -> None:
     """Give each failed record of ``path`` that lacks them its problem signature and chosen candidate, rebuilding
-    its case at the peers' own sizes on the CPU (a problem does not depend on the device)."""
+    its case at the peers' own sizes, its problem described as on the GPU."""
     import attnselect
 
     records = [json.loads(line) for line in open(path)]
@@ -999,7 +999,17 @@ def add_signatures(path: str) -> None:
         case = cases[(record["family"], record["case"])]
         q, k, v, _, kwargs, _ = build(case, "cpu", record.get("return_lse") in (True, "True"))
         with torch.enable_grad() if case.training else torch.no_grad():
-            problem = attnselect.AttentionProblem.from_tensors(q, k, v, **kwargs)
+            # as on the GPU: its boundaries are not read where both max_seqlen are given (meta tensors cannot be
+            # read either); where they are read, the CPU's problem is the GPU's
+            to_meta = lambda x: (
+                x.detach().to("meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+            )  # noqa: E731
+            try:
+                problem = attnselect.AttentionProblem.from_tensors(
+                    *map(to_meta, (q, k, v)), **{name: to_meta(value) for name, value in kwargs.items()}
+                )
+            except NotImplementedError:  # a read of the boundaries: the values decide, as on the CPU
+                problem = attnselect.AttentionProblem.from_tensors(q, k, v, **kwargs)
         backend, _, pad = record["chosen"].partition(" padded to ")
         record.update(
             signature=json.loads(json.dumps(problem.signature)),

@@ -60,7 +60,7 @@
 #   kept about 30 s after a call), each under the 64 MiB carry beside the ~13 MB tree: carry .fa4-stage1 and run
 #   `fa4-stage1` (its files go to /tmp), carry .fa4-stage2 and run `fa4-stage2`, then carry .fa4-stage3 and
 #   .whl-core and run `fa4-stage3 STEP...`, which joins the parts and installs FA4 for the steps after it:
-#   bash scripts/device_run.sh fa4-tests    # tests/backends/test_flash_attn4_gpu.py and every FA4 case of the GPU tests
+#   bash scripts/device_run.sh fa4-tests    # tests/backends/test_flash_attn4.py and every FA4 case of the GPU tests
 #   bash scripts/device_run.sh fa4-loop     # the training loop's FA4 rows (forced, direct) beside the default and torch's
 #   bash scripts/device_run.sh fa4-compile  # benchmarks/fa4_compile_cost.py           -> $OUT/h200_fa4_compile.*
 #   bash scripts/device_run.sh fa4-grid     # the rules grid's FA4 section (FA4 rows only) -> $OUT/h200_rules_grid.jsonl

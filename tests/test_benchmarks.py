@@ -176,6 +176,28 @@ def test_training_loop_smoke(tmp_path):
     assert report["goals"][0]["distribution"] == "smoke" and "## Goals" in (tmp_path / "loop.md").read_text()
 
 
+def test_the_grid_summary_ships_the_sweeps_kernel_failures_and_keeps_those_shipped_on_the_same_stack():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import correctness_grid as grid
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    meta = {"device": "d", "arch": "sm90", "date": "x", "fingerprint": {"torch": "1"}, "packages": {"flex": None}}
+    sig = [64, 64, 1, "none", "thd", "float16", "training", 4, []]
+
+    def record(status, backend, error):
+        return {"status": status, "signature": sig, "candidate": {"backend": backend, "pad_to": None}, "case": "c",
+                "error": error}  # fmt: skip
+
+    sweeps = [("s.jsonl", record("wrong", "flex", "dq wrong")), ("s.jsonl", record("ok", "sdpa_flash", None)),
+              ("s.jsonl", record("raised", "cudnn_frontend", "CUDA out of memory. Tried to allocate"))]  # fmt: skip
+    data = grid.summary([], meta, sweeps=sweeps)
+    assert [(backend, finding[:19]) for backend, _, _, finding in data["failed"]] == [("flex", "wrong in s.jsonl: c")]
+    shipped = dict(data, failed=[["varlen_fa2", None, sig, "raised in s.jsonl: c: earlier"]])
+    assert grid.summary([], meta, shipped=shipped)["failed"] == shipped["failed"]  # a later sweep chose another
+    assert grid.summary([], dict(meta, packages={"flex": "2"}), shipped=shipped)["failed"] == []  # other versions
+
+
 def test_training_loop_packings_fill_every_step_and_repeat_by_seed():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:

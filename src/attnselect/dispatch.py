@@ -91,8 +91,8 @@ class Unknown(NamedTuple):
         if len(_CALLS) > MEMO_SIZE:
             _CALLS.popitem(last=False)
         if self.sibling_key is not None:
+            _SIBLINGS.pop(self.sibling_key, None)  # then set: the newest last (no second lookup a clear could fail)
             _SIBLINGS[self.sibling_key] = known
-            _SIBLINGS.move_to_end(self.sibling_key)
             if len(_SIBLINGS) > MEMO_SIZE:
                 _SIBLINGS.popitem(last=False)
         _make_recent(entry)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -101,6 +102,8 @@ def test_a_signature_a_peer_sweep_failed_is_refused_there_as_a_failure(grid):
     assert decision.chosen.backend != "flex"
     assert finding in decision.report(show_all=True)
     assert _failed(_problem(training=True, dtype=torch.float16), H200) == {}  # another signature
+    for inside in ("cuda_graph_capture", "compiled_graph"):  # failed eagerly: refused under capture and compile too
+        assert _failed(dataclasses.replace(problem, **{inside: True}), H200) == _failed(problem, H200)
     assert _failed(problem, Target.preset("h200", torch_version="2.12.0")) == {}  # other versions: not known
     assert _failed(problem, Target.preset("b200")) == {}
 

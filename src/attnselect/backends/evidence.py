@@ -20,6 +20,7 @@ self-check still runs).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -163,6 +164,8 @@ def known_failures(problem: AttentionProblem, target: Target, version_of) -> dic
     grid = grid_for(target.arch) if target.is_cuda else None
     if not grid or not grid.get("failed") or grid.get("fingerprint") != base_fingerprint(target):
         return {}
+    if problem.cuda_graph_capture or problem.compiled_graph:  # failed eagerly: refused under capture and compile too
+        problem = dataclasses.replace(problem, cuda_graph_capture=False, compiled_graph=False)
     found = grid["failed"].get(problem.signature)
     if not found:
         return {}

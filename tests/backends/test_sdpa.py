@@ -1,0 +1,116 @@
+"""The SDPA backends' shared mechanism (attnselect.backends._sdpa): forcing one kernel, prepared runners."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnselect
+from attnselect import backends
+from helpers import dense_inputs, rel_err
+
+
+def test_only_kernel_switches_one_sdpa_kernel_on_for_a_call_and_restores_every_switch():
+    from torch.nn.attention import SDPBackend
+
+    from attnselect.backends._sdpa import _SWITCHES, only_kernel
+
+    before = [enabled() for _, enabled, _ in _SWITCHES]
+    torch.backends.cuda.enable_math_sdp(False)  # a caller's own setting survives too
+    try:
+        with only_kernel(SDPBackend.MATH):
+            assert [enabled() for _, enabled, _ in _SWITCHES] == [k == SDPBackend.MATH for k, _, _ in _SWITCHES]
+        assert not torch.backends.cuda.math_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_math_sdp(True)
+    assert [enabled() for _, enabled, _ in _SWITCHES] == before
+
+
+def test_a_repeated_sdpa_runner_forces_its_kernel_only_where_torchs_dispatch_would_not_reach_it(monkeypatch):
+    from torch.nn.attention import SDPBackend
+
+    from attnselect.backends import _sdpa
+    from attnselect.execution import kernel_call
+
+    forced, asked = [], []
+    enter, choice = _sdpa.only_kernel.__enter__, torch._fused_sdp_choice
+    monkeypatch.setattr(_sdpa.only_kernel, "__enter__", lambda self: forced.append(self.kernel) or enter(self))
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **kw: asked.append(1) or choice(*a, **kw))
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))  # bhsd, float32: torch's CPU dispatch picks flash
+    call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd"))
+    flash, math = (backends.get(name).runner(call, repeated=True) for name in ("sdpa_flash", "sdpa_math"))
+    expected = backends.get("reference").run(q, k, v, call)[0]
+    for _ in range(3):
+        assert rel_err(flash(q, k, v)[0], expected) < 1e-5 and rel_err(math(q, k, v)[0], expected) < 1e-5
+    assert forced == [SDPBackend.MATH] * 3 and len(asked) == 2  # dispatch asked once per runner
+    with torch.nn.attention.sdpa_kernel([SDPBackend.MATH]):  # new switches: asked again, and now forced
+        flash(q, k, v)
+    assert forced[3:] == [SDPBackend.FLASH_ATTENTION] and len(asked) == 3
+    flash(q, k, v)  # torch's own switches again
+    assert forced[4:] == [] and len(asked) == 4
+    once = backends.get("sdpa_flash").runner(call)  # not repeated: forced on every call, dispatch never asked
+    once(q, k, v)
+    assert forced[4:] == [SDPBackend.FLASH_ATTENTION] and len(asked) == 4
+
+
+def test_a_prepared_sdpa_runner_calls_the_kernels_aten_op_with_the_arguments_sdpa_would(monkeypatch):
+    """Where a kernel has an aten op (cuDNN and mem-efficient, CUDA only), repeated calls whose inputs are known
+    call it directly; here sdpa_flash stands in on the CPU, with an op that records its arguments."""
+    import torch.nn.functional as F
+
+    from attnselect.execution import kernel_call
+
+    flash, calls = backends.get("sdpa_flash"), []
+
+    def op(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
+        calls.append(((attn_bias, compute_log_sumexp, dropout_p, is_causal), scale))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale), "lse"
+
+    monkeypatch.setattr(type(flash), "aten_op", staticmethod(op))
+    for training, causal, scale in [(False, False, None), (True, True, None), (False, True, 0.5)]:
+        q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=training) for _ in range(3))
+        problem = attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd", causal=causal)
+        call = kernel_call(problem, scale)
+        out, lse = flash.runner(call, repeated=True, like=(q, k, v))(q, k, v)
+        assert calls[-1] == ((None, training, 0.0, causal), scale) and lse is None
+        assert rel_err(out, backends.get("reference").run(q, k, v, call)[0]) < 1e-5
+    seen = len(calls)
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # acts on SDPA's call, not on the op's: SDPA's dispatch
+        assert flash.runner(call, repeated=True, like=(q, k, v))(q, k, v)[0].dtype == torch.bfloat16
+    for kwargs, heads in [(dict(window=(3, 0)), 2), (dict(), 1)]:  # a mask tensor, grouped heads: SDPA's dispatch
+        q, (k, v) = torch.randn(1, 2, 8, 16), (torch.randn(1, heads, 8, 16) for _ in range(2))
+        call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd", **kwargs))
+        out, _ = flash.runner(call, repeated=True, like=(q, k, v))(q, k, v)
+        assert rel_err(out, backends.get("reference").run(q, k, v, call)[0]) < 1e-5
+    assert len(calls) == seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("name", ["sdpa_cudnn", "sdpa_efficient"])
+def test_gpu_repeated_sdpa_calls_run_the_kernels_aten_op_as_sdpa_would(name, training, monkeypatch):
+    """The op called directly gives what SDPA gives with the kernel forced, gradients included, and SDPA itself
+    is not called."""
+    import torch.nn.functional as F
+
+    from attnselect.backends._sdpa import only_kernel
+    from attnselect.execution import kernel_call
+
+    backend = backends.get(name)
+    q, k, v = dense_inputs(sq=256, skv=256, hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_(training) for t in (q, k, v))  # bhsd views
+    for causal, scale in [(False, None), (True, 0.1)]:
+        call = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, layout="bhsd", causal=causal), scale)
+        with only_kernel(backend.kernel):
+            expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=call.scale)
+        runner = backend.runner(call, repeated=True, like=(q, k, v))
+        with monkeypatch.context() as m:
+            m.setattr(F, "scaled_dot_product_attention", None)  # a call through SDPA would raise
+            out, _ = runner(q, k, v)
+        assert torch.equal(out, expected)
+        if training:
+            grad = torch.randn_like(out)
+            grads, expected_grads = (torch.autograd.grad(o, (q, k, v), grad) for o in (out, expected))
+            assert all(rel_err(a, b) < 1e-2 for a, b in zip(grads, expected_grads))
