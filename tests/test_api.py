@@ -352,3 +352,36 @@ def test_attention_hands_each_option_to_its_own_field(monkeypatch):
     with pytest.raises(RuntimeError, match="stop"):
         attnselect.attention(q, q, q, **sentinels)
     assert CallOptions._make(seen[0]) == CallOptions(**sentinels)
+
+
+def test_warmup_makes_each_problem_s_first_call_and_says_what_it_ran_on():
+    from attnselect import dispatch
+
+    problems = [
+        attnselect.AttentionProblem(2, 16, 16, 4, 2, 24, 16, torch.float32, mask="causal", training=True),
+        attnselect.AttentionProblem(3, 12, 12, 2, 2, 16, 16, torch.float32, layout="thd", mask="sliding_window",
+                                    window=(3, 0), return_lse=True, softcap=True),
+        attnselect.AttentionProblem(1, 8, 8, 2, 2, 16, 16, torch.float32, layout="bhsd", sinks=True, dropout_p=0.1),
+    ]  # fmt: skip
+    attnselect.clear_cache()
+    seen = []
+    warmed = attnselect.warmup(problems, device="cpu", progress=lambda done, total, text: seen.append((done, total)))
+    assert [w.problem for w in warmed] == problems and seen == [(1, 3), (2, 3), (3, 3)]
+    assert all(w.error is None and w.chosen and w.seconds > 0 for w in warmed)
+    known = dispatch.known_calls()  # the dense calls are remembered: the job's same calls find them
+    assert [c.problem for c in known if c.problem.layout != "thd"] == [problems[0], problems[2]]
+    forced = attnselect.warmup(problems[:1], device="cpu", backend="reference")
+    assert forced[0].chosen == "reference native"
+
+
+def test_warmup_reports_a_call_that_fails_and_refuses_what_it_cannot_make():
+    problem = attnselect.AttentionProblem(1, 8, 8, 2, 2, 16, 16, torch.float32)
+    (failed,) = attnselect.warmup([problem], device="cpu", backend="flash_attn4")  # not installed here
+    assert failed.chosen == "" and failed.error.startswith("ForcedChoiceError")
+    with pytest.raises(attnselect.ForcedChoiceError, match="backend: got 'no_such_backend'"):
+        attnselect.warmup([problem], backend="no_such_backend")
+    with pytest.raises(attnselect.InvalidInputError, match=r"problems\[1\]: got str"):
+        attnselect.warmup([problem, "deepseek"])
+    captured = dataclasses.replace(problem, cuda_graph_capture=True)
+    with pytest.raises(attnselect.InvalidInputError, match=r"problems\[0\].cuda_graph_capture: got True"):
+        attnselect.warmup([captured])

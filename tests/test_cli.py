@@ -139,3 +139,13 @@ def test_explain_refuses_what_context_parallelism_refuses(capsys):
 def test_bench_names_a_report_it_cannot_read(how, tmp_path, capsys):
     assert main(["bench", "--out", str(tmp_path / "none"), *how]) == 2
     assert "bench: cannot read the report (FileNotFoundError" in capsys.readouterr().err
+
+
+def test_warmup_makes_the_model_shapes_first_calls(capsys):
+    args = ["warmup", "--model", "llama-3-70b", "--seqlen", "16", "--dtype", "fp32", "--layout", "thd", "--batch", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "warming up 2 problems" in out and "2/2 thd" in out and " in " in out
+    assert main([*args, "--backend", "flash_attn4"]) == 1  # not installed here: each call reported
+    assert "failed: thd" in capsys.readouterr().err
+    assert main([*args, "--backend", "no_such_backend"]) == 2  # the library's error, before any call

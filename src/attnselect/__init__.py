@@ -1,10 +1,11 @@
 """attnselect: run every attention call on the fastest kernel that can correctly serve it, and say why.
 
 Public API: :func:`attention`, :func:`select`, :func:`explain`, :class:`AttentionProblem`,
-:class:`Target`, plus :class:`Decision`, :func:`overrides`, :func:`clear_cache` and the error classes.
+:class:`Target`, plus :class:`Decision`, :func:`overrides`, :func:`clear_cache`, :func:`warmup` and the error
+classes.
 """
 
-from attnselect.api import attention, explain
+from attnselect.api import attention, explain, warmup
 from attnselect.choose.decision import Decision
 from attnselect.choose.selection import select
 from attnselect.choose.settings import overrides
@@ -27,6 +28,7 @@ __all__ = [
     "Verdict",
     "clear_cache",
     "overrides",
+    "warmup",
     "AttnSelectError",
     "InvalidInputError",
     "NoSupportedCandidateError",

@@ -1,15 +1,31 @@
-"""The public entry points: `attention` and `explain` (`select` lives in :mod:`attnselect.choose.selection`)."""
+"""The public entry points: `attention`, `explain` and `warmup` (`select` lives in
+:mod:`attnselect.choose.selection`).
+
+Warm-up makes a model's attention calls once, ahead of its first step, so what their first calls cost is paid then:
+a configuration's first call in a process decides (the rules, or the measure policy's timings), self-checks its
+signature where the committed grid does not cover it (:mod:`attnselect.self_check`) and compiles what its kernel
+compiles on first use: FlashAttention-4's CuTe DSL kernels (3.8-6.8 s each on the H200,
+results/h200_fa4_compile.md), flex's Triton kernels, cuDNN graphs. FA4 keeps its compiled kernels under attnselect's
+cache directory (``ATTNSELECT_CACHE_DIR``): ranks of a job that share that directory, and later processes, load them
+instead of compiling again, as they share the measure policy's decisions.
+"""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.utils.checkpoint
 
 from attnselect import backends, self_check
+from attnselect.choose import settings
 from attnselect.choose.distributed import is_distributed
 from attnselect.choose.failures import mark_failed
 from attnselect.choose.selection import select, select_packed
 from attnselect.choose.settings import strict
+from attnselect.choose.timing import random_inputs
 from attnselect.context_parallel.call import attention as context_parallel_attention
 from attnselect.context_parallel.call import group_size
 from attnselect.dispatch import KnownCall, recall
@@ -215,3 +231,92 @@ def explain(
     if not isinstance(show_all, bool):
         raise InvalidInputError(f"show_all: got {show_all!r}, expected True or False")
     return select(problem, target=target, backend=backend, pad=pad, disable=disable).report(show_all=show_all)
+
+
+class WarmedUp(NamedTuple):
+    problem: AttentionProblem
+    chosen: str  # the candidate the call ran on (after any fallback), or "" where it raised
+    seconds: float  # the first call's wall time, forward and backward, synchronised
+    error: str | None  # what the call raised, if it did
+
+
+def warmup(
+    problems: Iterable[AttentionProblem],
+    *,
+    device: str | torch.device | None = None,
+    backend: str | None = None,
+    pad=None,
+    disable=None,
+    progress=None,
+) -> list[WarmedUp]:
+    """Make each problem's first call now on ``device`` (default: CUDA where available, else the CPU), as
+    :func:`attnselect.attention` with these ``backend``, ``pad`` and ``disable`` would make it in the job; return
+    what each ran on and how long its first call took. A call that raises is reported, not raised: the job's own
+    call would raise or fall back the same way. ``progress(done, total, text)`` is called after each problem."""
+    problems = list(problems)
+    for i, problem in enumerate(problems):
+        if not isinstance(problem, AttentionProblem):
+            raise InvalidInputError(f"problems[{i}]: got {type(problem).__name__}, expected an AttentionProblem")
+        for name, expected in (
+            ("context_parallel_size", 1), ("cuda_graph_capture", False), ("compiled_graph", False), ("fp8", False),
+        ):  # fmt: skip
+            if getattr(problem, name) != expected:
+                raise InvalidInputError(
+                    f"problems[{i}].{name}: got {getattr(problem, name)!r}, expected {expected!r}: warm-up makes "
+                    "plain eager calls (a captured or compiled call's eager warm-up is the one made here)"
+                )
+    settings.resolve(backend=backend, pad=pad, disable=disable)  # a bad control is the caller's error, raised now
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    done = []
+    for i, problem in enumerate(problems, 1):
+        done.append(_warm(problem, device, dict(backend=backend, pad=pad, disable=disable)))
+        if progress is not None:
+            w = done[-1]
+            progress(i, len(problems), f"{problem.describe()}: {w.chosen or w.error} in {w.seconds:.2f} s")
+    return done
+
+
+def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> WarmedUp:
+    q, k, v, grad_out, packings = random_inputs(problem, device)
+    kwargs = call_arguments(problem, device)
+    if packings is not None:
+        p = packings()
+        kwargs.update(cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_kv=p.cu_seqlens_kv, max_seqlen_q=p.max_seqlen_q,
+                      max_seqlen_kv=p.max_seqlen_kv)  # fmt: skip
+    _sync(device)
+    started = time.perf_counter()
+    with torch.enable_grad() if problem.training else torch.no_grad():
+        try:
+            out = attention(q, k, v, **kwargs, **controls)
+            out = out[0] if isinstance(out, tuple) else out
+            if problem.training:
+                torch.autograd.grad(out, (q, k, v), grad_out)
+            _sync(device)
+        except Exception as exc:  # reported: the job's call would meet the same
+            return WarmedUp(problem, "", time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:300])
+        seconds = time.perf_counter() - started
+        described = AttentionProblem.from_tensors(q, k, v, **kwargs)
+    return WarmedUp(problem, str(select(described, **controls).chosen), seconds, None)
+
+
+def call_arguments(problem: AttentionProblem, device: torch.device) -> dict:
+    """:func:`attnselect.attention`'s keyword arguments that make a call of ``problem`` (its layout, mask and
+    options; a softcap of 30 and zero sinks where it has them), the boundaries of a packed call aside."""
+    causal, window = {
+        "none": (False, None),
+        "causal": (True, None),
+        "causal_bottom_right": ("bottom_right", None),
+        "sliding_window": (False, problem.window),
+        "sliding_window_top_left": (True, problem.window),
+    }[problem.mask]
+    return dict(
+        layout=problem.layout, causal=causal, window=window, dropout_p=problem.dropout_p,
+        return_lse=problem.return_lse, softcap=30.0 if problem.softcap else None,
+        sinks=torch.zeros(problem.heads_q, device=device, dtype=torch.float32) if problem.sinks else None,
+        return_max_logit=problem.return_max_logit,
+    )  # fmt: skip
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

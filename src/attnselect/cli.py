@@ -1,5 +1,5 @@
 """Command line: ``attnselect explain`` (which kernel, and why), ``demo`` (a real run), ``backends``, ``tune``,
-``bench``, ``calibrate``."""
+``warmup``, ``bench``, ``calibrate``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from attnselect.api import attention
+from attnselect.api import attention, warmup
 from attnselect.backends import all_backends
 from attnselect.bench.models import MODELS
 from attnselect.choose.selection import select
@@ -128,9 +128,8 @@ def cmd_demo(a) -> int:
     return 0 if max(errors) < 2e-2 else 1
 
 
-def cmd_tune(a) -> int:
-    """Measure ahead of time: every (model, seqlen, phase) problem, stored in the decision cache."""
-    target = Target.current()
+def model_problems(a) -> list[AttentionProblem]:
+    """Every (model, seqlen, phase) problem of ``tune`` and ``warmup``: causal, the models' heads and head dims."""
     problems = []
     for model in a.model:
         m = MODELS[model]
@@ -151,12 +150,34 @@ def cmd_tune(a) -> int:
                         training=training,
                     )
                 )
+    return problems
+
+
+def cmd_tune(a) -> int:
+    """Measure ahead of time: every (model, seqlen, phase) problem, stored in the decision cache."""
+    target = Target.current()
+    problems = model_problems(a)
     print(f"tuning {len(problems)} problems on {target.describe()}")
     for i, problem in enumerate(problems, 1):
         decision = select(problem, target=target, policy="measure")
         bar = "#" * (20 * i // len(problems))
         print(f"[{bar:<20}] {i}/{len(problems)} {problem.describe()}: {decision.chosen}", flush=True)
     return 0
+
+
+def cmd_warmup(a) -> int:
+    """Make each (model, seqlen, phase) problem's first call now: decisions, self-checks and kernel compiles."""
+    problems = model_problems(a)
+    print(f"warming up {len(problems)} problems on {Target.current().describe()}", flush=True)
+
+    def progress(done: int, total: int, text: str) -> None:
+        print(f"[{'#' * (20 * done // total):<20}] {done}/{total} {text}", flush=True)
+
+    warmed = warmup(problems, backend=a.backend, progress=progress)
+    failed = [w for w in warmed if w.error]
+    for w in failed:
+        print(f"failed: {w.problem.describe()}: {w.error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_bench(a) -> int:
@@ -260,12 +281,17 @@ def main(argv=None) -> int:
     calibrate.add_argument("--quick", action="store_true", help="one head-dim pair and two sizes (needs --out)")
     calibrate.add_argument("--out", help="write here instead of the cache directory (where it takes precedence)")
     tune = sub.add_parser("tune", help="measure model shapes now and keep the decisions in the cache")
-    tune.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["deepseek-v3"])
-    tune.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096])
-    tune.add_argument("--batch", type=int, default=1)
-    tune.add_argument("--layout", default="bshd", choices=["bshd", "sbhd", "bhsd", "thd"])
-    tune.add_argument("--phase", default="both", choices=["training", "inference", "both"])
-    tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    warm = sub.add_parser(
+        "warmup", help="make model shapes' first calls now (decisions, self-checks, kernel compiles into the cache)"
+    )
+    for p in (tune, warm):
+        p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["deepseek-v3"])
+        p.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096])
+        p.add_argument("--batch", type=int, default=1, help="sequences (thd: a packing of this many at most)")
+        p.add_argument("--layout", default="bshd", choices=["bshd", "sbhd", "bhsd", "thd"])
+        p.add_argument("--phase", default="both", choices=["training", "inference", "both"])
+        p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    warm.add_argument("--backend", help="force a backend, as the job does (default: ATTNSELECT_BACKEND)")
     a = parser.parse_args(argv)
     try:
         return {
@@ -273,6 +299,7 @@ def main(argv=None) -> int:
             "demo": cmd_demo,
             "backends": cmd_backends,
             "tune": cmd_tune,
+            "warmup": cmd_warmup,
             "bench": cmd_bench,
             "calibrate": cmd_calibrate,
         }[a.command](a)
