@@ -332,14 +332,6 @@ def test_a_call_with_its_own_scale_is_memoized_and_a_boolean_scale_is_still_refu
     assert len(dispatch.known_calls()) == 3 and torch.allclose(other, reference, atol=1e-5)
 
 
-def test_call_options_are_attention_s_keyword_options_in_its_order_with_its_defaults():
-    import inspect
-
-    keywords = [p for p in inspect.signature(attnselect.attention).parameters.values() if p.kind is p.KEYWORD_ONLY]
-    assert tuple(p.name for p in keywords) == CallOptions._fields
-    assert all(CallOptions._field_defaults[p.name] == p.default for p in keywords)
-
-
 def test_attention_hands_each_option_to_its_own_field(monkeypatch):
     """Every keyword reaches the CallOptions field of its name (attention() builds the object from a tuple)."""
     from attnselect import api
