@@ -30,6 +30,12 @@ and the same kernel called directly.
   - torch's ``varlen_attn`` (a custom op over ``aten._flash_attention_forward``);
   - attnselect's prepared runner alone, and its memo lookup alone.
 
+- A new packing on every call (:func:`new_packings`: 1 to 8 documents in 1024 tokens, no two alike in count and
+  longest document, so each call misses attnselect's memo), inference and training: attnselect, the chosen
+  package's varlen function or op called directly, torch's varlen_attn.
+- The dense case in training (a forward and ``torch.autograd.grad``): attnselect, F.sdpa's default dispatch, the aten
+  op, the package's function, the backend object; on bshd tensors too, beside F.sdpa on their transposed views.
+
 ``--profile`` adds cProfile's top functions (by own time) of each attnselect row to the report.
 """
 
