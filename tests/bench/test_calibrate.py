@@ -15,7 +15,7 @@ def test_a_quick_calibration_on_the_cpu_is_one_the_rules_can_read():
     seen = []
     data = calibrate.run(quick=True, progress=lambda done, total, what: seen.append((done, total)))
     assert calibration._problem(data) is None and data["fingerprint"]["name"] == "cpu"
-    assert seen[0] == (0, 1) and seen[-1] == (1, 1)
+    assert seen[0] == (0, 2) and seen[-1] == (2, 2)  # dense, then packed (which nothing packs on the CPU in training)
     curves = data["gpu"]["sdpa_flash"]
     assert set(curves) == {"dense 192/128+pad training"} and "flex" in data["skipped"]
     assert all(len(points) == 2 and points[0][0] < points[1][0] for points in curves.values())
@@ -23,6 +23,17 @@ def test_a_quick_calibration_on_the_cpu_is_one_the_rules_can_read():
     time = predict.predict(Candidate("sdpa_flash", 192), problem, data)
     assert time is not None and time.host_us == data["host_us"]["sdpa_flash"]["dense+pad training"]
     assert data["first_call_ms"]["sdpa_flash"] >= 0
+
+
+def test_packed_calls_are_timed_by_the_candidates_that_pack_with_a_new_packing_every_call(monkeypatch):
+    monkeypatch.setattr(calibrate, "SKIPPED", ("reference", "sdpa_math"))  # flex packs on the CPU (inference)
+    monkeypatch.setattr(calibrate, "LADDER", ((1, 16),))
+    monkeypatch.setattr(calibrate, "PACKED_LADDER", ((2, 16),))
+    data = calibrate.run(pairs=((24, 16),))
+    assert calibration._problem(data) is None
+    assert {"thd 24/16 inference", "thd 24/16+pad inference"} <= set(data["gpu"]["flex"])
+    assert "thd inference" in data["host_us"]["flex"]
+    assert not any(key.startswith("thd") for key in data["gpu"]["sdpa_flash"])  # sequence by sequence: not timed
 
 
 def test_the_command_needs_a_gpu_and_keeps_a_quick_run_out_of_the_cache(capsys, tmp_path):

@@ -5,10 +5,14 @@ where the dims differ; not those of :data:`SKIPPED`), it times a dense causal ca
 (:data:`LADDER`) side by side (:func:`attnselect.choose.timing.time_steps`, queued behind a spin, so each time is
 the GPU's); per backend, padding and phase, the host's time to issue one call at the smallest size that serves it,
 while the GPU is busy; and per backend, what the first call of a configuration costs on top of a later one (a JIT
-compile). Packed (thd) calls are not calibrated yet: their work depends on the packing, which the problem does not
-hold. The result is the format :mod:`attnselect.choose.calibration` reads, for this GPU and these versions;
-``attnselect calibrate`` stores it in the cache directory, where it takes precedence over the packaged one.
-``quick`` measures one pair, one phase and two sizes (a smoke test, never stored there).
+compile). Packed (thd) calls are timed too, by candidates that pack (sequence by sequence is never the fast path),
+over :data:`PACKED_LADDER` with a new packing every call (:class:`~attnselect.choose.timing.NewPackings`: a typical
+packing of the problem's size, so per-packing builds show): their curves are keyed ``thd`` and their work is the
+problem's (its sequences at their longest), the measure a prediction will read them by; packed calls are not ranked by
+prediction yet (:func:`attnselect.choose.calibration.outside`). The result is the format
+:mod:`attnselect.choose.calibration` reads, for this GPU and these versions; ``attnselect calibrate`` stores it in
+the cache directory, where it takes precedence over the packaged one. ``quick`` measures one pair, one phase and two
+sizes (a smoke test, never stored there).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 
 import torch
 
+from attnselect.backends.base import get as backend_named
 from attnselect.choose import calibration
 from attnselect.choose.candidates import judge
 from attnselect.choose.predict import work
@@ -29,6 +34,8 @@ from attnselect.spec.target import Target
 PAIRS = ((192, 128), (128, 128), (64, 64), (256, 256))
 # (batch, sequence length): from host-bound to GPU-bound, 16 heads, causal
 LADDER = ((1, 128), (1, 512), (2, 1024), (1, 4096), (2, 8192), (1, 32768))
+# (sequences, longest): packings of 1k to 64k tokens (NewPackings fills half of sequences x longest)
+PACKED_LADDER = ((4, 512), (8, 1024), (8, 4096), (8, 16384))
 HEADS = 16
 # Left out and ranked after the calibrated candidates: the reference and sdpa_math are never the fastest where
 # anything else serves; flex compiles for every dense shape (40-56 s a compile on the H200:
@@ -47,9 +54,9 @@ def run(target: Target | None = None, *, quick: bool = False, pairs=PAIRS, progr
     target = target or Target.current()
     device = torch.device("cuda" if target.is_cuda else "cpu")
     dtype = torch.bfloat16 if target.is_cuda else torch.float32
-    pairs, phases, ladder = (pairs[:1], (True,), LADDER[:2]) if quick else (tuple(pairs), (False, True), LADDER)
-    sparse = {ladder[0], ladder[len(ladder) // 2], ladder[-1]}
-    jobs = [(pair, "bshd", training) for pair in pairs for training in phases]
+    pairs, phases = (pairs[:1], (True,)) if quick else (tuple(pairs), (False, True))
+    ladders = {"bshd": LADDER[:2] if quick else LADDER, "thd": PACKED_LADDER[:2] if quick else PACKED_LADDER}
+    jobs = [(pair, layout, training) for pair in pairs for training in phases for layout in ladders]
     gpu: dict = {}
     host: dict = {}
     first: dict = {}
@@ -57,11 +64,15 @@ def run(target: Target | None = None, *, quick: bool = False, pairs=PAIRS, progr
         if progress:
             progress(index, len(jobs), f"{layout} {pair[0]}/{pair[1]} {'training' if training else 'inference'}")
         compiled: dict = {}  # backend -> ladder sizes in a row whose first call compiled
+        ladder = ladders[layout]
+        sparse = {ladder[0], ladder[len(ladder) // 2], ladder[-1]}
         for batch, seqlen in ladder:
             problem = AttentionProblem(batch, seqlen, seqlen, HEADS, HEADS, *pair, dtype=dtype, layout=layout,
                                        mask="causal", training=training)  # fmt: skip
             candidates = [v.candidate for v in judge(problem, target) if v.supported]
             candidates = [c for c in candidates if c.backend not in SKIPPED]
+            if layout == "thd":  # sequence by sequence reads the boundaries on the host: never the fast path
+                candidates = [c for c in candidates if backend_named(c.backend).packs_thd(target)]
             candidates = [c for c in candidates if compiled.get(c.backend, 0) < 2 or (batch, seqlen) in sparse]
             try:
                 inputs = random_inputs(problem, device)
