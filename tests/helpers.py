@@ -8,6 +8,21 @@ import attnselect
 from attnselect.choose.calibration import fingerprint
 from attnselect.spec.target import Target
 
+# The small MLA-like causal training problem the selection, settings and decision tests judge on the CPU target.
+SELECTION_PROBLEM = attnselect.AttentionProblem(
+    batch=1,
+    seqlen_q=64,
+    seqlen_kv=64,
+    heads_q=2,
+    heads_kv=2,
+    head_dim_qk=24,
+    head_dim_v=16,
+    dtype=torch.float32,
+    mask="causal",
+    training=True,
+)
+CPU = Target.preset("cpu")
+
 SHAPES = {
     "bshd": lambda b, s, h, d: (b, s, h, d),
     "sbhd": lambda b, s, h, d: (s, b, h, d),

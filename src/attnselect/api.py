@@ -30,7 +30,7 @@ from attnselect.context_parallel.call import attention as context_parallel_atten
 from attnselect.context_parallel.call import group_size
 from attnselect.dispatch import KnownCall, recall
 from attnselect.errors import AttnSelectError, InvalidInputError
-from attnselect.execution import apply_sinks, dense_runner, kernel_call, packed_runner, run_call
+from attnselect.execution import TIMING_SOFTCAP, apply_sinks, dense_runner, kernel_call, packed_runner, run_call
 from attnselect.spec.options import CallOptions, Packing
 from attnselect.spec.problem import AttentionProblem, describe_call
 from attnselect.spec.target import Target, target_for_device
@@ -301,7 +301,8 @@ def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> Wa
 
 def call_arguments(problem: AttentionProblem, device: torch.device) -> dict:
     """:func:`attnselect.attention`'s keyword arguments that make a call of ``problem`` (its layout, mask and
-    options; a softcap of 30 and zero sinks where it has them), the boundaries of a packed call aside."""
+    options; the softcap of :data:`~attnselect.execution.TIMING_SOFTCAP` and zero sinks where it has them), the
+    boundaries of a packed call aside."""
     causal, window = {
         "none": (False, None),
         "causal": (True, None),
@@ -311,7 +312,7 @@ def call_arguments(problem: AttentionProblem, device: torch.device) -> dict:
     }[problem.mask]
     return dict(
         layout=problem.layout, causal=causal, window=window, dropout_p=problem.dropout_p,
-        return_lse=problem.return_lse, softcap=30.0 if problem.softcap else None,
+        return_lse=problem.return_lse, softcap=TIMING_SOFTCAP if problem.softcap else None,
         sinks=torch.zeros(problem.heads_q, device=device, dtype=torch.float32) if problem.sinks else None,
         return_max_logit=problem.return_max_logit,
     )  # fmt: skip

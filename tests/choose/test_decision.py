@@ -5,24 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 import attnselect
-from attnselect import AttentionProblem, Target, backends
+from attnselect import backends
+from helpers import CPU, SELECTION_PROBLEM
 
-P = AttentionProblem(
-    batch=1,
-    seqlen_q=64,
-    seqlen_kv=64,
-    heads_q=2,
-    heads_kv=2,
-    head_dim_qk=24,
-    head_dim_v=16,
-    dtype=torch.float32,
-    mask="causal",
-    training=True,
-)
-CPU = Target.preset("cpu")
+P = SELECTION_PROBLEM
 
 
 def test_decision_lists_every_candidate_and_ranks_supported_ones():

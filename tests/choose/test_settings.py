@@ -6,21 +6,10 @@ import pytest
 import torch
 
 import attnselect
-from attnselect import AttentionProblem, Candidate, Target
+from attnselect import Candidate
+from helpers import CPU, SELECTION_PROBLEM
 
-P = AttentionProblem(
-    batch=1,
-    seqlen_q=64,
-    seqlen_kv=64,
-    heads_q=2,
-    heads_kv=2,
-    head_dim_qk=24,
-    head_dim_v=16,
-    dtype=torch.float32,
-    mask="causal",
-    training=True,
-)
-CPU = Target.preset("cpu")
+P = SELECTION_PROBLEM
 
 
 def test_unknown_forced_backend_lists_known_ones(monkeypatch):

@@ -13,14 +13,13 @@ The grid's summary ships as package data, one file per GPU (``attnselect/data/co
 ``python benchmarks/correctness_grid.py --report DIR --earlier``). Its ``covered`` signatures also spare the first-use
 self-check (:mod:`attnselect.self_check`) for calls the grid checked on the same GPU and library versions; its
 ``failed`` ones, where the peer sweeps found a chosen candidate wrong or crashing, are refused there as failures
-(:func:`known_failures`, read by :mod:`attnselect.choose.failures`).
+(:func:`known_failures`, read by :mod:`attnselect.choose.selection`).
 ``ATTNSELECT_ALLOWLIST=0`` serves the young kernels' full documented surface instead (to test a kernel; the
 self-check still runs).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -156,17 +155,16 @@ def covers(backend: str, pad_to: int | None, problem: AttentionProblem, target: 
     return _signature_key(backend, pad_to, problem.signature) in grid["covered"]
 
 
-def known_failures(problem: AttentionProblem, target: Target, version_of) -> dict:
+def known_failures(signature: tuple, target: Target, version_of) -> dict:
     """{backend: finding} of the backends a peer sweep on this GPU and these library versions found wrong or
-    crashing at this problem's signature (benchmarks/correctness_grid.py: SWEEPS), to be refused there as a failure
-    recorded at run time would be, padded or not (flex failed at the same signature natively and padded,
-    results/h200_peer_sweep_fa4.md). ``version_of(backend)``: its package's version here, None for none."""
+    crashing at this problem ``signature`` (an eager call's: the sweeps call eagerly; benchmarks/correctness_grid.py:
+    SWEEPS), to be refused there as a failure recorded at run time would be, padded or not (flex failed at the same
+    signature natively and padded, results/h200_peer_sweep_fa4.md). ``version_of(backend)``: its package's version
+    here, None for none."""
     grid = grid_for(target.arch) if target.is_cuda else None
     if not grid or not grid.get("failed") or grid.get("fingerprint") != base_fingerprint(target):
         return {}
-    if problem.cuda_graph_capture or problem.compiled_graph:  # failed eagerly: refused under capture and compile too
-        problem = dataclasses.replace(problem, cuda_graph_capture=False, compiled_graph=False)
-    found = grid["failed"].get(problem.signature)
+    found = grid["failed"].get(signature)
     if not found:
         return {}
     packages = grid.get("packages", {})

@@ -30,7 +30,7 @@ def failures(problem: AttentionProblem, target: Target) -> dict:
     """{candidate: error} of the candidates that failed at run time for ``problem`` on ``target``: in this
     process, or recorded in the decision cache by an earlier one on the same target fingerprint (not under
     torch.distributed, where ranks could read different cache files and then disagree)."""
-    failed = _FAILED.get((_signature(problem), target), {})
+    failed = _FAILED.get((eager_signature(problem), target), {})
     recorded = _recorded_failures()
     if not recorded or is_distributed():
         return failed
@@ -62,7 +62,7 @@ def mark_failed(
     cache under the target fingerprint, so later processes on the same GPU and library versions skip the
     candidate too (the fingerprint changes with any version, which retries it)."""
     text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-    _FAILED.setdefault((_signature(problem), target), {})[candidate] = text
+    _FAILED.setdefault((eager_signature(problem), target), {})[candidate] = text
     transient = is_transient(error)
     if not transient:
         store.remember(
@@ -89,7 +89,7 @@ def _is_failure_key(key: str) -> bool:
     return isinstance(parsed, dict) and parsed.get("policy") == FAILED_AT_RUN_TIME
 
 
-def _signature(problem: AttentionProblem) -> tuple:
+def eager_signature(problem: AttentionProblem) -> tuple:
     """The signature failures are kept under: the call's, as if made eagerly, so what failed in an eager call (the
     warm-up before a CUDA graph capture, say) is refused inside a compiled graph and under capture too."""
     if problem.cuda_graph_capture or problem.compiled_graph:
@@ -100,7 +100,11 @@ def _signature(problem: AttentionProblem) -> tuple:
 def _entry_key(problem: AttentionProblem, target: Target) -> str:
     """The decision cache's key of a problem signature's failures on a target fingerprint."""
     return json.dumps(
-        {"signature": list(_signature(problem)), "policy": FAILED_AT_RUN_TIME, "target": store.fingerprint(target)},
+        {
+            "signature": list(eager_signature(problem)),
+            "policy": FAILED_AT_RUN_TIME,
+            "target": store.fingerprint(target),
+        },
         sort_keys=True,
     )
 

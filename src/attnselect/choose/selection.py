@@ -12,7 +12,7 @@ from attnselect.choose import debug, measure, rules, settings
 from attnselect.choose.candidates import judge, kernel_reasons, override_reasons
 from attnselect.choose.decision import Decision, no_candidate_message
 from attnselect.choose.distributed import is_distributed
-from attnselect.choose.failures import failures
+from attnselect.choose.failures import eager_signature, failures
 from attnselect.choose.settings import MEMO_SIZE
 from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.memos import generation, register_cache
@@ -151,7 +151,9 @@ def _failed(problem: AttentionProblem, target: Target) -> dict:
     """{candidate: error}: those that failed at run time (:func:`failures`) and the backends, native and padded, a
     packaged peer sweep found wrong or crashing at this signature on this GPU and these versions
     (:func:`evidence.known_failures`), refused alike."""
-    measured = evidence.known_failures(problem, target, lambda name: backend_named(name).package_version(target))
+    measured = evidence.known_failures(
+        eager_signature(problem), target, lambda name: backend_named(name).package_version(target)
+    )
     pads = (None,) if problem.pad_target is None else (None, problem.pad_target)
     found = {Candidate(backend, pad): finding for backend, finding in measured.items() for pad in pads}
     return {**found, **failures(problem, target)} if found else failures(problem, target)
