@@ -14,7 +14,7 @@ Each rung is timed two ways: ``latency``, one call then a sync (a call alone wai
 a step of ``--layers`` calls then one sync (a stack of layers overlaps the host's work with the GPU's; packed: the
 step's packing is new, its layers share it), per call. Rows: attnselect's default; every candidate explain lists as
 supported, forced (a single-kernel policy: backend= and pad=), except the reference and sdpa_math (unfused
-references, not kernels a user picks for speed); F.scaled_dot_product_attention's default dispatch (dense, on the
+references, not kernels a user picks for speed) and flex (it compiles per shape: :data:`NOT_FORCED`); F.scaled_dot_product_attention's default dispatch (dense, on the
 bshd tensors' transposed views, its output transposed back); torch's varlen_attn (packed, V zero-padded to d_qk
 where d_v is smaller); FlashAttention-4's flash_attn_func / flash_attn_varlen_func called directly where installed.
 Each row goes through the same packings (made before its clock starts). Rows run interleaved, ``--rounds`` rounds of
@@ -48,6 +48,9 @@ SMOKE = dict(heads=2, pairs=[(24, 16)], dense=[(1, 16), (2, 8)], packed=[48])
 WAYS = ("latency", "stack")
 DEFAULT, SDPA, VARLEN, FA4 = "attnselect default", "F.sdpa default", "torch varlen_attn", "FA4 called directly"
 UNFUSED = ("reference", "sdpa_math")  # references, not kernels a user picks for speed
+# flex compiles per shape (40-56 s a dense compile on the H200: results/h200_flex_probe.md): forced at every rung it
+# would spend the device budget compiling, and attnselect ranks it after every fused kernel that serves the call
+NOT_FORCED = {**{b: "an unfused reference" for b in UNFUSED}, "flex": "compiles per shape (results/h200_flex_probe.md)"}
 
 
 def rungs(smoke: bool) -> list[dict]:
@@ -134,7 +137,7 @@ def callers(rung: dict, problem, target, device: str) -> dict:
     rows = {DEFAULT: through_attnselect()}
     for verdict in judge(problem, target):
         c = verdict.candidate
-        if not verdict.supported or c.backend in UNFUSED:
+        if not verdict.supported or c.backend in NOT_FORCED:
             continue
         if thd and not backends.get(c.backend).packs_thd(target):
             continue  # sequence by sequence: not a kernel's speed
@@ -270,6 +273,9 @@ def markdown(report: dict) -> str:
              f"{report['meta']['device']}, {report['meta']['date']}. Produced by `benchmarks/ladder.py` (method in its "
              "docstring): per call ms, median (quartiles) of every timed call or step pooled over the rounds; "
              "`speed` is the row's median over attnselect's default (above 1: the default is faster).\n"]  # fmt: skip
+    skipped = report["meta"].get("not forced", {})
+    if skipped:
+        lines.append("Not forced: " + "; ".join(f"{b} ({why})" for b, why in skipped.items()) + ".\n")
     g = report["goals"]
     lines.append("## Goals\n")
     for name, goal in g.items():
@@ -310,7 +316,8 @@ def main() -> None:
     path = Path(a.out + ".json")
     report = json.loads(path.read_text()) if path.exists() else {"results": []}
     report["meta"] = {"device": target.describe(), "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
-                      "rounds": a.rounds, "calls": a.calls, "warmup": a.warmup, "layers": a.layers}  # fmt: skip
+                      "rounds": a.rounds, "calls": a.calls, "warmup": a.warmup, "layers": a.layers,
+                      "not forced": NOT_FORCED}  # fmt: skip
     done = {entry["rung"] for entry in report["results"]}
     heads = SMOKE["heads"] if a.smoke else HEADS
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32

@@ -36,15 +36,27 @@ def test_a_calibration_of_this_gpu_and_these_versions_holds(user_file):
 @pytest.mark.parametrize(
     "other",
     [
-        Target.preset("h200"),  # FA4 not installed
-        Target.preset("h200", packages={"flash-attn-4": "4.0.0b37"}),
         Target.preset("h200", torch_version="2.12.0", packages={"flash-attn-4": "4.0.0b36"}),
+        Target.preset("h200", cudnn_version="9.20.0", packages={"flash-attn-4": "4.0.0b36"}),
     ],
 )
 def test_other_versions_get_no_calibration_and_are_told_why(user_file, other):
     user_file.write_text(json.dumps(sample()))
     found, why = calibration.for_target(other)
     assert found is None and "is for NVIDIA H200" in why and "attnselect calibrate" in why
+
+
+@pytest.mark.parametrize("fa4", [None, "4.0.0b37"])
+def test_a_backend_package_s_version_is_matched_backend_by_backend(user_file, fa4):
+    """A calibration made with FA4 holds on the same machine without it (FA4 is then no candidate); where another
+    FA4 is installed, its times do not hold and the calibration orders nothing, saying why."""
+    user_file.write_text(json.dumps(sample()))
+    other = Target.preset("h200", packages={"flash-attn-4": fa4})
+    found, _ = calibration.for_target(other)
+    assert found is not None
+    assert calibration.package_changed(found, "flash-attn-4", H200) is None
+    why = calibration.package_changed(found, "flash-attn-4", other)
+    assert why == f"flash-attn-4 {fa4} is installed, the calibration measured 4.0.0b36"
 
 
 def test_gpu_models_of_one_arch_keep_their_own_files(user_file):

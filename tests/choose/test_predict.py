@@ -12,6 +12,7 @@ from attnselect.choose import calibration, predict
 from attnselect.spec.masks import visible
 from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.target import Target
 from helpers import CALIBRATED_H200 as H200
 from helpers import calibration_sample as sample
 
@@ -107,3 +108,12 @@ def test_a_calibration_missing_a_served_candidate_ranks_nothing(calibrated):
     problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
     decision = attnselect.select(problem, target=H200)
     assert decision.predictions is None and "has no curve for" in decision.calibration
+
+
+def test_the_same_machine_without_fa4_is_ranked_by_the_calibration_and_another_fa4_is_not(calibrated):
+    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    without = attnselect.select(problem, target=Target.preset("h200"))
+    assert without.predictions is not None and without.chosen == Candidate("sdpa_cudnn")
+    other = attnselect.select(problem, target=Target.preset("h200", packages={"flash-attn-4": "4.0.0b40"}))
+    assert other.predictions is None
+    assert "does not hold for flash_attn4: flash-attn-4 4.0.0b40 is installed" in other.calibration

@@ -26,7 +26,7 @@ import json
 import logging
 import math
 import re
-from importlib import metadata, resources
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -42,8 +42,10 @@ HOST_KEY = re.compile(r"(dense|thd)(\+pad)? (inference|training)")
 
 
 def fingerprint(target: Target) -> dict:
-    """What a calibration must share with the machine to hold there: the GPU, torch, cuDNN and the versions of the
-    backends' packages."""
+    """The machine a calibration ran on: the GPU, torch, cuDNN and attnselect, which it must share with a machine to
+    hold there, and the versions of the backends' packages, each of which must match for that backend's times to
+    hold (:func:`package_changed`): a calibration made with FlashAttention-4 installed serves the same machine
+    without it."""
     return {
         "name": target.name,
         "capability": list(target.capability) if target.capability else None,
@@ -54,12 +56,11 @@ def fingerprint(target: Target) -> dict:
     }
 
 
-@functools.cache
 def _version() -> str:
-    try:
-        return metadata.version("attnselect")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+    """attnselect's own version (``attnselect.__version__``: the same from a checkout as from a wheel)."""
+    import attnselect
+
+    return attnselect.__version__
 
 
 def curve_key(layout: str, head_dim_qk: int, head_dim_v: int, padded: bool, training: bool) -> str:
@@ -115,13 +116,26 @@ def for_target(target: Target) -> tuple[dict | None, str]:
         data = parse(text, source)
         if data is None:
             continue
-        if data["fingerprint"] != fingerprint(target):
+        if _machine(data["fingerprint"]) != _machine(fingerprint(target)):
             found.append(f"{source} is for {_describe(data['fingerprint'])}")
             continue
         return data, source
     if found:
         return None, "; ".join(found) + ": `attnselect calibrate` on this GPU makes one for these versions"
     return None, f"no calibration for {target.arch}: `attnselect calibrate` on such a GPU makes one"
+
+
+def _machine(fp: dict) -> dict:
+    return {key: value for key, value in fp.items() if key != "packages"}
+
+
+def package_changed(data: dict, distribution: str, target: Target) -> str | None:
+    """Why a backend that needs ``distribution`` cannot use the calibration ``data`` on ``target``: the package's
+    version differs from the one calibrated (None where it is the same)."""
+    calibrated, installed = data["fingerprint"]["packages"].get(distribution), target.version(distribution)
+    if calibrated == installed:
+        return None
+    return f"{distribution} {installed} is installed, the calibration measured {calibrated or 'none'}"
 
 
 def _texts(target: Target):

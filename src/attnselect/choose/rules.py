@@ -346,7 +346,8 @@ def predictions(
     """Each supported candidate's predicted time (None for backends the calibration skips on purpose: they rank
     after the others) and the calibration's source; (None, why not) where no calibration holds on ``target``, the
     call is not one calibrations measure (:func:`attnselect.choose.calibration.outside`: the table ranks it), or a
-    candidate the calibration did not skip has no curve for it (a partial calibration orders nothing)."""
+    candidate the calibration did not skip has no curve for it or another version of its package (a partial
+    calibration orders nothing)."""
     found, source = calibration.for_target(target)
     if found is None:
         return None, source
@@ -358,6 +359,10 @@ def predictions(
         c = verdict.candidate
         if not verdict.supported:
             continue
+        package = backend_named(c.backend).package
+        changed = package and calibration.package_changed(found, package.distribution, target)
+        if changed:
+            return None, f"calibration {source} does not hold for {c.backend}: {changed}"
         predicted[c] = None if c.backend in found["skipped"] else predict(c, problem, found)
         if predicted[c] is None and c.backend not in found["skipped"]:
             return None, f"calibration {source} has no curve for {c} at this call"
