@@ -14,12 +14,13 @@ Each rung is timed two ways: ``latency``, one call then a sync (a call alone wai
 a step of ``--layers`` calls then one sync (a stack of layers overlaps the host's work with the GPU's; packed: the
 step's packing is new, its layers share it), per call. Rows: attnselect's default; every candidate explain lists as
 supported, forced (a single-kernel policy: backend= and pad=), except the reference and sdpa_math (unfused
-references, not kernels a user picks for speed) and flex (it compiles per shape: :data:`NOT_FORCED`); F.scaled_dot_product_attention's default dispatch (dense, on the
-bshd tensors' transposed views, its output transposed back); torch's varlen_attn (packed, V zero-padded to d_qk
-where d_v is smaller); FlashAttention-4's flash_attn_func / flash_attn_varlen_func called directly where installed.
-Each row goes through the same packings (made before its clock starts). Rows run interleaved, ``--rounds`` rounds of
-``--calls`` timed calls (``stack``: steps) after ``--warmup`` untimed ones, in alternating order; the median and
-quartiles of the per-call ms of every round pooled.
+references, not kernels a user picks for speed) and flex (it compiles per shape: :data:`NOT_FORCED`);
+F.scaled_dot_product_attention's default dispatch (dense, on the bshd tensors' transposed views, its output
+transposed back); torch's varlen_attn (packed, V zero-padded to d_qk where d_v is smaller); FlashAttention-4's
+flash_attn_func / flash_attn_varlen_func called directly where installed. Each row goes through the same packings
+(made before its clock starts). Rows run interleaved, ``--rounds`` rounds of ``--calls`` timed calls (``stack``:
+steps) after ``--warmup`` untimed ones, in alternating order; the median and quartiles of the per-call ms of every
+round pooled.
 
 The report checks the goals (issue "Choose by predicted time"): on every rung and way, attnselect's default at
 least 0.97x as fast as the fastest single-kernel row; over the ladder, its geometric mean at least 1.05x as fast
