@@ -17,8 +17,10 @@
 #   bash scripts/device_run.sh sweep  # the peer sweep alone (SWEEP_WORKERS, default 6)  -> $OUT/h200_peer_sweep[_fa4].*
 #   bash scripts/device_run.sh self-check-cost # benchmarks/self_check_cost.py       -> $OUT/h200_self_check_cost.*
 #   bash scripts/device_run.sh flex-probe # benchmarks/flex_probe.py                  -> $OUT/h200_flex_probe.*
-#   bash scripts/device_run.sh ladder  # benchmarks/ladder.py (LADDER_ARGS, LADDER_DEADLINE), resuming the committed
-#                                      # rungs               -> $OUT/h200_ladder[_fa4].{json,md} (FA4 where installed)
+#   bash scripts/device_run.sh ladder  # benchmarks/ladder.py (LADDER_ARGS, LADDER_DEADLINE), resuming this machine's
+#                                      # or the committed rungs -> $OUT/h200_ladder[_fa4].{json,md} (FA4 where installed)
+#   bash scripts/device_run.sh package-calibration # $OUT/h200_calibration.json as this tree's package data (the
+#                                      # steps after it rank by it)  -> $OUT/calibration_<arch>.json
 #   bash scripts/device_run.sh calibrate # benchmarks/calibrate.py (CALIBRATE_ARGS="--pairs 192/128,128/128",
 #                                      # CALIBRATE_PART=name)          -> $OUT/h200_calibration${CALIBRATE_PART:+_name}.*
 #   bash scripts/device_run.sh pytest  # pytest $PYTEST_ARGS, the whole log  -> $OUT/h200_pytest_$TEST_PART.txt
@@ -161,9 +163,13 @@ case "$step" in
     timeout 200 python3 benchmarks/flex_probe.py --out "$OUT/h200_flex_probe" 2>&1 | grep -E '^\|' ;;
   ladder)   # benchmarks/ladder.py, resuming results/h200_ladder${LADDER_PART:+_$LADDER_PART}.json where present
     name=h200_ladder${LADDER_PART:+_$LADDER_PART}$(python3 -c 'import flash_attn.cute' 2>/dev/null && echo _fa4)
-    [ -f "results/$name.json" ] && cp "results/$name.json" "$OUT/"
-    timeout ${LADDER_TIMEOUT:-560} python3 benchmarks/ladder.py --out "$OUT/$name" --deadline ${LADDER_DEADLINE:-420} \
-      ${LADDER_ARGS:-} 2>&1 | grep -v -i warn | tail -30 ;;
+    # the rungs run so far stay in /tmp while the machine is warm: a later call resumes them without a round trip
+    [ -f "results/$name.json" ] && [ ! -f "/tmp/$name.json" ] && cp "results/$name.json" /tmp/
+    timeout ${LADDER_TIMEOUT:-560} python3 benchmarks/ladder.py --out "/tmp/$name" --deadline ${LADDER_DEADLINE:-420} \
+      ${LADDER_ARGS:-} 2>&1 | grep -v -i warn | tail -30
+    cp "/tmp/$name.json" "/tmp/$name.md" "$OUT/" ;;
+  package-calibration)
+    python3 benchmarks/calibrate.py --package "$OUT/h200_calibration.json" && cp src/attnselect/data/calibration_*.json "$OUT/" ;;
   calibrate)
     timeout ${CALIBRATE_TIMEOUT:-540} python3 benchmarks/calibrate.py \
       --out "$OUT/h200_calibration${CALIBRATE_PART:+_$CALIBRATE_PART}" ${CALIBRATE_ARGS:-} \

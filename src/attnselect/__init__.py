@@ -14,8 +14,7 @@ from attnselect.memos import clear_cache
 from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
-
-__version__ = "0.1.0"
+from attnselect.version import __version__ as __version__
 
 __all__ = [
     "attention",

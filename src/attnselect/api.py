@@ -12,6 +12,7 @@ instead of compiling again, as they share the measure policy's decisions.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -20,7 +21,7 @@ import torch
 import torch.utils.checkpoint
 
 from attnselect import backends, self_check
-from attnselect.choose import settings
+from attnselect.choose import first_calls, settings
 from attnselect.choose.distributed import is_distributed
 from attnselect.choose.failures import mark_failed
 from attnselect.choose.selection import select, select_packed
@@ -31,11 +32,14 @@ from attnselect.context_parallel.call import group_size
 from attnselect.dispatch import KnownCall, recall
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import TIMING_SOFTCAP, apply_sinks, dense_runner, kernel_call, packed_runner, run_call
+from attnselect.memos import clear_cache
 from attnselect.spec.options import CallOptions, Packing
 from attnselect.spec.problem import AttentionProblem, describe_call
 from attnselect.spec.target import Target, target_for_device
 
 Causal = bool | str
+
+log = logging.getLogger("attnselect")
 
 
 def attention(
@@ -128,7 +132,7 @@ def attention(
         out, lse, *max_logit = context_parallel_attention(q, k, v, options)
         return out if not (return_lse or return_max_logit) else _with_statistics(out, lse, max_logit, return_lse)
     known = recall(q, k, v, options)
-    packing, checking, collective = None, False, False
+    packing, checking, collective, decided = None, False, False, False
     if type(known) is not KnownCall:  # else the same shapes, dtypes, devices and options were validated and decided
         unknown, options = known, CallOptions._make(options)
         if (
@@ -163,7 +167,10 @@ def attention(
             runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing))
         else:  # this call alone, on its validated packing
             runner = _on_packing(packed_runner(chosen, decision.chosen.pad_to, call), packing)
+        if decision.rental is not None and runner is not None:  # a compile to pay later (attnselect.choose.first_calls)
+            runner = _renting(runner, decision.rental, problem)
         known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
+        decided = True
         checking = self_check.needed(problem, decision.chosen, target)  # reads ATTNSELECT_SELF_CHECK: before memoizing
         collective = checking and decision.overrides.policy == "measure" and is_distributed()
         if unknown is not None:
@@ -192,6 +199,8 @@ def attention(
         if not falls_back:
             raise
         return attention(q, k, v, **CallOptions._make(options)._asdict())
+    if decided:  # its configuration has run in this process: no compile left to pay for it
+        first_calls.ran(known.chosen, known.problem)
     if not (return_lse or return_max_logit):
         return result[0]
     return _with_statistics(result[0], result[1], result[2:], return_lse)
@@ -201,6 +210,23 @@ def attention(
 _CONTROL_FLOW = tuple(
     t for t in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if isinstance(t, type)
 )
+
+
+def _renting(run, rental: first_calls.Rental, problem: AttentionProblem):
+    """``run``, counting its calls: at the rental's count the deferred candidate's compile is paid for in lost time,
+    and the decisions are forgotten, so the next call chooses it (:mod:`attnselect.choose.first_calls`)."""
+    left = [rental.calls]
+
+    def renting(*args):
+        left[0] -= 1
+        if left[0] == 0:
+            first_calls.paid(rental.deferred, problem)
+            log.info("attnselect: %s; the rent reached the price: choosing again for %s", rental.describe(),
+                     problem.describe())  # fmt: skip
+            clear_cache()
+        return run(*args)
+
+    return renting
 
 
 def _on_packing(run, packing: Packing):
@@ -251,8 +277,11 @@ def warmup(
 ) -> list[WarmedUp]:
     """Make each problem's first call now on ``device`` (default: CUDA where available, else the CPU), as
     :func:`attnselect.attention` with these ``backend``, ``pad`` and ``disable`` would make it in the job; return
-    what each ran on and how long its first call took. A call that raises is reported, not raised: the job's own
-    call would raise or fall back the same way. ``progress(done, total, text)`` is called after each problem."""
+    what each ran on and how long its first call took. Where the fastest candidate compiles on its first call in a
+    process and would run only after a cheaper one had lost that much time (:mod:`attnselect.choose.first_calls`),
+    its first call is made here too, so the job's calls run on it from the start. A call that raises is reported,
+    not raised: the job's own call would raise or fall back the same way. ``progress(done, total, text)`` is
+    called after each problem."""
     problems = list(problems)
     for i, problem in enumerate(problems):
         if not isinstance(problem, AttentionProblem):
@@ -287,16 +316,26 @@ def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> Wa
     started = time.perf_counter()
     with torch.enable_grad() if problem.training else torch.no_grad():
         try:
-            out = attention(q, k, v, **kwargs, **controls)
-            out = out[0] if isinstance(out, tuple) else out
-            if problem.training:
-                torch.autograd.grad(out, (q, k, v), grad_out)
-            _sync(device)
+            _call(q, k, v, grad_out, kwargs, controls, problem.training, device)
+            described = AttentionProblem.from_tensors(q, k, v, **kwargs)
+            rental = select(described, **controls).rental
+            if rental is not None:  # the fastest candidate compiles on its first call: that call is made now
+                deferred = dict(controls, backend=rental.deferred.backend, pad=rental.deferred.padded)
+                _call(q, k, v, grad_out, kwargs, deferred, problem.training, device)
+                first_calls.paid(rental.deferred, described)
+                clear_cache()  # the job's calls choose it
         except Exception as exc:  # reported: the job's call would meet the same
             return WarmedUp(problem, "", time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:300])
         seconds = time.perf_counter() - started
-        described = AttentionProblem.from_tensors(q, k, v, **kwargs)
     return WarmedUp(problem, str(select(described, **controls).chosen), seconds, None)
+
+
+def _call(q, k, v, grad_out, kwargs: dict, controls: dict, training: bool, device: torch.device) -> None:
+    out = attention(q, k, v, **kwargs, **controls)
+    out = out[0] if isinstance(out, tuple) else out
+    if training:
+        torch.autograd.grad(out, (q, k, v), grad_out)
+    _sync(device)
 
 
 def call_arguments(problem: AttentionProblem, device: torch.device) -> dict:

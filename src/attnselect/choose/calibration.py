@@ -33,6 +33,7 @@ import torch
 
 from attnselect.memos import cache_dir, register_cache, warn_once
 from attnselect.spec.target import Target
+from attnselect.version import __version__
 
 log = logging.getLogger("attnselect")
 FORMAT = 1
@@ -57,10 +58,8 @@ def fingerprint(target: Target) -> dict:
 
 
 def _version() -> str:
-    """attnselect's own version (``attnselect.__version__``: the same from a checkout as from a wheel)."""
-    import attnselect
-
-    return attnselect.__version__
+    """attnselect's own version (the same from a checkout as from a wheel)."""
+    return __version__
 
 
 def curve_key(layout: str, head_dim_qk: int, head_dim_v: int, padded: bool, training: bool) -> str:

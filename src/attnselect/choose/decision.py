@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnselect.choose import rules
+from attnselect.choose.first_calls import Rental
 from attnselect.choose.settings import Overrides
 from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
@@ -26,6 +27,7 @@ class Decision:
     timings: dict | None = None  # measure policy: Candidate -> Timing, or None where it failed
     predictions: dict | None = None  # a calibration held: Candidate -> Prediction, or None where it has none
     calibration: str = ""  # the calibration's source, or why none holds
+    rental: Rental | None = None  # ranked[0] has a compile to pay first: chosen runs meanwhile (choose.first_calls)
 
     @property
     def why(self) -> str:
@@ -47,6 +49,8 @@ class Decision:
                 if fastest == self.chosen
                 else f", inside the spread of the fastest, {fastest} at {timed[fastest]}, and ranks higher in the rules"
             )
+        if self.rental is not None:
+            because = f"{self.rental.describe()}"
         if self.overrides.backend:
             because = f"the caller forced backend {self.overrides.backend!r} and " + because
         natives = [c for c in self.ranked if not c.padded]

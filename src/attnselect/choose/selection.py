@@ -8,7 +8,8 @@ import torch
 
 from attnselect.backends import evidence
 from attnselect.backends.base import get as backend_named
-from attnselect.choose import debug, measure, rules, settings
+from attnselect.choose import debug, first_calls, measure, rules, settings
+from attnselect.choose.calibration import for_target as calibration_of
 from attnselect.choose.candidates import judge, kernel_reasons, override_reasons
 from attnselect.choose.decision import Decision, no_candidate_message
 from attnselect.choose.distributed import is_distributed
@@ -166,10 +167,13 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
     if not ranked:
         error = ForcedChoiceError if overrides.backend or overrides.pad != "auto" else NoSupportedCandidateError
         raise error(no_candidate_message(problem, target, verdicts, overrides))
-    timings = None
+    timings, rental = None, None
     # Under torch.distributed every rank enters the measurement (and its broadcast), whatever it has left.
     if overrides.policy == "measure" and (len(ranked) > 1 or is_distributed()):
         ranked, timings = measure.measured(problem, target, ranked)
+    elif predicted is not None and overrides.backend is None:  # a compile to pay first (attnselect.choose.first_calls)
+        rental = first_calls.rental(ranked, predicted, calibration_of(target)[0]["first_call_ms"], problem)
     return Decision(
-        problem, target, overrides.policy, overrides, ranked[0], ranked, verdicts, timings, predicted, calibration
-    )
+        problem, target, overrides.policy, overrides, rental.chosen if rental else ranked[0], ranked, verdicts,
+        timings, predicted, calibration, rental,
+    )  # fmt: skip

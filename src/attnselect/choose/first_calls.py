@@ -1,0 +1,88 @@
+"""What a process's first call of a configuration costs, and when paying it pays off.
+
+Some kernels compile each configuration on its first call in a process: a forward and backward of FlashAttention-4
+took 6.5-19 s on the H200, its disk cache of compiled kernels filled or not (results/h200_fa4_compile.md). The
+calibration holds that cost per backend (``first_call_ms``). Where the candidate predicted fastest has such a cost
+still to pay in this process and another candidate needs no compile, the choice is a ski rental (Karlin, Manasse,
+Rudolph and Sleator, "Competitive snoopy caching", 1988: rent until the rent paid equals the price of buying, then
+buy; never more than twice the cost of knowing the future): the other candidate runs until the time it has lost
+against the faster one, by their predicted times, reaches the compile's cost, then the faster one is chosen and pays
+its compile. A one-off call does not pay seconds of compile to save microseconds, and a training loop reaches the
+faster kernel after a bounded loss.
+
+A configuration is paid for in a process once a call of it has run there (:func:`ran`: ``attnselect.warmup`` makes
+those calls ahead of time) or its rent has reached the price (:func:`paid`). That is process state, not a memo:
+clearing the decision caches does not forget it (:func:`forget` does, for tests).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from attnselect.choose.failures import eager_signature
+from attnselect.spec.options import Candidate
+from attnselect.spec.problem import AttentionProblem
+
+COMPILING_MS = 1000.0  # a first call this much longer than the next is a compile (attnselect.bench.calibrate)
+
+_PAID: set[tuple] = set()  # (candidate, eager signature) whose first call this process has paid
+
+
+class Rental(NamedTuple):
+    """The candidate run meanwhile (``chosen``), the one deferred (``deferred``) and after how many calls the
+    deferred one's compile has been paid in lost time (``calls``)."""
+
+    chosen: Candidate
+    deferred: Candidate
+    calls: int
+    compile_ms: float
+    lost_us: float  # per call
+
+    def describe(self) -> str:
+        return (
+            f"{self.deferred} is predicted {self.lost_us:.1f} us a call faster but compiles on its first call in this "
+            f"process (about {self.compile_ms / 1e3:.1f} s, calibrated): {self.chosen} runs until that much time is "
+            f"lost, {self.calls} calls, then {self.deferred} (rent until the rent reaches the price)"
+        )
+
+
+def rental(
+    ranked: tuple[Candidate, ...], predicted: dict, first_call_ms: dict, problem: AttentionProblem
+) -> Rental | None:
+    """The rental where ``ranked[0]`` (ranked by ``predicted`` time) has a compile still to pay for ``problem`` in
+    this process and a candidate that compiles nothing serves; None otherwise (choose ``ranked[0]``)."""
+    if not ranked or problem.cuda_graph_capture or problem.compiled_graph:
+        return None  # a captured or compiled call is warmed up eagerly first: its kernel runs for the graph's life
+    best = ranked[0]
+    price = _price(best, first_call_ms, problem)
+    if price is None or predicted.get(best) is None:
+        return None
+    for other in ranked[1:]:
+        if _price(other, first_call_ms, problem) is None and predicted.get(other) is not None:
+            lost = predicted[other].total_us - predicted[best].total_us
+            if lost <= 0:
+                return None
+            return Rental(other, best, max(math.ceil(price * 1e3 / lost), 1), price, lost)
+    return None
+
+
+def _price(candidate: Candidate, first_call_ms: dict, problem: AttentionProblem) -> float | None:
+    """The compile ``candidate`` would pay on its first call of ``problem`` here (None: nothing to pay)."""
+    ms = first_call_ms.get(candidate.backend, 0.0)
+    if ms < COMPILING_MS or (candidate, eager_signature(problem)) in _PAID:
+        return None
+    return ms
+
+
+def ran(candidate: Candidate, problem: AttentionProblem) -> None:
+    """A call of ``problem`` ran on ``candidate`` in this process: its configuration is compiled."""
+    _PAID.add((candidate, eager_signature(problem)))
+
+
+paid = ran  # a rental whose rent reached the price: the deferred candidate is chosen from now on
+
+
+def forget() -> None:
+    """Forget what this process has compiled (tests)."""
+    _PAID.clear()
