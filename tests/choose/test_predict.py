@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import attnselect
+from attnselect import backends
 from attnselect.choose import calibration, predict
 from attnselect.spec.masks import visible
 from attnselect.spec.options import Candidate
@@ -93,10 +94,10 @@ def test_calls_unlike_the_calibrated_ones_are_ranked_by_the_table(calibrated):
     explain says why."""
     base = dict(batch=1, seqlen_q=256, seqlen_kv=256, heads_q=16, heads_kv=16, head_dim_qk=192, head_dim_v=128,
                 training=True, dtype=torch.bfloat16)  # fmt: skip
-    for change in (dict(seqlen_q=1, mask="causal_bottom_right"), dict(dtype=torch.float32), dict(layout="thd"),
+    for change in (dict(seqlen_q=1, mask="causal_bottom_right"), dict(dtype=torch.float32),
                    dict(mask="sliding_window", window=(64, 0))):  # fmt: skip
         decision = attnselect.select(AttentionProblem(**{**base, **change}), target=H200)
-        assert decision.predictions is None and "covers dense bf16/fp16 calls" in decision.calibration, change
+        assert decision.predictions is None and "covers dense and packed bf16/fp16 calls" in decision.calibration
 
 
 def test_a_calibration_missing_a_served_candidate_ranks_nothing(calibrated):
@@ -117,3 +118,30 @@ def test_the_same_machine_without_fa4_is_ranked_by_the_calibration_and_another_f
     other = attnselect.select(problem, target=Target.preset("h200", packages={"flash-attn-4": "4.0.0b40"}))
     assert other.predictions is None
     assert "does not hold for flash_attn4: flash-attn-4 4.0.0b40 is installed" in other.calibration
+
+
+PACKED = AttentionProblem(8, 2048, 2048, 16, 16, 192, 128, layout="thd", mask="causal", training=True,
+                          dtype=torch.bfloat16)  # fmt: skip
+
+
+def test_packed_calls_rank_by_their_calibrated_curves_and_per_sequence_candidates_after(calibrated):
+    """A packed candidate's curve was timed with a new packing every call, so what it rebuilds per packing is in
+    its host time; candidates that run sequence by sequence are not calibrated and rank after the packed ones."""
+    data = sample()
+    data["host_us"]["flash_attn4"].update({"thd training": 400.0, "thd+pad training": 420.0})
+    data["gpu"]["flash_attn4"].update({"thd 192/128 training": [[10.0, 30.0], [1e4, 900.0]],
+                                       "thd 192/128+pad training": [[10.0, 35.0], [1e4, 1100.0]]})  # fmt: skip
+    calibration.user_path(H200).write_text(json.dumps(data))
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+    decision = attnselect.select(PACKED, target=H200)
+    assert decision.predictions is not None and decision.chosen == Candidate("flash_attn4")
+    packs = [backends.get(c.backend).packs_thd(H200) for c in decision.ranked]
+    assert packs == sorted(packs, reverse=True)  # every packed candidate first
+    per_sequence = [c for c, p in zip(decision.ranked, packs) if not p]
+    assert per_sequence and all(decision.predictions[c] is None for c in per_sequence)
+
+
+def test_a_calibration_without_packed_curves_leaves_packed_calls_to_the_table(calibrated):
+    decision = attnselect.select(PACKED, target=H200)
+    assert decision.predictions is None and "has no curve for flash_attn4" in decision.calibration

@@ -8,8 +8,8 @@ while the GPU is busy; and per backend, what the first call of a configuration c
 compile). Packed (thd) calls are timed too, by candidates that pack (sequence by sequence is never the fast path),
 over :data:`PACKED_LADDER` with a new packing every call (:class:`~attnselect.choose.timing.NewPackings`: a typical
 packing of the problem's size, so per-packing builds show): their curves are keyed ``thd`` and their work is the
-problem's (its sequences at their longest), the measure a prediction will read them by; packed calls are not ranked by
-prediction yet (:func:`attnselect.choose.calibration.outside`). The result is the format
+problem's (its sequences at their longest), the measure a prediction reads them by
+(:func:`attnselect.choose.rules.predictions`). The result is the format
 :mod:`attnselect.choose.calibration` reads, for this GPU and these versions; ``attnselect calibrate`` stores it in
 the cache directory, where it takes precedence over the packaged one. ``quick`` measures one pair, one phase and two
 sizes (a smoke test, never stored there).

@@ -81,8 +81,7 @@ def outside(problem) -> str | None:
     """What the calibrations measure, where ``problem`` is not such a call (None where it is): its prediction would
     come from curves of other calls, so the rules table ranks it."""
     covered = (
-        problem.layout != "thd"
-        and problem.dtype in (torch.bfloat16, torch.float16)
+        problem.dtype in (torch.bfloat16, torch.float16)
         and problem.mask in ("none", "causal", "causal_bottom_right")
         and problem.seqlen_q >= MIN_QUERIES
         and not (problem.dropout_p or problem.softcap or problem.sinks or problem.fp8)
@@ -93,8 +92,8 @@ def outside(problem) -> str | None:
 
 
 COVERS = (
-    f"dense bf16/fp16 calls of {MIN_QUERIES} or more queries, no mask or causal, without dropout, softcap, sinks, "
-    "fp8, max logit or context parallelism"
+    f"dense and packed bf16/fp16 calls of {MIN_QUERIES} or more queries, no mask or causal, without dropout, "
+    "softcap, sinks, fp8, max logit or context parallelism"
 )
 
 

@@ -13,6 +13,7 @@ the host issues the next, and a step takes the longer of the two (a call alone, 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ class Prediction:
         return f"{self.total_us:.1f} us (host {self.host_us:.1f}, GPU {self.gpu_us:.1f})"
 
 
+@functools.lru_cache(maxsize=4096)
 def visible_pairs(mask: str, window, seqlen_q: int, seqlen_kv: int) -> int:
     """The (query, key) pairs a mask leaves visible in one sequence: query i sees keys i + offset - left ..
     i + offset + right (:func:`attnselect.spec.masks.band`), clipped to the keys."""

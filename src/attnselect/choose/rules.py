@@ -3,8 +3,10 @@ preference table per arch family and phase.
 
 Where a calibration of this GPU and these library versions holds (:mod:`attnselect.choose.calibration`), the
 supported candidates go by their predicted time for the call (:mod:`attnselect.choose.predict`), the table breaking
-ties and the backends the calibration skips last (packed calls are not predicted: :func:`predictions`). Elsewhere
-the table orders them, as follows.
+ties and the backends the calibration skips last (packed: the candidates that run sequence by sequence too). A
+packed candidate's calibrated host time includes what it rebuilds for a new packing, so the demotion below and the
+refinements for small packs and short documents are the table's, where no calibration holds. Elsewhere the table
+orders them, as follows.
 
 A table lists candidates fastest first ("name" = native, "name+pad" = padded). Padding wins
 only where a padded entry ranks above every supported native one. Supported candidates the
@@ -359,12 +361,15 @@ def predictions(
         c = verdict.candidate
         if not verdict.supported:
             continue
-        package = backend_named(c.backend).package
-        changed = package and calibration.package_changed(found, package.distribution, target)
+        backend = backend_named(c.backend)
+        changed = backend.package and calibration.package_changed(found, backend.package.distribution, target)
         if changed:
             return None, f"calibration {source} does not hold for {c.backend}: {changed}"
-        predicted[c] = None if c.backend in found["skipped"] else predict(c, problem, found)
-        if predicted[c] is None and c.backend not in found["skipped"]:
+        # Packed, a candidate that runs sequence by sequence is not calibrated (it reads the boundaries on the host:
+        # attnselect.bench.calibrate) and ranks after the packed ones, as a skipped backend does.
+        unmeasured = c.backend in found["skipped"] or (problem.layout == "thd" and not backend.packs_thd(target))
+        predicted[c] = None if unmeasured else predict(c, problem, found)
+        if predicted[c] is None and not unmeasured:
             return None, f"calibration {source} has no curve for {c} at this call"
     if not any(predicted.values()):
         return None, f"calibration {source} has no curve for this call's candidates"
@@ -392,7 +397,9 @@ def rank(
         return (time is None, time.total_us if time is not None else 0.0, *in_table)
 
     ordered = sorted(supported, key=key)
-    return tuple(_stable_across_packings(ordered, target) if problem.layout == "thd" else ordered)
+    # Predicted, a packed candidate's host time was measured with a new packing every call (attnselect.bench.calibrate):
+    # what it rebuilds per packing is in its prediction.
+    return tuple(_stable_across_packings(ordered, target) if problem.layout == "thd" and predicted is None else ordered)
 
 
 def _stable_across_packings(ordered: list[Candidate], target: Target) -> list[Candidate]:

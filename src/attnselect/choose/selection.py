@@ -124,6 +124,8 @@ def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) 
     table_key, table = rules.table_for(problem, target)
     if earlier.policy != "rules" or table_key != rules.table_for(earlier.problem, target)[0]:
         return False
+    if earlier.predictions is not None:  # ranked by predicted time, which follows the sizes: ranked again
+        return False
     chosen = earlier.chosen
 
     def serves(c: Candidate) -> bool:
