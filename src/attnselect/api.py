@@ -213,14 +213,11 @@ _CONTROL_FLOW = tuple(
 
 
 def _renting(run, rental: first_calls.Rental, problem: AttentionProblem):
-    """``run``, counting its calls: at the rental's count the deferred candidate's compile is paid for in lost time,
-    and the decisions are forgotten, so the next call chooses it (:mod:`attnselect.choose.first_calls`)."""
-    left = [rental.calls]
+    """``run``, counting its calls (:func:`attnselect.choose.first_calls.rent`): at the rental's count the deferred
+    candidate's compile is paid for in lost time, and the decisions are forgotten, so the next call chooses it."""
 
     def renting(*args):
-        left[0] -= 1
-        if left[0] == 0:
-            first_calls.paid(rental.deferred, problem)
+        if first_calls.rent(rental, problem):
             log.info("attnselect: %s; the rent reached the price: choosing again for %s", rental.describe(),
                      problem.describe())  # fmt: skip
             clear_cache()

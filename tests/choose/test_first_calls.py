@@ -73,3 +73,13 @@ def test_the_renting_runner_pays_at_its_count_and_makes_the_next_call_choose_aga
     assert attnselect.select(LARGE, target=H200).chosen == FA4
     run(1, 2, 3)  # past the count: nothing more
     assert cleared == [True]
+
+
+def test_calls_at_other_sizes_of_the_signature_rent_together(monkeypatch):
+    """A packed loop brings new sizes every step, so a new decision and runner: the count goes on across them."""
+    rental = attnselect.select(LARGE, target=H200).rental._replace(calls=4)
+    cleared = []
+    monkeypatch.setattr(api, "clear_cache", lambda: cleared.append(True))
+    for seqlen in (8192, 8000, 7900, 8100):
+        api._renting(lambda *args: None, rental, LARGE._with(seqlen_q=seqlen, seqlen_kv=seqlen))()
+    assert cleared == [True]

@@ -10,7 +10,7 @@ against the faster one, by their predicted times, reaches the compile's cost, th
 its compile. A one-off call does not pay seconds of compile to save microseconds, and a training loop reaches the
 faster kernel after a bounded loss.
 
-A configuration is paid for in a process once a call of it has run there (:func:`ran`: ``attnselect.warmup`` makes
+A configuration (the call at any size) is paid for in a process once a call of it has run there (:func:`ran`: ``attnselect.warmup`` makes
 those calls ahead of time) or its rent has reached the price (:func:`paid`). That is process state, not a memo:
 clearing the decision caches does not forget it (:func:`forget` does, for tests).
 """
@@ -26,7 +26,8 @@ from attnselect.spec.problem import AttentionProblem
 
 COMPILING_MS = 1000.0  # a first call this much longer than the next is a compile (attnselect.bench.calibrate)
 
-_PAID: set[tuple] = set()  # (candidate, eager signature) whose first call this process has paid
+_PAID: set[tuple] = set()  # (candidate, configuration) whose first call this process has paid
+_RENT: dict[tuple, int] = {}  # (deferred candidate, configuration) -> calls rented so far, at any size
 
 
 class Rental(NamedTuple):
@@ -70,19 +71,37 @@ def rental(
 def _price(candidate: Candidate, first_call_ms: dict, problem: AttentionProblem) -> float | None:
     """The compile ``candidate`` would pay on its first call of ``problem`` here (None: nothing to pay)."""
     ms = first_call_ms.get(candidate.backend, 0.0)
-    if ms < COMPILING_MS or (candidate, eager_signature(problem)) in _PAID:
+    if ms < COMPILING_MS or (candidate, _configuration(problem)) in _PAID:
         return None
     return ms
 
 
+def rent(rental: Rental, problem: AttentionProblem) -> bool:
+    """Count one call run meanwhile; True at the call that reaches the rental's count (then the deferred candidate
+    is paid for). Calls of the signature at other sizes count together: a packed loop's every step has new sizes."""
+    key = (rental.deferred, _configuration(problem))
+    calls = _RENT[key] = _RENT.get(key, 0) + 1
+    if calls < rental.calls or key in _PAID:
+        return False
+    paid(rental.deferred, problem)
+    return True
+
+
 def ran(candidate: Candidate, problem: AttentionProblem) -> None:
     """A call of ``problem`` ran on ``candidate`` in this process: its configuration is compiled."""
-    _PAID.add((candidate, eager_signature(problem)))
+    _PAID.add((candidate, _configuration(problem)))
 
 
 paid = ran  # a rental whose rent reached the price: the deferred candidate is chosen from now on
 
 
+def _configuration(problem: AttentionProblem) -> tuple:
+    """What a compile is kept for: the problem's signature at any size (FA4 compiles per head dims, GQA ratio, mask,
+    layout, dtype and phase, not per length: flash_attn/cute/interface.py compile_key)."""
+    return eager_signature(problem._with(batch=0, seqlen_q=0, seqlen_kv=0))
+
+
 def forget() -> None:
     """Forget what this process has compiled (tests)."""
     _PAID.clear()
+    _RENT.clear()
