@@ -10,9 +10,9 @@ against the faster one, by their predicted times, reaches the compile's cost, th
 its compile. A one-off call does not pay seconds of compile to save microseconds, and a training loop reaches the
 faster kernel after a bounded loss.
 
-A configuration (the call at any size) is paid for in a process once a call of it has run there (:func:`ran`: ``attnselect.warmup`` makes
-those calls ahead of time) or its rent has reached the price (:func:`paid`). That is process state, not a memo:
-clearing the decision caches does not forget it (:func:`forget` does, for tests).
+A configuration (the call at any size) is paid for in a process once a call of it has run there (:func:`ran`:
+``attnselect.warmup`` makes those calls ahead of time) or its rent has reached the price (:func:`paid`). That is
+process state, not a memo: clearing the decision caches does not forget it (:func:`forget` does, for tests).
 """
 
 from __future__ import annotations
