@@ -1,4 +1,4 @@
-"""The package's shape: no import cycles between attnselect's modules (lazy imports inside functions count)."""
+"""The package's shape: no import cycles between its modules (lazy imports count), its floors, a test file each."""
 
 from __future__ import annotations
 
@@ -164,3 +164,30 @@ def _below(name: str, graph: dict[str, set[str]]) -> set[str]:
             seen.add(n)
             todo.extend(graph[n])
     return seen
+
+
+TESTS = pathlib.Path(__file__).resolve().parent
+# Private modules tested through the test file of the family that shares them (the backends built on them).
+MIRROR_EXCEPTIONS = {
+    "backends/_flash_attn.py": "tests/backends/test_flash_attn.py",
+    "backends/_sdpa.py": "tests/backends/test_sdpa.py",
+}
+
+
+def _mirror(module: pathlib.Path) -> pathlib.Path:
+    """tests/<package>/test_<module>.py for src/attnselect/<package>/<module>.py."""
+    return TESTS / module.parent / f"test_{module.name}"
+
+
+def test_every_module_has_its_mirrored_test_file():
+    modules = sorted(path.relative_to(SRC) for path in SRC.rglob("*.py") if path.name != "__init__.py")
+    assert pathlib.Path("choose/selection.py") in modules  # the walk sees the modules
+    missing = []
+    for module in modules:
+        family = MIRROR_EXCEPTIONS.get(module.as_posix())
+        test_file = TESTS.parent / family if family else _mirror(module)
+        if not test_file.is_file():
+            missing.append(f"src/attnselect/{module.as_posix()}: {test_file.relative_to(TESTS.parent).as_posix()}")
+    assert missing == [], "modules without their test file:\n" + "\n".join(missing)
+    stale = [name for name in MIRROR_EXCEPTIONS if not (SRC / name).is_file() or _mirror(pathlib.Path(name)).is_file()]
+    assert stale == [], f"exceptions for modules that are gone or have their own test file: {stale}"

@@ -1,5 +1,5 @@
-"""Run by tests/choose/test_measure.py: two gloo ranks tune one problem; only rank 0 may measure; each prints its choice
-(a JSON line, as tests/helpers.run_group reads it)."""
+"""Run by tests/choose/test_distributed.py: two gloo ranks tune one problem; only rank 0 may measure; each prints its
+choice (a JSON line, as tests/helpers.run_group reads it)."""
 
 import json
 import os

@@ -177,13 +177,6 @@ def test_thd_facts_are_read_from_cu_seqlens():
     assert bottom_right.varlen_rows_without_keys  # 4 queries, 1 key: the first 3 see none
 
 
-def test_newer_torch_on_hopper_follows_the_newest_cudnn_gate():
-    newer = Target.preset("h200", torch_version="2.13.0")
-    padded = verdict(attnselect.select(AttentionProblem(**MLA, training=True), target=newer), "sdpa_cudnn", 192)
-    assert any("9.22" in r for r in padded.reasons)
-    assert verdict(attnselect.select(AttentionProblem(**MLA), target=newer), "sdpa_cudnn").supported
-
-
 @pytest.mark.parametrize(
     "max_seqlen,heads,training,chosen",
     [

@@ -56,12 +56,6 @@ def test_registry_change_invalidates():
     assert attnselect.select(P, target=CPU) == first
 
 
-def test_forced_backend_and_pad():
-    assert attnselect.select(P, target=CPU, backend="reference").chosen == Candidate("reference")
-    assert attnselect.select(P, target=CPU, backend="reference", pad=True).chosen == Candidate("reference", 24)
-    assert attnselect.select(P, target=CPU, pad=False).chosen == Candidate("sdpa_math")
-
-
 def test_forced_backend_that_cannot_serve_lists_its_reasons():
     with pytest.raises(attnselect.ForcedChoiceError) as err:
         attnselect.select(P, target=CPU, backend="sdpa_cudnn")

@@ -1,6 +1,6 @@
-"""One rank of tests/context_parallel/test_ring.py: a gloo group of N processes runs every case on the CPU in
-float64 and prints one JSON line per case with this rank's largest difference to the single-process attention's
-shard (output, lse, max logit and every gradient), or the error a bad call raised.
+"""One rank of tests/context_parallel/test_ring.py and test_call.py: a gloo group of N processes runs every case on
+the CPU in float64 and prints one JSON line per case with this rank's largest difference to the single-process
+attention's shard (output, lse, max logit and every gradient), or the error a bad call raised.
 
 With ``cuda`` as its fourth argument (tests/context_parallel/test_ring_gpu.py) the processes share one GPU: the
 cases run in bfloat16 at MLA's 192/128 on the chunk kernels attnselect chooses there, each report holding this

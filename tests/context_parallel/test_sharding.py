@@ -83,12 +83,6 @@ def test_bad_arguments_name_the_argument(call, message):
     assert message in str(err.value)
 
 
-def test_cp_group_must_be_a_process_group():
-    q = torch.randn(1, 4, 2, 8)
-    with pytest.raises(attnselect.InvalidInputError, match="cp_group: got str, expected None or a torch.distributed"):
-        attnselect.attention(q, q, q, cp_group="context")
-
-
 def test_cp_group_is_refused_under_torch_compile():
     from attnselect.ops import traced_attention
     from attnselect.spec.options import CallOptions

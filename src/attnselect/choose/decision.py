@@ -140,7 +140,7 @@ class Decision:
 
 def _reason_group(reason: str) -> str:
     """A refusal's first reason as a group heading: missing packages together, a reason over 120 characters cut
-    (tests/test_public_errors.py keeps every reason shorter)."""
+    (tests/choose/test_candidates.py keeps every reason shorter)."""
     if reason.startswith("package ") and reason.endswith(" is not installed"):
         return "package not installed"
     return reason if len(reason) <= 120 else reason[:117] + "..."
