@@ -167,7 +167,7 @@ def attention(
             runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing))
         else:  # this call alone, on its validated packing
             runner = _on_packing(packed_runner(chosen, decision.chosen.pad_to, call), packing)
-        if decision.rental is not None and runner is not None:  # a compile to pay later (attnselect.choose.first_calls)
+        if decision.rental and decision.rental.calls and runner is not None:  # a compile to pay later (first_calls)
             runner = _renting(runner, decision.rental, problem)
         known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
         decided = True
@@ -216,8 +216,11 @@ def _renting(run, rental: first_calls.Rental, problem: AttentionProblem):
     """``run``, counting its calls (:func:`attnselect.choose.first_calls.rent`): at the rental's count the deferred
     candidate's compile is paid for in lost time, and the decisions are forgotten, so the next call chooses it."""
 
+    key, paid = first_calls.rent_key(rental, problem), [False]
+
     def renting(*args):
-        if first_calls.rent(rental, problem):
+        if not paid[0] and first_calls.rent(rental, key):
+            paid[0] = True
             log.info("attnselect: %s; the rent reached the price: choosing again for %s", rental.describe(),
                      problem.describe())  # fmt: skip
             clear_cache()
@@ -317,10 +320,9 @@ def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> Wa
             described = AttentionProblem.from_tensors(q, k, v, **kwargs)
             rental = select(described, **controls).rental
             if rental is not None:  # the fastest candidate compiles on its first call: that call is made now
-                deferred = dict(controls, backend=rental.deferred.backend, pad=rental.deferred.padded)
-                _call(q, k, v, grad_out, kwargs, deferred, problem.training, device)
                 first_calls.paid(rental.deferred, described)
-                clear_cache()  # the job's calls choose it
+                clear_cache()  # chosen from now on; a failure falls back and is recorded as in the job
+                _call(q, k, v, grad_out, kwargs, controls, problem.training, device)
         except Exception as exc:  # reported: the job's call would meet the same
             return WarmedUp(problem, "", time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:300])
         seconds = time.perf_counter() - started

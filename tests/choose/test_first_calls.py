@@ -53,10 +53,20 @@ def test_once_its_configuration_ran_in_this_process_the_fastest_is_chosen():
     assert attnselect.select(LARGE, target=H200).chosen == FA4
 
 
-def test_no_rental_where_the_caller_forced_a_backend_or_the_call_is_captured_or_compiled():
+def test_a_forced_backend_is_never_rented_out():
     assert attnselect.select(LARGE, target=H200, backend="flash_attn4").chosen == FA4
-    for graph in (dict(cuda_graph_capture=True), dict(compiled_graph=True)):
-        assert attnselect.select(LARGE._with(**graph), target=H200).rental is None, graph
+
+
+@pytest.mark.parametrize("graph", [dict(cuda_graph_capture=True), dict(compiled_graph=True)])
+def test_a_captured_or_compiled_call_keeps_what_its_eager_warm_up_ran_until_the_fastest_has_run(graph):
+    """Capture and compile follow an eager warm-up, which ran the rented candidate: choosing the fastest there
+    would compile it inside the capture, where the self-check does not look."""
+    decision = attnselect.select(LARGE._with(**graph), target=H200)
+    assert decision.chosen == Candidate("sdpa_cudnn") and decision.rental.calls == 0
+    assert "this captured or compiled call keeps sdpa_cudnn" in decision.why
+    first_calls.ran(FA4, LARGE)  # the eager warm-up ran the fastest (warmup(), or a rental that paid)
+    attnselect.clear_cache()
+    assert attnselect.select(LARGE._with(**graph), target=H200).chosen == FA4
 
 
 def test_the_renting_runner_pays_at_its_count_and_makes_the_next_call_choose_again(monkeypatch):
@@ -83,3 +93,63 @@ def test_calls_at_other_sizes_of_the_signature_rent_together(monkeypatch):
     for seqlen in (8192, 8000, 7900, 8100):
         api._renting(lambda *args: None, rental, LARGE._with(seqlen_q=seqlen, seqlen_kv=seqlen))()
     assert cleared == [True]
+
+
+def test_a_rental_ends_when_the_fastest_was_paid_for_another_way(monkeypatch):
+    """A forced call of the deferred candidate (or its choice at another size) paid its compile: the rented runner
+    makes the decisions again at its next call, once."""
+    rental = attnselect.select(LARGE, target=H200).rental
+    cleared = []
+    monkeypatch.setattr(api, "clear_cache", lambda: cleared.append(True))
+    run = api._renting(lambda *args: None, rental, LARGE)
+    run()
+    assert cleared == []
+    first_calls.ran(FA4, LARGE._with(seqlen_q=4096, seqlen_kv=4096))
+    run()
+    run()
+    assert cleared == [True]
+
+
+@pytest.fixture
+def rented_on_cpu(monkeypatch):
+    """Predictions on the CPU: sdpa_flash fastest but with a 1 s first call, sdpa_math 0.1 s a call slower (a
+    rental of 10 calls)."""
+    from attnselect.choose import rules
+    from attnselect.choose.predict import Prediction
+
+    times = {Candidate("sdpa_flash"): 10.0, Candidate("sdpa_math"): 100_010.0}
+
+    def predictions(verdicts, problem, target):
+        found = {v.candidate: None for v in verdicts if v.supported}
+        found.update({c: Prediction(1.0, us, "test") for c, us in times.items() if c in found})
+        return found, "test", {"sdpa_flash": 1000.0}
+
+    monkeypatch.setattr(rules, "predictions", predictions)
+    attnselect.clear_cache()
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, 8, 2, 16, generator=g) for _ in range(3))
+
+
+def _last_chosen() -> Candidate:
+    from attnselect import dispatch
+
+    return dispatch.known_calls()[-1].chosen
+
+
+def test_attention_runs_the_rented_kernel_until_the_rent_is_paid_then_the_fastest(rented_on_cpu):
+    q, k, v = rented_on_cpu
+    for _ in range(9):
+        attnselect.attention(q, k, v, causal=True)
+        assert _last_chosen() == Candidate("sdpa_math")
+    attnselect.attention(q, k, v, causal=True)  # the tenth call pays: the decisions are forgotten
+    attnselect.attention(q, k, v, causal=True)
+    assert _last_chosen() == Candidate("sdpa_flash")
+
+
+def test_warmup_makes_the_fastest_candidates_first_call_so_the_job_starts_on_it(rented_on_cpu):
+    q, k, v = rented_on_cpu
+    problem = AttentionProblem.from_tensors(q, k, v, causal=True)
+    (warmed,) = attnselect.warmup([problem], device="cpu")
+    assert warmed.error is None and warmed.chosen == "sdpa_flash native"
+    attnselect.attention(q, k, v, causal=True)
+    assert _last_chosen() == Candidate("sdpa_flash")

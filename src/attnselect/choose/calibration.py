@@ -186,7 +186,7 @@ def _problem(data) -> str | None:
         return "skipped is not a list of backend names"
     if not isinstance(fp["packages"], dict):
         return "its fingerprint's packages are not a dict"
-    host, gpu, first = data.get("host_us"), data.get("gpu"), data.get("first_call_ms", {})
+    host, gpu, first = data.get("host_us"), data.get("gpu"), data.setdefault("first_call_ms", {})
     if not (isinstance(first, dict) and all(_is_time(ms) for ms in first.values())):
         return "first_call_ms is not a dict of times"
     if not isinstance(host, dict):

@@ -32,7 +32,8 @@ _RENT: dict[tuple, int] = {}  # (deferred candidate, configuration) -> calls ren
 
 class Rental(NamedTuple):
     """The candidate run meanwhile (``chosen``), the one deferred (``deferred``) and after how many calls the
-    deferred one's compile has been paid in lost time (``calls``)."""
+    deferred one's compile has been paid in lost time (``calls``; 0 for a captured or compiled call, which keeps
+    ``chosen`` for the graph's life)."""
 
     chosen: Candidate
     deferred: Candidate
@@ -41,10 +42,18 @@ class Rental(NamedTuple):
     lost_us: float  # per call
 
     def describe(self) -> str:
-        return (
+        head = (
             f"{self.deferred} is predicted {self.lost_us:.1f} us a call faster but compiles on its first call in this "
-            f"process (about {self.compile_ms / 1e3:.1f} s, calibrated): {self.chosen} runs until that much time is "
-            f"lost, {self.calls} calls, then {self.deferred} (rent until the rent reaches the price)"
+            f"process (about {self.compile_ms / 1e3:.1f} s, calibrated): "
+        )
+        if not self.calls:
+            return head + (
+                f"this captured or compiled call keeps {self.chosen}, as its eager warm-up ran (warmup() runs "
+                f"{self.deferred} first)"
+            )
+        return head + (
+            f"{self.chosen} runs until that much time is lost, {self.calls} calls, then {self.deferred} (rent until "
+            "the rent reaches the price)"
         )
 
 
@@ -52,9 +61,11 @@ def rental(
     ranked: tuple[Candidate, ...], predicted: dict, first_call_ms: dict, problem: AttentionProblem
 ) -> Rental | None:
     """The rental where ``ranked[0]`` (ranked by ``predicted`` time) has a compile still to pay for ``problem`` in
-    this process and a candidate that compiles nothing serves; None otherwise (choose ``ranked[0]``)."""
-    if not ranked or problem.cuda_graph_capture or problem.compiled_graph:
-        return None  # a captured or compiled call is warmed up eagerly first: its kernel runs for the graph's life
+    this process and a candidate that compiles nothing serves; None otherwise (choose ``ranked[0]``). A captured or
+    compiled call whose fastest candidate is unpaid keeps the candidate its eager warm-up ran (``calls`` 0): it
+    would otherwise compile inside the capture, unchecked (attnselect.self_check checks eager calls)."""
+    if not ranked:
+        return None
     best = ranked[0]
     price = _price(best, first_call_ms, problem)
     if price is None or predicted.get(best) is None:
@@ -64,7 +75,8 @@ def rental(
             lost = predicted[other].total_us - predicted[best].total_us
             if lost <= 0:
                 return None
-            return Rental(other, best, max(math.ceil(price * 1e3 / lost), 1), price, lost)
+            graph = problem.cuda_graph_capture or problem.compiled_graph
+            return Rental(other, best, 0 if graph else max(math.ceil(price * 1e3 / lost), 1), price, lost)
     return None
 
 
@@ -76,14 +88,21 @@ def _price(candidate: Candidate, first_call_ms: dict, problem: AttentionProblem)
     return ms
 
 
-def rent(rental: Rental, problem: AttentionProblem) -> bool:
-    """Count one call run meanwhile; True at the call that reaches the rental's count (then the deferred candidate
-    is paid for). Calls of the signature at other sizes count together: a packed loop's every step has new sizes."""
-    key = (rental.deferred, _configuration(problem))
+def rent_key(rental: Rental, problem: AttentionProblem) -> tuple:
+    """What :func:`rent` counts under: the deferred candidate and the configuration (worked out once per runner)."""
+    return rental.deferred, _configuration(problem)
+
+
+def rent(rental: Rental, key: tuple) -> bool:
+    """Count one call run meanwhile; True at the call that reaches the rental's count, or once the deferred
+    candidate was paid otherwise (a forced call, another size's choice): the decisions are then made again. Calls of
+    the configuration at other sizes count together: a packed loop's every step has new sizes."""
+    if key in _PAID:
+        return True
     calls = _RENT[key] = _RENT.get(key, 0) + 1
-    if calls < rental.calls or key in _PAID:
+    if calls < rental.calls:
         return False
-    paid(rental.deferred, problem)
+    _PAID.add(key)
     return True
 
 

@@ -344,36 +344,38 @@ def entry(c: Candidate) -> tuple[str, bool]:
 
 def predictions(
     verdicts: tuple[Verdict, ...], problem: AttentionProblem, target: Target
-) -> tuple[dict[Candidate, Prediction | None] | None, str]:
+) -> tuple[dict[Candidate, Prediction | None] | None, str, dict]:
     """Each supported candidate's predicted time (None for backends the calibration skips on purpose: they rank
-    after the others) and the calibration's source; (None, why not) where no calibration holds on ``target``, the
+    after the others), the calibration's source and its first calls' costs (``first_call_ms``); (None, why not,
+    {}) where no calibration holds on ``target``, the
     call is not one calibrations measure (:func:`attnselect.choose.calibration.outside`: the table ranks it), or a
     candidate the calibration did not skip has no curve for it or another version of its package (a partial
     calibration orders nothing)."""
     found, source = calibration.for_target(target)
     if found is None:
-        return None, source
+        return None, source, {}
     outside = calibration.outside(problem)
     if outside:
-        return None, f"calibration {source} covers {outside}"
+        return None, f"calibration {source} covers {outside}", {}
     predicted: dict[Candidate, Prediction | None] = {}
     for verdict in verdicts:
         c = verdict.candidate
         if not verdict.supported:
             continue
         backend = backend_named(c.backend)
-        changed = backend.package and calibration.package_changed(found, backend.package.distribution, target)
-        if changed:
-            return None, f"calibration {source} does not hold for {c.backend}: {changed}"
         # Packed, a candidate that runs sequence by sequence is not calibrated (it reads the boundaries on the host:
         # attnselect.bench.calibrate) and ranks after the packed ones, as a skipped backend does.
         unmeasured = c.backend in found["skipped"] or (problem.layout == "thd" and not backend.packs_thd(target))
+        package = None if unmeasured else backend.package
+        changed = package and calibration.package_changed(found, package.distribution, target)
+        if changed:
+            return None, f"calibration {source} does not hold for {c.backend}: {changed}", {}
         predicted[c] = None if unmeasured else predict(c, problem, found)
         if predicted[c] is None and not unmeasured:
-            return None, f"calibration {source} has no curve for {c} at this call"
+            return None, f"calibration {source} has no curve for {c} at this call", {}
     if not any(predicted.values()):
-        return None, f"calibration {source} has no curve for this call's candidates"
-    return predicted, source
+        return None, f"calibration {source} has no curve for this call's candidates", {}
+    return predicted, source, found["first_call_ms"]
 
 
 def rank(

@@ -9,7 +9,6 @@ import torch
 from attnselect.backends import evidence
 from attnselect.backends.base import get as backend_named
 from attnselect.choose import debug, first_calls, measure, rules, settings
-from attnselect.choose.calibration import for_target as calibration_of
 from attnselect.choose.candidates import judge, kernel_reasons, override_reasons
 from attnselect.choose.decision import Decision, no_candidate_message
 from attnselect.choose.distributed import is_distributed
@@ -164,7 +163,7 @@ def _failed(problem: AttentionProblem, target: Target) -> dict:
 
 def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overrides) -> Decision:
     verdicts = judge(problem, target, overrides, _failed(problem, target))
-    predicted, calibration = rules.predictions(verdicts, problem, target)
+    predicted, calibration, first_call_ms = rules.predictions(verdicts, problem, target)
     ranked = rules.rank(verdicts, problem, target, predicted)
     if not ranked:
         error = ForcedChoiceError if overrides.backend or overrides.pad != "auto" else NoSupportedCandidateError
@@ -174,7 +173,7 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
     if overrides.policy == "measure" and (len(ranked) > 1 or is_distributed()):
         ranked, timings = measure.measured(problem, target, ranked)
     elif predicted is not None and overrides.backend is None:  # a compile to pay first (attnselect.choose.first_calls)
-        rental = first_calls.rental(ranked, predicted, calibration_of(target)[0]["first_call_ms"], problem)
+        rental = first_calls.rental(ranked, predicted, first_call_ms, problem)
     return Decision(
         problem, target, overrides.policy, overrides, rental.chosen if rental else ranked[0], ranked, verdicts,
         timings, predicted, calibration, rental,
