@@ -1,4 +1,5 @@
-"""Integrations with frameworks that run attnselect for you: Hugging Face transformers, Megatron-core and Ray.
+"""Integrations with frameworks that run attnselect for you: Hugging Face transformers, Megatron-core, torchtitan
+and Ray.
 Each framework is an optional extra; this package holds what the integrations share."""
 
 from __future__ import annotations

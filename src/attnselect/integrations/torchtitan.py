@@ -1,0 +1,259 @@
+"""torchtitan: every attention call of a torchtitan decoder model through :func:`attnselect.attention`.
+
+    import attnselect.integrations.torchtitan as attnselect_titan
+    model = attnselect_titan.apply(model)          # a built model: the same object, parameters and state-dict keys
+    # or, before the model is built, as one of torchtitan's model converters:
+    spec = model_registry("16B", converters=[attnselect_titan.AttnSelectConverter.Config()])
+
+The hook point is each layer's ``attention.inner_attention`` (torchtitan 0.3.0, ``models/common/attention.py``):
+``FlexAttention`` (the default), ``VarlenAttention`` or ``ScaledDotProductAttention``, called as ``(q, k, v, *,
+attention_masks, scale, enable_gqa, ...)`` with (B, L, H, D) tensors. Each is swapped for a subclass of its own
+class (``isinstance`` checks in torchtitan's trainer, compile, context parallelism and sharding still see what they
+saw) whose forward calls :func:`attnselect.attention`; its arguments keep their names (tensor parallelism's
+``local_map`` is keyed on them). DeepSeek-V3's MLA passes q/k 192 and a strided 128-wide v: they go in natively,
+attnselect decides any padding. The model's dtype is kept (torchtitan's varlen path casts to bf16).
+
+Masks keep their meaning, never silently plain causal:
+
+- ``ScaledDotProductAttention``: ``is_causal`` (torchtitan's SDPA takes no mask);
+- ``VarlenAttention``: its ``VarlenMetadata`` (cu_seqlens over the flattened B*L tokens) as the packed thd layout,
+  causal, or its config's ``window_size`` (W, 0) as a causal sliding window;
+- ``FlexAttention``: the ``BlockMask`` torchtitan builds for packed documents (``get_attention_masks``: causal and
+  same-document, documents starting where ``positions == 0``). The documents are read back from its ``mask_mod``
+  (token i starts one where it may not see token i - 1), checked (each token sees itself and its document's first
+  token, not the token before that one, and not the next token), and run as the packed thd layout; a BlockMask
+  that is not such a mask is refused. They are worked out once per BlockMask (one host read of the longest
+  document; every layer of a step shares it). Rows of one document each run as a dense causal call.
+
+Refused with :class:`~attnselect.errors.InvalidInputError`: a module that is not a torchtitan decoder, a flex
+``score_mod``, masks missing where the inner attention needs them, and context parallelism (query and key lengths
+differ, or DTensor inputs): torchtitan's context parallelism gathers K/V around flex or shards SDPA through
+DTensor, neither of which this call follows (``attnselect.context_parallel`` is attnselect's own).
+
+Supported torchtitan: 0.3.0 (tested on the CPU: the DeepSeek-V3, Llama 3 and Qwen3 debug models).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from attnselect import api
+from attnselect.errors import InvalidInputError
+
+
+def apply(model):
+    """Make every attention call of the torchtitan decoder ``model`` run through :func:`attnselect.attention`; returns
+    the same model. Its inner attention modules change class (to subclasses of their own), nothing else."""
+    classes = _classes()
+    from torchtitan.models.common.decoder import Decoder
+
+    if not isinstance(model, Decoder):
+        raise InvalidInputError(
+            f"model: got {type(model).__name__}, expected a torchtitan decoder model "
+            "(torchtitan.models.common.decoder.Decoder: DeepSeek-V3, Llama 3, Qwen3, ...)"
+        )
+    swapped = 0
+    for module in model.modules():
+        ours = classes.get(type(module))
+        if ours is not None:
+            module.__class__ = ours
+            swapped += 1
+    if not swapped and not any(type(m) in classes.values() for m in model.modules()):
+        raise InvalidInputError(
+            f"model: got a {type(model).__name__} without torchtitan's inner attention modules (FlexAttention, "
+            "VarlenAttention or ScaledDotProductAttention), expected a model whose layers hold them"
+        )
+    return model
+
+
+def _forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True,
+             score_mod=None, out_transform=None, **kwargs):  # fmt: skip
+    """The inner attention's forward, through attnselect (the arguments of torchtitan's inner attentions)."""
+    kind = _kind(self)
+    if score_mod is not None:
+        raise InvalidInputError(
+            "score_mod: got a function, expected None: attnselect runs masks it knows, not arbitrary score mods"
+        )
+    if any(type(t).__name__ == "DTensor" for t in (q_BLNH, k_BLNH, v_BLNH)) or q_BLNH.shape[1] != k_BLNH.shape[1]:
+        raise InvalidInputError(
+            f"q_BLNH, k_BLNH: got {q_BLNH.shape[1]} queries and {k_BLNH.shape[1]} keys a row"
+            + (" as DTensors" if type(q_BLNH).__name__ == "DTensor" else "")
+            + ", expected local tensors of equal lengths: torchtitan's context parallelism is not served through "
+            "attnselect (attnselect.context_parallel is its own)"
+        )
+    packing, causal, window = None, True, None
+    if kind == "sdpa":
+        if attention_masks is not None:
+            raise InvalidInputError("attention_masks: got a mask, expected None (ScaledDotProductAttention's)")
+        causal = bool(is_causal)
+    elif kind == "varlen":
+        packing = _varlen_packing(attention_masks)
+        left, right = self.window_size
+        causal, window = _varlen_mask(left, right)
+    else:
+        packing = _flex_packing(attention_masks, q_BLNH)
+    batch, length = q_BLNH.shape[:2]
+    lse = out_transform is not None
+    mask = dict(causal=causal) if window is None else dict(window=window)
+    if packing is None:
+        result = api.attention(q_BLNH, k_BLNH, v_BLNH, **mask, scale=scale, return_lse=lse)
+        out, lse_BNL = (result[0], result[1]) if lse else (result, None)
+        lse_BLN = lse_BNL.transpose(1, 2) if lse else None
+    else:
+        cu_q, cu_k, max_q, max_k = packing
+        tokens = batch * length
+        result = api.attention(
+            q_BLNH.reshape(tokens, *q_BLNH.shape[2:]), k_BLNH.reshape(tokens, *k_BLNH.shape[2:]),
+            v_BLNH.reshape(tokens, *v_BLNH.shape[2:]), layout="thd", cu_seqlens_q=cu_q,
+            cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k, **mask, scale=scale, return_lse=lse,
+        )  # fmt: skip
+        out, lse_NT = (result[0], result[1]) if lse else (result, None)
+        out = out.view(batch, length, *out.shape[1:])
+        lse_BLN = lse_NT.transpose(0, 1).reshape(batch, length, -1) if lse else None
+    return out if out_transform is None else out_transform(out, lse_BLN)
+
+
+def _varlen_mask(left: int, right: int) -> tuple[bool, tuple[int, int] | None]:
+    """VarlenAttention's window_size as attnselect's mask: (-1, 0) causal, (-1, -1) none, (W, 0) a window."""
+    if (left, right) == (-1, 0):
+        return True, None
+    if (left, right) == (-1, -1):
+        return False, None
+    if left >= 0 and right == 0:
+        return False, (left, 0)
+    raise InvalidInputError(f"window_size: got {(left, right)}, expected (-1, 0), (-1, -1) or (W, 0)")
+
+
+def _varlen_packing(masks):
+    from torchtitan.models.common.attention import VarlenMetadata
+
+    if not isinstance(masks, VarlenMetadata):
+        raise InvalidInputError(
+            f"attention_masks: got {type(masks).__name__}, expected the VarlenMetadata of model.get_attention_masks"
+        )
+    return masks.cu_seq_q, masks.cu_seq_k, int(masks.max_q), int(masks.max_k)
+
+
+_PACKING = "_attnselect_packing"  # a BlockMask's documents, worked out once (every layer of a step shares them)
+
+
+def _flex_packing(mask, q):
+    """The documents of torchtitan's packed-document BlockMask, as (cu_seqlens, cu_seqlens, longest, longest) over
+    the flattened tokens, or None where every row is one document (a dense causal call)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(mask, BlockMask):
+        raise InvalidInputError(
+            f"attention_masks: got {type(mask).__name__}, expected the BlockMask of model.get_attention_masks"
+        )
+    found = mask.__dict__.get(_PACKING)
+    if found is None:
+        found = mask.__dict__[_PACKING] = _documents(mask, q.shape[0], q.shape[1], q.device)
+    return found[0]
+
+
+def _documents(mask, batch: int, length: int, device) -> tuple:
+    """(packing or None,): the documents of ``mask``, a causal same-document mask, checked."""
+    if tuple(mask.seq_lengths) != (length, length) or mask.shape[0] not in (1, batch):
+        raise InvalidInputError(
+            f"attention_masks: got a BlockMask of {tuple(mask.shape)} for {tuple(mask.seq_lengths)} query/key "
+            f"positions, expected one for ({batch}, ..., {length}, {length})"
+        )
+    flat = torch.arange(batch * length, device=device)
+    rows, i = flat // length, flat % length
+    sees = functools.partial(_sees, mask.mask_mod, rows if mask.shape[0] > 1 else torch.zeros_like(rows),
+                             torch.zeros_like(rows), i)  # fmt: skip
+    starts = i == 0
+    starts[i > 0] = ~sees(i - 1)[i > 0]  # token i starts a document where it may not see token i - 1
+    first = torch.cummax(torch.where(starts, flat, 0), 0).values - rows * length  # its document's first token
+    ok = (
+        bool(sees(i).all())
+        and bool(sees(first).all())
+        and not bool(sees(first - 1)[first > 0].any())
+        and not bool(sees(i + 1)[i + 1 < length].any())
+    )
+    if not ok:
+        raise InvalidInputError(
+            "attention_masks: got a BlockMask that is not causal within documents (torchtitan's packed-document "
+            "mask), expected that mask: attnselect reads documents from it and runs nothing else"
+        )
+    boundaries = torch.cat([flat[starts], torch.tensor([batch * length], device=device)])
+    if boundaries.numel() - 1 == batch:
+        return (None,)
+    cu = boundaries.to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())  # one host read per BlockMask
+    return ((cu, cu, longest, longest),)
+
+
+def _sees(mask_mod, rows, heads, q_idx, kv_idx) -> torch.Tensor:
+    """Whether each query ``q_idx`` may see key ``kv_idx`` (clamped into the row; callers mask the clamped ones)."""
+    kv = kv_idx.clamp(0, int(q_idx.max()) if q_idx.numel() else 0)
+    return mask_mod(rows, heads, q_idx, kv).to(torch.bool)
+
+
+def _kind(module) -> str:
+    return _KIND_OF[type(module).__mro__[1].__name__]
+
+
+_KIND_OF = {"FlexAttention": "flex", "VarlenAttention": "varlen", "ScaledDotProductAttention": "sdpa"}
+
+
+@functools.cache
+def _classes() -> dict:
+    """{torchtitan's inner attention class: attnselect's subclass of it}, made once."""
+    try:
+        from torchtitan.models.common import attention
+    except ImportError as exc:
+        raise InvalidInputError(
+            "model: the torchtitan integration needs torchtitan (pip install torchtitan==0.3.0)"
+        ) from exc
+    made = {}
+    for name in _KIND_OF:
+        base = getattr(attention, name)
+        config = dataclasses.dataclass(kw_only=True, slots=True)(
+            type("Config", (base.Config,), {"__module__": __name__, "__qualname__": f"AttnSelect{name}.Config"})
+        )
+        made[base] = type(f"AttnSelect{name}", (base,), {"forward": _forward, "Config": config, "__module__": __name__})
+    return made
+
+
+def _convert_config(config):
+    """An inner attention config as attnselect's subclass of its class, its fields kept; others unchanged."""
+    for base, ours in _classes().items():
+        if type(config) is base.Config:
+            return ours.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init})
+    return config
+
+
+def _converter():
+    from torchtitan.protocols.model import ModelConfigConverter
+
+    class AttnSelectConverter(ModelConfigConverter):
+        """torchtitan model converter: every layer's inner attention (MTP layers included) through attnselect."""
+
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(ModelConfigConverter.Config):
+            pass
+
+        def __init__(self, config: Config):
+            pass
+
+        def convert(self, model_config):
+            for layer in [*getattr(model_config, "layers", []), *(getattr(model_config, "mtp_layers", None) or [])]:
+                attention = getattr(layer, "attention", None)
+                if attention is not None and hasattr(attention, "inner_attention"):
+                    attention.inner_attention = _convert_config(attention.inner_attention)
+            return model_config
+
+    AttnSelectConverter.__module__ = __name__
+    return AttnSelectConverter
+
+
+def __getattr__(name: str):
+    if name == "AttnSelectConverter":  # torchtitan is imported only when asked for
+        converter = globals()["AttnSelectConverter"] = _converter()
+        return converter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
