@@ -132,7 +132,7 @@ def attention(
         out, lse, *max_logit = context_parallel_attention(q, k, v, options)
         return out if not (return_lse or return_max_logit) else _with_statistics(out, lse, max_logit, return_lse)
     known = recall(q, k, v, options)
-    packing, checking, collective, decided = None, False, False, False
+    packing, checking, collective, compiled = None, False, False, False
     if type(known) is not KnownCall:  # else the same shapes, dtypes, devices and options were validated and decided
         unknown, options = known, CallOptions._make(options)
         if (
@@ -170,7 +170,7 @@ def attention(
         if decision.rental and decision.rental.calls and runner is not None:  # a compile to pay later (first_calls)
             runner = _renting(runner, decision.rental, problem)
         known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
-        decided = True
+        compiled = decision.predictions is not None  # a calibration holds: what compiles is tracked
         checking = self_check.needed(problem, decision.chosen, target)  # reads ATTNSELECT_SELF_CHECK: before memoizing
         collective = checking and decision.overrides.policy == "measure" and is_distributed()
         if unknown is not None:
@@ -199,7 +199,7 @@ def attention(
         if not falls_back:
             raise
         return attention(q, k, v, **CallOptions._make(options)._asdict())
-    if decided:  # its configuration has run in this process: no compile left to pay for it
+    if compiled:  # its configuration has run in this process: no compile left to pay for it (choose.first_calls)
         first_calls.ran(known.chosen, known.problem)
     if not (return_lse or return_max_logit):
         return result[0]
