@@ -299,7 +299,8 @@ def test_a_new_packing_of_other_sizes_skips_validation_and_gives_the_slow_path_s
         fast = attnselect.attention(q, k, v, **other)
     slow = attnselect.attention(q, k, v, **other, cu_seqlens_kv=other["cu_seqlens_q"].clone())  # read: slow path
     assert torch.equal(fast, slow)
-    assert [c.problem.batch for c in dispatch.known_calls()] == [4, 3, 3]
+    # the first call and its sibling at the new sizes (a call with its own cu_seqlens_kv tensor is not memoized)
+    assert [c.problem.batch for c in dispatch.known_calls()] == [4, 3]
 
 
 @pytest.mark.gpu
