@@ -235,3 +235,15 @@ def test_a_block_mask_that_is_not_causal_within_documents_is_refused():
     bidirectional = create_block_mask(lambda b, h, i, j: i >= 0, B, None, L, L, device="cpu")
     with pytest.raises(InvalidInputError, match="not causal within documents"):
         inner(q, q, q, attention_masks=bidirectional)
+
+
+@pytest.mark.parametrize("backend", ["flex", "varlen"])
+def test_torch_compile_of_each_layer_as_torchtitan_compiles_them_keeps_the_logits(backend):
+    model = titan.apply(_build(_config("llama3", backend)))
+    tokens, positions = _inputs()
+    with torch.no_grad():
+        eager = model(tokens, positions, model.get_attention_masks(positions))
+        for key, layer in list(model.layers.items()):  # torchtitan compiles per transformer block
+            model.layers[key] = torch.compile(layer, backend="aot_eager")
+        compiled = model(tokens, positions, model.get_attention_masks(positions))
+    _close([compiled], [eager], ["logits"])
