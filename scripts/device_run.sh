@@ -57,6 +57,8 @@
 #   bash scripts/device_run.sh overhead # benchmarks/packed_overhead.py (with FA4 where installed) -> $OUT/h200_packed_overhead.*
 #   bash scripts/device_run.sh thd-inference # benchmarks/thd_inference.py: packed inference, a new packing a step,
 #                                      # host time included (THD_TIMEOUT seconds, default 400) -> $OUT/h200_thd_inference.*
+#   bash scripts/device_run.sh torchtitan # benchmarks/torchtitan_steps.py (carry .whl: torchtitan; TITAN_ARGS)
+#                                      # -> $OUT/h200_torchtitan_steps[_fa4].{json,md}
 #   bash scripts/device_run.sh buckets # benchmarks/packing_buckets.py (BUCKET_SCHEMES=...) -> $OUT/h200_packing_buckets.*
 #   FlashAttention-4 (scripts/fetch_device_wheels.sh fa4), in three calls back to back on one warm machine (it is
 #   kept about 30 s after a call), each under the 64 MiB carry beside the ~13 MB tree: carry .fa4-stage1 and run
@@ -170,6 +172,10 @@ case "$step" in
     cp "/tmp/$name.json" "/tmp/$name.md" "$OUT/" ;;
   package-calibration)
     python3 benchmarks/calibrate.py --package "$OUT/h200_calibration.json" && cp src/attnselect/data/calibration_*.json "$OUT/" ;;
+  torchtitan)
+    name=h200_torchtitan_steps$(python3 -c 'import flash_attn.cute' 2>/dev/null && echo _fa4)
+    timeout ${TITAN_TIMEOUT:-500} python3 benchmarks/torchtitan_steps.py --out "$OUT/$name" ${TITAN_ARGS:-} 2>&1 \
+      | grep -v -i warn | tail -20 ;;
   calibrate)
     timeout ${CALIBRATE_TIMEOUT:-540} python3 benchmarks/calibrate.py \
       --out "$OUT/h200_calibration${CALIBRATE_PART:+_$CALIBRATE_PART}" ${CALIBRATE_ARGS:-} \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fetch the cp312 wheels the GPU machine lacks, so GPU runs can be repeated (all folders git-ignored):
-#   bash scripts/fetch_device_wheels.sh          # .whl/: the cuDNN frontend, megatron-core, transformers (~46 MB)
+#   bash scripts/fetch_device_wheels.sh          # .whl/: the cuDNN frontend, megatron-core, transformers, torchtitan
+#                                                #   (~48 MB)
 #   bash scripts/fetch_device_wheels.sh fa4      # FlashAttention-4 in three carries that fit the 64 MiB limit
 #                                                #   beside the ~13 MB tree: .fa4-stage1/ (the small wheels, the first
 #                                                #   40 MB part of the 92 MB nvidia-cutlass-dsl-libs-cu13 wheel and a
@@ -39,6 +40,8 @@ if [ "${1:-}" = fa4 ]; then
 fi
 mkdir -p .whl
 download -d .whl "${CORE[@]}" "megatron-core==0.19.2"
+# torchtitan 0.3.0 and what its model code imports beyond the GPU image (benchmarks/torchtitan_steps.py)
+download -d .whl "torchtitan==0.3.0" "spmd_types==0.2.3" "tyro==1.0.17" "docstring-parser==0.18.0" "typeguard==4.6.1"
 # transformers with its dependency closure, less what the GPU image has (torch and its stack, numpy).
 tmp=$(mktemp -d)
 python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \

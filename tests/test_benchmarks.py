@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -295,3 +296,11 @@ def test_hot_path_parts_smoke(tmp_path):
     rows = json.loads((tmp_path / "p.json").read_text())["parts"][0]
     assert list(rows)[:2] == ["attention()", "attention() on dispatch.py"]
     assert "attention() on a fixed known call (no lookup)" in rows
+
+
+def test_torchtitan_steps_smoke(tmp_path):
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed (the test extra installs it)")
+    _run("benchmarks/torchtitan_steps.py", "--smoke", "--out", str(tmp_path / "titan"))
+    report = json.loads((tmp_path / "titan.json").read_text())
+    way = report["ways"]["attnselect"]
+    assert len(way["losses"]) == 3 and all(math.isfinite(x) for x in way["losses"]) and way["tokens_per_s"] > 0
