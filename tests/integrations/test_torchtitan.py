@@ -247,3 +247,18 @@ def test_torch_compile_of_each_layer_as_torchtitan_compiles_them_keeps_the_logit
             model.layers[key] = torch.compile(layer, backend="aot_eager")
         compiled = model(tokens, positions, model.get_attention_masks(positions))
     _close([compiled], [eager], ["logits"])
+
+
+def test_the_converter_keeps_each_inner_attention_config_s_fields_tensor_parallel_sharding_included():
+    from torchtitan.models.common.decoder_sharding import set_gqa_inner_attention_local_map
+
+    config = _config("llama3")
+    for layer in config.layers:
+        set_gqa_inner_attention_local_map(layer.attention.inner_attention)  # what torchtitan's TP plan installs
+    before = [layer.attention.inner_attention for layer in config.layers]
+    titan.AttnSelectConverter.Config().build().convert(config)
+    for old, layer in zip(before, config.layers):
+        new = layer.attention.inner_attention
+        assert type(new).__name__ == "Config" and isinstance(new, FlexAttention.Config)
+        assert new.sharding_config is old.sharding_config and new.block_size == old.block_size
+        assert type(new.build()).__name__ == "AttnSelectFlexAttention"
