@@ -133,7 +133,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--ways", default="flex,varlen,attnselect")
+    ap.add_argument(
+        "--ways",
+        default="flex,attnselect,varlen",
+        help="varlen last: building it switches torch's flash-attention implementation for the process",
+    )
     a = ap.parse_args()
     import attnselect
     import attnselect.integrations.torchtitan as titan
@@ -146,9 +150,11 @@ def main() -> None:
     report = {"device": attnselect.Target.current(a.device).describe(), "date": time.strftime("%Y-%m-%d"),
               "args": {k: v for k, v in vars(a).items() if k != "out"}, "ways": {}}  # fmt: skip
     try:
-        import torchtitan
+        from importlib.metadata import version
 
-        report["torchtitan"] = getattr(torchtitan, "__version__", "0.3.0")
+        import torchtitan  # noqa: F401
+
+        report["torchtitan"] = version("torchtitan")
     except ImportError:
         raise SystemExit("torchtitan is not installed (scripts/fetch_device_wheels.sh puts it in .whl)") from None
     base = build("flex", a.layers, a.device, dtype)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import pickle
 
 import pytest
 import torch
@@ -156,7 +157,7 @@ def test_plain_causal_rows_of_one_document_each_run_dense():
     masks = model.get_attention_masks(positions)
     with torch.no_grad():
         model(tokens, positions, masks)
-    assert masks.__dict__[titan._PACKING] == (None,)
+    assert masks.__dict__[titan._PACKING] == {(B, L): (None,)}
 
 
 def test_the_same_model_object_parameters_and_state_dict_keys_and_every_attention_including_mtp():
@@ -227,14 +228,81 @@ def test_a_score_mod_missing_masks_and_context_parallel_shapes_are_refused():
         inner(q[:, : L // 2], q, q, attention_masks=masks)
 
 
-def test_a_block_mask_that_is_not_causal_within_documents_is_refused():
+NOT_DOCUMENTS = {
+    "sliding window": lambda b, h, i, j: (j <= i) & (i - j < 8),
+    "bidirectional": lambda b, h, i, j: i >= 0,
+    "dilated causal": lambda b, h, i, j: (j <= i) & ((i - j) % 2 == 0),
+    "a sink and a window": lambda b, h, i, j: (j <= i) & ((i - j < 8) | (j == 0)),
+    "documents and a global first token": lambda b, h, i, j: (j <= i) & ((j == 0) | ((i < 20) == (j < 20))),
+}
+
+
+@pytest.mark.parametrize("mask_mod", NOT_DOCUMENTS.values(), ids=NOT_DOCUMENTS.keys())
+def test_a_block_mask_that_is_not_causal_within_documents_is_refused(mask_mod):
     _, inner, q = _flex_module_and_tensors()
-    window = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j < 8), B, None, L, L, device="cpu")
     with pytest.raises(InvalidInputError, match="not causal within documents"):
-        inner(q, q, q, attention_masks=window)
-    bidirectional = create_block_mask(lambda b, h, i, j: i >= 0, B, None, L, L, device="cpu")
-    with pytest.raises(InvalidInputError, match="not causal within documents"):
-        inner(q, q, q, attention_masks=bidirectional)
+        inner(q, q, q, attention_masks=create_block_mask(mask_mod, B, None, L, L, device="cpu"))
+
+
+def test_a_mask_that_differs_by_head_is_refused():
+    _, inner, q = _flex_module_and_tensors()
+    per_head = create_block_mask(lambda b, h, i, j: (j <= i) & (h == 0), B, 4, L, L, device="cpu")
+    with pytest.raises(InvalidInputError, match="expected one of every head alike"):
+        inner(q, q, q, attention_masks=per_head)
+
+
+def test_a_batch_one_mask_serves_every_batch_size_with_its_own_documents():
+    _, inner, q = _flex_module_and_tensors()
+    document = lambda b, h, i, j: (j <= i) & ((i < 20) == (j < 20))  # noqa: E731
+    mask = create_block_mask(document, 1, None, L, L, device="cpu")
+    with torch.no_grad():
+        one, two = inner(q[:1], q[:1], q[:1], attention_masks=mask), inner(q, q, q, attention_masks=mask)
+    assert torch.allclose(two[:1], one, atol=1e-6) and set(mask.__dict__[titan._PACKING]) == {(1, L), (B, L)}
+
+
+def test_out_transform_takes_the_lse_in_inference_and_is_refused_in_training():
+    _, inner, q = _flex_module_and_tensors()
+    _, positions = _inputs()
+    masks = titan.apply(_build(_config("llama3"))).get_attention_masks(positions)
+    with torch.no_grad():
+        out, lse = inner(q, q, q, attention_masks=masks, out_transform=lambda out, lse: (out, lse))
+    assert out.shape == q.shape and lse.shape == (B, L, 4)
+    q.requires_grad_(True)
+    with pytest.raises(InvalidInputError, match="out_transform: got a function in training"):
+        inner(q, q, q, attention_masks=masks, out_transform=lambda out, lse: out)
+
+
+def test_varlen_window_sizes_map_to_attnselect_masks_bottom_right_as_varlen_attn():
+    assert titan._varlen_mask(-1, 0) == ("bottom_right", None)
+    assert titan._varlen_mask(-1, -1) == (False, None)
+    assert titan._varlen_mask(64, 0) == (False, (64, 0))
+    with pytest.raises(InvalidInputError, match="window_size: got"):
+        titan._varlen_mask(4, 4)
+
+
+def test_apply_refuses_a_wrapped_forward_and_a_foreign_subclass_and_keeps_other_attention_modules():
+    model = _build(_config("llama3"))
+    inner = _inner(model)[0]
+    inner.forward = lambda *a, **kw: None  # as torchtitan's parallelize and context parallelism wrap it
+    with pytest.raises(InvalidInputError, match="whose forward torchtitan has wrapped"):
+        titan.apply(model)
+    model = _build(_config("llama3"))
+    _inner(model)[0].__class__ = type("TheirFlex", (FlexAttention,), {})
+    with pytest.raises(InvalidInputError, match="got TheirFlex, expected torchtitan's FlexAttention"):
+        titan.apply(model)
+    model = _build(_config("llama3"))
+    model.add_module("vision", torch.nn.ModuleDict({"encoder": FlexAttention(FlexAttention.Config())}))
+    titan.apply(model)
+    assert type(model.vision.encoder) is FlexAttention  # a vision encoder's attention is not a decoder layer's
+
+
+def test_an_applied_inner_attention_and_its_converted_config_pickle():
+    """(torchtitan's models hold local functions and do not pickle; what apply() and the converter make does.)"""
+    inner = _inner(titan.apply(_build(_config("llama3"))))[0]
+    assert type(pickle.loads(pickle.dumps(inner))).__name__ == "AttnSelectFlexAttention"
+    config = titan._convert_config(FlexAttention.Config(block_size=(256, 128)))
+    again = pickle.loads(pickle.dumps(config))
+    assert type(again) is type(config) and again.block_size == (256, 128)
 
 
 @pytest.mark.parametrize("backend", ["flex", "varlen"])

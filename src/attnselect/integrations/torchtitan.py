@@ -20,13 +20,14 @@ Masks keep their meaning, never silently plain causal:
   causal, or its config's ``window_size`` (W, 0) as a causal sliding window;
 - ``FlexAttention``: the ``BlockMask`` torchtitan builds for packed documents (``get_attention_masks``: causal and
   same-document, documents starting where ``positions == 0``). The documents are read back from its ``mask_mod``
-  (token i starts one where it may not see token i - 1), checked (each token sees itself and its document's first
-  token, not the token before that one, and not the next token), and run as the packed thd layout; a BlockMask
-  that is not such a mask is refused. They are worked out once per BlockMask (one host read of the longest
-  document; every layer of a step shares it). Rows of one document each run as a dense causal call.
+  (token i starts one where it may not see token i - 1), the mask is checked on every (query, key) pair against
+  causal within those documents, and they run as the packed thd layout; any other BlockMask is refused. They are
+  worked out once per BlockMask and batch size (every layer of a step shares them). Rows of one document each run
+  as a dense causal call.
 
 Refused with :class:`~attnselect.errors.InvalidInputError`: a module that is not a torchtitan decoder, a flex
-``score_mod``, masks missing where the inner attention needs them, and context parallelism (query and key lengths
+``score_mod``, masks missing where the inner attention needs them, ``out_transform`` in training (attnselect's lse
+takes no gradient), and context parallelism (query and key lengths
 differ, or DTensor inputs): torchtitan's context parallelism gathers K/V around flex or shards SDPA through
 DTensor, neither of which this call follows (``attnselect.context_parallel`` is attnselect's own).
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import torch
 
@@ -46,7 +48,8 @@ from attnselect.errors import InvalidInputError
 
 def apply(model):
     """Make every attention call of the torchtitan decoder ``model`` run through :func:`attnselect.attention`; returns
-    the same model. Its inner attention modules change class (to subclasses of their own), nothing else."""
+    the same model. The inner attention of each decoder layer and MTP layer changes class (to a subclass of its
+    own), nothing else; other attention modules (a vision encoder's) are left alone."""
     classes = _classes()
     from torchtitan.models.common.decoder import Decoder
 
@@ -55,18 +58,33 @@ def apply(model):
             f"model: got {type(model).__name__}, expected a torchtitan decoder model "
             "(torchtitan.models.common.decoder.Decoder: DeepSeek-V3, Llama 3, Qwen3, ...)"
         )
-    swapped = 0
-    for module in model.modules():
-        ours = classes.get(type(module))
-        if ours is not None:
-            module.__class__ = ours
-            swapped += 1
-    if not swapped and not any(type(m) in classes.values() for m in model.modules()):
+    found = []
+    for name, module in model.named_modules():
+        if not _LAYER_ATTENTION.fullmatch(name) or type(module) in classes.values():
+            continue
+        if type(module) not in classes:
+            raise InvalidInputError(
+                f"model.{name}: got {type(module).__name__}, expected torchtitan's FlexAttention, VarlenAttention "
+                "or ScaledDotProductAttention (a subclass's own behaviour would be lost)"
+            )
+        if "forward" in module.__dict__:  # parallelize()'s local_map or context parallelism wrapped it
+            raise InvalidInputError(
+                f"model.{name}: got an inner attention whose forward torchtitan has wrapped (parallelize, context "
+                "parallelism), expected apply() before parallelizing, or the converter (AttnSelectConverter)"
+            )
+        found.append(module)
+    if not found and not any(type(m) in classes.values() for m in model.modules()):
         raise InvalidInputError(
-            f"model: got a {type(model).__name__} without torchtitan's inner attention modules (FlexAttention, "
-            "VarlenAttention or ScaledDotProductAttention), expected a model whose layers hold them"
+            f"model: got a {type(model).__name__} without inner attention modules in its layers, expected a model "
+            "whose layers hold torchtitan's FlexAttention, VarlenAttention or ScaledDotProductAttention"
         )
+    for module in found:
+        module.__class__ = classes[type(module)]
     return model
+
+
+# The inner attention of a decoder layer or an MTP layer (torchtitan's Decoder.layers, DeepSeek-V3's mtp_layers).
+_LAYER_ATTENTION = re.compile(r"(?:.*\.)?(?:layers|mtp_layers)\.[^.]+\.attention\.inner_attention")
 
 
 def _forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True,
@@ -97,6 +115,11 @@ def _forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, 
         packing = _flex_packing(attention_masks, q_BLNH)
     batch, length = q_BLNH.shape[:2]
     lse = out_transform is not None
+    if lse and torch.is_grad_enabled() and any(t.requires_grad for t in (q_BLNH, k_BLNH, v_BLNH)):
+        raise InvalidInputError(
+            "out_transform: got a function in training, expected None: attnselect's log-sum-exp takes no gradient "
+            "(attention sinks go through attnselect.attention(sinks=))"
+        )
     mask = dict(causal=causal) if window is None else dict(window=window)
     if packing is None:
         result = api.attention(q_BLNH, k_BLNH, v_BLNH, **mask, scale=scale, return_lse=lse)
@@ -116,10 +139,11 @@ def _forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, 
     return out if out_transform is None else out_transform(out, lse_BLN)
 
 
-def _varlen_mask(left: int, right: int) -> tuple[bool, tuple[int, int] | None]:
-    """VarlenAttention's window_size as attnselect's mask: (-1, 0) causal, (-1, -1) none, (W, 0) a window."""
-    if (left, right) == (-1, 0):
-        return True, None
+def _varlen_mask(left: int, right: int) -> tuple[bool | str, tuple[int, int] | None]:
+    """VarlenAttention's window_size as attnselect's mask: (-1, 0) causal, (-1, -1) none, (W, 0) a window, each
+    bottom-right aligned as varlen_attn's."""
+    if (left, right) == (-1, 0):  # varlen_attn's causal mask is bottom-right aligned (FlashAttention's)
+        return "bottom_right", None
     if (left, right) == (-1, -1):
         return False, None
     if left >= 0 and right == 0:
@@ -149,53 +173,55 @@ def _flex_packing(mask, q):
         raise InvalidInputError(
             f"attention_masks: got {type(mask).__name__}, expected the BlockMask of model.get_attention_masks"
         )
-    found = mask.__dict__.get(_PACKING)
-    if found is None:
-        found = mask.__dict__[_PACKING] = _documents(mask, q.shape[0], q.shape[1], q.device)
-    return found[0]
+    cached = mask.__dict__.setdefault(_PACKING, {})  # by (batch, length): a batch-1 mask may serve any batch
+    key = (q.shape[0], q.shape[1])
+    if key not in cached:
+        cached[key] = _documents(mask, *key, q.device)
+    return cached[key][0]
 
 
 def _documents(mask, batch: int, length: int, device) -> tuple:
-    """(packing or None,): the documents of ``mask``, a causal same-document mask, checked."""
-    if tuple(mask.seq_lengths) != (length, length) or mask.shape[0] not in (1, batch):
+    """(packing or None,): the documents of ``mask``, a causal same-document mask, checked on every (query, key)
+    pair: token i starts a document where it may not see token i - 1, and the mask must be exactly causal within
+    those documents (anything else is refused, never run as something it is not)."""
+    if tuple(mask.seq_lengths) != (length, length) or mask.shape[0] not in (1, batch) or mask.shape[1] != 1:
         raise InvalidInputError(
             f"attention_masks: got a BlockMask of {tuple(mask.shape)} for {tuple(mask.seq_lengths)} query/key "
-            f"positions, expected one for ({batch}, ..., {length}, {length})"
+            f"positions, expected one of every head alike for ({batch}, 1, {length}, {length})"
         )
-    flat = torch.arange(batch * length, device=device)
-    rows, i = flat // length, flat % length
-    sees = functools.partial(_sees, mask.mask_mod, rows if mask.shape[0] > 1 else torch.zeros_like(rows),
-                             torch.zeros_like(rows), i)  # fmt: skip
-    starts = i == 0
-    starts[i > 0] = ~sees(i - 1)[i > 0]  # token i starts a document where it may not see token i - 1
-    first = torch.cummax(torch.where(starts, flat, 0), 0).values - rows * length  # its document's first token
-    ok = (
-        bool(sees(i).all())
-        and bool(sees(first).all())
-        and not bool(sees(first - 1)[first > 0].any())
-        and not bool(sees(i + 1)[i + 1 < length].any())
-    )
-    if not ok:
-        raise InvalidInputError(
-            "attention_masks: got a BlockMask that is not causal within documents (torchtitan's packed-document "
-            "mask), expected that mask: attnselect reads documents from it and runs nothing else"
-        )
-    boundaries = torch.cat([flat[starts], torch.tensor([batch * length], device=device)])
+    positions = torch.arange(length, device=device)
+    rows = []
+    for b in range(batch):
+        row = torch.full((length,), b if mask.shape[0] > 1 else 0, device=device)
+        zero = torch.zeros_like(row)
+        before = mask.mask_mod(row, zero, positions, (positions - 1).clamp(min=0)).to(torch.bool)
+        starts = (positions == 0) | ~before
+        document = torch.cumsum(starts.to(torch.int64), 0)
+        for first in range(0, length, _CHECK_ROWS):  # the whole (query, key) table, a block of queries at a time
+            q = positions[first : first + _CHECK_ROWS, None]
+            seen = mask.mask_mod(row[: q.shape[0], None], zero[: q.shape[0], None], q, positions[None, :])
+            expected = (positions[None, :] <= q) & (document[None, :] == document[q])
+            if not torch.equal(seen.to(torch.bool), expected):
+                raise InvalidInputError(
+                    "attention_masks: got a BlockMask that is not causal within documents (torchtitan's "
+                    "packed-document mask), expected that mask: attnselect reads documents from it and runs "
+                    "nothing else"
+                )
+        rows.append(starts.nonzero().flatten() + b * length)
+    boundaries = torch.cat([*rows, torch.tensor([batch * length], device=device)])
     if boundaries.numel() - 1 == batch:
         return (None,)
     cu = boundaries.to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())  # one host read per BlockMask
+    longest = int((cu[1:] - cu[:-1]).max())  # the longest document, read on the host once per BlockMask and batch
     return ((cu, cu, longest, longest),)
 
 
-def _sees(mask_mod, rows, heads, q_idx, kv_idx) -> torch.Tensor:
-    """Whether each query ``q_idx`` may see key ``kv_idx`` (clamped into the row; callers mask the clamped ones)."""
-    kv = kv_idx.clamp(0, int(q_idx.max()) if q_idx.numel() else 0)
-    return mask_mod(rows, heads, q_idx, kv).to(torch.bool)
+_CHECK_ROWS = 1024  # queries checked at once: 1024 x the length of (query, key) pairs
 
 
 def _kind(module) -> str:
-    return _KIND_OF[type(module).__mro__[1].__name__]
+    """ "flex", "varlen" or "sdpa": the torchtitan inner attention ``module`` is a subclass of."""
+    return next(kind for name, kind in _KIND_OF.items() if any(c.__name__ == name for c in type(module).__mro__[1:]))
 
 
 _KIND_OF = {"FlexAttention": "flex", "VarlenAttention": "varlen", "ScaledDotProductAttention": "sdpa"}
@@ -217,6 +243,7 @@ def _classes() -> dict:
             type("Config", (base.Config,), {"__module__": __name__, "__qualname__": f"AttnSelect{name}.Config"})
         )
         made[base] = type(f"AttnSelect{name}", (base,), {"forward": _forward, "Config": config, "__module__": __name__})
+        globals()[f"AttnSelect{name}"] = made[base]  # found by name: pickled models and configs load again
     return made
 
 
