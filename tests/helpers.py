@@ -23,6 +23,24 @@ SELECTION_PROBLEM = attnselect.AttentionProblem(
 )
 CPU = Target.preset("cpu")
 
+# DeepSeek-V3's attention at 4k tokens: the fields of an AttentionProblem (the rules' and cuDNN's gate tests).
+MLA = dict(
+    batch=2,
+    seqlen_q=4096,
+    seqlen_kv=4096,
+    heads_q=16,
+    heads_kv=16,
+    head_dim_qk=192,
+    head_dim_v=128,
+    dtype=torch.bfloat16,
+    mask="causal",
+)
+
+
+def verdict(decision, backend, pad_to=None):
+    return next(v for v in decision.verdicts if v.candidate == attnselect.Candidate(backend, pad_to))
+
+
 SHAPES = {
     "bshd": lambda b, s, h, d: (b, s, h, d),
     "sbhd": lambda b, s, h, d: (s, b, h, d),

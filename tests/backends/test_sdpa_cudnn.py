@@ -8,26 +8,12 @@ import pytest
 import torch
 
 import attnselect
-from attnselect import AttentionProblem, Candidate, Target, backends
+from attnselect import AttentionProblem, Target, backends
+from helpers import MLA, verdict
 
 CUDNN = backends.get("sdpa_cudnn")
 H200 = Target.preset("h200")
 EQUAL = AttentionProblem(2, 128, 128, 8, 8, 128, 128, torch.bfloat16, mask="causal")
-MLA = dict(
-    batch=2,
-    seqlen_q=4096,
-    seqlen_kv=4096,
-    heads_q=16,
-    heads_kv=16,
-    head_dim_qk=192,
-    head_dim_v=128,
-    dtype=torch.bfloat16,
-    mask="causal",
-)
-
-
-def verdict(decision, backend, pad_to=None):
-    return next(v for v in decision.verdicts if v.candidate == Candidate(backend, pad_to))
 
 
 def test_newer_torch_on_hopper_follows_the_newest_cudnn_gate():

@@ -8,22 +8,7 @@ import torch
 import attnselect
 from attnselect import AttentionProblem, Candidate, Target
 from attnselect.spec.options import CallOptions
-
-MLA = dict(
-    batch=2,
-    seqlen_q=4096,
-    seqlen_kv=4096,
-    heads_q=16,
-    heads_kv=16,
-    head_dim_qk=192,
-    head_dim_v=128,
-    dtype=torch.bfloat16,
-    mask="causal",
-)
-
-
-def verdict(decision, backend, pad_to=None):
-    return next(v for v in decision.verdicts if v.candidate == Candidate(backend, pad_to))
+from helpers import MLA, verdict
 
 
 @pytest.mark.parametrize("preset", ["h100", "h200"])

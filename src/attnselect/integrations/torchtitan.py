@@ -90,7 +90,7 @@ _LAYER_ATTENTION = re.compile(r"(?:.*\.)?(?:layers|mtp_layers)\.[^.]+\.attention
 def _forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True,
              score_mod=None, out_transform=None, **kwargs):  # fmt: skip
     """The inner attention's forward, through attnselect (the arguments of torchtitan's inner attentions)."""
-    kind = _kind(self)
+    kind = self.attnselect_kind  # set on the class once (_classes)
     if score_mod is not None:
         raise InvalidInputError(
             "score_mod: got a function, expected None: attnselect runs masks it knows, not arbitrary score mods"
@@ -219,11 +219,6 @@ def _documents(mask, batch: int, length: int, device) -> tuple:
 _CHECK_ROWS = 1024  # queries checked at once: 1024 x the length of (query, key) pairs
 
 
-def _kind(module) -> str:
-    """ "flex", "varlen" or "sdpa": the torchtitan inner attention ``module`` is a subclass of."""
-    return next(kind for name, kind in _KIND_OF.items() if any(c.__name__ == name for c in type(module).__mro__[1:]))
-
-
 _KIND_OF = {"FlexAttention": "flex", "VarlenAttention": "varlen", "ScaledDotProductAttention": "sdpa"}
 
 
@@ -242,7 +237,8 @@ def _classes() -> dict:
         config = dataclasses.dataclass(kw_only=True, slots=True)(
             type("Config", (base.Config,), {"__module__": __name__, "__qualname__": f"AttnSelect{name}.Config"})
         )
-        made[base] = type(f"AttnSelect{name}", (base,), {"forward": _forward, "Config": config, "__module__": __name__})
+        members = {"forward": _forward, "Config": config, "attnselect_kind": _KIND_OF[name], "__module__": __name__}
+        made[base] = type(f"AttnSelect{name}", (base,), members)
         globals()[f"AttnSelect{name}"] = made[base]  # found by name: pickled models and configs load again
     return made
 
