@@ -29,6 +29,19 @@ def test_visible_pairs_count_what_the_mask_shows(mask, window, sq, skv):
     assert predict.visible_pairs(mask, window, sq, skv) == (sq * skv if shown is None else int(shown.sum()))
 
 
+def test_visible_pairs_in_closed_form_count_what_every_mask_shows():
+    import random
+
+    rng = random.Random(1)
+    for _ in range(2000):
+        sq, skv = rng.randint(1, 40), rng.randint(1, 40)
+        mask = rng.choice(["none", "causal", "causal_bottom_right", "sliding_window", "sliding_window_top_left"])
+        window = (rng.randint(-1, 45), rng.randint(-1, 45)) if mask.startswith("sliding") else None
+        shown = visible(mask, window, sq, skv, "cpu")
+        expected = sq * skv if shown is None else int(shown.sum())
+        assert predict.visible_pairs.__wrapped__(mask, window, sq, skv) == expected, (mask, window, sq, skv)
+
+
 def test_the_time_follows_the_curve_between_below_and_above_its_points():
     points = [[10.0, 20.0], [1000.0, 200.0]]
     assert predict._along(points, 1.0) == 20.0  # below the ladder: the first point (launch-bound)

@@ -163,3 +163,99 @@ def test_packed_decisions_at_new_sizes_judge_no_candidate_again(monkeypatch):
         problem = AttentionProblem(batch, seqlen, seqlen, 16, 16, 192, 128, layout="thd", mask="causal", training=True)
         assert selection.select_packed(problem, target=h200).chosen == Candidate("cudnn_frontend")
     assert len(judged) == 1
+
+
+def _packed_calibration(tmp_path, monkeypatch, target):
+    """A calibration of ``target`` whose packed curves cross: varlen_fa2 issues fastest, FA4 and the cuDNN frontend
+    run fastest on the GPU, FA4 compiles on its first call (so the choice and its rental change with the sizes)."""
+    import json
+
+    from attnselect.choose import calibration
+    from helpers import calibration_sample
+
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    data = calibration_sample(target)
+    for backend, host, gpu in (
+        ("varlen_fa2", 80.0, 30.0),
+        ("cudnn_frontend", 600.0, 20.0),
+        ("flash_attn4", 300.0, 15.0),
+    ):
+        data["host_us"][backend] = {
+            f"thd{pad} {phase}": host for pad in ("", "+pad") for phase in ("training", "inference")
+        }
+        data["gpu"][backend] = {
+            f"thd 128/128{pad} {phase}": [[10.0, gpu], [1e4, gpu * 50]]
+            for pad in ("", "+pad")
+            for phase in ("training", "inference")
+        }
+    data["skipped"] = [b for b in data["skipped"] if b not in ("varlen_fa2", "cudnn_frontend")] + ["sdpa_cudnn"]
+    calibration.user_path(target).write_text(json.dumps(data))
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+
+
+@pytest.mark.parametrize("forced", [None, "varlen_fa2"])
+def test_predicted_packed_decisions_at_new_sizes_are_what_select_decides_there(tmp_path, monkeypatch, forced):
+    """Ranked by predicted time, a decision carried to new sizes chooses, rents and ranks as select does at those
+    sizes (the head of its ranking), as the predictions, the paid compiles, failures and cache clears change."""
+    import random
+
+    from attnselect.choose import first_calls
+    from attnselect.choose.failures import mark_failed
+    from attnselect.choose.selection import select_packed
+
+    target = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+    _packed_calibration(tmp_path, monkeypatch, target)
+    first_calls.forget()
+    rng, seen, chosen = random.Random(0), set(), set()
+    base = AttentionProblem(18, 4096, 4096, 16, 16, 128, 128, layout="thd", mask="causal", training=True,
+                            dtype=torch.bfloat16)  # fmt: skip
+    try:
+        for step in range(400):
+            if step == 150:  # FA4 compiled in this process: no rental from now on
+                first_calls.ran(Candidate("flash_attn4"), base)
+            if step == 250:  # the cuDNN frontend fails at some sizes: refused there
+                mark_failed(base, target, Candidate("cudnn_frontend"), RuntimeError("broken"))
+            if step == 300:
+                attnselect.clear_cache()
+            sizes = (rng.choice([1, 2, 5, 18, 60]), rng.choice([8, 16, 100, 512, 513, 1024, 4096, 16384]))
+            if sizes in seen:
+                continue
+            seen.add(sizes)
+            problem = AttentionProblem(
+                sizes[0], sizes[1], sizes[1], 16, 16, 128, 128, layout="thd", mask="causal",
+                training=rng.random() < 0.5, dtype=torch.bfloat16,
+            )  # fmt: skip
+            fresh = attnselect.select(problem, target=target, backend=forced)
+            carried = select_packed(problem, target=target, backend=forced)
+            assert carried.chosen == fresh.chosen and carried.rental == fresh.rental, problem.describe()
+            assert carried.ranked == fresh.ranked[: len(carried.ranked)], problem.describe()
+            if fresh.predictions is not None:
+                assert carried.predictions[carried.chosen] == fresh.predictions[fresh.chosen]
+            assert select_packed(problem, target=target, backend=forced) is carried  # every layer of a step
+            chosen.add((fresh.chosen, fresh.rental is not None))
+    finally:
+        first_calls.forget()
+    if forced is None:  # the sizes changed the choice, and the rental came and went
+        assert {c for c, _ in chosen} >= {Candidate("varlen_fa2"), Candidate("flash_attn4")}, chosen
+        assert {rented for _, rented in chosen} == {True, False}
+
+
+def test_a_predicted_packed_decision_carried_to_new_sizes_refuses_what_failed_there(tmp_path, monkeypatch):
+    from attnselect.choose.failures import mark_failed
+    from attnselect.choose.selection import select_packed
+
+    target = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"})
+    _packed_calibration(tmp_path, monkeypatch, target)
+    small, large = (
+        AttentionProblem(b, s, s, 16, 16, 128, 128, layout="thd", mask="causal", training=True, dtype=torch.bfloat16)
+        for b, s in ((18, 4096), (60, 16384))
+    )
+    assert small.signature != large.signature  # another size class: failures are kept per signature
+    frontend = Candidate("cudnn_frontend")
+    assert attnselect.select(large, target=target).chosen == frontend
+    mark_failed(large, target, frontend, RuntimeError("broken"))
+    assert select_packed(small, target=target).chosen == frontend
+    carried = select_packed(large, target=target)
+    assert carried.chosen == attnselect.select(large, target=target).chosen != frontend
+    assert carried.problem == large and "failed at run time" in str(carried.verdicts)

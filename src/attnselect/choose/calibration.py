@@ -25,13 +25,14 @@ import functools
 import json
 import logging
 import math
+import os
 import re
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-from attnselect.memos import cache_dir, register_cache, warn_once
+from attnselect.memos import cache_dir, generation, register_cache, warn_once
 from attnselect.spec.target import Target
 from attnselect.version import __version__
 
@@ -106,9 +107,25 @@ def user_path(target: Target) -> Path:
 
 def for_target(target: Target) -> tuple[dict | None, str]:
     """The calibration that holds on ``target`` and where it comes from, or (None, why there is none; empty on the
-    CPU)."""
+    CPU). Read once per target and cache directory until :func:`attnselect.clear_cache` (``attnselect calibrate``
+    clears it after writing), as the decisions made from it are."""
     if not target.is_cuda:  # the CPU's order is the rules table's, and explain does not dwell on it
         return None, ""
+    key = (target, os.environ.get("ATTNSELECT_CACHE_DIR"))
+    held = _HELD.get(key)
+    if held is None:
+        cleared = generation()
+        held = _HELD[key] = _read_for(target)
+        if generation() != cleared:  # cleared while reading: what was read may predate a new file
+            _HELD.pop(key, None)
+    return held
+
+
+_HELD: dict[tuple, tuple[dict | None, str]] = {}
+register_cache(_HELD.clear)
+
+
+def _read_for(target: Target) -> tuple[dict | None, str]:
     found = []
     for source, text in _texts(target):
         data = parse(text, source)

@@ -18,6 +18,7 @@ process state, not a memo: clearing the decision caches does not forget it (:fun
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from attnselect.choose.failures import eager_signature
@@ -64,28 +65,41 @@ def rental(
     this process and a candidate that compiles nothing serves; None otherwise (choose ``ranked[0]``). A captured or
     compiled call whose fastest candidate is unpaid keeps the candidate its eager warm-up ran (``calls`` 0): it
     would otherwise compile inside the capture, unchecked (attnselect.self_check checks eager calls)."""
-    if not ranked:
-        return None
-    best = ranked[0]
-    price = _price(best, first_call_ms, problem)
-    if price is None or predicted.get(best) is None:
-        return None
-    for other in ranked[1:]:
-        if _price(other, first_call_ms, problem) is None and predicted.get(other) is not None:
+    return drawn_rental(iter(ranked), predicted, first_call_ms, problem)[1]
+
+
+def drawn_rental(
+    ranking: Iterator[Candidate], predicted: dict, first_call_ms: dict, problem: AttentionProblem
+) -> tuple[tuple[Candidate, ...], Rental | None]:
+    """:func:`rental` of the ranking ``ranking`` yields, drawing from it only as far as the rental needs: the
+    candidates drawn (the ranking's head) and the rental."""
+    best = next(ranking, None)
+    if best is None:
+        return (), None
+    configuration = []  # worked out on first use: most candidates compile nothing
+
+    def price(candidate: Candidate) -> float | None:
+        """The compile ``candidate`` would pay on its first call of the configuration here (None: nothing to pay)."""
+        ms = first_call_ms.get(candidate.backend, 0.0)
+        if ms < COMPILING_MS:
+            return None
+        if not configuration:
+            configuration.append(_configuration(problem))
+        return None if (candidate, configuration[0]) in _PAID else ms
+
+    compile_ms, drawn = price(best), [best]
+    if compile_ms is None or predicted.get(best) is None:
+        return tuple(drawn), None
+    for other in ranking:
+        drawn.append(other)
+        if price(other) is None and predicted.get(other) is not None:
             lost = predicted[other].total_us - predicted[best].total_us
             if lost <= 0:
-                return None
+                return tuple(drawn), None
             graph = problem.cuda_graph_capture or problem.compiled_graph
-            return Rental(other, best, 0 if graph else max(math.ceil(price * 1e3 / lost), 1), price, lost)
-    return None
-
-
-def _price(candidate: Candidate, first_call_ms: dict, problem: AttentionProblem) -> float | None:
-    """The compile ``candidate`` would pay on its first call of ``problem`` here (None: nothing to pay)."""
-    ms = first_call_ms.get(candidate.backend, 0.0)
-    if ms < COMPILING_MS or (candidate, _configuration(problem)) in _PAID:
-        return None
-    return ms
+            calls = 0 if graph else max(math.ceil(compile_ms * 1e3 / lost), 1)
+            return tuple(drawn), Rental(other, best, calls, compile_ms, lost)
+    return tuple(drawn), None
 
 
 def rent_key(rental: Rental, problem: AttentionProblem) -> tuple:

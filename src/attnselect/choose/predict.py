@@ -17,8 +17,6 @@ import functools
 import math
 from dataclasses import dataclass
 
-import torch
-
 from attnselect.choose.calibration import CURVE_KEY, curve_key, host_key
 from attnselect.spec import masks
 from attnselect.spec.options import Candidate
@@ -42,15 +40,35 @@ class Prediction:
 @functools.lru_cache(maxsize=4096)
 def visible_pairs(mask: str, window, seqlen_q: int, seqlen_kv: int) -> int:
     """The (query, key) pairs a mask leaves visible in one sequence: query i sees keys i + offset - left ..
-    i + offset + right (:func:`attnselect.spec.masks.band`), clipped to the keys."""
+    i + offset + right (:func:`attnselect.spec.masks.band`), clipped to the keys. Summed in closed form (a new
+    packing's first call predicts at its sizes): between the points where either edge meets the keys' ends, the
+    count per query is linear in i."""
     band = masks.band(mask, window, seqlen_q, seqlen_kv)
     if band is None or seqlen_q == 0 or seqlen_kv == 0:
         return seqlen_q * seqlen_kv
     offset, left, right = band
-    diagonal = torch.arange(seqlen_q, dtype=torch.int64) + offset
-    hi = (diagonal + right).clamp(max=seqlen_kv - 1) if right is not None else torch.full_like(diagonal, seqlen_kv - 1)
-    lo = (diagonal - left).clamp(min=0) if left is not None else torch.zeros_like(diagonal)
-    return int((hi - lo + 1).clamp(min=0).sum())
+    last = seqlen_kv - 1
+    # query i's keys: max(i + low, 0) .. min(i + high, last); an unbounded edge is clipped at every query
+    low = offset - left if left is not None else -seqlen_q - seqlen_kv
+    high = offset + right if right is not None else seqlen_q + seqlen_kv
+    cuts = sorted({0, seqlen_q, *(min(max(at, 0), seqlen_q) for at in (-low, last - high))})
+    total = 0
+    for start, stop in zip(cuts, cuts[1:]):  # each edge clipped for all of [start, stop) or for none of it
+
+        def count(i: int) -> int:
+            return min(i + high, last) - max(i + low, 0) + 1
+
+        slope = count(start + 1) - count(start) if stop - start > 1 else 0
+        first, end = start, stop  # the queries of this piece that see a key
+        if slope > 0:
+            first = max(start, start - count(start) + 1)
+        elif slope < 0:
+            end = min(stop, start + count(start))
+        elif count(start) <= 0:
+            continue
+        if end > first:
+            total += (end - first) * (count(first) + count(end - 1)) // 2
+    return total
 
 
 def work(problem: AttentionProblem) -> float:

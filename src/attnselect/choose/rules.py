@@ -19,6 +19,8 @@ or sequence by sequence) that does not, since a training loop packs anew every s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from attnselect.backends.base import all_backends
 from attnselect.backends.base import get as backend_named
 from attnselect.choose import calibration
@@ -359,23 +361,31 @@ def predictions(
         return None, f"calibration {source} covers {outside}", {}
     predicted: dict[Candidate, Prediction | None] = {}
     for verdict in verdicts:
-        c = verdict.candidate
-        if not verdict.supported:
-            continue
-        backend = backend_named(c.backend)
-        # Packed, a candidate that runs sequence by sequence is not calibrated (it reads the boundaries on the host:
-        # attnselect.bench.calibrate) and ranks after the packed ones, as a skipped backend does.
-        unmeasured = c.backend in found["skipped"] or (problem.layout == "thd" and not backend.packs_thd(target))
-        package = None if unmeasured else backend.package
-        changed = package and calibration.package_changed(found, package.distribution, target)
-        if changed:
-            return None, f"calibration {source} does not hold for {c.backend}: {changed}", {}
-        predicted[c] = None if unmeasured else predict(c, problem, found)
-        if predicted[c] is None and not unmeasured:
-            return None, f"calibration {source} has no curve for {c} at this call", {}
+        if verdict.supported:
+            predicted[verdict.candidate], unranked = prediction(verdict.candidate, problem, target, found)
+            if unranked:
+                return None, f"calibration {source} {unranked}", {}
     if not any(predicted.values()):
         return None, f"calibration {source} has no curve for this call's candidates", {}
     return predicted, source, found["first_call_ms"]
+
+
+def prediction(
+    c: Candidate, problem: AttentionProblem, target: Target, found: dict
+) -> tuple[Prediction | None, str | None]:
+    """A supported candidate's predicted time under the calibration ``found`` (None where the calibration leaves it
+    out on purpose) and, where the calibration cannot rank a call this candidate serves, why (None otherwise). Neither
+    depends on the call's sizes, only the predicted time does."""
+    backend = backend_named(c.backend)
+    # Packed, a candidate that runs sequence by sequence is not calibrated (it reads the boundaries on the host:
+    # attnselect.bench.calibrate) and ranks after the packed ones, as a skipped backend does.
+    if c.backend in found["skipped"] or (problem.layout == "thd" and not backend.packs_thd(target)):
+        return None, None
+    changed = backend.package and calibration.package_changed(found, backend.package.distribution, target)
+    if changed:
+        return None, f"does not hold for {c.backend}: {changed}"
+    time = predict(c, problem, found)
+    return time, None if time is not None else f"has no curve for {c} at this call"
 
 
 def rank(
@@ -386,10 +396,19 @@ def rank(
 ) -> tuple[Candidate, ...]:
     """Supported candidates, best first: by ``predicted`` time (:func:`predictions`) where given, else by the
     table."""
+    supported = [v.candidate for v in verdicts if v.supported]
+    ordered = sorted(supported, key=order(problem, target, predicted, supported))
+    # Predicted, a packed candidate's host time was measured with a new packing every call (attnselect.bench.calibrate):
+    # what it rebuilds per packing is in its prediction.
+    return tuple(_stable_across_packings(ordered, target) if problem.layout == "thd" and predicted is None else ordered)
+
+
+def order(problem: AttentionProblem, target: Target, predicted: dict | None, candidates) -> Callable:
+    """The sort key of :func:`rank`: by ``predicted`` time where given (those without a prediction last), then the
+    table, then the order of ``candidates`` (the registry's)."""
     _, table = table_for(problem, target)
     position = {entry: i for i, entry in enumerate(table)}
-    supported = [v.candidate for v in verdicts if v.supported]
-    registry_order = {c: i for i, c in enumerate(supported)}
+    registry_order = {c: i for i, c in enumerate(candidates)}
 
     def key(c: Candidate) -> tuple:
         in_table = (position.get(entry(c), len(table)), registry_order[c])
@@ -398,10 +417,7 @@ def rank(
         time = predicted.get(c)
         return (time is None, time.total_us if time is not None else 0.0, *in_table)
 
-    ordered = sorted(supported, key=key)
-    # Predicted, a packed candidate's host time was measured with a new packing every call (attnselect.bench.calibrate):
-    # what it rebuilds per packing is in its prediction.
-    return tuple(_stable_across_packings(ordered, target) if problem.layout == "thd" and predicted is None else ordered)
+    return key
 
 
 def _stable_across_packings(ordered: list[Candidate], target: Target) -> list[Candidate]:

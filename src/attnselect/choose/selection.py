@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 import torch
 
 from attnselect.backends import evidence
 from attnselect.backends.base import get as backend_named
-from attnselect.choose import debug, first_calls, measure, rules, settings
+from attnselect.choose import calibration, debug, first_calls, measure, rules, settings
 from attnselect.choose.candidates import judge, kernel_reasons, override_reasons
 from attnselect.choose.decision import Decision, no_candidate_message
 from attnselect.choose.distributed import is_distributed
@@ -16,7 +17,7 @@ from attnselect.choose.failures import eager_signature, failures
 from attnselect.choose.settings import MEMO_SIZE
 from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.memos import generation, register_cache
-from attnselect.spec.options import Candidate
+from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 
@@ -74,18 +75,27 @@ def select(
 
 
 # Packed problems change their sizes (sequence count, max lengths) every step of a loop: per problem with the sizes
-# left out, the last decision and the problem it was last found to hold for (every layer of a step repeats it).
-_PACKED: OrderedDict[tuple, tuple[Decision, AttentionProblem]] = OrderedDict()
+# left out, the last decision, the problem it was last found to hold for (every layer of a step repeats it) and the
+# candidates the caller's controls leave (they do not depend on the sizes).
+_PACKED: OrderedDict[tuple, tuple[Decision, AttentionProblem, tuple[Candidate, ...]]] = OrderedDict()
 register_cache(_PACKED.clear)
 
 
 def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pad=None, disable=None) -> Decision:
     """:func:`select` for a packed call, without judging every candidate again when only the sizes changed.
 
-    The decision made for the same problem at other sizes stands (it is returned, describing those sizes) when the
-    rules chose it, the rules table for the new sizes is the same, its choice still serves them and has not failed
-    for them, and no candidate that was refused there and that the table puts above the choice (any refused one,
-    where the choice rebuilds per packing) serves them now. Otherwise, or under the measure policy, :func:`select`.
+    The rules' decision made for the same problem at other sizes is carried to the new sizes (the same chosen
+    candidate and rental as :func:`select`'s), under the measure policy :func:`select` decides:
+
+    - where a calibration ranks the call, the candidates are ordered by their predicted times at the new sizes and
+      judged in that order only until the choice and its rental are settled: the decision's ``ranked`` is the head of
+      select's ranking and its ``verdicts`` those of the candidates judged (explain and select judge them all);
+    - where the table ranks it, the earlier decision stands (it is returned, describing those sizes) when the rules
+      table for the new sizes is the same, its choice still serves them and has not failed for them, and no candidate
+      that was refused there and that the table puts above the choice (any refused one, where the choice rebuilds per
+      packing) serves them now.
+
+    Otherwise :func:`select`.
     """
     cleared = generation()
     try:
@@ -98,14 +108,20 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
             settings.environment(),
             settings.scope(),
         )
-        earlier, held_for = _PACKED.get(key, (None, None))
+        earlier, held_for, allowed = _PACKED.get(key, (None, None, None))
     except TypeError:  # an unhashable control: select() names it
         return select(problem, target=target, backend=backend, pad=pad, disable=disable)
-    if earlier is not None and (problem == held_for or _still_stands(earlier, problem, target)):
-        _remember(_PACKED, key, (earlier, problem), cleared)
-        return earlier
-    decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
-    _remember(_PACKED, key, (decision, problem), cleared)
+    decision = None
+    if earlier is not None and problem == held_for:
+        decision = earlier
+    elif earlier is not None and earlier.policy == "rules":
+        decision = _carried(earlier, allowed, problem, target)
+    if decision is None:
+        decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
+        allowed = tuple(
+            v.candidate for v in decision.verdicts if not override_reasons(decision.overrides, v.candidate, problem)
+        )
+    _remember(_PACKED, key, (decision, problem, allowed), cleared)
     return decision
 
 
@@ -119,20 +135,55 @@ def _remember(memo: OrderedDict, key, value, cleared: int) -> None:
         memo.pop(key, None)
 
 
-def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target) -> bool:
-    table_key, table = rules.table_for(problem, target)
-    if earlier.policy != "rules" or table_key != rules.table_for(earlier.problem, target)[0]:
-        return False
-    if earlier.predictions is not None:  # ranked by predicted time, which follows the sizes: ranked again
-        return False
-    chosen = earlier.chosen
+def _carried(
+    earlier: Decision, allowed: tuple[Candidate, ...], problem: AttentionProblem, target: Target
+) -> Decision | None:
+    """The rules' ``earlier`` decision carried to ``problem``'s sizes (:func:`select_packed`), or None where only
+    :func:`select` can tell."""
+    failed = _failed(problem, target)
+    judged: dict[Candidate, tuple[str, ...]] = {}  # as judge() refuses them
 
     def serves(c: Candidate) -> bool:
-        return not kernel_reasons(
-            backend_named(c.backend), problem if c.pad_to is None else problem.padded(c.pad_to), target
-        )
+        if c not in judged:
+            judged[c] = (
+                (f"failed at run time on this target: {failed[c]}",)
+                if c in failed
+                else tuple(
+                    kernel_reasons(backend_named(c.backend), problem.padded(c.pad_to) if c.padded else problem, target)
+                )  # fmt: skip
+            )
+        return not judged[c]
 
-    if not serves(chosen) or chosen in _failed(problem, target):
+    found, source = calibration.for_target(target)
+    predicted = {}
+    if found is not None and not calibration.outside(problem):
+        for c in allowed:
+            predicted[c], unranked = rules.prediction(c, problem, target, found)
+            if unranked and serves(c):  # the table ranks the call (rules.predictions)
+                predicted = None
+                break
+    if not predicted or not any(predicted.values()):
+        return earlier if earlier.predictions is None and _still_stands(earlier, problem, target, serves) else None
+    ranking = (c for c in sorted(allowed, key=rules.order(problem, target, predicted, allowed)) if serves(c))
+    if earlier.overrides.backend is not None:  # a forced backend is never rented out (_decide)
+        ranked, rental = tuple(itertools.islice(ranking, 1)), None
+    else:
+        ranked, rental = first_calls.drawn_rental(ranking, predicted, found["first_call_ms"], problem)
+    if not ranked or predicted[ranked[0]] is None:  # nothing it serves is calibrated: select() says why
+        return None
+    return Decision(
+        problem, target, earlier.policy, earlier.overrides, rental.chosen if rental else ranked[0], ranked,
+        tuple(Verdict(c, reasons) for c, reasons in judged.items()),
+        None, {c: predicted[c] for c in ranked}, source, rental,
+    )  # fmt: skip
+
+
+def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, serves) -> bool:
+    table_key, table = rules.table_for(problem, target)
+    if table_key != rules.table_for(earlier.problem, target)[0]:
+        return False
+    chosen = earlier.chosen
+    if not serves(chosen):
         return False
     position = {entry: i for i, entry in enumerate(table)}
     cache = backend_named(chosen.backend).shape_cache
