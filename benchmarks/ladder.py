@@ -36,6 +36,8 @@ import json
 import math
 import random
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -209,8 +211,9 @@ def time_rung(rung: dict, rows: dict, x: Inputs, a) -> dict:
                 _sync(a.device)
             except Exception as exc:
                 failed(name, exc)
+        screened = screen(rows, x, a, errors)
         for r in range(a.rounds):
-            live = [(name, fn) for name, fn in rows.items() if name not in errors]
+            live = [(name, fn) for name, fn in rows.items() if name not in errors and name not in screened]
             for name, fn in live if r % 2 == 0 else reversed(live):
                 try:
                     for _ in range(a.calls):  # latency: one call, then a sync
@@ -230,7 +233,28 @@ def time_rung(rung: dict, rows: dict, x: Inputs, a) -> dict:
                         times["stack"][name].append((time.perf_counter() - start) * 1e3 / a.layers)
                 except Exception as exc:
                     failed(name, exc)
-    return {"times": times, "errors": errors}
+    return {"times": times, "errors": errors, "screened": screened}
+
+
+def screen(rows: dict, x: Inputs, a, errors: dict) -> dict:
+    """{row: ms} of the forced rows left out of the timed rounds: one synchronised call each, and those slower than
+    ``--screen`` times the fastest row's call leave (they cannot be the fastest single-kernel row; a policy's
+    geometric mean over the rungs left then leaves out rungs where it lost by that much, which only lowers
+    attnselect's advantage over it)."""
+    if not a.screen:
+        return {}
+    once = {}
+    for name, fn in rows.items():
+        if name in errors:
+            continue
+        packing = x.packing(name)
+        _sync(a.device)
+        start = time.perf_counter()
+        _call(fn, x, packing)
+        _sync(a.device)
+        once[name] = (time.perf_counter() - start) * 1e3
+    fastest = min(once.values(), default=0.0)
+    return {n: ms for n, ms in once.items() if n.startswith("forced ") and ms > a.screen * fastest}
 
 
 def _stats(values: list[float]) -> dict:
@@ -296,6 +320,8 @@ def markdown(report: dict) -> str:
             lines.append("")
         for name, error in entry["errors"].items():
             lines.append(f"- {name} could not run: {error}")
+        for name, ms in entry.get("screened", {}).items():
+            lines.append(f"- {name} left out after one call of {ms:.3f} ms (`--screen`)")
     return "\n".join(lines) + "\n"
 
 
@@ -309,7 +335,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--layers", type=int, default=8, help="calls a step in the stack way")
     ap.add_argument("--deadline", type=float, help="seconds from now: no rung starts after it (resume later)")
+    ap.add_argument("--screen", type=float, default=0.0, help="leave forced rows slower than this many times the "
+                    "fastest row's one call out of the timed rounds (0: none)")  # fmt: skip
+    ap.add_argument("--rung", help="run this rung alone (its exact name)")
+    ap.add_argument("--isolate", action="store_true", help="each rung in a process of its own (what one rung leaves "
+                    "allocated, or a broken CUDA context, cannot reach the next)")  # fmt: skip
     a = ap.parse_args()
+    if a.isolate:
+        return isolated(a)
     import attnselect
 
     a.device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
@@ -319,13 +352,13 @@ def main() -> None:
     report = json.loads(path.read_text()) if path.exists() else {"results": []}
     report["meta"] = {"device": target.describe(), "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
                       "rounds": a.rounds, "calls": a.calls, "warmup": a.warmup, "layers": a.layers,
-                      "not forced": NOT_FORCED}  # fmt: skip
+                      "screen": a.screen, "not forced": NOT_FORCED}  # fmt: skip
     done = {entry["rung"] for entry in report["results"]}
     heads = SMOKE["heads"] if a.smoke else HEADS
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     for rung in rungs(a.smoke):
         name = rung_name(rung)
-        if name in done or (a.only and not any(o in name for o in a.only)):
+        if name in done or (a.only and not any(o in name for o in a.only)) or (a.rung and name != a.rung):
             continue
         if a.deadline is not None and time.time() - started > a.deadline:
             print(f"deadline: {name} and later rungs not run (run again to resume)", flush=True)
@@ -338,7 +371,10 @@ def main() -> None:
         measured = time_rung(rung, rows, inputs, a)
         chosen = str(attnselect.select(problem, target=target).chosen)
         stats = {way: {row: _stats(t) for row, t in by_row.items() if t} for way, by_row in measured["times"].items()}
-        report["results"].append({"rung": name, "chosen": chosen, "stats": stats, "errors": measured["errors"]})
+        peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
+        args = {k: getattr(a, k) for k in ("rounds", "calls", "warmup", "layers", "screen")}
+        report["results"].append({"rung": name, "chosen": chosen, "stats": stats, "errors": measured["errors"],
+                                  "screened": measured["screened"], "peak_gib": peak, "args": args})  # fmt: skip
         report["goals"] = goals(report["results"])
         path.write_text(json.dumps(report, indent=1))  # after every rung: a later call resumes
         print(
@@ -349,6 +385,29 @@ def main() -> None:
     report["goals"] = goals(report["results"])
     path.write_text(json.dumps(report, indent=1))
     Path(a.out + ".md").write_text(markdown(report))
+
+
+def isolated(a) -> None:
+    """Every rung not yet in ``--out`` in a process of its own (``--rung``), until ``--deadline``; then the report."""
+    started, path = time.time(), Path(a.out + ".json")
+    passed = ["--out", a.out, "--rounds", str(a.rounds), "--calls", str(a.calls), "--warmup", str(a.warmup),
+              "--layers", str(a.layers), "--screen", str(a.screen), *(["--smoke"] if a.smoke else [])]  # fmt: skip
+    for rung in rungs(a.smoke):
+        name = rung_name(rung)
+        done = {e["rung"] for e in json.loads(path.read_text())["results"]} if path.exists() else set()
+        if name in done or (a.only and not any(o in name for o in a.only)):
+            continue
+        if a.deadline is not None and time.time() - started > a.deadline:
+            print(f"deadline: {name} and later rungs not run (run again to resume)", flush=True)
+            break
+        finished = subprocess.run([sys.executable, __file__, *passed, "--rung", name])
+        if finished.returncode:
+            print(f"{name}: its process exited with {finished.returncode}", flush=True)
+    if path.exists():
+        report = json.loads(path.read_text())
+        report["goals"] = goals(report["results"])
+        path.write_text(json.dumps(report, indent=1))
+        Path(a.out + ".md").write_text(markdown(report))
 
 
 if __name__ == "__main__":

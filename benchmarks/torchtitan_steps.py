@@ -44,6 +44,54 @@ def batches(steps: int, batch: int, seqlen: int, vocab: int, device: str, seed: 
     return out
 
 
+def torch_stand_ins() -> list[str]:
+    """What torchtitan 0.3.0 uses of a newer torch than this one, given stand-ins (before torchtitan is imported), by
+    name. On torch 2.11 (the H200's):
+
+    - ``torch.distributed.fsdp.DataParallelMeshDims`` does not exist; DeepSeek-V3's MTP module imports it for the
+      annotations of its FSDP helper, which single-GPU steps never call;
+    - ``create_block_mask`` has no ``separate_full_blocks`` argument; torchtitan passes True outside batch-invariant
+      mode, which is what this torch always does (full blocks kept apart from partial ones), so the stand-in drops
+      True and refuses False."""
+    import inspect
+
+    import torch.distributed.fsdp as fsdp
+    import torch.nn.attention.flex_attention as flex
+
+    added = []
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+        added.append("torch.distributed.fsdp.DataParallelMeshDims")
+    if "separate_full_blocks" not in inspect.signature(flex.create_block_mask).parameters:
+        original = flex.create_block_mask
+
+        def create_block_mask(*args, separate_full_blocks: bool = True, **kwargs):
+            if not separate_full_blocks:
+                raise NotImplementedError("this torch's create_block_mask always keeps full blocks apart")
+            return original(*args, **kwargs)
+
+        flex.create_block_mask = create_block_mask
+        added.append("create_block_mask(separate_full_blocks=True)")
+    return added
+
+
+def varlen_implementation() -> str:
+    """The flash-attention implementation torchtitan's varlen path gets here. torchtitan 0.3.0 activates FA3 on
+    sm90 and FA4 on sm100 (``torchtitan.tools.utils.get_cuda_flash_attention_impl``); where FA3's package
+    (``flash_attn_interface``) is not installed, this makes it activate FA4 where that is installed, else none
+    (torch's own FlashAttention-2 under ``varlen_attn``), and says which."""
+    import importlib.util
+
+    import torchtitan.tools.utils as utils
+
+    wanted = utils.get_cuda_flash_attention_impl()
+    if wanted != "FA3" or importlib.util.find_spec("flash_attn_interface") is not None:
+        return f"{wanted or 'torch FlashAttention-2'} (torchtitan's choice)"
+    fa4 = importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute") is not None
+    utils.get_cuda_flash_attention_impl = lambda: "FA4" if fa4 else None
+    return ("FA4" if fa4 else "torch FlashAttention-2") + " (torchtitan chose FA3, whose package is not installed)"
+
+
 def build(backend: str, layers: int, device: str, dtype: torch.dtype):
     from torchtitan.models.deepseek_v3 import model_registry
 
@@ -127,8 +175,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seqlen", type=int, default=8192)
@@ -149,6 +197,7 @@ def main() -> None:
     data = batches(a.steps, a.batch, a.seqlen, 2048, a.device)
     report = {"device": attnselect.Target.current(a.device).describe(), "date": time.strftime("%Y-%m-%d"),
               "args": {k: v for k, v in vars(a).items() if k != "out"}, "ways": {}}  # fmt: skip
+    report["stand-ins"] = torch_stand_ins()
     try:
         from importlib.metadata import version
 
@@ -159,12 +208,15 @@ def main() -> None:
         raise SystemExit("torchtitan is not installed (scripts/fetch_device_wheels.sh puts it in .whl)") from None
     base = build("flex", a.layers, a.device, dtype)
     for way in a.ways.split(","):
-        if way == "attnselect":
-            model = titan.apply(copy.deepcopy(base))
-        else:
-            model = build(way, a.layers, a.device, dtype)
-            model.load_state_dict(base.state_dict())
+        model = None
         try:
+            if way == "attnselect":
+                model = titan.apply(copy.deepcopy(base))
+            else:
+                if way == "varlen":
+                    report["varlen implementation"] = varlen_implementation()
+                model = build(way, a.layers, a.device, dtype)
+                model.load_state_dict(base.state_dict())
             report["ways"][way] = run_way(way, model, data, a)
         except Exception as exc:  # a way that cannot run here is reported, not fatal
             report["ways"][way] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
@@ -177,7 +229,11 @@ def main() -> None:
 def markdown(report: dict) -> str:
     lines = [f"# torchtitan DeepSeek-V3 training steps\n\n{report['device']}, torchtitan {report.get('torchtitan')}, "
              f"{report['date']}. Produced by `benchmarks/torchtitan_steps.py` (method in its docstring); "
-             f"{report['args']}.\n", "| way | tokens/s | step ms (median) | attention fwd ms a step | largest loss "
+             f"{report['args']}."
+             + (f" Stand-ins for names this torch lacks: {', '.join(report['stand-ins'])}." if report.get("stand-ins")
+                else "")
+             + (f" varlen ran on {report['varlen implementation']}." if report.get("varlen implementation") else "")
+             + "\n", "| way | tokens/s | step ms (median) | attention fwd ms a step | largest loss "
              "difference from flex | error |", "|---|---|---|---|---|---|"]  # fmt: skip
     reference = report["ways"].get("flex", {}).get("losses")
     for way, r in report["ways"].items():

@@ -167,7 +167,7 @@ case "$step" in
     name=h200_ladder${LADDER_PART:+_$LADDER_PART}$(python3 -c 'import flash_attn.cute' 2>/dev/null && echo _fa4)
     # the rungs run so far stay in /tmp while the machine is warm: a later call resumes them without a round trip
     [ -f "results/$name.json" ] && [ ! -f "/tmp/$name.json" ] && cp "results/$name.json" /tmp/
-    timeout ${LADDER_TIMEOUT:-560} python3 benchmarks/ladder.py --out "/tmp/$name" --deadline ${LADDER_DEADLINE:-420} \
+    timeout ${LADDER_TIMEOUT:-560} python3 benchmarks/ladder.py --isolate --out "/tmp/$name" --deadline ${LADDER_DEADLINE:-420} \
       ${LADDER_ARGS:-} 2>&1 | grep -v -i warn | tail -30
     cp "/tmp/$name.json" "/tmp/$name.md" "$OUT/" ;;
   package-calibration)

@@ -7,6 +7,7 @@ import json
 import logging
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -64,8 +65,8 @@ def test_gpu_models_of_one_arch_keep_their_own_files(user_file):
     h100 = Target.preset("h100", packages={"flash-attn-4": "4.0.0b36"})
     assert calibration.user_path(h100) != user_file
     user_file.write_text(json.dumps(sample()))
-    assert calibration.for_target(h100) == (None, "no calibration for sm90: `attnselect calibrate` on such a GPU "
-                                                  "makes one")  # fmt: skip
+    found, why = calibration.for_target(h100)  # the user's file is the H200's; the packaged one is an H200's too
+    assert found is None and str(user_file) not in why and "for NVIDIA H200" in why
     stamped = sample()
     stamped["fingerprint"] = dict(stamped["fingerprint"], attnselect="0.0.1")  # another attnselect
     user_file.write_text(json.dumps(stamped))
@@ -157,3 +158,27 @@ def test_any_content_of_the_calibration_file_never_breaks_a_choice(content, tmp_
             assert decision.chosen in decision.ranked and "ranked:  by" in decision.report()
             attnselect.clear_cache()
     assert len([r for r in caplog.records if "ignoring the calibration" in r.getMessage()]) <= 1
+
+
+def test_the_packaged_h200_calibration_holds_on_the_machine_it_measured(tmp_path, monkeypatch):
+    """attnselect/data/calibration_sm90.json (results/h200_calibration.json): a valid calibration, read for the H200,
+    torch and cuDNN it ran on, with FA4 and the cuDNN frontend or without them; it covers the head-dim pairs the issue
+    names, dense and packed, in both phases, for every backend it timed."""
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))  # no user calibration
+    calibration.parse.cache_clear()
+    memos.clear_cache()
+    packages = {"flash-attn-4": "4.0.0b36", "nvidia-cudnn-frontend": "1.32.0"}
+    for installed in (packages, {}):
+        h200 = Target.preset("h200", packages=installed, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
+        found, source = calibration.for_target(h200)
+        assert found is not None and source == "attnselect/data/calibration_sm90.json"
+    curves = found["gpu"]
+    keys = [key for per_backend in curves.values() for key in per_backend]
+    for d_qk, d_v in ((192, 128), (128, 128), (64, 64), (256, 256)):
+        for phase in ("inference", "training"):
+            for layout in ("dense", "thd"):
+                assert any(key.startswith(f"{layout} {d_qk}/{d_v}") and key.endswith(phase) for key in keys)
+    assert {"flash_attn4", "cudnn_frontend", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "varlen_fa2"} <= set(curves)
+    problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    decision = attnselect.select(problem, target=h200)
+    assert decision.predictions is not None and decision.calibration == "attnselect/data/calibration_sm90.json"

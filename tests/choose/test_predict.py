@@ -92,6 +92,7 @@ def test_explain_prints_each_candidates_predicted_time_and_its_parts(calibrated)
 
 def test_without_a_calibration_the_table_ranks_and_explain_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "_packaged", lambda arch: (_ for _ in ()).throw(FileNotFoundError(arch)))
     calibration.parse.cache_clear()
     attnselect.clear_cache()
     problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
