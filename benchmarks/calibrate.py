@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--package", help="a calibration .json to install as the package data of its arch")
     ap.add_argument("--pairs", help="head-dim pairs, e.g. 192/128,128/128 (default: attnselect.bench.calibrate.PAIRS)")
     ap.add_argument("--merge", nargs="+", help="calibrations of one machine to join into --out")
+    ap.add_argument("--host-from", help="a calibration of this machine whose host times to measure again into --out")
     a = ap.parse_args()
     from attnselect.choose import calibration
 
@@ -89,6 +90,14 @@ def main() -> None:
         return
     from attnselect.bench import calibrate
 
+    if a.host_from:
+        data = calibrate.host_times(json.loads(pathlib.Path(a.host_from).read_text()),
+                                    progress=calibrate.print_progress)  # fmt: skip
+        data["source"] += "; host times measured again through attnselect.attention"
+        pathlib.Path(a.out + ".json").write_text(json.dumps(data, indent=1))
+        pathlib.Path(a.out + ".md").write_text(report(data))
+        print(report(data))
+        return
     pairs = tuple(tuple(int(d) for d in p.split("/")) for p in a.pairs.split(",")) if a.pairs else calibrate.PAIRS
 
     def checkpoint(partial: dict) -> None:  # what a deadline or a crash would otherwise lose

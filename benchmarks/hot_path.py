@@ -171,6 +171,30 @@ def dense_rows(device: str):
     return problem, chosen, rows
 
 
+def dense_forced_rows(device: str, forced: str):
+    """The dense case on bshd tensors with ``backend=forced`` (a FlashAttention package): attnselect beside the
+    package's ``flash_attn_func`` called as a user would (``q, k, v`` only) and with the options attnselect passes,
+    and the backend object."""
+    dtype = torch.bfloat16
+    q, k, v = (torch.randn(1, 256, 16, d, device=device, dtype=dtype) for d in (192, 192, 128))
+    backend = backends.get(forced)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v)
+    call = kernel_call(problem)
+    function = importlib.import_module(backend.module).flash_attn_func
+    options = backend._options(call, 1, 1)
+    rows = {
+        f"attnselect.attention (backend={forced!r}, layout=bshd)": lambda: attnselect.attention(
+            q, k, v, backend=forced, pad=False
+        ),
+        f"{backend.module}.flash_attn_func(q, k, v)": lambda: function(q, k, v),
+        f"{backend.module}.flash_attn_func with attnselect's options {sorted(options)}": lambda: function(
+            q, k, v, **options
+        ),
+        f"{forced} backend object, run()": lambda: backend.run(q, k, v, call),
+    }
+    return problem, forced, rows
+
+
 def dense_training_rows(device: str):
     """The dense case in training: each row a forward and a backward (torch.autograd.grad, so no row accumulates
     into .grad), on the same inputs in the chosen kernel's own layout; attnselect also on bshd tensors, as most
@@ -394,6 +418,8 @@ def main() -> None:
                 "nvidia-cudnn-frontend"
             ):
                 cases.append((*packed_rows(device, forced="cudnn_frontend"), a.packed_calls, a.packed_repeats, False))
+        if device == "cuda" and attnselect.Target.current().version("flash-attn-4"):
+            cases.append((*dense_forced_rows(device, "flash_attn4"), a.calls // 5, a.repeats, False))
     new = (a.new_packing_calls, a.new_packing_repeats)
     packings = WARMUP + new[0] * (new[1] + 1)  # each row's calls: its warm-up, the rounds, a profile's round
     cases.append((*new_packing_rows(device, False, packings), *new, False))

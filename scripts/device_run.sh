@@ -19,6 +19,7 @@
 #   bash scripts/device_run.sh flex-probe # benchmarks/flex_probe.py                  -> $OUT/h200_flex_probe.*
 #   bash scripts/device_run.sh ladder  # benchmarks/ladder.py (LADDER_ARGS, LADDER_DEADLINE), resuming this machine's
 #                                      # or the committed rungs -> $OUT/h200_ladder[_fa4].{json,md} (FA4 where installed)
+#   bash scripts/device_run.sh calibrate-host # results/h200_calibration.json's host times measured again -> $OUT/h200_calibration.*
 #   bash scripts/device_run.sh package-calibration # $OUT/h200_calibration.json as this tree's package data (the
 #                                      # steps after it rank by it)  -> $OUT/calibration_<arch>.json
 #   bash scripts/device_run.sh calibrate # benchmarks/calibrate.py (CALIBRATE_ARGS="--pairs 192/128,128/128",
@@ -170,6 +171,9 @@ case "$step" in
     timeout ${LADDER_TIMEOUT:-560} python3 benchmarks/ladder.py --isolate --out "/tmp/$name" --deadline ${LADDER_DEADLINE:-420} \
       ${LADDER_ARGS:-} 2>&1 | grep -v -i warn | tail -30
     cp "/tmp/$name.json" "/tmp/$name.md" "$OUT/" ;;
+  calibrate-host)   # the committed calibration's host times measured again (attnselect.bench.calibrate.host_times)
+    timeout ${CALIBRATE_TIMEOUT:-300} python3 benchmarks/calibrate.py --host-from results/h200_calibration.json \
+      --out "$OUT/h200_calibration" 2>&1 | grep -v -i warn | grep -E "^\| [a-z_0-9]+ \| [0-9-]" | head -12 ;;
   package-calibration)
     python3 benchmarks/calibrate.py --package "$OUT/h200_calibration.json" && cp src/attnselect/data/calibration_*.json "$OUT/" ;;
   torchtitan)

@@ -2,18 +2,18 @@
 
 For each head-dim pair of :data:`PAIRS`, phase (inference, training) and supported candidate (native, and padded
 where the dims differ; not those of :data:`SKIPPED`), it times a dense causal call over a ladder of sizes
-(:data:`LADDER`) side by side (:func:`attnselect.choose.timing.time_steps`, queued behind a spin, so each time is
-the GPU's); per backend, padding and phase, the host's time to issue one call at the smallest size that serves it,
-while the GPU is busy; and per backend, what the first call of a configuration costs on top of a later one (a JIT
-compile). Packed (thd) calls are timed too, by candidates that pack (sequence by sequence is never the fast path),
-over :data:`PACKED_LADDER` with a new packing every call (:class:`~attnselect.choose.timing.NewPackings`: a typical
-packing of the problem's size, so per-packing builds show): their curves are keyed ``thd`` and their work is the
-problem's (its sequences at their longest), the measure a prediction reads them by
-(:func:`attnselect.choose.rules.predictions`). The result is the format
+(:data:`LADDER`) side by side (:func:`attnselect.choose.timing.time_steps`, queued behind a spin, so each time is the
+GPU's); per backend, padding and phase, the host's time to issue one call at the smallest size that serves it, while
+the GPU is busy, through :func:`attnselect.attention` as a model's layers call it again and again
+(:func:`attention_step`: its memoized path and prepared runner); and per backend, what the first call of a
+configuration costs on top of a later one (a JIT compile). Packed (thd) calls are timed too, by candidates that pack
+(sequence by sequence is never the fast path), over :data:`PACKED_LADDER` with a new packing every call
+(:class:`~attnselect.choose.timing.NewPackings`: a typical packing of the problem's size, so per-packing builds
+show): their curves are keyed ``thd`` and their work is the problem's (its sequences at their longest), the measure a
+prediction reads them by (:func:`attnselect.choose.rules.predictions`). The result is the format
 :mod:`attnselect.choose.calibration` reads, for this GPU and these versions; ``attnselect calibrate`` stores it in
 the cache directory, where it takes precedence over the packaged one. ``quick`` measures one pair, one phase and two
-sizes (a smoke test, never stored there).
-"""
+sizes (a smoke test, never stored there)."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def run(target: Target | None = None, *, quick: bool = False, pairs=PAIRS, progr
             for c in candidates:  # at the smallest size that serves it
                 key = calibration.host_key(layout, c.padded, training)
                 if key not in host.get(c.backend, {}) and not isinstance(timed.get(c), Exception):
-                    issued = _host_us(steps[c], device)
+                    issued = _host_us(attention_step(c, problem, inputs, device), device)
                     if issued is not None:
                         host.setdefault(c.backend, {})[key] = round(issued, 2)
             del steps, inputs
@@ -149,10 +149,68 @@ def _first_call_extra(step, device) -> float | None:
     return max(first - second, 0.0)
 
 
+def attention_step(candidate, problem: AttentionProblem, inputs: tuple, device: torch.device):
+    """``step()``: the call as a model makes it again and again, :func:`attnselect.attention` with the candidate
+    forced (``backend=``, ``pad=``), with its backward in training; packed, on one packing (the layers of a step
+    share it). Its host time is what the rules predict with: attention()'s memoized path and the runner it prepared
+    (the SDPA kernels' aten ops called directly), not a backend's unprepared run."""
+    from attnselect.api import attention, call_arguments
+
+    q, k, v, grad_out, packings = inputs
+    kwargs = call_arguments(problem, device)
+    if packings is not None:
+        p = packings()
+        kwargs.update(cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_kv=p.cu_seqlens_kv, max_seqlen_q=p.max_seqlen_q,
+                      max_seqlen_kv=p.max_seqlen_kv)  # fmt: skip
+    kwargs.update(backend=candidate.backend, pad=candidate.padded)
+
+    def step():
+        out = attention(q, k, v, **kwargs)
+        if problem.training:
+            torch.autograd.grad(out, (q, k, v), grad_out)
+        return out
+
+    return step
+
+
+def host_times(data: dict, target: Target | None = None, progress=None) -> dict:
+    """``data`` (a calibration of this machine) with the host times of its installed backends measured again
+    (:func:`attention_step`), at the smallest ladder size, 128/128 native and 192/128 padded."""
+    target = target or Target.current()
+    device = torch.device("cuda" if target.is_cuda else "cpu")
+    dtype = torch.bfloat16 if target.is_cuda else torch.float32
+    host = {backend: dict(times) for backend, times in data["host_us"].items()}
+    jobs = [(layout, padded, training) for layout in ("bshd", "thd") for padded in (False, True)
+            for training in (False, True)]  # fmt: skip
+    for index, (layout, padded, training) in enumerate(jobs):
+        if progress:
+            progress(index, len(jobs), f"host {layout} {'padded ' if padded else ''}{training}")
+        batch, seqlen = LADDER[0] if layout == "bshd" else PACKED_LADDER[0]
+        problem = AttentionProblem(batch, seqlen, seqlen, HEADS, HEADS, *((192, 128) if padded else (128, 128)),
+                                   dtype=dtype, layout=layout, mask="causal", training=training)  # fmt: skip
+        inputs = random_inputs(problem, device)
+        key = calibration.host_key(layout, padded, training)
+        for verdict in judge(problem, target):
+            c = verdict.candidate
+            if not verdict.supported or c.padded != padded or key not in host.get(c.backend, {}):
+                continue
+            if layout == "thd" and not backend_named(c.backend).packs_thd(target):
+                continue
+            issued = _host_us(attention_step(c, problem, inputs, device), device)
+            if issued is not None:
+                host[c.backend][key] = round(issued, 2)
+    if progress:
+        progress(len(jobs), len(jobs), "done")
+    return dict(data, host_us=host)
+
+
 def _host_us(step, device) -> float | None:
-    """Microseconds the host takes to issue one call while the GPU is busy (median of :data:`HOST_CALLS`)."""
+    """Microseconds the host takes to issue one call while the GPU is busy (median of :data:`HOST_CALLS`, after
+    warm-up calls: a first call decides, prepares and compiles)."""
     issued = []
     try:
+        for _ in range(3):
+            step()
         for _ in range(HOST_CALLS):
             if device.type == "cuda":
                 torch.cuda._sleep(2_000_000)  # about a millisecond: the call's issue does not wait for the GPU
