@@ -190,7 +190,7 @@ def _documents(mask, batch: int, length: int, device) -> tuple:
             f"positions, expected one of every head alike for ({batch}, 1, {length}, {length})"
         )
     positions = torch.arange(length, device=device)
-    rows = []
+    rows, wrong = [], torch.zeros((), dtype=torch.bool, device=device)  # read on the host once, at the end
     for b in range(batch):
         row = torch.full((length,), b if mask.shape[0] > 1 else 0, device=device)
         zero = torch.zeros_like(row)
@@ -201,18 +201,19 @@ def _documents(mask, batch: int, length: int, device) -> tuple:
             q = positions[first : first + _CHECK_ROWS, None]
             seen = mask.mask_mod(row[: q.shape[0], None], zero[: q.shape[0], None], q, positions[None, :])
             expected = (positions[None, :] <= q) & (document[None, :] == document[q])
-            if not torch.equal(seen.to(torch.bool), expected):
-                raise InvalidInputError(
-                    "attention_masks: got a BlockMask that is not causal within documents (torchtitan's "
-                    "packed-document mask), expected that mask: attnselect reads documents from it and runs "
-                    "nothing else"
-                )
+            wrong |= (seen.to(torch.bool) != expected).any()
         rows.append(starts.nonzero().flatten() + b * length)
     boundaries = torch.cat([*rows, torch.tensor([batch * length], device=device)])
+    # the check's verdict and the longest document, read on the host in one transfer per BlockMask and batch
+    wrong, longest = torch.stack([wrong.to(torch.int64), (boundaries[1:] - boundaries[:-1]).max()]).tolist()
+    if wrong:
+        raise InvalidInputError(
+            "attention_masks: got a BlockMask that is not causal within documents (torchtitan's packed-document "
+            "mask), expected that mask: attnselect reads documents from it and runs nothing else"
+        )
     if boundaries.numel() - 1 == batch:
         return (None,)
     cu = boundaries.to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())  # the longest document, read on the host once per BlockMask and batch
     return ((cu, cu, longest, longest),)
 
 
