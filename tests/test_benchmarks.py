@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import pathlib
@@ -304,3 +305,14 @@ def test_torchtitan_steps_smoke(tmp_path):
     report = json.loads((tmp_path / "titan.json").read_text())
     way = report["ways"]["attnselect"]
     assert len(way["losses"]) == 3 and all(math.isfinite(x) for x in way["losses"]) and way["tokens_per_s"] > 0
+
+
+def test_the_readme_performance_table_is_the_ladder_s():
+    """README.md's size-ladder table is benchmarks/ladder.py's readme_table of the committed run, line for line."""
+    spec = importlib.util.spec_from_file_location("ladder", ROOT / "benchmarks" / "ladder.py")
+    ladder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ladder)
+    report = json.loads((ROOT / "results" / "h200_ladder_fa4.json").read_text())
+    table = "\n".join("  " + line for line in ladder.readme_table(report).splitlines())
+    assert table in (ROOT / "README.md").read_text()
+    assert table.count("\n") == 1 + sum(" 192/128 " in e["rung"] for e in report["results"])

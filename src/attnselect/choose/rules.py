@@ -398,8 +398,8 @@ def rank(
     table."""
     supported = [v.candidate for v in verdicts if v.supported]
     ordered = sorted(supported, key=order(problem, target, predicted, supported))
-    # Predicted, a packed candidate's host time was measured with a new packing every call (attnselect.bench.calibrate):
-    # what it rebuilds per packing is in its prediction.
+    # Predicted, a packed candidate's GPU curve was timed with a new packing every call (attnselect.bench.calibrate):
+    # what it rebuilds per packing on the GPU is in its prediction.
     return tuple(_stable_across_packings(ordered, target) if problem.layout == "thd" and predicted is None else ordered)
 
 
