@@ -88,10 +88,11 @@ def main() -> None:
         shutil.copyfile(a.package, target)
         print(f"{a.package} -> {target.relative_to(ROOT)}")
         return
+    import attnselect
     from attnselect.bench import calibrate
 
     if a.host_from:
-        data = calibrate.host_times(json.loads(pathlib.Path(a.host_from).read_text()),
+        data = calibrate.host_times(json.loads(pathlib.Path(a.host_from).read_text()), attention=attnselect.attention,
                                     progress=calibrate.print_progress)  # fmt: skip
         data["source"] += "; host times measured again through attnselect.attention"
         pathlib.Path(a.out + ".json").write_text(json.dumps(data, indent=1))
@@ -103,7 +104,8 @@ def main() -> None:
     def checkpoint(partial: dict) -> None:  # what a deadline or a crash would otherwise lose
         pathlib.Path(a.out + ".json").write_text(json.dumps(partial, indent=1))
 
-    data = calibrate.run(quick=a.quick, pairs=pairs, progress=calibrate.print_progress, checkpoint=checkpoint)
+    data = calibrate.run(attention=attnselect.attention, quick=a.quick, pairs=pairs, progress=calibrate.print_progress,
+                         checkpoint=checkpoint)  # fmt: skip
     pathlib.Path(a.out + ".json").write_text(json.dumps(data, indent=1))
     pathlib.Path(a.out + ".md").write_text(report(data))
     print(report(data))

@@ -219,7 +219,7 @@ def cmd_calibrate(a) -> int:
             "attnselect calibrate: got a machine without a CUDA GPU, expected one (on the CPU the rules table orders "
             "the candidates)"
         )
-    data = calibrate.run(target, quick=a.quick, progress=calibrate.print_progress)
+    data = calibrate.run(target, attention=attention, quick=a.quick, progress=calibrate.print_progress)
     path = pathlib.Path(a.out) if a.out else calibration.user_path(target)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".json.tmp")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import attnselect
 from attnselect import cli
 from attnselect.bench import calibrate
 from attnselect.choose import calibration, predict
@@ -13,7 +14,9 @@ from attnselect.spec.problem import AttentionProblem
 
 def test_a_quick_calibration_on_the_cpu_is_one_the_rules_can_read():
     seen = []
-    data = calibrate.run(quick=True, progress=lambda done, total, what: seen.append((done, total)))
+    data = calibrate.run(
+        attention=attnselect.attention, quick=True, progress=lambda done, total, what: seen.append((done, total))
+    )
     assert calibration._problem(data) is None and data["fingerprint"]["name"] == "cpu"
     assert seen[0] == (0, 2) and seen[-1] == (2, 2)  # dense, then packed (which nothing packs on the CPU in training)
     curves = data["gpu"]["sdpa_flash"]
@@ -29,7 +32,7 @@ def test_packed_calls_are_timed_by_the_candidates_that_pack_with_a_new_packing_e
     monkeypatch.setattr(calibrate, "SKIPPED", ("reference", "sdpa_math"))  # flex packs on the CPU (inference)
     monkeypatch.setattr(calibrate, "LADDER", ((1, 16),))
     monkeypatch.setattr(calibrate, "PACKED_LADDER", ((2, 16),))
-    data = calibrate.run(pairs=((24, 16),))
+    data = calibrate.run(attention=attnselect.attention, pairs=((24, 16),))
     assert calibration._problem(data) is None
     assert {"thd 24/16 inference", "thd 24/16+pad inference"} <= set(data["gpu"]["flex"])
     assert "thd inference" in data["host_us"]["flex"]

@@ -45,8 +45,11 @@ HOST_CALLS = 50
 COMPILING_MS = 1000.0  # a backend whose first call took this much longer at two sizes in a row compiles per shape
 
 
-def run(target: Target | None = None, *, quick: bool = False, pairs=PAIRS, progress=None, checkpoint=None) -> dict:
-    """Measure this machine's backends at the head-dim ``pairs``: a calibration (the
+def run(
+    target: Target | None = None, *, attention, quick: bool = False, pairs=PAIRS, progress=None, checkpoint=None
+) -> dict:
+    """Measure this machine's backends at the head-dim ``pairs``, host times through ``attention``
+    (:func:`attnselect.attention`, passed in by its callers above the API): a calibration (the
     :mod:`attnselect.choose.calibration` format), handed to ``checkpoint`` after each pair and phase too. A backend
     that compiles per shape (its first call :data:`COMPILING_MS` longer than the next at two sizes in a row; a
     compile per configuration, FA4's, costs once) is timed at the ladder's first, middle and last sizes after that.
@@ -101,7 +104,7 @@ def run(target: Target | None = None, *, quick: bool = False, pairs=PAIRS, progr
             for c in candidates:  # at the smallest size that serves it
                 key = calibration.host_key(layout, c.padded, training)
                 if key not in host.get(c.backend, {}) and not isinstance(timed.get(c), Exception):
-                    issued = _host_us(attention_step(c, problem, inputs, device), device)
+                    issued = _host_us(attention_step(attention, c, problem, inputs, device), device)
                     if issued is not None:
                         host.setdefault(c.backend, {})[key] = round(issued, 2)
             del steps, inputs
@@ -149,15 +152,14 @@ def _first_call_extra(step, device) -> float | None:
     return max(first - second, 0.0)
 
 
-def attention_step(candidate, problem: AttentionProblem, inputs: tuple, device: torch.device):
-    """``step()``: the call as a model makes it again and again, :func:`attnselect.attention` with the candidate
-    forced (``backend=``, ``pad=``), with its backward in training; packed, on one packing (the layers of a step
-    share it). Its host time is what the rules predict with: attention()'s memoized path and the runner it prepared
-    (the SDPA kernels' aten ops called directly), not a backend's unprepared run."""
-    from attnselect.api import attention, call_arguments
-
+def attention_step(attention, candidate, problem: AttentionProblem, inputs: tuple, device: torch.device):
+    """``step()``: the call as a model makes it again and again, ``attention`` (:func:`attnselect.attention`) with
+    the candidate forced (``backend=``, ``pad=``), with its backward in training; packed, on one packing (the layers
+    of a step share it). Its host time is what the rules predict with: attention()'s memoized path and the runner it
+    prepared (the SDPA kernels' aten ops called directly), not a backend's unprepared run. The calibration's problems
+    are causal, without the options a call may add."""
     q, k, v, grad_out, packings = inputs
-    kwargs = call_arguments(problem, device)
+    kwargs = dict(layout=problem.layout, causal=True)
     if packings is not None:
         p = packings()
         kwargs.update(cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_kv=p.cu_seqlens_kv, max_seqlen_q=p.max_seqlen_q,
@@ -173,9 +175,9 @@ def attention_step(candidate, problem: AttentionProblem, inputs: tuple, device: 
     return step
 
 
-def host_times(data: dict, target: Target | None = None, progress=None) -> dict:
+def host_times(data: dict, target: Target | None = None, *, attention, progress=None) -> dict:
     """``data`` (a calibration of this machine) with the host times of its installed backends measured again
-    (:func:`attention_step`), at the smallest ladder size, 128/128 native and 192/128 padded."""
+    through ``attention`` (:func:`attention_step`), at the smallest ladder size, 128/128 native and 192/128 padded."""
     target = target or Target.current()
     device = torch.device("cuda" if target.is_cuda else "cpu")
     dtype = torch.bfloat16 if target.is_cuda else torch.float32
@@ -196,7 +198,7 @@ def host_times(data: dict, target: Target | None = None, progress=None) -> dict:
                 continue
             if layout == "thd" and not backend_named(c.backend).packs_thd(target):
                 continue
-            issued = _host_us(attention_step(c, problem, inputs, device), device)
+            issued = _host_us(attention_step(attention, c, problem, inputs, device), device)
             if issued is not None:
                 host[c.backend][key] = round(issued, 2)
     if progress:
