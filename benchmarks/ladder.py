@@ -381,6 +381,7 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, help="seconds from now: no rung starts after it (resume later)")
     ap.add_argument("--screen", type=float, default=0.0, help="leave forced rows slower than this many times the "
                     "fastest row's one call out of the timed rounds (0: none)")  # fmt: skip
+    ap.add_argument("--rung-timeout", type=float, default=600.0, help="seconds a rung's process may take (--isolate)")
     ap.add_argument("--rung", help="run this rung alone (its exact name)")
     ap.add_argument("--isolate", action="store_true", help="each rung in a process of its own (what one rung leaves "
                     "allocated, or a broken CUDA context, cannot reach the next)")  # fmt: skip
@@ -444,11 +445,19 @@ def isolated(a) -> None:
         if a.deadline is not None and time.time() - started > a.deadline:
             print(f"deadline: {name} and later rungs not run (run again to resume)", flush=True)
             break
-        finished = subprocess.run([sys.executable, __file__, *passed, "--rung", name])
-        if finished.returncode:
-            print(f"{name}: its process exited with {finished.returncode}", flush=True)
+        try:
+            finished = subprocess.run([sys.executable, __file__, *passed, "--rung", name], timeout=a.rung_timeout)
+            failure = f"its process exited with {finished.returncode}" if finished.returncode else None
+        except subprocess.TimeoutExpired:
+            failure = f"its process ran past --rung-timeout ({a.rung_timeout:.0f} s)"
+        if failure:  # recorded, so that a resume does not spend the device's time on it again
+            print(f"{name}: {failure}", flush=True)
+            report = json.loads(path.read_text()) if path.exists() else {"results": []}
+            report["results"].append({"rung": name, "chosen": "", "stats": {}, "errors": {"the rung": failure}})
+            path.write_text(json.dumps(report, indent=1))
     if path.exists():
         report = json.loads(path.read_text())
+        report.setdefault("meta", {"device": "no rung finished", "date": time.strftime("%Y-%m-%d")})
         report["goals"] = goals(report["results"])
         path.write_text(json.dumps(report, indent=1))
         Path(a.out + ".md").write_text(markdown(report))

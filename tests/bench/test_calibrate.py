@@ -39,6 +39,25 @@ def test_packed_calls_are_timed_by_the_candidates_that_pack_with_a_new_packing_e
     assert not any(key.startswith("thd") for key in data["gpu"]["sdpa_flash"])  # sequence by sequence: not timed
 
 
+def test_host_times_are_measured_again_through_attention_on_the_machine_that_calibrated(monkeypatch):
+    monkeypatch.setattr(calibrate, "LADDER", ((1, 16),))
+    data = calibrate.run(attention=attnselect.attention, pairs=((24, 16),))
+    calls = []
+
+    def attention(*args, **kwargs):
+        calls.append(kwargs)
+        return attnselect.attention(*args, **kwargs)
+
+    stale = dict(data, host_us={b: {key: 1e9 for key in times} for b, times in data["host_us"].items()})
+    again = calibrate.host_times(stale, attention=attention)
+    assert again["host_us"].keys() == data["host_us"].keys() and again["gpu"] == data["gpu"]
+    assert all(us < 1e9 for times in again["host_us"].values() for us in times.values())
+    assert {(c["backend"], c["pad"]) for c in calls} == {("sdpa_flash", True)}  # as attention() runs it, forced
+    elsewhere = dict(data, fingerprint=dict(data["fingerprint"], torch="2.0.0"))
+    with pytest.raises(ValueError, match="the calibration ran on"):
+        calibrate.host_times(elsewhere, attention=attention)
+
+
 def test_the_command_needs_a_gpu_and_keeps_a_quick_run_out_of_the_cache(capsys, tmp_path):
     assert cli.main(["calibrate", "--out", str(tmp_path / "x.json")]) == 2
     assert "without a CUDA GPU, expected one" in capsys.readouterr().err

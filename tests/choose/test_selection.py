@@ -194,6 +194,27 @@ def _packed_calibration(tmp_path, monkeypatch, target):
     attnselect.clear_cache()
 
 
+def test_predicted_packed_decisions_at_new_sizes_judge_no_candidate_again(tmp_path, monkeypatch):
+    """Ranked by predicted time, a packed call known but for its sizes is carried to the new sizes without judging
+    every candidate again (select_packed's point: a training loop's packing changes every step)."""
+    from attnselect.choose import candidates, first_calls, selection
+
+    target = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+    _packed_calibration(tmp_path, monkeypatch, target)
+    first_calls.forget()
+    judged, real = [], candidates.judge
+    monkeypatch.setattr(selection, "judge", lambda *a, **k: judged.append(1) or real(*a, **k))
+    decisions = []
+    for batch, seqlen in ((18, 4096), (25, 9000), (13, 16384), (40, 3000), (2, 100)):
+        problem = AttentionProblem(batch, seqlen, seqlen, 16, 16, 128, 128, layout="thd", mask="causal",
+                                   training=True, dtype=torch.bfloat16)  # fmt: skip
+        decisions.append(selection.select_packed(problem, target=target))
+    assert all(d.predictions is not None for d in decisions) and len({d.chosen for d in decisions}) > 1
+    assert len(judged) == 1
+    carried = decisions[-1]
+    assert "carried from" in carried.why and "supported candidates" not in carried.why
+
+
 @pytest.mark.parametrize("forced", [None, "varlen_fa2"])
 def test_predicted_packed_decisions_at_new_sizes_are_what_select_decides_there(tmp_path, monkeypatch, forced):
     """Ranked by predicted time, a decision carried to new sizes chooses, rents and ranks as select does at those

@@ -260,6 +260,11 @@ def test_a_batch_one_mask_serves_every_batch_size_with_its_own_documents():
     assert torch.allclose(two[:1], one, atol=1e-6) and set(mask.__dict__[titan._PACKING]) == {(1, L), (B, L)}
 
 
+def test_an_empty_batch_has_no_documents_to_read():
+    mask = create_block_mask(lambda b, h, i, j: j <= i, 1, None, L, L, device="cpu")
+    assert titan._documents(mask, 0, L, torch.device("cpu")) == (None,)
+
+
 def test_out_transform_takes_the_lse_in_inference_and_is_refused_in_training():
     _, inner, q = _flex_module_and_tensors()
     _, positions = _inputs()

@@ -177,8 +177,15 @@ def attention_step(attention, candidate, problem: AttentionProblem, inputs: tupl
 
 def host_times(data: dict, target: Target | None = None, *, attention, progress=None) -> dict:
     """``data`` (a calibration of this machine) with the host times of its installed backends measured again
-    through ``attention`` (:func:`attention_step`), at the smallest ladder size, 128/128 native and 192/128 padded."""
+    through ``attention`` (:func:`attention_step`), at the smallest ladder size, 128/128 native and 192/128 padded;
+    the others' are kept (their packages absent here: a package measured again needs the version calibrated, which
+    the fingerprint's packages keep). Raises ValueError where ``data`` ran on another GPU or library versions."""
     target = target or Target.current()
+    here = calibration.fingerprint(target)
+    if {k: v for k, v in data["fingerprint"].items() if k != "packages"} != {
+        k: v for k, v in here.items() if k != "packages"
+    }:
+        raise ValueError(f"the calibration ran on {data['device']}, not here ({target.describe()})")
     device = torch.device("cuda" if target.is_cuda else "cpu")
     dtype = torch.bfloat16 if target.is_cuda else torch.float32
     host = {backend: dict(times) for backend, times in data["host_us"].items()}

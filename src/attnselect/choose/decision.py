@@ -28,6 +28,9 @@ class Decision:
     predictions: dict | None = None  # a calibration held: Candidate -> Prediction, or None where it has none
     calibration: str = ""  # the calibration's source, or why none holds
     rental: Rental | None = None  # ranked[0] has a compile to pay first: chosen runs meanwhile (choose.first_calls)
+    # select_packed's decision at other sizes that this one was carried from: ranked and verdicts hold only the
+    # candidates judged until the choice settled (explain and select judge them all)
+    carried_from: AttentionProblem | None = None
 
     @property
     def why(self) -> str:
@@ -40,6 +43,10 @@ class Decision:
             because = (
                 f"its predicted time, {self.predictions[self.chosen]}, is the lowest of {len(self.ranked)} supported "
                 f"candidates (calibration {self.calibration})"
+                if self.carried_from is None
+                else f"its predicted time, {self.predictions[self.chosen]}, is the lowest of the candidates that serve "
+                f"the call (calibration {self.calibration}; carried from the decision for "
+                f"{self.carried_from.describe()}, judging candidates in predicted order until the choice settled)"
             )
         if self.timings:
             timed = {c: t for c, t in self.timings.items() if t is not None}
@@ -55,6 +62,8 @@ class Decision:
             because = f"the caller forced backend {self.overrides.backend!r} and " + because
         natives = [c for c in self.ranked if not c.padded]
         padded = [c for c in self.ranked if c.padded]
+        if self.carried_from is not None:  # the candidates after the choice were not judged
+            return f"running {self.chosen.backend}, {how}, because {because}"
         if self.overrides.pad != "auto" and self.problem.pad_target is not None:
             because += f"; the caller set pad={self.overrides.pad!r}"
         elif self.chosen.padded:

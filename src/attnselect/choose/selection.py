@@ -171,11 +171,14 @@ def _carried(
         ranked, rental = first_calls.drawn_rental(ranking, predicted, found["first_call_ms"], problem)
     if not ranked or predicted[ranked[0]] is None:  # nothing it serves is calibrated: select() says why
         return None
-    return Decision(
+    decision = Decision(
         problem, target, earlier.policy, earlier.overrides, rental.chosen if rental else ranked[0], ranked,
         tuple(Verdict(c, reasons) for c, reasons in judged.items()),
-        None, {c: predicted[c] for c in ranked}, source, rental,
+        None, {c: predicted[c] for c in ranked}, source, rental, earlier.carried_from or earlier.problem,
     )  # fmt: skip
+    if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # a new decision: logged once
+        debug.log_decision(decision)
+    return decision
 
 
 def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, serves) -> bool:

@@ -204,8 +204,10 @@ def _documents(mask, batch: int, length: int, device) -> tuple:
             wrong |= (seen.to(torch.bool) != expected).any()
         rows.append(starts.nonzero().flatten() + b * length)
     boundaries = torch.cat([*rows, torch.tensor([batch * length], device=device)])
-    # the check's verdict and the longest document, read on the host in one transfer per BlockMask and batch
-    wrong, longest = torch.stack([wrong.to(torch.int64), (boundaries[1:] - boundaries[:-1]).max()]).tolist()
+    # the check's verdict and the longest document in one transfer (besides each row's document starts)
+    lengths = boundaries[1:] - boundaries[:-1]
+    longest = lengths.max() if lengths.numel() else lengths.new_zeros(())
+    wrong, longest = torch.stack([wrong.to(torch.int64), longest]).tolist()
     if wrong:
         raise InvalidInputError(
             "attention_masks: got a BlockMask that is not causal within documents (torchtitan's packed-document "
