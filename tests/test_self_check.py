@@ -159,6 +159,30 @@ def test_a_reference_that_cannot_run_skips_the_check_with_a_warning(monkeypatch,
     assert torch.isfinite(out).all()
 
 
+def test_a_check_that_cannot_run_keeps_no_tensor_of_the_call_alive():
+    """Without the garbage collector (CUDA memory does not prompt it): what a failed reference raised does not keep
+    the check's tensors in a cycle of frames."""
+    import gc
+    import weakref
+
+    held = []
+
+    def failing(*args, **kwargs):
+        held.append(weakref.ref(args[0]))  # a tensor of the check's (the sliced queries)
+        raise MemoryError("no room")
+
+    q, k, v = dense_inputs(dtype=torch.float32, requires_grad=False)
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(correctness, "compare_batch", failing)
+            attnselect.attention(q, k, v, causal=True)
+        assert held and all(ref() is None for ref in held)
+    finally:
+        gc.enable()
+
+
 # -- on the GPU ---------------------------------------------------------------------------------------------------
 
 WORKER = """

@@ -133,17 +133,17 @@ def _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse) -> 
             if len(batch) > 1 and is_transient(exc):  # out of memory: one slice at a time fits where a batch did not
                 batches[:0] = [[piece] for piece in batch]
                 continue
-            failed = exc
+            failed = f"{type(exc).__name__}: {exc}"  # its text: the exception would hold this frame's tensors
             continue
         for one in found:
             if one is None:
-                failed = failed or ValueError("the naive reference is not finite: no bound to judge by")
+                failed = failed or "ValueError: the naive reference is not finite: no bound to judge by"
                 continue
             judgement = one if judgement is None else judgement.worse(one)
         if judgement is not None and not judgement.passed:  # wrong: no need to look further
             break
     if judgement is None:
-        raise ReferenceFailed(f"{type(failed).__name__}: {failed}") from failed
+        raise ReferenceFailed(failed)
     return judgement
 
 
