@@ -183,10 +183,7 @@ def host_times(data: dict, target: Target | None = None, *, attention, progress=
     the others' are kept (their packages absent here: a package measured again needs the version calibrated, which
     the fingerprint's packages keep). Raises ValueError where ``data`` ran on another GPU or library versions."""
     target = target or Target.current()
-    here = calibration.fingerprint(target)
-    if {k: v for k, v in data["fingerprint"].items() if k != "packages"} != {
-        k: v for k, v in here.items() if k != "packages"
-    }:
+    if calibration.machine(data["fingerprint"]) != calibration.machine(calibration.fingerprint(target)):
         raise ValueError(f"the calibration ran on {data['device']}, not here ({target.describe()})")
     device = torch.device("cuda" if target.is_cuda else "cpu")
     dtype = torch.bfloat16 if target.is_cuda else torch.float32

@@ -131,7 +131,7 @@ def _read_for(target: Target) -> tuple[dict | None, str]:
         data = parse(text, source)
         if data is None:
             continue
-        if _machine(data["fingerprint"]) != _machine(fingerprint(target)):
+        if machine(data["fingerprint"]) != machine(fingerprint(target)):
             found.append(f"{source} is for {_describe(data['fingerprint'])}")
             continue
         return data, source
@@ -140,7 +140,8 @@ def _read_for(target: Target) -> tuple[dict | None, str]:
     return None, f"no calibration for {target.arch}: `attnselect calibrate` on such a GPU makes one"
 
 
-def _machine(fp: dict) -> dict:
+def machine(fp: dict) -> dict:
+    """A fingerprint's machine keys: GPU, torch, cuDNN, attnselect (a backend's package is matched per backend)."""
     return {key: value for key, value in fp.items() if key != "packages"}
 
 

@@ -27,6 +27,16 @@ def kernel_reasons(backend: Backend, problem: AttentionProblem, target: Target) 
     return reasons
 
 
+def candidate_reasons(
+    candidate: Candidate, backend: Backend, kernel_problem: AttentionProblem, target: Target, failed: dict | None
+) -> list[str]:
+    """Why ``candidate`` cannot serve on ``target``, its controls aside: its run-time failure here (``failed``: see
+    :func:`judge`), else its kernel's reasons for ``kernel_problem`` (the problem, padded where it pads)."""
+    if failed and candidate in failed:
+        return [f"failed at run time on this target: {failed[candidate]}"]
+    return kernel_reasons(backend, kernel_problem, target)
+
+
 def override_reasons(overrides: Overrides, candidate: Candidate, problem: AttentionProblem) -> list[str]:
     """Why the caller's controls exclude a candidate (empty when they allow it)."""
     if candidate.backend in overrides.disable:
@@ -56,9 +66,7 @@ def judge(
         for pad_to in options:
             candidate = Candidate(backend.name, pad_to)
             reasons = override_reasons(overrides, candidate, problem)
-            if failed and candidate in failed:
-                reasons = [f"failed at run time on this target: {failed[candidate]}"]
-            if not reasons:
-                reasons = kernel_reasons(backend, problem if pad_to is None else padded, target)
+            if not reasons or (failed and candidate in failed):  # a run-time failure is the reason given first
+                reasons = candidate_reasons(candidate, backend, problem if pad_to is None else padded, target, failed)
             verdicts.append(Verdict(candidate, tuple(reasons)))
     return tuple(verdicts)

@@ -52,12 +52,12 @@ def visible_pairs(mask: str, window, seqlen_q: int, seqlen_kv: int) -> int:
     low = offset - left if left is not None else -seqlen_q - seqlen_kv
     high = offset + right if right is not None else seqlen_q + seqlen_kv
     cuts = sorted({0, seqlen_q, *(min(max(at, 0), seqlen_q) for at in (-low, last - high))})
+
+    def count(i: int) -> int:
+        return min(i + high, last) - max(i + low, 0) + 1
+
     total = 0
     for start, stop in zip(cuts, cuts[1:]):  # each edge clipped for all of [start, stop) or for none of it
-
-        def count(i: int) -> int:
-            return min(i + high, last) - max(i + low, 0) + 1
-
         slope = count(start + 1) - count(start) if stop - start > 1 else 0
         first, end = start, stop  # the queries of this piece that see a key
         if slope > 0:

@@ -10,7 +10,7 @@ import torch
 from attnselect.backends import evidence
 from attnselect.backends.base import get as backend_named
 from attnselect.choose import calibration, debug, first_calls, measure, rules, settings
-from attnselect.choose.candidates import judge, kernel_reasons, override_reasons
+from attnselect.choose.candidates import candidate_reasons, judge, override_reasons
 from attnselect.choose.decision import Decision, no_candidate_message
 from attnselect.choose.distributed import is_distributed
 from attnselect.choose.failures import eager_signature, failures
@@ -145,13 +145,8 @@ def _carried(
 
     def serves(c: Candidate) -> bool:
         if c not in judged:
-            judged[c] = (
-                (f"failed at run time on this target: {failed[c]}",)
-                if c in failed
-                else tuple(
-                    kernel_reasons(backend_named(c.backend), problem.padded(c.pad_to) if c.padded else problem, target)
-                )  # fmt: skip
-            )
+            kernel_problem = problem.padded(c.pad_to) if c.padded else problem
+            judged[c] = tuple(candidate_reasons(c, backend_named(c.backend), kernel_problem, target, failed))
         return not judged[c]
 
     found, source = calibration.for_target(target)
