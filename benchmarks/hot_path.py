@@ -116,14 +116,14 @@ def _quartiles_of(values) -> dict:
     return {"median": statistics.median(values), **_quartiles(values)}
 
 
-def profile(fn, calls: int) -> str:
+def profile(fn, calls: int, sort: str = "tottime", lines: int = 25) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
         fn()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    pstats.Stats(profiler, stream=text).sort_stats(sort).print_stats(lines)
     return "\n".join(line for line in text.getvalue().splitlines() if line.strip()).replace(str(Path.cwd()), ".")
 
 
@@ -408,6 +408,9 @@ def main() -> None:
     ap.add_argument("--new-packing-repeats", type=int, default=31)
     ap.add_argument("--out", help="write .json and .md here")
     ap.add_argument("--profile", action="store_true", help="add cProfile's top functions of each attnselect row")
+    ap.add_argument("--profile-sort", default="tottime", help="cProfile's order (tottime, cumulative)")
+    ap.add_argument("--profile-lines", type=int, default=25)
+    ap.add_argument("--only", help="only the cases whose name holds this text (after the rows are built)")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.no_grad():  # as the rows run: the prepared runners are those of inference
@@ -438,9 +441,11 @@ def main() -> None:
         "Produced by `benchmarks/hot_path.py`.\n",
     ]
     for problem, chosen, rows, calls, repeats, training in cases:
+        described = problem if isinstance(problem, str) else problem.describe()
+        if a.only and a.only not in described:
+            continue
         with torch.set_grad_enabled(training):
             timed = time_rows(rows, device, calls, repeats)
-            described = problem if isinstance(problem, str) else problem.describe()
             report["cases"].append(
                 {"problem": described, "chosen": str(chosen), "calls": calls, "repeats": repeats, "rows": timed}
             )  # fmt: skip
@@ -455,8 +460,8 @@ def main() -> None:
                 lines.append(f"| {name} | {host} | {r['synced_us']:.1f} | {diff} |")
             if a.profile:
                 name, fn = next(iter(rows.items()))
-                heading = f"\ncProfile of `{name}`, {calls} calls, top 25 by own time:\n"
-                lines += [heading, "```", profile(fn, calls), "```"]
+                heading = f"\ncProfile of `{name}`, {calls} calls, top {a.profile_lines} by {a.profile_sort}:\n"
+                lines += [heading, "```", profile(fn, calls, a.profile_sort, a.profile_lines), "```"]
     write_report(a.out, report, lines)
 
 

@@ -266,8 +266,8 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
       timeout 300 python3 -m pytest -s -v -p no:cacheprovider -W ignore tests/context_parallel/test_ring_gpu.py 2>&1 \
         | grep -E "^[01] |PASSED|FAILED|passed|failed|^E "
     } | tee "$OUT/h200_context_parallel.txt" | tail -30 ;;
-  hot-path)
-    timeout 200 python3 benchmarks/hot_path.py --profile --out "$OUT/h200_hot_path${HOT_PATH_PART:+_$HOT_PATH_PART}" 2>&1 \
+  hot-path)   # HOT_PATH_ARGS adds arguments (--only "new packing" --profile-sort cumulative)
+    timeout 200 python3 benchmarks/hot_path.py --profile ${HOT_PATH_ARGS:-} --out "$OUT/h200_hot_path${HOT_PATH_PART:+_$HOT_PATH_PART}" 2>&1 \
       | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;
   hot-path-parts)
     timeout 200 python3 benchmarks/hot_path_parts.py --out "$OUT/h200_hot_path_parts" 2>&1 | grep -v -i warn \

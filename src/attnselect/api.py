@@ -147,15 +147,17 @@ def attention(
                 batch=cu_seqlens_q.numel() - 1, seqlen_q=max_seqlen_q, seqlen_kv=max_seqlen_kv
             )
             packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
+            sibling = unknown.sibling
         else:
             problem, packing = describe_call(q, k, v, options)
+            sibling = None
         target = target_for_device(q.device)
         decision = (
             select(problem, target=target, backend=backend, pad=pad, disable=disable)
             if packing is None
             else select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)
         )
-        call = kernel_call(problem, scale, softcap)
+        call = sibling.call if sibling is not None else kernel_call(problem, scale, softcap)  # not the sizes'
         chosen = backends.get(decision.chosen.backend)
         if layout != "thd":
             runner = dense_runner(
@@ -170,7 +172,8 @@ def attention(
         if decision.rental and decision.rental.calls and runner is not None:  # a compile to pay later (first_calls)
             runner = _renting(runner, decision.rental, problem)
         known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
-        compiled = decision.predictions is not None  # a calibration holds: what compiles is tracked
+        # a calibration holds: what compiles is tracked (a configuration is the call at any size: its sibling's ran)
+        compiled = decision.predictions is not None and (sibling is None or sibling.chosen != decision.chosen)
         checking = self_check.needed(problem, decision.chosen, target)  # reads ATTNSELECT_SELF_CHECK: before memoizing
         collective = checking and decision.overrides.policy == "measure" and is_distributed()
         if unknown is not None:

@@ -60,6 +60,24 @@ def test_a_prediction_is_the_longer_of_host_and_gpu():
     assert predict.predict(Candidate("sdpa_flash", 192), problem, sample()) is None  # no curve of its own
 
 
+def test_calls_of_one_work_class_are_predicted_alike_at_its_centre():
+    """A call is predicted at its work's class (2^(1/8) steps): the calls of a class share their predictions, and
+    a class's centre is within 2^(1/16) of each of its calls' work."""
+    problems = [
+        AttentionProblem(batch, seqlen, seqlen, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+        for batch in (1, 2, 3, 5) for seqlen in range(200, 4000, 37)
+    ]  # fmt: skip
+    by_class = {}
+    for problem in problems:
+        cls = predict.work_class(problem)
+        assert 2 ** (-1 / 16) <= predict.class_work(cls) / predict.work(problem) <= 2 ** (1 / 16)
+        time = predict.predict(Candidate("sdpa_cudnn"), problem, sample())
+        assert by_class.setdefault(cls, time) == time
+    assert len(by_class) > 20
+    empty = AttentionProblem(0, 0, 0, 16, 16, 192, 128, layout="thd", dtype=torch.bfloat16)
+    assert predict.class_work(predict.work_class(empty)) == 0.0
+
+
 @pytest.fixture
 def calibrated(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))

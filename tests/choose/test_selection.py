@@ -215,6 +215,37 @@ def test_predicted_packed_decisions_at_new_sizes_judge_no_candidate_again(tmp_pa
     assert "carried from" in carried.why and "supported candidates" not in carried.why
 
 
+def test_a_new_packing_in_a_known_work_class_predicts_nothing_again(tmp_path, monkeypatch):
+    """A packed call's ranking is kept per work class, size class and rules table: a new packing whose sizes fall in
+    a class seen before looks its ranking up (no prediction, no sort), and chooses what select chooses there."""
+    from attnselect.choose import first_calls, predict, rules, selection
+
+    target = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+    _packed_calibration(tmp_path, monkeypatch, target)
+    first_calls.forget()
+    predicted, real = [], rules.prediction
+    monkeypatch.setattr(rules, "prediction", lambda *a, **k: predicted.append(1) or real(*a, **k))
+
+    def problem(batch, seqlen):
+        return AttentionProblem(batch, seqlen, seqlen, 16, 16, 128, 128, layout="thd", mask="causal", training=True,
+                                dtype=torch.bfloat16)  # fmt: skip
+
+    selection.select_packed(problem(18, 4096), target=target)
+    selection.select_packed(problem(18, 4000), target=target)  # a new class: predicted
+    before = len(predicted)
+    assert before
+    same_class = problem(18, 4001)
+    assert predict.work_class(same_class) == predict.work_class(problem(18, 4000))
+    assert same_class.size_class == problem(18, 4000).size_class
+    carried = selection.select_packed(same_class, target=target)
+    assert len(predicted) == before
+    monkeypatch.setattr(rules, "prediction", real)
+    fresh = attnselect.select(same_class, target=target)
+    assert carried.chosen == fresh.chosen and carried.predictions[carried.chosen] == fresh.predictions[fresh.chosen]
+    attnselect.clear_cache()  # a clear forgets the rankings too
+    assert not selection._RANKINGS
+
+
 @pytest.mark.parametrize("forced", [None, "varlen_fa2"])
 def test_predicted_packed_decisions_at_new_sizes_are_what_select_decides_there(tmp_path, monkeypatch, forced):
     """Ranked by predicted time, a decision carried to new sizes chooses, rents and ranks as select does at those

@@ -152,12 +152,18 @@ class Backend:
     def not_supported_reasons(self, problem: AttentionProblem, target: Target) -> list[str]:
         """Why this backend's documented surface does not serve ``problem`` on ``target``; empty when it does (the
         young kernels' allowlists come on top: attnselect.choose.candidates.kernel_reasons)."""
+        absent = self.target_reasons(target)
+        if absent:
+            return absent
+        return self.surfaces[target.device_type].reasons(problem, target) + self.extra_reasons(problem, target)
+
+    def target_reasons(self, target: Target) -> list[str]:
+        """Why this backend serves no problem at all on ``target`` (its package, its device types)."""
         if self.package and target.version(self.package.distribution) is None:
             return [f"package {self.package.distribution} is not installed"]
-        surface = self.surfaces.get(target.device_type)
-        if surface is None:
+        if target.device_type not in self.surfaces:
             return [f"runs on {' and '.join(self.surfaces)} only, not on {target.device_type}"]
-        return surface.reasons(problem, target) + self.extra_reasons(problem, target)
+        return []
 
     def package_version(self, target: Target) -> str | None:
         """The version of its package on ``target`` (None: none needed, or not installed)."""

@@ -3,7 +3,9 @@
 The GPU time comes from the candidate's curve over work sizes: interpolated between the two measured points around
 the call's work (linear in log-log), the first point's time below the ladder (launch-bound), and the last point's
 throughput above it. Work is the score pairs the mask leaves visible times the query heads times d_qk + d_v
-(:func:`work`), so one curve covers batch, heads, lengths and masks. Where the call's head dims were not
+(:func:`work`), so one curve covers batch, heads, lengths and masks. A call is predicted at its work's class
+(:func:`work_class`: work rounded to a step of 2^(1/8), 9%), so the calls of a class share one ranking: a packed
+loop's new packing every step finds its ranking made (:func:`attnselect.choose.selection.select_packed`). Where the call's head dims were not
 calibrated, the candidate's curve at the nearest calibrated dims (by d_qk + d_v) stands in, and the prediction says
 so. The host time is the backend's time to issue a call of that layout and phase.
 
@@ -77,6 +79,20 @@ def work(problem: AttentionProblem) -> float:
     return problem.batch * problem.heads_q * pairs * (problem.head_dim_qk + problem.head_dim_v) / 1e6
 
 
+WORK_STEPS = 8  # work classes per doubling of work
+
+
+def work_class(problem: AttentionProblem) -> int:
+    """The class of the call's :func:`work`: ``round(WORK_STEPS * log2(work))`` (work 0 is the lowest class)."""
+    at = work(problem)
+    return round(WORK_STEPS * math.log2(at)) if at > 0 else -(2**31)
+
+
+def class_work(work_class: int) -> float:
+    """The work a class is predicted at: its centre, ``2 ** (work_class / WORK_STEPS)``."""
+    return 2.0 ** (work_class / WORK_STEPS) if work_class > -(2**31) else 0.0
+
+
 def predict(candidate: Candidate, problem: AttentionProblem, calibration: dict) -> Prediction | None:
     """The candidate's predicted time for ``problem``, or None where the calibration has no curve or host time of
     its backend for this layout and phase."""
@@ -93,7 +109,7 @@ def predict(candidate: Candidate, problem: AttentionProblem, calibration: dict) 
         basis = f"{key} (nearest calibrated dims)"
     if key is None or host is None:
         return None
-    return Prediction(host_us=float(host), gpu_us=_along(curves[key], work(problem)), basis=basis)
+    return Prediction(host_us=float(host), gpu_us=_along(curves[key], class_work(work_class(problem))), basis=basis)
 
 
 def _nearest(curves: dict, problem: AttentionProblem, padded: bool) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 
@@ -14,6 +15,7 @@ from attnselect.choose.candidates import candidate_reasons, judge, override_reas
 from attnselect.choose.decision import Decision, no_candidate_message
 from attnselect.choose.distributed import is_distributed
 from attnselect.choose.failures import eager_signature, failures
+from attnselect.choose.predict import work_class
 from attnselect.choose.settings import MEMO_SIZE
 from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.memos import generation, register_cache
@@ -115,7 +117,7 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     if earlier is not None and problem == held_for:
         decision = earlier
     elif earlier is not None and earlier.policy == "rules":
-        decision = _carried(earlier, allowed, problem, target)
+        decision = _carried(key, earlier, allowed, problem, target)
     if decision is None:
         decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
         allowed = tuple(
@@ -136,11 +138,15 @@ def _remember(memo: OrderedDict, key, value, cleared: int) -> None:
 
 
 def _carried(
-    earlier: Decision, allowed: tuple[Candidate, ...], problem: AttentionProblem, target: Target
+    key: tuple, earlier: Decision, allowed: tuple[Candidate, ...], problem: AttentionProblem, target: Target
 ) -> Decision | None:
     """The rules' ``earlier`` decision carried to ``problem``'s sizes (:func:`select_packed`), or None where only
     :func:`select` can tell."""
-    failed = _failed(problem, target)
+    found, source = calibration.for_target(target)
+    ranking = None
+    if found is not None and not calibration.outside(problem):
+        ranking = _ranking(key, allowed, problem, target, found)
+    failed = ranking.failed if ranking is not None else _failed(problem, target)
     judged: dict[Candidate, tuple[str, ...]] = {}  # as judge() refuses them
 
     def serves(c: Candidate) -> bool:
@@ -149,21 +155,16 @@ def _carried(
             judged[c] = tuple(candidate_reasons(c, backend_named(c.backend), kernel_problem, target, failed))
         return not judged[c]
 
-    found, source = calibration.for_target(target)
-    predicted = {}
-    if found is not None and not calibration.outside(problem):
-        for c in allowed:
-            predicted[c], unranked = rules.prediction(c, problem, target, found)
-            if unranked and serves(c):  # the table ranks the call (rules.predictions)
-                predicted = None
-                break
+    predicted = ranking.predicted if ranking is not None else None
+    if predicted is not None and any(serves(c) for c in ranking.unranked):  # the table ranks the call (predictions)
+        predicted = None
     if not predicted or not any(predicted.values()):
         return earlier if earlier.predictions is None and _still_stands(earlier, problem, target, serves) else None
-    ranking = (c for c in sorted(allowed, key=rules.order(problem, target, predicted, allowed)) if serves(c))
+    ordered = (c for c in ranking.ordered if serves(c))
     if earlier.overrides.backend is not None:  # a forced backend is never rented out (_decide)
-        ranked, rental = tuple(itertools.islice(ranking, 1)), None
+        ranked, rental = tuple(itertools.islice(ordered, 1)), None
     else:
-        ranked, rental = first_calls.drawn_rental(ranking, predicted, found["first_call_ms"], problem)
+        ranked, rental = first_calls.drawn_rental(ordered, predicted, found["first_call_ms"], problem)
     if not ranked or predicted[ranked[0]] is None:  # nothing it serves is calibrated: select() says why
         return None
     decision = Decision(
@@ -174,6 +175,42 @@ def _carried(
     if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # a new decision: logged once
         debug.log_decision(decision)
     return decision
+
+
+class _Ranking(NamedTuple):
+    """The candidates a packed call's controls allow, in their predicted order at its work class, with their
+    predictions (None for those the calibration leaves out), those the calibration cannot rank (where one of them
+    serves, the table ranks the call), and the failures known at the call's signature."""
+
+    ordered: tuple[Candidate, ...]
+    predicted: dict
+    unranked: tuple[Candidate, ...]
+    failed: dict
+
+
+# Per packed call without its sizes, work class, size class and rules table: its :class:`_Ranking`. Each is a function
+# of that key (a calibration predicts at the work's class, attnselect.choose.predict; failures are kept per signature,
+# which holds the size class), so a new packing in a known class looks its ranking up; a new failure clears it.
+_RANKINGS: OrderedDict[tuple, _Ranking] = OrderedDict()
+register_cache(_RANKINGS.clear)
+
+
+def _ranking(key: tuple, allowed: tuple[Candidate, ...], problem: AttentionProblem, target: Target, found: dict):
+    cleared = generation()
+    at = (key, work_class(problem), problem.size_class, rules.table_for(problem, target)[0])
+    ranking = _RANKINGS.get(at)
+    if ranking is None:
+        # what the target cannot run at any size (its package missing, another device) leaves the ranking
+        runs = [c for c in allowed if not backend_named(c.backend).target_reasons(target)]
+        predicted, unranked = {}, []
+        for c in runs:
+            predicted[c], why = rules.prediction(c, problem, target, found)
+            if why:
+                unranked.append(c)
+        ordered = tuple(sorted(runs, key=rules.order(problem, target, predicted, allowed)))
+        ranking = _Ranking(ordered, predicted, tuple(unranked), _failed(problem, target))
+        _remember(_RANKINGS, at, ranking, cleared)
+    return ranking
 
 
 def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, serves) -> bool:

@@ -282,7 +282,7 @@ def _cpu_target() -> Target:
         name="cpu",
         device_type="cpu",
         capability=None,
-        torch_version=torch.__version__,
+        torch_version=str(torch.__version__),  # a plain str: TorchVersion parses on every comparison (memo keys)
         cudnn_version=None,
         **_installed_packages(),
     )
@@ -302,7 +302,7 @@ def _cuda_target(index: int) -> Target:
         name=name,
         device_type="cuda",
         capability=capability,
-        torch_version=torch.__version__,
+        torch_version=str(torch.__version__),  # a plain str: TorchVersion parses on every comparison (memo keys)
         cudnn_version=cudnn_version,
         **_installed_packages(),
     )
