@@ -5,9 +5,9 @@ the call's work (linear in log-log), the first point's time below the ladder (la
 throughput above it. Work is the score pairs the mask leaves visible times the query heads times d_qk + d_v
 (:func:`work`), so one curve covers batch, heads, lengths and masks. A call is predicted at its work's class
 (:func:`work_class`: work rounded to a step of 2^(1/8), 9%), so the calls of a class share one ranking: a packed
-loop's new packing every step finds its ranking made (:func:`attnselect.choose.selection.select_packed`). Where the call's head dims were not
-calibrated, the candidate's curve at the nearest calibrated dims (by d_qk + d_v) stands in, and the prediction says
-so. The host time is the backend's time to issue a call of that layout and phase.
+loop's new packing every step finds its ranking made (:func:`attnselect.choose.selection.select_packed`). Where the
+call's head dims were not calibrated, the candidate's curve at the nearest calibrated dims (by d_qk + d_v) stands
+in, and the prediction says so. The host time is the backend's time to issue a call of that layout and phase.
 
 The two combine as ``max(host, gpu)``: a model issues its layers' calls back to back, so while the GPU runs one call
 the host issues the next, and a step takes the longer of the two (a call alone, synchronised, would take their sum).
