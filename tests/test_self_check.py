@@ -241,6 +241,10 @@ def test_fa4_wrong_gradients_at_128_64_are_caught_in_every_process(tmp_path):
     for r in results:
         assert r["chosen"] < 2e-2
         assert r["raised"] is not None or r["forced"] < 2e-2
+        if r["direct"] >= 2e-2:  # FA4 called directly was wrong in this process: the self-check caught it there
+            assert r["raised"] is not None, r
+    if all(r["direct"] < 2e-2 for r in results):
+        pytest.skip("FA4's 128/64 gradients were right in all four processes here: there was nothing to catch")
 
 
 @pytest.mark.parametrize("name", ["ATTNSELECT_SELF_CHECK", "ATTNSELECT_DEBUG", "ATTNSELECT_ALLOWLIST"])
