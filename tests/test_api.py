@@ -378,3 +378,40 @@ def test_warmup_reports_a_call_that_fails_and_refuses_what_it_cannot_make():
     captured = dataclasses.replace(problem, cuda_graph_capture=True)
     with pytest.raises(attnselect.InvalidInputError, match=r"problems\[0\].cuda_graph_capture: got True"):
         attnselect.warmup([captured])
+
+
+@pytest.fixture
+def two_rank_group():
+    """A process group of two ranks in this one process (torch's fake backend: its collectives do nothing), so
+    attention(cp_group=) runs its own checks here."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "options,lengths",
+    [
+        (dict(causal="bottom_right"), (4, 4)),
+        (dict(dropout_p=0.1), (4, 4)),
+        (dict(causal=True, window=(2, 0)), (4, 4)),
+        (dict(causal=True), (4, 6)),  # keys of their own length under a causal mask
+    ],
+)
+def test_select_and_explain_refuse_what_attention_cp_group_refuses(two_rank_group, options, lengths):
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64) for n in lengths)
+    with pytest.raises(attnselect.InvalidInputError, match="context_parallel_size=2") as raised:
+        attnselect.attention(q, k, k, cp_group=two_rank_group, **options)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, k, context_parallel_size=2, **options)
+    for entry in (attnselect.select, attnselect.explain) * 2:  # and again, where a decision could be memoized
+        with pytest.raises(attnselect.InvalidInputError) as same:
+            entry(problem)
+        assert str(same.value) == str(raised.value)
+    served = attnselect.AttentionProblem.from_tensors(q, q, q, causal=True, context_parallel_size=2)
+    assert attnselect.select(served).chosen and "context parallel" in attnselect.explain(served)
