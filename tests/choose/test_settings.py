@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 import attnselect
 from attnselect import Candidate
+from attnselect.choose import settings
 from helpers import CPU, SELECTION_PROBLEM
 
 P = SELECTION_PROBLEM
@@ -75,3 +80,71 @@ def test_overrides_reach_the_attention_fast_path():
 
     assert {known.chosen.backend for known in dispatch.known_calls()} == {"sdpa_flash", "reference"}
     assert torch.allclose(inside, attnselect.attention(q, k, v), atol=1e-12)
+
+
+# A junk value for every ATTNSELECT_* variable that is validated: each raises, naming the variable, the value and
+# what was expected.
+JUNK = {
+    "ATTNSELECT_POLICY": "guess",
+    "ATTNSELECT_BACKEND": "nope",
+    "ATTNSELECT_PAD": "sometimes",
+    "ATTNSELECT_DISABLE": "sdpa_fast",
+    "ATTNSELECT_DEBUG": "yes",
+    "ATTNSELECT_DEBUG_LEVEL": "9",
+    "ATTNSELECT_STRICT": "maybe",
+    "ATTNSELECT_SELF_CHECK": "often",
+    "ATTNSELECT_ALLOWLIST": "on",
+}
+# A directory, not a choice: any string names one; it is read only where a file is (test below).
+NOT_VALIDATED = {"ATTNSELECT_CACHE_DIR"}
+
+
+def test_every_variable_the_package_reads_is_tested_here():
+    source = Path(attnselect.__file__).parent
+    read = {name for path in source.rglob("*.py") for name in re.findall(r"ATTNSELECT_[A-Z][A-Z_]*[A-Z]",
+                                                                            path.read_text())}  # fmt: skip
+    assert read == set(JUNK) | NOT_VALIDATED
+    assert set(settings.ENV_VARS) == set(JUNK)  # each in the memo's key: a memoized call cannot skip it
+
+
+def _calls():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 6, 2, d, generator=g, dtype=torch.float64) for d in (24, 24, 16))
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    return (
+        lambda: attnselect.attention(q, k, v, causal=True),  # memoized: the fast path on a repeat
+        lambda: attnselect.attention(q[0], k[0], v[0], layout="thd", cu_seqlens_q=cu),  # packed
+    )
+
+
+@pytest.mark.parametrize("variable", sorted(JUNK))
+def test_a_junk_variable_fails_a_first_and_a_memoized_call_alike(variable, monkeypatch):
+    error = attnselect.ForcedChoiceError if variable == "ATTNSELECT_BACKEND" else attnselect.InvalidInputError
+    message = f"^{variable}: got .*{JUNK[variable]!r}.*, expected "
+    for call in _calls():
+        first = call()  # decided and memoized under a clean environment
+        monkeypatch.setenv(variable, JUNK[variable])
+        for fresh in (False, True):  # the call memoized before, then a memo that has never seen it
+            if fresh:
+                attnselect.clear_cache()
+            for _ in range(2):  # and its identical repeat
+                with pytest.raises(error, match=message):
+                    call()
+        monkeypatch.delenv(variable)
+        assert torch.equal(call(), first)
+
+
+def test_a_cache_dir_that_cannot_hold_files_serves_every_call_alike(tmp_path, monkeypatch, caplog):
+    """ATTNSELECT_CACHE_DIR is not validated up front: it is read only where a file is (the decision cache: run-time
+    failures recorded, measured decisions), and one that cannot be read or written is then ignored with one warning,
+    on the first call as on every later one (the decisions stay in memory)."""
+    junk = tmp_path / "a-file"
+    junk.write_text("not a directory")
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(junk))
+    for policy in ("rules", "measure"):
+        with attnselect.overrides(policy=policy), caplog.at_level(logging.WARNING, logger="attnselect"):
+            caplog.clear()
+            for call in _calls():
+                assert torch.equal(call(), call())
+        assert len([r for r in caplog.records if str(junk) in r.getMessage()]) <= 1  # reading, then writing
+    assert junk.read_text() == "not a directory"
