@@ -5,8 +5,9 @@ ATTNSELECT_CACHE_DIR. Entries are keyed by the problem's bucket, the policy and 
 fingerprint (GPU name, compute capability, CUDA, torch, cuDNN, cudnn-frontend and flash-attn
 versions), so a change of any of them ignores old entries. Writes are atomic (a temporary
 file renamed over the old one) under an exclusive file lock, so ranks sharing the file
-never lose each other's entries. A corrupt or unreadable file gives one warning and is
-rebuilt; a directory that cannot be written falls back to memory with one warning.
+never lose each other's entries. A corrupt or unreadable file gives one warning (one per file and
+process, whatever is wrong with it) and is rebuilt on the next write, without the entries its readers
+found malformed; a directory that cannot be written falls back to memory with one warning.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ log = logging.getLogger("attnselect")
 FORMAT = 1
 LOCK_TIMEOUT_S = 30.0  # a lock held longer is taken as stuck: the write falls back to memory with one warning
 _memory: dict = {}
+_seen: dict = {}  # path -> the entries last read from it
+_malformed: dict = {}  # (path, key) -> the entry a reader found malformed (as JSON): dropped at the next write
 
 
 def cache_file() -> Path:
@@ -71,7 +74,7 @@ def remember(key: str, value: dict, combine=None) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with locked(path):
-            entries = _read(path)
+            entries = {k: v for k, v in _read(path).items() if not _is_malformed(path, k, v)}
             entries[key] = combine(entries.get(key), value) if combine else value
             fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".decisions-", suffix=".json")
             with os.fdopen(fd, "w") as f:
@@ -94,22 +97,44 @@ def _read(path: Path) -> dict:
             raise ValueError(f"not an attnselect decision cache of format {FORMAT}")
         entries = {key: value for key, value in data["entries"].items() if isinstance(value, dict)}
         if len(entries) != len(data["entries"]):
-            warn_once(f"entries:{path}", "attnselect: ignoring %d malformed entries of the decision cache %s",
-                      len(data["entries"]) - len(entries), path)  # fmt: skip
+            _warn(path, "attnselect: ignoring %d malformed entries of the decision cache %s; it will be rebuilt",
+                  len(data["entries"]) - len(entries), path)  # fmt: skip
+        _seen[str(path)] = entries
         return entries
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, RecursionError) as exc:
-        warn_once(
-            f"read:{path}", "attnselect: ignoring the unreadable decision cache %s (%s); it will be rebuilt", path, exc
-        )
+        _warn(path, "attnselect: ignoring the unreadable decision cache %s (%s); it will be rebuilt", path, exc)
         return {}
 
 
-def malformed(path_or_tag: str, exc: Exception) -> None:
-    """One warning for a cache entry whose content a reader could not use (it is then ignored)."""
-    warn_once(f"malformed:{path_or_tag}", "attnselect: ignoring a malformed decision cache entry (%s: %s)",
-              type(exc).__name__, exc)  # fmt: skip
+def _warn(path: Path, message: str, *args) -> None:
+    """One warning per cache file and process, whatever is wrong with it."""
+    warn_once(f"decision cache:{path}", message, *args)
+
+
+def malformed(key: str, exc: Exception) -> None:
+    """A cache entry whose content a reader could not use: ignored, with the file's one warning, and dropped from the
+    file at its next write (unless another process has rewritten it since). ``key``: the entry's, or a reader's tag
+    where it has none at hand."""
+    path = cache_file()
+    entry = _seen.get(str(path), {}).get(key)
+    if entry is not None:
+        _malformed[str(path), key] = _canonical(entry)
+    _warn(path, "attnselect: ignoring a malformed entry of the decision cache %s (%s: %s); it will be rebuilt",
+          path, type(exc).__name__, exc)  # fmt: skip
+
+
+def _is_malformed(path: Path, key: str, entry) -> bool:
+    flagged = _malformed.get((str(path), key))
+    return flagged is not None and flagged == _canonical(entry)
+
+
+def _canonical(entry) -> str | None:
+    try:
+        return json.dumps(entry, sort_keys=True)
+    except (TypeError, ValueError, RecursionError):
+        return None
 
 
 @contextlib.contextmanager
