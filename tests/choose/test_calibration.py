@@ -137,27 +137,47 @@ CONTENT = st.one_of(
 )
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+PROBLEM = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(content=CONTENT)
 def test_any_content_of_the_calibration_file_never_breaks_a_choice(content, tmp_path_factory, monkeypatch, caplog):
     """Whatever the user's calibration file holds, select() and explain() choose (by prediction where it is a
-    calibration, else by the table) with at most one warning, and never raise."""
+    calibration, else as without the file) with at most one warning, and never raise. Decisions do not write the file
+    (only `attnselect calibrate` does): it stays as it was, and what `attnselect calibrate` writes over it is read."""
     directory = tmp_path_factory.mktemp("cache")
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(directory))
-    calibration.parse.cache_clear()
     memos._WARNED.clear()
     attnselect.clear_cache()
+    without = attnselect.select(PROBLEM, target=H200)  # no user file
     kind, data = content
     path = calibration.user_path(H200)
     path.write_bytes(data) if kind == "bytes" else path.write_text(data)
-    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True)
+    written = path.read_bytes()
     with caplog.at_level(logging.WARNING, logger="attnselect"):
         caplog.clear()
         for _ in range(2):
-            decision = attnselect.select(problem, target=H200)
-            assert decision.chosen in decision.ranked and "ranked:  by" in decision.report()
             attnselect.clear_cache()
+            decision = attnselect.select(PROBLEM, target=H200)
+            assert decision.chosen in decision.ranked and "ranked:  by" in decision.report()
+            if str(path) not in decision.calibration:  # the file was ignored, entirely
+                assert (decision.ranked, decision.calibration) == (without.ranked, without.calibration)
     assert len([r for r in caplog.records if "ignoring the calibration" in r.getMessage()]) <= 1
+    assert path.read_bytes() == written
+
+    from attnselect import cli
+    from attnselect.bench import calibrate
+
+    with monkeypatch.context() as patched:  # `attnselect calibrate` on this H200, its measurement stubbed
+        patched.setattr(Target, "current", lambda *a, **kw: H200)
+        patched.setattr(calibrate, "run", lambda target, **kw: sample(target))
+        assert cli.main(["calibrate"]) == 0
+    memos._WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="attnselect"):
+        caplog.clear()
+        assert attnselect.select(PROBLEM, target=H200).calibration == str(path)
+    assert "ignoring the calibration" not in caplog.text
 
 
 def test_the_packaged_h200_calibration_holds_on_the_machine_it_measured(tmp_path, monkeypatch):
