@@ -1,4 +1,5 @@
-"""Run-time failures: transient ones (out of memory, interrupts) stay in the process; the rest are recorded."""
+"""Run-time failures: transient ones (out of memory, interrupts, torch.compile's state) stay in the process; the
+rest are recorded."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ P = AttentionProblem(1, 8, 8, 2, 2, 16, 16, dtype=torch.float32)
         RuntimeError("cudnnHandle Create failed cudaStreamCreateWithFlags(&ctx->streamPool[0][i], 0x01)"),
         MemoryError(),
         InterruptedError("interrupted system call"),
+        AssertionError("all unwrapped values must be FakeTensor, int, or SymInt, got [<class 'torch.Tensor'>]"),
     ],
 )
 def test_transient_failures_are_kept_in_the_process_only(error, tmp_path):
