@@ -111,24 +111,61 @@ def test_generate_with_left_padding_gives_eagers_tokens():
     assert torch.equal(tokens[0], tokens[1])
 
 
-def test_a_4d_mask_passed_to_the_model_is_honoured(calls, caplog):
-    # Two documents in one row, each causal within itself: an additive 4-D mask, as eager takes it.
+@pytest.mark.parametrize("form", ["additive", "bool"])
+def test_a_4d_mask_passed_to_the_model_is_honoured(calls, caplog, form):
+    # Two documents in one row, each causal within itself: an additive 4-D mask, as eager takes it, or a bool one, as
+    # sdpa takes it (eager would add a bool mask: it is compared with sdpa).
     ids = torch.randint(3, 97, (1, 10), generator=torch.Generator().manual_seed(7))
     allowed = torch.zeros(10, 10, dtype=torch.bool)
     allowed[:6, :6] = allowed[6:, 6:] = True
     allowed &= torch.ones(10, 10, dtype=torch.bool).tril()
-    mask = torch.zeros(1, 1, 10, 10).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    additive = torch.zeros(1, 1, 10, 10).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    mask, reference = (additive, "eager") if form == "additive" else (allowed[None, None], "sdpa")
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
     attnselect_hf._log_explicit_mask.cache_clear()  # logged once per process: once more for this test
     with caplog.at_level("INFO", logger="attnselect"):
-        ours, eager = (
-            m(ids, attention_mask=mask, position_ids=positions).logits for m in (_model(NAME), _model("eager"))
+        ours, theirs = (
+            m(ids, attention_mask=mask, position_ids=positions).logits for m in (_model(NAME), _model(reference))
         )
-    torch.testing.assert_close(ours, eager)
+    torch.testing.assert_close(ours, theirs)
     assert calls == []  # the mask is not one attnselect's kernels take: torch's SDPA ran it, and the log says so
     assert "4-D attention_mask" in caplog.text
     separate = _model(NAME)(ids[:, 6:]).logits  # the second document alone: the mask kept them apart
     torch.testing.assert_close(ours[:, 6:], separate)
+
+
+@pytest.mark.parametrize("builder", ["sdpa", "eager"])
+def test_every_mask_transformers_builds_is_read_as_its_own_sdpa_reads_it(builder):
+    """transformers' own mask functions (sdpa's bool masks, eager's additive ones: 4-D, or None where nothing is
+    masked), as its models build them for padded batches, sliding windows and cached generation: the attention
+    function gives what transformers' sdpa_attention_forward (torch's SDPA) gives with the same mask."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    seen = set()
+
+    def both(module, query, key, value, attention_mask, **kwargs):
+        theirs, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        ours, _ = attnselect_hf.attention_forward(module, query, key, value, attention_mask, **kwargs)
+        torch.testing.assert_close(ours, theirs, equal_nan=True)
+        if attention_mask is not None:
+            seen.add((attention_mask.dim(), attention_mask.dtype, attention_mask.shape[-2] < attention_mask.shape[-1]))
+        return theirs, None
+
+    name = f"attnselect_beside_{'bool' if builder == 'sdpa' else 'additive'}_masks"  # a name with "sdpa" in it is sdpa
+    AttentionInterface.register(name, both)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[builder])
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    padding = torch.ones_like(ids)
+    ids[0, :4], padding[0, :4] = 0, 0
+    deepseek = _model(name)
+    deepseek(ids, attention_mask=padding)
+    deepseek.generate(ids, attention_mask=padding, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    fields = dict(attn_logit_softcapping=None, query_pre_attn_scalar=16, sliding_window=4)  # GQA, sliding windows
+    _tiny(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, name, **fields)(ids, attention_mask=padding)
+    dtype = torch.bool if builder == "sdpa" else torch.float32
+    assert {(4, dtype, False), (4, dtype, True)} <= seen  # 4-D masks of the prefill and of cached decoding
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -180,6 +217,89 @@ def test_a_2d_mask_it_cannot_read_is_refused_by_name(mask, message):
     q, k, v = (torch.randn(2, 2, 7, 8, dtype=torch.float64) for _ in range(3))
     with pytest.raises(InvalidInputError, match="attention_mask: " + message):
         attention_forward(module, q, k, v, mask)
+
+
+def _block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 7, 7, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "mask,message",
+    [
+        (
+            torch.zeros(2, 1, 6, 7),
+            r"got shape \(2, 1, 6, 7\), expected \(B or 1, 1 or Hq, Sq or 1, >= Skv\) "
+            r"= \(2 or 1, 1 or 4, 7 or 1, >= 7\)",
+        ),
+        (torch.zeros(2, 1, 7, 6, dtype=torch.bool), r"got shape \(2, 1, 7, 6\)"),  # fewer keys
+        (torch.zeros(3, 1, 7, 7), r"got shape \(3, 1, 7, 7\)"),  # another batch
+        (torch.zeros(2, 2, 7, 7, dtype=torch.bool), r"got shape \(2, 2, 7, 7\)"),  # K/V heads, not query heads
+        (torch.ones(2, 1, 7, 7, dtype=torch.long), r"got a 4-D torch.int64 mask, expected bool .* or floating point"),
+        (torch.ones(2, 7, 7, dtype=torch.bool), r"got 3 dims, expected the 2-D padding mask"),
+        (torch.ones(2, 1, 1, 7, 7, dtype=torch.bool), r"got 5 dims"),
+        (torch.ones(2, 1, 7, 7, dtype=torch.bool, device="meta"), r"got a mask on meta, expected one on cpu"),
+        ([[True] * 7] * 2, r"got list, expected None or a tensor"),
+        (_block_mask, r"got BlockMask, expected None or a tensor"),  # flex's, built for another implementation
+    ],
+)
+def test_a_mask_of_another_form_is_refused_by_name(mask, message):
+    """With GQA (4 query heads, 2 K/V heads), 7 queries and keys, batch 2."""
+    from attnselect.integrations.transformers import attention_forward
+
+    q = torch.randn(2, 4, 7, 8, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 7, 8, dtype=torch.float64) for _ in range(2))
+    with pytest.raises(InvalidInputError, match="attention_mask: " + message):
+        attention_forward(_bare_module(), q, k, v, mask() if callable(mask) else mask)
+
+
+@pytest.mark.parametrize("builder", ["sdpa", "eager"])
+def test_a_4d_mask_that_broadcasts_or_is_longer_reads_as_sdpa_reads_it(builder):
+    """Shapes torch's SDPA broadcasts (batch, heads or queries of 1) and a static cache's longer key axis; with -inf
+    as the additive mask's masked value, and NaN in it giving what transformers' sdpa gives (NaN rows: the mask is
+    used as given, docs/transformers.md)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 7, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 4, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    allowed = torch.rand(2, 4, 7, 12, generator=g) > 0.3
+    allowed[..., 0] = True  # every query sees a key
+    for keep in (allowed, allowed[:1], allowed[:, :1], allowed[:, :, :1], allowed[:1, :1, :1]):
+        mask = (
+            keep if builder == "sdpa" else torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, -torch.inf)
+        )
+        ours, _ = attnselect_hf.attention_forward(_bare_module(), q, k, v, mask)
+        theirs, _ = sdpa_attention_forward(_bare_module(), q, k, v, mask[..., :9])  # it takes Skv keys
+        torch.testing.assert_close(ours, theirs)
+    if builder == "eager":
+        mask = torch.zeros(2, 1, 7, 9, dtype=torch.float64)
+        mask[1, 0, 3, 2] = torch.nan
+        ours, theirs = (f(_bare_module(), q, k, v, mask)[0] for f in (attnselect_hf.attention_forward,
+                                                                      sdpa_attention_forward))  # fmt: skip
+        torch.testing.assert_close(ours, theirs, equal_nan=True)
+        assert ours.isnan().any(-1).nonzero().tolist() == [[1, 3, h] for h in range(4)]
+
+
+def test_a_t5_position_bias_is_refused_not_ignored():
+    """T5 and MT5 hand their relative position bias to the attention function (transformers 5; 4.x ran their own
+    attention): no attnselect kernel adds it, so the model is refused by name instead of running without it."""
+    import inspect
+
+    from transformers.models.mt5 import modeling_mt5
+
+    q = k = v = torch.randn(1, 2, 5, 8)
+    with pytest.raises(InvalidInputError, match="position_bias: got a tensor, expected None"):
+        attnselect_hf.attention_forward(_bare_module(), q, k, v, None, position_bias=torch.zeros(1, 2, 5, 5))
+    if "position_bias=position_bias" not in inspect.getsource(modeling_mt5.MT5Attention.forward):
+        return  # this transformers' MT5 runs its own attention, not the registered one
+    config = transformers.MT5Config(vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                    decoder_start_token_id=0, pad_token_id=0, attn_implementation=NAME)  # fmt: skip
+    model = transformers.MT5ForConditionalGeneration(config).eval()
+    ids = torch.randint(1, 50, (2, 7), generator=torch.Generator().manual_seed(12))
+    with pytest.raises(InvalidInputError, match="position_bias: got a tensor, expected None"):
+        model(input_ids=ids, decoder_input_ids=ids[:, :5])
 
 
 def test_dropout_reaches_the_kernel():

@@ -21,8 +21,11 @@ run with bottom-right causal alignment (queries are the last Sq positions of the
 scattered back; padded query rows get zeros. Padding-free packed batches
 (``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments, as DataCollatorWithFlattening makes them)
 run packed directly, as do batches marked only by ``position_ids`` restarting at each document.
-A 4-D mask passed to the model (transformers hands it on unchanged) runs through torch's SDPA with
-that mask, V still native, and the log says so once. Logit soft-capping (Gemma 2's ``softcap``) and
+A 4-D mask passed to the model (transformers hands it on unchanged), bool (True attends) or additive float, runs
+through torch's SDPA with that mask, V still native, and the log says so once; it is used as given (as transformers'
+own sdpa and eager do: a NaN in it gives NaN rows, and checking for one would cost a device sync per layer). Masks
+of any other type, dtype, device or shape are refused by name; so is a T5-style ``position_bias``, which no
+attnselect kernel applies. Logit soft-capping (Gemma 2's ``softcap``) and
 attention sinks (GPT-OSS's ``s_aux``) pass through to :func:`attnselect.attention` (``softcap=``,
 ``sinks=``); with a 4-D mask they are refused with an error, not ignored.
 
@@ -76,6 +79,11 @@ def attention_forward(
             "output_attentions/head_mask: got a request for attention weights, expected none "
             "(fused kernels do not form them; use attn_implementation='eager')"
         )
+    if kwargs.get("position_bias") is not None:
+        raise InvalidInputError(
+            "position_bias: got a tensor, expected None (an additive position bias, as T5's, is applied by no "
+            "attnselect kernel; use attn_implementation='sdpa' or 'eager' for this model)"
+        )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     options = dict(
         causal="bottom_right" if causal else False,
@@ -99,6 +107,7 @@ def attention_forward(
     if attention_mask is None:
         out = api.attention(query, key, value, layout="bhsd", **options)
         return out.transpose(1, 2), None
+    _check_mask(attention_mask, query)
     if attention_mask.dim() == 4:
         for name in ("softcap", "s_aux"):  # torch's SDPA, which runs a 4-D mask, applies neither
             if kwargs.get(name) is not None:
@@ -110,9 +119,22 @@ def attention_forward(
     if attention_mask.dim() != 2:
         raise InvalidInputError(
             f"attention_mask: got {attention_mask.dim()} dims, expected the 2-D padding mask of "
-            f"the {NAME!r} mask function (B, Skv) or a 4-D mask (B, 1 or Hq, Sq, Skv)"
+            f"the {NAME!r} mask function (B, Skv) or a 4-D mask (B or 1, 1 or Hq, Sq or 1, >= Skv)"
         )
     return _unpadded(query, key, value, _kept_tokens(attention_mask, query, key), options), None
+
+
+def _check_mask(mask, query) -> None:
+    """A mask is a tensor on the query's device (a flex BlockMask, built for another implementation, is not)."""
+    if not isinstance(mask, torch.Tensor):
+        raise InvalidInputError(
+            f"attention_mask: got {type(mask).__name__}, expected None or a tensor: the 2-D padding mask (B, Skv) of "
+            f"the {NAME!r} mask function, or a 4-D mask (B or 1, 1 or Hq, Sq or 1, >= Skv)"
+        )
+    if mask.device != query.device:
+        raise InvalidInputError(
+            f"attention_mask: got a mask on {mask.device}, expected one on {query.device} (query's)"
+        )
 
 
 def _kept_tokens(mask: torch.Tensor, query, key) -> torch.Tensor:
@@ -138,19 +160,26 @@ def _kept_tokens(mask: torch.Tensor, query, key) -> torch.Tensor:
 
 def _with_explicit_mask(query, key, value, mask, dropout, scaling):
     """A 4-D mask the caller built and passed to the model (transformers hands it on unchanged): bool (True
-    attends) or additive float, (B or 1, 1 or Hq, Sq, >= Skv). attnselect's kernels take causal, window and
-    padding masks, not arbitrary ones, so this runs torch's SDPA with the mask, which carries the causality too
-    (as transformers' own sdpa implementation does); logged once per process."""
-    sq, skv = query.shape[2], key.shape[2]
+    attends) or additive float (0 attends, a large negative value or -inf masks), (B or 1, 1 or Hq, Sq or 1, >= Skv),
+    as transformers' sdpa and eager mask functions build them, or a model its own. attnselect's kernels take causal,
+    window and padding masks, not arbitrary ones, so this runs torch's SDPA with the mask, which carries the
+    causality too (as transformers' own sdpa implementation does); logged once per process. The mask's values are
+    used as given: a check for NaN would read them on the host, a device sync per layer."""
+    batch, heads, sq, skv = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise InvalidInputError(
+            f"attention_mask: got a 4-D {mask.dtype} mask, expected bool (True attends) or floating point "
+            "(additive: 0 attends, a large negative value or -inf masks)"
+        )
     if (
-        mask.shape[2] != sq
+        mask.shape[0] not in (1, batch)
+        or mask.shape[1] not in (1, heads)
+        or mask.shape[2] not in (1, sq)
         or mask.shape[3] < skv
-        or mask.shape[0] not in (1, query.shape[0])
-        or mask.shape[1] not in (1, query.shape[1])
     ):
         raise InvalidInputError(
-            f"attention_mask: got shape {tuple(mask.shape)}, expected (B or 1, 1 or Hq, Sq, >= Skv) "
-            f"= ({query.shape[0]}, {query.shape[1]}, {sq}, {skv})"
+            f"attention_mask: got shape {tuple(mask.shape)}, expected (B or 1, 1 or Hq, Sq or 1, >= Skv) "
+            f"= ({batch} or 1, 1 or {heads}, {sq} or 1, >= {skv})"
         )
     _log_explicit_mask()
     out = torch.nn.functional.scaled_dot_product_attention(
