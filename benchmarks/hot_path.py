@@ -79,7 +79,8 @@ def time_rows(rows: dict, device: str, calls: int, repeats: int) -> dict:
     times from the first row (attnselect's), which shares each round's host state.
 
     Rounds are interleaved, in alternating order (forwards, then backwards), with the garbage collector off: the
-    host of a shared machine drifts by more than the differences measured (results/h200_hot_path.md)."""
+    host of a shared machine drifts by more than the differences measured (git show af40727:results/h200_hot_path.md
+    and h200_hot_path_alternating.md there)."""
     for fn in rows.values():  # warm-up: choices, graphs, compiles
         for _ in range(WARMUP):
             fn()

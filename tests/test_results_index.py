@@ -1,5 +1,6 @@
-"""results/ a reader can use: every results file the README and docs cite exists, every file is in the index, and no
-citation points outside the repository."""
+"""results/ a reader can use: every results file the README and docs cite exists (a run that left results/ is cited as
+`git show COMMIT:results/NAME`, and exists there), every file is in the index, which says why where no page cites
+it, every figure a page quotes is in a file it cites, and no citation points outside the repository."""
 
 from __future__ import annotations
 
@@ -9,26 +10,66 @@ import functools
 import json
 import pathlib
 import re
+import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# A results file cited as it is now (results/NAME, a glob or a family's stem: results/h200_bench) or as it was at a
+# commit, after it left results/ (git show COMMIT:results/NAME): (COMMIT or None, NAME).
+_CITE = re.compile(r"(?:\b([0-9a-f]{7,40}):)?results/([A-Za-z0-9_.*-]+)")
+
+
+def _citations(text: str) -> set[tuple[str | None, str]]:
+    return {(commit or None, name.rstrip(".")) for commit, name in _CITE.findall(text)}
+
+
+@functools.cache
+def _git(*args: str) -> str | None:
+    """A git command's output in this repository, or None where git, the repository or the commit is not there (a
+    shallow clone, an unpacked sdist): what a history citation names is then left unchecked."""
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _names_at(commit: str) -> list[str] | None:
+    """The files results/ held at a commit, or None where that cannot be read."""
+    if _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+        return None
+    listing = _git("ls-tree", "--name-only", f"{commit}:results")
+    return None if listing is None else listing.split()
+
+
+def _named(name: str, names) -> list[str]:
+    """The files a citation names: a glob, a file, or a family's stem (h200_bench: .json, .md, .png)."""
+    return [n for n in names if fnmatch.fnmatch(n, name) or n.startswith(name + ".")]
 
 
 def _cited() -> dict[str, set[str]]:
+    """The results files (as they are now) each page cites, a glob or a family's stem counting for the files it
+    names and their siblings of the same stem: file -> pages."""
+    files = [p.name for p in (ROOT / "results").iterdir() if p.name != "README.md"]
     cited: dict[str, set[str]] = {}
     for page in PAGES:
-        for name in re.findall(r"results/([A-Za-z0-9_.*-]+)", page.read_text()):
-            cited.setdefault(name.rstrip("."), set()).add(page.name)
+        for commit, name in _citations(page.read_text()):
+            if commit is None:
+                stems = {n.split(".")[0] for n in _named(name, files)}
+                for f in files:
+                    if f.split(".")[0] in stems:
+                        cited.setdefault(f, set()).add(page.relative_to(ROOT).as_posix())
     return cited
 
 
 def test_every_cited_results_file_exists():
-    files = {p.name for p in (ROOT / "results").iterdir()}
-    missing = [
-        (name, pages)
-        for name, pages in _cited().items()
-        if not fnmatch.filter(files, name) and not any(f.startswith(name + ".") for f in files)  # a family: .json .md
-    ]
+    files = [p.name for p in (ROOT / "results").iterdir()]
+    missing = []
+    for page in PAGES:
+        for commit, name in sorted(_citations(page.read_text()), key=str):
+            names = files if commit is None else _names_at(commit)
+            if names is not None and not _named(name, names):
+                missing.append((page.name, f"{commit}:results/{name}" if commit else f"results/{name}"))
     assert missing == []
 
 
@@ -38,6 +79,28 @@ def test_the_index_lists_every_results_file():
     assert unlisted == []
 
 
+def test_the_index_says_which_pages_cite_a_file_and_why_a_file_no_page_cites_is_kept():
+    """An index entry (a list item naming files in backticks) that says "cited in PAGE, ..." is true of every file it
+    names; a file no page cites (itself, by a glob, or through a sibling of the same stem) sits in an entry that says
+    "cited by no page" and why it is kept."""
+    index = (ROOT / "results" / "README.md").read_text()
+    cited = _cited()
+    wrong, unexplained = [], []
+    for entry in re.split(r"\n(?=- )", index):
+        names = re.findall(r"`([^`/ ]+\.[a-z]+)`", entry.split(":")[0] if "cited in" in entry else entry)
+        claim = re.search(r"cited in ((?:README\.md|docs/[a-z_]+\.md)(?:,\s+(?:README\.md|docs/[a-z_]+\.md))*)", entry)
+        if claim:
+            pages = set(re.split(r",\s+", claim.group(1)))
+            wrong += [
+                (name, sorted(pages - cited.get(name, set()))) for name in names if pages - cited.get(name, set())
+            ]
+        for name in names:
+            if (ROOT / "results" / name).exists() and name not in cited and "cited by no page" not in entry:
+                unexplained.append(name)
+    assert wrong == []
+    assert unexplained == []
+
+
 def test_no_citation_points_outside_the_repository():
     sources = [*PAGES, *(ROOT / "src").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
     outside = [str(p.relative_to(ROOT)) for p in sources if re.search(r"shared/research|\.\./shared", p.read_text())]
@@ -45,7 +108,6 @@ def test_no_citation_points_outside_the_repository():
 
 
 _FENCE = re.compile(r"^[ \t]*```.*?^[ \t]*```[^\n]*$", re.M | re.S)
-_CITE = re.compile(r"results/([A-Za-z0-9_.*-]+)")
 _NOT_PROSE = re.compile(
     r"\]\([^)]*\)|`[^`\n]*`|<!--.*?-->|https?://\S+|results/[A-Za-z0-9_.*-]+|\(computed[^:()]*:\s[^)]*\)", re.S
 )
@@ -55,11 +117,11 @@ _LIST_ITEM = re.compile(r"(?:[-*+]|\d+\.) ")
 _PLACES = 6  # the most decimal places a figure is compared at (a percentage's fraction takes two more)
 
 
-def _units(text: str) -> list[tuple[str, set[str]]]:
-    """A page as the units whose figures are checked, each with the results files it cites (names as written,
-    globs kept): paragraphs split at blank lines, where a heading, a top-level list item (its nested items stay in it)
-    and a table start a unit of their own; a table's own citations and those of the paragraphs just above and below
-    it count for it. Code blocks are left out."""
+def _units(text: str) -> list[tuple[str, set[tuple[str | None, str]]]]:
+    """A page as the units whose figures are checked, each with the results files it cites ((commit or None, name
+    as written), globs kept): paragraphs split at blank lines, where a heading, a top-level list item (its nested
+    items stay in it) and a table start a unit of their own; a table's own citations and those of the paragraphs just
+    above and below it count for it. Code blocks are left out."""
     units: list[list[str]] = []
     kind = None  # of the unit being read: "para", "table" or None after a blank line or a heading
     for line in _FENCE.sub("", text).splitlines():
@@ -71,7 +133,7 @@ def _units(text: str) -> list[tuple[str, set[str]]]:
             units.append([now])
         units[-1].append(line)
         kind = None if line.startswith("#") else now
-    cites = [{n.rstrip(".") for n in _CITE.findall("\n".join(u[1:]))} for u in units]
+    cites = [_citations("\n".join(u[1:])) for u in units]
     out = []
     for i, unit in enumerate(units):
         cited = set(cites[i])
@@ -90,28 +152,49 @@ def _figures(unit: str) -> list[str]:
     return [number + percent for number, percent in _FIGURE.findall(_NOT_PROSE.sub(" ", unit))]
 
 
-def _family(name: str, results: pathlib.Path) -> list[pathlib.Path]:
+def _family(name: str, names: list[str]) -> list[str]:
     """The files a citation lets a figure come from: those it names (a glob or a family's stem) and each one's
     siblings of the same stem (x.md -> x.json, x.jsonl, x.jsonl.meta.json); pictures left out."""
-    files = [p for p in results.iterdir() if p.suffix != ".png"]
-    named = [p for p in files if fnmatch.fnmatch(p.name, name) or p.name.startswith(name + ".")]
-    stems = {p.name.split(".")[0] for p in named}
-    return sorted(p for p in files if p.name.split(".")[0] in stems)
+    files = [n for n in names if not n.endswith(".png")]
+    stems = {n.split(".")[0] for n in _named(name, files)}
+    return sorted(n for n in files if n.split(".")[0] in stems)
+
+
+def _sources(cited, results: pathlib.Path) -> list[tuple[str, str]] | None:
+    """(name, text) of each file a unit's citations let a figure come from: from results/, or for a history citation
+    (git show COMMIT:results/NAME) from the commit, named COMMIT:NAME. None where a commit cannot be read."""
+    out = []
+    for commit, name in sorted(cited, key=str):
+        if commit is None:
+            out += [
+                (n, (results / n).read_text(errors="replace"))
+                for n in _family(name, [p.name for p in results.iterdir()])
+            ]
+            continue
+        names = _names_at(commit)
+        if names is None:
+            return None
+        for n in _family(name, names):
+            text = _git("show", f"{commit}:results/{n}")
+            if text is None:
+                return None
+            out.append((f"{commit}:{n}", text))
+    return out
 
 
 class _Num(str):
     """A number as a JSON file writes it."""
 
 
-def _tokens(path: pathlib.Path) -> set[str]:
+def _tokens(name: str, text: str) -> set[str]:
     """The numbers a file writes. In a .json or .jsonl file, a list of more than 8 numbers holds raw samples (per
     round, per step) and is left out: nearly any figure rounds to one of them, and a page quotes statistics of them,
     which the file's report holds."""
-    text = path.read_text(errors="replace")
-    if path.suffix not in (".json", ".jsonl"):
+    suffix = pathlib.PurePath(name).suffix
+    if suffix not in (".json", ".jsonl"):
         return set(_NUMBER.findall(text))
     try:
-        lines = [text] if path.suffix == ".json" else [line for line in text.splitlines() if line.strip()]
+        lines = [text] if suffix == ".json" else [line for line in text.splitlines() if line.strip()]
         docs = [json.loads(line, parse_float=_Num, parse_int=_Num) for line in lines]
     except ValueError:
         return set(_NUMBER.findall(text))
@@ -137,11 +220,11 @@ def _tokens(path: pathlib.Path) -> set[str]:
 
 
 @functools.cache
-def _values(path: pathlib.Path) -> frozenset[str]:
+def _values(name: str, text: str) -> frozenset[str]:
     """Every number in a file as written (_tokens); each decimal one also rounded (half up and half even) or padded
     to 1 to _PLACES places, and one in scientific notation also normalised (1.5e+10 -> 1.5E+10)."""
     out = set()
-    for token in _tokens(path):
+    for token in _tokens(name, text):
         out.add(token)
         if "e" in token.lower():
             out.add(str(decimal.Decimal(token).normalize()))
@@ -167,11 +250,12 @@ def _unsourced(text: str, results: pathlib.Path) -> list[tuple[str, list[str]]]:
     """The figures of a page's citing units that none of the files the unit cites holds, with those files."""
     missing = []
     for unit, cited in _units(text):
-        files = sorted({p for name in cited for p in _family(name, results)})
-        if not files:
+        files = _sources(cited, results)
+        if not files:  # no results file cited, or a commit that cannot be read here
             continue
-        held = frozenset().union(*(_values(p) for p in files))
-        missing += [(figure, [p.name for p in files]) for figure in _figures(unit) if not _held(figure, held)]
+        held = frozenset().union(*(_values(name, content) for name, content in files))
+        names = sorted({name for name, _ in files})
+        missing += [(figure, names) for figure in _figures(unit) if not _held(figure, held)]
     return missing
 
 
@@ -186,6 +270,7 @@ def test_the_figure_check_finds_an_unsourced_figure(tmp_path):
         "\n"
         "- b took 3.1 ms and 4.2 ms, 0.37% error, 6.0..6.2 ms, under 2.5e10 (results/run.md).\n"
         "- c took 9.99 ms, not cited.\n"
+        "- e took 7.77 ms at a commit this repository does not hold (`git show 0000000:results/run.md`).\n"
         "- From results/run.md:\n"
         "\n"
         "  | case | ms |\n"

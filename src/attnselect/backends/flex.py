@@ -107,7 +107,8 @@ class Flex(Backend):
         # Packed totals change from step to step: torch.compile (dynamic=None) makes a dimension dynamic once it
         # changes. Heads and head dims stay static, so a process that ran flex at other head dims does not compile
         # symbolic ones (the GPU tests' packed flex training case failed on FakeTensors in such a process,
-        # results/h200_gpu_tests_alone_fa4.txt; with this, it passed, results/h200_gpu_tests_fa4.txt).
+        # git show af40727:results/h200_gpu_tests_alone_fa4.txt; with this, it passed in
+        # results/h200_gpu_tests_with_sweep_fa4.txt and results/h200_gpu_tests_with_sweep.txt).
         for t in (q, k, v):
             torch._dynamo.mark_static(t, 1)
             torch._dynamo.mark_static(t, 3)

@@ -15,9 +15,10 @@ from attnselect.spec.options import KernelCall, Packing
 
 # The op varlen_attn's custom op calls (torch/nn/attention/varlen.py, _varlen_attn), with its autograd formula
 # (FlashAttentionBackward0, derivatives.yaml). Called directly, a call skips the custom op's Python and its extra
-# rng-state tensor (an allocation and a fill kernel), together 36-44 us of host time a call on the H200
-# (results/h200_hot_path_ae12ec1*.md). Read when a runner is built (tests stand in for it on the CPU, where the op
-# has no kernel).
+# rng-state tensor (an allocation and a fill kernel), together 36-44 us of host time a call on the H200 (runs
+# that left results/: git show af40727:results/h200_hot_path_ae12ec1.md and
+# git show 6409a18^:results/h200_hot_path_ae12ec1_2.md).
+# Read when a runner is built (tests stand in for it on the CPU, where the op has no kernel).
 flash_forward = torch.ops.aten._flash_attention_forward.default
 
 
@@ -52,7 +53,7 @@ class VarlenFa2(Backend):
     def extra_reasons(self, p, t):
         r = []
         # The op called with scale and window as torch 2.11's varlen_attn calls it (torch 2.10's passed is_causal
-        # only): verified on torch 2.11 (results/h200_gpu_tests_aten.txt), not on older ones.
+        # only): verified on torch 2.11 (results/h200_gpu_tests_with_sweep.txt), not on older ones.
         if not t.at_least("torch_version", "2.11"):
             r.append(f"attnselect runs torch's packed FlashAttention-2 on torch >= 2.11, where it was verified; the "
                      f"target has {t.torch_version}")  # fmt: skip
