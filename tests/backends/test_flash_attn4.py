@@ -149,8 +149,9 @@ def test_a_captured_cuda_graph_replays_like_float64(layout):
 
 
 def test_a_small_pack_warmed_up_on_varlen_fa2_captures_on_fa4_and_replays_like_float64():
-    """The rules' small-pack refinement runs an eager 128/128 pack on varlen_fa2, while its capture keeps the
-    general order (FA4): FA4's first call is then inside the capture, and the graph must still replay correctly."""
+    """An eager 128/128 small pack runs on varlen_fa2 (its host time is the least), and the call captured after
+    that warm-up is forced to FA4: FA4's first call is then inside the capture, and the graph must still replay
+    correctly."""
     from attnselect.dispatch import known_calls
 
     cu = torch.tensor([0, 100, 400, 800, 1024], dtype=torch.int32, device="cuda")
@@ -166,7 +167,7 @@ def test_a_small_pack_warmed_up_on_varlen_fa2_captures_on_fa4_and_replays_like_f
     assert [str(known.chosen) for known in known_calls()] == ["varlen_fa2 native"]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attnselect.attention(q, k, v, **kwargs)
+        out = attnselect.attention(q, k, v, backend="flash_attn4", **kwargs)
     assert [str(known.chosen) for known in known_calls()] == ["varlen_fa2 native", "flash_attn4 native"]
     for _ in range(2):
         for t in (q, k, v):

@@ -78,6 +78,16 @@ def test_calls_of_one_work_class_are_predicted_alike_at_its_centre():
     assert predict.class_work(predict.work_class(empty)) == 0.0
 
 
+def test_a_captured_call_is_predicted_by_its_gpu_time_alone():
+    """A CUDA graph replays a captured call without the host issuing it: its host time does not count."""
+    import dataclasses
+
+    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    eager = predict.predict(Candidate("sdpa_cudnn"), problem, sample())
+    captured = predict.predict(Candidate("sdpa_cudnn"), dataclasses.replace(problem, cuda_graph_capture=True), sample())
+    assert eager.host_us > 0 and captured.host_us == 0.0 and captured.total_us == captured.gpu_us == eager.gpu_us
+
+
 @pytest.fixture
 def calibrated(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))

@@ -7,7 +7,8 @@ throughput above it. Work is the score pairs the mask leaves visible times the q
 (:func:`work_class`: work rounded to a step of 2^(1/8), 9%), so the calls of a class share one ranking: a packed
 loop's new packing every step finds its ranking made (:func:`attnselect.choose.selection.select_packed`). Where the
 call's head dims were not calibrated, the candidate's curve at the nearest calibrated dims (by d_qk + d_v) stands
-in, and the prediction says so. The host time is the backend's time to issue a call of that layout and phase.
+in, and the prediction says so. The host time is the backend's time to issue a call of that layout and phase (none
+for a call captured into a CUDA graph: its replays issue nothing on the host).
 
 The two combine as ``max(host, gpu)``: a model issues its layers' calls back to back, so while the GPU runs one call
 the host issues the next, and a step takes the longer of the two (a call alone, synchronised, would take their sum).
@@ -109,6 +110,8 @@ def predict(candidate: Candidate, problem: AttentionProblem, calibration: dict) 
         basis = f"{key} (nearest calibrated dims)"
     if key is None or host is None:
         return None
+    if problem.cuda_graph_capture:  # a captured call is replayed from the graph: no host time to issue it
+        host = 0.0
     return Prediction(host_us=float(host), gpu_us=_along(curves[key], class_work(work_class(problem))), basis=basis)
 
 
