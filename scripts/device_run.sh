@@ -143,14 +143,14 @@ case "$step" in
     tail -4 /tmp/peer_fa4.log /tmp/peer.log 2>/dev/null
     for f in "$OUT"/h200_gpu_tests*.txt; do echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -12; done ;;
   tests-both)   # pytest -m gpu -n ${TEST_WORKERS:-6} with FA4 (installed), then without, one after the other (side by
-                # side with the sweeps, as `checks` runs them, tests ran out of GPU memory) -> $OUT/h200_gpu_tests[_fa4].txt
+                # side with the sweeps, as `checks` runs them, tests ran out of GPU memory) -> $OUT/h200_gpu_tests_both[_fa4].txt
     export TORCHINDUCTOR_COMPILE_THREADS=1
     for fa4 in _fa4 ""; do
       { [ -z "$fa4" ] && export NO_FA4=1 PYTHONPATH=$PWD/src${SITE:+:$SITE}
         echo "# pytest -m gpu -n ${TEST_WORKERS:-6} on $(python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
         timeout ${TEST_TIMEOUT:-270} python3 -m pytest -m gpu -n ${TEST_WORKERS:-6} -v -p no:cacheprovider -W ignore tests 2>&1 \
-          | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | cut -c1-400; } > "$OUT/h200_gpu_tests$fa4.txt"
-      grep -E "FAILED|ERROR|passed|failed" "$OUT/h200_gpu_tests$fa4.txt" | tail -12
+          | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | cut -c1-400; } > "$OUT/h200_gpu_tests_both$fa4.txt"
+      grep -E "FAILED|ERROR|passed|failed" "$OUT/h200_gpu_tests_both$fa4.txt" | tail -12
     done ;;
   suite)   # pytest -m gpu -n 6 beside the peer sweep under ATTNSELECT_STRICT=1, FA4 as installed (NO_FA4=1: without)
     fa4=$(python3 -c 'import flash_attn.cute' 2>/dev/null && echo _fa4)
