@@ -81,17 +81,18 @@ def work(problem: AttentionProblem) -> float:
 
 
 WORK_STEPS = 8  # work classes per doubling of work
+NO_WORK = -(2**31)  # the class of a call with no work (below every other)
 
 
 def work_class(problem: AttentionProblem) -> int:
     """The class of the call's :func:`work`: ``round(WORK_STEPS * log2(work))`` (work 0 is the lowest class)."""
     at = work(problem)
-    return round(WORK_STEPS * math.log2(at)) if at > 0 else -(2**31)
+    return round(WORK_STEPS * math.log2(at)) if at > 0 else NO_WORK
 
 
 def class_work(work_class: int) -> float:
     """The work a class is predicted at: its centre, ``2 ** (work_class / WORK_STEPS)``."""
-    return 2.0 ** (work_class / WORK_STEPS) if work_class > -(2**31) else 0.0
+    return 2.0 ** (work_class / WORK_STEPS) if work_class != NO_WORK else 0.0
 
 
 def predict(candidate: Candidate, problem: AttentionProblem, calibration: dict) -> Prediction | None:
