@@ -327,7 +327,11 @@ def worker(index: int, workers: int, directory: str, deadline: float, only_young
                     found = {"error": f"the reference failed: {exc}"}
                 os.remove(pending)
                 error = found["error"] or ""
-                if "reference failed" in error or _transient(error):
+                if "reference failed" in error and _spoils_context(error):
+                    # The candidate ran just before the reference on one stream: the sticky CUDA error is its own.
+                    found = {"ran": False, "error": error.replace("the reference failed: ", ""), "passed": False}
+                    error = found["error"]
+                elif "reference failed" in error or _transient(error):
                     print(f"[{index}] row {row['id']} {c} r{repeat}: {error[:100]}; left for a rerun", flush=True)
                     torch.cuda.empty_cache() if torch.cuda.is_available() else None
                     continue
@@ -336,9 +340,14 @@ def worker(index: int, workers: int, directory: str, deadline: float, only_young
                 sink.flush()
                 status = "ok" if found["passed"] else (found["error"] or "WRONG " + ",".join(found["failures"]))
                 print(f"[{index}] row {row['id']} {c} r{repeat} {record['seconds']}s {status[:160]}", flush=True)
-                if found["error"] and ("CUDA error" in found["error"] or "cudaError" in found["error"]):
+                if _spoils_context(error):
                     return 3  # the CUDA context may be spoiled: start afresh
     return 0
+
+
+def _spoils_context(error: str) -> bool:
+    """A CUDA error that stays with the process (an illegal memory access): every later call in it fails too."""
+    return not _transient(error) and ("CUDA error" in error or "cudaError" in error)
 
 
 def run_workers(directory: str, workers: int, deadline: float, only_young: bool, ids: str | None = None) -> None:

@@ -316,3 +316,16 @@ def test_the_readme_performance_table_is_the_ladder_s():
     table = "\n".join("  " + line for line in ladder.readme_table(report).splitlines())
     assert table in (ROOT / "README.md").read_text()
     assert table.count("\n") == 1 + sum(" 192/128 " in e["rung"] for e in report["results"])
+
+
+def test_the_grid_restarts_a_worker_on_a_sticky_cuda_error_and_not_on_a_transient_one():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import correctness_grid as grid
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert grid._spoils_context("the reference failed: AcceleratorError: CUDA error: an illegal memory access")
+    assert grid._spoils_context("CUDADialectError: CUDA launch failed: cudaErrorInvalidValue (1)")
+    assert not grid._spoils_context("RuntimeError: CUDA error: out of memory")  # the machine: run again
+    assert not grid._spoils_context("MLIRError: Operation creation failed")
+    assert not grid._spoils_context("")
