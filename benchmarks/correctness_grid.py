@@ -308,6 +308,9 @@ def worker(index: int, workers: int, directory: str, deadline: float, only_young
                 if (key, c.backend, c.pad_to, repeat) in done:
                     continue
                 for_row.append(c)
+            if torch.cuda.is_available():  # the last row's cached blocks, held from 13 other workers, OOMed them
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
             for c in for_row:
                 start = time.time()
                 record = dict(
@@ -336,6 +339,8 @@ def worker(index: int, workers: int, directory: str, deadline: float, only_young
                     torch.cuda.empty_cache() if torch.cuda.is_available() else None
                     continue
                 record.update(seconds=round(time.time() - start, 2), **found)
+                if torch.cuda.is_available():  # the row's peak so far, for a run that must fit 14 workers
+                    record["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 sink.write(json.dumps(record) + "\n")
                 sink.flush()
                 status = "ok" if found["passed"] else (found["error"] or "WRONG " + ",".join(found["failures"]))
