@@ -327,14 +327,14 @@ def worker(index: int, workers: int, directory: str, deadline: float, only_young
                 try:
                     found = judge_candidate(problem, c, q, k, v, packing)
                 except self_check.ReferenceFailed as exc:
-                    found = {"error": f"the reference failed: {exc}"}
+                    # The candidate ran just before the reference on one stream: a sticky CUDA error is its own.
+                    if _spoils_context(str(exc)):
+                        found = {"ran": False, "error": str(exc), "passed": False}
+                    else:
+                        found = {"error": f"the reference failed: {exc}"}
                 os.remove(pending)
                 error = found["error"] or ""
-                if "reference failed" in error and _spoils_context(error):
-                    # The candidate ran just before the reference on one stream: the sticky CUDA error is its own.
-                    found = {"ran": False, "error": error.replace("the reference failed: ", ""), "passed": False}
-                    error = found["error"]
-                elif "reference failed" in error or _transient(error):
+                if "reference failed" in error or _transient(error):
                     print(f"[{index}] row {row['id']} {c} r{repeat}: {error[:100]}; left for a rerun", flush=True)
                     torch.cuda.empty_cache() if torch.cuda.is_available() else None
                     continue

@@ -15,6 +15,15 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _benchmark(name: str):
+    """A module of benchmarks/ (they import one another by bare name)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
 def _run(*args):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, check=True)
 
@@ -68,11 +77,7 @@ def test_thd_bench_reruns_one_packing_into_an_earlier_report(tmp_path):
 
 
 def test_megatron_benchmark_hook_captures_query_key_value_and_leaves_the_call_alone():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from megatron_mla import capture_qkv  # importable without megatron-core
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    capture_qkv = _benchmark("megatron_mla").capture_qkv  # importable without megatron-core
 
     class Core(torch.nn.Module):
         def forward(self, query, key, value, attention_mask, packed_seq_params=None):
@@ -179,11 +184,7 @@ def test_training_loop_smoke(tmp_path):
 
 
 def test_the_grid_summary_ships_the_sweeps_kernel_failures_and_keeps_those_shipped_on_the_same_stack():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import correctness_grid as grid
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    grid = _benchmark("correctness_grid")
     meta = {"device": "d", "arch": "sm90", "date": "x", "fingerprint": {"torch": "1"}, "packages": {"flex": None}}
     sig = [64, 64, 1, "none", "thd", "float16", "training", 4, []]
 
@@ -201,11 +202,7 @@ def test_the_grid_summary_ships_the_sweeps_kernel_failures_and_keeps_those_shipp
 
 
 def test_training_loop_packings_fill_every_step_and_repeat_by_seed():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import training_loop
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    training_loop = _benchmark("training_loop")
     for spec in training_loop.DISTRIBUTIONS.values():
         loop = training_loop.packings(spec, training_loop.TOKENS, 5)
         assert all(sum(p) == training_loop.TOKENS and max(p) <= spec["high"] for p in loop)
@@ -213,11 +210,7 @@ def test_training_loop_packings_fill_every_step_and_repeat_by_seed():
 
 
 def test_packing_buckets_choose_the_least_expected_step():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import packing_buckets
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    packing_buckets = _benchmark("packing_buckets")
     row = dict(distribution="d", keys_built=10, ms_per_build=100.0)
     rows = [
         dict(row, counts="exact", max_seqlen="exact", steady_median_ms=5.0, keys_in_2000_steps=2000),
@@ -229,11 +222,7 @@ def test_packing_buckets_choose_the_least_expected_step():
 
 
 def test_training_loop_goals_judge_the_default_without_fa4_against_the_rows_without_fa4():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import training_loop as loop
-    finally:
-        sys.path.pop(0)
+    loop = _benchmark("training_loop")
 
     def row(ms):
         return {"median_ms": ms, "step_ms": [[ms] * 4], "worst_after_10_over_median": 1.0}
@@ -319,11 +308,7 @@ def test_the_readme_performance_table_is_the_ladder_s():
 
 
 def test_the_grid_restarts_a_worker_on_a_sticky_cuda_error_and_not_on_a_transient_one():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import correctness_grid as grid
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    grid = _benchmark("correctness_grid")
     assert grid._spoils_context("the reference failed: AcceleratorError: CUDA error: an illegal memory access")
     assert grid._spoils_context("CUDADialectError: CUDA launch failed: cudaErrorInvalidValue (1)")
     assert not grid._spoils_context("RuntimeError: CUDA error: out of memory")  # the machine: run again
