@@ -19,10 +19,12 @@ against the float32 reference of the rounded inputs, within 2x (out, lse) or 3x 
 error (FlashAttention's test_flash_attn_output criterion). The young kernels' rows (FA4, flex, the cuDNN frontend)
 run again in another process (repeat 1): their results differ by process.
 
-**Running it.** Worker processes (``--workers``, default 12 of the H200 machine's 16 cores) share the GPU; each takes
-every N-th row and appends to its own file under ``--out DIR``; a rerun skips what the files hold (resumable), a
-worker that dies (a CUDA error spoils its context) is restarted and skips the row it died on. ``--deadline`` stops
-cleanly. ``--report`` turns the rows into ``results/<name>.md`` and the package data attnselect reads
+**Running it.** Worker processes (``--workers``, default 12 of the H200 machine's 16 cores) share the GPU. They take
+(row, repeat) units from one queue, the costliest first (:func:`units`), each claimed by a file under ``--out DIR``
+(a static split left one worker with 221 s of work and others idle), and never a row's repeat 1 in the process that
+ran its repeat 0; each appends to its own file; a rerun skips what the files hold (resumable), a worker that dies
+(a CUDA error spoils its context) is restarted, resumes its claims and skips the result it died on. ``--deadline``
+stops cleanly. ``--report`` turns the rows into ``results/<name>.md`` and the package data attnselect reads
 (``src/attnselect/data/correctness_<arch>.json``).
 
     python benchmarks/correctness_grid.py --out DIR [--workers 12] [--deadline 500] [--only-young]
@@ -38,6 +40,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -258,9 +261,33 @@ def done_keys(directory: str) -> set:
     return keys
 
 
-def worker(index: int, workers: int, directory: str, deadline: float, only_young: bool, ids=None) -> int:
-    """Run this worker's share: repeat 0 of rows id % workers == index, repeat 1 (young kernels) of rows
-    (id + 1) % workers == index. Returns 3 after a CUDA error (the parent restarts it), else 0."""
+def units(ids=None) -> list[tuple[dict, int]]:
+    """The (row, repeat) units of work, the costliest first (their references' score elements, training twice), so
+    that the long rows start at once and the small ones, compile-bound and alike, fill the workers' ends."""
+
+    def cost(row):
+        batch, seqlen, heads = SIZES[row["size"]]
+        return batch * seqlen * seqlen * heads * (2 if row["phase"] == "training" else 1)
+
+    chosen = [r for r in rows() if ids is None or r["id"] in ids]
+    return [(r, repeat) for repeat in (0, 1) for r in sorted(chosen, key=lambda r: (-cost(r), r["id"]))]
+
+
+def _claim(directory: str, row: dict, repeat: int, index: int) -> bool:
+    """Whether worker ``index`` runs this unit: it claims it first, or claimed it in a process that died."""
+    path = os.path.join(directory, "claims", f"{row['id']}-{repeat}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return open(path).read() == str(index)
+    os.write(fd, str(index).encode())
+    os.close(fd)
+    return True
+
+
+def worker(index: int, directory: str, deadline: float, only_young: bool, ids=None) -> int:
+    """Run the units this worker claims (:func:`units`); a row's repeat 1 (young kernels) never in the process that
+    ran its repeat 0. Returns 3 after a CUDA error (the parent restarts it), else 0."""
     os.environ["ATTNSELECT_ALLOWLIST"] = "0"  # the static surface: the grid is what the allowlist is drawn from
     os.environ["ATTNSELECT_SELF_CHECK"] = "0"
     torch.set_num_threads(1)
@@ -283,70 +310,72 @@ def worker(index: int, workers: int, directory: str, deadline: float, only_young
             sink.flush()
             done.add((died["row_key"], died["backend"], died["pad_to"], died["repeat"]))
         os.remove(pending)
-    for repeat in (0, 1):
-        for row in rows():
-            if (row["id"] + repeat) % workers != index or (ids is not None and row["id"] not in ids):
+    first_here = set()  # rows whose repeat 0 ran in this process
+    for row, repeat in units(ids):
+        if time.time() > deadline:
+            return 0
+        if repeat == 1 and row["id"] in first_here or not _claim(directory, row, repeat, index):
+            continue
+        if repeat == 0:
+            first_here.add(row["id"])
+        key = row_key(row)
+        problem = None
+        for_row = []
+        try:
+            problem, q, k, v, packing = build(row, device)
+        except Exception:
+            traceback.print_exc()
+            continue
+        for verdict in judge(problem, target):
+            backend = backends.get(verdict.candidate.backend)
+            if not verdict.supported or (backend.package and backend.package_version(target) is None):
                 continue
-            if time.time() > deadline:
-                return 0
-            key = row_key(row)
-            problem = None
-            for_row = []
+            young = verdict.candidate.backend in YOUNG
+            if (repeat == 1 or only_young) and not young:
+                continue
+            c = verdict.candidate
+            if (key, c.backend, c.pad_to, repeat) in done:
+                continue
+            for_row.append(c)
+        if torch.cuda.is_available():  # the last row's cached blocks, held from 13 other workers, OOMed them
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        for c in for_row:
+            start = time.time()
+            record = dict(
+                row_key=key,
+                row=row,
+                problem=problem.to_dict(),
+                signature=list(problem.signature),
+                backend=c.backend,
+                pad_to=c.pad_to,
+                repeat=repeat,
+                pid=os.getpid(),
+            )
+            json.dump(record, open(pending, "w"))
             try:
-                problem, q, k, v, packing = build(row, device)
-            except Exception:
-                traceback.print_exc()
+                found = judge_candidate(problem, c, q, k, v, packing)
+            except self_check.ReferenceFailed as exc:
+                # The candidate ran just before the reference on one stream: a sticky CUDA error is its own.
+                if _spoils_context(str(exc)):
+                    found = {"ran": False, "error": str(exc), "passed": False}
+                else:
+                    found = {"error": f"the reference failed: {exc}"}
+            os.remove(pending)
+            error = found["error"] or ""
+            if "reference failed" in error or _transient(error):
+                print(f"[{index}] row {row['id']} {c} r{repeat}: {error[:100]}; left for a rerun", flush=True)
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
                 continue
-            for verdict in judge(problem, target):
-                backend = backends.get(verdict.candidate.backend)
-                if not verdict.supported or (backend.package and backend.package_version(target) is None):
-                    continue
-                young = verdict.candidate.backend in YOUNG
-                if (repeat == 1 or only_young) and not young:
-                    continue
-                c = verdict.candidate
-                if (key, c.backend, c.pad_to, repeat) in done:
-                    continue
-                for_row.append(c)
-            if torch.cuda.is_available():  # the last row's cached blocks, held from 13 other workers, OOMed them
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            for c in for_row:
-                start = time.time()
-                record = dict(
-                    row_key=key,
-                    row=row,
-                    problem=problem.to_dict(),
-                    signature=list(problem.signature),
-                    backend=c.backend,
-                    pad_to=c.pad_to,
-                    repeat=repeat,
-                    pid=os.getpid(),
-                )
-                json.dump(record, open(pending, "w"))
-                try:
-                    found = judge_candidate(problem, c, q, k, v, packing)
-                except self_check.ReferenceFailed as exc:
-                    # The candidate ran just before the reference on one stream: a sticky CUDA error is its own.
-                    if _spoils_context(str(exc)):
-                        found = {"ran": False, "error": str(exc), "passed": False}
-                    else:
-                        found = {"error": f"the reference failed: {exc}"}
-                os.remove(pending)
-                error = found["error"] or ""
-                if "reference failed" in error or _transient(error):
-                    print(f"[{index}] row {row['id']} {c} r{repeat}: {error[:100]}; left for a rerun", flush=True)
-                    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-                    continue
-                record.update(seconds=round(time.time() - start, 2), **found)
-                if torch.cuda.is_available():  # the row's peak so far, for a run that must fit 14 workers
-                    record["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()
-                status = "ok" if found["passed"] else (found["error"] or "WRONG " + ",".join(found["failures"]))
-                print(f"[{index}] row {row['id']} {c} r{repeat} {record['seconds']}s {status[:160]}", flush=True)
-                if _spoils_context(error):
-                    return 3  # the CUDA context may be spoiled: start afresh
+            record.update(seconds=round(time.time() - start, 2), **found)
+            if torch.cuda.is_available():  # the row's peak so far, for a run that must fit 14 workers
+                record["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()
+            status = "ok" if found["passed"] else (found["error"] or "WRONG " + ",".join(found["failures"]))
+            print(f"[{index}] row {row['id']} {c} r{repeat} {record['seconds']}s {status[:160]}", flush=True)
+            if _spoils_context(error):
+                return 3  # the CUDA context may be spoiled: start afresh
     return 0
 
 
@@ -356,7 +385,8 @@ def _spoils_context(error: str) -> bool:
 
 
 def run_workers(directory: str, workers: int, deadline: float, only_young: bool, ids: str | None = None) -> None:
-    os.makedirs(directory, exist_ok=True)
+    shutil.rmtree(os.path.join(directory, "claims"), ignore_errors=True)  # an earlier run's: left undone or done
+    os.makedirs(os.path.join(directory, "claims"))
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1")
     args = lambda i: [sys.executable, __file__, "--worker", str(i), "--workers", str(workers), "--out", directory,
                       "--deadline-at", str(deadline)] + (["--only-young"] if only_young else []) + (
@@ -582,7 +612,7 @@ def main() -> None:
         return
     if a.worker is not None:
         ids = {int(x) for x in a.ids.split(",")} if a.ids else None
-        sys.exit(worker(a.worker, a.workers, a.out, a.deadline_at, a.only_young, ids))
+        sys.exit(worker(a.worker, a.out, a.deadline_at, a.only_young, ids))
     deadline = time.time() + a.deadline
     os.makedirs(a.out, exist_ok=True)
     json.dump(meta_now(), open(os.path.join(a.out, "meta.json"), "w"), indent=1)

@@ -101,11 +101,22 @@ def test_rules_grid_smoke(tmp_path):
 
 
 def test_correctness_grid_smoke(tmp_path):
-    done = _run("benchmarks/correctness_grid.py", "--out", str(tmp_path), "--workers", "1", "--ids", "0,1",
+    done = _run("benchmarks/correctness_grid.py", "--out", str(tmp_path), "--workers", "2", "--ids", "0,1",
                 "--deadline", "300")  # fmt: skip
     rows = [json.loads(line) for f in tmp_path.glob("rows-*.jsonl") for line in f.read_text().splitlines()]
     assert rows and all(r["passed"] for r in rows), done.stdout
-    assert {r["repeat"] for r in rows if r["backend"] == "flex"} == {0, 1}  # young kernels run twice
+    young = {(r["row_key"], r["repeat"]): r["pid"] for r in rows if r["backend"] == "flex"}
+    assert {repeat for _, repeat in young} == {0, 1}  # young kernels run twice, in two processes
+    assert all(young[key, 0] != young[key, 1] for key, repeat in young if repeat == 1)
+
+
+def test_correctness_grid_units_start_with_the_costliest_rows():
+    grid = _benchmark("correctness_grid")
+    units = grid.units()
+    assert len(units) == 2 * len(grid.rows()) and [repeat for _, repeat in units[:1]] == [0]
+    first = [row["size"] for row, repeat in units if repeat == 0]
+    assert first[0] in ("long", "large") and first[-1] in ("tiny", "small")
+    assert sorted((row["id"], repeat) for row, repeat in grid.units({3, 5})) == [(3, 0), (3, 1), (5, 0), (5, 1)]
 
 
 def test_calibrate_smoke(tmp_path):

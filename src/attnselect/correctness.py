@@ -143,7 +143,9 @@ def reference(q, k, v, dout, call: KernelCall, dtype: torch.dtype, *, lse: bool 
                 scores = scores.masked_fill(~seen, float("-inf"))
                 empty = ~seen.any(-1)  # (chunk,)
                 scores = scores.masked_fill(empty[:, None], 0.0)
-            row_lse = torch.logsumexp(scores.float(), dim=-1) if lse else None
+            # No graph for an lse without a gradient: it would outlive this call's backward.
+            lse_of = scores if dlse is not None else scores.detach()
+            row_lse = torch.logsumexp(lse_of.float(), dim=-1) if lse else None
             probs = torch.softmax(scores.float(), dim=-1).to(dtype)
             if empty is not None:
                 probs = probs.masked_fill(empty[:, None], 0.0)
