@@ -53,6 +53,8 @@
 #                                      #                                                -> $OUT/h200_context_parallel.txt
 #   bash scripts/device_run.sh hot-path # benchmarks/hot_path.py: host time of repeated small calls -> $OUT/h200_hot_path.*
 #                                      # (HOT_PATH_PART=name -> $OUT/h200_hot_path_name.*)
+#   bash scripts/device_run.sh new-packing-parts # benchmarks/new_packing_parts.py: a new packing's first call, stage
+#                                      # by stage (PARTS_NAME=name -> $OUT/h200_new_packing_parts_name.*)
 #   bash scripts/device_run.sh hot-path-parts # benchmarks/hot_path_parts.py: that dense call's host time, part by
 #                                      # part                                       -> $OUT/h200_hot_path_parts.*
 #   bash scripts/device_run.sh overhead # benchmarks/packed_overhead.py (with FA4 where installed) -> $OUT/h200_packed_overhead.*
@@ -281,6 +283,9 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   hot-path)   # HOT_PATH_ARGS adds arguments (--only "new packing" --profile-sort cumulative)
     timeout 200 python3 benchmarks/hot_path.py --profile ${HOT_PATH_ARGS:-} --out "$OUT/h200_hot_path${HOT_PATH_PART:+_$HOT_PATH_PART}" 2>&1 \
       | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;
+  new-packing-parts)   # benchmarks/new_packing_parts.py: a new packing's first call, stage by stage (NO_FA4=1: without)
+    timeout 300 python3 benchmarks/new_packing_parts.py --out "$OUT/h200_new_packing_parts${PARTS_NAME:+_$PARTS_NAME}" \
+      2>&1 | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;
   hot-path-parts)
     timeout 200 python3 benchmarks/hot_path_parts.py --out "$OUT/h200_hot_path_parts" 2>&1 | grep -v -i warn \
       | grep -E '^(\||## |Timing)' | cut -c1-160 ;;

@@ -119,6 +119,12 @@ def test_correctness_grid_units_start_with_the_costliest_rows():
     assert sorted((row["id"], repeat) for row, repeat in grid.units({3, 5})) == [(3, 0), (3, 1), (5, 0), (5, 1)]
 
 
+def test_new_packing_parts_smoke(tmp_path):
+    _run("benchmarks/new_packing_parts.py", "--calls", "5", "--rounds", "1", "--out", str(tmp_path / "parts"))
+    report = json.loads((tmp_path / "parts.json").read_text())
+    assert len(report["rows"]["attention(), a new packing each call"]) == 1
+
+
 def test_calibrate_smoke(tmp_path):
     for pair in ("64/64", "128/128"):
         _run("benchmarks/calibrate.py", "--quick", "--pairs", pair, "--out", str(tmp_path / pair.replace("/", "_")))

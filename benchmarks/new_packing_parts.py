@@ -1,0 +1,161 @@
+"""Where a new packing's first call spends its host time: attention()'s path for a packed call known but for its
+packing's sizes (attnselect.dispatch's sibling), stage by stage.
+
+    python benchmarks/new_packing_parts.py [--calls 150] [--rounds 7] [--out results/h200_new_packing_parts]
+
+The new-packing case of benchmarks/hot_path.py (1024 tokens in 1 to 8 documents, a new packing each call, H16,
+128/128 bf16, causal, both max_seqlen given, inference; CPU: its small stand-in, which attention() does not memoize,
+so only the whole calls are timed there). Rows, each the median over ``--rounds`` rounds of the per-call mean over
+``--calls`` calls, each on a packing not seen before:
+
+- attention() as users call it; the chosen kernel's op called directly (torch's ``aten._flash_attention_forward``
+  where the choice is ``varlen_fa2``, the package's ``flash_attn_varlen_func`` for FlashAttention packages); torch's
+  ``varlen_attn``;
+- the stages of attention()'s path, replayed in its order on the same state (each call remembered as attention()
+  remembers it): the memo lookup (``dispatch.recall``: a miss with a sibling), the problem at the new sizes, the
+  packed selection (``select_packed``), the runner (``packed_runner``), the self-check's question
+  (``self_check.needed``), the memo's entry (``Unknown.remember``) and the run.
+
+The replay follows api.attention's sibling branch; a check at the start (the replayed stages return the decision and
+result attention() does) fails when that branch changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import time
+
+import torch
+
+import attnselect
+from attnselect import backends, dispatch, self_check
+from attnselect.choose.selection import select_packed
+from attnselect.dispatch import KnownCall
+from attnselect.execution import packed_runner
+from attnselect.spec.options import CallOptions, Packing
+from attnselect.spec.target import target_for_device
+from hot_path import new_packings, profile, write_report
+
+STAGES = ("recall", "problem at the new sizes", "select_packed", "packed_runner", "self_check.needed", "remember",
+          "run")  # fmt: skip
+
+
+def options_of(cu, m) -> tuple:
+    return tuple(CallOptions("thd", True, cu_seqlens_q=cu, max_seqlen_q=m, max_seqlen_kv=m))
+
+
+def replay(q, k, v, cu, m, times: dict):
+    """attention()'s sibling branch on one new packing, each stage's nanoseconds added to ``times``."""
+    clock = time.perf_counter_ns
+    t0 = clock()
+    unknown = dispatch.recall(q, k, v, options_of(cu, m))
+    t1 = clock()
+    sibling = unknown.sibling
+    problem = sibling.problem._with(batch=cu.numel() - 1, seqlen_q=m, seqlen_kv=m)
+    packing = Packing(cu, cu, m, m, cu, cu)
+    target = target_for_device(q.device)
+    t2 = clock()
+    decision = select_packed(problem, target=target)
+    t3 = clock()
+    runner = packed_runner(backends.get(decision.chosen.backend), decision.chosen.pad_to, sibling.call,
+                           like=(q, k, v, packing))  # fmt: skip
+    t4 = clock()
+    self_check.needed(problem, decision.chosen, target)
+    t5 = clock()
+    unknown.remember(KnownCall(problem, decision.chosen, target, sibling.call, False, runner))
+    t6 = clock()
+    out = runner(q, k, v, cu)
+    t7 = clock()
+    for name, a, b in zip(STAGES, (t0, t1, t2, t3, t4, t5, t6), (t1, t2, t3, t4, t5, t6, t7)):
+        times[name] += b - a
+    return decision, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=150)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", help="write .json and .md here")
+    a = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    heads, total, dim = (16, 1024, 128) if device == "cuda" else (2, 256, 16)
+    packings = new_packings(total, a.calls * (a.rounds + 1) * 4 + a.calls + 8, device)  # 5387 at most
+    turn = iter(packings)
+    q, k, v = (torch.randn(total, heads, dim, device=device, dtype=dtype) for _ in range(3))
+
+    def attention(cu, m):
+        return attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=m,
+                                    max_seqlen_kv=m)  # fmt: skip
+
+    cu, m = next(turn)
+    attention(cu, m)  # the sibling every later call is known by
+    chosen = attnselect.select(attnselect.AttentionProblem.from_tensors(
+        q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=m, max_seqlen_kv=m)).chosen  # fmt: skip
+    rows = {"attention(), a new packing each call": lambda cu, m: attention(cu, m)}
+    backend = backends.get(chosen.backend)
+    if chosen.backend == "varlen_fa2" and not chosen.padded:
+        rows["aten._flash_attention_forward, the chosen op"] = lambda cu, m: torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, m, m, 0.0, True, False, scale=dim**-0.5)  # fmt: skip
+    elif getattr(backend, "module", None) and not chosen.padded:
+        function = importlib.import_module(backend.module).flash_attn_varlen_func
+        rows[f"{backend.module}.flash_attn_varlen_func"] = lambda cu, m: function(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, causal=True)  # fmt: skip
+    if device == "cuda":
+        from torch.nn.attention.varlen import varlen_attn
+
+        rows["torch varlen_attn"] = lambda cu, m: varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))
+    memoized = device == "cuda"  # attention() memoizes packed calls with boundaries on the GPU only
+    if memoized:  # the replay returns what attention() returns
+        cu, m = next(turn)
+        decision, (out, *_) = replay(q, k, v, cu, m, dict.fromkeys(STAGES, 0))
+        attnselect.clear_cache()  # attention() on that packing decides afresh
+        if decision.chosen != chosen or not torch.equal(out, attention(cu, m)):
+            raise SystemExit("the replay no longer follows attention()'s sibling branch")
+        attention(*next(turn))  # a sibling again
+    per_row = {name: [] for name in rows}
+    per_stage = {name: [] for name in STAGES}
+    for r in range(a.rounds + 1):  # the first round warms up
+        for name, fn in rows.items() if r % 2 == 0 else reversed(rows.items()):
+            torch.cuda.synchronize() if device == "cuda" else None
+            start = time.perf_counter()
+            for _ in range(a.calls):
+                fn(*next(turn))
+            if r:
+                per_row[name].append((time.perf_counter() - start) / a.calls * 1e6)
+        if memoized:
+            times = dict.fromkeys(STAGES, 0)
+            torch.cuda.synchronize() if device == "cuda" else None
+            for _ in range(a.calls):
+                replay(q, k, v, *next(turn), times)
+            if r:
+                for name in STAGES:
+                    per_stage[name].append(times[name] / a.calls / 1e3)
+    profiled = profile(lambda: attention(*next(turn)), a.calls, lines=30)
+    meta = {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d"), "chosen": str(chosen)}
+    lines = [
+        "# A new packing's first call: where its host time goes\n",
+        f"{meta['device']}, {meta['date']}. Produced by `benchmarks/new_packing_parts.py`: {total} tokens in 1 to 8 "
+        f"documents, a new packing each call, H{heads}, {dim}/{dim} {str(dtype)[6:]}, causal, inference; chosen: "
+        f"{chosen}. Median host us per call over {a.rounds} rounds of {a.calls} calls (min..max).\n",
+        "| row | host us per call |",
+        "|---|---|",
+    ]
+    report = {"meta": meta, "rows": per_row, "stages": per_stage}
+    for name, t in per_row.items():
+        lines.append(f"| {name} | {statistics.median(t):.1f} ({min(t):.1f}..{max(t):.1f}) |")
+    if memoized:
+        lines += ["", "attention()'s path replayed stage by stage:", "", "| stage | host us per call |", "|---|---|"]
+        for name, t in per_stage.items():
+            lines.append(f"| {name} | {statistics.median(t):.1f} ({min(t):.1f}..{max(t):.1f}) |")
+        whole = [sum(ts) for ts in zip(*per_stage.values())]
+        lines.append(f"| all stages | {statistics.median(whole):.1f} ({min(whole):.1f}..{max(whole):.1f}) |")
+    lines += ["", f"cProfile of attention(), {a.calls} calls, a new packing each (own time):", "", "```", profiled,
+              "```"]  # fmt: skip
+    write_report(a.out, report, lines)
+
+
+if __name__ == "__main__":
+    main()
