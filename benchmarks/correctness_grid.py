@@ -34,6 +34,7 @@ stops cleanly. ``--report`` turns the rows into ``results/<name>.md`` and the pa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import glob
 import itertools
@@ -240,7 +241,7 @@ def judge_candidate(problem, candidate, q, k, v, packing) -> dict:
     except self_check.ReferenceFailed:
         raise
     except Exception as exc:  # whatever the kernel does is the finding
-        result["error"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+        result["error"] = f"{type(exc).__name__}: {_first_line(str(exc))}"
     result["passed"] = bool(result["ran"] and result["judgement"]["passed"])
     return result
 
@@ -341,6 +342,8 @@ def worker(index: int, directory: str, deadline: float, only_young: bool, ids=No
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         for c in for_row:
+            if time.time() > deadline:  # a row's candidates compile for seconds each
+                return 0
             start = time.time()
             record = dict(
                 row_key=key,
@@ -358,7 +361,7 @@ def worker(index: int, directory: str, deadline: float, only_young: bool, ids=No
             except self_check.ReferenceFailed as exc:
                 # The candidate ran just before the reference on one stream: a sticky CUDA error is its own.
                 if _spoils_context(str(exc)):
-                    found = {"ran": False, "error": str(exc), "passed": False}
+                    found = {"ran": False, "error": _first_line(str(exc)), "passed": False}
                 else:
                     found = {"error": f"the reference failed: {exc}"}
             os.remove(pending)
@@ -384,6 +387,12 @@ def _spoils_context(error: str) -> bool:
     return not _transient(error) and ("CUDA error" in error or "cudaError" in error)
 
 
+# Seconds a worker may run past the deadline (it checks it between rows; a flex compile under 14 workers took over
+# a minute): the device step's own time limit is the deadline plus 90 s, and workers it left running had spoiled
+# the timings taken after it.
+OVERTIME = 45.0
+
+
 def run_workers(directory: str, workers: int, deadline: float, only_young: bool, ids: str | None = None) -> None:
     shutil.rmtree(os.path.join(directory, "claims"), ignore_errors=True)  # an earlier run's: left undone or done
     os.makedirs(os.path.join(directory, "claims"))
@@ -394,6 +403,14 @@ def run_workers(directory: str, workers: int, deadline: float, only_young: bool,
     running = {i: subprocess.Popen(args(i), env=env) for i in range(workers)}
     while running:
         time.sleep(1)
+        if time.time() > deadline + OVERTIME:  # a worker inside a long compile: stopped, its result left for a rerun
+            for i, proc in running.items():
+                proc.kill()
+                proc.wait()
+                print(f"worker {i} stopped {OVERTIME:.0f} s past the deadline; its last result is left for a rerun")
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(directory, f"pending-{i}.json"))  # not a death of the kernel's making
+            return
         for i, proc in list(running.items()):
             code = proc.poll()
             if code is None:
@@ -512,9 +529,14 @@ def summary(
     }
 
 
+def _first_line(text: str) -> str:
+    """An error's first line (CUDA's errors go on with advice over several lines), at most 300 characters."""
+    return (text.strip().splitlines() or [""])[0][:300]
+
+
 def _finding(r: dict) -> str:
     if r["error"]:
-        return r["error"]
+        return _first_line(r["error"])
     j = r["judgement"]
     return ", ".join(f"{n} max error {j['errors'][n]:.3g} > {j['bounds'][n]:.3g}" for n in r.get("failures", []))
 

@@ -121,6 +121,7 @@ case "$step" in
     [ -f "$rows" ] && [ ! -f "$dir/rows-earlier.jsonl" ] && cp "$rows" "$dir/rows-earlier.jsonl"   # resume: kept
     timeout $((${GRID_DEADLINE:-480} + 90)) python3 benchmarks/correctness_grid.py --out "$dir" \
       --workers "${GRID_WORKERS:-12}" --deadline "${GRID_DEADLINE:-480}" ${GRID_ARGS:-} > "$OUT/correctness_grid.log" 2>&1
+    pkill -9 -f "correctness_grid.py --worker" && echo "workers left running were killed"   # none may outlive the step
     cat "$dir"/rows-*.jsonl > "$OUT/h200_correctness_grid_rows.jsonl"; cp "$dir/meta.json" "$OUT/h200_correctness_grid_meta.json"
     grep -v " ok$" "$OUT/correctness_grid.log" | grep -v -i warn | cut -c1-220 | tail -45 ;;
   checks)

@@ -8,6 +8,7 @@ import math
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -108,6 +109,15 @@ def test_correctness_grid_smoke(tmp_path):
     young = {(r["row_key"], r["repeat"]): r["pid"] for r in rows if r["backend"] == "flex"}
     assert {repeat for _, repeat in young} == {0, 1}  # young kernels run twice, in two processes
     assert all(young[key, 0] != young[key, 1] for key, repeat in young if repeat == 1)
+
+
+def test_correctness_grid_stops_workers_past_the_deadline(tmp_path, monkeypatch):
+    grid = _benchmark("correctness_grid")
+    monkeypatch.setattr(grid, "OVERTIME", 0.0)
+    (tmp_path / "pending-0.json").write_text("{}")  # what a worker stopped mid-result leaves
+    start = time.time()
+    grid.run_workers(str(tmp_path), 1, time.time() - 1, only_young=False, ids="0")
+    assert time.time() - start < 30 and not (tmp_path / "pending-0.json").exists()
 
 
 def test_correctness_grid_units_start_with_the_costliest_rows():
