@@ -303,8 +303,14 @@ def worker(index: int, directory: str, deadline: float, only_young: bool, ids=No
     done = done_keys(directory)
     sink = open(os.path.join(directory, f"rows-{index}.jsonl"), "a")
     pending = os.path.join(directory, f"pending-{index}.json")
-    if os.path.exists(pending):  # the last process of this worker died running it: that is its finding
+    try:  # the last process of this worker died running it: that is its finding
         died = json.load(open(pending))
+    except FileNotFoundError:
+        died = None
+    except ValueError:  # cut short as it was written: what ran is unknown, and it runs again
+        died = None
+        os.remove(pending)
+    if died is not None:
         if (died["row_key"], died["backend"], died["pad_to"], died["repeat"]) not in done:
             died.update(ran=False, error="the process died running it (killed, or a fatal CUDA error)", passed=False)
             sink.write(json.dumps(died) + "\n")
@@ -400,17 +406,11 @@ def run_workers(directory: str, workers: int, deadline: float, only_young: bool,
     args = lambda i: [sys.executable, __file__, "--worker", str(i), "--workers", str(workers), "--out", directory,
                       "--deadline-at", str(deadline)] + (["--only-young"] if only_young else []) + (
                       ["--ids", ids] if ids else [])  # noqa: E731 # fmt: skip
+    if workers == 1:
+        print("one worker: the young kernels' repeats need a second process and are not run", flush=True)
     running = {i: subprocess.Popen(args(i), env=env) for i in range(workers)}
     while running:
         time.sleep(1)
-        if time.time() > deadline + OVERTIME:  # a worker inside a long compile: stopped, its result left for a rerun
-            for i, proc in running.items():
-                proc.kill()
-                proc.wait()
-                print(f"worker {i} stopped {OVERTIME:.0f} s past the deadline; its last result is left for a rerun")
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(directory, f"pending-{i}.json"))  # not a death of the kernel's making
-            return
         for i, proc in list(running.items()):
             code = proc.poll()
             if code is None:
@@ -419,6 +419,19 @@ def run_workers(directory: str, workers: int, deadline: float, only_young: bool,
             if code != 0 and time.time() < deadline - 20:
                 print(f"worker {i} exited with {code}; restarting it", flush=True)
                 running[i] = subprocess.Popen(args(i), env=env)
+        if running and time.time() > deadline + OVERTIME:  # inside a long compile: stopped, its result left for a rerun
+            for i, proc in running.items():
+                proc.kill()
+                proc.wait()
+                pending = os.path.join(directory, f"pending-{i}.json")
+                running_then = "between results"
+                with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+                    r = json.load(open(pending))
+                    running_then = f"at row {r['row']['id']} {r['backend']} pad {r['pad_to']} r{r['repeat']}"
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(pending)  # not a death of the kernel's making
+                print(f"worker {i} stopped {OVERTIME:.0f} s past the deadline, {running_then}: left for a rerun")
+            return
 
 
 # -- the report and the package data -----------------------------------------------------------------------------

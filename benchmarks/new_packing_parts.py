@@ -16,21 +16,23 @@ so only the whole calls are timed there). Rows, each the median over ``--rounds`
   packed selection (``select_packed``), the runner (``packed_runner``), the self-check's question
   (``self_check.needed``), the memo's entry (``Unknown.remember``) and the run.
 
-The replay follows api.attention's sibling branch; a check at the start (the replayed stages return the decision and
-result attention() does) fails when that branch changes.
+The replay copies api.attention's sibling branch (a rental's call counting, ``_renting``, left out: about a
+microsecond). It stops the script where attention() no longer holds the lines it copies (:data:`MIRRORED`), and where
+its problem, choice or result differ from those attention() makes for the same packing validated afresh.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import statistics
 import time
 
 import torch
 
 import attnselect
-from attnselect import backends, dispatch, self_check
+from attnselect import api, backends, dispatch, self_check
 from attnselect.choose.selection import select_packed
 from attnselect.dispatch import KnownCall
 from attnselect.execution import packed_runner
@@ -40,6 +42,17 @@ from hot_path import new_packings, profile, write_report
 
 STAGES = ("recall", "problem at the new sizes", "select_packed", "packed_runner", "self_check.needed", "remember",
           "run")  # fmt: skip
+
+
+# What the replay copies from api.attention's sibling branch, as written there.
+MIRRORED = (
+    "problem = unknown.sibling.problem._with(",
+    "select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)",
+    "runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing))",
+    "checking = self_check.needed(problem, decision.chosen, target)",
+    "unknown.remember(known)",
+    'result = known.runner(q, k, v) if layout != "thd" else known.runner(q, k, v, cu_seqlens_q)',
+)
 
 
 def options_of(cu, m) -> tuple:
@@ -70,7 +83,7 @@ def replay(q, k, v, cu, m, times: dict):
     t7 = clock()
     for name, a, b in zip(STAGES, (t0, t1, t2, t3, t4, t5, t6), (t1, t2, t3, t4, t5, t6, t7)):
         times[name] += b - a
-    return decision, out
+    return decision, problem, out
 
 
 def main() -> None:
@@ -108,12 +121,17 @@ def main() -> None:
 
         rows["torch varlen_attn"] = lambda cu, m: varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))
     memoized = device == "cuda"  # attention() memoizes packed calls with boundaries on the GPU only
-    if memoized:  # the replay returns what attention() returns
+    source = inspect.getsource(api.attention)
+    if not all(line in source for line in MIRRORED):
+        raise SystemExit("api.attention's sibling branch changed: update replay() and MIRRORED")
+    if memoized:  # the replay makes what attention() makes
         cu, m = next(turn)
-        decision, (out, *_) = replay(q, k, v, cu, m, dict.fromkeys(STAGES, 0))
-        attnselect.clear_cache()  # attention() on that packing decides afresh
-        if decision.chosen != chosen or not torch.equal(out, attention(cu, m)):
-            raise SystemExit("the replay no longer follows attention()'s sibling branch")
+        decision, problem, (out, *_) = replay(q, k, v, cu, m, dict.fromkeys(STAGES, 0))
+        attnselect.clear_cache()  # attention() on that packing validates and decides afresh
+        expected = attention(cu, m)
+        known = dispatch.known_calls()[-1]
+        if (problem, decision.chosen) != (known.problem, known.chosen) or not torch.equal(out, expected):
+            raise SystemExit("the replay's problem, choice or result differ from attention()'s")
         attention(*next(turn))  # a sibling again
     per_row = {name: [] for name in rows}
     per_stage = {name: [] for name in STAGES}

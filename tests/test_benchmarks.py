@@ -111,13 +111,16 @@ def test_correctness_grid_smoke(tmp_path):
     assert all(young[key, 0] != young[key, 1] for key, repeat in young if repeat == 1)
 
 
-def test_correctness_grid_stops_workers_past_the_deadline(tmp_path, monkeypatch):
+def test_correctness_grid_stops_workers_past_the_deadline(tmp_path, monkeypatch, capsys):
+    """A worker stopped past the deadline leaves its result for a rerun: not a death of the kernel's making."""
     grid = _benchmark("correctness_grid")
     monkeypatch.setattr(grid, "OVERTIME", 0.0)
-    (tmp_path / "pending-0.json").write_text("{}")  # what a worker stopped mid-result leaves
-    start = time.time()
-    grid.run_workers(str(tmp_path), 1, time.time() - 1, only_young=False, ids="0")
-    assert time.time() - start < 30 and not (tmp_path / "pending-0.json").exists()
+    row = grid.rows()[0]
+    pending = dict(row_key=grid.row_key(row), row=row, backend="flex", pad_to=None, repeat=1)
+    (tmp_path / "pending-0.json").write_text(json.dumps(pending))  # what a worker stopped mid-result leaves
+    grid.run_workers(str(tmp_path), 2, time.time() - 1, only_young=False, ids="0")
+    assert "at row 0 flex pad None r1: left for a rerun" in capsys.readouterr().out
+    assert not (tmp_path / "pending-0.json").exists()  # its next process has no death to record
 
 
 def test_correctness_grid_units_start_with_the_costliest_rows():

@@ -209,6 +209,38 @@ def test_a_training_check_leaves_no_graph_alive(monkeypatch):
     assert _live_tensor_bytes() - before < 2**20
 
 
+class _Registered(Reference):
+    """The reference under another name (the self-check skips the reference itself)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def test_a_kernels_lse_left_without_a_gradient_keeps_no_graph(monkeypatch):
+    """The check's rerun differentiates the output alone: the kernel's lse graph (its logsumexp saves its own result)
+    must go with the check too, which packing saved tensors as themselves prevented."""
+    monkeypatch.setenv("ATTNSELECT_SELF_CHECK", "all")
+    backend = _Registered("registered_reference")
+    backends.register(backend)
+    try:
+        q, k, v = dense_inputs(dtype=torch.float32, b=1, sq=256, skv=256, hq=8, hkv=8)
+
+        def checked_step():
+            self_check._PASSED.clear()
+            attnselect.clear_cache()
+            out, _ = attnselect.attention(q, k, v, causal=True, return_lse=True, backend=backend.name)
+            out.sum().backward()
+            q.grad = k.grad = v.grad = None
+
+        checked_step()
+        before = _live_tensor_bytes()
+        for _ in range(3):
+            checked_step()
+        assert _live_tensor_bytes() - before < 2**20
+    finally:
+        backends.unregister(backend.name)
+
+
 # -- on the GPU ---------------------------------------------------------------------------------------------------
 
 WORKER = """

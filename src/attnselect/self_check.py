@@ -96,7 +96,7 @@ def judge(problem, call: KernelCall, result, q, k, v, packing: Packing | None, s
         raise ReferenceFailed("no element to compare")
     # Packed detached: a saved output packed as itself holds its own graph in a cycle that gc cannot break, and a
     # graph left without a backward (an lse) stayed alive: 8.5 GiB a check at 8k tokens on the H200.
-    with torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
         grads, dout, dlse = {}, None, None
         if problem.training:
             try:
