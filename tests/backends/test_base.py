@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 import attnselect
+from attnselect import backends
+from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 
 
@@ -37,3 +39,25 @@ def test_a_package_backend_is_its_module_and_one_registration():
         attnselect.backends.unregister("packaged_reference")
         attnselect.backends.unregister("missing_reference")
     assert Target.current("cpu").version("attnselect-test-distribution") is None
+
+
+def test_packed_surface_reasons_read_no_size():
+    """Surface.reasons works a packed problem's reasons out once at size 0: for every registered surface they are
+    those of the problem at its own sizes."""
+    import random
+
+    rng = random.Random(0)
+    targets = [Target.preset(name) for name in ("h200", "a100", "b200", "cpu")]
+    for _ in range(200):
+        problem = AttentionProblem(
+            rng.choice([1, 3, 40]), rng.choice([1, 77, 4096]), rng.choice([1, 77, 9000]), 16, rng.choice([16, 4, 1]),
+            rng.choice([64, 128, 192, 256]), rng.choice([64, 128]), layout="thd",
+            mask=rng.choice(["none", "causal", "causal_bottom_right"]), training=rng.random() < 0.5,
+            varlen_seqlens_match=rng.random() < 0.5, varlen_gaps=rng.random() < 0.3,
+            dtype=rng.choice([torch.bfloat16, torch.float32]),
+        )  # fmt: skip
+        for backend in backends.all_backends():
+            for target in targets:
+                surface = backend.surfaces.get(target.device_type)
+                if surface is not None:
+                    assert surface.reasons(problem, target) == surface._reasons(problem, target)

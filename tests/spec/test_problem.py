@@ -111,3 +111,13 @@ def test_a_top_left_window_where_the_anchors_coincide_is_the_bottom_right_one():
     packed = dict(layout="thd", mask="sliding_window_top_left", window=(8, 0))
     assert AttentionProblem(2, 64, 64, 4, 4, 64, 64, **packed).mask == "sliding_window"  # lengths match
     assert AttentionProblem(2, 64, 64, 4, 4, 64, 64, varlen_seqlens_match=False, **packed).mask == packed["mask"]
+
+
+def test_a_problem_at_size_zero_is_made_once_and_kept_by_size_only_copies():
+    p = AttentionProblem(4, 400, 400, 16, 16, 128, 128, layout="thd", mask="causal")
+    assert p.sizeless == p._with(batch=0, seqlen_q=0, seqlen_kv=0)
+    resized = p._with(batch=7, seqlen_q=90, seqlen_kv=90)
+    assert resized.sizeless is p.sizeless  # a packed loop's new packing does not make it again
+    assert resized == AttentionProblem(7, 90, 90, 16, 16, 128, 128, layout="thd", mask="causal")
+    other_dims = p._with(head_dim_v=64)
+    assert other_dims.sizeless == other_dims._with(batch=0, seqlen_q=0, seqlen_kv=0) != p.sizeless

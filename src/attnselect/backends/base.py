@@ -26,6 +26,8 @@ from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Package, Target, register_package, unregister_package
 
 HALF = frozenset({torch.float16, torch.bfloat16})
+# Surface.reasons of packed problems at size 0: (id of the surface, problem, target) -> (surface, reasons).
+_PACKED_REASONS: dict[tuple, tuple] = {}
 ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
@@ -59,6 +61,20 @@ class Surface:
     compiled_graphs: bool = True  # it runs inside a torch.compile graph (as attnselect's custom op)
 
     def reasons(self, p: AttentionProblem, t: Target) -> list[str]:
+        """Why this surface does not serve ``p`` on ``t``. A packed problem's reasons read no size (its facts stand
+        for every sequence): they are worked out once per problem at size 0, as a packed loop makes a problem at new
+        sizes every step."""
+        if p.layout != "thd":
+            return self._reasons(p, t)
+        key = (id(self), p.sizeless, t)
+        held = _PACKED_REASONS.get(key)
+        if held is None or held[0] is not self:  # an id reused by another surface (a test's backend) is not it
+            held = _PACKED_REASONS[key] = (self, tuple(self._reasons(p.sizeless, t)))
+            if len(_PACKED_REASONS) > 4096:
+                _PACKED_REASONS.pop(next(iter(_PACKED_REASONS)))
+        return list(held[1])
+
+    def _reasons(self, p: AttentionProblem, t: Target) -> list[str]:
         r: list[str] = []
         if p.layout == "thd" and self.packed and p.varlen_gaps and not self.gaps:
             r.append("cannot skip the gaps between sequences (cu_seqlens_*_padded); pass unpadded packing")

@@ -131,7 +131,7 @@ paid = ran  # a rental whose rent reached the price: the deferred candidate is c
 def _configuration(problem: AttentionProblem) -> tuple:
     """What a compile is kept for: the problem's signature at any size (FA4 compiles per head dims, GQA ratio, mask,
     layout, dtype and phase, not per length: flash_attn/cute/interface.py compile_key)."""
-    return eager_signature(problem._with(batch=0, seqlen_q=0, seqlen_kv=0))
+    return eager_signature(problem.sizeless)
 
 
 def forget() -> None:

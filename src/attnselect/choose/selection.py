@@ -102,7 +102,7 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     cleared = generation()
     try:
         key = (
-            problem._with(batch=0, seqlen_q=0, seqlen_kv=0),
+            problem.sizeless,
             target,
             backend,
             pad,

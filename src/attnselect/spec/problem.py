@@ -124,7 +124,16 @@ class AttentionProblem:
         fields = {name: self.__dict__[name] for name in _FIELDS}  # not the cached derived values (signature)
         fields.update(changes)
         copy.__dict__.update(fields)
+        if "sizeless" in self.__dict__ and changes.keys() <= _SIZES:  # what sizes do not change, a copy keeps
+            copy.__dict__["sizeless"] = self.__dict__["sizeless"]
         return copy
+
+    @functools.cached_property
+    def sizeless(self) -> AttentionProblem:
+        """This problem at size 0 (batch and both sequence lengths): what a packed loop's calls share whatever their
+        packing, the key of the decisions and compiles kept across packings. Kept by the copies :meth:`_with` makes at
+        other sizes, so a loop's new packing does not make it again."""
+        return self._with(batch=0, seqlen_q=0, seqlen_kv=0)
 
     @classmethod
     def from_tensors(
@@ -314,7 +323,8 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(AttentionProblem))
 _FLAGS = tuple(f.name for f in dataclasses.fields(AttentionProblem) if f.type in ("bool", bool))
 _HEAD_DIMS = frozenset({"head_dim_qk", "head_dim_v"})
 # Sizes that no other field's check reads on a packed problem (its squareness is a varlen fact), and head dims.
-_CHECKED_ALONE = frozenset({"batch", "seqlen_q", "seqlen_kv"}) | _HEAD_DIMS
+_SIZES = frozenset({"batch", "seqlen_q", "seqlen_kv"})
+_CHECKED_ALONE = _SIZES | _HEAD_DIMS
 
 
 def describe_call(
