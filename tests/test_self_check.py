@@ -183,30 +183,36 @@ def test_a_check_that_cannot_run_keeps_no_tensor_of_the_call_alive():
         gc.enable()
 
 
-def _live_tensor_bytes() -> int:
+def _bytes_kept_by_checked_steps(**options) -> int:
+    """Tensor bytes still alive after three more training steps whose call is self-checked each time (the first
+    step's, which may hold a lasting memo, not counted)."""
     import gc
 
-    gc.collect()
-    return sum(o.untyped_storage().nbytes() for o in gc.get_objects() if type(o) is torch.Tensor)
+    def live() -> int:
+        gc.collect()
+        return sum(o.untyped_storage().nbytes() for o in gc.get_objects() if type(o) is torch.Tensor)
+
+    q, k, v = dense_inputs(dtype=torch.float32, b=1, sq=256, skv=256, hq=8, hkv=8)
+
+    def checked_step():
+        self_check._PASSED.clear()
+        attnselect.clear_cache()  # decided again: checked again
+        result = attnselect.attention(q, k, v, causal=True, **options)
+        (result[0] if options.get("return_lse") else result).sum().backward()
+        q.grad = k.grad = v.grad = None
+
+    checked_step()
+    before = live()
+    for _ in range(3):
+        checked_step()
+    return live() - before
 
 
 def test_a_training_check_leaves_no_graph_alive(monkeypatch):
     """The check's graphs go with it, the reference's lse (judged, never differentiated) included: a saved output
     held by its own graph is a cycle the collector cannot break (it held 8.5 GiB a check at 8k tokens)."""
     monkeypatch.setenv("ATTNSELECT_SELF_CHECK", "all")
-    q, k, v = dense_inputs(dtype=torch.float32, b=1, sq=256, skv=256, hq=8, hkv=8)
-
-    def checked_step():
-        self_check._PASSED.clear()
-        attnselect.clear_cache()  # decided again: checked again
-        attnselect.attention(q, k, v, causal=True).sum().backward()
-        q.grad = k.grad = v.grad = None
-
-    checked_step()
-    before = _live_tensor_bytes()
-    for _ in range(3):
-        checked_step()
-    assert _live_tensor_bytes() - before < 2**20
+    assert _bytes_kept_by_checked_steps() < 2**20
 
 
 class _Registered(Reference):
@@ -223,20 +229,7 @@ def test_a_kernels_lse_left_without_a_gradient_keeps_no_graph(monkeypatch):
     backend = _Registered("registered_reference")
     backends.register(backend)
     try:
-        q, k, v = dense_inputs(dtype=torch.float32, b=1, sq=256, skv=256, hq=8, hkv=8)
-
-        def checked_step():
-            self_check._PASSED.clear()
-            attnselect.clear_cache()
-            out, _ = attnselect.attention(q, k, v, causal=True, return_lse=True, backend=backend.name)
-            out.sum().backward()
-            q.grad = k.grad = v.grad = None
-
-        checked_step()
-        before = _live_tensor_bytes()
-        for _ in range(3):
-            checked_step()
-        assert _live_tensor_bytes() - before < 2**20
+        assert _bytes_kept_by_checked_steps(return_lse=True, backend=backend.name) < 2**20
     finally:
         backends.unregister(backend.name)
 
