@@ -402,7 +402,9 @@ OVERTIME = 45.0
 def run_workers(directory: str, workers: int, deadline: float, only_young: bool, ids: str | None = None) -> None:
     shutil.rmtree(os.path.join(directory, "claims"), ignore_errors=True)  # an earlier run's: left undone or done
     os.makedirs(os.path.join(directory, "claims"))
-    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1")
+    # One compile thread a worker unless the caller sets more (a few workers on few rows: flex's compiles at rows
+    # 10, 16 and 17 ran past 155 s in one thread).
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
     args = lambda i: [sys.executable, __file__, "--worker", str(i), "--workers", str(workers), "--out", directory,
                       "--deadline-at", str(deadline)] + (["--only-young"] if only_young else []) + (
                       ["--ids", ids] if ids else [])  # noqa: E731 # fmt: skip
