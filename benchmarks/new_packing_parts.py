@@ -16,6 +16,10 @@ so only the whole calls are timed there). Rows, each the median over ``--rounds`
   packed selection (``select_packed``), the runner (``packed_runner``), the self-check's question
   (``self_check.needed``), the memo's entry (``Unknown.remember``) and the run.
 
+``--host-stages h200`` times the replay's host stages alone (its run left out) on meta tensors for a preset target at
+the packaged calibration's versions: no GPU needed, so a change to the host path can be compared on any machine
+(``PYTHONPATH=<other checkout>/src`` for the other version).
+
 The replay copies api.attention's sibling branch (a rental's call counting, ``_renting``, left out: about a
 microsecond). It stops the script where attention() no longer holds the lines it copies (:data:`MIRRORED`), and where
 its problem, choice or result differ from those attention() makes for the same packing validated afresh.
@@ -26,8 +30,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,9 +41,9 @@ import attnselect
 from attnselect import api, backends, dispatch, self_check
 from attnselect.choose.selection import select_packed
 from attnselect.dispatch import KnownCall
-from attnselect.execution import packed_runner
+from attnselect.execution import kernel_call, packed_runner
 from attnselect.spec.options import CallOptions, Packing
-from attnselect.spec.target import target_for_device
+from attnselect.spec.target import Target, target_for_device
 from hot_path import new_packings, profile, write_report
 
 STAGES = ("recall", "problem at the new sizes", "select_packed", "packed_runner", "self_check.needed", "remember",
@@ -59,8 +65,9 @@ def options_of(cu, m) -> tuple:
     return tuple(CallOptions("thd", True, cu_seqlens_q=cu, max_seqlen_q=m, max_seqlen_kv=m))
 
 
-def replay(q, k, v, cu, m, times: dict):
-    """attention()'s sibling branch on one new packing, each stage's nanoseconds added to ``times``."""
+def replay(q, k, v, cu, m, times: dict, target=None):
+    """attention()'s sibling branch on one new packing, each stage's nanoseconds added to ``times``; with a ``target``
+    (meta tensors: :func:`host_stages`) for that target, its run left out."""
     clock = time.perf_counter_ns
     t0 = clock()
     unknown = dispatch.recall(q, k, v, options_of(cu, m))
@@ -68,7 +75,7 @@ def replay(q, k, v, cu, m, times: dict):
     sibling = unknown.sibling
     problem = sibling.problem._with(batch=cu.numel() - 1, seqlen_q=m, seqlen_kv=m)
     packing = Packing(cu, cu, m, m, cu, cu)
-    target = target_for_device(q.device)
+    target = target or target_for_device(q.device)
     t2 = clock()
     decision = select_packed(problem, target=target)
     t3 = clock()
@@ -79,11 +86,39 @@ def replay(q, k, v, cu, m, times: dict):
     t5 = clock()
     unknown.remember(KnownCall(problem, decision.chosen, target, sibling.call, False, runner))
     t6 = clock()
-    out = runner(q, k, v, cu)
+    out = runner(q, k, v, cu) if q.device.type != "meta" else None
     t7 = clock()
     for name, a, b in zip(STAGES, (t0, t1, t2, t3, t4, t5, t6), (t1, t2, t3, t4, t5, t6, t7)):
         times[name] += b - a
     return decision, problem, out
+
+
+def host_stages(name: str, calls: int, rounds: int) -> dict:
+    """The replay's host stages (its run left out) for the preset target ``name`` on any machine: meta tensors, the
+    target at the packaged calibration's versions (the cuDNN frontend installed), the memo seeded by hand as a first
+    call would seed it. {stage: per-round microseconds a call}."""
+    target = Target.preset(name, packages={"nvidia-cudnn-frontend": "1.32.0"}, torch_version="2.11.0+cu130",
+                           cudnn_version="9.19.0")  # fmt: skip
+    q, k, v = (torch.empty(1024, 16, 128, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    packings = [(torch.empty(cu.numel(), dtype=torch.int32, device="meta"), m)
+                for cu, m in new_packings(1024, calls + 1, "cpu")]  # fmt: skip
+    per_stage = {stage: [] for stage in STAGES[:-1]}
+    for _ in range(rounds):
+        attnselect.clear_cache()
+        cu, m = packings[-1]
+        first = attnselect.AttentionProblem(cu.numel() - 1, m, m, 16, 16, 128, 128, layout="thd", mask="causal",
+                                            dtype=torch.bfloat16)  # fmt: skip
+        decision, call = select_packed(first, target=target), kernel_call(first)
+        runner = packed_runner(backends.get(decision.chosen.backend), decision.chosen.pad_to, call,
+                               like=(q, k, v, Packing(cu, cu, m, m, cu, cu)))  # fmt: skip
+        dispatch.recall(q, k, v, options_of(cu, m)).remember(KnownCall(first, decision.chosen, target, call, False,
+                                                                       runner))  # fmt: skip
+        times = dict.fromkeys(STAGES, 0)
+        for cu, m in packings[:calls]:
+            replay(q, k, v, cu, m, times, target)
+        for stage in per_stage:
+            per_stage[stage].append(times[stage] / calls / 1e3)
+    return per_stage
 
 
 def main() -> None:
@@ -91,7 +126,18 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=150)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", help="write .json and .md here")
+    ap.add_argument("--host-stages", metavar="TARGET", help="the host stages alone for a preset target (h200), on meta "
+                    "tensors: no GPU needed, no kernel run")  # fmt: skip
     a = ap.parse_args()
+    if a.host_stages:
+        stages = host_stages(a.host_stages, a.calls, a.rounds)
+        for stage, t in stages.items():
+            print(f"| {stage} | {statistics.median(t):.1f} (fastest {min(t):.1f}) |")
+        whole = [sum(ts) for ts in zip(*stages.values())]
+        print(f"| all but the run | {statistics.median(whole):.1f} (fastest {min(whole):.1f}) |")
+        if a.out:
+            Path(a.out + ".json").write_text(json.dumps({"target": a.host_stages, "stages": stages}, indent=1))
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     heads, total, dim = (16, 1024, 128) if device == "cuda" else (2, 256, 16)

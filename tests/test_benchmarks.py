@@ -138,6 +138,14 @@ def test_new_packing_parts_smoke(tmp_path):
     assert len(report["rows"]["attention(), a new packing each call"]) == 1
 
 
+def test_new_packing_host_stages_run_without_a_gpu(tmp_path):
+    _run("benchmarks/new_packing_parts.py", "--host-stages", "h200", "--calls", "5", "--rounds", "1", "--out",
+         str(tmp_path / "stages"))  # fmt: skip
+    stages = json.loads((tmp_path / "stages.json").read_text())["stages"]
+    assert set(stages) == {"recall", "problem at the new sizes", "select_packed", "packed_runner", "self_check.needed",
+                           "remember"} and all(len(t) == 1 for t in stages.values())  # fmt: skip
+
+
 def test_calibrate_smoke(tmp_path):
     for pair in ("64/64", "128/128"):
         _run("benchmarks/calibrate.py", "--quick", "--pairs", pair, "--out", str(tmp_path / pair.replace("/", "_")))

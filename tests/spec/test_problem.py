@@ -121,3 +121,18 @@ def test_a_problem_at_size_zero_is_made_once_and_kept_by_size_only_copies():
     assert resized == AttentionProblem(7, 90, 90, 16, 16, 128, 128, layout="thd", mask="causal")
     other_dims = p._with(head_dim_v=64)
     assert other_dims.sizeless == other_dims._with(batch=0, seqlen_q=0, seqlen_kv=0) != p.sizeless
+
+
+def test_a_packed_size_only_copy_has_the_signature_of_the_same_problem_made_afresh():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        p = AttentionProblem(
+            rng.choice([1, 5]), 300, 300, 16, rng.choice([16, 4, 1]), rng.choice([64, 192]), rng.choice([64, 128]),
+            layout="thd", mask=rng.choice(["none", "causal"]), training=rng.random() < 0.5,
+            varlen_rows_without_keys=rng.random() < 0.3, varlen_gaps=rng.random() < 0.3, return_lse=rng.random() < 0.5,
+        )  # fmt: skip
+        p.sizeless.signature  # noqa: B018 # made once, as select_packed makes it
+        sizes = dict(batch=rng.choice([1, 7, 40]), seqlen_q=rng.choice([1, 77, 9000]), seqlen_kv=rng.choice([1, 900]))
+        assert p._with(**sizes).signature == dataclasses.replace(p, **sizes).signature

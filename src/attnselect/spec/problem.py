@@ -236,6 +236,10 @@ class AttentionProblem:
         head), mask kind, layout (thd with or without gaps), dtype, phase, size class, and the options that
         change the kernel run (dropout, determinism, lse, softcap, sinks, max logit, fp8, capture, compile, context
         parallelism, keyless rows)."""
+        if self.layout == "thd" and "sizeless" in self.__dict__ and (self.batch or self.seqlen_q or self.seqlen_kv):
+            # a packed problem's signature reads no size but its class: a loop's new packing takes the rest as made
+            known = self.sizeless.signature
+            return (*known[:7], self.size_class, known[8])
         ratio = "mqa" if self.heads_kv == 1 and self.heads_q > 1 else self.heads_q // self.heads_kv
         layout = "thd with gaps" if self.layout == "thd" and self.varlen_gaps else self.layout
         options = tuple(
