@@ -405,7 +405,7 @@ def run_workers(directory: str, workers: int, deadline: float, only_young: bool,
     # One compile thread a worker unless the caller sets more (a few workers on few rows: flex's compiles at rows
     # 10, 16 and 17 ran past 155 s in one thread).
     env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
-    args = lambda i: [sys.executable, __file__, "--worker", str(i), "--workers", str(workers), "--out", directory,
+    args = lambda i: [sys.executable, __file__, "--worker", str(i), "--out", directory,
                       "--deadline-at", str(deadline)] + (["--only-young"] if only_young else []) + (
                       ["--ids", ids] if ids else [])  # noqa: E731 # fmt: skip
     if workers == 1:

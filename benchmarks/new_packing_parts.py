@@ -93,12 +93,12 @@ def replay(q, k, v, cu, m, times: dict, target=None):
     return decision, problem, out
 
 
-def host_stages(name: str, calls: int, rounds: int) -> dict:
+def host_stages(name: str, calls: int, rounds: int, fa4: bool = False) -> dict:
     """The replay's host stages (its run left out) for the preset target ``name`` on any machine: meta tensors, the
-    target at the packaged calibration's versions (the cuDNN frontend installed), the memo seeded by hand as a first
-    call would seed it. {stage: per-round microseconds a call}."""
-    target = Target.preset(name, packages={"nvidia-cudnn-frontend": "1.32.0"}, torch_version="2.11.0+cu130",
-                           cudnn_version="9.19.0")  # fmt: skip
+    target at the packaged calibration's versions (the cuDNN frontend installed, and FlashAttention-4 with ``fa4``),
+    the memo seeded by hand as a first call would seed it. {stage: per-round microseconds a call}."""
+    packages = {"nvidia-cudnn-frontend": "1.32.0", **({"flash-attn-4": "4.0.0b36"} if fa4 else {})}
+    target = Target.preset(name, packages=packages, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
     q, k, v = (torch.empty(1024, 16, 128, device="meta", dtype=torch.bfloat16) for _ in range(3))
     packings = [(torch.empty(cu.numel(), dtype=torch.int32, device="meta"), m)
                 for cu, m in new_packings(1024, calls + 1, "cpu")]  # fmt: skip
@@ -128,15 +128,18 @@ def main() -> None:
     ap.add_argument("--out", help="write .json and .md here")
     ap.add_argument("--host-stages", metavar="TARGET", help="the host stages alone for a preset target (h200), on meta "
                     "tensors: no GPU needed, no kernel run")  # fmt: skip
+    ap.add_argument("--fa4", action="store_true", help="with --host-stages: FlashAttention-4 installed on the target")
     a = ap.parse_args()
     if a.host_stages:
-        stages = host_stages(a.host_stages, a.calls, a.rounds)
+        stages = host_stages(a.host_stages, a.calls, a.rounds, a.fa4)
         for stage, t in stages.items():
             print(f"| {stage} | {statistics.median(t):.1f} (fastest {min(t):.1f}) |")
         whole = [sum(ts) for ts in zip(*stages.values())]
         print(f"| all but the run | {statistics.median(whole):.1f} (fastest {min(whole):.1f}) |")
         if a.out:
-            Path(a.out + ".json").write_text(json.dumps({"target": a.host_stages, "stages": stages}, indent=1))
+            Path(a.out + ".json").write_text(
+                json.dumps({"target": a.host_stages, "fa4": a.fa4, "stages": stages}, indent=1)
+            )
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

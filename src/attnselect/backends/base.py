@@ -26,9 +26,9 @@ from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Package, Target, register_package, unregister_package
 
 HALF = frozenset({torch.float16, torch.bfloat16})
+ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 # Surface.reasons of packed problems at size 0: (id of the surface, problem, target) -> (surface, reasons).
 _PACKED_REASONS: dict[tuple, tuple] = {}
-ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
 @dataclass(frozen=True)
