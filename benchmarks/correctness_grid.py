@@ -17,17 +17,19 @@ to four query heads each; the committed rows of 2026-12-02 were judged on two sl
 K/V head and the last or longest sequence's last) are judged by attnselect.correctness: out, lse, dq, dk and dv
 against the float32 reference of the rounded inputs, within 2x (out, lse) or 3x (gradients) the naive reference's
 error (FlashAttention's test_flash_attn_output criterion). The young kernels' rows (FA4, flex, the cuDNN frontend)
-run again in another process (repeat 1): their results differ by process.
+run again in another process (repeat 1): their results differ by process. A first result that the rules have
+since drawn a refusal from (flex's missing template for grouped heads) runs again too.
 
 **Running it.** Worker processes (``--workers``, default 12 of the H200 machine's 16 cores) share the GPU. They take
 (row, repeat) units from one queue, the costliest first (:func:`units`), each claimed by a file under ``--out DIR``
 (a static split left one worker with 221 s of work and others idle), and never a row's repeat 1 in the process that
 ran its repeat 0; each appends to its own file; a rerun skips what the files hold (resumable), a worker that dies
 (a CUDA error spoils its context) is restarted, resumes its claims and skips the result it died on. ``--deadline``
-stops cleanly. ``--report`` turns the rows into ``results/<name>.md`` and the package data attnselect reads
-(``src/attnselect/data/correctness_<arch>.json``).
+stops cleanly. With ``--patience S`` a result that runs past S seconds (a compile that does not finish) is stopped
+and recorded as a failure that says so, and its worker goes on in a new process. ``--report`` turns the rows into
+``results/<name>.md`` and the package data attnselect reads (``src/attnselect/data/correctness_<arch>.json``).
 
-    python benchmarks/correctness_grid.py --out DIR [--workers 12] [--deadline 500] [--only-young]
+    python benchmarks/correctness_grid.py --out DIR [--workers 12] [--deadline 500] [--only-young] [--patience S]
     python benchmarks/correctness_grid.py --report DIR... --name h200_correctness_grid
 """
 
@@ -296,6 +298,7 @@ def worker(index: int, directory: str, deadline: float, only_young: bool, ids=No
     torch._dynamo.config.accumulated_cache_size_limit = 8192
     from attnselect import backends, self_check
     from attnselect.choose.candidates import judge
+    from attnselect.spec.options import Candidate
     from attnselect.spec.target import Target
 
     target = Target.current()
@@ -344,6 +347,13 @@ def worker(index: int, directory: str, deadline: float, only_young: bool, ids=No
             if (key, c.backend, c.pad_to, repeat) in done:
                 continue
             for_row.append(c)
+        if repeat == 1:  # a first result the rules have since drawn a refusal from is repeated all the same
+            ran_first = {(b, pad) for (k_, b, pad, r) in done if k_ == key and r == 0 and b in YOUNG}
+            for b, pad in sorted(ran_first, key=str):
+                c = Candidate(b, pad)
+                installed = not backends.get(b).package or backends.get(b).package_version(target) is not None
+                if installed and c not in for_row and (key, b, pad, 1) not in done:
+                    for_row.append(c)
         if torch.cuda.is_available():  # the last row's cached blocks, held from 13 other workers, OOMed them
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -399,7 +409,40 @@ def _spoils_context(error: str) -> bool:
 OVERTIME = 45.0
 
 
-def run_workers(directory: str, workers: int, deadline: float, only_young: bool, ids: str | None = None) -> None:
+def _stop_the_slow(directory: str, running: dict, patience: float | None) -> list[int]:
+    """Kill each worker whose current result has run past ``patience`` seconds (a compile that does not finish: flex
+    at row 17 ran past 240 s in each of four fresh processes, results/h200_flex_hooks_probe.md) and record that as
+    the result, a failure: a first call that stalls for minutes is no kernel to choose. Returns the workers killed."""
+    stopped = []
+    for i, proc in running.items():
+        pending = os.path.join(directory, f"pending-{i}.json")
+        try:
+            age = time.time() - os.path.getmtime(pending)
+            r = json.load(open(pending))
+        except (FileNotFoundError, ValueError):
+            continue
+        if patience is None or age <= patience:
+            continue
+        proc.kill()
+        proc.wait()
+        r.update(ran=False, error=f"did not finish within {patience:.0f} s (compile and run); stopped", passed=False,
+                 seconds=round(age, 1))  # fmt: skip
+        with open(os.path.join(directory, f"rows-{i}.jsonl"), "a") as sink:
+            sink.write(json.dumps(r) + "\n")
+        os.remove(pending)
+        print(f"worker {i}: row {r['row']['id']} {r['backend']} pad {r['pad_to']} r{r['repeat']} {r['error']}")
+        stopped.append(i)
+    return stopped
+
+
+def run_workers(
+    directory: str,
+    workers: int,
+    deadline: float,
+    only_young: bool,
+    ids: str | None = None,
+    patience: float | None = None,
+) -> None:
     shutil.rmtree(os.path.join(directory, "claims"), ignore_errors=True)  # an earlier run's: left undone or done
     os.makedirs(os.path.join(directory, "claims"))
     # One compile thread a worker unless the caller sets more (a few workers on few rows: flex's compiles at rows
@@ -413,6 +456,8 @@ def run_workers(directory: str, workers: int, deadline: float, only_young: bool,
     running = {i: subprocess.Popen(args(i), env=env) for i in range(workers)}
     while running:
         time.sleep(1)
+        for i in _stop_the_slow(directory, running, patience):
+            running[i] = subprocess.Popen(args(i), env=env)  # it resumes its claim at the next result
         for i, proc in list(running.items()):
             code = proc.poll()
             if code is None:
@@ -622,6 +667,7 @@ def main() -> None:
     ap.add_argument("--deadline-at", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--only-young", action="store_true", help="young kernels' rows only")
+    ap.add_argument("--patience", type=float, help="seconds one result may run before it is recorded as not finishing")
     ap.add_argument("--ids", help="comma list of row ids (a smoke test)")
     ap.add_argument("--report", nargs="+", help="rows directories or .jsonl files to report on")
     ap.add_argument("--meta", help="the run's meta.json (default: <first report dir>/meta.json)")
@@ -653,7 +699,7 @@ def main() -> None:
     deadline = time.time() + a.deadline
     os.makedirs(a.out, exist_ok=True)
     json.dump(meta_now(), open(os.path.join(a.out, "meta.json"), "w"), indent=1)
-    run_workers(a.out, a.workers, deadline, a.only_young, a.ids)
+    run_workers(a.out, a.workers, deadline, a.only_young, a.ids, a.patience)
     records = read_rows([a.out])
     failed = [r for r in records if not r["passed"]]
     print(f"{len(records)} results, {len(failed)} failed or wrong, {len({r['row_key'] for r in records})} rows")

@@ -17,6 +17,7 @@
 #   bash scripts/device_run.sh sweep  # the peer sweep alone (SWEEP_WORKERS, default 6)  -> $OUT/h200_peer_sweep[_fa4].*
 #   bash scripts/device_run.sh self-check-cost # benchmarks/self_check_cost.py       -> $OUT/h200_self_check_cost.*
 #   bash scripts/device_run.sh flex-probe # benchmarks/flex_probe.py                  -> $OUT/h200_flex_probe.*
+#   bash scripts/device_run.sh flex-hooks # benchmarks/flex_hooks_probe.py            -> $OUT/h200_flex_hooks_probe.*
 #   bash scripts/device_run.sh ladder  # benchmarks/ladder.py (LADDER_ARGS, LADDER_DEADLINE), resuming this machine's
 #                                      # or the committed rungs -> $OUT/h200_ladder[_fa4].{json,md} (FA4 where installed)
 #   bash scripts/device_run.sh calibrate-host # results/h200_calibration.json's host times measured again -> $OUT/h200_calibration.*
@@ -177,6 +178,10 @@ case "$step" in
     { echo "# pytest $PYTEST_ARGS on $(python3 -c 'import attnselect; print(attnselect.Target.current().describe())'), $(date -u +%F)"
       timeout ${TEST_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -W ignore $PYTEST_ARGS 2>&1
     } > "$OUT/h200_pytest${TEST_PART:+_$TEST_PART}.txt"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/h200_pytest${TEST_PART:+_$TEST_PART}.txt" | tail -30 ;;
+  flex-hooks)   # benchmarks/flex_hooks_probe.py: flex training under the self-check's hook and others (HOOKS_IDS,
+                # HOOKS_TIMEOUT; side by side with `correctness` in one call: `... flex-hooks & ... correctness; wait`)
+    timeout $((${HOOKS_TIMEOUT:-300} + 60)) python3 benchmarks/flex_hooks_probe.py --ids "${HOOKS_IDS:-17,11,4}" \
+      --timeout "${HOOKS_TIMEOUT:-300}" --out "$OUT/h200_flex_hooks_probe" 2>&1 | grep -E '^\|' ;;
   flex-probe)
     timeout 200 python3 benchmarks/flex_probe.py --out "$OUT/h200_flex_probe" 2>&1 | grep -E '^\|' ;;
   ladder)   # benchmarks/ladder.py, resuming results/h200_ladder${LADDER_PART:+_$LADDER_PART}.json where present
@@ -299,7 +304,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests suite sweep ladder pytest flex-probe calibrate correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests suite sweep ladder pytest flex-probe flex-hooks calibrate correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -123,6 +124,50 @@ def test_correctness_grid_stops_workers_past_the_deadline(tmp_path, monkeypatch,
     assert not (tmp_path / "pending-0.json").exists()  # its next process has no death to record
 
 
+def test_correctness_grid_repeats_a_first_result_the_rules_now_refuse(tmp_path, monkeypatch):
+    """A young candidate that ran in repeat 0 runs in repeat 1 though the rules have since refused it (a refusal drawn
+    from that first result): the repeat is the evidence that its failure holds in another process."""
+    import attnselect.choose.candidates
+
+    grid = _benchmark("correctness_grid")
+    row = grid.rows()[0]
+    first = dict(row_key=grid.row_key(row), row=row, backend="flex", pad_to=None, repeat=0, error="", passed=True)
+    (tmp_path / "rows-earlier.jsonl").write_text(json.dumps(first) + "\n")
+    (tmp_path / "claims").mkdir()
+    (tmp_path / "claims" / f"{row['id']}-0").write_text("0")  # repeat 0 is another worker's
+    monkeypatch.setattr(attnselect.choose.candidates, "judge", lambda problem, target: [])  # every candidate refused
+    for name in ("ATTNSELECT_ALLOWLIST", "ATTNSELECT_SELF_CHECK"):
+        monkeypatch.setenv(name, os.environ.get(name, "1"))  # the worker sets them: restored after the test
+    for name in ("cache_size_limit", "accumulated_cache_size_limit"):
+        monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))
+    threads = torch.get_num_threads()
+    try:
+        assert grid.worker(1, str(tmp_path), time.time() + 120, only_young=True, ids={row["id"]}) == 0
+    finally:
+        torch.set_num_threads(threads)
+    ran = [json.loads(line) for line in (tmp_path / "rows-1.jsonl").read_text().splitlines()]
+    assert [(r["backend"], r["pad_to"], r["repeat"]) for r in ran] == [("flex", None, 1)] and ran[0]["passed"]
+
+
+def test_correctness_grid_records_a_result_past_its_patience_as_not_finishing(tmp_path):
+    grid = _benchmark("correctness_grid")
+    row = grid.rows()[0]
+    pending = tmp_path / "pending-0.json"
+    pending.write_text(json.dumps(dict(row_key=grid.row_key(row), row=row, backend="flex", pad_to=None, repeat=0)))
+    slow, quick = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2))
+    try:
+        assert grid._stop_the_slow(str(tmp_path), {0: slow, 1: quick}, patience=30.0) == []  # not yet
+        os.utime(pending, (time.time() - 31, time.time() - 31))
+        assert grid._stop_the_slow(str(tmp_path), {0: slow, 1: quick}, patience=30.0) == [0]
+        assert slow.poll() is not None and quick.poll() is None and not pending.exists()
+    finally:
+        for proc in (slow, quick):
+            proc.kill()
+            proc.wait()
+    (found,) = grid.read_rows([str(tmp_path)])  # a failure of the kernel, not of the machine: never rerun
+    assert found["error"].startswith("did not finish within 30 s") and not found["passed"] and found["seconds"] >= 30
+
+
 def test_correctness_grid_units_start_with_the_costliest_rows():
     grid = _benchmark("correctness_grid")
     units = grid.units()
@@ -144,6 +189,15 @@ def test_new_packing_host_stages_run_without_a_gpu(tmp_path):
     stages = json.loads((tmp_path / "stages.json").read_text())["stages"]
     assert set(stages) == {"recall", "problem at the new sizes", "select_packed", "packed_runner", "self_check.needed",
                            "remember"} and all(len(t) == 1 for t in stages.values())  # fmt: skip
+
+
+@pytest.mark.parametrize("timeout, status", [(120, "passed"), (1, "killed at 1 s")])
+def test_flex_hooks_probe_smoke(tmp_path, timeout, status):
+    """Each hook in its own process (row 0: flex inference, which runs on the CPU); one past the timeout is killed."""
+    _run("benchmarks/flex_hooks_probe.py", "--ids", "0", "--timeout", str(timeout), "--out", str(tmp_path / "p"))
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [r["hook"] for r in rows] == ["detached", "as themselves", "Tensor.detach", "none"]
+    assert all(r["status"].startswith(status) for r in rows), rows
 
 
 def test_calibrate_smoke(tmp_path):
