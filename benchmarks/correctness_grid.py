@@ -26,7 +26,8 @@ since drawn a refusal from (flex's missing template for grouped heads) runs agai
 ran its repeat 0; each appends to its own file; a rerun skips what the files hold (resumable), a worker that dies
 (a CUDA error spoils its context) is restarted, resumes its claims and skips the result it died on. ``--deadline``
 stops cleanly. With ``--patience S`` a result that runs past S seconds (a compile that does not finish) is stopped
-and recorded as a failure that says so, and its worker goes on in a new process. ``--report`` turns the rows into
+and recorded as stopped (not passed, yet no kernel failure in the package data), and its worker goes on in a new
+process. ``--report`` turns the rows into
 ``results/<name>.md`` and the package data attnselect reads (``src/attnselect/data/correctness_<arch>.json``).
 
     python benchmarks/correctness_grid.py --out DIR [--workers 12] [--deadline 500] [--only-young] [--patience S]
@@ -44,6 +45,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -371,7 +373,8 @@ def worker(index: int, directory: str, deadline: float, only_young: bool, ids=No
                 repeat=repeat,
                 pid=os.getpid(),
             )
-            json.dump(record, open(pending, "w"))
+            with open(pending, "w") as f:
+                json.dump({**record, "started": start}, f)  # when it started: --patience (_stop_the_slow)
             try:
                 found = judge_candidate(problem, c, q, k, v, packing)
             except self_check.ReferenceFailed as exc:
@@ -411,28 +414,52 @@ OVERTIME = 45.0
 
 def _stop_the_slow(directory: str, running: dict, patience: float | None) -> list[int]:
     """Kill each worker whose current result has run past ``patience`` seconds (a compile that does not finish: flex
-    at row 17 ran past 240 s in each of four fresh processes, results/h200_flex_hooks_probe.md) and record that as
-    the result, a failure: a first call that stalls for minutes is no kernel to choose. Returns the workers killed."""
+    at row 17 ran past 225 s in fresh processes, results/h200_correctness_grid.md) and record that as its result,
+    neither a pass nor a kernel failure (``stopped_after_s``: the time depends on what else shares the machine).
+    Returns the workers killed."""
     stopped = []
     for i, proc in running.items():
         pending = os.path.join(directory, f"pending-{i}.json")
         try:
-            age = time.time() - os.path.getmtime(pending)
             r = json.load(open(pending))
         except (FileNotFoundError, ValueError):
             continue
-        if patience is None or age <= patience:
+        # A dead process's pending file is its next process's finding (worker()); it has no start time: older runs.
+        if patience is None or r.get("pid") != proc.pid or time.time() - r.get("started", time.time()) <= patience:
             continue
-        proc.kill()
-        proc.wait()
+        _kill(proc)
+        try:
+            still = json.load(open(pending))
+        except (FileNotFoundError, ValueError):
+            still = None
+        stopped.append(i)
+        if still != r:  # it finished that result before it was killed: its own record stands
+            continue
+        age = time.time() - r.pop("started")
         r.update(ran=False, error=f"did not finish within {patience:.0f} s (compile and run); stopped", passed=False,
-                 seconds=round(age, 1))  # fmt: skip
+                 seconds=round(age, 1), stopped_after_s=patience)  # fmt: skip
         with open(os.path.join(directory, f"rows-{i}.jsonl"), "a") as sink:
             sink.write(json.dumps(r) + "\n")
-        os.remove(pending)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(pending)
         print(f"worker {i}: row {r['row']['id']} {r['backend']} pad {r['pad_to']} r{r['repeat']} {r['error']}")
-        stopped.append(i)
     return stopped
+
+
+def _kill(proc) -> None:
+    """Kill a worker and the processes it started (inductor's compile workers, with TORCHINDUCTOR_COMPILE_THREADS
+    above 1): each worker leads its own process group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _worker_command(i: int, directory: str, deadline: float, only_young: bool, ids: str | None) -> list[str]:
+    return (
+        [sys.executable, __file__, "--worker", str(i), "--out", directory, "--deadline-at", str(deadline)]
+        + (["--only-young"] if only_young else [])
+        + (["--ids", ids] if ids else [])
+    )
 
 
 def run_workers(
@@ -448,16 +475,20 @@ def run_workers(
     # One compile thread a worker unless the caller sets more (a few workers on few rows: flex's compiles at rows
     # 10, 16 and 17 ran past 155 s in one thread).
     env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
-    args = lambda i: [sys.executable, __file__, "--worker", str(i), "--out", directory,
-                      "--deadline-at", str(deadline)] + (["--only-young"] if only_young else []) + (
-                      ["--ids", ids] if ids else [])  # noqa: E731 # fmt: skip
+
+    def start(i: int):
+        command = _worker_command(i, directory, deadline, only_young, ids)
+        return subprocess.Popen(command, env=env, start_new_session=True)  # a group of its own: _kill
+
     if workers == 1:
         print("one worker: the young kernels' repeats need a second process and are not run", flush=True)
-    running = {i: subprocess.Popen(args(i), env=env) for i in range(workers)}
+    running = {i: start(i) for i in range(workers)}
     while running:
         time.sleep(1)
         for i in _stop_the_slow(directory, running, patience):
-            running[i] = subprocess.Popen(args(i), env=env)  # it resumes its claim at the next result
+            del running[i]
+            if time.time() < deadline - 20:
+                running[i] = start(i)  # it resumes its claim at the next result
         for i, proc in list(running.items()):
             code = proc.poll()
             if code is None:
@@ -465,11 +496,10 @@ def run_workers(
             del running[i]
             if code != 0 and time.time() < deadline - 20:
                 print(f"worker {i} exited with {code}; restarting it", flush=True)
-                running[i] = subprocess.Popen(args(i), env=env)
+                running[i] = start(i)
         if running and time.time() > deadline + OVERTIME:  # inside a long compile: stopped, its result left for a rerun
             for i, proc in running.items():
-                proc.kill()
-                proc.wait()
+                _kill(proc)
                 pending = os.path.join(directory, f"pending-{i}.json")
                 running_then = "between results"
                 with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
@@ -545,7 +575,7 @@ def summary(
         problem = AttentionProblem.from_dict(r["problem"])
         sig = json.dumps([r["backend"], r["pad_to"], list(problem.signature)])  # today's signature of the row
         by_signature[sig] = by_signature.get(sig, True) and r["passed"]
-        if r["backend"] in YOUNG:
+        if r["backend"] in YOUNG and "stopped_after_s" not in r:  # stopped at --patience: neither pass nor failure
             kernel = problem.padded(r["pad_to"]) if r["pad_to"] else problem
             count(r["backend"], kernel, r["passed"], _finding(r), f"row {r['row']['id']}")
     if earlier:

@@ -1,6 +1,6 @@
 """Does the self-check's saved-tensor hook change flex's training compile? Grid rows judged as the correctness grid
-judges them (benchmarks/correctness_grid.py judge_candidate, flex unpadded), with the self-check's rerun under
-three pack hooks, each (row, hook) in a fresh process:
+judges them (benchmarks/correctness_grid.py judge_candidate, flex unpadded, or ``--backend``), with the self-check's
+rerun under four pack hooks, each (row, hook) in a fresh process, which counts the tensors its hook packed:
 
 - ``detached``: the library's (attnselect.self_check.judge packs saved tensors detached);
 - ``as themselves``: the hook before d486533 (``lambda t: t``), which kept graphs alive;
@@ -10,7 +10,7 @@ three pack hooks, each (row, hook) in a fresh process:
     python benchmarks/flex_hooks_probe.py --ids 17,11,4 --timeout 300 --out results/h200_flex_hooks_probe
 
 A process that runs past ``--timeout`` is killed (with inductor's compile workers); its row says the stage it had
-reached.
+reached. Each process writes to its own files (a full pipe would stall it).
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 HOOKS = ("detached", "as themselves", "Tensor.detach", "none")
 
 
-def child(row_id: int, hook: str) -> None:
+def child(row_id: int, hook: str, backend: str) -> None:
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,22 +39,36 @@ def child(row_id: int, hook: str) -> None:
     os.environ["ATTNSELECT_SELF_CHECK"] = "0"
     from attnselect.spec.options import Candidate
 
-    real = torch.autograd.graph.saved_tensors_hooks
-    if hook == "as themselves":
-        torch.autograd.graph.saved_tensors_hooks = lambda pack, unpack: real(lambda t: t, lambda t: t)
-    elif hook == "Tensor.detach":
-        torch.autograd.graph.saved_tensors_hooks = lambda pack, unpack: real(torch.Tensor.detach, lambda t: t)
-    elif hook == "none":
-        torch.autograd.graph.saved_tensors_hooks = lambda pack, unpack: contextlib.nullcontext()
+    real, packed = torch.autograd.graph.saved_tensors_hooks, [0]
+
+    def counted(pack):
+        def counting(t):
+            packed[0] += 1
+            return pack(t)
+
+        return counting
+
+    variants = {
+        "detached": lambda pack, unpack: real(counted(pack), unpack),  # the library's own hook, counted
+        "as themselves": lambda pack, unpack: real(counted(lambda t: t), lambda t: t),
+        "Tensor.detach": lambda pack, unpack: real(counted(torch.Tensor.detach), lambda t: t),
+        "none": lambda pack, unpack: contextlib.nullcontext(),
+    }
+    torch.autograd.graph.saved_tensors_hooks = variants[hook]  # self_check.judge looks it up when it runs
     row = next(r for r in grid.rows() if r["id"] == row_id)
     problem, q, k, v, packing = grid.build(row, "cuda" if torch.cuda.is_available() else "cpu")
     print(json.dumps({"stage": "compiling and judging", "at": time.time()}), flush=True)
     started = time.perf_counter()
-    found = grid.judge_candidate(problem, Candidate("flex"), q, k, v, packing)
+    found = grid.judge_candidate(problem, Candidate(backend), q, k, v, packing)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     status = "passed" if found["passed"] else (found["error"] or f"wrong: {found.get('failures')}")
-    print(json.dumps({"status": status, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+    print(json.dumps({"status": status, "seconds": round(time.perf_counter() - started, 1), "packed": packed[0]}),
+          flush=True)  # fmt: skip
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.startswith("{")] if path.exists() else []
 
 
 def main() -> None:
@@ -61,10 +76,11 @@ def main() -> None:
     ap.add_argument("--ids", default="17,11,4")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--backend", default="flex", help="the candidate judged, unpadded")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(int(a.child[0]), a.child[1])
+        child(int(a.child[0]), a.child[1], a.backend)
         return
     import torch
 
@@ -75,52 +91,58 @@ def main() -> None:
 
     ids = [int(i) for i in a.ids.split(",")]
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "1"))
+    logs = Path(tempfile.mkdtemp(prefix="flex_hooks_probe_"))
     started = time.time()
-    procs = {
-        (i, hook): subprocess.Popen(
-            [sys.executable, __file__, "--out", a.out, "--child", str(i), hook],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        for i in ids
-        for hook in HOOKS
-    }
+    procs = {}
+    for i in ids:
+        for hook in HOOKS:
+            name = f"{i}-{hook.replace(' ', '_')}"
+            with open(logs / f"{name}.out", "w") as out, open(logs / f"{name}.err", "w") as err:
+                command = [sys.executable, __file__, "--out", a.out, "--backend", a.backend, "--child", str(i), hook]
+                procs[i, hook] = (
+                    name,
+                    subprocess.Popen(command, stdout=out, stderr=err, env=env, start_new_session=True),
+                )
     rows = []
-    for (i, hook), proc in procs.items():
+    for (i, hook), (name, proc) in procs.items():
         try:
-            stdout, stderr = proc.communicate(timeout=max(1.0, started + a.timeout - time.time()))
-            lines = [json.loads(x) for x in stdout.strip().splitlines() if x.startswith("{")]
-            result = lines[-1] if lines and "status" in lines[-1] else {"status": f"died: {stderr[-300:]}"}
+            proc.wait(timeout=max(0.0, started + a.timeout - time.time()))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # inductor's compile workers too: they hold the pipes open
-            stdout, _ = proc.communicate()
-            lines = [json.loads(x) for x in stdout.strip().splitlines() if x.startswith("{")]
-            stages = [x for x in lines if "stage" in x]
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # inductor's compile workers too
+            proc.wait()
+        lines = _lines(logs / f"{name}.out")
+        results = [x for x in lines if "status" in x]
+        stages = [x for x in lines if "stage" in x]
+        if results:  # it finished, whether or not the timeout came before its exit
+            result = results[-1]
+        elif proc.returncode == -signal.SIGKILL:
             stage = stages[-1] if stages else {"stage": "starting", "at": started}
             result = {"status": f"killed at {a.timeout:.0f} s while {stage['stage']}",
                       "seconds": round(time.time() - stage["at"], 1)}  # fmt: skip
+        else:
+            result = {"status": f"died: {(logs / f'{name}.err').read_text()[-300:]}"}
         row = next(r for r in grid.rows() if r["id"] == i)
         rows.append({"row": row, "hook": hook, **result})
         print(json.dumps(rows[-1]), flush=True)
     meta = {"device": attnselect.Target.current().describe(), "torch": torch.__version__, "date": time.strftime("%F"),
-            "processes_at_once": len(procs), "compile_threads": env["TORCHINDUCTOR_COMPILE_THREADS"]}  # fmt: skip
+            "processes_at_once": len(procs), "compile_threads": env["TORCHINDUCTOR_COMPILE_THREADS"],
+            "backend": a.backend}  # fmt: skip
     Path(a.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
-        "# flex training in the self-check's rerun, by saved-tensor hook\n",
+        f"# {a.backend} training in the self-check's rerun, by saved-tensor hook\n",
         f"{meta['device']}, {meta['date']}. Produced by `benchmarks/flex_hooks_probe.py`: each (row, hook) in a fresh "
-        f"process, {len(procs)} at once, TORCHINDUCTOR_COMPILE_THREADS={meta['compile_threads']}; flex unpadded, "
-        "judged as the correctness grid judges it; seconds include the compile.\n",
-        "| row | pair | gqa | layout | mask | dtype | size | hook | status | seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"process, {len(procs)} at once, TORCHINDUCTOR_COMPILE_THREADS={meta['compile_threads']}; {a.backend} "
+        "unpadded, "
+        "judged as the correctness grid judges it; seconds include the compile; packed: the tensors the hook packed.\n",
+        "| row | pair | gqa | layout | mask | dtype | size | hook | status | seconds | packed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         w = r["row"]
         lines.append(
             f"| {w['id']} | {w['pair'][0]}/{w['pair'][1]} | {w['gqa']} | {w['layout']} | {w['mask']} | {w['dtype']} "
-            f"| {w['size']} | {r['hook']} | {r['status'][:160]} | {r.get('seconds', '')} |"
+            f"| {w['size']} | {r['hook']} | {r['status'][:160]} | {r.get('seconds', '')} | {r.get('packed', '')} |"
         )
     Path(a.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

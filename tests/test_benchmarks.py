@@ -149,23 +149,56 @@ def test_correctness_grid_repeats_a_first_result_the_rules_now_refuse(tmp_path, 
     assert [(r["backend"], r["pad_to"], r["repeat"]) for r in ran] == [("flex", None, 1)] and ran[0]["passed"]
 
 
-def test_correctness_grid_records_a_result_past_its_patience_as_not_finishing(tmp_path):
+def _pending(path, proc, started, row):
+    grid = _benchmark("correctness_grid")
+    record = dict(row_key=grid.row_key(row), row=row, backend="flex", pad_to=None, repeat=0, pid=proc.pid)
+    path.write_text(json.dumps({**record, "started": started}))
+
+
+def test_correctness_grid_stops_a_result_past_its_patience_and_nothing_else(tmp_path):
     grid = _benchmark("correctness_grid")
     row = grid.rows()[0]
-    pending = tmp_path / "pending-0.json"
-    pending.write_text(json.dumps(dict(row_key=grid.row_key(row), row=row, backend="flex", pad_to=None, repeat=0)))
-    slow, quick = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2))
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    slow, quick, reborn = (subprocess.Popen(sleep, start_new_session=True) for _ in range(3))
     try:
-        assert grid._stop_the_slow(str(tmp_path), {0: slow, 1: quick}, patience=30.0) == []  # not yet
-        os.utime(pending, (time.time() - 31, time.time() - 31))
-        assert grid._stop_the_slow(str(tmp_path), {0: slow, 1: quick}, patience=30.0) == [0]
-        assert slow.poll() is not None and quick.poll() is None and not pending.exists()
+        _pending(tmp_path / "pending-0.json", slow, time.time() - 31, row)
+        _pending(tmp_path / "pending-1.json", quick, time.time() - 5, row)
+        _pending(tmp_path / "pending-2.json", slow, time.time() - 31, row)  # a dead process's: not this one's
+        assert grid._stop_the_slow(str(tmp_path), {0: slow, 1: quick, 2: reborn}, patience=30.0) == [0]
+        assert slow.poll() is not None and quick.poll() is None and reborn.poll() is None
+        assert not (tmp_path / "pending-0.json").exists() and (tmp_path / "pending-2.json").exists()
     finally:
-        for proc in (slow, quick):
+        for proc in (slow, quick, reborn):
             proc.kill()
             proc.wait()
-    (found,) = grid.read_rows([str(tmp_path)])  # a failure of the kernel, not of the machine: never rerun
+    (found,) = grid.read_rows([str(tmp_path)])  # recorded, never rerun: not a failure of the machine
     assert found["error"].startswith("did not finish within 30 s") and not found["passed"] and found["seconds"] >= 30
+    assert found["stopped_after_s"] == 30.0 and "started" not in found
+
+
+def test_correctness_grid_workers_past_their_patience_are_restarted_and_resume(tmp_path, monkeypatch, capsys):
+    """run_workers kills a worker stuck on a result, records it, and starts the worker again: the stand-in worker
+    records what it has not yet recorded, and sleeps on its first result."""
+    grid = _benchmark("correctness_grid")
+    row = grid.rows()[0]
+    stand_in = f"""
+import json, os, sys, time
+rows, pending = {str(tmp_path)!r} + '/rows-0.jsonl', {str(tmp_path)!r} + '/pending-0.json'
+if os.path.exists(rows):  # the second process: the next result, at once
+    open(rows, 'a').write(json.dumps(dict(row_key='next', row={row!r}, backend='flex', pad_to=None, repeat=0,
+                                          passed=True, error=None)) + chr(10))
+    sys.exit(0)
+json.dump(dict(row_key='stuck', row={row!r}, backend='flex', pad_to=None, repeat=0, pid=os.getpid(),
+               started=time.time()), open(pending, 'w'))
+time.sleep(60)
+"""
+    monkeypatch.setattr(grid, "_worker_command", lambda *args: [sys.executable, "-c", stand_in])
+    started = time.time()
+    grid.run_workers(str(tmp_path), 1, time.time() + 30, only_young=False, patience=2.0)
+    assert time.time() - started < 25  # not the stand-in's 60 s sleep, nor the deadline
+    found = {r["row_key"]: r for r in grid.read_rows([str(tmp_path)])}
+    assert found["stuck"]["stopped_after_s"] == 2.0 and found["next"]["passed"]
+    assert "did not finish within 2 s" in capsys.readouterr().out
 
 
 def test_correctness_grid_units_start_with_the_costliest_rows():
@@ -193,11 +226,15 @@ def test_new_packing_host_stages_run_without_a_gpu(tmp_path):
 
 @pytest.mark.parametrize("timeout, status", [(120, "passed"), (1, "killed at 1 s")])
 def test_flex_hooks_probe_smoke(tmp_path, timeout, status):
-    """Each hook in its own process (row 0: flex inference, which runs on the CPU); one past the timeout is killed."""
-    _run("benchmarks/flex_hooks_probe.py", "--ids", "0", "--timeout", str(timeout), "--out", str(tmp_path / "p"))
+    """Each hook in its own process, counting what it packs (row 15, training, on the reference backend: flex has no
+    CPU backward); one past the timeout is killed."""
+    _run("benchmarks/flex_hooks_probe.py", "--ids", "15", "--backend", "reference", "--timeout", str(timeout),
+         "--out", str(tmp_path / "p"))  # fmt: skip
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
     assert [r["hook"] for r in rows] == ["detached", "as themselves", "Tensor.detach", "none"]
     assert all(r["status"].startswith(status) for r in rows), rows
+    if status == "passed":  # each hook took the rerun's saved tensors, and without one nothing was packed
+        assert [r["packed"] > 0 for r in rows] == [True, True, True, False]
 
 
 def test_calibrate_smoke(tmp_path):
@@ -291,6 +328,23 @@ def test_the_grid_summary_ships_the_sweeps_kernel_failures_and_keeps_those_shipp
     shipped = dict(data, failed=[["varlen_fa2", None, sig, "raised in s.jsonl: c: earlier"]])
     assert grid.summary([], meta, shipped=shipped)["failed"] == shipped["failed"]  # a later sweep chose another
     assert grid.summary([], dict(meta, packages={"flex": "2"}), shipped=shipped)["failed"] == []  # other versions
+
+
+def test_the_grid_summary_counts_a_result_stopped_at_its_patience_neither_as_a_pass_nor_as_a_kernel_failure():
+    """How long a compile runs depends on what shares the machine: a result stopped at --patience refuses no kernel
+    key, and its signature is not covered (the self-check checks it)."""
+    grid = _benchmark("correctness_grid")
+    meta = {"device": "d", "arch": "sm90", "date": "x", "fingerprint": {"torch": "1"}, "packages": {"flex": None}}
+    row = grid.rows()[0]
+    problem, *_ = grid.build(row, "cpu")
+    base = dict(row_key=grid.row_key(row), row=row, problem=problem.to_dict(), backend="flex", pad_to=None)
+    passed = dict(base, repeat=1, passed=True, error=None, judgement={"errors": {}, "bounds": {}}, failures=[])
+    stopped = dict(base, repeat=0, passed=False, error="did not finish within 9 s", stopped_after_s=9.0)
+    data = grid.summary([passed, stopped], meta)
+    assert [entry for entry in data["kernels"]["flex"].values()] == [
+        {"passed": 1, "failed": 0, "by_grouping": {"MHA": {"passed": 1, "failed": 0}}}
+    ]
+    assert data["covered"] == [] and grid.summary([passed], meta)["covered"] != []
 
 
 def test_training_loop_packings_fill_every_step_and_repeat_by_seed():
