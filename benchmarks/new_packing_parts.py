@@ -31,6 +31,7 @@ import argparse
 import importlib
 import inspect
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -121,6 +122,52 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False) -> dict:
     return per_stage
 
 
+def compare(a) -> None:
+    """--host-stages for two checkouts (``--compare BEFORE AFTER``: their src folders), alternated process by process,
+    with and without FA4; writes ``--out``.json (every round) and .md (median and fastest round per stage)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    runs = {}
+    for fa4 in (False, True):
+        for _ in range(a.repeats):
+            for side, src in zip(("before", "after"), a.compare):
+                out = Path(tempfile.mkdtemp()) / "stages"
+                subprocess.run([sys.executable, __file__, "--host-stages", a.host_stages, "--calls", str(a.calls),
+                                "--rounds", str(a.rounds), "--out", str(out), *(["--fa4"] if fa4 else [])],
+                               env={**os.environ, "PYTHONPATH": src}, check=True, capture_output=True)  # fmt: skip
+                stages = json.loads(out.with_suffix(".json").read_text())["stages"]
+                for stage, t in stages.items():
+                    runs.setdefault(str(fa4), {}).setdefault(side, {}).setdefault(stage, []).extend(t)
+    commits = [subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip() or src for src in a.compare]  # fmt: skip
+    report = {"target": a.host_stages, "calls_per_round": a.calls, "rounds": a.rounds, "repeats": a.repeats,
+              "before": a.compare[0], "after": a.compare[1], "commits": commits, "date": time.strftime("%F"),
+              "host": f"{os.cpu_count()} cores, torch {torch.__version__}", "runs": runs}  # fmt: skip
+    lines = [f"# A new packing's host stages on the {a.host_stages} target, timed on this host: before and after\n",
+             f"`benchmarks/new_packing_parts.py --host-stages {a.host_stages} --compare BEFORE AFTER`, "
+             f"{report['date']}, "
+             f"{report['host']}: attention()'s sibling branch replayed on meta tensors, its kernel run left out; each "
+             f"side's src folder in turn, {a.repeats} processes a side, {a.rounds} rounds of {a.calls} calls each. "
+             f"Median microseconds a call over the rounds (fastest round). Before: {commits[0]}; after: {commits[1]} "
+             "(and any change in its working tree)."]  # fmt: skip
+    for fa4, sides in runs.items():
+        lines += ["", f"## {'cuDNN frontend and FlashAttention-4' if fa4 == 'True' else 'cuDNN frontend'} installed",
+                  "", "| stage | before | after |", "|---|---|---|"]  # fmt: skip
+        for stage in sides["before"]:
+            b, f = sides["before"][stage], sides["after"][stage]
+            lines.append(f"| {stage} | {statistics.median(b):.1f} ({min(b):.1f}) | {statistics.median(f):.1f} "
+                         f"({min(f):.1f}) |")  # fmt: skip
+        whole = {side: [sum(ts) for ts in zip(*sides[side].values())] for side in sides}
+        lines.append(f"| all but the run | {statistics.median(whole['before']):.1f} ({min(whole['before']):.1f}) | "
+                     f"{statistics.median(whole['after']):.1f} ({min(whole['after']):.1f}) |")  # fmt: skip
+    print("\n".join(lines))
+    if a.out:
+        Path(a.out + ".json").write_text(json.dumps(report, indent=1))
+        Path(a.out + ".md").write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=150)
@@ -129,7 +176,17 @@ def main() -> None:
     ap.add_argument("--host-stages", metavar="TARGET", help="the host stages alone for a preset target (h200), on meta "
                     "tensors: no GPU needed, no kernel run")  # fmt: skip
     ap.add_argument("--fa4", action="store_true", help="with --host-stages: FlashAttention-4 installed on the target")
+    ap.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("BEFORE", "AFTER"),
+        help="with --host-stages: two checkouts' "
+        "src folders, each timed in turn in its own processes (--repeats each, with FA4 and without)",
+    )
+    ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
+    if a.host_stages and a.compare:
+        return compare(a)
     if a.host_stages:
         stages = host_stages(a.host_stages, a.calls, a.rounds, a.fa4)
         for stage, t in stages.items():

@@ -237,6 +237,15 @@ def test_flex_hooks_probe_smoke(tmp_path, timeout, status):
         assert [r["packed"] > 0 for r in rows] == [True, True, True, False]
 
 
+def test_new_packing_host_stages_compare_two_checkouts(tmp_path):
+    src = str(ROOT / "src")
+    _run("benchmarks/new_packing_parts.py", "--host-stages", "h200", "--compare", src, src, "--calls", "3",
+         "--rounds", "1", "--repeats", "1", "--out", str(tmp_path / "cmp"))  # fmt: skip
+    runs = json.loads((tmp_path / "cmp.json").read_text())["runs"]
+    assert set(runs) == {"False", "True"} and all(set(sides) == {"before", "after"} for sides in runs.values())
+    assert (tmp_path / "cmp.md").read_text().count("| remember |") == 2
+
+
 def test_calibrate_smoke(tmp_path):
     for pair in ("64/64", "128/128"):
         _run("benchmarks/calibrate.py", "--quick", "--pairs", pair, "--out", str(tmp_path / pair.replace("/", "_")))

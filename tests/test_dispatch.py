@@ -295,6 +295,20 @@ def test_a_packed_call_known_but_for_its_packing_s_sizes_has_that_call_as_its_si
     assert dispatch.recall(*_packed(count=5)).sibling is None
 
 
+def test_a_new_packing_shares_its_sibling_s_guard_and_is_told_apart_by_its_boundaries_count():
+    first = dispatch.recall(*_packed(count=2, longest=7))
+    first.remember(two := KnownCall(None, None, None, None, False, "two"))
+    again = dispatch.recall(*_packed(count=5, longest=7))  # the same longest sequence, more of them
+    assert type(again) is Unknown and again.sibling is two
+    again.remember(five := KnownCall(None, None, None, None, False, "five"))
+    assert dispatch._CALLS[again.key].guard is dispatch._CALLS[first.key].guard  # not built again
+    assert dispatch.recall(*_packed(count=2, longest=7)) is two  # both recent: the count tells them apart
+    assert dispatch.recall(*_packed(count=5, longest=7)) is five
+    assert type(dispatch.recall(*_packed(count=3, longest=7))) is Unknown
+    q, k, v, options = _packed(count=5, longest=7)
+    assert type(dispatch.recall(q.half(), k, v, options)) is Unknown  # the shared guard still checks the rest
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"causal": "bottom_right"}, {"causal": False, "window": (5, 3)}, {"causal": True, "window": (4, 0)},

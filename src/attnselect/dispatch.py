@@ -9,7 +9,8 @@ capture. A change to the backend registry clears the memo (:func:`attnselect.bac
 - the recent calls (``RECENT``, newest first): one tuple of the options and the global state compared by value,
   one C++ check of the tensors (torch's ``TensorGuards``, what torch.compile's guards run on every call of a
   compiled function; it also sees inference mode and autocast for the tensors' device, through their dispatch keys),
-  the offsets and, for a call on CUDA tensors, the capture state;
+  the offsets and, for a call on CUDA tensors, the capture state. A packed call's boundary count is in the tuple and
+  its guard leaves the boundaries' length free, so a new packing reuses its sibling's guard;
 - every call decided before (``MEMO_SIZE``), by a hashable key of the same values; a hit there becomes recent.
 
 Calls the key cannot describe are not known and take the slow path, which validates them: values that compare
@@ -77,14 +78,17 @@ class Unknown(NamedTuple):
     generation: int  # caches.generation() when the call was looked up
     sibling_key: tuple | None = None
     sibling: KnownCall | None = None
+    sibling_guard: object = None  # the sibling's TensorGuards, which serve this call too (its boundaries' length free)
+    boundaries: int = -1  # where the packing's boundaries are in ``tensors`` (a packed call's)
 
     def remember(self, known: KnownCall) -> None:
-        guard = None
-        if TensorGuards is not None:
+        guard = self.sibling_guard
+        if TensorGuards is not None and (guard is None or not guard.check(*self.tensors)):
+            # A packed call's boundaries' length is in its state, not its guard: a new packing shares its sibling's
+            # guard (built in 13 us on the development VM's CPU, checked in under 1 us).
+            sizes = [list(t.shape) if i != self.boundaries else [None] for i, t in enumerate(self.tensors)]
             guard = TensorGuards(
-                *self.tensors,
-                dynamic_dims_sizes=[list(t.shape) for t in self.tensors],
-                dynamic_dims_strides=[list(t.stride()) for t in self.tensors],
+                *self.tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=[list(t.stride()) for t in self.tensors]
             )
         entry = _Entry(self.state, guard, self.key[-1], self.capturing, known)
         _CALLS[self.key] = entry
@@ -92,7 +96,7 @@ class Unknown(NamedTuple):
             _CALLS.popitem(last=False)
         if self.sibling_key is not None:
             _SIBLINGS.pop(self.sibling_key, None)  # then set: the newest last (no second lookup a clear could fail)
-            _SIBLINGS[self.sibling_key] = known
+            _SIBLINGS[self.sibling_key] = entry
             if len(_SIBLINGS) > MEMO_SIZE:
                 _SIBLINGS.popitem(last=False)
         _make_recent(entry)
@@ -106,7 +110,7 @@ class Unknown(NamedTuple):
 _CALLS: OrderedDict[tuple, _Entry] = OrderedDict()
 _RECENT: list[_Entry] = []
 # Packed calls by their key without their packing's sizes: the last one decided (Unknown.sibling).
-_SIBLINGS: OrderedDict[tuple, KnownCall] = OrderedDict()
+_SIBLINGS: OrderedDict[tuple, _Entry] = OrderedDict()
 
 
 def _clear() -> None:
@@ -171,6 +175,7 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
     ) = options  # fmt: skip
     if cu_q_padded is not None or cu_kv_padded is not None:
         return None
+    count = None  # the packing's boundaries, a packed call's: in the state, so that its guard can leave them free
     if layout == "thd":
         if not (
             type(max_q) is int
@@ -181,6 +186,7 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
             and not cu_q.is_nested
         ):
             return None
+        count = cu_q.shape
     elif cu_q is not None or cu_kv is not None:
         return None
     if not (
@@ -202,11 +208,12 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
         # TensorGuards' check fails for a tensor passed twice: an aliased q, k or v is guarded once, its pattern kept
         aliases = None if k is not q and v is not q and v is not k else (k is q, v is q, v is k)
         state = (
-            layout, causal, window, scale, dropout_p, max_q, max_kv, return_lse, softcap, return_max_logit, backend,
-            pad, disable, sinks is None, aliases, _grad(), _deterministic(), _function_mode(),
+            layout, causal, window, scale, dropout_p, max_q, max_kv, count, return_lse, softcap, return_max_logit,
+            backend, pad, disable, sinks is None, aliases, _grad(), _deterministic(), _function_mode(),
             _no_environment() or _environment(), _scope(),
         )  # fmt: skip
         tensors = (q, k, v) if aliases is None else tuple({id(t): t for t in (q, k, v)}.values())
+        boundaries = len(tensors)  # where cu_q goes
         if cu_q is not None:
             tensors += (cu_q,) if sinks is None else (cu_q, sinks)
         elif sinks is not None:
@@ -232,8 +239,12 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
         if cu_q is None:
             return Unknown(state, tensors, capturing, key, generation())
         # the key without the sizes of the packing: max_seqlen_q/_kv in the state, the boundaries' length
-        sibling_key = (state[:5] + state[7:], *key[1:4], tuple(t.shape if t is not cu_q else None for t in tensors),
+        sibling_key = (state[:5] + state[8:], *key[1:4], tuple(t.shape if t is not cu_q else None for t in tensors),
                        *key[5:])  # fmt: skip
-        return Unknown(state, tensors, capturing, key, generation(), sibling_key, _SIBLINGS.get(sibling_key))
+        sibling = _SIBLINGS.get(sibling_key)
+        if sibling is None:
+            return Unknown(state, tensors, capturing, key, generation(), sibling_key, boundaries=boundaries)
+        return Unknown(state, tensors, capturing, key, generation(), sibling_key, sibling.known, sibling.guard,
+                       boundaries)  # fmt: skip
     _make_recent(entry)
     return entry.known
