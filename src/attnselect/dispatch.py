@@ -213,7 +213,6 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
             _no_environment() or _environment(), _scope(),
         )  # fmt: skip
         tensors = (q, k, v) if aliases is None else tuple({id(t): t for t in (q, k, v)}.values())
-        boundaries = len(tensors)  # where cu_q goes
         if cu_q is not None:
             tensors += (cu_q,) if sinks is None else (cu_q, sinks)
         elif sinks is not None:
@@ -242,9 +241,8 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
         sibling_key = (state[:5] + state[8:], *key[1:4], tuple(t.shape if t is not cu_q else None for t in tensors),
                        *key[5:])  # fmt: skip
         sibling = _SIBLINGS.get(sibling_key)
-        if sibling is None:
-            return Unknown(state, tensors, capturing, key, generation(), sibling_key, boundaries=boundaries)
-        return Unknown(state, tensors, capturing, key, generation(), sibling_key, sibling.known, sibling.guard,
-                       boundaries)  # fmt: skip
+        boundaries = next(i for i, t in enumerate(tensors) if t is cu_q)
+        return Unknown(state, tensors, capturing, key, generation(), sibling_key,
+                       sibling.known if sibling else None, sibling.guard if sibling else None, boundaries)  # fmt: skip
     _make_recent(entry)
     return entry.known
