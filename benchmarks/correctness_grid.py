@@ -540,7 +540,13 @@ def _transient(error: str) -> bool:
 EARLIER = "results/h200_rules_grid.jsonl"  # the rules grid of 2026-12-01 (same stack): its young kernels' rows too
 # The peer sweeps on the same stack (benchmarks/peer_sweep.py): a chosen candidate that was wrong or raised there is
 # refused at that problem signature, as a failure the self-check or a crash recorded would be (choose.failures).
-SWEEPS = ("results/h200_peer_sweep.jsonl", "results/h200_peer_sweep_fa4.jsonl")
+SWEEPS = (
+    "results/h200_peer_sweep.jsonl",
+    "results/h200_peer_sweep_fa4.jsonl",
+    "results/h200_peer_sweep_55b3671.jsonl",
+    "results/h200_peer_sweep_55b3671_fa4.jsonl",
+    "results/h200_peer_sweep_without_frontend.jsonl",
+)
 
 
 def summary(
@@ -562,14 +568,22 @@ def summary(
 
     kernels: dict = {}
     by_signature: dict = {}
+    longest_passed: dict = {}  # (backend, allowlist key, head dims and phase) -> its passing rows' longest sequence
+    failed_at: dict = {}  # (backend, head dims and phase) -> [(longest sequence, finding)] of the failing rows
 
     def count(backend, problem, passed, finding, source):
-        entry = kernels.setdefault(backend, {}).setdefault(kernel_key(problem), {"passed": 0, "failed": 0})
+        key = kernel_key(problem)
+        entry = kernels.setdefault(backend, {}).setdefault(key, {"passed": 0, "failed": 0})
         entry["passed" if passed else "failed"] += 1
         own = entry.setdefault("by_grouping", {}).setdefault(grouping(problem), {"passed": 0, "failed": 0})
         own["passed" if passed else "failed"] += 1
-        if not passed:
+        longest = max(problem.seqlen_q, problem.seqlen_kv)
+        if passed:
+            held = (backend, key, _dims_and_phase(problem))
+            longest_passed[held] = max(longest_passed.get(held, 0), longest)
+        else:
             entry.setdefault("example", f"{source}: {finding}"[:240])
+            failed_at.setdefault((backend, _dims_and_phase(problem)), []).append((longest, f"{source}: {finding}"))
 
     for r in records:
         problem = AttentionProblem.from_dict(r["problem"])
@@ -595,6 +609,15 @@ def summary(
             del os.environ["ATTNSELECT_ALLOWLIST"]
         else:
             os.environ["ATTNSELECT_ALLOWLIST"] = saved
+    # A kernel's resources (an inductor template's shared memory, a launch's) grow with the sequence length its
+    # tiles take, whatever the layout: where rows of the same head dims and phase failed at longer sequences than
+    # any row of a key passed, the key is served only up to its passing rows' length (flex at dense 64/256
+    # inference passed at 77 tokens; thd at 333 and beyond ran out of shared memory, results/h200_correctness_grid.md).
+    for (backend, key, dims_and_phase), longest in longest_passed.items():
+        beyond = sorted(f for f in failed_at.get((backend, dims_and_phase), []) if f[0] > longest)
+        if beyond:
+            kernels[backend][key]["passed_up_to"] = longest
+            kernels[backend][key]["failed_beyond"] = f"{beyond[0][1]} ({beyond[0][0]} tokens)"[:240]
     covered = [json.loads(s) for s, ok in sorted(by_signature.items()) if ok]
     same = shipped and shipped.get("fingerprint") == meta["fingerprint"] and shipped.get("packages") == meta["packages"]
     kept = {json.dumps(f[:3]): f[3] for f in shipped.get("failed", [])} if same else {}
@@ -617,6 +640,11 @@ def summary(
         "covered": covered,
         "failed": [[*json.loads(key), finding] for key, finding in sorted({**kept, **failed}.items())],
     }
+
+
+def _dims_and_phase(problem) -> str:
+    """An allowlist key without its layout (attnselect.backends.evidence.kernel_key): '64/256 inference'."""
+    return f"{problem.head_dim_qk}/{problem.head_dim_v} {'training' if problem.training else 'inference'}"
 
 
 def _first_line(text: str) -> str:

@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+from attnselect.spec.problem import AttentionProblem
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -354,6 +356,31 @@ def test_the_grid_summary_counts_a_result_stopped_at_its_patience_neither_as_a_p
         {"passed": 1, "failed": 0, "by_grouping": {"MHA": {"passed": 1, "failed": 0}}}
     ]
     assert data["covered"] == [] and grid.summary([passed], meta)["covered"] != []
+
+
+def test_the_grid_summary_limits_a_key_to_the_length_it_passed_where_its_head_dims_failed_longer():
+    """flex passed dense 64/256 inference at 77 tokens and failed thd 64/256 inference at 333 (out of shared
+    memory): the dense key is served only up to 77 tokens; a key whose failures are shorter is not limited."""
+    grid = _benchmark("correctness_grid")
+    meta = {"device": "d", "arch": "sm90", "date": "x", "fingerprint": {"torch": "1"}, "packages": {"flex": None}}
+    row = grid.rows()[0]
+
+    def result(passed, seqlen, **changes):
+        problem = AttentionProblem(batch=1, seqlen_q=seqlen, seqlen_kv=seqlen, heads_q=2, heads_kv=2, head_dim_qk=64,
+                                   head_dim_v=256, **changes)  # fmt: skip
+        return dict(row_key="k", row=row, problem=problem.to_dict(), backend="flex", pad_to=None, repeat=0,
+                    passed=passed, error=None if passed else "out of resource", failures=[],
+                    judgement={"errors": {}, "bounds": {}})  # fmt: skip
+
+    thd = dict(layout="thd")
+    data = grid.summary([result(True, 77), result(True, 40, **thd), result(False, 333, **thd)], meta)
+    dense = data["kernels"]["flex"]["dense 64/256 inference"]
+    assert dense["passed_up_to"] == 77 and dense["failed_beyond"] == "row 0: out of resource (333 tokens)"
+    assert data["kernels"]["flex"]["thd 64/256 inference"]["passed_up_to"] == 40  # refused by its failure anyway
+    other_phase = grid.summary([result(True, 77), result(False, 333, training=True)], meta)
+    assert "passed_up_to" not in other_phase["kernels"]["flex"]["dense 64/256 inference"]
+    shorter = grid.summary([result(True, 1024), result(False, 333, **thd)], meta)
+    assert "passed_up_to" not in shorter["kernels"]["flex"]["dense 64/256 inference"]
 
 
 def test_training_loop_packings_fill_every_step_and_repeat_by_seed():

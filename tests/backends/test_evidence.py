@@ -68,6 +68,36 @@ def test_a_key_with_failures_serves_the_groupings_whose_rows_all_passed(grid):
     assert gqa == ["failed 2 of 36 rows at thd 128/128 inference (no GQA row) in results/grid.md"]
 
 
+def test_a_key_that_passed_only_short_sequences_is_served_only_up_to_them(grid):
+    grid["kernels"]["flex"]["dense 64/256 inference"] = {
+        "passed": 2, "failed": 0, "passed_up_to": 77,
+        "failed_beyond": "row 67: InductorError: out of resource: shared memory (333 tokens)",
+    }  # fmt: skip
+    flex, dims = get("flex"), dict(head_dim_qk=64, head_dim_v=256)
+    assert kernel_reasons(flex, _problem(**dims, seqlen_q=77, seqlen_kv=77), H200) == []
+    assert kernel_reasons(flex, _problem(**dims, seqlen_q=16, seqlen_kv=77), H200) == []
+    longer = kernel_reasons(flex, _problem(**dims, seqlen_q=64, seqlen_kv=1024), H200)  # the longer side counts
+    assert longer == [
+        "passed at dense 64/256 inference only up to 77 tokens a sequence (this call: 1024); failed beyond at the "
+        "same head dims: row 67: InductorError: out of resource: shared memory (333 tokens) (results/grid.md)"
+    ]
+    decision = select(_problem(**dims, seqlen_q=1023, seqlen_kv=1024), target=H200)
+    assert decision.chosen.backend != "flex" or decision.chosen.pad_to is not None
+    assert "only up to 77 tokens" in decision.report(show_all=True)
+
+
+def test_the_packaged_h200_grid_limits_flex_at_64_256_to_the_length_it_passed():
+    """The peer sweep's test_flash_attn_output[d64 dv256 1023x1024 mha none bfloat16 fwd] chose flex without the
+    cuDNN frontend and flex ran out of shared memory (results/h200_peer_sweep_without_frontend.md)."""
+    evidence.grid_for.cache_clear()
+    problem = _problem(batch=4, seqlen_q=1023, seqlen_kv=1024, heads_q=4, heads_kv=4, head_dim_qk=64,
+                       head_dim_v=256, dtype=torch.bfloat16)  # fmt: skip
+    refused = kernel_reasons(get("flex"), problem, H200)
+    assert refused and "only up to 77 tokens" in refused[0] and "out of resource" in refused[0]
+    short = dataclasses.replace(problem, seqlen_q=77, seqlen_kv=77)
+    assert kernel_reasons(get("flex"), short, H200) == []
+
+
 def test_the_allowlist_leaves_older_kernels_and_the_cpu_alone(grid):
     assert kernel_reasons(get("sdpa_cudnn"), _problem(head_dim_qk=80, head_dim_v=80), H200) == []
     assert kernel_reasons(get("flex"), _problem(head_dim_qk=80, head_dim_v=80), Target.preset("cpu")) == []
@@ -127,6 +157,14 @@ def test_the_packaged_h200_grid_loads_and_names_its_source():
         json.dumps({"format": 1, "source": "x", "covered": [[1]], "kernels": {}}),
         json.dumps({"format": 1, "source": "x", "covered": [], "kernels": {}, "failed": [["flex", 0, [], "x"]]}),
         json.dumps({"format": 1, "source": "x", "covered": [], "kernels": {}, "failed": {"a": 1}}),
+        json.dumps(
+            {
+                "format": 1,
+                "source": "x",
+                "covered": [],
+                "kernels": {"flex": {"k": {"passed": 1, "failed": 0, "passed_up_to": "77"}}},
+            }
+        ),
         json.dumps(
             {
                 "format": 1,

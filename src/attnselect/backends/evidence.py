@@ -7,7 +7,10 @@ the GPUs where they need evidence, their surface is an allowlist: a kernel confi
 dims the kernel gets, phase) is served only where benchmarks/correctness_grid.py ran it and every one of its rows
 passed, in every process; where some of its rows failed, a call is served only if rows of its own K/V grouping
 (MHA, GQA or MQA) ran and all of them passed (flex's packed 128/128 inference failed only with one K/V head, for
-want of an inductor template). Everything else is refused with a reason that names the grid's file.
+want of an inductor template); and where rows of the same head dims and phase, in either layout, failed at longer
+sequences than any of the key's rows passed, only up to its rows' length (``passed_up_to``: flex at dense 64/256
+inference passed at 77 tokens and ran out of shared memory from 333). Everything else is refused with a reason that
+names the grid's file.
 
 The grid's summary ships as package data, one file per GPU (``attnselect/data/correctness_<arch>.json``, written by
 ``python benchmarks/correctness_grid.py --report DIR --earlier``). Its ``covered`` signatures also spare the first-use
@@ -61,6 +64,13 @@ def _counts(entry) -> bool:
     return isinstance(entry, dict) and type(entry.get("passed")) is int and type(entry.get("failed")) is int
 
 
+def _limit(entry: dict) -> bool:
+    """A key's size limit, where it has one: the longest sequence its rows passed at, and the failure beyond it."""
+    if "passed_up_to" not in entry:
+        return True
+    return type(entry["passed_up_to"]) is int and isinstance(entry.get("failed_beyond"), str)
+
+
 @functools.cache
 def grid_for(arch: str) -> dict | None:
     """The packaged grid summary for an arch ('sm90'), or None; a foreign or corrupt file gives one warning."""
@@ -84,6 +94,7 @@ def grid_for(arch: str) -> dict | None:
                 isinstance(entries, dict)
                 and all(
                     _counts(e)
+                    and _limit(e)
                     and isinstance(e.get("by_grouping", {}), dict)
                     and all(_counts(g) for g in e.get("by_grouping", {}).values())
                     for e in entries.values()
@@ -124,6 +135,12 @@ def reasons(backend: str, problem: AttentionProblem, target: Target) -> list[str
     seen = grid["kernels"].get(backend, {}).get(key)
     if seen is None:
         return [f"no correctness grid row ran it at {key} ({grid['source']})"]
+    longest = max(problem.seqlen_q, problem.seqlen_kv)
+    if "passed_up_to" in seen and longest > seen["passed_up_to"]:
+        return [
+            f"passed at {key} only up to {seen['passed_up_to']} tokens a sequence (this call: {longest}); failed "
+            f"beyond at the same head dims: {seen['failed_beyond']} ({grid['source']})"
+        ]
     if not seen.get("failed"):
         return []
     kind = grouping(problem)
