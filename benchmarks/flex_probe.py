@@ -1,10 +1,12 @@
 """Which feature of a call makes flex's compile fail: the call, then one change at a time, each in a fresh process.
 
     python benchmarks/flex_probe.py --out results/h200_flex_probe     # writes .json and .md (a GPU)
+    python benchmarks/flex_probe.py --only softcap --out results/h200_flex_probe_softcap_training
 
-The call is the peer sweep's (benchmarks/peer_sweep.py) FlashAttention-3 case that flex failed to compile on the
-H200 with "LoweringException: RuntimeError: unbacked_bindings": test_flash_attn_varlen_output[d256 dv256 128x217
-mha local(99,73) float16 softcap15 fwd], thd, 9 sequences, two of them with no key.
+The first call is the peer sweep's (benchmarks/peer_sweep.py) FlashAttention-3 case that flex failed to compile on
+the H200 with "LoweringException: RuntimeError: unbacked_bindings": test_flash_attn_varlen_output[d256 dv256 128x217
+mha local(99,73) float16 softcap15 fwd], thd, 9 sequences, two of them with no key. The variants named "softcap
+..." start from a FlashAttention-2 case that flex raised on in training (SWEEP_CASE below).
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import json
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 BASE = dict(
     cu_q=[0, 122, 235, 348, 459, 582, 693, 816, 943, 1053],
     cu_kv=[0, 0, 214, 416, 619, 817, 817, 1018, 1232, 1232],
     heads=6, d=256, dtype="float16", window=[99, 73], softcap=15.0, causal=False, max_seqlen=True, lse=True,
-    training=False, another_total=False, before=(),
+    training=False, another_total=False, before=(), patch=None,
 )  # fmt: skip
 VARIANTS = {
     "the call": {},
@@ -54,6 +57,29 @@ VARIANTS = {
         another_total=True, before=[dict(d=64, softcap=None), dict(d=128, softcap=None)]
     ),
 }
+# The peer sweep's FlashAttention-2 case that flex raised on in one worker (2026-12-03, without FA4):
+# test_flash_attn_varlen_output[d128 2048x2048 mha none float16 softcap50], training, 4 sequences. That worker had
+# run packed flex at two other totals before it (an inference call with the same softcap, a training call at head
+# dim 64), so its totals were dynamic. `patch` tries a change to the backend: "mark_dynamic" marks the totals
+# dynamic from a process's first packed call, "static" compiles every total (dynamic=False).
+SWEEP_CASE = dict(
+    cu_q=[0, 2032, 4067, 6103, 8136], cu_kv=[0, 2032, 4072, 6119, 8155], heads=4, d=128, dtype="float16",
+    window=None, softcap=50.0, causal=False, training=True,
+)  # fmt: skip
+SHORTER = dict(cu_q=[0, 455, 1062], cu_kv=[0, 455, 1062])
+VARIANTS.update({
+    "softcap training": SWEEP_CASE,
+    "softcap training after another total": dict(SWEEP_CASE, another_total=True),
+    "softcap training after another total, no softcap": dict(SWEEP_CASE, another_total=True, softcap=None),
+    "softcap inference after another total": dict(SWEEP_CASE, another_total=True, training=False),
+    "softcap training after the worker's packed calls": dict(
+        SWEEP_CASE, before=[dict(training=False, d=96), dict(SHORTER, d=64, softcap=None)]
+    ),
+    "softcap training after another total, totals marked dynamic": dict(
+        SWEEP_CASE, another_total=True, patch="mark_dynamic"
+    ),
+    "softcap training after another total, every total compiled": dict(SWEEP_CASE, another_total=True, patch="static"),
+})  # fmt: skip
 
 
 def child(spec: dict) -> dict:
@@ -61,6 +87,8 @@ def child(spec: dict) -> dict:
 
     import attnselect
 
+    if spec["patch"]:
+        _patch_backend(spec["patch"])
     dtype = getattr(torch, spec["dtype"])
     first = None
     for earlier in spec["before"]:  # other configurations first, in this process
@@ -92,14 +120,46 @@ def child(spec: dict) -> dict:
         status = "ok"
     except Exception as exc:
         status = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        frames = traceback.extract_tb(exc.__traceback__)[-8:]  # compiled or eager: where it was raised
+        status += " [" + " < ".join(f"{Path(f.filename).name}:{f.name}" for f in reversed(frames)) + "]"
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    if breaks:
+        status += f" ({breaks} graph breaks)"
     if first is not None:
         status = f"first total: {first}; second total: {status}"
     return {"status": status, "seconds": round(time.perf_counter() - started, 1)}
 
 
+def _patch_backend(patch: str) -> None:
+    """Packed flex compiled otherwise than the backend does: its totals marked dynamic at once, or static."""
+    import torch
+
+    from attnselect.backends import flex as backend
+
+    compiled = backend._compiled_flex
+    if patch == "static":
+        backend._compiled_flex = lambda dynamic: compiled(False)
+        return
+
+    def marked(dynamic):
+        fn = compiled(dynamic)
+        if dynamic is not None:
+            return fn
+
+        def call(q, k, v, **options):
+            for t in (q, k, v):
+                torch._dynamo.mark_dynamic(t, 2)
+            return fn(q, k, v, **options)
+
+        return call
+
+    backend._compiled_flex = marked
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only", help="run the variants whose name starts with this")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -117,6 +177,7 @@ def main() -> None:
             text=True,
         )  # fmt: skip
         for name in VARIANTS
+        if not a.only or name.startswith(a.only)
     }
     rows = []
     for name, proc in procs.items():
@@ -128,7 +189,7 @@ def main() -> None:
     meta = {"device": attnselect.Target.current().describe(), "torch": torch.__version__, "date": time.strftime("%F")}
     Path(a.out + ".json").write_text(json.dumps({"meta": meta, "base": BASE, "rows": rows}, indent=1))
     lines = [
-        "# flex on one peer-sweep call, one change at a time\n",
+        "# flex on peer-sweep calls, one change at a time\n",
         f"{meta['device']}, {meta['date']}. Produced by `benchmarks/flex_probe.py` (each variant in a fresh process, "
         "flex forced).\n",
         "| variant | status | seconds |",

@@ -73,13 +73,14 @@
 #   bash scripts/device_run.sh fa4-compile  # benchmarks/fa4_compile_cost.py           -> $OUT/h200_fa4_compile.*
 #   bash scripts/device_run.sh fa4-grid     # the rules grid's FA4 section (FA4 rows only) -> $OUT/h200_rules_grid.jsonl
 #   bash scripts/device_run.sh fa4-bench    # attnselect bench on the suite's 4k problems  -> $OUT/h200_bench_fa4.*
-# Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend (or `.whl-core`: it alone).
+# Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend, megatron-core, transformers and
+# torchtitan (or `.whl-core`: the frontend and megatron-core).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpu=${CUDA_VISIBLE_DEVICES:-all}
 export ATTNSELECT_CACHE_DIR=/tmp/attnselect-cache-$gpu   # side-by-side runs keep separate decision caches
-wheels=$(ls .whl/*.whl 2>/dev/null || ls .whl-core/*.whl 2>/dev/null)   # .whl holds .whl-core's wheel too
+wheels=$(ls .whl/*.whl 2>/dev/null || ls .whl-core/*.whl 2>/dev/null)   # .whl holds .whl-core's wheels too
 if [ -n "$wheels" ]; then   # once per machine and wheel set; invocations side by side wait for the first
   ( flock 9; [ "$(cat "/tmp/site-$gpu/.wheels" 2>/dev/null)" = "$wheels" ] && exit 0
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "/tmp/site-$gpu" \
@@ -182,8 +183,9 @@ case "$step" in
                 # HOOKS_TIMEOUT; side by side with `correctness` in one call: `... flex-hooks & ... correctness; wait`)
     timeout $((${HOOKS_TIMEOUT:-300} + 60)) python3 benchmarks/flex_hooks_probe.py --ids "${HOOKS_IDS:-17,11,4}" \
       --timeout "${HOOKS_TIMEOUT:-300}" --out "$OUT/h200_flex_hooks_probe" 2>&1 | grep -E '^\|' ;;
-  flex-probe)
-    timeout 200 python3 benchmarks/flex_probe.py --out "$OUT/h200_flex_probe" 2>&1 | grep -E '^\|' ;;
+  flex-probe)   # FLEX_PROBE_ARGS adds arguments (--only softcap), FLEX_PROBE_PART names the output
+    timeout 200 python3 benchmarks/flex_probe.py ${FLEX_PROBE_ARGS:-} \
+      --out "$OUT/h200_flex_probe${FLEX_PROBE_PART:+_$FLEX_PROBE_PART}" 2>&1 | grep -E '^\|' ;;
   ladder)   # benchmarks/ladder.py, resuming results/h200_ladder${LADDER_PART:+_$LADDER_PART}.json where present
     name=h200_ladder${LADDER_PART:+_$LADDER_PART}$(python3 -c 'import flash_attn.cute' 2>/dev/null && echo _fa4)
     # the rungs run so far stay in /tmp while the machine is warm: a later call resumes them without a round trip

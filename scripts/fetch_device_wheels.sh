@@ -6,8 +6,9 @@
 #                                                #   beside the ~13 MB tree: .fa4-stage1/ (the small wheels, the first
 #                                                #   40 MB part of the 92 MB nvidia-cutlass-dsl-libs-cu13 wheel and a
 #                                                #   file `parts` saying how many), .fa4-stage2/ and .fa4-stage3/ (the
-#                                                #   other parts), and .whl-core/ (the cuDNN frontend alone, carried with
-#                                                #   stage 3; apache-tvm-ffi, which it needs too, comes with stage 1)
+#                                                #   other parts), and .whl-core/ (the cuDNN frontend and megatron-core,
+#                                                #   whose GPU tests pytest -m gpu holds; carried with stage 3;
+#                                                #   apache-tvm-ffi, which the frontend needs too, comes with stage 1)
 # scripts/device_run.sh installs what is carried: `.whl` or `.whl-core` at each call, and FA4 through its steps
 # fa4-stage1, fa4-stage2 and fa4-stage3 (back-to-back calls on one warm machine).
 set -euo pipefail
@@ -33,7 +34,7 @@ if [ "${1:-}" = fa4 ]; then
   ls "$tmp"/*.part-* >/dev/null 2>&1 && { echo "the wheel split into more than three parts"; exit 1; }
   echo 3 > .fa4-stage1/parts
   mv "$tmp"/*.whl .fa4-stage1/
-  download -d .whl-core "${CORE[0]}"
+  download -d .whl-core "${CORE[0]}" "megatron-core==0.19.2"
   rm -rf "$tmp"
   du -sh .fa4-stage1 .fa4-stage2 .fa4-stage3 .whl-core
   exit 0
