@@ -562,14 +562,14 @@ def summary(
     ``earlier``: rows of the rules grid (benchmarks/rules_grid.py, relative error within 2e-2, one process), counted
     for the allowlist where today's static surface serves the candidate (it ran them all, served or not)."""
     from attnselect import backends
-    from attnselect.backends.evidence import FORMAT, grouping, kernel_key
+    from attnselect.backends.evidence import FORMAT, grouping, kernel_key, span
     from attnselect.spec.problem import AttentionProblem
     from attnselect.spec.target import Target
 
     kernels: dict = {}
     by_signature: dict = {}
-    longest_passed: dict = {}  # (backend, allowlist key, head dims and phase) -> its passing rows' longest sequence
-    failed_at: dict = {}  # (backend, head dims and phase) -> [(longest sequence, finding)] of the failing rows
+    longest_passed: dict = {}  # (backend, allowlist key, head dims and phase) -> its passing rows' longest span
+    failed_at: dict = {}  # (backend, head dims and phase) -> [(span, finding)] of the failing rows
 
     def count(backend, problem, passed, finding, source):
         key = kernel_key(problem)
@@ -577,7 +577,7 @@ def summary(
         entry["passed" if passed else "failed"] += 1
         own = entry.setdefault("by_grouping", {}).setdefault(grouping(problem), {"passed": 0, "failed": 0})
         own["passed" if passed else "failed"] += 1
-        longest = max(problem.seqlen_q, problem.seqlen_kv)
+        longest = span(problem)
         if passed:
             held = (backend, key, _dims_and_phase(problem))
             longest_passed[held] = max(longest_passed.get(held, 0), longest)
@@ -609,15 +609,16 @@ def summary(
             del os.environ["ATTNSELECT_ALLOWLIST"]
         else:
             os.environ["ATTNSELECT_ALLOWLIST"] = saved
-    # A kernel's resources (an inductor template's shared memory, a launch's) grow with the sequence length its
-    # tiles take, whatever the layout: where rows of the same head dims and phase failed at longer sequences than
-    # any row of a key passed, the key is served only up to its passing rows' length (flex at dense 64/256
-    # inference passed at 77 tokens; thd at 333 and beyond ran out of shared memory, results/h200_correctness_grid.md).
+    # What a kernel needs (an inductor template's shared memory, a launch's resources) and where it goes wrong can
+    # grow with the tokens it takes as one sequence (evidence.span), whatever the layout: where rows of the same head
+    # dims and phase failed, in any way, at a longer span than any row of a key passed, the key is served only up to
+    # its passing rows' span (flex's dense 64/256 inference rows passed at 77 tokens, its thd rows ran out of shared
+    # memory from 666, results/h200_correctness_grid.md).
     for (backend, key, dims_and_phase), longest in longest_passed.items():
         beyond = sorted(f for f in failed_at.get((backend, dims_and_phase), []) if f[0] > longest)
         if beyond:
             kernels[backend][key]["passed_up_to"] = longest
-            kernels[backend][key]["failed_beyond"] = f"{beyond[0][1]} ({beyond[0][0]} tokens)"[:240]
+            kernels[backend][key]["failed_beyond"] = f"{beyond[0][1]} (a span of {beyond[0][0]} tokens)"[:240]
     covered = [json.loads(s) for s, ok in sorted(by_signature.items()) if ok]
     same = shipped and shipped.get("fingerprint") == meta["fingerprint"] and shipped.get("packages") == meta["packages"]
     kept = {json.dumps(f[:3]): f[3] for f in shipped.get("failed", [])} if same else {}

@@ -375,7 +375,7 @@ def test_the_grid_summary_limits_a_key_to_the_length_it_passed_where_its_head_di
     thd = dict(layout="thd")
     data = grid.summary([result(True, 77), result(True, 40, **thd), result(False, 333, **thd)], meta)
     dense = data["kernels"]["flex"]["dense 64/256 inference"]
-    assert dense["passed_up_to"] == 77 and dense["failed_beyond"] == "row 0: out of resource (333 tokens)"
+    assert dense["passed_up_to"] == 77 and dense["failed_beyond"] == "row 0: out of resource (a span of 333 tokens)"
     assert data["kernels"]["flex"]["thd 64/256 inference"]["passed_up_to"] == 40  # refused by its failure anyway
     other_phase = grid.summary([result(True, 77), result(False, 333, training=True)], meta)
     assert "passed_up_to" not in other_phase["kernels"]["flex"]["dense 64/256 inference"]

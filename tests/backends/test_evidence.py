@@ -11,8 +11,8 @@ import torch
 
 from attnselect.backends import evidence, get
 from attnselect.choose.candidates import kernel_reasons
-from attnselect.choose.selection import _failed, select
-from attnselect.errors import InvalidInputError
+from attnselect.choose.selection import _failed, select, select_packed
+from attnselect.errors import ForcedChoiceError, InvalidInputError
 from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
@@ -71,19 +71,34 @@ def test_a_key_with_failures_serves_the_groupings_whose_rows_all_passed(grid):
 def test_a_key_that_passed_only_short_sequences_is_served_only_up_to_them(grid):
     grid["kernels"]["flex"]["dense 64/256 inference"] = {
         "passed": 2, "failed": 0, "passed_up_to": 77,
-        "failed_beyond": "row 67: InductorError: out of resource: shared memory (333 tokens)",
+        "failed_beyond": "row 67: InductorError: out of resource: shared memory (a span of 666 tokens)",
     }  # fmt: skip
     flex, dims = get("flex"), dict(head_dim_qk=64, head_dim_v=256)
     assert kernel_reasons(flex, _problem(**dims, seqlen_q=77, seqlen_kv=77), H200) == []
     assert kernel_reasons(flex, _problem(**dims, seqlen_q=16, seqlen_kv=77), H200) == []
     longer = kernel_reasons(flex, _problem(**dims, seqlen_q=64, seqlen_kv=1024), H200)  # the longer side counts
     assert longer == [
-        "passed at dense 64/256 inference only up to 77 tokens a sequence (this call: 1024); failed beyond at the "
-        "same head dims: row 67: InductorError: out of resource: shared memory (333 tokens) (results/grid.md)"
+        "passed at dense 64/256 inference only up to a span of 77 tokens (this call: 1024); failed beyond at the "
+        "same head dims: row 67: InductorError: out of resource: shared memory (a span of 666 tokens) "
+        "(results/grid.md)"
     ]
     decision = select(_problem(**dims, seqlen_q=1023, seqlen_kv=1024), target=H200)
-    assert decision.chosen.backend != "flex" or decision.chosen.pad_to is not None
-    assert "only up to 77 tokens" in decision.report(show_all=True)
+    assert decision.chosen.backend != "flex"
+    assert "only up to a span of 77 tokens" in decision.report(show_all=True)
+
+
+def test_a_packed_key_is_limited_by_all_its_tokens_as_flex_runs_them_as_one_sequence(grid):
+    grid["kernels"]["flex"]["thd 64/256 inference"] = {
+        "passed": 2, "failed": 0, "passed_up_to": 800, "failed_beyond": "row 67: out of resource (a span of 1332)",
+    }  # fmt: skip
+    flex = get("flex")
+    packed = dict(layout="thd", head_dim_qk=64, head_dim_v=256, seqlen_q=300, seqlen_kv=300)
+    assert kernel_reasons(flex, _problem(**packed, batch=2), H200) == []  # 600 tokens
+    assert "this call: 1200" in kernel_reasons(flex, _problem(**packed, batch=4), H200)[0]
+    # a packed loop's decision carried to a packing of more tokens is judged again at its sizes
+    assert select_packed(_problem(**packed, batch=2), target=H200, backend="flex").chosen.backend == "flex"
+    with pytest.raises(ForcedChoiceError, match="this call: 1200"):
+        select_packed(_problem(**packed, batch=4), target=H200, backend="flex")
 
 
 def test_the_packaged_h200_grid_limits_flex_at_64_256_to_the_length_it_passed():
@@ -93,7 +108,7 @@ def test_the_packaged_h200_grid_limits_flex_at_64_256_to_the_length_it_passed():
     problem = _problem(batch=4, seqlen_q=1023, seqlen_kv=1024, heads_q=4, heads_kv=4, head_dim_qk=64,
                        head_dim_v=256, dtype=torch.bfloat16)  # fmt: skip
     refused = kernel_reasons(get("flex"), problem, H200)
-    assert refused and "only up to 77 tokens" in refused[0] and "out of resource" in refused[0]
+    assert refused and "only up to a span of 77 tokens" in refused[0] and "out of resource" in refused[0]
     short = dataclasses.replace(problem, seqlen_q=77, seqlen_kv=77)
     assert kernel_reasons(get("flex"), short, H200) == []
 
@@ -157,13 +172,21 @@ def test_the_packaged_h200_grid_loads_and_names_its_source():
         json.dumps({"format": 1, "source": "x", "covered": [[1]], "kernels": {}}),
         json.dumps({"format": 1, "source": "x", "covered": [], "kernels": {}, "failed": [["flex", 0, [], "x"]]}),
         json.dumps({"format": 1, "source": "x", "covered": [], "kernels": {}, "failed": {"a": 1}}),
-        json.dumps(
-            {
-                "format": 1,
-                "source": "x",
-                "covered": [],
-                "kernels": {"flex": {"k": {"passed": 1, "failed": 0, "passed_up_to": "77"}}},
-            }
+        *(
+            json.dumps(
+                {
+                    "format": 1,
+                    "source": "x",
+                    "covered": [],
+                    "kernels": {"flex": {"k": {"passed": 1, "failed": 0, **limit}}},
+                }
+            )
+            for limit in (
+                {"passed_up_to": "77", "failed_beyond": "x"},
+                {"passed_up_to": 77},
+                {"failed_beyond": "x"},
+                {"passed_up_to": 0, "failed_beyond": "x"},
+            )
         ),
         json.dumps(
             {

@@ -7,10 +7,11 @@ the GPUs where they need evidence, their surface is an allowlist: a kernel confi
 dims the kernel gets, phase) is served only where benchmarks/correctness_grid.py ran it and every one of its rows
 passed, in every process; where some of its rows failed, a call is served only if rows of its own K/V grouping
 (MHA, GQA or MQA) ran and all of them passed (flex's packed 128/128 inference failed only with one K/V head, for
-want of an inductor template); and where rows of the same head dims and phase, in either layout, failed at longer
-sequences than any of the key's rows passed, only up to its rows' length (``passed_up_to``: flex at dense 64/256
-inference passed at 77 tokens and ran out of shared memory from 333). Everything else is refused with a reason that
-names the grid's file.
+want of an inductor template); and where rows of the same head dims and phase, in either layout, failed at a longer
+:func:`span` than any of the key's rows passed, only up to its rows' span (``passed_up_to``: flex's dense 64/256
+inference rows passed at 77 tokens, its thd 64/256 inference rows ran out of shared memory from a span of 666, and a
+peer sweep's dense call at 1024 ran out of it too). Everything else is refused with a reason that names the grid's
+file.
 
 The grid's summary ships as package data, one file per GPU (``attnselect/data/correctness_<arch>.json``, written by
 ``python benchmarks/correctness_grid.py --report DIR --earlier``). Its ``covered`` signatures also spare the first-use
@@ -53,6 +54,13 @@ def kernel_key(problem: AttentionProblem) -> str:
     return f"{layout} {problem.head_dim_qk}/{problem.head_dim_v} {phase}"
 
 
+def span(problem: AttentionProblem) -> int:
+    """The most tokens a kernel may take as one sequence for ``problem``: the longer of its query and key sequences,
+    and for packed input all its sequences together (flex runs a packing as one sequence under a document mask)."""
+    longest = max(problem.seqlen_q, problem.seqlen_kv)
+    return longest * problem.batch if problem.layout == "thd" else longest
+
+
 def grouping(problem: AttentionProblem) -> str:
     """The K/V grouping a key's counts are split by: 'MHA', 'GQA' or 'MQA' (one K/V head)."""
     if problem.heads_kv == problem.heads_q:
@@ -65,10 +73,12 @@ def _counts(entry) -> bool:
 
 
 def _limit(entry: dict) -> bool:
-    """A key's size limit, where it has one: the longest sequence its rows passed at, and the failure beyond it."""
+    """A key's size limit, where it has one: the longest :func:`span` its rows passed at, and the failure beyond it."""
     if "passed_up_to" not in entry:
-        return True
-    return type(entry["passed_up_to"]) is int and isinstance(entry.get("failed_beyond"), str)
+        return "failed_beyond" not in entry
+    return (
+        type(entry["passed_up_to"]) is int and entry["passed_up_to"] > 0 and isinstance(entry.get("failed_beyond"), str)
+    )
 
 
 @functools.cache
@@ -135,11 +145,10 @@ def reasons(backend: str, problem: AttentionProblem, target: Target) -> list[str
     seen = grid["kernels"].get(backend, {}).get(key)
     if seen is None:
         return [f"no correctness grid row ran it at {key} ({grid['source']})"]
-    longest = max(problem.seqlen_q, problem.seqlen_kv)
-    if "passed_up_to" in seen and longest > seen["passed_up_to"]:
+    if "passed_up_to" in seen and span(problem) > seen["passed_up_to"]:
         return [
-            f"passed at {key} only up to {seen['passed_up_to']} tokens a sequence (this call: {longest}); failed "
-            f"beyond at the same head dims: {seen['failed_beyond']} ({grid['source']})"
+            f"passed at {key} only up to a span of {seen['passed_up_to']} tokens (this call: {span(problem)}); "
+            f"failed beyond at the same head dims: {seen['failed_beyond']} ({grid['source']})"
         ]
     if not seen.get("failed"):
         return []
