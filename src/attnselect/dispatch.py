@@ -22,6 +22,7 @@ as integers, or with keys that have their own boundaries).
 from __future__ import annotations
 
 import logging
+import operator
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
@@ -163,6 +164,9 @@ raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0)
 _no_environment, _environment = settings.no_environment, settings.raw_environment
 _scope = settings.scope
 _NUMBER = (float, int, type(None))
+# A memo key's per-tensor facts, read by C getters (map over them costs a fraction of a generator per fact)
+_SHAPE, _DTYPE, _DEVICE, _REQUIRES_GRAD = map(operator.attrgetter, ("shape", "dtype", "device", "requires_grad"))
+_STRIDE = operator.methodcaller("stride")
 
 
 def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
@@ -227,9 +231,9 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
                 return known
         capturing = stream_capturing() if q.is_cuda else None
         key = (
-            state, capturing, _autocast(), tuple(map(type, tensors)), tuple(t.shape for t in tensors),
-            tuple(t.stride() for t in tensors), tuple(t.dtype for t in tensors), tuple(t.device for t in tensors),
-            tuple(t.requires_grad for t in tensors), offsets,
+            state, capturing, _autocast(), tuple(map(type, tensors)), tuple(map(_SHAPE, tensors)),
+            tuple(map(_STRIDE, tensors)), tuple(map(_DTYPE, tensors)), tuple(map(_DEVICE, tensors)),
+            tuple(map(_REQUIRES_GRAD, tensors)), offsets,
         )  # fmt: skip
         entry = _CALLS.get(key)
     except Exception:  # not tensors, an unhashable or incomparable option...: the slow path validates and names it
@@ -237,11 +241,13 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
     if entry is None:
         if cu_q is None:
             return Unknown(state, tensors, capturing, key, generation())
-        # the key without the sizes of the packing: max_seqlen_q/_kv in the state, the boundaries' length
-        sibling_key = (state[:5] + state[8:], *key[1:4], tuple(t.shape if t is not cu_q else None for t in tensors),
+        # the key without the sizes of the packing: max_seqlen_q/_kv in the state, the boundaries' length (the
+        # boundaries follow q, k and v in ``tensors``, the sinks after them)
+        boundaries = len(tensors) - (1 if sinks is None else 2)
+        shapes = key[4]
+        sibling_key = (state[:5] + state[8:], *key[1:4], shapes[:boundaries] + (None,) + shapes[boundaries + 1 :],
                        *key[5:])  # fmt: skip
         sibling = _SIBLINGS.get(sibling_key)
-        boundaries = next(i for i, t in enumerate(tensors) if t is cu_q)
         return Unknown(state, tensors, capturing, key, generation(), sibling_key,
                        sibling.known if sibling else None, sibling.guard if sibling else None, boundaries)  # fmt: skip
     _make_recent(entry)
