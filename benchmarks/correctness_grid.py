@@ -577,13 +577,13 @@ def summary(
         entry["passed" if passed else "failed"] += 1
         own = entry.setdefault("by_grouping", {}).setdefault(grouping(problem), {"passed": 0, "failed": 0})
         own["passed" if passed else "failed"] += 1
-        longest = span(problem)
+        longest, dims_and_phase = span(problem), key.split(" ", 1)[1]  # kernel_key without its layout
         if passed:
-            held = (backend, key, _dims_and_phase(problem))
+            held = (backend, key, dims_and_phase)
             longest_passed[held] = max(longest_passed.get(held, 0), longest)
         else:
             entry.setdefault("example", f"{source}: {finding}"[:240])
-            failed_at.setdefault((backend, _dims_and_phase(problem)), []).append((longest, f"{source}: {finding}"))
+            failed_at.setdefault((backend, dims_and_phase), []).append((longest, f"{source}: {finding}"))
 
     for r in records:
         problem = AttentionProblem.from_dict(r["problem"])
@@ -641,11 +641,6 @@ def summary(
         "covered": covered,
         "failed": [[*json.loads(key), finding] for key, finding in sorted({**kept, **failed}.items())],
     }
-
-
-def _dims_and_phase(problem) -> str:
-    """An allowlist key without its layout (attnselect.backends.evidence.kernel_key): '64/256 inference'."""
-    return f"{problem.head_dim_qk}/{problem.head_dim_v} {'training' if problem.training else 'inference'}"
 
 
 def _first_line(text: str) -> str:
