@@ -65,7 +65,7 @@
 #                                      # -> $OUT/h200_torchtitan_steps[_fa4].{json,md}
 #   bash scripts/device_run.sh buckets # benchmarks/packing_buckets.py (BUCKET_SCHEMES=...) -> $OUT/h200_packing_buckets.*
 #   FlashAttention-4 (scripts/fetch_device_wheels.sh fa4), in three calls back to back on one warm machine (it is
-#   kept about 30 s after a call), each under the 64 MiB carry beside the ~13 MB tree: carry .fa4-stage1 and run
+#   kept about 30 s after a call), each under the 64 MiB carry beside the ~17 MB tree: carry .fa4-stage1 and run
 #   `fa4-stage1` (its files go to /tmp), carry .fa4-stage2 and run `fa4-stage2`, then carry .fa4-stage3 and
 #   .whl-core and run `fa4-stage3 STEP...`, which joins the parts and installs FA4 for the steps after it:
 #   bash scripts/device_run.sh fa4-tests    # tests/backends/test_flash_attn4.py and every FA4 case of the GPU tests

@@ -3,12 +3,13 @@
 #   bash scripts/fetch_device_wheels.sh          # .whl/: the cuDNN frontend, megatron-core, transformers, torchtitan
 #                                                #   (~48 MB)
 #   bash scripts/fetch_device_wheels.sh fa4      # FlashAttention-4 in three carries that fit the 64 MiB limit
-#                                                #   beside the ~13 MB tree: .fa4-stage1/ (the small wheels, the first
-#                                                #   40 MB part of the 92 MB nvidia-cutlass-dsl-libs-cu13 wheel and a
-#                                                #   file `parts` saying how many), .fa4-stage2/ and .fa4-stage3/ (the
-#                                                #   other parts), and .whl-core/ (the cuDNN frontend and megatron-core,
-#                                                #   whose GPU tests pytest -m gpu holds; carried with stage 3;
-#                                                #   apache-tvm-ffi, which the frontend needs too, comes with stage 1)
+#                                                #   beside the ~17 MB tree: .fa4-stage1/ (the first 40 MB part of the
+#                                                #   92 MB nvidia-cutlass-dsl-libs-cu13 wheel and a file `parts` saying
+#                                                #   how many), .fa4-stage2/ (the second part), .fa4-stage3/ (the last
+#                                                #   part and the small wheels), and .whl-core/ (the cuDNN frontend and
+#                                                #   megatron-core, whose GPU tests pytest -m gpu holds; carried with
+#                                                #   stage 3; apache-tvm-ffi, which the frontend needs too, comes with
+#                                                #   stage 3)
 # scripts/device_run.sh installs what is carried: `.whl` or `.whl-core` at each call, and FA4 through its steps
 # fa4-stage1, fa4-stage2 and fa4-stage3 (back-to-back calls on one warm machine).
 set -euo pipefail
@@ -33,7 +34,7 @@ if [ "${1:-}" = fa4 ]; then
   mv "$tmp"/*.part-aa .fa4-stage1/ && mv "$tmp"/*.part-ab .fa4-stage2/ && mv "$tmp"/*.part-ac .fa4-stage3/ && rm "$big"
   ls "$tmp"/*.part-* >/dev/null 2>&1 && { echo "the wheel split into more than three parts"; exit 1; }
   echo 3 > .fa4-stage1/parts
-  mv "$tmp"/*.whl .fa4-stage1/
+  mv "$tmp"/*.whl .fa4-stage3/   # stage 1 is full: the tree (17 MB) and 40 MB of part
   download -d .whl-core "${CORE[0]}" "megatron-core==0.19.2"
   rm -rf "$tmp"
   du -sh .fa4-stage1 .fa4-stage2 .fa4-stage3 .whl-core
