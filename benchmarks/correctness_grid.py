@@ -546,6 +546,11 @@ SWEEPS = (
     "results/h200_peer_sweep_55b3671.jsonl",
     "results/h200_peer_sweep_55b3671_fa4.jsonl",
     "results/h200_peer_sweep_without_frontend.jsonl",
+    "results/h200_peer_sweep_942d778.jsonl",
+    "results/h200_peer_sweep_942d778_fa4.jsonl",
+    "results/h200_peer_sweep_without_frontend_942d778.jsonl",
+    "results/h200_peer_sweep_flex_floats.jsonl",
+    "results/h200_peer_sweep_without_frontend_flex_floats.jsonl",
 )
 
 

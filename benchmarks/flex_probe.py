@@ -23,7 +23,7 @@ BASE = dict(
     cu_q=[0, 122, 235, 348, 459, 582, 693, 816, 943, 1053],
     cu_kv=[0, 0, 214, 416, 619, 817, 817, 1018, 1232, 1232],
     heads=6, d=256, dtype="float16", window=[99, 73], softcap=15.0, causal=False, max_seqlen=True, lse=True,
-    training=False, another_total=False, before=(), patch=None,
+    training=False, another_total=False, before=(), patch=None, dense=False,
 )  # fmt: skip
 VARIANTS = {
     "the call": {},
@@ -80,6 +80,28 @@ VARIANTS.update({
     ),
     "softcap training after another total, every total compiled": dict(SWEEP_CASE, another_total=True, patch="static"),
 })  # fmt: skip
+# The same case raised again in both sweeps without FA4 at 942d778 (6 and 10 workers, other histories). Both workers
+# had run FA3's thd training case with softcap 15 (test_flash_attn_varlen_output[d64 dv64 256x256 mha causal bfloat16
+# softcap15 unused]) before it: a second softcap value may make torch.compile trace the score_mod's float as a
+# symbolic one. The backend compiles with every float a constant (specialize_float); "floats_symbolic" compiles as
+# torch does by default, to show what that setting changes.
+OTHER_SOFTCAP = dict(SHORTER, d=64, softcap=15.0, dtype="bfloat16", causal=True)
+VARIANTS.update({
+    "after softcap 15: softcap training": dict(SWEEP_CASE, before=[OTHER_SOFTCAP]),
+    "after softcap 15: softcap training, floats symbolic": dict(
+        SWEEP_CASE, before=[OTHER_SOFTCAP], patch="floats_symbolic"
+    ),
+    "after softcap 15: softcap training, same head dim and dtype before, floats symbolic": dict(
+        SWEEP_CASE, before=[dict(OTHER_SOFTCAP, d=128, dtype="float16", causal=False)], patch="floats_symbolic"
+    ),
+    "after softcap 15: scale alone changed before, floats symbolic": dict(
+        SWEEP_CASE, before=[dict(OTHER_SOFTCAP, softcap=50.0)], patch="floats_symbolic"
+    ),
+    "after softcap 15: dense softcap training": dict(SWEEP_CASE, dense=True, before=[dict(OTHER_SOFTCAP, dense=True)]),
+    "after softcap 15: dense softcap training, floats symbolic": dict(
+        SWEEP_CASE, dense=True, before=[dict(OTHER_SOFTCAP, dense=True)], patch="floats_symbolic"
+    ),
+})  # fmt: skip
 
 
 def child(spec: dict) -> dict:
@@ -110,6 +132,10 @@ def child(spec: dict) -> dict:
                   causal=spec["causal"], return_lse=spec["lse"])  # fmt: skip
     if spec["max_seqlen"]:
         kwargs.update(max_seqlen_q=lengths(spec["cu_q"]), max_seqlen_kv=lengths(spec["cu_kv"]))
+    if spec["dense"]:  # one sequence of the packing's total, bshd
+        q, k, v = (t.detach().unsqueeze(0).requires_grad_(spec["training"]) for t in (q, k, v))
+        kwargs = dict(layout="bshd", window=kwargs["window"], softcap=spec["softcap"], causal=spec["causal"],
+                      return_lse=spec["lse"])  # fmt: skip
     started = time.perf_counter()
     try:
         out = attnselect.attention(q, k, v, backend="flex", **kwargs)
@@ -131,12 +157,17 @@ def child(spec: dict) -> dict:
 
 
 def _patch_backend(patch: str) -> None:
-    """Packed flex compiled otherwise than the backend does: its totals marked dynamic at once, or static."""
+    """Flex compiled otherwise than the backend does: packed totals marked dynamic at once or static, or floats
+    symbolic."""
     import torch
 
     from attnselect.backends import flex as backend
 
     compiled = backend._compiled_flex
+    if patch == "floats_symbolic":  # torch's default: a float seen with a second value becomes symbolic
+        settings = backend._recompile_settings
+        backend._recompile_settings = lambda: {k: v for k, v in settings().items() if k != "specialize_float"}
+        return
     if patch == "static":
         backend._compiled_flex = lambda dynamic: compiled(False)
         return

@@ -53,9 +53,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import zlib
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -783,6 +785,8 @@ def run_case(case: Case, device: str, before_call=lambda record: None, with_lse:
                 status, error = "refused", _first_line(exc)
             except Exception as exc:  # whatever the chosen kernel does is the finding
                 status, error = "raised", _first_line(exc)
+                frames = traceback.extract_tb(exc.__traceback__)[-10:]  # where it was raised, innermost first
+                record["where"] = " < ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames))
         if status == "ok":
             try:
                 judgement = judge(case, q, k, v, dout, out.detach(), lse, grads, geometry)

@@ -75,6 +75,51 @@ def test_compiled_flex_raises_past_its_recompile_limit_instead_of_running_eagerl
     assert torch._dynamo.config.recompile_limit == limit  # the user's setting is left as it was
 
 
+def test_compiled_flex_keeps_a_float_that_changes_a_constant():
+    """A softcap or scale seen with a second value is compiled again as a constant, not traced as a symbolic float
+    (torch's default), which breaks flex's training graph (attnselect.backends.flex._recompile_settings)."""
+    from attnselect.backends import flex
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm.forward
+
+    capped = lambda x, softcap: softcap * torch.tanh(x / softcap)  # noqa: E731
+    compiled = flex._failing_past_recompile_limit(torch.compile(capped, backend=backend, dynamic=None))
+    x = torch.randn(4)
+    for softcap in (15.0, 50.0, 30.0):
+        assert torch.allclose(compiled(x, softcap), capped(x, softcap))
+    assert len(graphs) == 3, "one graph per softcap"
+    assert all(isinstance(value, torch.Tensor) and value.shape == (4,) for g in graphs for value in g), graphs
+
+
+@pytest.mark.gpu
+def test_packed_flex_training_with_a_second_softcap_matches_float64():
+    """FA3's packed softcap-15 training case, then FA2's softcap-50 one, in one process (the peer sweep on the H200
+    raised on the second: results/h200_peer_sweep_replay_shard1of6.jsonl)."""
+    from helpers import thd_inputs
+
+    for lengths, d, dtype, softcap, causal in (
+        ([200, 56], 64, torch.bfloat16, 15.0, True),
+        ([512, 509, 510, 508], 128, torch.float16, 50.0, False),
+    ):
+        (q, k, v), cu, _ = thd_inputs(lengths, hq=4, hkv=4, dqk=d, dv=d, dtype=dtype, device="cuda")
+        exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        grad_out = torch.randn(q.shape[0], 4, d, device="cuda", dtype=torch.float64)
+        runs = []
+        for tensors, backend in (((q, k, v), "flex"), (exact, "reference")):
+            out = attnselect.attention(
+                *tensors, layout="thd", cu_seqlens_q=cu, softcap=softcap, causal=causal, backend=backend
+            )
+            runs.append((out, torch.autograd.grad(out, tensors, grad_out.to(out.dtype))))
+        (out, grads), (ref, ref_grads) = runs
+        assert rel_err(out, ref) < 2e-2, softcap
+        for g, rg in zip(grads, ref_grads):
+            assert torch.isfinite(g).all() and rel_err(g, rg) < 2e-2, softcap
+
+
 def test_flex_recompile_limit_uses_the_setting_names_of_the_installed_torch(monkeypatch):
     import types
 

@@ -130,10 +130,13 @@ _MEMORY_SIGNS = (
     "cudnn_status_alloc_failed",
     "cudnnhandle create failed cudastreamcreatewithflags",
 )
-# torch 2.11's compiled flex_attention, in a process that had compiled it for many other calls, ran its frame eagerly
-# and failed inside the eager autograd path ("all unwrapped values must be FakeTensor, int, or SymInt" from
-# torch/_higher_order_ops/flex_attention.py create_fw_bw_graph): twice on the H200 in a long pytest worker, for a call
-# that passed in fresh processes (results/h200_gpu_tests.txt, tests/test_variants.py all-flex-True-thd).
+# torch 2.11's compiled flex_attention in a process that had compiled packed flex training with another softcap: the
+# float, seen with a second value, was traced as a symbolic one, the graph broke and flex's backward set-up ran under
+# dynamo and failed ("all unwrapped values must be FakeTensor, int, or SymInt", create_fw_bw_graph in
+# torch/_higher_order_ops/flex_attention.py); the call alone passes in a fresh process
+# (results/h200_flex_probe_softcap_pair.md). The flex backend now compiles floats as constants
+# (attnselect.backends.flex._recompile_settings); the error stays a state of the process, not of the kernel, should
+# another path reach it.
 _COMPILER_STATE_SIGNS = ("all unwrapped values must be faketensor",)
 _OUT_OF_MEMORY = (MemoryError, *((torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()))
 
