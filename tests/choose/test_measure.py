@@ -148,9 +148,35 @@ def test_read_only_directory_falls_back_to_memory(tmp_path, monkeypatch, caplog,
         tmp_path.chmod(0o500)
     with caplog.at_level("WARNING", logger="attnselect"):
         first = attnselect.select(P, target=Target.current("cpu"), policy="measure")
+        attnselect.clear_cache()
+        assert attnselect.select(P, target=Target.current("cpu"), policy="measure").chosen == first.chosen
     assert "keeping decisions in memory" in caplog.text and store._memory
+    assert len(caplog.records) == 1, "one warning for the directory, whether its read or its write failed first"
+
+
+def test_a_malformed_entry_is_named_in_its_warning(cache_dir, caplog, monkeypatch):
+    from attnselect.choose import failures
+
+    attnselect.select(P, target=Target.current("cpu"), policy="measure")
+    path = cache_dir / "decisions.json"
+    data = json.loads(path.read_text())
+    (key,) = data["entries"]
+    data["entries"][key] = {"ranked": [{"backend": 5}], "timings": [{"candidate": {"nope": 1}, "ms": None}]}
+    path.write_text(json.dumps(data))
     attnselect.clear_cache()
-    assert attnselect.select(P, target=Target.current("cpu"), policy="measure").chosen == first.chosen
+    with caplog.at_level("WARNING", logger="attnselect"):
+        attnselect.select(P, target=Target.current("cpu"), policy="measure")
+    assert f"the measured decision for {P.describe()}" in caplog.text
+    assert "malformed" in caplog.text and caplog.text.count("decision cache") == 1
+    failure_key = failures._entry_key(P, Target.current("cpu"))
+    path.write_text(json.dumps({"format": store.FORMAT, "entries": {failure_key: {"failed": [{"candidate": {}}]}}}))
+    store._seen.clear()
+    memos._WARNED.clear()
+    monkeypatch.setattr(failures, "_RECORDED", None)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="attnselect"):
+        attnselect.select(P, target=Target.current("cpu"))
+    assert "the failures recorded at signature [" in caplog.text
 
 
 def test_measure_refuses_simulated_targets():

@@ -86,7 +86,7 @@ def test_any_content_of_the_cache_file_is_ignored_with_one_warning_and_rebuilt(
         caplog.clear()
         out = attnselect.attention(q, k, v)  # the rules policy: reads the file's recorded failures
         assert failures.failures(problem, attnselect.Target.current()) == {}
-        assert measure._from_store(store.lookup(MEASURE_KEY), (Candidate("sdpa_math"),)) in (
+        assert measure._from_store(store.lookup(MEASURE_KEY), (Candidate("sdpa_math"),), MEASURE_KEY, problem) in (
             None,
             ((Candidate("sdpa_math"),), {Candidate("sdpa_math"): measure.Timing(1.0, 1.0, 1.0)}),
         )

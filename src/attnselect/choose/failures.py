@@ -48,7 +48,7 @@ def _recorded_failures() -> dict:
             try:
                 recorded[key] = {Candidate(**f["candidate"]): str(f["error"]) for f in entry.get("failed", ())}
             except (TypeError, KeyError, ValueError, AttributeError) as exc:  # written by hand, or by another version
-                store.malformed(key, exc)
+                store.malformed(key, exc, f"the failures recorded at signature {json.loads(key).get('signature')}")
         _RECORDED = recorded
     return _RECORDED
 

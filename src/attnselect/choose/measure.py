@@ -114,7 +114,7 @@ def measured(problem: AttentionProblem, target: Target, ranked: tuple[Candidate,
     # restricted to the candidates capture allows; nothing can be timed or broadcast while capturing.
     key = store.entry_key(bucket(replace(problem, cuda_graph_capture=False)), "measure", target)
     if problem.cuda_graph_capture:
-        found = _from_store(store.lookup(key), ranked)
+        found = _from_store(store.lookup(key), ranked, key, problem)
         if found is None:
             debug.LOGGER.info(
                 "attnselect: no measured decision for %s to reuse under CUDA graph capture (kernels "
@@ -127,14 +127,14 @@ def measured(problem: AttentionProblem, target: Target, ranked: tuple[Candidate,
     entry = None
     if not distributed or rank() == 0:
         entry = store.lookup(key)
-        if _from_store(entry, ranked) is None:
+        if _from_store(entry, ranked, key, problem) is None:
             entry = _measure_entry(problem, target, ranked)
             store.remember(key, entry)
     if distributed:
         entry = broadcast_from_rank_zero(entry)
         if rank() != 0:
             store.keep(key, entry)  # rank 0 wrote it; every rank finds it later (e.g. under CUDA graph capture)
-    return _from_store(entry, ranked)
+    return _from_store(entry, ranked, key, problem)
 
 
 def _measure_entry(problem, target, ranked) -> dict:
@@ -153,9 +153,9 @@ def _measure_entry(problem, target, ranked) -> dict:
     }
 
 
-def _from_store(entry, ranked):
-    """(ranked, timings) from a cache entry, or None when it is missing, malformed (one warning), names no supported
-    candidate or leaves its first one untimed."""
+def _from_store(entry, ranked, key, problem):
+    """(ranked, timings) from ``problem``'s cache entry at ``key``, or None when it is missing, malformed (one warning
+    naming the problem), names no supported candidate or leaves its first one untimed."""
     if not entry or not isinstance(entry.get("timings"), list):  # missing, or written before timings were a list
         return None
     supported = set(ranked)
@@ -167,7 +167,7 @@ def _from_store(entry, ranked):
             if c in supported:
                 timings[c] = None if timed["ms"] is None else Timing(*map(float, timed["ms"]))
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
-        store.malformed("measure", exc)
+        store.malformed(key, exc, f"the measured decision for {problem.describe()}")
         return None
     if not order or timings.get(order[0]) is None:  # the choice's timing is what its decision reports
         return None

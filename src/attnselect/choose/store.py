@@ -7,7 +7,7 @@ versions), so a change of any of them ignores old entries. Writes are atomic (a 
 file renamed over the old one) under an exclusive file lock, so ranks sharing the file
 never lose each other's entries. A corrupt or unreadable file gives one warning (one per file and
 process, whatever is wrong with it) and is rebuilt on the next write, without the entries its readers
-found malformed; a directory that cannot be written falls back to memory with one warning.
+found malformed; a directory that cannot be read or written falls back to memory with one warning.
 """
 
 from __future__ import annotations
@@ -81,13 +81,18 @@ def remember(key: str, value: dict, combine=None) -> None:
                 json.dump({"format": FORMAT, "entries": entries}, f)
             os.replace(temporary, path)
     except OSError as exc:
-        warn_once(
-            f"write:{path.parent}",
-            "attnselect: cannot write the decision cache in %s (%s); keeping decisions in memory for this process",
-            path.parent,
-            exc,
-        )
+        _cannot_use(path.parent, exc)
         _memory[key] = combine(_memory.get(key), value) if combine else value
+
+
+def _cannot_use(directory: Path, exc: OSError) -> None:
+    """One warning per cache directory and process that cannot be read or written, whichever fails first."""
+    warn_once(
+        f"directory:{directory}",
+        "attnselect: cannot use the decision cache in %s (%s); keeping decisions in memory for this process",
+        directory,
+        exc,
+    )
 
 
 def _read(path: Path) -> dict:
@@ -103,6 +108,9 @@ def _read(path: Path) -> dict:
         return entries
     except FileNotFoundError:
         return {}
+    except (NotADirectoryError, PermissionError) as exc:  # the directory, not the file: writes will fail alike
+        _cannot_use(path.parent, exc)
+        return {}
     except (OSError, ValueError, RecursionError) as exc:
         _warn(path, "attnselect: ignoring the unreadable decision cache %s (%s); it will be rebuilt", path, exc)
         return {}
@@ -113,16 +121,15 @@ def _warn(path: Path, message: str, *args) -> None:
     warn_once(f"decision cache:{path}", message, *args)
 
 
-def malformed(key: str, exc: Exception) -> None:
-    """A cache entry whose content a reader could not use: ignored, with the file's one warning, and dropped from the
-    file at its next write (unless another process has rewritten it since). ``key``: the entry's, or a reader's tag
-    where it has none at hand."""
+def malformed(key: str, exc: Exception, what: str) -> None:
+    """A cache entry whose content a reader could not use: ignored, with the file's one warning naming ``what`` the
+    entry held, and dropped from the file at its next write (unless another process has rewritten it since)."""
     path = cache_file()
     entry = _seen.get(str(path), {}).get(key)
     if entry is not None:
         _malformed[str(path), key] = _canonical(entry)
-    _warn(path, "attnselect: ignoring a malformed entry of the decision cache %s (%s: %s); it will be rebuilt",
-          path, type(exc).__name__, exc)  # fmt: skip
+    _warn(path, "attnselect: ignoring a malformed entry of the decision cache %s (%s: %s: %s); it will be rebuilt",
+          path, what, type(exc).__name__, exc)  # fmt: skip
 
 
 def _is_malformed(path: Path, key: str, entry) -> bool:
