@@ -80,11 +80,11 @@ VARIANTS.update({
     ),
     "softcap training after another total, every total compiled": dict(SWEEP_CASE, another_total=True, patch="static"),
 })  # fmt: skip
-# The same case raised again in both sweeps without FA4 at 942d778 (6 and 10 workers, other histories). Both workers
-# had run FA3's thd training case with softcap 15 (test_flash_attn_varlen_output[d64 dv64 256x256 mha causal bfloat16
-# softcap15 unused]) before it: a second softcap value may make torch.compile trace the score_mod's float as a
-# symbolic one. The backend compiles with every float a constant (specialize_float); "floats_symbolic" compiles as
-# torch does by default, to show what that setting changes.
+# A second softcap in the process: FA3's thd training case with softcap 15 (test_flash_attn_varlen_output[d64 dv64
+# 256x256 mha causal bfloat16 softcap15 unused]) before SWEEP_CASE, as in the peer sweep's workers at 942d778.
+# "floats_symbolic" compiles as torch does by default (a float seen with a second value traced as symbolic); the
+# backend compiles floats as constants (specialize_float). Dense calls compile with dynamic=False, floats constant
+# either way: their rows are the control.
 OTHER_SOFTCAP = dict(SHORTER, d=64, softcap=15.0, dtype="bfloat16", causal=True)
 VARIANTS.update({
     "after softcap 15: softcap training": dict(SWEEP_CASE, before=[OTHER_SOFTCAP]),

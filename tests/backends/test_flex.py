@@ -110,9 +110,10 @@ def test_packed_flex_training_with_a_second_softcap_matches_float64():
         grad_out = torch.randn(q.shape[0], 4, d, device="cuda", dtype=torch.float64)
         runs = []
         for tensors, backend in (((q, k, v), "flex"), (exact, "reference")):
-            out = attnselect.attention(
-                *tensors, layout="thd", cu_seqlens_q=cu, softcap=softcap, causal=causal, backend=backend
-            )
+            out, _ = attnselect.attention(
+                *tensors, layout="thd", cu_seqlens_q=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
+                softcap=softcap, causal=causal, return_lse=True, backend=backend,
+            )  # fmt: skip
             runs.append((out, torch.autograd.grad(out, tensors, grad_out.to(out.dtype))))
         (out, grads), (ref, ref_grads) = runs
         assert rel_err(out, ref) < 2e-2, softcap

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -37,7 +38,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def test_measure_times_every_supported_candidate_and_keeps_the_fastest(caplog, monkeypatch):
-    # a budget no loaded machine spends: with 10 s, warm-ups on a busy CI core left the slowest untimed (by design)
+    # every candidate timed: past the budget's half, warm-ups stop and the rest keep the rules order (by design)
     monkeypatch.setattr(measure, "TUNING_BUDGET_S", 600.0)
     monkeypatch.setenv("ATTNSELECT_DEBUG", "1")
     monkeypatch.setenv("ATTNSELECT_DEBUG_LEVEL", "2")
@@ -152,6 +153,24 @@ def test_read_only_directory_falls_back_to_memory(tmp_path, monkeypatch, caplog,
         assert attnselect.select(P, target=Target.current("cpu"), policy="measure").chosen == first.chosen
     assert "keeping decisions in memory" in caplog.text and store._memory
     assert len(caplog.records) == 1, "one warning for the directory, whether its read or its write failed first"
+
+
+def test_an_unreadable_file_in_a_usable_directory_is_rebuilt(cache_dir, monkeypatch, caplog):
+    """Permission denied on the file alone: one warning, and the next write replaces it (not memory alone)."""
+    path = cache_dir / "decisions.json"
+    path.write_text("{}")
+    read_text = pathlib.Path.read_text
+
+    def denied(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)
+
+    with monkeypatch.context() as patched, caplog.at_level("WARNING", logger="attnselect"):
+        patched.setattr(pathlib.Path, "read_text", denied)
+        attnselect.select(P, target=Target.current("cpu"), policy="measure")
+    assert "ignoring the unreadable decision cache" in caplog.text and "keeping decisions in memory" not in caplog.text
+    assert not store._memory and json.loads(path.read_text())["entries"]
 
 
 def test_a_malformed_entry_is_named_in_its_warning(cache_dir, caplog, monkeypatch):

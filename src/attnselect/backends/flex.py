@@ -208,12 +208,12 @@ def _recompile_settings():
     """The dynamo settings for a hard recompile limit, by their names in this torch (renamed in 2.7), or None; with
     every float a constant where this torch has the setting (``specialize_float``).
 
-    Floats: a second value of a float that flex_attention's frame has seen (the softcap in the score_mod's closure)
-    makes torch.compile trace it as a symbolic float; torch 2.11 then breaks the graph of packed flex training and
-    runs its backward set-up (create_fw_bw_graph) under dynamo, which fails ("all unwrapped values must be
-    FakeTensor, int, or SymInt"). On the H200, FA2's packed softcap-50 training case after a softcap-15 one failed so
-    in the peer sweep's worker (results/h200_peer_sweep_replay_shard1of6.jsonl) and in a fresh process, and passed with
-    floats constant (results/h200_flex_probe_softcap_pair.md). A constant costs one compile per softcap and scale,
+    Floats: under ``dynamic=None`` (packed calls) torch.compile traces a float it has seen with a second value (the
+    softcap in the score_mod's closure, the scale) as a symbolic one, and torch 2.11's flex training then fails in
+    create_fw_bw_graph ("all unwrapped values must be FakeTensor, int, or SymInt"): on the H200, packed softcap-50
+    training after a softcap-15 call, and passes with floats constant (results/h200_flex_probe_softcap_pair.md;
+    the peer sweep's case, results/h200_peer_sweep_replay_shard1of6.jsonl). Dense calls compile with
+    ``dynamic=False``, where floats stay constants anyway. A packed call pays one compile per softcap and scale,
     which a model keeps."""
     config = torch._dynamo.config
     for limit, fail in (

@@ -130,13 +130,10 @@ _MEMORY_SIGNS = (
     "cudnn_status_alloc_failed",
     "cudnnhandle create failed cudastreamcreatewithflags",
 )
-# torch 2.11's compiled flex_attention in a process that had compiled packed flex training with another softcap: the
-# float, seen with a second value, was traced as a symbolic one, the graph broke and flex's backward set-up ran under
-# dynamo and failed ("all unwrapped values must be FakeTensor, int, or SymInt", create_fw_bw_graph in
-# torch/_higher_order_ops/flex_attention.py); the call alone passes in a fresh process
-# (results/h200_flex_probe_softcap_pair.md). The flex backend now compiles floats as constants
-# (attnselect.backends.flex._recompile_settings); the error stays a state of the process, not of the kernel, should
-# another path reach it.
+# torch.compile's state in a process, not the kernel: torch 2.11's packed flex training, compiled after another
+# softcap with floats symbolic, fails in create_fw_bw_graph ("all unwrapped values must be FakeTensor, int, or
+# SymInt") where the same call alone passes (results/h200_flex_probe_softcap_pair.md). The flex backend compiles
+# floats as constants (attnselect.backends.flex._recompile_settings); another path to the error stays transient.
 _COMPILER_STATE_SIGNS = ("all unwrapped values must be faketensor",)
 _OUT_OF_MEMORY = (MemoryError, *((torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()))
 

@@ -108,8 +108,11 @@ def _read(path: Path) -> dict:
         return entries
     except FileNotFoundError:
         return {}
-    except (NotADirectoryError, PermissionError) as exc:  # the directory, not the file: writes will fail alike
-        _cannot_use(path.parent, exc)
+    except (NotADirectoryError, PermissionError) as exc:
+        if isinstance(exc, NotADirectoryError) or not os.access(path.parent, os.W_OK | os.X_OK):
+            _cannot_use(path.parent, exc)  # the directory: writes fail alike, under the same warning
+        else:  # the file alone: rewritten at the next write
+            _warn(path, "attnselect: ignoring the unreadable decision cache %s (%s); it will be rebuilt", path, exc)
         return {}
     except (OSError, ValueError, RecursionError) as exc:
         _warn(path, "attnselect: ignoring the unreadable decision cache %s (%s); it will be rebuilt", path, exc)
