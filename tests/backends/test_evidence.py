@@ -38,7 +38,7 @@ def grid(monkeypatch):
                 "dense 64/256 training": {"passed": 2, "failed": 1, "example": "row 7: InductorError: out of resource"},
             }
         },
-        "covered": frozenset({json.dumps(["flex", None, list(_problem(training=True).signature)])}),
+        "covered": frozenset({("flex", None, _problem(training=True).signature)}),
     }
     monkeypatch.setattr(evidence, "grid_for", lambda arch: data if arch == "sm90" else None)
     return data
@@ -214,3 +214,21 @@ def test_a_foreign_or_corrupt_summary_is_ignored_with_one_warning(content, monke
         assert sum("ignoring the correctness summary" in r.getMessage() for r in caplog.records) == 1
     finally:
         evidence.grid_for.cache_clear()
+
+
+def test_the_packaged_grid_covers_each_signature_where_every_row_passed():
+    """Covered signatures are looked up as AttentionProblem.signature holds them: the loaded grid holds exactly the
+    (backend, pad_to, signature) of the committed rows that passed in every row of their signature."""
+    import pathlib
+
+    from attnselect.spec.problem import AttentionProblem
+
+    evidence.grid_for.cache_clear()
+    grid = evidence.grid_for("sm90")
+    rows = pathlib.Path(__file__).parents[2] / "results" / "h200_correctness_grid.jsonl"
+    passed: dict = {}
+    for line in rows.read_text().splitlines():
+        r = json.loads(line)
+        key = (r["backend"], r["pad_to"], AttentionProblem.from_dict(r["problem"]).signature)
+        passed[key] = passed.get(key, True) and r["passed"]
+    assert grid["covered"] == {key for key, ok in passed.items() if ok}

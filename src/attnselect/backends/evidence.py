@@ -123,7 +123,14 @@ def grid_for(arch: str) -> dict | None:
             )
         ):  # fmt: skip
             raise ValueError("its failed signatures are not [backend, pad_to, signature, finding] lists")
-        data["covered"] = frozenset(_signature_key(*entry) for entry in data["covered"])
+        covered = data["covered"]
+        if not all(
+            isinstance(c, list) and len(c) == 3 and isinstance(c[0], str) and _pad(c[1]) and isinstance(c[2], list)
+            for c in covered
+        ):
+            raise ValueError("its covered signatures are not [backend, pad_to, signature] lists")
+        # as (backend, pad_to, AttentionProblem.signature): looked up at each first call of a signature
+        data["covered"] = frozenset((backend, pad_to, _as_tuples(signature)) for backend, pad_to, signature in covered)
         data["failed"] = {}  # problem signature (as AttentionProblem.signature holds it) -> {backend: finding}
         for backend, _, signature, finding in failed:
             data["failed"].setdefault(_as_tuples(signature), {}).setdefault(backend, finding)
@@ -178,7 +185,7 @@ def covers(backend: str, pad_to: int | None, problem: AttentionProblem, target: 
         return False
     if grid.get("packages", {}).get(backend) != version:
         return False
-    return _signature_key(backend, pad_to, problem.signature) in grid["covered"]
+    return (backend, pad_to, problem.signature) in grid["covered"]
 
 
 def known_failures(signature: tuple, target: Target, version_of) -> dict:
@@ -208,7 +215,3 @@ def _as_tuples(value):
 
 def _pad(value) -> bool:
     return value is None or (type(value) is int and value > 0)
-
-
-def _signature_key(backend, pad_to, signature) -> str:
-    return json.dumps([backend, pad_to, list(signature)])
