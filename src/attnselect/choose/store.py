@@ -108,14 +108,13 @@ def _read(path: Path) -> dict:
         return entries
     except FileNotFoundError:
         return {}
-    except (NotADirectoryError, PermissionError) as exc:
-        if isinstance(exc, NotADirectoryError) or not os.access(path.parent, os.W_OK | os.X_OK):
+    except (OSError, ValueError, RecursionError) as exc:
+        if isinstance(exc, NotADirectoryError) or (
+            isinstance(exc, PermissionError) and not os.access(path.parent, os.W_OK | os.X_OK)
+        ):
             _cannot_use(path.parent, exc)  # the directory: writes fail alike, under the same warning
         else:  # the file alone: rewritten at the next write
             _warn(path, "attnselect: ignoring the unreadable decision cache %s (%s); it will be rebuilt", path, exc)
-        return {}
-    except (OSError, ValueError, RecursionError) as exc:
-        _warn(path, "attnselect: ignoring the unreadable decision cache %s (%s); it will be rebuilt", path, exc)
         return {}
 
 
