@@ -551,6 +551,8 @@ SWEEPS = (
     "results/h200_peer_sweep_without_frontend_942d778.jsonl",
     "results/h200_peer_sweep_flex_floats.jsonl",
     "results/h200_peer_sweep_without_frontend_flex_floats.jsonl",
+    "results/h200_peer_sweep_18e1749.jsonl",
+    "results/h200_peer_sweep_18e1749_fa4.jsonl",
 )
 
 
