@@ -243,7 +243,61 @@ def test_a_new_packing_in_a_known_work_class_predicts_nothing_again(tmp_path, mo
     fresh = attnselect.select(same_class, target=target)
     assert carried.chosen == fresh.chosen and carried.predictions[carried.chosen] == fresh.predictions[fresh.chosen]
     attnselect.clear_cache()  # a clear forgets the rankings too
-    assert not selection._RANKINGS
+    assert not selection._PACKED
+
+
+def test_a_new_size_class_in_a_known_work_class_reuses_its_predictions(tmp_path, monkeypatch):
+    """Predictions depend on the work class only (rules.prediction): a packing in another size class or rules table
+    but a known work class is ranked again without predicting again, and chooses what select chooses there."""
+    from attnselect.choose import first_calls, predict, rules, selection
+
+    target = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+    _packed_calibration(tmp_path, monkeypatch, target)
+    first_calls.forget()
+
+    def problem(batch, seqlen):
+        return AttentionProblem(batch, seqlen, seqlen, 16, 16, 128, 128, layout="thd", mask="causal", training=True,
+                                dtype=torch.bfloat16)  # fmt: skip
+
+    # scores on either side of 4**15 (size classes 15 and 14), the same work class
+    upper, lower = problem(4, 4096), problem(4, 4095)
+    assert predict.work_class(upper) == predict.work_class(lower)
+    assert upper.size_class != lower.size_class
+    selection.select_packed(problem(5, 2048), target=target)
+    selection.select_packed(upper, target=target)
+    predicted, real = [], rules.prediction
+    monkeypatch.setattr(rules, "prediction", lambda *a, **k: predicted.append(1) or real(*a, **k))
+    carried = selection.select_packed(lower, target=target)
+    assert not predicted
+    monkeypatch.setattr(rules, "prediction", real)
+    fresh = attnselect.select(lower, target=target)
+    assert carried.chosen == fresh.chosen and carried.ranked == fresh.ranked[: len(carried.ranked)]
+    assert carried.predictions == {c: fresh.predictions[c] for c in carried.ranked}
+
+
+def test_a_packing_whose_carried_decision_is_unchanged_gets_the_earlier_decision(tmp_path, monkeypatch):
+    """Where a new packing's carried decision would equal the one last carried in its class (work class, size class
+    and rules table) but for its sizes (the same candidates judged alike, ranking and rental), select_packed returns
+    that one rather than build its copy; a packing that changes any of them gets a decision of its own."""
+    from attnselect.choose import first_calls, selection
+
+    target = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+    _packed_calibration(tmp_path, monkeypatch, target)
+    first_calls.forget()
+
+    def problem(batch, seqlen):
+        return AttentionProblem(batch, seqlen, seqlen, 16, 16, 128, 128, layout="thd", mask="causal", training=True,
+                                dtype=torch.bfloat16)  # fmt: skip
+
+    selection.select_packed(problem(18, 4096), target=target)
+    first = selection.select_packed(problem(18, 4000), target=target)  # carried: a decision of its own
+    assert first.problem == problem(18, 4000) and first.carried_from is not None
+    same = selection.select_packed(problem(18, 4001), target=target)  # the same class: nothing changes
+    assert same is first
+    other = selection.select_packed(problem(2, 100), target=target)  # another class and choice
+    assert other is not first and other.problem == problem(2, 100)
+    assert other.chosen == attnselect.select(problem(2, 100), target=target).chosen
+    assert selection.select_packed(problem(18, 3999), target=target) is first  # its class's decision, kept
 
 
 @pytest.mark.parametrize("forced", [None, "varlen_fa2"])

@@ -297,40 +297,62 @@ def parse_table(key: tuple, names: tuple[str, ...]) -> tuple[tuple[str, bool], .
 TABLES = {key: parse_table(key, names) for key, names in PREFERENCES.items()}
 
 
+_FAMILIES = {8: "sm80", 9: "sm90", 10: "sm100", 11: "sm100", 12: "sm120"}
+
+
 def arch_family(target: Target) -> str:
     if not target.is_cuda:
         return "cpu"
     major = target.capability[0]
-    return {8: "sm80", 9: "sm90", 10: "sm100", 11: "sm100", 12: "sm120"}.get(major, "sm80" if major < 8 else "sm120")
+    return _FAMILIES.get(major, "sm80" if major < 8 else "sm120")
 
 
 def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]:
-    """The key of the table that ranks ``problem`` on ``target`` and its (backend, padded) entries, best first."""
+    """The key of the table that ranks ``problem`` on ``target`` and its (backend, padded) entries, best first: the
+    first refinement (in :data:`_REFINEMENTS`' order) that has a table for this family and phase and applies."""
     key = (arch_family(target), "training" if problem.training else "inference")
     if problem.layout == "thd":
         key += ("thd",)
-    work = pack_work(
+    for name, applies in _REFINEMENTS:  # each test run only where its table exists (a packed call: every packing)
+        refined = key + (name,)
+        if refined in TABLES and applies(problem):
+            return refined, TABLES[refined]
+    return key, TABLES[key]
+
+
+def _work(problem: AttentionProblem) -> int:
+    return pack_work(
         problem.heads_q, problem.head_dim_qk, problem.head_dim_v, problem.batch, problem.seqlen_q, problem.seqlen_kv
     )
-    refinements = {
-        "short documents": problem.layout == "thd"
-        and problem.seqlen_q <= SHORT_DOCUMENTS
-        and problem.seqlen_kv <= SHORT_DOCUMENTS
-        and work <= SHORT_PACK_WORK,
-        "small pack": problem.layout == "thd"
-        and not problem.cuda_graph_capture
-        and work <= SMALL_PACK_WORK
-        and problem.square
-        and problem.mask in ("causal", "causal_bottom_right")
-        and problem.heads_q == problem.heads_kv
-        and max(problem.head_dim_qk, problem.head_dim_v) <= 192,
-        "wide heads": max(problem.head_dim_qk, problem.head_dim_v) > 256
-        and problem.seqlen_q == problem.seqlen_kv >= WIDE_PREFILL,
-    }
-    for name, applies in refinements.items():
-        if applies and key + (name,) in TABLES:
-            return key + (name,), TABLES[key + (name,)]
-    return key, TABLES[key]
+
+
+_REFINEMENTS = (
+    (
+        "short documents",
+        lambda p: (
+            p.layout == "thd"
+            and p.seqlen_q <= SHORT_DOCUMENTS
+            and p.seqlen_kv <= SHORT_DOCUMENTS
+            and _work(p) <= SHORT_PACK_WORK
+        ),
+    ),
+    (
+        "small pack",
+        lambda p: (
+            p.layout == "thd"
+            and not p.cuda_graph_capture
+            and p.square
+            and p.mask in ("causal", "causal_bottom_right")
+            and p.heads_q == p.heads_kv
+            and max(p.head_dim_qk, p.head_dim_v) <= 192
+            and _work(p) <= SMALL_PACK_WORK
+        ),
+    ),
+    (
+        "wide heads",
+        lambda p: max(p.head_dim_qk, p.head_dim_v) > 256 and p.seqlen_q == p.seqlen_kv >= WIDE_PREFILL,
+    ),
+)
 
 
 def pack_work(heads_q: int, head_dim_qk: int, head_dim_v: int, sequences: int, seqlen_q: int, seqlen_kv: int) -> int:

@@ -77,10 +77,28 @@ def select(
 
 
 # Packed problems change their sizes (sequence count, max lengths) every step of a loop: per problem with the sizes
-# left out, the last decision, the problem it was last found to hold for (every layer of a step repeats it) and the
-# candidates the caller's controls leave (they do not depend on the sizes).
-_PACKED: OrderedDict[tuple, tuple[Decision, AttentionProblem, tuple[Candidate, ...]]] = OrderedDict()
+# left out (its family), the last decision, the problem it was last found to hold for (every layer of a step repeats
+# it), the candidates the caller's controls leave (they do not depend on the sizes) and its calibrated rankings.
+_PACKED: OrderedDict[tuple, _Family] = OrderedDict()
 register_cache(_PACKED.clear)
+
+
+class _Family:
+    """What :func:`select_packed` keeps for a packed problem without its sizes, under one set of controls."""
+
+    __slots__ = ("last", "allowed", "runs", "predicted", "rankings")
+
+    def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...]):
+        self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
+        self.allowed = allowed
+        self.runs: list[Candidate] | None = None  # the allowed candidates the target can run at some size
+        # work class -> ({candidate: prediction}, the candidates the calibration cannot rank): a calibration predicts
+        # at the work's class, and whether it ranks a candidate does not depend on the sizes (rules.prediction)
+        self.predicted: dict[int, tuple[dict, tuple[Candidate, ...]]] = {}
+        # (work class, size class, rules table) -> _Ranking: each a function of that key and the family (failures are
+        # kept per signature, which holds the size class), so a new packing in a known class looks its ranking up; a
+        # new failure clears the memo
+        self.rankings: dict[tuple, _Ranking] = {}
 
 
 def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pad=None, disable=None) -> Decision:
@@ -91,7 +109,9 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
 
     - where a calibration ranks the call, the candidates are ordered by their predicted times at the new sizes and
       judged in that order only until the choice and its rental are settled: the decision's ``ranked`` is the head of
-      select's ranking and its ``verdicts`` those of the candidates judged (explain and select judge them all);
+      select's ranking and its ``verdicts`` those of the candidates judged (explain and select judge them all); the
+      decision last carried in the same work class, size class and rules table is returned again (describing its
+      own sizes) where it differs from this one in its sizes only;
     - where the table ranks it, the earlier decision stands (it is returned, describing those sizes) when the rules
       table for the new sizes is the same, its choice still serves them and has not failed for them, and no candidate
       that was refused there and that the table puts above the choice (any refused one, where the choice rebuilds per
@@ -101,30 +121,35 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     """
     cleared = generation()
     try:
-        key = (
-            problem.sizeless,
-            target,
-            backend,
-            pad,
-            disable,
-            settings.environment(),
-            settings.scope(),
-        )
-        earlier, held_for, allowed = _PACKED.get(key, (None, None, None))
+        # the raw ATTNSELECT_* values (settings.environment decodes them): a key, read for every new packing
+        key = (problem.sizeless, target, backend, pad, disable, _no_environment() or _raw_environment(), _scope())
+        family = _PACKED.get(key)
     except TypeError:  # an unhashable control: select() names it
         return select(problem, target=target, backend=backend, pad=pad, disable=disable)
     decision = None
-    if earlier is not None and problem == held_for:
-        decision = earlier
-    elif earlier is not None and earlier.policy == "rules":
-        decision = _carried(key, earlier, allowed, problem, target)
+    if family is not None:
+        earlier, held_for = family.last
+        if _same_sizes(problem, held_for):  # the key holds every other field
+            decision = earlier
+        elif earlier.policy == "rules":
+            decision = _carried(family, earlier, problem, target)
     if decision is None:
         decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
-        allowed = tuple(
+    if family is None:
+        allowed = tuple(  # what the controls leave: the same at every size
             v.candidate for v in decision.verdicts if not override_reasons(decision.overrides, v.candidate, problem)
         )
-    _remember(_PACKED, key, (decision, problem, allowed), cleared)
+        _remember(_PACKED, key, _Family(decision, problem, allowed), cleared)
+    else:
+        family.last = decision, problem
     return decision
+
+
+_no_environment, _raw_environment, _scope = settings.no_environment, settings.raw_environment, settings.scope
+
+
+def _same_sizes(problem: AttentionProblem, other: AttentionProblem) -> bool:
+    return problem.batch == other.batch and problem.seqlen_q == other.seqlen_q and problem.seqlen_kv == other.seqlen_kv
 
 
 def _remember(memo: OrderedDict, key, value, cleared: int) -> None:
@@ -137,15 +162,15 @@ def _remember(memo: OrderedDict, key, value, cleared: int) -> None:
         memo.pop(key, None)
 
 
-def _carried(
-    key: tuple, earlier: Decision, allowed: tuple[Candidate, ...], problem: AttentionProblem, target: Target
-) -> Decision | None:
-    """The rules' ``earlier`` decision carried to ``problem``'s sizes (:func:`select_packed`), or None where only
-    :func:`select` can tell."""
+def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, target: Target) -> Decision | None:
+    """The rules' ``earlier`` decision of ``family`` carried to ``problem``'s sizes (:func:`select_packed`), or None
+    where only :func:`select` can tell. Where the decision last carried with the same ranking is this one but for
+    its sizes (the same candidates judged alike, ranking and rental), that one is returned, describing its own
+    sizes."""
     found, source = calibration.for_target(target)
     ranking = None
     if found is not None and not calibration.outside(problem):
-        ranking = _ranking(key, allowed, problem, target, found)
+        ranking = _ranking(family, problem, target, found)
     failed = ranking.failed if ranking is not None else _failed(problem, target)
     judged: dict[Candidate, tuple[str, ...]] = {}  # as judge() refuses them
 
@@ -167,6 +192,16 @@ def _carried(
         ranked, rental = first_calls.drawn_rental(ordered, predicted, found["first_call_ms"], problem)
     if not ranked or predicted[ranked[0]] is None:  # nothing it serves is calibrated: select() says why
         return None
+    held = ranking.decided[0]
+    if (
+        held is not None
+        and held.ranked == ranked
+        and held.rental == rental
+        and held.calibration == source
+        and len(judged) == len(held.verdicts)
+        and all(judged.get(v.candidate) == v.reasons for v in held.verdicts)
+    ):
+        return held
     decision = Decision(
         problem, target, earlier.policy, earlier.overrides, rental.chosen if rental else ranked[0], ranked,
         tuple(Verdict(c, reasons) for c, reasons in judged.items()),
@@ -174,42 +209,45 @@ def _carried(
     )  # fmt: skip
     if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # a new decision: logged once
         debug.log_decision(decision)
+    ranking.decided[0] = decision
     return decision
 
 
 class _Ranking(NamedTuple):
     """The candidates a packed call's controls allow, in their predicted order at its work class, with their
     predictions (None for those the calibration leaves out), those the calibration cannot rank (where one of them
-    serves, the table ranks the call), and the failures known at the call's signature."""
+    serves, the table ranks the call), the failures known at the call's signature, and the decision last carried
+    with it (``decided[0]``; None before the first), which a packing that changes nothing of it gets again."""
 
     ordered: tuple[Candidate, ...]
     predicted: dict
     unranked: tuple[Candidate, ...]
     failed: dict
+    decided: list
 
 
-# Per packed call without its sizes, work class, size class and rules table: its :class:`_Ranking`. Each is a function
-# of that key (a calibration predicts at the work's class, attnselect.choose.predict; failures are kept per signature,
-# which holds the size class), so a new packing in a known class looks its ranking up; a new failure clears it.
-_RANKINGS: OrderedDict[tuple, _Ranking] = OrderedDict()
-register_cache(_RANKINGS.clear)
-
-
-def _ranking(key: tuple, allowed: tuple[Candidate, ...], problem: AttentionProblem, target: Target, found: dict):
-    cleared = generation()
-    at = (key, work_class(problem), problem.size_class, rules.table_for(problem, target)[0])
-    ranking = _RANKINGS.get(at)
+def _ranking(family: _Family, problem: AttentionProblem, target: Target, found: dict) -> _Ranking:
+    klass = work_class(problem)
+    at = (klass, problem.size_class, rules.table_for(problem, target)[0])
+    ranking = family.rankings.get(at)
     if ranking is None:
-        # what the target cannot run at any size (its package missing, another device) leaves the ranking
-        runs = [c for c in allowed if not backend_named(c.backend).target_reasons(target)]
-        predicted, unranked = {}, []
-        for c in runs:
-            predicted[c], why = rules.prediction(c, problem, target, found)
-            if why:
-                unranked.append(c)
-        ordered = tuple(sorted(runs, key=rules.order(problem, target, predicted, allowed)))
-        ranking = _Ranking(ordered, predicted, tuple(unranked), _failed(problem, target))
-        _remember(_RANKINGS, at, ranking, cleared)
+        if family.runs is None:  # what the target cannot run at any size (its package missing...) leaves the ranking
+            family.runs = [c for c in family.allowed if not backend_named(c.backend).target_reasons(target)]
+        held = family.predicted.get(klass)
+        if held is None:
+            predicted, unranked = {}, []
+            for c in family.runs:
+                predicted[c], why = rules.prediction(c, problem, target, found)
+                if why:
+                    unranked.append(c)
+            held = family.predicted[klass] = predicted, tuple(unranked)
+        predicted, unranked = held
+        ordered = tuple(sorted(family.runs, key=rules.order(problem, target, predicted, family.allowed)))
+        ranking = _Ranking(ordered, predicted, unranked, _failed(problem, target), [None])
+        if len(family.rankings) >= MEMO_SIZE:  # a bound no loop's classes reach
+            family.rankings.clear()
+            family.predicted.clear()
+        family.rankings[at] = ranking
     return ranking
 
 
