@@ -194,14 +194,28 @@ def _packed_calibration(tmp_path, monkeypatch, target):
     attnselect.clear_cache()
 
 
-def test_predicted_packed_decisions_at_new_sizes_judge_no_candidate_again(tmp_path, monkeypatch):
-    """Ranked by predicted time, a packed call known but for its sizes is carried to the new sizes without judging
-    every candidate again (select_packed's point: a training loop's packing changes every step)."""
-    from attnselect.choose import candidates, first_calls, selection
+def _calibrated_h200(tmp_path, monkeypatch) -> Target:
+    """The H200 with the cuDNN frontend and FA4 under :func:`_packed_calibration`, no compile paid yet."""
+    from attnselect.choose import first_calls
 
     target = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
     _packed_calibration(tmp_path, monkeypatch, target)
     first_calls.forget()
+    return target
+
+
+def _thd_training(batch: int, seqlen: int) -> AttentionProblem:
+    """A packed causal training call of ``batch`` sequences up to ``seqlen`` tokens, H16, 128/128 bf16."""
+    return AttentionProblem(batch, seqlen, seqlen, 16, 16, 128, 128, layout="thd", mask="causal", training=True,
+                            dtype=torch.bfloat16)  # fmt: skip
+
+
+def test_predicted_packed_decisions_at_new_sizes_judge_no_candidate_again(tmp_path, monkeypatch):
+    """Ranked by predicted time, a packed call known but for its sizes is carried to the new sizes without judging
+    every candidate again (select_packed's point: a training loop's packing changes every step)."""
+    from attnselect.choose import candidates, selection
+
+    target = _calibrated_h200(tmp_path, monkeypatch)
     judged, real = [], candidates.judge
     monkeypatch.setattr(selection, "judge", lambda *a, **k: judged.append(1) or real(*a, **k))
     decisions = []
@@ -218,25 +232,19 @@ def test_predicted_packed_decisions_at_new_sizes_judge_no_candidate_again(tmp_pa
 def test_a_new_packing_in_a_known_work_class_predicts_nothing_again(tmp_path, monkeypatch):
     """A packed call's ranking is kept per work class, size class and rules table: a new packing whose sizes fall in
     a class seen before looks its ranking up (no prediction, no sort), and chooses what select chooses there."""
-    from attnselect.choose import first_calls, predict, rules, selection
+    from attnselect.choose import predict, rules, selection
 
-    target = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
-    _packed_calibration(tmp_path, monkeypatch, target)
-    first_calls.forget()
+    target = _calibrated_h200(tmp_path, monkeypatch)
     predicted, real = [], rules.prediction
     monkeypatch.setattr(rules, "prediction", lambda *a, **k: predicted.append(1) or real(*a, **k))
 
-    def problem(batch, seqlen):
-        return AttentionProblem(batch, seqlen, seqlen, 16, 16, 128, 128, layout="thd", mask="causal", training=True,
-                                dtype=torch.bfloat16)  # fmt: skip
-
-    selection.select_packed(problem(18, 4096), target=target)
-    selection.select_packed(problem(18, 4000), target=target)  # a new class: predicted
+    selection.select_packed(_thd_training(18, 4096), target=target)
+    selection.select_packed(_thd_training(18, 4000), target=target)  # a new class: predicted
     before = len(predicted)
     assert before
-    same_class = problem(18, 4001)
-    assert predict.work_class(same_class) == predict.work_class(problem(18, 4000))
-    assert same_class.size_class == problem(18, 4000).size_class
+    same_class = _thd_training(18, 4001)
+    assert predict.work_class(same_class) == predict.work_class(_thd_training(18, 4000))
+    assert same_class.size_class == _thd_training(18, 4000).size_class
     carried = selection.select_packed(same_class, target=target)
     assert len(predicted) == before
     monkeypatch.setattr(rules, "prediction", real)
@@ -249,21 +257,15 @@ def test_a_new_packing_in_a_known_work_class_predicts_nothing_again(tmp_path, mo
 def test_a_new_size_class_in_a_known_work_class_reuses_its_predictions(tmp_path, monkeypatch):
     """Predictions depend on the work class only (rules.prediction): a packing in another size class or rules table
     but a known work class is ranked again without predicting again, and chooses what select chooses there."""
-    from attnselect.choose import first_calls, predict, rules, selection
+    from attnselect.choose import predict, rules, selection
 
-    target = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
-    _packed_calibration(tmp_path, monkeypatch, target)
-    first_calls.forget()
-
-    def problem(batch, seqlen):
-        return AttentionProblem(batch, seqlen, seqlen, 16, 16, 128, 128, layout="thd", mask="causal", training=True,
-                                dtype=torch.bfloat16)  # fmt: skip
+    target = _calibrated_h200(tmp_path, monkeypatch)
 
     # scores on either side of 4**15 (size classes 15 and 14), the same work class
-    upper, lower = problem(4, 4096), problem(4, 4095)
+    upper, lower = _thd_training(4, 4096), _thd_training(4, 4095)
     assert predict.work_class(upper) == predict.work_class(lower)
     assert upper.size_class != lower.size_class
-    selection.select_packed(problem(5, 2048), target=target)
+    selection.select_packed(_thd_training(5, 2048), target=target)
     selection.select_packed(upper, target=target)
     predicted, real = [], rules.prediction
     monkeypatch.setattr(rules, "prediction", lambda *a, **k: predicted.append(1) or real(*a, **k))
@@ -279,25 +281,19 @@ def test_a_packing_whose_carried_decision_is_unchanged_gets_the_earlier_decision
     """Where a new packing's carried decision would equal the one last carried in its class (work class, size class
     and rules table) but for its sizes (the same candidates judged alike, ranking and rental), select_packed returns
     that one rather than build its copy; a packing that changes any of them gets a decision of its own."""
-    from attnselect.choose import first_calls, selection
+    from attnselect.choose import selection
 
-    target = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
-    _packed_calibration(tmp_path, monkeypatch, target)
-    first_calls.forget()
+    target = _calibrated_h200(tmp_path, monkeypatch)
 
-    def problem(batch, seqlen):
-        return AttentionProblem(batch, seqlen, seqlen, 16, 16, 128, 128, layout="thd", mask="causal", training=True,
-                                dtype=torch.bfloat16)  # fmt: skip
-
-    selection.select_packed(problem(18, 4096), target=target)
-    first = selection.select_packed(problem(18, 4000), target=target)  # carried: a decision of its own
-    assert first.problem == problem(18, 4000) and first.carried_from is not None
-    same = selection.select_packed(problem(18, 4001), target=target)  # the same class: nothing changes
+    selection.select_packed(_thd_training(18, 4096), target=target)
+    first = selection.select_packed(_thd_training(18, 4000), target=target)  # carried: a decision of its own
+    assert first.problem == _thd_training(18, 4000) and first.carried_from is not None
+    same = selection.select_packed(_thd_training(18, 4001), target=target)  # the same class: nothing changes
     assert same is first
-    other = selection.select_packed(problem(2, 100), target=target)  # another class and choice
-    assert other is not first and other.problem == problem(2, 100)
-    assert other.chosen == attnselect.select(problem(2, 100), target=target).chosen
-    assert selection.select_packed(problem(18, 3999), target=target) is first  # its class's decision, kept
+    other = selection.select_packed(_thd_training(2, 100), target=target)  # another class and choice
+    assert other is not first and other.problem == _thd_training(2, 100)
+    assert other.chosen == attnselect.select(_thd_training(2, 100), target=target).chosen
+    assert selection.select_packed(_thd_training(18, 3999), target=target) is first  # its class's decision, kept
 
 
 @pytest.mark.parametrize("forced", [None, "varlen_fa2"])
@@ -310,9 +306,7 @@ def test_predicted_packed_decisions_at_new_sizes_are_what_select_decides_there(t
     from attnselect.choose.failures import mark_failed
     from attnselect.choose.selection import select_packed
 
-    target = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
-    _packed_calibration(tmp_path, monkeypatch, target)
-    first_calls.forget()
+    target = _calibrated_h200(tmp_path, monkeypatch)
     rng, seen, chosen = random.Random(0), set(), set()
     base = AttentionProblem(18, 4096, 4096, 16, 16, 128, 128, layout="thd", mask="causal", training=True,
                             dtype=torch.bfloat16)  # fmt: skip
