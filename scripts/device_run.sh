@@ -103,9 +103,10 @@ need_fa4() {
   echo "has lost the earlier stages' files in $FA4_WHEELS."
   return 1
 }
-# ATTNSELECT_SRC: the library's source folder (default src); another checkout's src, carried in an ignored folder
-# (.whl-before/src), times that version with this tree's benchmarks
-export PYTHONPATH=$PWD/${ATTNSELECT_SRC:-src}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# LIBRARY_SRC: the library's source folder (default src, relative to the tree or absolute); another checkout's src,
+# carried in an ignored folder (.whl-before/src), times that version with this tree's benchmarks
+library_src=${LIBRARY_SRC:-src}; [ "${library_src#/}" = "$library_src" ] && library_src=$PWD/$library_src
+export PYTHONPATH=$library_src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c 'import attnselect; print(attnselect.Target.current().describe())'
 for step in "$@"; do
 started=$SECONDS

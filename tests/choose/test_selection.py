@@ -255,8 +255,8 @@ def test_a_new_packing_in_a_known_work_class_predicts_nothing_again(tmp_path, mo
 
 
 def test_a_new_size_class_in_a_known_work_class_reuses_its_predictions(tmp_path, monkeypatch):
-    """Predictions depend on the work class only (rules.prediction): a packing in another size class or rules table
-    but a known work class is ranked again without predicting again, and chooses what select chooses there."""
+    """Predictions depend on the work class only (rules.prediction): a packing in another size class but a known work
+    class is ranked again without predicting again, and chooses what select chooses there."""
     from attnselect.choose import predict, rules, selection
 
     target = _calibrated_h200(tmp_path, monkeypatch)
@@ -281,19 +281,49 @@ def test_a_packing_whose_carried_decision_is_unchanged_gets_the_earlier_decision
     """Where a new packing's carried decision would equal the one last carried in its class (work class, size class
     and rules table) but for its sizes (the same candidates judged alike, ranking and rental), select_packed returns
     that one rather than build its copy; a packing that changes any of them gets a decision of its own."""
-    from attnselect.choose import selection
+    from attnselect.choose import first_calls, selection
+    from attnselect.choose.failures import mark_failed
 
     target = _calibrated_h200(tmp_path, monkeypatch)
+
+    def matches_select(decision, problem):
+        fresh = attnselect.select(problem, target=target)
+        return (decision.chosen, decision.rental) == (fresh.chosen, fresh.rental)
 
     selection.select_packed(_thd_training(18, 4096), target=target)
     first = selection.select_packed(_thd_training(18, 4000), target=target)  # carried: a decision of its own
     assert first.problem == _thd_training(18, 4000) and first.carried_from is not None
+    assert first.rental is not None  # FA4 deferred until its compile is paid (_packed_calibration)
     same = selection.select_packed(_thd_training(18, 4001), target=target)  # the same class: nothing changes
-    assert same is first
+    assert same is first and matches_select(same, _thd_training(18, 4001))
     other = selection.select_packed(_thd_training(2, 100), target=target)  # another class and choice
     assert other is not first and other.problem == _thd_training(2, 100)
-    assert other.chosen == attnselect.select(_thd_training(2, 100), target=target).chosen
+    assert matches_select(other, _thd_training(2, 100))
     assert selection.select_packed(_thd_training(18, 3999), target=target) is first  # its class's decision, kept
+    # the same class, the rental changed: FA4's compile paid, so FA4 runs at once
+    first_calls.ran(first.rental.deferred, _thd_training(18, 4000))
+    paid = selection.select_packed(_thd_training(18, 4002), target=target)
+    assert paid is not first and paid.rental is None and matches_select(paid, _thd_training(18, 4002))
+    # the chosen candidate failed at this signature (mark_failed clears the memos): decided again
+    mark_failed(_thd_training(18, 4003), target, paid.chosen, RuntimeError("broken"))
+    failed = selection.select_packed(_thd_training(18, 4003), target=target)
+    assert failed.chosen != paid.chosen and matches_select(failed, _thd_training(18, 4003))
+
+
+def test_packed_rankings_are_bounded_in_all_families_together(tmp_path, monkeypatch):
+    """The rankings every packed family holds are bounded by MEMO_SIZE together (as the one memo of rankings was): past
+    it they are dropped and made again on use, choosing as before."""
+    from attnselect.choose import selection
+
+    target = _calibrated_h200(tmp_path, monkeypatch)
+    monkeypatch.setattr(selection, "MEMO_SIZE", 3)
+    sizes = [(18, 4096), (2, 100), (5, 2048), (60, 512), (1, 16384), (18, 4000)]
+    for heads in (16, 8):  # two families
+        for batch, seqlen in sizes:
+            problem = _thd_training(batch, seqlen)._with(heads_q=heads, heads_kv=heads)
+            carried = selection.select_packed(problem, target=target)
+            assert carried.chosen == attnselect.select(problem, target=target).chosen
+            assert sum(len(f.rankings) for f in selection._PACKED.values()) <= 3
 
 
 @pytest.mark.parametrize("forced", [None, "varlen_fa2"])

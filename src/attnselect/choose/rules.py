@@ -297,14 +297,14 @@ def parse_table(key: tuple, names: tuple[str, ...]) -> tuple[tuple[str, bool], .
 TABLES = {key: parse_table(key, names) for key, names in PREFERENCES.items()}
 
 
-_FAMILIES = {8: "sm80", 9: "sm90", 10: "sm100", 11: "sm100", 12: "sm120"}
+_ARCH_FAMILIES = {8: "sm80", 9: "sm90", 10: "sm100", 11: "sm100", 12: "sm120"}
 
 
 def arch_family(target: Target) -> str:
     if not target.is_cuda:
         return "cpu"
     major = target.capability[0]
-    return _FAMILIES.get(major, "sm80" if major < 8 else "sm120")
+    return _ARCH_FAMILIES.get(major, "sm80" if major < 8 else "sm120")
 
 
 def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]:

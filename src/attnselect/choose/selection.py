@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from typing import NamedTuple
 
 import torch
 
@@ -95,9 +94,9 @@ class _Family:
         # work class -> ({candidate: prediction}, the candidates the calibration cannot rank): a calibration predicts
         # at the work's class, and whether it ranks a candidate does not depend on the sizes (rules.prediction)
         self.predicted: dict[int, tuple[dict, tuple[Candidate, ...]]] = {}
-        # (work class, size class, rules table) -> _Ranking: each a function of that key and the family (failures are
-        # kept per signature, which holds the size class), so a new packing in a known class looks its ranking up; a
-        # new failure clears the memo
+        # (work class, size class, rules table) -> _Ranking: its order a function of that key and the family (failures
+        # are kept per signature, which holds the size class), so a new packing in a known class looks its ranking
+        # up; a new failure clears the memo. Every family's together are bounded by MEMO_SIZE (_count_ranking).
         self.rankings: dict[tuple, _Ranking] = {}
 
 
@@ -192,63 +191,78 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         ranked, rental = first_calls.drawn_rental(ordered, predicted, found["first_call_ms"], problem)
     if not ranked or predicted[ranked[0]] is None:  # nothing it serves is calibrated: select() says why
         return None
-    held = ranking.decided[0]
-    if (
-        held is not None
-        and held.ranked == ranked
-        and held.rental == rental
-        and held.calibration == source
-        and len(judged) == len(held.verdicts)
-        and all(judged.get(v.candidate) == v.reasons for v in held.verdicts)
+    decision = ranking.decided
+    if not (
+        decision is not None
+        and decision.ranked == ranked
+        and decision.rental == rental
+        and len(judged) == len(decision.verdicts)
+        and all(judged.get(v.candidate) == v.reasons for v in decision.verdicts)
     ):
-        return held
-    decision = Decision(
-        problem, target, earlier.policy, earlier.overrides, rental.chosen if rental else ranked[0], ranked,
-        tuple(Verdict(c, reasons) for c, reasons in judged.items()),
-        None, {c: predicted[c] for c in ranked}, source, rental, earlier.carried_from or earlier.problem,
-    )  # fmt: skip
-    if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # a new decision: logged once
+        decision = ranking.decided = Decision(
+            problem, target, earlier.policy, earlier.overrides, rental.chosen if rental else ranked[0], ranked,
+            tuple(Verdict(c, reasons) for c, reasons in judged.items()),
+            None, {c: predicted[c] for c in ranked}, source, rental, earlier.carried_from or earlier.problem,
+        )  # fmt: skip
+    if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last: logged
         debug.log_decision(decision)
-    ranking.decided[0] = decision
     return decision
 
 
-class _Ranking(NamedTuple):
+class _Ranking:
     """The candidates a packed call's controls allow, in their predicted order at its work class, with their
     predictions (None for those the calibration leaves out), those the calibration cannot rank (where one of them
     serves, the table ranks the call), the failures known at the call's signature, and the decision last carried
-    with it (``decided[0]``; None before the first), which a packing that changes nothing of it gets again."""
+    with it (None before the first), which a packing that changes nothing of it but its sizes gets again."""
 
-    ordered: tuple[Candidate, ...]
-    predicted: dict
-    unranked: tuple[Candidate, ...]
-    failed: dict
-    decided: list
+    __slots__ = ("ordered", "predicted", "unranked", "failed", "decided")
+
+    def __init__(self, ordered: tuple[Candidate, ...], predicted: dict, unranked: tuple[Candidate, ...], failed: dict):
+        self.ordered, self.predicted, self.unranked, self.failed = ordered, predicted, unranked, failed
+        self.decided: Decision | None = None
 
 
 def _ranking(family: _Family, problem: AttentionProblem, target: Target, found: dict) -> _Ranking:
-    klass = work_class(problem)
-    at = (klass, problem.size_class, rules.table_for(problem, target)[0])
+    work = work_class(problem)
+    at = (work, problem.size_class, rules.table_for(problem, target)[0])
     ranking = family.rankings.get(at)
     if ranking is None:
         if family.runs is None:  # what the target cannot run at any size (its package missing...) leaves the ranking
             family.runs = [c for c in family.allowed if not backend_named(c.backend).target_reasons(target)]
-        held = family.predicted.get(klass)
-        if held is None:
+        at_work = family.predicted.get(work)
+        if at_work is None:
             predicted, unranked = {}, []
             for c in family.runs:
                 predicted[c], why = rules.prediction(c, problem, target, found)
                 if why:
                     unranked.append(c)
-            held = family.predicted[klass] = predicted, tuple(unranked)
-        predicted, unranked = held
+            at_work = family.predicted[work] = predicted, tuple(unranked)
+        predicted, unranked = at_work
         ordered = tuple(sorted(family.runs, key=rules.order(problem, target, predicted, family.allowed)))
-        ranking = _Ranking(ordered, predicted, unranked, _failed(problem, target), [None])
-        if len(family.rankings) >= MEMO_SIZE:  # a bound no loop's classes reach
-            family.rankings.clear()
-            family.predicted.clear()
+        ranking = _Ranking(ordered, predicted, unranked, _failed(problem, target))
+        _count_ranking()
         family.rankings[at] = ranking
     return ranking
+
+
+# The rankings held in every family together; past MEMO_SIZE all are dropped, each made again on use.
+_RANKINGS_HELD = [0]
+
+
+def _count_ranking() -> None:
+    _RANKINGS_HELD[0] += 1
+    if _RANKINGS_HELD[0] > MEMO_SIZE:
+        _RANKINGS_HELD[0] = 1
+        for family in list(_PACKED.values()):
+            family.rankings.clear()
+            family.predicted.clear()
+
+
+def _forget_rankings() -> None:
+    _RANKINGS_HELD[0] = 0
+
+
+register_cache(_forget_rankings)
 
 
 def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, serves) -> bool:
