@@ -251,7 +251,7 @@ def test_a_new_packing_in_a_known_work_class_predicts_nothing_again(tmp_path, mo
     fresh = attnselect.select(same_class, target=target)
     assert carried.chosen == fresh.chosen and carried.predictions[carried.chosen] == fresh.predictions[fresh.chosen]
     attnselect.clear_cache()  # a clear forgets the rankings too
-    assert not selection._PACKED
+    assert not selection._RANKINGS
 
 
 def test_a_new_size_class_in_a_known_work_class_reuses_its_predictions(tmp_path, monkeypatch):
@@ -311,8 +311,8 @@ def test_a_packing_whose_carried_decision_is_unchanged_gets_the_earlier_decision
 
 
 def test_packed_rankings_are_bounded_in_all_families_together(tmp_path, monkeypatch):
-    """The rankings every packed family holds are bounded by MEMO_SIZE together (as the one memo of rankings was): past
-    it they are dropped and made again on use, choosing as before."""
+    """The rankings of every packed family are bounded by MEMO_SIZE together, in one memo: past it the oldest is
+    dropped and made again on use, choosing as before."""
     from attnselect.choose import selection
 
     target = _calibrated_h200(tmp_path, monkeypatch)
@@ -323,7 +323,7 @@ def test_packed_rankings_are_bounded_in_all_families_together(tmp_path, monkeypa
             problem = _thd_training(batch, seqlen)._with(heads_q=heads, heads_kv=heads)
             carried = selection.select_packed(problem, target=target)
             assert carried.chosen == attnselect.select(problem, target=target).chosen
-            assert sum(len(f.rankings) for f in selection._PACKED.values()) <= 3
+            assert len(selection._RANKINGS) <= 3
 
 
 @pytest.mark.parametrize("forced", [None, "varlen_fa2"])

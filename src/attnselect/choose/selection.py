@@ -24,6 +24,7 @@ from attnselect.spec.target import Target
 
 _MEMO: OrderedDict[tuple, Decision] = OrderedDict()
 register_cache(_MEMO.clear)
+_no_environment, _raw_environment, _scope = settings.no_environment, settings.raw_environment, settings.scope
 
 
 def select(
@@ -76,28 +77,23 @@ def select(
 
 
 # Packed problems change their sizes (sequence count, max lengths) every step of a loop: per problem with the sizes
-# left out (its family), the last decision, the problem it was last found to hold for (every layer of a step repeats
-# it), the candidates the caller's controls leave (they do not depend on the sizes) and its calibrated rankings.
+# left out, under one set of controls (its family), the last decision, the problem it was last found to hold for
+# (every layer of a step repeats it) and the candidates the caller's controls leave (they do not depend on the sizes).
 _PACKED: OrderedDict[tuple, _Family] = OrderedDict()
 register_cache(_PACKED.clear)
 
 
 class _Family:
-    """What :func:`select_packed` keeps for a packed problem without its sizes, under one set of controls."""
+    """What :func:`select_packed` keeps for a packed problem without its sizes, under one set of controls; the memos
+    of its predictions and rankings are keyed by this object."""
 
-    __slots__ = ("last", "allowed", "runs", "predicted", "rankings")
+    __slots__ = ("last", "allowed", "runs")
 
-    def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...]):
+    def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
         self.allowed = allowed
-        self.runs: list[Candidate] | None = None  # the allowed candidates the target can run at some size
-        # work class -> ({candidate: prediction}, the candidates the calibration cannot rank): a calibration predicts
-        # at the work's class, and whether it ranks a candidate does not depend on the sizes (rules.prediction)
-        self.predicted: dict[int, tuple[dict, tuple[Candidate, ...]]] = {}
-        # (work class, size class, rules table) -> _Ranking: its order a function of that key and the family (failures
-        # are kept per signature, which holds the size class), so a new packing in a known class looks its ranking
-        # up; a new failure clears the memo. Every family's together are bounded by MEMO_SIZE (_count_ranking).
-        self.rankings: dict[tuple, _Ranking] = {}
+        # what the target cannot run at any size (its package missing, another device) leaves the rankings
+        self.runs = [c for c in allowed if not backend_named(c.backend).target_reasons(target)]
 
 
 def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pad=None, disable=None) -> Decision:
@@ -138,13 +134,10 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
         allowed = tuple(  # what the controls leave: the same at every size
             v.candidate for v in decision.verdicts if not override_reasons(decision.overrides, v.candidate, problem)
         )
-        _remember(_PACKED, key, _Family(decision, problem, allowed), cleared)
+        _remember(_PACKED, key, _Family(decision, problem, allowed, target), cleared)
     else:
         family.last = decision, problem
     return decision
-
-
-_no_environment, _raw_environment, _scope = settings.no_environment, settings.raw_environment, settings.scope
 
 
 def _same_sizes(problem: AttentionProblem, other: AttentionProblem) -> bool:
@@ -222,47 +215,37 @@ class _Ranking:
         self.decided: Decision | None = None
 
 
+# Per family and work class: ({candidate: prediction}, the candidates the calibration cannot rank). A calibration
+# predicts at the work's class, and whether it ranks a candidate does not depend on the sizes (rules.prediction).
+_PREDICTED: OrderedDict[tuple, tuple[dict, tuple[Candidate, ...]]] = OrderedDict()
+register_cache(_PREDICTED.clear)
+# Per family, work class, size class and rules table: its :class:`_Ranking`, whose order is a function of that key
+# (failures are kept per signature, which holds the size class), so a new packing in a known class looks its ranking
+# up; a new failure clears it. A family is keyed by identity: no hash of its problem on a new packing.
+_RANKINGS: OrderedDict[tuple, _Ranking] = OrderedDict()
+register_cache(_RANKINGS.clear)
+
+
 def _ranking(family: _Family, problem: AttentionProblem, target: Target, found: dict) -> _Ranking:
+    cleared = generation()
     work = work_class(problem)
-    at = (work, problem.size_class, rules.table_for(problem, target)[0])
-    ranking = family.rankings.get(at)
+    at = (family, work, problem.size_class, rules.table_for(problem, target)[0])
+    ranking = _RANKINGS.get(at)
     if ranking is None:
-        if family.runs is None:  # what the target cannot run at any size (its package missing...) leaves the ranking
-            family.runs = [c for c in family.allowed if not backend_named(c.backend).target_reasons(target)]
-        at_work = family.predicted.get(work)
+        at_work = _PREDICTED.get((family, work))
         if at_work is None:
             predicted, unranked = {}, []
             for c in family.runs:
                 predicted[c], why = rules.prediction(c, problem, target, found)
                 if why:
                     unranked.append(c)
-            at_work = family.predicted[work] = predicted, tuple(unranked)
+            at_work = predicted, tuple(unranked)
+            _remember(_PREDICTED, (family, work), at_work, cleared)
         predicted, unranked = at_work
         ordered = tuple(sorted(family.runs, key=rules.order(problem, target, predicted, family.allowed)))
         ranking = _Ranking(ordered, predicted, unranked, _failed(problem, target))
-        _count_ranking()
-        family.rankings[at] = ranking
+        _remember(_RANKINGS, at, ranking, cleared)
     return ranking
-
-
-# The rankings held in every family together; past MEMO_SIZE all are dropped, each made again on use.
-_RANKINGS_HELD = [0]
-
-
-def _count_ranking() -> None:
-    _RANKINGS_HELD[0] += 1
-    if _RANKINGS_HELD[0] > MEMO_SIZE:
-        _RANKINGS_HELD[0] = 1
-        for family in list(_PACKED.values()):
-            family.rankings.clear()
-            family.predicted.clear()
-
-
-def _forget_rankings() -> None:
-    _RANKINGS_HELD[0] = 0
-
-
-register_cache(_forget_rankings)
 
 
 def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, serves) -> bool:
