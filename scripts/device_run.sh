@@ -104,7 +104,8 @@ need_fa4() {
   return 1
 }
 # LIBRARY_SRC: the library's source folder (default src, relative to the tree or absolute); another checkout's src,
-# carried in an ignored folder (.whl-before/src), times that version with this tree's benchmarks
+# carried in an ignored folder (.whl-before/src), times that version with this tree's benchmarks, or with its own
+# (BENCH_DIR=.whl-before/benchmarks: the hot-path and new-packing-parts steps, whose replay mirrors its library)
 library_src=${LIBRARY_SRC:-src}; [ "${library_src#/}" = "$library_src" ] && library_src=$PWD/$library_src
 export PYTHONPATH=$library_src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c 'import attnselect; print(attnselect.Target.current().describe())'
@@ -292,10 +293,10 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
         | grep -E "^[01] |PASSED|FAILED|passed|failed|^E "
     } | tee "$OUT/h200_context_parallel.txt" | tail -30 ;;
   hot-path)   # HOT_PATH_ARGS adds arguments (--only "new packing" --profile-sort cumulative)
-    timeout 200 python3 benchmarks/hot_path.py --profile ${HOT_PATH_ARGS:-} --out "$OUT/h200_hot_path${HOT_PATH_PART:+_$HOT_PATH_PART}" 2>&1 \
+    timeout 200 python3 ${BENCH_DIR:-benchmarks}/hot_path.py --profile ${HOT_PATH_ARGS:-} --out "$OUT/h200_hot_path${HOT_PATH_PART:+_$HOT_PATH_PART}" 2>&1 \
       | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;
   new-packing-parts)   # benchmarks/new_packing_parts.py: a new packing's first call, stage by stage (NO_FA4=1: without)
-    timeout 300 python3 benchmarks/new_packing_parts.py --out "$OUT/h200_new_packing_parts${PARTS_NAME:+_$PARTS_NAME}" \
+    timeout 300 python3 ${BENCH_DIR:-benchmarks}/new_packing_parts.py --out "$OUT/h200_new_packing_parts${PARTS_NAME:+_$PARTS_NAME}" \
       2>&1 | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;
   hot-path-parts)
     timeout 200 python3 benchmarks/hot_path_parts.py --out "$OUT/h200_hot_path_parts" 2>&1 | grep -v -i warn \

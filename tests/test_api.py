@@ -270,12 +270,13 @@ def _packed_key(cu_kv="same", max_q=7, max_kv=7, device="meta", padded=None):
     options = CallOptions("thd", True, cu_seqlens_q=cu, cu_seqlens_kv=cu_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv,
                           cu_seqlens_q_padded=padded)  # fmt: skip
     unknown = dispatch.recall(q, q, q, options)
-    return None if unknown is None else unknown.key
+    return None if unknown is None else (unknown.key, unknown.sizes)  # its family's key, and its sizes in it
 
 
 def test_a_packed_call_keys_the_fast_path_only_where_its_problem_follows_from_the_key():
     assert _packed_key() is not None and _packed_key(cu_kv=None) == _packed_key()
-    assert _packed_key(max_q=8) != _packed_key()  # the max_seqlen are part of the problem
+    assert _packed_key(max_q=8) != _packed_key()  # the max_seqlen are part of the problem: its sizes
+    assert _packed_key(max_q=8)[0] == _packed_key()[0]  # of one family
     assert _packed_key(cu_kv=torch.empty(3, dtype=torch.int32, device="meta")) is None  # equal values? read once
     assert _packed_key(max_q=None) is None and _packed_key(max_kv=7.0) is None  # read from cu_seqlens
     assert _packed_key(padded=torch.empty(3, dtype=torch.int32, device="meta")) is None  # gaps
@@ -301,6 +302,30 @@ def test_a_new_packing_of_other_sizes_skips_validation_and_gives_the_slow_path_s
     assert torch.equal(fast, slow)
     # the first call and its sibling at the new sizes (a call with its own cu_seqlens_kv tensor is not memoized)
     assert [c.problem.batch for c in dispatch.known_calls()] == [4, 3]
+
+
+@pytest.mark.gpu
+def test_a_new_packing_on_its_sibling_s_choice_runs_its_kernel_and_takes_its_self_check_answer(monkeypatch):
+    """A new packing whose decision is its sibling's choice at the same signature (the size class) runs the sibling's
+    packed kernel (made once for the call's options) and, where the sibling needed no self-check, needs none."""
+    from attnselect import api
+
+    monkeypatch.setenv("ATTNSELECT_SELF_CHECK", "0")
+    q, k, v = (torch.randn(160, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    kwargs = dict(layout="thd", causal=True, backend="varlen_fa2")  # forced: no rental wraps its runner
+    attnselect.clear_cache()
+    first = torch.tensor([0, 3, 103, 103, 160], dtype=torch.int32, device="cuda")
+    attnselect.attention(q, k, v, cu_seqlens_q=first, max_seqlen_q=100, max_seqlen_kv=100, **kwargs)
+    other = torch.tensor([0, 99, 100, 150, 160], dtype=torch.int32, device="cuda")  # 4 sequences, the longest 99
+    with monkeypatch.context() as m:
+        m.setattr(api.self_check, "needed", lambda *a: pytest.fail("asked again"))
+        fast = attnselect.attention(q, k, v, cu_seqlens_q=other, max_seqlen_q=99, max_seqlen_kv=99, **kwargs)
+    sibling, known = dispatch.known_calls()
+    assert known.problem.signature == sibling.problem.signature and known.chosen == sibling.chosen
+    assert not known.checks and known.runner is not sibling.runner and known.runner.kernel is sibling.runner.kernel
+    slow = attnselect.attention(q, k, v, cu_seqlens_q=other, cu_seqlens_kv=other.clone(), max_seqlen_q=99,
+                                max_seqlen_kv=99, **kwargs)  # fmt: skip
+    assert torch.equal(fast, slow)
 
 
 @pytest.mark.gpu

@@ -301,7 +301,9 @@ def test_a_new_packing_shares_its_sibling_s_guard_and_is_told_apart_by_its_bound
     again = dispatch.recall(*_packed(count=5, longest=7))  # the same longest sequence, more of them
     assert type(again) is Unknown and again.sibling is two
     again.remember(five := KnownCall(None, None, None, None, False, "five"))
-    assert dispatch._CALLS[again.key].guard is dispatch._CALLS[first.key].guard  # not built again
+    assert again.key is None  # found among the recent calls as its family: no key built
+    entries = [value for value in dispatch._CALLS.values() if type(value) is dispatch._Entry]
+    assert len(entries) == 1 and dispatch._RECENT == entries  # the family's one entry and guard: none made again
     assert dispatch.recall(*_packed(count=2, longest=7)) is two  # both recent: the count tells them apart
     assert dispatch.recall(*_packed(count=5, longest=7)) is five
     assert type(dispatch.recall(*_packed(count=3, longest=7))) is Unknown

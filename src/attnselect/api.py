@@ -135,23 +135,17 @@ def attention(
     packing, checking, collective, compiled = None, False, False, False
     if type(known) is not KnownCall:  # else the same shapes, dtypes, devices and options were validated and decided
         unknown, options = known, CallOptions._make(options)
-        if (
-            unknown is not None
-            and unknown.sibling is not None
-            and cu_seqlens_q.numel()
-            and max_seqlen_q >= 0
-            and max_seqlen_kv >= 0
-        ):
+        sibling = unknown.sibling if unknown is not None else None
+        if sibling is not None and cu_seqlens_q.numel() and max_seqlen_q >= 0 and max_seqlen_kv >= 0:
             # a packed call known but for its packing's sizes (attnselect.dispatch): its problem at these sizes
-            problem = unknown.sibling.problem._with(
+            problem = sibling.problem._with(
                 batch=cu_seqlens_q.numel() - 1, seqlen_q=max_seqlen_q, seqlen_kv=max_seqlen_kv
             )
             packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
-            sibling = unknown.sibling
+            target = sibling.target  # the same device
         else:
             problem, packing = describe_call(q, k, v, options)
-            sibling = None
-        target = target_for_device(q.device)
+            sibling, target = None, target_for_device(q.device)
         decision = (
             select(problem, target=target, backend=backend, pad=pad, disable=disable)
             if packing is None
@@ -159,23 +153,34 @@ def attention(
         )
         call = sibling.call if sibling is not None else kernel_call(problem, scale, softcap)  # not the sizes'
         chosen = backends.get(decision.chosen.backend)
+        # the sibling's choice again: its packed kernel serves these sizes (a backend's packed runner reads no size)
+        again = sibling is not None and sibling.chosen == decision.chosen and sibling.runner is not None
         if layout != "thd":
             runner = dense_runner(
                 chosen, decision.chosen.pad_to, layout, call, like=(q, k, v) if unknown is not None else None
             )
-        elif not chosen.packs_thd(target):
+        elif not (again or chosen.packs_thd(target)):
             runner = None
         elif unknown is not None:  # later calls are like this one: the runner takes their boundaries
-            runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing))
+            runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing),
+                                   kernel=getattr(sibling.runner, "kernel", None) if again else None)  # fmt: skip
         else:  # this call alone, on its validated packing
             runner = _on_packing(packed_runner(chosen, decision.chosen.pad_to, call), packing)
         if decision.rental and decision.rental.calls and runner is not None:  # a compile to pay later (first_calls)
             runner = _renting(runner, decision.rental, problem)
-        known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
         # a calibration holds: what compiles is tracked (a configuration is the call at any size: its sibling's ran)
-        compiled = decision.predictions is not None and (sibling is None or sibling.chosen != decision.chosen)
-        checking = self_check.needed(problem, decision.chosen, target)  # reads ATTNSELECT_SELF_CHECK: before memoizing
+        compiled = decision.predictions is not None and not again
+        # reads ATTNSELECT_SELF_CHECK (in the memo's key): before memoizing; the sibling's answer where it had none to
+        # make at this signature (a check passed since only makes the answer no)
+        checking = (
+            self_check.needed(problem, decision.chosen, target)
+            if not again or sibling.checks or problem.signature != sibling.problem.signature
+            else False
+        )
         collective = checking and decision.overrides.policy == "measure" and is_distributed()
+        known = KnownCall(
+            problem, decision.chosen, target, call, decision.overrides.backend is not None, runner, checking
+        )
         if unknown is not None:
             unknown.remember(known)
     try:

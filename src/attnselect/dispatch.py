@@ -9,9 +9,13 @@ capture. A change to the backend registry clears the memo (:func:`attnselect.bac
 - the recent calls (``RECENT``, newest first): one tuple of the options and the global state compared by value,
   one C++ check of the tensors (torch's ``TensorGuards``, what torch.compile's guards run on every call of a
   compiled function; it also sees inference mode and autocast for the tensors' device, through their dispatch keys),
-  the offsets and, for a call on CUDA tensors, the capture state. A packed call's boundary count is in the tuple and
-  its guard leaves the boundaries' length free, so a new packing reuses its sibling's guard;
+  the offsets and, for a call on CUDA tensors, the capture state;
 - every call decided before (``MEMO_SIZE``), by a hashable key of the same values; a hit there becomes recent.
+
+A packed call is known in two steps, as a plan and its runs (FlashInfer's plan/run): its family, everything above
+but its packing's sizes (the sequence count and both max_seqlen), which the tensors' guard leaves free (the
+boundaries' length), then the sizes within the family. A training loop's new packing every step is found as a family
+at once, without a key, and is decided from its sibling, the call of the family decided last (:class:`Unknown`).
 
 Calls the key cannot describe are not known and take the slow path, which validates them: values that compare
 equal to a valid one of another type (``1 == True``, ``True == 1.0``), lists and iterators, nested tensors, padded
@@ -54,69 +58,90 @@ class KnownCall(NamedTuple):
     call: KernelCall  # kernel options, the scale included
     forced: bool  # the caller forced the backend: failures re-raise
     runner: Callable | None  # run(q, k, v) (dense, the layout work prepared) or run(q, k, v, cu_seqlens_q) (packed)
+    checks: bool = False  # its first call self-checks (attnselect.self_check.needed when it was decided)
+
+
+class _Family:
+    """The packed calls that differ only in their packing's sizes: ``last``, the one decided last (the sibling of a
+    new packing); the calls themselves are in ``_CALLS`` under ``(family, sizes)`` (identity-hashed: no hash of the
+    call's state on a new packing)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self, last: KnownCall):
+        self.last = last
 
 
 class _Entry(NamedTuple):
-    state: tuple  # the options and the global state, as recall() builds them
-    guard: object  # TensorGuards of the call's tensors
+    state: tuple  # the options and the global state, as recall() builds them (a packed call's without its sizes)
+    guard: object  # TensorGuards of the call's tensors (a packed call's boundaries' length free)
     offsets: tuple  # storage offsets of q, k, v (the key's last item)
     capturing: bool | None  # CUDA graph capture during the call; None where its tensors are not on CUDA
-    known: KnownCall
+    known: KnownCall | None  # a dense call's
+    family: _Family | None  # a packed call's
 
 
 class Unknown(NamedTuple):
     """A call not decided before: :meth:`remember` keeps its decision, unless the memo was cleared meanwhile.
 
-    ``sibling``: for a packed call, a known one that differs from it only in its packing's sizes (the number of
-    sequences and both max_seqlen): the same tensors, options and state, validated then. The call's problem is
-    the sibling's at the new sizes (:meth:`AttentionProblem._with`), without validating q, k and v again: a
-    training loop's packing changes every step."""
+    ``sibling``: for a packed call, the one of its family decided last: the same tensors, options and state,
+    validated then, at other sizes. The call's problem is the sibling's at the new sizes
+    (:meth:`AttentionProblem._with`), without validating q, k and v again: a training loop's packing changes every
+    step."""
 
     state: tuple
     tensors: tuple
     capturing: bool | None
-    key: tuple
+    key: tuple | None  # None where the family was found among the recent calls (no key was built)
     generation: int  # caches.generation() when the call was looked up
-    sibling_key: tuple | None = None
-    sibling: KnownCall | None = None
-    sibling_guard: object = None  # the sibling's TensorGuards, which serve this call too (its boundaries' length free)
-    boundaries: int = -1  # where the packing's boundaries are in ``tensors`` (a packed call's)
+    sizes: tuple | None = None  # a packed call's (sequence count, max_seqlen_q, max_seqlen_kv)
+    family: _Family | None = None  # a packed call's, where its family was decided before (then recent)
+    boundaries: int = -1  # where the packing's boundaries are in ``tensors`` (a packed call's, of a new family)
+
+    @property
+    def sibling(self) -> KnownCall | None:
+        return self.family.last if self.family is not None else None
 
     def remember(self, known: KnownCall) -> None:
-        guard = self.sibling_guard
-        if TensorGuards is not None and (guard is None or not guard.check(*self.tensors)):
-            # A packed call's boundaries' length is in its state, not its guard: a new packing shares its sibling's
-            # guard (built in 13 us on the development VM's CPU, checked in under 1 us).
-            sizes = [list(t.shape) if i != self.boundaries else [None] for i, t in enumerate(self.tensors)]
-            guard = TensorGuards(
-                *self.tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=[list(t.stride()) for t in self.tensors]
-            )
-        entry = _Entry(self.state, guard, self.key[-1], self.capturing, known)
-        _CALLS[self.key] = entry
-        if len(_CALLS) > MEMO_SIZE:
-            _CALLS.popitem(last=False)
-        if self.sibling_key is not None:
-            _SIBLINGS.pop(self.sibling_key, None)  # then set: the newest last (no second lookup a clear could fail)
-            _SIBLINGS[self.sibling_key] = entry
-            if len(_SIBLINGS) > MEMO_SIZE:
-                _SIBLINGS.popitem(last=False)
-        _make_recent(entry)
+        family, entry = self.family, None
+        if family is None:
+            guard = None
+            if TensorGuards is not None:
+                sizes = [list(t.shape) if i != self.boundaries else [None] for i, t in enumerate(self.tensors)]
+                guard = TensorGuards(
+                    *self.tensors,
+                    dynamic_dims_sizes=sizes,
+                    dynamic_dims_strides=[list(t.stride()) for t in self.tensors],
+                )
+            family = _Family(known) if self.sizes is not None else None
+            entry = _Entry(self.state, guard, self.key[-1], self.capturing, None if family else known, family)
+            _keep(self.key, entry)
+            _make_recent(entry)
+        if family is not None:
+            family.last = known
+            _keep((family, self.sizes), known)
         if generation() != self.generation:  # cleared while deciding: the decision may rest on what it forgot
-            _CALLS.pop(self.key, None)
-            if self.sibling_key is not None:
-                _SIBLINGS.pop(self.sibling_key, None)
-            _set_recent([recent for recent in _RECENT if recent is not entry])
+            if entry is not None:
+                _CALLS.pop(self.key, None)
+                _set_recent([recent for recent in _RECENT if recent is not entry])
+            if family is not None:
+                _CALLS.pop((family, self.sizes), None)
 
 
-_CALLS: OrderedDict[tuple, _Entry] = OrderedDict()
+def _keep(key, value) -> None:
+    _CALLS[key] = value
+    if len(_CALLS) > MEMO_SIZE:
+        _CALLS.popitem(last=False)
+
+
+# By key: a dense call's _Entry, a packed family's _Entry (its key without the sizes) and, under (family, sizes), a
+# packed call's KnownCall; one bound for all.
+_CALLS: OrderedDict[tuple, _Entry | KnownCall] = OrderedDict()
 _RECENT: list[_Entry] = []
-# Packed calls by their key without their packing's sizes: the last one decided (Unknown.sibling).
-_SIBLINGS: OrderedDict[tuple, _Entry] = OrderedDict()
 
 
 def _clear() -> None:
     _CALLS.clear()
-    _SIBLINGS.clear()
     _set_recent([])
 
 
@@ -125,7 +150,11 @@ register_cache(_clear)
 
 def known_calls() -> list[KnownCall]:
     """Every call decided before, oldest first."""
-    return [entry.known for entry in _CALLS.values()]
+    return [
+        value if type(value) is KnownCall else value.known
+        for value in _CALLS.values()
+        if type(value) is KnownCall or value.known is not None  # a packed family's _Entry holds no call of its own
+    ]
 
 
 def _make_recent(entry: _Entry) -> None:
@@ -179,7 +208,7 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
     ) = options  # fmt: skip
     if cu_q_padded is not None or cu_kv_padded is not None:
         return None
-    count = None  # the packing's boundaries, a packed call's: in the state, so that its guard can leave them free
+    sizes = None  # a packed call's: its packing's sizes, apart from the state (its family's)
     if layout == "thd":
         if not (
             type(max_q) is int
@@ -190,7 +219,7 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
             and not cu_q.is_nested
         ):
             return None
-        count = cu_q.shape
+        sizes = (cu_q.shape[0], max_q, max_kv)
     elif cu_q is not None or cu_kv is not None:
         return None
     if not (
@@ -212,8 +241,8 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
         # TensorGuards' check fails for a tensor passed twice: an aliased q, k or v is guarded once, its pattern kept
         aliases = None if k is not q and v is not q and v is not k else (k is q, v is q, v is k)
         state = (
-            layout, causal, window, scale, dropout_p, max_q, max_kv, count, return_lse, softcap, return_max_logit,
-            backend, pad, disable, sinks is None, aliases, _grad(), _deterministic(), _function_mode(),
+            layout, causal, window, scale, dropout_p, return_lse, softcap, return_max_logit, backend, pad, disable,
+            sinks is None, aliases, _grad(), _deterministic(), _function_mode(),
             _no_environment() or _environment(), _scope(),
         )  # fmt: skip
         tensors = (q, k, v) if aliases is None else tuple({id(t): t for t in (q, k, v)}.values())
@@ -221,34 +250,39 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
             tensors += (cu_q,) if sinks is None else (cu_q, sinks)
         elif sinks is not None:
             tensors += (sinks,)
-        for entry_state, guard, entry_offsets, capturing, known in _RECENT:
+        for entry_state, guard, entry_offsets, capturing, known, family in _RECENT:
             if (
                 entry_state == state
                 and guard.check(*tensors)
                 and entry_offsets == offsets
                 and (capturing is None or capturing is (raw_stream(-1) != 0 and stream_capturing()))  # None: not CUDA
             ):
-                return known
+                return known if family is None else _in_family(family, state, tensors, capturing, sizes, None)
         capturing = stream_capturing() if q.is_cuda else None
+        shapes = tuple(map(_SHAPE, tensors))
+        if sizes is not None:  # the key of the family: the boundaries' length left out (they follow q, k and v)
+            boundaries = len(tensors) - (1 if sinks is None else 2)
+            shapes = shapes[:boundaries] + (None,) + shapes[boundaries + 1 :]
         key = (
-            state, capturing, _autocast(), tuple(map(type, tensors)), tuple(map(_SHAPE, tensors)),
-            tuple(map(_STRIDE, tensors)), tuple(map(_DTYPE, tensors)), tuple(map(_DEVICE, tensors)),
-            tuple(map(_REQUIRES_GRAD, tensors)), offsets,
+            state, capturing, _autocast(), tuple(map(type, tensors)), shapes, tuple(map(_STRIDE, tensors)),
+            tuple(map(_DTYPE, tensors)), tuple(map(_DEVICE, tensors)), tuple(map(_REQUIRES_GRAD, tensors)), offsets,
         )  # fmt: skip
         entry = _CALLS.get(key)
     except Exception:  # not tensors, an unhashable or incomparable option...: the slow path validates and names it
         return None
     if entry is None:
-        if cu_q is None:
+        if sizes is None:
             return Unknown(state, tensors, capturing, key, generation())
-        # the key without the sizes of the packing: max_seqlen_q/_kv in the state, the boundaries' length (the
-        # boundaries follow q, k and v in ``tensors``, the sinks after them)
-        boundaries = len(tensors) - (1 if sinks is None else 2)
-        shapes = key[4]
-        sibling_key = (state[:5] + state[8:], *key[1:4], shapes[:boundaries] + (None,) + shapes[boundaries + 1 :],
-                       *key[5:])  # fmt: skip
-        sibling = _SIBLINGS.get(sibling_key)
-        return Unknown(state, tensors, capturing, key, generation(), sibling_key,
-                       sibling.known if sibling else None, sibling.guard if sibling else None, boundaries)  # fmt: skip
+        return Unknown(state, tensors, capturing, key, generation(), sizes, None, boundaries)
     _make_recent(entry)
-    return entry.known
+    if entry.family is None:
+        return entry.known
+    return _in_family(entry.family, state, tensors, capturing, sizes, key)
+
+
+def _in_family(family: _Family, state, tensors, capturing, sizes: tuple, key: tuple | None) -> KnownCall | Unknown:
+    """The packed call of ``family`` at ``sizes``: known, or to decide from the family's sibling."""
+    known = _CALLS.get((family, sizes))
+    if known is not None:
+        return known
+    return Unknown(state, tensors, capturing, key, generation(), sizes, family)

@@ -114,15 +114,17 @@ def run_call(
     return _run_per_sequence(backend, candidate.pad_to, problem, call, q, k, v, packing)
 
 
-def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = None):
+def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = None, kernel=None):
     """``run(q, k, v, packing) -> (out, lse)`` of a backend's packed kernel for one call's options.
 
     ``like``: the first call's (q, k, v, packing) of calls that share its tensors' shapes, strides, dtypes and
     gradients, its sequence count and both max_seqlen, and whose one boundary tensor serves q, k and both offsets
     (attnselect.attention's memoized packed calls). The runner is then ``run(q, k, v, cu_seqlens)``: the bucketing
     is worked out here, and a call pays for its boundaries once per boundary tensor (every layer of a step shares
-    them)."""
-    kernel = backend.packed_runner(call, repeated=like is not None)
+    them). ``kernel``: the backend's packed kernel for these options as another runner of them holds it (its
+    ``kernel`` attribute), which sizes do not change: a new packing's runner is made around it."""
+    if kernel is None:
+        kernel = backend.packed_runner(call, repeated=like is not None)
     buckets = backend.shape_cache.buckets if backend.shape_cache is not None else None  # few distinct shapes
 
     def run(q, k, v, packing):
@@ -135,6 +137,7 @@ def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = Non
             return kernel(q, k, v, packing)
         return _padded(lambda q, k, v: kernel(q, k, v, packing), pad_to, q, k, v)
 
+    run.kernel = kernel
     if like is None:
         return run
     first = like[3]
@@ -143,7 +146,12 @@ def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = Non
         raise ValueError("like: a repeated packed call has one boundary tensor for q, k and both offsets")
     count, max_q, max_kv = cu.numel() - 1, first.max_seqlen_q, first.max_seqlen_kv
     if not _plain_packed_call(pad_to, *like[:3]):
-        return lambda q, k, v, cu: run(q, k, v, Packing(cu, cu, max_q, max_kv, cu, cu))
+
+        def run_padded(q, k, v, cu):
+            return run(q, k, v, Packing(cu, cu, max_q, max_kv, cu, cu))
+
+        run_padded.kernel = kernel
+        return run_padded
     target = count
     if buckets is not None:
         bucket = bucketed(first, buckets)
@@ -161,6 +169,7 @@ def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = Non
             seen = last[0] = (cu, cu._version, packing)
         return kernel(q, k, v, seen[2])
 
+    run_repeated.kernel = kernel
     return run_repeated
 
 

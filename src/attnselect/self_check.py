@@ -31,8 +31,9 @@ from attnselect import correctness
 from attnselect.backends import evidence
 from attnselect.backends.base import get as backend_named
 from attnselect.choose.failures import is_transient
-from attnselect.choose.settings import self_check_mode
+from attnselect.choose.settings import MEMO_SIZE, self_check_mode
 from attnselect.errors import AttnSelectError
+from attnselect.memos import register_cache
 from attnselect.spec.options import Candidate, KernelCall, Packing
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
@@ -55,10 +56,25 @@ def needed(problem: AttentionProblem, chosen: Candidate, target: Target) -> bool
         return False
     if not (problem.batch and problem.seqlen_q and problem.seqlen_kv):  # nothing to compare
         return False
-    if (target, chosen, problem.signature) in _PASSED:
+    key = (target, chosen, problem.signature)
+    if key in _PASSED:
         return False
-    version = backend_named(chosen.backend).package_version(target)
-    return checking == "all" or not evidence.covers(chosen.backend, chosen.pad_to, problem, target, version)
+    if checking == "all":
+        return True
+    covered = _COVERED.get(key)
+    if covered is None:
+        version = backend_named(chosen.backend).package_version(target)
+        covered = evidence.covers(chosen.backend, chosen.pad_to, problem, target, version)
+        if len(_COVERED) >= MEMO_SIZE:
+            _COVERED.clear()
+        _COVERED[key] = covered
+    return not covered
+
+
+# (target, candidate, signature) -> whether the packaged correctness grid covers it (evidence.covers: package data and
+# the target's versions, fixed in a process): a packed loop asks at every new packing.
+_COVERED: dict = {}
+register_cache(_COVERED.clear)
 
 
 def check(problem, chosen, target, call: KernelCall, result, q, k, v, packing: Packing | None, rerun) -> None:

@@ -310,6 +310,39 @@ def test_a_packing_whose_carried_decision_is_unchanged_gets_the_earlier_decision
     assert failed.chosen != paid.chosen and matches_select(failed, _thd_training(18, 4003))
 
 
+def test_a_settled_packed_decision_is_returned_without_drawing_its_ranking_again(tmp_path, monkeypatch):
+    """A decision carried in a class that rents nothing and whose choice compiles nothing is settled: a new packing in
+    that class whose judged candidates are judged alike gets it back without the ranking drawn again; one where a
+    judged candidate is judged otherwise at its sizes is decided again, as select decides there."""
+    from attnselect.backends.base import get as backend_named
+    from attnselect.choose import first_calls, predict, selection
+
+    target = _calibrated_h200(tmp_path, monkeypatch)
+    selection.select_packed(_thd_training(18, 4096), target=target)
+    first = selection.select_packed(_thd_training(2, 100), target=target)
+    assert first.rental is None and not first_calls.compiles(first.chosen, {"flash_attn4": 4000.0})
+    again = _thd_training(2, 101)
+    assert (predict.work_class(again), again.size_class) == (predict.work_class(first.problem), first.problem.size_class)
+
+    def drawn(*args, **kwargs):
+        raise AssertionError("a settled decision's ranking drawn again")
+
+    monkeypatch.setattr(first_calls, "drawn_rental", drawn)
+    assert selection.select_packed(again, target=target) is first
+    monkeypatch.undo()
+    target = _calibrated_h200(tmp_path, monkeypatch)
+    selection.select_packed(_thd_training(18, 4096), target=target)
+    first = selection.select_packed(_thd_training(2, 100), target=target)
+    chosen = backend_named(first.chosen.backend)
+    real = chosen.extra_reasons
+    monkeypatch.setattr(chosen, "extra_reasons", lambda p, t: real(p, t) + (["too long"] if p.seqlen_q > 101 else []))
+    longer = _thd_training(2, 102)
+    assert predict.work_class(longer) == predict.work_class(first.problem)
+    carried = selection.select_packed(longer, target=target)
+    assert carried is not first and carried.chosen != first.chosen
+    assert carried.chosen == attnselect.select(longer, target=target).chosen
+
+
 def test_packed_rankings_are_bounded_in_all_families_together(tmp_path, monkeypatch):
     """The rankings of every packed family are bounded by MEMO_SIZE together, in one memo: past it the oldest is
     dropped and made again on use, choosing as before."""

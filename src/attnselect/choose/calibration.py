@@ -25,13 +25,13 @@ import functools
 import json
 import logging
 import math
-import os
 import re
 from importlib import resources
 from pathlib import Path
 
 import torch
 
+from attnselect.choose.settings import reader
 from attnselect.memos import cache_dir, generation, register_cache, warn_once
 from attnselect.spec.target import Target
 from attnselect.version import __version__
@@ -111,7 +111,7 @@ def for_target(target: Target) -> tuple[dict | None, str]:
     clears it after writing), as the decisions made from it are."""
     if not target.is_cuda:  # the CPU's order is the rules table's, and explain does not dwell on it
         return None, ""
-    key = (target, os.environ.get("ATTNSELECT_CACHE_DIR"))
+    key = (target, _cache_dir_variable())
     held = _HELD.get(key)
     if held is None:
         cleared = generation()
@@ -121,6 +121,7 @@ def for_target(target: Target) -> tuple[dict | None, str]:
     return held
 
 
+_cache_dir_variable = reader("ATTNSELECT_CACHE_DIR")
 _HELD: dict[tuple, tuple[dict | None, str]] = {}
 register_cache(_HELD.clear)
 

@@ -80,9 +80,9 @@ def drawn_rental(
 
     def price(candidate: Candidate) -> float | None:
         """The compile ``candidate`` would pay on its first call of the configuration here (None: nothing to pay)."""
-        ms = first_call_ms.get(candidate.backend, 0.0)
-        if ms < COMPILING_MS:
+        if not compiles(candidate, first_call_ms):
             return None
+        ms = first_call_ms[candidate.backend]
         if not configuration:
             configuration.append(_configuration(problem))
         return None if (candidate, configuration[0]) in _PAID else ms
@@ -100,6 +100,11 @@ def drawn_rental(
             calls = 0 if graph else max(math.ceil(compile_ms * 1e3 / lost), 1)
             return tuple(drawn), Rental(other, best, calls, compile_ms, lost)
     return tuple(drawn), None
+
+
+def compiles(candidate: Candidate, first_call_ms: dict) -> bool:
+    """Whether ``candidate``'s first call of a configuration compiles, by the calibration's ``first_call_ms``."""
+    return first_call_ms.get(candidate.backend, 0.0) >= COMPILING_MS
 
 
 def rent_key(rental: Rental, problem: AttentionProblem) -> tuple:

@@ -164,12 +164,17 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     if found is not None and not calibration.outside(problem):
         ranking = _ranking(family, problem, target, found)
     failed = ranking.failed if ranking is not None else _failed(problem, target)
+    if ranking is not None and ranking.settled is not None:  # its candidates judged alike give its decision again
+        decision = ranking.settled
+        if all(_reasons(v.candidate, problem, target, failed) == v.reasons for v in decision.verdicts):
+            if decision.chosen != earlier.chosen:  # another choice than the last: logged
+                debug.log_decision(decision)
+            return decision
     judged: dict[Candidate, tuple[str, ...]] = {}  # as judge() refuses them
 
     def serves(c: Candidate) -> bool:
         if c not in judged:
-            kernel_problem = problem.padded(c.pad_to) if c.padded else problem
-            judged[c] = tuple(candidate_reasons(c, backend_named(c.backend), kernel_problem, target, failed))
+            judged[c] = _reasons(c, problem, target, failed)
         return not judged[c]
 
     predicted = ranking.predicted if ranking is not None else None
@@ -197,6 +202,10 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
             tuple(Verdict(c, reasons) for c, reasons in judged.items()),
             None, {c: predicted[c] for c in ranked}, source, rental, earlier.carried_from or earlier.problem,
         )  # fmt: skip
+        # No rental, and the first candidate compiles nothing on a first call: what the process compiles later
+        # cannot change it (first_calls.drawn_rental), so the same verdicts give it again.
+        settled = rental is None and not first_calls.compiles(ranked[0], found["first_call_ms"])
+        ranking.settled = decision if settled else None
     if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last: logged
         debug.log_decision(decision)
     return decision
@@ -206,13 +215,16 @@ class _Ranking:
     """The candidates a packed call's controls allow, in their predicted order at its work class, with their
     predictions (None for those the calibration leaves out), those the calibration cannot rank (where one of them
     serves, the table ranks the call), the failures known at the call's signature, and the decision last carried
-    with it (None before the first), which a packing that changes nothing of it but its sizes gets again."""
+    with it (None before the first), which a packing that changes nothing of it but its sizes gets again. Where
+    that decision rents nothing and its choice compiles nothing, it is ``settled`` too: a packing whose candidates
+    that decision judged are judged alike gets it without ranking them again."""
 
-    __slots__ = ("ordered", "predicted", "unranked", "failed", "decided")
+    __slots__ = ("ordered", "predicted", "unranked", "failed", "decided", "settled")
 
     def __init__(self, ordered: tuple[Candidate, ...], predicted: dict, unranked: tuple[Candidate, ...], failed: dict):
         self.ordered, self.predicted, self.unranked, self.failed = ordered, predicted, unranked, failed
         self.decided: Decision | None = None
+        self.settled: Decision | None = None
 
 
 # Per family and work class: ({candidate: prediction}, the candidates the calibration cannot rank). A calibration
@@ -246,6 +258,12 @@ def _ranking(family: _Family, problem: AttentionProblem, target: Target, found: 
         ranking = _Ranking(ordered, predicted, unranked, _failed(problem, target))
         _remember(_RANKINGS, at, ranking, cleared)
     return ranking
+
+
+def _reasons(c: Candidate, problem: AttentionProblem, target: Target, failed: dict) -> tuple[str, ...]:
+    """Why ``c`` cannot serve ``problem`` (as judge() refuses it, the caller's controls aside)."""
+    return tuple(candidate_reasons(c, backend_named(c.backend), problem.padded(c.pad_to) if c.padded else problem,
+                                   target, failed))  # fmt: skip
 
 
 def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, serves) -> bool:

@@ -49,7 +49,8 @@ SELF_CHECK_MODES = ("0", "1", "all")
 def self_check_mode() -> str:
     """ATTNSELECT_SELF_CHECK: '0' (off), '1' (default: signatures the correctness grid has not checked on this GPU
     and these versions) or 'all' (attnselect.self_check)."""
-    value = os.environ.get("ATTNSELECT_SELF_CHECK", "1").strip()
+    value = _self_check_variable()
+    value = "1" if value is None else value.strip()
     if value not in SELF_CHECK_MODES:
         raise InvalidInputError(f"ATTNSELECT_SELF_CHECK: got {value!r}, expected one of {SELF_CHECK_MODES}")
     return value
@@ -84,6 +85,23 @@ _RAW_NAMES = tuple(name.encode() for name in ENV_VARS)
 # ``no_environment()``: True where no ATTNSELECT_* variable is set, in one C-level call (a dict's keys view follows
 # the dict); else False.
 no_environment = functools.partial(_RAW_ENVIRON.keys().isdisjoint, _RAW_NAMES) if _RAW_ENVIRON is not None else bool
+
+
+def reader(name: str):
+    """``read()``: ``os.environ.get(name)``, from the raw mapping on POSIX (os.environ encodes the key on each read,
+    and raises and catches a KeyError where it is unset): for variables read on every new packing."""
+    if _RAW_ENVIRON is None:
+        return functools.partial(os.environ.get, name)
+    get, raw = _RAW_ENVIRON.get, name.encode()
+
+    def read() -> str | None:
+        value = get(raw)
+        return None if value is None else os.fsdecode(value)
+
+    return read
+
+
+_self_check_variable = reader("ATTNSELECT_SELF_CHECK")
 
 
 def raw_environment() -> tuple:

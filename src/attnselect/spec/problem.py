@@ -120,12 +120,12 @@ class AttentionProblem:
             low = 1 if name in _HEAD_DIMS else 0
             if not (is_integer(value) and value >= low):
                 require(False, name, repr(value), f"an integer >= {low}")
-        copy = object.__new__(AttentionProblem)
-        fields = {name: self.__dict__[name] for name in _FIELDS}  # not the cached derived values (signature)
+        fields = self.__dict__.copy()  # the fields and the derived values cached (functools.cached_property)
+        for name in _CACHED if not changes.keys() <= _SIZES else _CACHED_BY_SIZE:  # what sizes do not change, kept
+            fields.pop(name, None)
         fields.update(changes)
-        copy.__dict__.update(fields)
-        if "sizeless" in self.__dict__ and changes.keys() <= _SIZES:  # what sizes do not change, a copy keeps
-            copy.__dict__["sizeless"] = self.__dict__["sizeless"]
+        copy = object.__new__(AttentionProblem)
+        object.__setattr__(copy, "__dict__", fields)
         return copy
 
     @functools.cached_property
@@ -329,6 +329,9 @@ _HEAD_DIMS = frozenset({"head_dim_qk", "head_dim_v"})
 # Sizes that no other field's check reads on a packed problem (its squareness is a varlen fact), and head dims.
 _SIZES = frozenset({"batch", "seqlen_q", "seqlen_kv"})
 _CHECKED_ALONE = _SIZES | _HEAD_DIMS
+# The derived values a problem caches, and those its sizes change (sizeless does not: a copy at other sizes keeps it).
+_CACHED = tuple(name for name, value in vars(AttentionProblem).items() if isinstance(value, functools.cached_property))
+_CACHED_BY_SIZE = tuple(name for name in _CACHED if name != "sizeless")
 
 
 def describe_call(
