@@ -18,8 +18,9 @@
 #   bash scripts/device_run.sh self-check-cost # benchmarks/self_check_cost.py       -> $OUT/h200_self_check_cost.*
 #   bash scripts/device_run.sh flex-probe # benchmarks/flex_probe.py                  -> $OUT/h200_flex_probe.*
 #   bash scripts/device_run.sh flex-hooks # benchmarks/flex_hooks_probe.py            -> $OUT/h200_flex_hooks_probe.*
-#   bash scripts/device_run.sh ladder  # benchmarks/ladder.py (LADDER_ARGS, LADDER_DEADLINE), resuming this machine's
-#                                      # or the committed rungs -> $OUT/h200_ladder[_fa4].{json,md} (FA4 where installed)
+#   bash scripts/device_run.sh ladder  # benchmarks/ladder.py (LADDER_ARGS, LADDER_DEADLINE; LADDER_ONLY="thd 2048;thd
+#                                      # 8192": the rungs whose names hold one of these), resuming this machine's or the
+#                                      # committed rungs -> $OUT/h200_ladder[_$LADDER_PART][_fa4].{json,md} (FA4 where installed)
 #   bash scripts/device_run.sh calibrate-host # results/h200_calibration.json's host times measured again -> $OUT/h200_calibration.*
 #   bash scripts/device_run.sh package-calibration # $OUT/h200_calibration.json as this tree's package data (the
 #                                      # steps after it rank by it)  -> $OUT/calibration_<arch>.json
@@ -71,6 +72,8 @@
 #   bash scripts/device_run.sh fa4-tests    # tests/backends/test_flash_attn4.py and every FA4 case of the GPU tests
 #   bash scripts/device_run.sh fa4-loop     # the training loop's FA4 rows (forced, direct) beside the default and torch's
 #   bash scripts/device_run.sh fa4-compile  # benchmarks/fa4_compile_cost.py           -> $OUT/h200_fa4_compile.*
+#   bash scripts/device_run.sh fa4-packed-gap # benchmarks/fa4_packed_gap.py: packed FA4 through attnselect and direct
+#                                      #                                            -> $OUT/h200_fa4_packed_gap.*
 #   bash scripts/device_run.sh fa4-grid     # the rules grid's FA4 section (FA4 rows only) -> $OUT/h200_rules_grid.jsonl
 #   bash scripts/device_run.sh fa4-bench    # attnselect bench on the suite's 4k problems  -> $OUT/h200_bench_fa4.*
 # Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend, megatron-core, transformers and
@@ -194,8 +197,9 @@ case "$step" in
     name=h200_ladder${LADDER_PART:+_$LADDER_PART}$(python3 -c 'import flash_attn.cute' 2>/dev/null && echo _fa4)
     # the rungs run so far stay in /tmp while the machine is warm: a later call resumes them without a round trip
     [ -f "results/$name.json" ] && [ ! -f "/tmp/$name.json" ] && cp "results/$name.json" /tmp/
+    only=(); IFS=';' read -ra rungs <<< "${LADDER_ONLY:-}"; for rung in "${rungs[@]}"; do only+=(--only "$rung"); done
     timeout ${LADDER_TIMEOUT:-560} python3 benchmarks/ladder.py --isolate --out "/tmp/$name" --deadline ${LADDER_DEADLINE:-420} \
-      ${LADDER_ARGS:-} 2>&1 | grep -v -i warn | tail -30
+      ${LADDER_ARGS:-} "${only[@]}" 2>&1 | grep -v -i warn | tail -30
     cp "/tmp/$name.json" "/tmp/$name.md" "$OUT/" ;;
   calibrate-host)   # the committed calibration's host times measured again (attnselect.bench.calibrate.host_times)
     timeout ${CALIBRATE_TIMEOUT:-300} python3 benchmarks/calibrate.py --host-from results/h200_calibration.json \
@@ -283,6 +287,9 @@ case "$step" in
 max_seqlen given;attnselect default, FA4 disabled;flash_attn4 native;FA4 flash_attn_varlen_func, called directly;\
 cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
       | grep -v -i warn | tail -40 ;;
+  fa4-packed-gap)   # benchmarks/fa4_packed_gap.py: attnselect's packed FA4 calls against FA4 called directly
+    need_fa4 || exit 1
+    timeout 300 python3 benchmarks/fa4_packed_gap.py --out "$OUT/h200_fa4_packed_gap" 2>&1 | grep -v -i warn | tail -45 ;;
   fa4-compile)
     need_fa4 || exit 1
     timeout 400 python3 benchmarks/fa4_compile_cost.py --out "$OUT/h200_fa4_compile" 2>&1 | grep -v -i warn | tail -12 ;;
@@ -310,7 +317,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests suite sweep ladder pytest flex-probe flex-hooks calibrate correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-grid fa4-bench)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests suite sweep ladder pytest flex-probe flex-hooks calibrate correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-packed-gap fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

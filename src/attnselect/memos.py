@@ -23,6 +23,7 @@ from the one or computed in the other is remembered. (A WeakKeyDictionary would 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -53,6 +54,25 @@ def warn_once(tag: str, message: str, *args) -> None:
     if tag not in _WARNED:
         _WARNED.add(tag)
         logging.getLogger("attnselect").warning(message, *args)
+
+
+# os.environ encodes every key and decodes every value on each access, and raises and catches a KeyError for an unset
+# one; on POSIX its raw bytes mapping answers the same question without that work (read on every attention call).
+RAW_ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+
+def environment_reader(name: str) -> Callable[[], str | None]:
+    """``read()``: ``os.environ.get(name)``, from :data:`RAW_ENVIRON` where there is one: for variables read on every
+    new packing."""
+    if RAW_ENVIRON is None:
+        return functools.partial(os.environ.get, name)
+    get, raw = RAW_ENVIRON.get, name.encode()
+
+    def read() -> str | None:
+        value = get(raw)
+        return None if value is None else os.fsdecode(value)
+
+    return read
 
 
 def cache_dir() -> Path:

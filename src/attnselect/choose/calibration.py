@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-from attnselect.choose.settings import reader
-from attnselect.memos import cache_dir, generation, register_cache, warn_once
+from attnselect.memos import cache_dir, environment_reader, generation, register_cache, warn_once
 from attnselect.spec.target import Target
 from attnselect.version import __version__
 
@@ -121,7 +120,7 @@ def for_target(target: Target) -> tuple[dict | None, str]:
     return held
 
 
-_cache_dir_variable = reader("ATTNSELECT_CACHE_DIR")
+_cache_dir_variable = environment_reader("ATTNSELECT_CACHE_DIR")
 _HELD: dict[tuple, tuple[dict | None, str]] = {}
 register_cache(_HELD.clear)
 

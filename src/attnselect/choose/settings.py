@@ -13,6 +13,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from attnselect.errors import ForcedChoiceError, InvalidInputError
+from attnselect.memos import RAW_ENVIRON as _RAW_ENVIRON
+from attnselect.memos import environment_reader
 
 POLICIES = ("rules", "measure")
 PAD_MODES = ("auto", "always", "never")
@@ -78,30 +80,13 @@ def overrides(*, policy: str | None = None, backend: str | None = None, pad=None
         _SCOPE.reset(token)
 
 
-# os.environ encodes every key and decodes every value on each access; on POSIX its raw bytes
-# mapping answers the same question without that work (this runs on every attention call).
-_RAW_ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else None
 _RAW_NAMES = tuple(name.encode() for name in ENV_VARS)
 # ``no_environment()``: True where no ATTNSELECT_* variable is set, in one C-level call (a dict's keys view follows
 # the dict); else False.
 no_environment = functools.partial(_RAW_ENVIRON.keys().isdisjoint, _RAW_NAMES) if _RAW_ENVIRON is not None else bool
 
 
-def reader(name: str):
-    """``read()``: ``os.environ.get(name)``, from the raw mapping on POSIX (os.environ encodes the key on each read,
-    and raises and catches a KeyError where it is unset): for variables read on every new packing."""
-    if _RAW_ENVIRON is None:
-        return functools.partial(os.environ.get, name)
-    get, raw = _RAW_ENVIRON.get, name.encode()
-
-    def read() -> str | None:
-        value = get(raw)
-        return None if value is None else os.fsdecode(value)
-
-    return read
-
-
-_self_check_variable = reader("ATTNSELECT_SELF_CHECK")
+_self_check_variable = environment_reader("ATTNSELECT_SELF_CHECK")
 
 
 def raw_environment() -> tuple:

@@ -1,0 +1,162 @@
+"""Where attnselect's packed FlashAttention-4 calls lose time against ``flash_attn_varlen_func`` called directly.
+
+    python benchmarks/fa4_packed_gap.py --out results/h200_fa4_packed_gap      # a GPU with FA4 installed
+
+The size ladder's packed rungs (benchmarks/ladder.py) put FA4 forced through attnselect at 0.42 ms a call where FA4
+called directly took 0.15 (2048 tokens, a new packing each call, 192/128 inference, latency), and 0.196 against 0.110
+in a stack of 8 layers sharing each step's packing. This takes the ladder's packings (2048 tokens, lognormal
+documents, H16, 192/128 bf16, causal, inference) and times, per call (``latency``: a sync after each; ``stack``: 8
+calls a packing, one sync), these rows in alternating order:
+
+- FA4 called directly, as the ladder calls it (``causal=True`` and both max_seqlen);
+- FA4 called directly with the keyword arguments attnselect's backend passes (``_options``);
+- the backend's packed kernel alone (``packed_runner(call)``: the options bound, no lookup);
+- attnselect.attention forced to FA4, with the self-check on as by default, and with ``ATTNSELECT_SELF_CHECK=0``;
+
+each on a new packing per call (``new``) and on one packing repeated (``same``). Then a cProfile (cumulative) of
+each direct and forced row on new packings. Writes ``--out``.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import attnselect
+from attnselect import backends, self_check
+from attnselect.execution import kernel_call
+from attnselect.spec.options import Packing
+from ladder import packing_lengths
+
+TOKENS, HEADS, D_QK, D_V, LAYERS = 2048, 16, 192, 128, 8
+
+
+def packings(count: int, start: int) -> list:
+    out = []
+    for turn in range(start, start + count):
+        lengths = packing_lengths(TOKENS, turn)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        out.append((cu, max(lengths)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    from flash_attn.cute import flash_attn_varlen_func
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(TOKENS, HEADS, D_QK, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    v = torch.randn(TOKENS, HEADS, D_V, device="cuda", dtype=torch.bfloat16, generator=g)
+    first_cu, first_m = packings(1, 1)[0]
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, layout="thd", cu_seqlens_q=first_cu, causal=True,
+                                                       max_seqlen_q=first_m, max_seqlen_kv=first_m)  # fmt: skip
+    backend = backends.get("flash_attn4")
+    call = kernel_call(problem)
+    options = backend._options(call, 1, 1)
+    kernel = backend.packed_runner(call, repeated=True)
+    checks = [0]
+    real_check = self_check.check
+    self_check.check = lambda *args, **kw: checks.__setitem__(0, checks[0] + 1) or real_check(*args, **kw)
+
+    def forced(cu, m):
+        return attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, max_seqlen_q=m, max_seqlen_kv=m,
+                                    causal=True, backend="flash_attn4")  # fmt: skip
+
+    def forced_unchecked(cu, m):
+        os.environ["ATTNSELECT_SELF_CHECK"] = "0"
+        try:
+            return forced(cu, m)
+        finally:
+            del os.environ["ATTNSELECT_SELF_CHECK"]
+
+    rows = {
+        "FA4 direct, the ladder's arguments": lambda cu, m: flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, causal=True),
+        "FA4 direct, attnselect's options": lambda cu, m: flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, **options),
+        "the backend's packed kernel alone": lambda cu, m: kernel(q, k, v, Packing(cu, cu, m, m, cu, cu)),
+        "attnselect forced to FA4": forced,
+        "attnselect forced to FA4, ATTNSELECT_SELF_CHECK=0": forced_unchecked,
+    }  # fmt: skip
+    with torch.no_grad():
+        for fn in rows.values():  # compiles, first checks
+            for cu, m in packings(3, 1):
+                fn(cu, m)
+        torch.cuda.synchronize()
+        warm_checks = checks[0]
+        times = {(way, kind, row): [] for way in ("latency", "stack") for kind in ("new", "same") for row in rows}
+        turn = 1000
+        for r in range(a.rounds):
+            for row, fn in rows.items() if r % 2 == 0 else reversed(rows.items()):
+                for kind in ("new", "same"):
+                    new = packings(a.calls, turn)
+                    turn += a.calls
+                    for cu, m in new if kind == "new" else [new[0]] * a.calls:
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        fn(cu, m)
+                        torch.cuda.synchronize()
+                        times[("latency", kind, row)].append((time.perf_counter() - start) * 1e3)
+                    new = packings(a.calls, turn)
+                    turn += a.calls
+                    for cu, m in new if kind == "new" else [new[0]] * a.calls:
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        for _ in range(LAYERS):
+                            fn(cu, m)
+                        torch.cuda.synchronize()
+                        times[("stack", kind, row)].append((time.perf_counter() - start) * 1e3 / LAYERS)
+        timed_checks = checks[0] - warm_checks
+        profiles = {}
+        for row in ("FA4 direct, the ladder's arguments", "attnselect forced to FA4"):
+            new = packings(a.calls, turn)
+            turn += a.calls
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for cu, m in new:
+                rows[row](cu, m)
+            torch.cuda.synchronize()
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(35)
+            profiles[row] = text.getvalue()
+    meta = {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d"),
+            "options": {key: repr(value) for key, value in options.items()}, "self_checks_timed": timed_checks,
+            "self_checks_warm": warm_checks, "calls": a.calls, "rounds": a.rounds}  # fmt: skip
+    lines = ["# attnselect's packed FA4 calls against FA4 called directly\n",
+             f"{meta['device']}, {meta['date']}. Produced by `benchmarks/fa4_packed_gap.py` (method in its docstring): "
+             f"{TOKENS} tokens, H{HEADS}, {D_QK}/{D_V} bf16, causal, inference; ms a call, median (quartiles) over "
+             f"{a.rounds} rounds of {a.calls}. attnselect's options: {meta['options']}. Self-checks run while timed: "
+             f"{timed_checks} (warm-up: {warm_checks}).\n"]  # fmt: skip
+    for way in ("latency", "stack"):
+        for kind in ("new", "same"):
+            lines += [f"## {way}, {'a new packing each call' if kind == 'new' else 'one packing repeated'}\n",
+                      "| row | ms a call |", "|---|---|"]  # fmt: skip
+            for row in rows:
+                t = sorted(times[(way, kind, row)])
+                q1, q3 = t[len(t) // 4], t[3 * len(t) // 4]
+                lines.append(f"| {row} | {statistics.median(t):.4f} ({q1:.4f}..{q3:.4f}) |")
+            lines.append("")
+    for row, text in profiles.items():
+        lines += [f"## cProfile, {row}, {a.calls} new packings (cumulative)\n", "```", text.strip(), "```", ""]
+    Path(a.out + ".md").write_text("\n".join(lines))
+    Path(a.out + ".json").write_text(json.dumps({"meta": meta, "times": {" | ".join(key): t for key, t in
+                                                                          times.items()}}, indent=1))  # fmt: skip
+    print("\n".join(lines[:60]))
+
+
+if __name__ == "__main__":
+    main()
