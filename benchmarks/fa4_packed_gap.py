@@ -12,9 +12,10 @@ calls a packing, one sync), these rows in alternating order:
 - FA4 called directly with the keyword arguments attnselect's backend passes (``_options``);
 - the backend's packed kernel alone (``packed_runner(call)``: the options bound, no lookup);
 - attnselect.attention forced to FA4, with the self-check on as by default, and with ``ATTNSELECT_SELF_CHECK=0``;
+- attnselect.attention as it chooses;
 
-each on a new packing per call (``new``) and on one packing repeated (``same``). Then a cProfile (cumulative) of
-each direct and forced row on new packings. Writes ``--out``.json and .md.
+each on a new packing per call (``new``) and on one packing repeated (``same``). Then a cProfile of
+the direct and the forced row on new packings, by own time. Writes ``--out``.json and .md.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def main() -> None:
         "the backend's packed kernel alone": lambda cu, m: kernel(q, k, v, Packing(cu, cu, m, m, cu, cu)),
         "attnselect forced to FA4": forced,
         "attnselect forced to FA4, ATTNSELECT_SELF_CHECK=0": forced_unchecked,
+        "attnselect default": lambda cu, m: attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu,
+                                                                 max_seqlen_q=m, max_seqlen_kv=m, causal=True),
     }  # fmt: skip
     with torch.no_grad():
         for fn in rows.values():  # compiles, first checks
@@ -131,7 +134,7 @@ def main() -> None:
             torch.cuda.synchronize()
             profiler.disable()
             text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(35)
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
             profiles[row] = text.getvalue()
     meta = {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d"),
             "options": {key: repr(value) for key, value in options.items()}, "self_checks_timed": timed_checks,
@@ -151,7 +154,7 @@ def main() -> None:
                 lines.append(f"| {row} | {statistics.median(t):.4f} ({q1:.4f}..{q3:.4f}) |")
             lines.append("")
     for row, text in profiles.items():
-        lines += [f"## cProfile, {row}, {a.calls} new packings (cumulative)\n", "```", text.strip(), "```", ""]
+        lines += [f"## cProfile, {row}, {a.calls} new packings (own time)\n", "```", text.strip(), "```", ""]
     Path(a.out + ".md").write_text("\n".join(lines))
     Path(a.out + ".json").write_text(json.dumps({"meta": meta, "times": {" | ".join(key): t for key, t in
                                                                           times.items()}}, indent=1))  # fmt: skip

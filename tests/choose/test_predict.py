@@ -49,6 +49,24 @@ def test_the_time_follows_the_curve_between_below_and_above_its_points():
     assert predict._along(points, 2000.0) == 400.0  # above: the last point's throughput
 
 
+def test_a_candidate_s_curve_predicts_at_every_size_what_its_problem_at_that_size_is_predicted():
+    """The curve (host time, GPU points, basis) does not depend on the call's sizes: one made at any size predicts a
+    packed loop's every packing, at its work class."""
+    import dataclasses
+
+    base = AttentionProblem(3, 700, 700, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    curves = {c: predict.curve(c, base, sample()) for c in (Candidate("sdpa_cudnn"), Candidate("flash_attn4", 192),
+                                                            Candidate("sdpa_math"))}  # fmt: skip
+    assert curves[Candidate("sdpa_cudnn")] and curves[Candidate("flash_attn4", 192)]
+    assert curves[Candidate("sdpa_math")] is None  # not calibrated
+    for c, curve in curves.items():
+        for batch, seqlen in ((1, 16), (3, 700), (40, 5000), (2, 100000)):
+            problem = dataclasses.replace(base, batch=batch, seqlen_q=seqlen, seqlen_kv=seqlen)
+            expected = predict.predict(c, problem, sample())
+            assert (curve.at(problem) if curve else None) == expected
+            assert curve is None or curve.at_class(predict.work_class(problem)) == expected
+
+
 def test_a_prediction_is_the_longer_of_host_and_gpu():
     problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
     small = predict.predict(Candidate("sdpa_cudnn"), problem, sample())

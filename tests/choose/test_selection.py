@@ -235,19 +235,25 @@ def test_a_new_packing_in_a_known_work_class_predicts_nothing_again(tmp_path, mo
     from attnselect.choose import predict, rules, selection
 
     target = _calibrated_h200(tmp_path, monkeypatch)
-    predicted, real = [], rules.prediction
-    monkeypatch.setattr(rules, "prediction", lambda *a, **k: predicted.append(1) or real(*a, **k))
+    predicted, real = [], predict.Curve.at_class
+    monkeypatch.setattr(predict.Curve, "at_class", lambda *a, **k: predicted.append(1) or real(*a, **k))
+    curves, real_curve = [], rules.prediction_curve
+    monkeypatch.setattr(rules, "prediction_curve", lambda *a, **k: curves.append(1) or real_curve(*a, **k))
 
     selection.select_packed(_thd_training(18, 4096), target=target)
-    selection.select_packed(_thd_training(18, 4000), target=target)  # a new class: predicted
+    made = len(curves)  # select's, every supported candidate's
+    selection.select_packed(_thd_training(18, 4000), target=target)  # a new class: predicted along the curves
     before = len(predicted)
-    assert before
+    assert before and len(curves) > made  # the family's curves, made on its first ranking
+    made = len(curves)
     same_class = _thd_training(18, 4001)
     assert predict.work_class(same_class) == predict.work_class(_thd_training(18, 4000))
     assert same_class.size_class == _thd_training(18, 4000).size_class
     carried = selection.select_packed(same_class, target=target)
     assert len(predicted) == before
-    monkeypatch.setattr(rules, "prediction", real)
+    selection.select_packed(_thd_training(3, 1000), target=target)  # another class: predicted, no curve made again
+    assert len(predicted) > before and len(curves) == made
+    monkeypatch.setattr(predict.Curve, "at_class", real)
     fresh = attnselect.select(same_class, target=target)
     assert carried.chosen == fresh.chosen and carried.predictions[carried.chosen] == fresh.predictions[fresh.chosen]
     attnselect.clear_cache()  # a clear forgets the rankings too
@@ -257,7 +263,7 @@ def test_a_new_packing_in_a_known_work_class_predicts_nothing_again(tmp_path, mo
 def test_a_new_size_class_in_a_known_work_class_reuses_its_predictions(tmp_path, monkeypatch):
     """Predictions depend on the work class only (rules.prediction): a packing in another size class but a known work
     class is ranked again without predicting again, and chooses what select chooses there."""
-    from attnselect.choose import predict, rules, selection
+    from attnselect.choose import predict, selection
 
     target = _calibrated_h200(tmp_path, monkeypatch)
 
@@ -267,11 +273,11 @@ def test_a_new_size_class_in_a_known_work_class_reuses_its_predictions(tmp_path,
     assert upper.size_class != lower.size_class
     selection.select_packed(_thd_training(5, 2048), target=target)
     selection.select_packed(upper, target=target)
-    predicted, real = [], rules.prediction
-    monkeypatch.setattr(rules, "prediction", lambda *a, **k: predicted.append(1) or real(*a, **k))
+    predicted, real = [], predict.Curve.at_class
+    monkeypatch.setattr(predict.Curve, "at_class", lambda *a, **k: predicted.append(1) or real(*a, **k))
     carried = selection.select_packed(lower, target=target)
     assert not predicted
-    monkeypatch.setattr(rules, "prediction", real)
+    monkeypatch.setattr(predict.Curve, "at_class", real)
     fresh = attnselect.select(lower, target=target)
     assert carried.chosen == fresh.chosen and carried.ranked == fresh.ranked[: len(carried.ranked)]
     assert carried.predictions == {c: fresh.predictions[c] for c in carried.ranked}
@@ -322,7 +328,8 @@ def test_a_settled_packed_decision_is_returned_without_drawing_its_ranking_again
     first = selection.select_packed(_thd_training(2, 100), target=target)
     assert first.rental is None and not first_calls.compiles(first.chosen, {"flash_attn4": 4000.0})
     again = _thd_training(2, 101)
-    assert (predict.work_class(again), again.size_class) == (predict.work_class(first.problem), first.problem.size_class)
+    assert predict.work_class(again) == predict.work_class(first.problem)
+    assert again.size_class == first.problem.size_class
 
     def drawn(*args, **kwargs):
         raise AssertionError("a settled decision's ranking drawn again")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from attnselect.choose.calibration import CURVE_KEY, curve_key, host_key
 from attnselect.spec import masks
@@ -95,9 +96,33 @@ def class_work(work_class: int) -> float:
     return 2.0 ** (work_class / WORK_STEPS) if work_class != NO_WORK else 0.0
 
 
+class Curve(NamedTuple):
+    """What a calibration predicts a candidate's calls of one kind from, whatever their sizes: the host time of a call
+    and the GPU curve's [work, us] points, with the basis that names the curve (:func:`curve`)."""
+
+    host_us: float
+    points: list
+    basis: str
+
+    def at(self, problem: AttentionProblem) -> Prediction:
+        """The predicted time of ``problem``'s call, at its work class."""
+        return self.at_class(work_class(problem))
+
+    def at_class(self, work_class: int) -> Prediction:
+        """The predicted time of a call of this work class."""
+        return Prediction(host_us=self.host_us, gpu_us=_along(self.points, class_work(work_class)), basis=self.basis)
+
+
 def predict(candidate: Candidate, problem: AttentionProblem, calibration: dict) -> Prediction | None:
     """The candidate's predicted time for ``problem``, or None where the calibration has no curve or host time of
     its backend for this layout and phase."""
+    found = curve(candidate, problem, calibration)
+    return found.at(problem) if found is not None else None
+
+
+def curve(candidate: Candidate, problem: AttentionProblem, calibration: dict) -> Curve | None:
+    """The :class:`Curve` that predicts ``candidate``'s calls like ``problem`` (its layout, head dims, padding, phase
+    and capture, not its sizes), or None where the calibration has no curve or host time of its backend for them."""
     host = (
         calibration["host_us"]
         .get(candidate.backend, {})
@@ -113,7 +138,7 @@ def predict(candidate: Candidate, problem: AttentionProblem, calibration: dict) 
         return None
     if problem.cuda_graph_capture:  # a captured call is replayed from the graph: no host time to issue it
         host = 0.0
-    return Prediction(host_us=float(host), gpu_us=_along(curves[key], class_work(work_class(problem))), basis=basis)
+    return Curve(float(host), curves[key], basis)
 
 
 def _nearest(curves: dict, problem: AttentionProblem, padded: bool) -> str | None:

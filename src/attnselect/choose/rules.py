@@ -24,7 +24,7 @@ from collections.abc import Callable
 from attnselect.backends.base import all_backends
 from attnselect.backends.base import get as backend_named
 from attnselect.choose import calibration
-from attnselect.choose.predict import Prediction, predict
+from attnselect.choose.predict import Curve, Prediction, curve
 from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
@@ -397,7 +397,15 @@ def prediction(
 ) -> tuple[Prediction | None, str | None]:
     """A supported candidate's predicted time under the calibration ``found`` (None where the calibration leaves it
     out on purpose) and, where the calibration cannot rank a call this candidate serves, why (None otherwise). Neither
-    depends on the call's sizes, only the predicted time does."""
+    depends on the call's sizes, only the predicted time does (:func:`prediction_curve`)."""
+    curve, why = prediction_curve(c, problem, target, found)
+    return (curve.at(problem) if curve is not None else None), why
+
+
+def prediction_curve(
+    c: Candidate, problem: AttentionProblem, target: Target, found: dict
+) -> tuple[Curve | None, str | None]:
+    """:func:`prediction` before the call's sizes: the curve that predicts it at any size, or None as there."""
     backend = backend_named(c.backend)
     # Packed, a candidate that runs sequence by sequence is not calibrated (it reads the boundaries on the host:
     # attnselect.bench.calibrate) and ranks after the packed ones, as a skipped backend does.
@@ -406,8 +414,8 @@ def prediction(
     changed = backend.package and calibration.package_changed(found, backend.package.distribution, target)
     if changed:
         return None, f"does not hold for {c.backend}: {changed}"
-    time = predict(c, problem, found)
-    return time, None if time is not None else f"has no curve for {c} at this call"
+    found_curve = curve(c, problem, found)
+    return found_curve, None if found_curve is not None else f"has no curve for {c} at this call"
 
 
 def rank(

@@ -87,13 +87,26 @@ class _Family:
     """What :func:`select_packed` keeps for a packed problem without its sizes, under one set of controls; the memos
     of its predictions and rankings are keyed by this object."""
 
-    __slots__ = ("last", "allowed", "runs")
+    __slots__ = ("last", "allowed", "runs", "curves")
 
     def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
         self.allowed = allowed
         # what the target cannot run at any size (its package missing, another device) leaves the rankings
         self.runs = [c for c in allowed if not backend_named(c.backend).target_reasons(target)]
+        # ({candidate: the calibration's curve for it, or None}, the candidates it cannot rank): what predicts the
+        # family's calls at any size (rules.prediction_curve), made on its first ranking
+        self.curves: tuple[dict, tuple[Candidate, ...]] | None = None
+
+    def curves_for(self, problem: AttentionProblem, target: Target, found: dict) -> tuple[dict, tuple[Candidate, ...]]:
+        if self.curves is None:
+            curves, unranked = {}, []
+            for c in self.runs:
+                curves[c], why = rules.prediction_curve(c, problem, target, found)
+                if why:
+                    unranked.append(c)
+            self.curves = curves, tuple(unranked)
+        return self.curves
 
 
 def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pad=None, disable=None) -> Decision:
@@ -228,7 +241,8 @@ class _Ranking:
 
 
 # Per family and work class: ({candidate: prediction}, the candidates the calibration cannot rank). A calibration
-# predicts at the work's class, and whether it ranks a candidate does not depend on the sizes (rules.prediction).
+# predicts at the work's class along the family's curves, and whether it ranks a candidate does not depend on the sizes
+# (rules.prediction_curve).
 _PREDICTED: OrderedDict[tuple, tuple[dict, tuple[Candidate, ...]]] = OrderedDict()
 register_cache(_PREDICTED.clear)
 # Per family, work class, size class and rules table: its :class:`_Ranking`, whose order is a function of that key
@@ -246,12 +260,9 @@ def _ranking(family: _Family, problem: AttentionProblem, target: Target, found: 
     if ranking is None:
         at_work = _PREDICTED.get((family, work))
         if at_work is None:
-            predicted, unranked = {}, []
-            for c in family.runs:
-                predicted[c], why = rules.prediction(c, problem, target, found)
-                if why:
-                    unranked.append(c)
-            at_work = predicted, tuple(unranked)
+            curves, unranked = family.curves_for(problem, target, found)
+            predicted = {c: curve.at_class(work) if curve is not None else None for c, curve in curves.items()}
+            at_work = predicted, unranked
             _remember(_PREDICTED, (family, work), at_work, cleared)
         predicted, unranked = at_work
         ordered = tuple(sorted(family.runs, key=rules.order(problem, target, predicted, family.allowed)))
