@@ -83,8 +83,13 @@ def replay(q, k, v, cu, m, times: dict, target=None):
     decision = select_packed(problem, target=target)
     t3 = clock()
     again = sibling.chosen == decision.chosen and sibling.runner is not None
-    runner = packed_runner(backends.get(decision.chosen.backend), decision.chosen.pad_to, sibling.call,
-                           like=(q, k, v, packing), kernel=getattr(sibling.runner, "kernel", None) if again else None)
+    runner = packed_runner(
+        backends.get(decision.chosen.backend),
+        decision.chosen.pad_to,
+        sibling.call,
+        like=(q, k, v, packing),
+        kernel=getattr(sibling.runner, "kernel", None) if again else None,
+    )
     t4 = clock()
     checking = (
         self_check.needed(problem, decision.chosen, target)
