@@ -56,9 +56,11 @@ MIRRORED = (
     "problem = sibling.problem._with(",
     "select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)",
     "again = sibling is not None and sibling.chosen == decision.chosen and sibling.runner is not None",
-    "runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing),",
-    'kernel=getattr(sibling.runner, "kernel", None) if again else None)',
-    "if not again or sibling.checks or problem.signature != sibling.problem.signature",
+    "reused = again and chosen.repeated_packed_runner_reads_sizes",
+    'kernel = getattr(sibling.runner, "kernel", None) if reused else None',
+    "runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing), kernel=kernel)",
+    "answered = again and not sibling.checks and _has_work(sibling.problem)",
+    "if not answered or problem.signature != sibling.problem.signature",
     "unknown.remember(known)",
     'result = known.runner(q, k, v) if layout != "thd" else known.runner(q, k, v, cu_seqlens_q)',
 )
@@ -83,17 +85,15 @@ def replay(q, k, v, cu, m, times: dict, target=None):
     decision = select_packed(problem, target=target)
     t3 = clock()
     again = sibling.chosen == decision.chosen and sibling.runner is not None
-    runner = packed_runner(
-        backends.get(decision.chosen.backend),
-        decision.chosen.pad_to,
-        sibling.call,
-        like=(q, k, v, packing),
-        kernel=getattr(sibling.runner, "kernel", None) if again else None,
-    )
+    chosen = backends.get(decision.chosen.backend)
+    reused = again and chosen.repeated_packed_runner_reads_sizes
+    kernel = getattr(sibling.runner, "kernel", None) if reused else None
+    runner = packed_runner(chosen, decision.chosen.pad_to, sibling.call, like=(q, k, v, packing), kernel=kernel)
     t4 = clock()
+    answered = again and not sibling.checks and api._has_work(sibling.problem)
     checking = (
         self_check.needed(problem, decision.chosen, target)
-        if not again or sibling.checks or problem.signature != sibling.problem.signature
+        if not answered or problem.signature != sibling.problem.signature
         else False
     )
     t5 = clock()

@@ -440,3 +440,64 @@ def test_select_and_explain_refuse_what_attention_cp_group_refuses(two_rank_grou
         assert str(same.value) == str(raised.value)
     served = attnselect.AttentionProblem.from_tensors(q, q, q, causal=True, context_parallel_size=2)
     assert attnselect.select(served).chosen and "context parallel" in attnselect.explain(served)
+
+
+@pytest.fixture
+def meta_cudnn_h200(monkeypatch):
+    """attention() on meta tensors as on an H200 with the cuDNN frontend, whose op records the max_seqlen it gets
+    (meta boundaries: no device work, and the memo takes packed calls on them as on CUDA)."""
+    import sys
+    import types
+
+    from attnselect import api, execution
+    from attnselect.spec.target import Target
+
+    seen = []
+
+    def sdpa_torch(q, k, v, **kwargs):
+        seen.append((kwargs["max_seqlen_q"], kwargs["max_seqlen_kv"]))
+        return torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+
+    monkeypatch.setitem(sys.modules, "cudnn", types.SimpleNamespace(sdpa_torch=sdpa_torch))
+    h200 = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"})
+    monkeypatch.setattr(api, "target_for_device", lambda device: h200)
+    monkeypatch.setattr(execution, "padded_boundaries", lambda cu, count, target: cu)
+    monkeypatch.setenv("ATTNSELECT_SELF_CHECK", "0")
+    attnselect.clear_cache()
+    yield seen
+    attnselect.clear_cache()
+
+
+def test_a_new_packing_on_a_kernel_that_binds_its_first_sizes_gets_a_kernel_of_its_own(meta_cudnn_h200):
+    """The cuDNN frontend's repeated packed kernel binds its first call's max_seqlen: a new packing on it gets its
+    own, which sees its own longest sequence (bucketed), not its sibling's."""
+    q = torch.empty(4096, 16, 128, dtype=torch.bfloat16, device="meta")
+    for longest in (1000, 3000):
+        cu = torch.empty(5, dtype=torch.int32, device="meta")
+        attnselect.attention(q, q, q, layout="thd", causal=True, cu_seqlens_q=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest, backend="cudnn_frontend")  # fmt: skip
+    assert [c.chosen.backend for c in dispatch.known_calls()] == ["cudnn_frontend"] * 2
+    (first_q, first_kv), (then_q, then_kv) = meta_cudnn_h200
+    assert first_q >= 1000 and first_kv >= 1000 and then_q >= 3000 and then_kv >= 3000
+
+
+def test_a_new_packing_asks_for_its_self_check_where_its_sibling_had_nothing_to_check(meta_cudnn_h200, monkeypatch):
+    """A sibling with no scores (max_seqlen 0) needed no self-check for want of work: a new packing at the same
+    signature (size class 0 holds 0 to 3 scores) that has work asks again."""
+    from attnselect import api
+
+    asked = []
+    monkeypatch.setattr(api.self_check, "needed", lambda problem, *a: asked.append(problem) or False)
+    q = torch.empty(1, 1, 128, dtype=torch.bfloat16, device="meta")
+    cu = torch.empty(2, dtype=torch.int32, device="meta")
+    for longest in (0, 1):
+        attnselect.attention(q, q, q, layout="thd", causal=True, cu_seqlens_q=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest, backend="cudnn_frontend")  # fmt: skip
+    assert [p.seqlen_q for p in asked] == [0, 1] and asked[0].signature == asked[1].signature
+
+
+def test_zero_dimensional_boundaries_get_the_library_s_error():
+    q = torch.empty(12, 4, 24, device="meta")
+    with pytest.raises(attnselect.InvalidInputError, match="cu_seqlens_q"):
+        attnselect.attention(q, q, q, layout="thd", causal=True, cu_seqlens_q=torch.empty((), dtype=torch.int32,
+                             device="meta"), max_seqlen_q=7, max_seqlen_kv=7)  # fmt: skip

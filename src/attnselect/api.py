@@ -153,7 +153,7 @@ def attention(
         )
         call = sibling.call if sibling is not None else kernel_call(problem, scale, softcap)  # not the sizes'
         chosen = backends.get(decision.chosen.backend)
-        # the sibling's choice again: its packed kernel serves these sizes (a backend's packed runner reads no size)
+        # the sibling's choice again: its packed kernel serves these sizes where it reads each packing's
         again = sibling is not None and sibling.chosen == decision.chosen and sibling.runner is not None
         if layout != "thd":
             runner = dense_runner(
@@ -162,8 +162,9 @@ def attention(
         elif not (again or chosen.packs_thd(target)):
             runner = None
         elif unknown is not None:  # later calls are like this one: the runner takes their boundaries
-            runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing),
-                                   kernel=getattr(sibling.runner, "kernel", None) if again else None)  # fmt: skip
+            reused = again and chosen.repeated_packed_runner_reads_sizes  # the sibling's kernel serves these sizes
+            kernel = getattr(sibling.runner, "kernel", None) if reused else None
+            runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing), kernel=kernel)
         else:  # this call alone, on its validated packing
             runner = _on_packing(packed_runner(chosen, decision.chosen.pad_to, call), packing)
         if decision.rental and decision.rental.calls and runner is not None:  # a compile to pay later (first_calls)
@@ -171,10 +172,11 @@ def attention(
         # a calibration holds: what compiles is tracked (a configuration is the call at any size: its sibling's ran)
         compiled = decision.predictions is not None and not again
         # reads ATTNSELECT_SELF_CHECK (in the memo's key): before memoizing; the sibling's answer where it had none to
-        # make at this signature (a check passed since only makes the answer no)
+        # make at this signature with work to check (a check passed since only makes the answer no)
+        answered = again and not sibling.checks and _has_work(sibling.problem)
         checking = (
             self_check.needed(problem, decision.chosen, target)
-            if not again or sibling.checks or problem.signature != sibling.problem.signature
+            if not answered or problem.signature != sibling.problem.signature
             else False
         )
         collective = checking and decision.overrides.policy == "measure" and is_distributed()
@@ -218,6 +220,11 @@ def attention(
 _CONTROL_FLOW = tuple(
     t for t in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if isinstance(t, type)
 )
+
+
+def _has_work(problem: AttentionProblem) -> bool:
+    """Whether a call of ``problem`` has scores to check (self_check.needed answers no for one without)."""
+    return bool(problem.batch and problem.seqlen_q and problem.seqlen_kv)
 
 
 def _renting(run, rental: first_calls.Rental, problem: AttentionProblem):

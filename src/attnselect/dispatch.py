@@ -217,6 +217,7 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
             and type(cu_q) is torch.Tensor
             and not cu_q.is_cpu
             and not cu_q.is_nested
+            and cu_q.dim() == 1  # else validation names it
         ):
             return None
         sizes = (cu_q.shape[0], max_q, max_kv)

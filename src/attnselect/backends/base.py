@@ -161,6 +161,10 @@ class Backend:
     surfaces: ClassVar[dict[str, Surface]]  # keyed by device type ("cuda", "cpu")
     package: ClassVar[Package | None] = None  # the pip distribution it needs, if any
     shape_cache: ClassVar[ShapeCache | None] = None  # None: nothing is built per shape
+    # Whether the run of packed_runner(call, repeated=True) reads each call's packing whole, its sizes included, so a
+    # packing of other sizes can run on it too (attnselect.attention makes a new packing's runner around its
+    # sibling's); False where it binds what its first call found (the cuDNN frontend's options).
+    repeated_packed_runner_reads_sizes: ClassVar[bool] = True
     # Device types where the surface is an allowlist from the correctness grid (attnselect.backends.evidence, which
     # attnselect.choose.candidates applies after these reasons): young kernels.
     evidence_required: ClassVar[frozenset[str]] = frozenset()

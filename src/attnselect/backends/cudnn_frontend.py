@@ -126,6 +126,8 @@ class CudnnFrontend(Backend):
             return q.new_zeros(0, q.shape[1], v.shape[-1]), q.new_zeros(q.shape[1], 0, dtype=torch.float32)
         return self.packed_runner(call)(q, k, v, packing)
 
+    repeated_packed_runner_reads_sizes = False  # its options bind the first call's max_seqlen (packed_runner)
+
     def packed_runner(self, call: KernelCall, *, repeated: bool = False):
         """``run(q, k, v, packing)``; ``repeated``: the first call's gradients and max_seqlen bind the options of
         every call, which then pay for one call of the op."""

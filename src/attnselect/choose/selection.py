@@ -94,19 +94,20 @@ class _Family:
         self.allowed = allowed
         # what the target cannot run at any size (its package missing, another device) leaves the rankings
         self.runs = [c for c in allowed if not backend_named(c.backend).target_reasons(target)]
-        # ({candidate: the calibration's curve for it, or None}, the candidates it cannot rank): what predicts the
-        # family's calls at any size (rules.prediction_curve), made on its first ranking
-        self.curves: tuple[dict, tuple[Candidate, ...]] | None = None
+        # (the calibration, {candidate: its curve for it, or None}, the candidates it cannot rank): what predicts the
+        # family's calls at any size (rules.prediction_curve), made on its first ranking under that calibration
+        self.curves: tuple[dict, dict, tuple[Candidate, ...]] | None = None
 
     def curves_for(self, problem: AttentionProblem, target: Target, found: dict) -> tuple[dict, tuple[Candidate, ...]]:
-        if self.curves is None:
+        held = self.curves
+        if held is None or held[0] is not found:  # another calibration (a cache directory changed) predicts anew
             curves, unranked = {}, []
             for c in self.runs:
                 curves[c], why = rules.prediction_curve(c, problem, target, found)
                 if why:
                     unranked.append(c)
-            self.curves = curves, tuple(unranked)
-        return self.curves
+            held = self.curves = found, curves, tuple(unranked)
+        return held[1], held[2]
 
 
 def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pad=None, disable=None) -> Decision:

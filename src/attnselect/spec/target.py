@@ -30,7 +30,6 @@ _VERSION = re.compile(r"\d+(?:\.\d+)+[0-9A-Za-z]*(?:[.+\-_][0-9A-Za-z]+)*|unknow
 
 
 @functools.lru_cache(maxsize=256)
-@functools.lru_cache(maxsize=256)  # a backend's checks compare the same few versions on every new packing
 def version_tuple(version: str | None) -> tuple[int, ...]:
     """'9.19.0' -> (9, 19, 0); '2.11.0+cu130' -> (2, 11, 0); None -> ()."""
     if not version:
