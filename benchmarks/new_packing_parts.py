@@ -56,10 +56,9 @@ MIRRORED = (
     "problem = sibling.problem._with(",
     "select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)",
     "again = sibling is not None and sibling.chosen == decision.chosen and sibling.runner is not None",
-    "reused = again and chosen.repeated_packed_runner_reads_sizes",
-    'kernel = getattr(sibling.runner, "kernel", None) if reused else None',
+    'kernel = getattr(sibling.runner, "kernel", None) if again else None',
     "runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing), kernel=kernel)",
-    "answered = again and not sibling.checks and _has_work(sibling.problem)",
+    "answered = again and not sibling.checks and self_check.has_work(sibling.problem)",
     "if not answered or problem.signature != sibling.problem.signature",
     "unknown.remember(known)",
     'result = known.runner(q, k, v) if layout != "thd" else known.runner(q, k, v, cu_seqlens_q)',
@@ -86,11 +85,10 @@ def replay(q, k, v, cu, m, times: dict, target=None):
     t3 = clock()
     again = sibling.chosen == decision.chosen and sibling.runner is not None
     chosen = backends.get(decision.chosen.backend)
-    reused = again and chosen.repeated_packed_runner_reads_sizes
-    kernel = getattr(sibling.runner, "kernel", None) if reused else None
+    kernel = getattr(sibling.runner, "kernel", None) if again else None
     runner = packed_runner(chosen, decision.chosen.pad_to, sibling.call, like=(q, k, v, packing), kernel=kernel)
     t4 = clock()
-    answered = again and not sibling.checks and api._has_work(sibling.problem)
+    answered = again and not sibling.checks and self_check.has_work(sibling.problem)
     checking = (
         self_check.needed(problem, decision.chosen, target)
         if not answered or problem.signature != sibling.problem.signature

@@ -468,9 +468,9 @@ def meta_cudnn_h200(monkeypatch):
     attnselect.clear_cache()
 
 
-def test_a_new_packing_on_a_kernel_that_binds_its_first_sizes_gets_a_kernel_of_its_own(meta_cudnn_h200):
-    """The cuDNN frontend's repeated packed kernel binds its first call's max_seqlen: a new packing on it gets its
-    own, which sees its own longest sequence (bucketed), not its sibling's."""
+def test_a_new_packing_on_the_cudnn_frontend_runs_with_its_own_max_seqlen(meta_cudnn_h200):
+    """A new packing's runner wraps its sibling's packed kernel, which reads each packing's max_seqlen: the cuDNN
+    frontend's op sees the new packing's longest sequence (bucketed), not its sibling's."""
     q = torch.empty(4096, 16, 128, dtype=torch.bfloat16, device="meta")
     for longest in (1000, 3000):
         cu = torch.empty(5, dtype=torch.int32, device="meta")

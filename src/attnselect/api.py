@@ -162,8 +162,7 @@ def attention(
         elif not (again or chosen.packs_thd(target)):
             runner = None
         elif unknown is not None:  # later calls are like this one: the runner takes their boundaries
-            reused = again and chosen.repeated_packed_runner_reads_sizes  # the sibling's kernel serves these sizes
-            kernel = getattr(sibling.runner, "kernel", None) if reused else None
+            kernel = getattr(sibling.runner, "kernel", None) if again else None  # it reads each packing's sizes
             runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing), kernel=kernel)
         else:  # this call alone, on its validated packing
             runner = _on_packing(packed_runner(chosen, decision.chosen.pad_to, call), packing)
@@ -173,7 +172,7 @@ def attention(
         compiled = decision.predictions is not None and not again
         # reads ATTNSELECT_SELF_CHECK (in the memo's key): before memoizing; the sibling's answer where it had none to
         # make at this signature with work to check (a check passed since only makes the answer no)
-        answered = again and not sibling.checks and _has_work(sibling.problem)
+        answered = again and not sibling.checks and self_check.has_work(sibling.problem)
         checking = (
             self_check.needed(problem, decision.chosen, target)
             if not answered or problem.signature != sibling.problem.signature
@@ -220,11 +219,6 @@ def attention(
 _CONTROL_FLOW = tuple(
     t for t in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if isinstance(t, type)
 )
-
-
-def _has_work(problem: AttentionProblem) -> bool:
-    """Whether a call of ``problem`` has scores to check (self_check.needed answers no for one without)."""
-    return bool(problem.batch and problem.seqlen_q and problem.seqlen_kv)
 
 
 def _renting(run, rental: first_calls.Rental, problem: AttentionProblem):

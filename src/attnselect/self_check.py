@@ -54,7 +54,7 @@ def needed(problem: AttentionProblem, chosen: Candidate, target: Target) -> bool
         return False
     if problem.dropout_p or problem.compiled_graph or problem.cuda_graph_capture or problem.fp8:
         return False
-    if not (problem.batch and problem.seqlen_q and problem.seqlen_kv):  # nothing to compare
+    if not has_work(problem):  # nothing to compare
         return False
     key = (target, chosen, problem.signature)
     if key in _PASSED:
@@ -75,6 +75,11 @@ def needed(problem: AttentionProblem, chosen: Candidate, target: Target) -> bool
 # the target's versions, fixed in a process): a packed loop asks at every new packing.
 _COVERED: dict = {}
 register_cache(_COVERED.clear)
+
+
+def has_work(problem: AttentionProblem) -> bool:
+    """Whether a call of ``problem`` has scores to compare."""
+    return bool(problem.batch and problem.seqlen_q and problem.seqlen_kv)
 
 
 def check(problem, chosen, target, call: KernelCall, result, q, k, v, packing: Packing | None, rerun) -> None:

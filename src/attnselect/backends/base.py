@@ -161,10 +161,6 @@ class Backend:
     surfaces: ClassVar[dict[str, Surface]]  # keyed by device type ("cuda", "cpu")
     package: ClassVar[Package | None] = None  # the pip distribution it needs, if any
     shape_cache: ClassVar[ShapeCache | None] = None  # None: nothing is built per shape
-    # Whether the run of packed_runner(call, repeated=True) reads each call's packing whole, its sizes included, so a
-    # packing of other sizes can run on it too (attnselect.attention makes a new packing's runner around its
-    # sibling's); False where it binds what its first call found (the cuDNN frontend's options).
-    repeated_packed_runner_reads_sizes: ClassVar[bool] = True
     # Device types where the surface is an allowlist from the correctness grid (attnselect.backends.evidence, which
     # attnselect.choose.candidates applies after these reasons): young kernels.
     evidence_required: ClassVar[frozenset[str]] = frozenset()
@@ -219,8 +215,9 @@ class Backend:
         return lambda q, k, v: self.run(q, k, v, call)
 
     def packed_runner(self, call: KernelCall, *, repeated: bool = False):
-        """``run(q, k, v, packing)``: :meth:`run_packed` with ``call`` bound (see :meth:`runner`; ``repeated``
-        packings also share their sequence count and both max_seqlen)."""
+        """``run(q, k, v, packing)``: :meth:`run_packed` with ``call`` bound (see :meth:`runner`). It reads each
+        call's packing whole, sizes included: a new packing's runner is made around its sibling's kernel
+        (attnselect.attention)."""
         return lambda q, k, v, packing: self.run_packed(q, k, v, call, packing)
 
     def __repr__(self) -> str:

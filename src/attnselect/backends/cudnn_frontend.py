@@ -126,11 +126,9 @@ class CudnnFrontend(Backend):
             return q.new_zeros(0, q.shape[1], v.shape[-1]), q.new_zeros(q.shape[1], 0, dtype=torch.float32)
         return self.packed_runner(call)(q, k, v, packing)
 
-    repeated_packed_runner_reads_sizes = False  # its options bind the first call's max_seqlen (packed_runner)
-
     def packed_runner(self, call: KernelCall, *, repeated: bool = False):
-        """``run(q, k, v, packing)``; ``repeated``: the first call's gradients and max_seqlen bind the options of
-        every call, which then pay for one call of the op."""
+        """``run(q, k, v, packing)``; ``repeated``: the first call's gradients bind the options of every call (each
+        packing's max_seqlen is read from it)."""
         import cudnn
 
         op, options = cudnn.sdpa_torch, _options(call)
@@ -139,13 +137,13 @@ class CudnnFrontend(Backend):
         def run(q, k, v, packing: Packing):
             kwargs = bound[0]
             if kwargs is None:
-                kwargs = dict(
-                    options, return_lse=_needs_lse(call, q, k, v), max_seqlen_q=max(packing.max_seqlen_q, 1),
-                    max_seqlen_kv=max(packing.max_seqlen_kv, 1),
-                )  # fmt: skip
+                kwargs = dict(options, return_lse=_needs_lse(call, q, k, v))
                 if repeated:
                     bound[0] = kwargs
-            result = op(q, k, v, cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_kv=packing.cu_seqlens_kv, **kwargs)
+            result = op(
+                q, k, v, cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_kv=packing.cu_seqlens_kv,
+                max_seqlen_q=max(packing.max_seqlen_q, 1), max_seqlen_kv=max(packing.max_seqlen_kv, 1), **kwargs,
+            )  # fmt: skip
             if not kwargs["return_lse"]:
                 return result, None
             return result[0], (result[1][..., 0].transpose(0, 1) if call.return_lse else None)  # (T, H, 1) -> (H, T)
