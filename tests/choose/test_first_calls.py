@@ -53,6 +53,24 @@ def test_once_its_configuration_ran_in_this_process_the_fastest_is_chosen():
     assert attnselect.select(LARGE, target=H200).chosen == FA4
 
 
+def test_the_paid_state_changes_exactly_when_a_compile_is_paid():
+    """first_calls.paid_state: what a packed decision drawn at one count stands on (attnselect.choose.selection)."""
+    before = first_calls.paid_state()
+    first_calls.ran(FA4, LARGE)
+    paid = first_calls.paid_state()
+    assert paid != before
+    first_calls.ran(FA4, LARGE._with(seqlen_q=4096, seqlen_kv=4096))  # the same configuration: nothing new paid
+    assert first_calls.paid_state() == paid
+    rental = first_calls.Rental(Candidate("sdpa_cudnn"), FA4, 2, 4000.0, 1.0)
+    other = LARGE._with(mask="none")
+    key = first_calls.rent_key(rental, other)
+    assert not first_calls.rent(rental, key) and first_calls.paid_state() == paid  # rent counted, not yet paid
+    assert first_calls.rent(rental, key) and first_calls.paid_state() != paid  # the rent reached the price
+    paid = first_calls.paid_state()
+    first_calls.forget()
+    assert first_calls.paid_state() != paid
+
+
 def test_a_forced_backend_is_never_rented_out():
     assert attnselect.select(LARGE, target=H200, backend="flash_attn4").chosen == FA4
 

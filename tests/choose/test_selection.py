@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -316,35 +317,57 @@ def test_a_packing_whose_carried_decision_is_unchanged_gets_the_earlier_decision
     assert failed.chosen != paid.chosen and matches_select(failed, _thd_training(18, 4003))
 
 
-def test_a_settled_packed_decision_is_returned_without_drawing_its_ranking_again(tmp_path, monkeypatch):
-    """A decision carried in a class that rents nothing and whose choice compiles nothing is settled: a new packing in
-    that class whose judged candidates are judged alike gets it back without the ranking drawn again; one where a
-    judged candidate is judged otherwise at its sizes is decided again, as select decides there."""
+@pytest.mark.parametrize(
+    "sizes, forced",
+    [((2, 100), None), ((18, 4000), None), ((18, 4000), "flash_attn4")],
+    ids=["compiles-nothing", "renting", "forced-compiling"],
+)
+def test_a_settled_packed_decision_is_returned_without_drawing_its_ranking_again(tmp_path, monkeypatch, sizes, forced):
+    """A decision carried in a class stands while the process's paid compiles hold (first_calls.paid_state): a new
+    packing in that class whose judged candidates are judged alike gets it back without the ranking drawn again,
+    whether it rents (FA4's compile unpaid), compiles (FA4 forced) or neither; once a compile is paid it is drawn
+    again, and one where a judged candidate is judged otherwise at its sizes is decided again, as select decides."""
     from attnselect.backends.base import get as backend_named
     from attnselect.choose import first_calls, predict, selection
 
+    batch, seqlen = sizes
     target = _calibrated_h200(tmp_path, monkeypatch)
-    selection.select_packed(_thd_training(18, 4096), target=target)
-    first = selection.select_packed(_thd_training(2, 100), target=target)
-    assert first.rental is None and not first_calls.compiles(first.chosen, {"flash_attn4": 4000.0})
-    again = _thd_training(2, 101)
+    selection.select_packed(_thd_training(18, 4096), target=target, backend=forced)
+    first = selection.select_packed(_thd_training(batch, seqlen), target=target, backend=forced)
+    assert (first.rental is not None) == (sizes == (18, 4000) and forced is None)
+    again = _thd_training(batch, seqlen + 1)
     assert predict.work_class(again) == predict.work_class(first.problem)
     assert again.size_class == first.problem.size_class
 
     def drawn(*args, **kwargs):
         raise AssertionError("a settled decision's ranking drawn again")
 
-    monkeypatch.setattr(first_calls, "drawn_rental", drawn)
-    assert selection.select_packed(again, target=target) is first
-    monkeypatch.undo()
+    with monkeypatch.context() as patched:
+        patched.setattr(first_calls, "drawn_rental", drawn)
+        patched.setattr(itertools, "islice", drawn)  # a forced backend's draw
+        assert selection.select_packed(again, target=target, backend=forced) is first
+    fresh = attnselect.select(again, target=target, backend=forced)
+    assert (first.chosen, first.rental) == (fresh.chosen, fresh.rental)
+    first_calls.ran(Candidate("flash_attn4"), again)  # FA4's compile paid: no rental from now on
+    paid = selection.select_packed(_thd_training(batch, seqlen + 2), target=target, backend=forced)
+    fresh = attnselect.select(_thd_training(batch, seqlen + 2), target=target, backend=forced)
+    assert (paid.chosen, paid.rental) == (fresh.chosen, fresh.rental)
+    assert (paid is first) == (first.rental is None)  # the draw is alike where the paid compile did not rent
+    first_calls.forget()
     target = _calibrated_h200(tmp_path, monkeypatch)
-    selection.select_packed(_thd_training(18, 4096), target=target)
-    first = selection.select_packed(_thd_training(2, 100), target=target)
+    selection.select_packed(_thd_training(18, 4096), target=target, backend=forced)
+    first = selection.select_packed(_thd_training(batch, seqlen), target=target, backend=forced)
     chosen = backend_named(first.chosen.backend)
     real = chosen.extra_reasons
-    monkeypatch.setattr(chosen, "extra_reasons", lambda p, t: real(p, t) + (["too long"] if p.seqlen_q > 101 else []))
-    longer = _thd_training(2, 102)
+    monkeypatch.setattr(
+        chosen, "extra_reasons", lambda p, t: real(p, t) + (["too long"] if p.seqlen_q > seqlen + 1 else [])
+    )
+    longer = _thd_training(batch, seqlen + 2)
     assert predict.work_class(longer) == predict.work_class(first.problem)
+    if forced is not None:  # the forced backend no longer serves: select says so
+        with pytest.raises(attnselect.ForcedChoiceError):
+            selection.select_packed(longer, target=target, backend=forced)
+        return
     carried = selection.select_packed(longer, target=target)
     assert carried is not first and carried.chosen != first.chosen
     assert carried.chosen == attnselect.select(longer, target=target).chosen

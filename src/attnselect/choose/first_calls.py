@@ -29,6 +29,7 @@ COMPILING_MS = 1000.0  # a first call this much longer than the next is a compil
 
 _PAID: set[tuple] = set()  # (candidate, configuration) whose first call this process has paid
 _RENT: dict[tuple, int] = {}  # (deferred candidate, configuration) -> calls rented so far, at any size
+_CHANGES = [0]  # how often _PAID changed: a decision drawn at one count stands while the count holds (paid_state)
 
 
 class Rental(NamedTuple):
@@ -121,13 +122,26 @@ def rent(rental: Rental, key: tuple) -> bool:
     calls = _RENT[key] = _RENT.get(key, 0) + 1
     if calls < rental.calls:
         return False
-    _PAID.add(key)
+    _pay(key)
     return True
 
 
 def ran(candidate: Candidate, problem: AttentionProblem) -> None:
     """A call of ``problem`` ran on ``candidate`` in this process: its configuration is compiled."""
-    _PAID.add((candidate, _configuration(problem)))
+    key = (candidate, _configuration(problem))
+    if key not in _PAID:
+        _pay(key)
+
+
+def _pay(key: tuple) -> None:
+    _PAID.add(key)
+    _CHANGES[0] += 1
+
+
+def paid_state() -> int:
+    """A count that changes whenever what this process has paid for changes: a rental drawn (:func:`drawn_rental`)
+    at one count is drawn alike while it holds, as the prices are all it reads of this process."""
+    return _CHANGES[0]
 
 
 paid = ran  # a rental whose rent reached the price: the deferred candidate is chosen from now on
@@ -143,3 +157,4 @@ def forget() -> None:
     """Forget what this process has compiled (tests)."""
     _PAID.clear()
     _RENT.clear()
+    _CHANGES[0] += 1

@@ -178,12 +178,13 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     if found is not None and not calibration.outside(problem):
         ranking = _ranking(family, problem, target, found)
     failed = ranking.failed if ranking is not None else _failed(problem, target)
-    if ranking is not None and ranking.settled is not None:  # its candidates judged alike give its decision again
-        decision = ranking.settled
-        if all(_reasons(v.candidate, problem, target, failed) == v.reasons for v in decision.verdicts):
-            if decision.chosen != earlier.chosen:  # another choice than the last: logged
-                debug.log_decision(decision)
-            return decision
+    settled = ranking.decided if ranking is not None and ranking.paid == first_calls.paid_state() else None
+    if settled is not None and all(_reasons(v.candidate, problem, target, failed) == v.reasons
+                                   for v in settled.verdicts):  # fmt: skip
+        # its candidates judged alike, in the same order, at the same prices: the same draw gives it again
+        if settled.chosen != earlier.chosen or settled.rental != earlier.rental:  # another choice than the last
+            debug.log_decision(settled)
+        return settled
     judged: dict[Candidate, tuple[str, ...]] = {}  # as judge() refuses them
 
     def serves(c: Candidate) -> bool:
@@ -197,6 +198,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     if not predicted or not any(predicted.values()):
         return earlier if earlier.predictions is None and _still_stands(earlier, problem, target, serves) else None
     ordered = (c for c in ranking.ordered if serves(c))
+    paid = first_calls.paid_state()  # what drawn_rental reads of this process
     if earlier.overrides.backend is not None:  # a forced backend is never rented out (_decide)
         ranked, rental = tuple(itertools.islice(ordered, 1)), None
     else:
@@ -216,10 +218,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
             tuple(Verdict(c, reasons) for c, reasons in judged.items()),
             None, {c: predicted[c] for c in ranked}, source, rental, earlier.carried_from or earlier.problem,
         )  # fmt: skip
-        # No rental, and the first candidate compiles nothing on a first call: what the process compiles later
-        # cannot change it (first_calls.drawn_rental), so the same verdicts give it again.
-        settled = rental is None and not first_calls.compiles(ranked[0], found["first_call_ms"])
-        ranking.settled = decision if settled else None
+    ranking.paid = paid
     if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last: logged
         debug.log_decision(decision)
     return decision
@@ -229,16 +228,16 @@ class _Ranking:
     """The candidates a packed call's controls allow, in their predicted order at its work class, with their
     predictions (None for those the calibration leaves out), those the calibration cannot rank (where one of them
     serves, the table ranks the call), the failures known at the call's signature, and the decision last carried
-    with it (None before the first), which a packing that changes nothing of it but its sizes gets again. Where
-    that decision rents nothing and its choice compiles nothing, it is ``settled`` too: a packing whose candidates
-    that decision judged are judged alike gets it without ranking them again."""
+    with it (None before the first) with the process's paid compiles it was drawn at (first_calls.paid_state).
+    While those hold, a packing whose candidates that decision judged are judged alike gets it without drawing the
+    ranking again: the draw reads nothing else (the order and predictions are the key's, a failure clears it)."""
 
-    __slots__ = ("ordered", "predicted", "unranked", "failed", "decided", "settled")
+    __slots__ = ("ordered", "predicted", "unranked", "failed", "decided", "paid")
 
     def __init__(self, ordered: tuple[Candidate, ...], predicted: dict, unranked: tuple[Candidate, ...], failed: dict):
         self.ordered, self.predicted, self.unranked, self.failed = ordered, predicted, unranked, failed
         self.decided: Decision | None = None
-        self.settled: Decision | None = None
+        self.paid = -1
 
 
 # Per family and work class: ({candidate: prediction}, the candidates the calibration cannot rank). A calibration
