@@ -15,7 +15,7 @@ calls a packing, one sync), these rows in alternating order:
 - attnselect.attention as it chooses;
 
 each on a new packing per call (``new``) and on one packing repeated (``same``). Then a cProfile of
-the direct and the forced row on new packings, by own time. Writes ``--out``.json and .md.
+the direct, the forced and the default row on new packings, by own time. Writes ``--out``.json and .md.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def main() -> None:
                         times[("stack", kind, row)].append((time.perf_counter() - start) * 1e3 / LAYERS)
         timed_checks = checks[0] - warm_checks
         profiles = {}
-        for row in ("FA4 direct, the ladder's arguments", "attnselect forced to FA4"):
+        for row in ("FA4 direct, the ladder's arguments", "attnselect forced to FA4", "attnselect default"):
             new = packings(a.calls, turn)
             turn += a.calls
             profiler = cProfile.Profile()
