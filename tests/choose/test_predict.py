@@ -39,7 +39,8 @@ def test_visible_pairs_in_closed_form_count_what_every_mask_shows():
         window = (rng.randint(-1, 45), rng.randint(-1, 45)) if mask.startswith("sliding") else None
         shown = visible(mask, window, sq, skv, "cpu")
         expected = sq * skv if shown is None else int(shown.sum())
-        assert predict.visible_pairs.__wrapped__(mask, window, sq, skv) == expected, (mask, window, sq, skv)
+        assert predict.visible_pairs(mask, window, sq, skv) == expected, (mask, window, sq, skv)
+        assert predict._banded_pairs.__wrapped__(mask, window, sq, skv) == expected, (mask, window, sq, skv)
 
 
 def test_the_time_follows_the_curve_between_below_and_above_its_points():

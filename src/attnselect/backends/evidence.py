@@ -27,10 +27,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from importlib import resources
 
 from attnselect.errors import InvalidInputError
+from attnselect.memos import environment_reader
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 
@@ -38,10 +38,14 @@ log = logging.getLogger("attnselect")
 FORMAT = 1
 
 
+_allowlist_variable = environment_reader("ATTNSELECT_ALLOWLIST")  # read for every candidate of a new packing
+
+
 def allowlist_enabled() -> bool:
     """ATTNSELECT_ALLOWLIST: '1' (default) serves the young kernels only where the correctness grid passed them;
     '0' serves their documented surface (attnselect.backends.evidence)."""
-    value = os.environ.get("ATTNSELECT_ALLOWLIST", "1").strip()
+    value = _allowlist_variable()
+    value = "1" if value is None else value.strip()
     if value not in ("0", "1"):
         raise InvalidInputError(f"ATTNSELECT_ALLOWLIST: got {value!r}, expected '0' or '1'")
     return value == "1"

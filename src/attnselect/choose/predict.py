@@ -41,11 +41,21 @@ class Prediction:
         return f"{self.total_us:.1f} us (host {self.host_us:.1f}, GPU {self.gpu_us:.1f})"
 
 
-@functools.lru_cache(maxsize=4096)
 def visible_pairs(mask: str, window, seqlen_q: int, seqlen_kv: int) -> int:
     """The (query, key) pairs a mask leaves visible in one sequence: query i sees keys i + offset - left ..
     i + offset + right (:func:`attnselect.spec.masks.band`), clipped to the keys. Summed in closed form (a new
-    packing's first call predicts at its sizes): between the points where either edge meets the keys' ends, the
+    packing's first call predicts at its sizes): every pair without a mask, the triangle of a causal mask on as many
+    queries as keys, else :func:`_banded_pairs`."""
+    if mask == "none":
+        return seqlen_q * seqlen_kv
+    if seqlen_q == seqlen_kv and mask in ("causal", "causal_bottom_right"):  # both anchors coincide: i sees 0..i
+        return seqlen_q * (seqlen_q + 1) // 2
+    return _banded_pairs(mask, window, seqlen_q, seqlen_kv)
+
+
+@functools.lru_cache(maxsize=4096)
+def _banded_pairs(mask: str, window, seqlen_q: int, seqlen_kv: int) -> int:
+    """:func:`visible_pairs` of any mask: between the points where either edge of the band meets the keys' ends, the
     count per query is linear in i."""
     band = masks.band(mask, window, seqlen_q, seqlen_kv)
     if band is None or seqlen_q == 0 or seqlen_kv == 0:

@@ -181,10 +181,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     settled = ranking.decided if ranking is not None and ranking.paid == first_calls.paid_state() else None
     if settled is not None and all(_reasons(v.candidate, problem, target, failed) == v.reasons
                                    for v in settled.verdicts):  # fmt: skip
-        # its candidates judged alike, in the same order, at the same prices: the same draw gives it again
-        if settled.chosen != earlier.chosen or settled.rental != earlier.rental:  # another choice than the last
-            debug.log_decision(settled)
-        return settled
+        return settled  # its candidates judged alike, in the same order, at the same prices: the same draw (logged)
     judged: dict[Candidate, tuple[str, ...]] = {}  # as judge() refuses them
 
     def serves(c: Candidate) -> bool:
@@ -218,9 +215,9 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
             tuple(Verdict(c, reasons) for c, reasons in judged.items()),
             None, {c: predicted[c] for c in ranked}, source, rental, earlier.carried_from or earlier.problem,
         )  # fmt: skip
+        if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last
+            debug.log_decision(decision)
     ranking.paid = paid
-    if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last: logged
-        debug.log_decision(decision)
     return decision
 
 
