@@ -14,14 +14,17 @@ calls a packing, one sync), these rows in alternating order:
 - attnselect.attention forced to FA4, with the self-check on as by default, and with ``ATTNSELECT_SELF_CHECK=0``;
 - attnselect.attention as it chooses;
 
-each on a new packing per call (``new``) and on one packing repeated (``same``). Then a cProfile of
-the direct, the forced and the default row on new packings, by own time. Writes ``--out``.json and .md.
+each on a new packing per call (``new``) and on one packing repeated (``same``). Then, for every row on new
+packings, the host's time to return and the time to the sync after it, with Python's collector on and off, and for
+attnselect's rows the stages of attention()'s path timed in place (:data:`STAGES`); and a cProfile of the direct,
+the forced and the default row on new packings, by own time. Writes ``--out``.json and .md.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -33,7 +36,7 @@ from pathlib import Path
 import torch
 
 import attnselect
-from attnselect import backends, self_check
+from attnselect import api, backends, dispatch, self_check
 from attnselect.execution import kernel_call
 from attnselect.spec.options import Packing
 from ladder import packing_lengths
@@ -50,11 +53,84 @@ def packings(count: int, start: int) -> list:
     return out
 
 
+# What attention() calls on a new packing's path (attnselect.api), each timed where the wrapper replaces it.
+STAGES = (
+    (api, "recall"), (api, "select_packed"), (api, "packed_runner"), (api, "KnownCall"), (self_check, "needed"),
+    (dispatch.Unknown, "remember"), (api.first_calls, "ran"),
+)  # fmt: skip
+
+
+def attribute(rows: dict, turn: int, calls: int) -> tuple[dict, int]:
+    """{row: {part: median us a call}}: each row on ``calls`` new packings, a sync before each call, the host's time
+    to return and the time to the sync after it, with Python's collector on and off; for attnselect's rows the
+    stages of attention()'s path (:data:`STAGES`) timed in place, its own code and the kernel's run the rest."""
+    spent: dict = {}
+
+    def timed(owner, name):
+        real = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0) + time.perf_counter_ns() - start
+
+        return real, wrapper
+
+    out = {}
+    for row, fn in rows.items():
+        parts = {}
+        for collector in (True, False):
+            new = packings(calls, turn)
+            turn += calls
+            host, synced = [], []
+            gc.collect()
+            gc.enable() if collector else gc.disable()
+            try:
+                for cu, m in new:
+                    torch.cuda.synchronize()
+                    start = time.perf_counter_ns()
+                    fn(cu, m)
+                    returned = time.perf_counter_ns()
+                    torch.cuda.synchronize()
+                    host.append((returned - start) / 1e3)
+                    synced.append((time.perf_counter_ns() - start) / 1e3)
+            finally:
+                gc.enable()
+            tag = "" if collector else ", collector off"
+            parts[f"host, to return{tag}"] = statistics.median(host)
+            parts[f"to the sync{tag}"] = statistics.median(synced)
+        if row.startswith("attnselect"):
+            spent.clear()
+            wrapped = [(owner, name, *timed(owner, name)) for owner, name in STAGES]
+            for owner, name, _, wrapper in wrapped:
+                setattr(owner, name, wrapper)
+            new = packings(calls, turn)
+            turn += calls
+            try:
+                torch.cuda.synchronize()
+                start = time.perf_counter_ns()
+                for cu, m in new:
+                    fn(cu, m)
+                whole = time.perf_counter_ns() - start
+                torch.cuda.synchronize()
+            finally:
+                for owner, name, real, _ in wrapped:
+                    setattr(owner, name, real)
+            for name, ns in spent.items():
+                parts[f"stage {name} (mean)"] = ns / calls / 1e3
+            parts["all calls, stages timed (mean)"] = whole / calls / 1e3
+        out[row] = parts
+    return out, turn
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--attribute-calls", type=int, default=60)
     a = ap.parse_args()
     from flash_attn.cute import flash_attn_varlen_func
 
@@ -123,6 +199,7 @@ def main() -> None:
                         torch.cuda.synchronize()
                         times[("stack", kind, row)].append((time.perf_counter() - start) * 1e3 / LAYERS)
         timed_checks = checks[0] - warm_checks
+        attributed, turn = attribute(rows, turn, a.attribute_calls)
         profiles = {}
         for row in ("FA4 direct, the ladder's arguments", "attnselect forced to FA4", "attnselect default"):
             new = packings(a.calls, turn)
@@ -153,11 +230,17 @@ def main() -> None:
                 q1, q3 = t[len(t) // 4], t[3 * len(t) // 4]
                 lines.append(f"| {row} | {statistics.median(t):.4f} ({q1:.4f}..{q3:.4f}) |")
             lines.append("")
+    lines += [f"## Where a new packing's call goes, {a.attribute_calls} calls a row (us)\n"]
+    for row, parts in attributed.items():
+        lines += [f"{row}:\n", "| part | us a call |", "|---|---|"]
+        lines += [f"| {part} | {us:.1f} |" for part, us in parts.items()]
+        lines.append("")
     for row, text in profiles.items():
         lines += [f"## cProfile, {row}, {a.calls} new packings (own time)\n", "```", text.strip(), "```", ""]
     Path(a.out + ".md").write_text("\n".join(lines))
     Path(a.out + ".json").write_text(json.dumps({"meta": meta, "times": {" | ".join(key): t for key, t in
-                                                                          times.items()}}, indent=1))  # fmt: skip
+                                                                          times.items()}, "attributed": attributed},
+                                                indent=1))  # fmt: skip
     print("\n".join(lines[:60]))
 
 
