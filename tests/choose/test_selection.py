@@ -373,6 +373,27 @@ def test_a_settled_packed_decision_is_returned_without_drawing_its_ranking_again
     assert carried.chosen == attnselect.select(longer, target=target).chosen
 
 
+def test_a_settled_packed_decision_judges_again_only_the_verdicts_sizes_can_change(tmp_path, monkeypatch):
+    """Of a settled decision's verdicts, a new packing judges again only those its sizes can change: a candidate
+    refused by its surface (varlen_fa2 native at 192/128: its head dims must be equal, whatever the sizes) stays
+    refused; the chosen one is judged at the new sizes."""
+    from attnselect.choose import selection
+
+    def mla(batch: int, seqlen: int) -> AttentionProblem:
+        return _thd_training(batch, seqlen)._with(head_dim_qk=192)
+
+    target = _calibrated_h200(tmp_path, monkeypatch)
+    selection.select_packed(mla(18, 4096), target=target)
+    first = selection.select_packed(mla(2, 100), target=target)
+    refused = {v.candidate for v in first.verdicts if not v.supported}
+    assert Candidate("varlen_fa2") in refused and first.chosen == Candidate("varlen_fa2", 192)
+    judged, real = [], selection._reasons
+    monkeypatch.setattr(selection, "_reasons", lambda c, *a: judged.append(c) or real(c, *a))
+    assert selection.select_packed(mla(2, 101), target=target) is first
+    assert first.chosen in judged and not refused & set(judged)
+    assert attnselect.select(mla(2, 101), target=target).chosen == first.chosen
+
+
 def test_packed_rankings_are_bounded_in_all_families_together(tmp_path, monkeypatch):
     """The rankings of every packed family are bounded by MEMO_SIZE together, in one memo: past it the oldest is
     dropped and made again on use, choosing as before."""

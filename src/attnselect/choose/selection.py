@@ -180,7 +180,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     failed = ranking.failed if ranking is not None else _failed(problem, target)
     settled = ranking.decided if ranking is not None and ranking.paid == first_calls.paid_state() else None
     if settled is not None and all(_reasons(v.candidate, problem, target, failed) == v.reasons
-                                   for v in settled.verdicts):  # fmt: skip
+                                   for v in ranking.sized):  # fmt: skip
         return settled  # its candidates judged alike, in the same order, at the same prices: the same draw (logged)
     judged: dict[Candidate, tuple[str, ...]] = {}  # as judge() refuses them
 
@@ -215,6 +215,8 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
             tuple(Verdict(c, reasons) for c, reasons in judged.items()),
             None, {c: predicted[c] for c in ranked}, source, rental, earlier.carried_from or earlier.problem,
         )  # fmt: skip
+        # the verdicts a packing's sizes can change: not those refused at every size of the family
+        ranking.sized = tuple(v for v in decision.verdicts if not _refused_at_every_size(v, problem, target, failed))
         if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last
             debug.log_decision(decision)
     ranking.paid = paid
@@ -227,14 +229,16 @@ class _Ranking:
     serves, the table ranks the call), the failures known at the call's signature, and the decision last carried
     with it (None before the first) with the process's paid compiles it was drawn at (first_calls.paid_state).
     While those hold, a packing whose candidates that decision judged are judged alike gets it without drawing the
-    ranking again: the draw reads nothing else (the order and predictions are the key's, a failure clears it)."""
+    ranking again: the draw reads nothing else (the order and predictions are the key's, a failure clears it). Of its
+    verdicts, those a packing's sizes can change are ``sized``; the others refuse their candidate at every size."""
 
-    __slots__ = ("ordered", "predicted", "unranked", "failed", "decided", "paid")
+    __slots__ = ("ordered", "predicted", "unranked", "failed", "decided", "paid", "sized")
 
     def __init__(self, ordered: tuple[Candidate, ...], predicted: dict, unranked: tuple[Candidate, ...], failed: dict):
         self.ordered, self.predicted, self.unranked, self.failed = ordered, predicted, unranked, failed
         self.decided: Decision | None = None
         self.paid = -1
+        self.sized: tuple[Verdict, ...] = ()
 
 
 # Per family and work class: ({candidate: prediction}, the candidates the calibration cannot rank). A calibration
@@ -272,6 +276,23 @@ def _reasons(c: Candidate, problem: AttentionProblem, target: Target, failed: di
     """Why ``c`` cannot serve ``problem`` (as judge() refuses it, the caller's controls aside)."""
     return tuple(candidate_reasons(c, backend_named(c.backend), problem.padded(c.pad_to) if c.padded else problem,
                                    target, failed))  # fmt: skip
+
+
+def _refused_at_every_size(verdict: Verdict, problem: AttentionProblem, target: Target, failed: dict) -> bool:
+    """Whether ``verdict`` refuses its candidate whatever a packed ``problem``'s sizes: for its run-time failure at the
+    problem's signature (``failed``), its package or device type, or its surface, whose packed reasons read no size
+    (:meth:`attnselect.backends.base.Surface.reasons`). Its reasons' text may still name sizes: the decision that
+    holds it describes its own."""
+    c = verdict.candidate
+    if verdict.supported:
+        return False
+    if c in failed:
+        return True
+    backend = backend_named(c.backend)
+    if backend.target_reasons(target):
+        return True
+    kernel_problem = problem.padded(c.pad_to) if c.padded else problem
+    return bool(backend.surfaces[target.device_type].reasons(kernel_problem, target))
 
 
 def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, serves) -> bool:
