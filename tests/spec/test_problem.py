@@ -123,6 +123,31 @@ def test_a_problem_at_size_zero_is_made_once_and_kept_by_size_only_copies():
     assert other_dims.sizeless == other_dims._with(batch=0, seqlen_q=0, seqlen_kv=0) != p.sizeless
 
 
+def test_a_packed_problem_padded_shares_one_padded_problem_at_size_zero():
+    """A packed loop pads each packing's problem for its padded candidates: the padded problem's size-zero copy is
+    made once per head dim and equals the one made afresh, whatever was worked out before."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        p = AttentionProblem(
+            rng.choice([1, 5]), 300, 300, 16, rng.choice([16, 4]), rng.choice([64, 192]), rng.choice([64, 128]),
+            layout=rng.choice(["thd", "bshd"]), mask=rng.choice(["none", "causal"]), training=rng.random() < 0.5,
+        )  # fmt: skip
+        if rng.random() < 0.7:
+            p.sizeless  # noqa: B018 # made, as select_packed makes it
+        if rng.random() < 0.5:
+            p = p._with(batch=rng.choice([1, 7]), seqlen_q=77, seqlen_kv=77)
+        head_dim = max(p.head_dim_qk, p.head_dim_v) + rng.choice([0, 8])
+        padded = p.padded(head_dim)
+        assert padded == dataclasses.replace(p, head_dim_qk=head_dim, head_dim_v=head_dim)
+        assert padded.sizeless == padded._with(batch=0, seqlen_q=0, seqlen_kv=0)
+        assert padded.sizeless.signature == dataclasses.replace(padded, batch=0, seqlen_q=0, seqlen_kv=0).signature
+        assert padded.signature == dataclasses.replace(padded).signature
+        if p.layout == "thd" and "sizeless" in p.__dict__:
+            assert p._with(batch=3, seqlen_q=5, seqlen_kv=5).padded(head_dim).sizeless is padded.sizeless
+
+
 def test_a_packed_size_only_copy_has_the_signature_of_the_same_problem_made_afresh():
     import random
 

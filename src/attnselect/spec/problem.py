@@ -135,6 +135,11 @@ class AttentionProblem:
         other sizes, so a loop's new packing does not make it again."""
         return self._with(batch=0, seqlen_q=0, seqlen_kv=0)
 
+    @functools.cached_property
+    def _padded_sizeless(self) -> dict[int, AttentionProblem]:
+        """{head dim: this problem padded to it}, on a sizeless problem (:meth:`padded` keeps its copies' sizeless)."""
+        return {}
+
     @classmethod
     def from_tensors(
         cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context_parallel_size: int = 1, **call_arguments
@@ -271,7 +276,15 @@ class AttentionProblem:
             head_dim,
             f"an integer >= max(head_dim_qk, head_dim_v) = {max(self.head_dim_qk, self.head_dim_v)}",
         )
-        return self._with(head_dim_qk=head_dim, head_dim_v=head_dim)
+        copy = self._with(head_dim_qk=head_dim, head_dim_v=head_dim)
+        if self.layout == "thd" and "sizeless" in self.__dict__:  # a packed loop pads each packing's problem
+            base = self.sizeless
+            held = base._padded_sizeless
+            sizeless = held.get(head_dim)
+            if sizeless is None:
+                sizeless = held[head_dim] = copy if base is self else base.padded(head_dim)
+            copy.__dict__["sizeless"] = sizeless
+        return copy
 
     def describe(self) -> str:
         mask = self.mask if self.window is None else f"{self.mask}{self.window}"
