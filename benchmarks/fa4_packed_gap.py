@@ -55,7 +55,7 @@ def packings(count: int, start: int) -> list:
 
 # What attention() calls on a new packing's path (attnselect.api), each timed where the wrapper replaces it.
 STAGES = (
-    (api, "recall"), (api, "select_packed"), (api, "packed_runner"), (api, "KnownCall"), (self_check, "needed"),
+    (api, "recall"), (api, "select_packed"), (api, "packed_runner"), (self_check, "needed"),
     (dispatch.Unknown, "remember"), (api.first_calls, "ran"),
 )  # fmt: skip
 
