@@ -311,6 +311,23 @@ def test_a_new_packing_shares_its_sibling_s_guard_and_is_told_apart_by_its_bound
     assert type(dispatch.recall(q.half(), k, v, options)) is Unknown  # the shared guard still checks the rest
 
 
+def test_a_family_outlives_more_new_packings_than_the_memo_holds(monkeypatch):
+    """A loop's new packing every step adds a call of its family's; those are bounded apart from the families, so
+    a family looked up by key (more families than the recent calls hold) is still known after MEMO_SIZE packings."""
+    monkeypatch.setattr(dispatch, "MEMO_SIZE", 4)
+    monkeypatch.setattr(dispatch, "RECENT", 0)  # every family found by its key
+    first = dispatch.recall(*_packed(count=2))
+    first.remember(known := KnownCall(None, None, None, None, False, "first"))
+    for count in range(3, 13):
+        again = dispatch.recall(*_packed(count=count))
+        assert type(again) is Unknown and again.sibling is not None and again.key is not None, count
+        again.remember(known := KnownCall(None, None, None, None, False, count))
+    assert dispatch.recall(*_packed(count=12)) is known
+    assert len(dispatch._SIZED) == 4 and dispatch.known_calls()[-1] is known
+    assert type(dispatch.recall(*_packed(count=2))) is Unknown  # the oldest sizes left the memo, not the family
+    assert dispatch.recall(*_packed(count=2)).sibling is known
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"causal": "bottom_right"}, {"causal": False, "window": (5, 3)}, {"causal": True, "window": (4, 0)},

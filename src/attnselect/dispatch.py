@@ -16,6 +16,8 @@ A packed call is known in two steps, as a plan and its runs (FlashInfer's plan/r
 but its packing's sizes (the sequence count and both max_seqlen), which the tensors' guard leaves free (the
 boundaries' length), then the sizes within the family. A training loop's new packing every step is found as a family
 at once, without a key, and is decided from its sibling, the call of the family decided last (:class:`Unknown`).
+The calls at each size are bounded apart from the families (``MEMO_SIZE`` each), so a loop of many steps keeps its
+families whatever its packings.
 
 Calls the key cannot describe are not known and take the slow path, which validates them: values that compare
 equal to a valid one of another type (``1 == True``, ``True == 1.0``), lists and iterators, nested tensors, padded
@@ -63,7 +65,7 @@ class KnownCall(NamedTuple):
 
 class _Family:
     """The packed calls that differ only in their packing's sizes: ``last``, the one decided last (the sibling of a
-    new packing); the calls themselves are in ``_CALLS`` under ``(family, sizes)`` (identity-hashed: no hash of the
+    new packing); the calls themselves are in ``_SIZED`` under ``(family, sizes)`` (identity-hashed: no hash of the
     call's state on a new packing)."""
 
     __slots__ = ("last",)
@@ -115,33 +117,36 @@ class Unknown(NamedTuple):
                 )
             family = _Family(known) if self.sizes is not None else None
             entry = _Entry(self.state, guard, self.key[-1], self.capturing, None if family else known, family)
-            _keep(self.key, entry)
+            _keep(_CALLS, self.key, entry)
             _make_recent(entry)
         if family is not None:
             family.last = known
-            _keep((family, self.sizes), known)
+            _keep(_SIZED, (family, self.sizes), known)
         if generation() != self.generation:  # cleared while deciding: the decision may rest on what it forgot
             if entry is not None:
                 _CALLS.pop(self.key, None)
                 _set_recent([recent for recent in _RECENT if recent is not entry])
             if family is not None:
-                _CALLS.pop((family, self.sizes), None)
+                _SIZED.pop((family, self.sizes), None)
 
 
-def _keep(key, value) -> None:
-    _CALLS[key] = value
-    if len(_CALLS) > MEMO_SIZE:
-        _CALLS.popitem(last=False)
+def _keep(memo: OrderedDict, key, value) -> None:
+    memo[key] = value
+    if len(memo) > MEMO_SIZE:
+        memo.popitem(last=False)
 
 
-# By key: a dense call's _Entry, a packed family's _Entry (its key without the sizes) and, under (family, sizes), a
-# packed call's KnownCall; one bound for all.
-_CALLS: OrderedDict[tuple, _Entry | KnownCall] = OrderedDict()
+# By key: a dense call's _Entry and a packed family's _Entry (its key without the sizes).
+_CALLS: OrderedDict[tuple, _Entry] = OrderedDict()
+# Under (family, sizes): a packed call's KnownCall. Bounded apart from the families, so a loop's new packing every
+# step does not push its family out.
+_SIZED: OrderedDict[tuple, KnownCall] = OrderedDict()
 _RECENT: list[_Entry] = []
 
 
 def _clear() -> None:
     _CALLS.clear()
+    _SIZED.clear()
     _set_recent([])
 
 
@@ -149,12 +154,9 @@ register_cache(_clear)
 
 
 def known_calls() -> list[KnownCall]:
-    """Every call decided before, oldest first."""
-    return [
-        value if type(value) is KnownCall else value.known
-        for value in _CALLS.values()
-        if type(value) is KnownCall or value.known is not None  # a packed family's _Entry holds no call of its own
-    ]
+    """Every call decided before: the dense ones, then the packed ones, each oldest first."""
+    dense = [entry.known for entry in _CALLS.values() if entry.known is not None]  # a family's holds none of its own
+    return dense + list(_SIZED.values())
 
 
 def _make_recent(entry: _Entry) -> None:
@@ -283,7 +285,7 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
 
 def _in_family(family: _Family, state, tensors, capturing, sizes: tuple, key: tuple | None) -> KnownCall | Unknown:
     """The packed call of ``family`` at ``sizes``: known, or to decide from the family's sibling."""
-    known = _CALLS.get((family, sizes))
+    known = _SIZED.get((family, sizes))
     if known is not None:
         return known
     return Unknown(state, tensors, capturing, key, generation(), sizes, family)
