@@ -433,21 +433,29 @@ def rank(
     return tuple(_stable_across_packings(ordered, target) if problem.layout == "thd" and predicted is None else ordered)
 
 
-def order(problem: AttentionProblem, target: Target, predicted: dict | None, candidates) -> Callable:
+def order(
+    problem: AttentionProblem, target: Target, predicted: dict | None, candidates, places: dict | None = None
+) -> Callable:
     """The sort key of :func:`rank`: by ``predicted`` time where given (those without a prediction last), then the
-    table, then the order of ``candidates`` (the registry's)."""
-    _, table = table_for(problem, target)
-    position = {entry: i for i, entry in enumerate(table)}
-    registry_order = {c: i for i, c in enumerate(candidates)}
+    table, then the order of ``candidates`` (the registry's); ``places``: their :func:`table_places`, where known."""
+    places = places if places is not None else table_places(problem, target, candidates)
 
     def key(c: Candidate) -> tuple:
-        in_table = (position.get(entry(c), len(table)), registry_order[c])
+        in_table = places[c]
         if predicted is None:
             return in_table
         time = predicted.get(c)
         return (time is None, time.total_us if time is not None else 0.0, *in_table)
 
     return key
+
+
+def table_places(problem: AttentionProblem, target: Target, candidates) -> dict[Candidate, tuple[int, int]]:
+    """Each of ``candidates``' place by the table that ranks ``problem`` (those it leaves out after it), then by
+    their order: what :func:`order` sorts by after the predicted time, the same for every call the table ranks."""
+    _, table = table_for(problem, target)
+    position = {entry: i for i, entry in enumerate(table)}
+    return {c: (position.get(entry(c), len(table)), i) for i, c in enumerate(candidates)}
 
 
 def _stable_across_packings(ordered: list[Candidate], target: Target) -> list[Candidate]:

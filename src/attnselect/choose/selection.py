@@ -87,7 +87,7 @@ class _Family:
     """What :func:`select_packed` keeps for a packed problem without its sizes, under one set of controls; the memos
     of its predictions and rankings are keyed by this object."""
 
-    __slots__ = ("last", "allowed", "runs", "curves")
+    __slots__ = ("last", "allowed", "runs", "curves", "places")
 
     def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
@@ -97,6 +97,7 @@ class _Family:
         # (the calibration, {candidate: its curve for it, or None}, the candidates it cannot rank): what predicts the
         # family's calls at any size (rules.prediction_curve), made on its first ranking under that calibration
         self.curves: tuple[dict, dict, tuple[Candidate, ...]] | None = None
+        self.places: dict[tuple, dict] = {}  # per rules table: the allowed candidates' rules.table_places
 
     def curves_for(self, problem: AttentionProblem, target: Target, found: dict) -> tuple[dict, tuple[Candidate, ...]]:
         held = self.curves
@@ -255,8 +256,8 @@ register_cache(_RANKINGS.clear)
 
 def _ranking(family: _Family, problem: AttentionProblem, target: Target, found: dict) -> _Ranking:
     cleared = generation()
-    work = work_class(problem)
-    at = (family, work, problem.size_class, rules.table_for(problem, target)[0])
+    work, table = work_class(problem), rules.table_for(problem, target)[0]
+    at = (family, work, problem.size_class, table)
     ranking = _RANKINGS.get(at)
     if ranking is None:
         at_work = _PREDICTED.get((family, work))
@@ -266,7 +267,10 @@ def _ranking(family: _Family, problem: AttentionProblem, target: Target, found: 
             at_work = predicted, unranked
             _remember(_PREDICTED, (family, work), at_work, cleared)
         predicted, unranked = at_work
-        ordered = tuple(sorted(family.runs, key=rules.order(problem, target, predicted, family.allowed)))
+        places = family.places.get(table)
+        if places is None:
+            places = family.places[table] = rules.table_places(problem, target, family.allowed)
+        ordered = tuple(sorted(family.runs, key=rules.order(problem, target, predicted, family.allowed, places)))
         ranking = _Ranking(ordered, predicted, unranked, _failed(problem, target))
         _remember(_RANKINGS, at, ranking, cleared)
     return ranking
