@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -65,23 +66,26 @@ MIRRORED = (
 )
 
 
-def options_of(cu, m) -> tuple:
-    return tuple(CallOptions("thd", True, cu_seqlens_q=cu, max_seqlen_q=m, max_seqlen_kv=m))
+def options_of(cu, m, backend=None) -> tuple:
+    return tuple(CallOptions("thd", True, cu_seqlens_q=cu, max_seqlen_q=m, max_seqlen_kv=m, backend=backend))
 
 
-def replay(q, k, v, cu, m, times: dict, target=None):
+def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
     """attention()'s sibling branch on one new packing, each stage's nanoseconds added to ``times``; with a ``target``
-    (meta tensors: :func:`host_stages`) for that target, its run left out."""
+    (meta tensors: :func:`host_stages`) for that target, its run left out; ``backend``: forced. A packing whose sizes
+    were seen before is known: nothing is added."""
     clock = time.perf_counter_ns
     t0 = clock()
-    unknown = dispatch.recall(q, k, v, options_of(cu, m))
+    unknown = dispatch.recall(q, k, v, options_of(cu, m, backend))
     t1 = clock()
+    if type(unknown) is KnownCall:
+        return None
     sibling = unknown.sibling
     problem = sibling.problem._with(batch=cu.numel() - 1, seqlen_q=m, seqlen_kv=m)
     packing = Packing(cu, cu, m, m, cu, cu)
     target = target or sibling.target
     t2 = clock()
-    decision = select_packed(problem, target=target)
+    decision = select_packed(problem, target=target, backend=backend)
     t3 = clock()
     again = sibling.chosen == decision.chosen and sibling.runner is not None
     chosen = backends.get(decision.chosen.backend)
@@ -95,7 +99,7 @@ def replay(q, k, v, cu, m, times: dict, target=None):
         else False
     )
     t5 = clock()
-    unknown.remember(KnownCall(problem, decision.chosen, target, sibling.call, False, runner, checking))
+    unknown.remember(KnownCall(problem, decision.chosen, target, sibling.call, backend is not None, runner, checking))
     t6 = clock()
     out = runner(q, k, v, cu) if q.device.type != "meta" else None
     t7 = clock()
@@ -104,32 +108,67 @@ def replay(q, k, v, cu, m, times: dict, target=None):
     return decision, problem, out
 
 
-def host_stages(name: str, calls: int, rounds: int, fa4: bool = False) -> dict:
+def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool = False, backend=None,
+                paid: bool = False) -> dict:  # fmt: skip
     """The replay's host stages (its run left out) for the preset target ``name`` on any machine: meta tensors, the
     target at the packaged calibration's versions (the cuDNN frontend installed, and FlashAttention-4 with ``fa4``),
-    the memo seeded by hand as a first call would seed it. {stage: per-round microseconds a call}."""
+    the memo seeded by hand as a first call would seed it. ``mla``: the size ladder's 2048-token packings (lognormal
+    documents, :func:`ladder.packing_lengths`), 192/128, where sizes repeat and work classes are new at first, in
+    place of 1024 tokens in 1 to 8 documents at 128/128; ``backend``: forced; ``paid``: FlashAttention-4's compile
+    paid in the process (first_calls.ran). {stage: per-round microseconds a call}, over the packings not seen before."""
+    from attnselect.choose import first_calls
+    from ladder import packing_lengths
+
     packages = {"nvidia-cudnn-frontend": "1.32.0", **({"flash-attn-4": "4.0.0b36"} if fa4 else {})}
+    if fa4 and importlib.util.find_spec("flash_attn") is None:  # its runner binds the function; the run is left out
+        _stand_in_for_flash_attn4()
     target = Target.preset(name, packages=packages, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
-    q, k, v = (torch.empty(1024, 16, 128, device="meta", dtype=torch.bfloat16) for _ in range(3))
-    packings = [(torch.empty(cu.numel(), dtype=torch.int32, device="meta"), m)
-                for cu, m in new_packings(1024, calls + 1, "cpu")]  # fmt: skip
+    tokens, d_qk, d_v = (2048, 192, 128) if mla else (1024, 128, 128)
+    q, k = (torch.empty(tokens, 16, d_qk, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.empty(tokens, 16, d_v, device="meta", dtype=torch.bfloat16)
+    if mla:
+        shapes = [(len(lengths) + 1, max(lengths)) for lengths in map(lambda i: packing_lengths(tokens, i),
+                                                                       range(1, calls + 2))]  # fmt: skip
+    else:
+        shapes = [(cu.numel(), m) for cu, m in new_packings(tokens, calls + 1, "cpu")]
+    packings = [(torch.empty(n, dtype=torch.int32, device="meta"), m) for n, m in shapes]
     per_stage = {stage: [] for stage in STAGES[:-1]}
     for _ in range(rounds):
         attnselect.clear_cache()
+        first_calls.forget()
         cu, m = packings[-1]
-        first = attnselect.AttentionProblem(cu.numel() - 1, m, m, 16, 16, 128, 128, layout="thd", mask="causal",
+        first = attnselect.AttentionProblem(cu.numel() - 1, m, m, 16, 16, d_qk, d_v, layout="thd", mask="causal",
                                             dtype=torch.bfloat16)  # fmt: skip
-        decision, call = select_packed(first, target=target), kernel_call(first)
+        if paid:
+            first_calls.ran(attnselect.Candidate("flash_attn4"), first)
+        decision, call = select_packed(first, target=target, backend=backend), kernel_call(first)
         runner = packed_runner(backends.get(decision.chosen.backend), decision.chosen.pad_to, call,
                                like=(q, k, v, Packing(cu, cu, m, m, cu, cu)))  # fmt: skip
-        dispatch.recall(q, k, v, options_of(cu, m)).remember(KnownCall(first, decision.chosen, target, call, False,
-                                                                       runner))  # fmt: skip
-        times = dict.fromkeys(STAGES, 0)
+        dispatch.recall(q, k, v, options_of(cu, m, backend)).remember(
+            KnownCall(first, decision.chosen, target, call, backend is not None, runner)
+        )
+        times, made = dict.fromkeys(STAGES, 0), 0
         for cu, m in packings[:calls]:
-            replay(q, k, v, cu, m, times, target)
+            made += replay(q, k, v, cu, m, times, target, backend) is not None
         for stage in per_stage:
-            per_stage[stage].append(times[stage] / calls / 1e3)
+            per_stage[stage].append(times[stage] / made / 1e3)
+    first_calls.forget()
     return per_stage
+
+
+def _stand_in_for_flash_attn4() -> None:
+    """``flash_attn.cute`` where FlashAttention-4 is not installed: the replay's runner binds its function, never
+    calls it (its run is left out)."""
+    import sys
+    import types
+
+    def not_installed(*args, **kwargs):
+        raise RuntimeError("a stand-in for FlashAttention-4 (benchmarks/new_packing_parts.py --host-stages)")
+
+    package, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
+    cute.flash_attn_varlen_func = cute.flash_attn_func = not_installed
+    package.cute = cute
+    sys.modules.update({"flash_attn": package, "flash_attn.cute": cute})
 
 
 def compare(a) -> None:
@@ -140,12 +179,15 @@ def compare(a) -> None:
     import tempfile
 
     runs = {}
-    for fa4 in (False, True):
+    flags = " ".join(f for f, on in (("--mla", a.mla), (f"--backend {a.backend}", a.backend), ("--paid", a.paid)) if on)
+    for fa4 in (True,) if a.backend == "flash_attn4" or a.paid else (False, True):
         for _ in range(a.repeats):
             for side, src in zip(("before", "after"), a.compare):
                 out = Path(tempfile.mkdtemp()) / "stages"
                 subprocess.run([sys.executable, __file__, "--host-stages", a.host_stages, "--calls", str(a.calls),
-                                "--rounds", str(a.rounds), "--out", str(out), *(["--fa4"] if fa4 else [])],
+                                "--rounds", str(a.rounds), "--out", str(out), *(["--fa4"] if fa4 else []),
+                                *(["--mla"] if a.mla else []), *(["--backend", a.backend] if a.backend else []),
+                                *(["--paid"] if a.paid else [])],
                                env={**os.environ, "PYTHONPATH": src}, check=True, capture_output=True)  # fmt: skip
                 stages = json.loads(out.with_suffix(".json").read_text())["stages"]
                 for stage, t in stages.items():
@@ -156,7 +198,8 @@ def compare(a) -> None:
               "before": a.compare[0], "after": a.compare[1], "commits": commits, "date": time.strftime("%F"),
               "host": f"{os.cpu_count()} cores, torch {torch.__version__}", "runs": runs}  # fmt: skip
     lines = [f"# A new packing's host stages on the {a.host_stages} target, timed on this host: before and after\n",
-             f"`benchmarks/new_packing_parts.py --host-stages {a.host_stages} --compare BEFORE AFTER`, "
+             f"`benchmarks/new_packing_parts.py --host-stages {a.host_stages} {flags + ' ' if flags else ''}"
+             "--compare BEFORE AFTER`, "
              f"{report['date']}, "
              f"{report['host']}: attention()'s sibling branch replayed on meta tensors, its kernel run left out; each "
              f"side's src folder in turn, {a.repeats} processes a side, {a.rounds} rounds of {a.calls} calls each. "
@@ -186,6 +229,9 @@ def main() -> None:
     ap.add_argument("--host-stages", metavar="TARGET", help="the host stages alone for a preset target (h200), on meta "
                     "tensors: no GPU needed, no kernel run")  # fmt: skip
     ap.add_argument("--fa4", action="store_true", help="with --host-stages: FlashAttention-4 installed on the target")
+    ap.add_argument("--mla", action="store_true", help="with --host-stages: the ladder's 2048-token packings, 192/128")
+    ap.add_argument("--backend", help="with --host-stages: this backend forced")
+    ap.add_argument("--paid", action="store_true", help="with --host-stages: FlashAttention-4's compile paid")
     ap.add_argument(
         "--compare",
         nargs=2,
@@ -198,7 +244,7 @@ def main() -> None:
     if a.host_stages and a.compare:
         return compare(a)
     if a.host_stages:
-        stages = host_stages(a.host_stages, a.calls, a.rounds, a.fa4)
+        stages = host_stages(a.host_stages, a.calls, a.rounds, a.fa4, a.mla, a.backend, a.paid)
         for stage, t in stages.items():
             print(f"| {stage} | {statistics.median(t):.1f} (fastest {min(t):.1f}) |")
         whole = [sum(ts) for ts in zip(*stages.values())]
