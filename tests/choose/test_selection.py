@@ -394,6 +394,79 @@ def test_a_settled_packed_decision_judges_again_only_the_verdicts_sizes_can_chan
     assert attnselect.select(mla(2, 101), target=target).chosen == first.chosen
 
 
+def test_a_thread_reads_a_settled_decision_with_its_own_verdicts_while_another_carries_a_new_one(tmp_path, monkeypatch):
+    """Carrying a new decision in a class, a thread stores it with the verdicts the sizes can change and its paid
+    state as one: another thread that looks in between gets the earlier decision with its own verdicts, judged at its
+    sizes, never the new decision with the earlier verdicts. Flex, calibrated fastest here, refuses grouped heads
+    below 128 queries (its extra reasons: size-dependent); the other thread's call is made where the first has
+    built its decision."""
+    import json
+
+    from attnselect.choose import calibration, first_calls, predict, rules, selection
+    from helpers import calibration_sample
+
+    target = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    data = calibration_sample(target)
+    for backend, host, gpu in (("varlen_fa2", 80.0, 30.0), ("cudnn_frontend", 600.0, 20.0),
+                               ("flash_attn4", 300.0, 15.0), ("flex", 20.0, 10.0)):  # fmt: skip
+        data["host_us"][backend] = {f"thd{p} {ph}": host for p in ("", "+pad") for ph in ("training", "inference")}
+        data["gpu"][backend] = {
+            f"thd 128/128{p} {ph}": [[10.0, gpu], [1e4, gpu * 50]]
+            for p in ("", "+pad")
+            for ph in ("training", "inference")
+        }
+    data["skipped"] = [b for b in data["skipped"] if b not in ("varlen_fa2", "cudnn_frontend", "flex")] + ["sdpa_cudnn"]
+    calibration.user_path(target).write_text(json.dumps(data))
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+    first_calls.forget()
+
+    def grouped(seqlen: int) -> AttentionProblem:
+        return AttentionProblem(18, seqlen, seqlen, 16, 4, 128, 128, layout="thd", mask="causal", training=True,
+                                dtype=torch.bfloat16)  # fmt: skip
+
+    def keyed(p):
+        return predict.work_class(p), p.size_class, rules.table_for(p, target)[0]
+
+    assert keyed(grouped(127)) == keyed(grouped(129)) == keyed(grouped(130))
+    selection.select_packed(grouped(2048), target=target)
+    assert selection.select_packed(grouped(129), target=target).chosen == Candidate("flex")
+    real, other = selection._refused_at_every_size, []
+
+    def the_other_thread_looks(*args):
+        if not other:
+            other.append(selection.select_packed(grouped(130), target=target))
+        return real(*args)
+
+    monkeypatch.setattr(selection, "_refused_at_every_size", the_other_thread_looks)
+    assert selection.select_packed(grouped(127), target=target).chosen != Candidate("flex")  # too few queries
+    assert other[0].chosen == attnselect.select(grouped(130), target=target).chosen == Candidate("flex")
+
+
+def test_a_settled_packed_decision_follows_a_calibration_changed_with_the_cache_directory(tmp_path, monkeypatch):
+    """A rental settled under one calibration is not returned under another (ATTNSELECT_CACHE_DIR changed, no cache
+    cleared): the class's ranking and predictions are made again under the calibration in force."""
+    import json
+
+    from attnselect.choose import calibration, selection
+
+    (tmp_path / "a").mkdir()
+    target = _calibrated_h200(tmp_path / "a", monkeypatch)
+    selection.select_packed(_thd_training(18, 4096), target=target)
+    rented = selection.select_packed(_thd_training(18, 4000), target=target)
+    assert rented.rental is not None and rented.rental.deferred == Candidate("flash_attn4")
+    data = json.loads(calibration.user_path(target).read_text())
+    data["first_call_ms"] = {**data.get("first_call_ms", {}), "flash_attn4": 10.0}  # FA4 compiles nothing there
+    (tmp_path / "b").mkdir()
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path / "b"))
+    calibration.user_path(target).write_text(json.dumps(data))
+    calibration.parse.cache_clear()
+    carried = selection.select_packed(_thd_training(18, 4001), target=target)
+    fresh = attnselect.select(_thd_training(18, 4001), target=target)
+    assert carried.rental is None and (carried.chosen, carried.rental) == (fresh.chosen, fresh.rental)
+
+
 def test_packed_rankings_are_bounded_in_all_families_together(tmp_path, monkeypatch):
     """The rankings of every packed family are bounded by MEMO_SIZE together, in one memo: past it the oldest is
     dropped and made again on use, choosing as before."""

@@ -179,10 +179,13 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     if found is not None and not calibration.outside(problem):
         ranking = _ranking(family, problem, target, found)
     failed = ranking.failed if ranking is not None else _failed(problem, target)
-    settled = ranking.decided if ranking is not None and ranking.paid == first_calls.paid_state() else None
-    if settled is not None and all(_reasons(v.candidate, problem, target, failed) == v.reasons
-                                   for v in ranking.sized):  # fmt: skip
-        return settled  # its candidates judged alike, in the same order, at the same prices: the same draw (logged)
+    held = ranking.decided if ranking is not None else None  # one tuple: a thread reads a decision with its facts
+    if (
+        held is not None
+        and held[2] == first_calls.paid_state()
+        and all(_reasons(v.candidate, problem, target, failed) == v.reasons for v in held[1])
+    ):
+        return held[0]  # its candidates judged alike, in the same order, at the same prices: the same draw (logged)
     judged: dict[Candidate, tuple[str, ...]] = {}  # as judge() refuses them
 
     def serves(c: Candidate) -> bool:
@@ -203,7 +206,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         ranked, rental = first_calls.drawn_rental(ordered, predicted, found["first_call_ms"], problem)
     if not ranked or predicted[ranked[0]] is None:  # nothing it serves is calibrated: select() says why
         return None
-    decision = ranking.decided
+    decision, sized = held[:2] if held is not None else (None, ())
     if not (
         decision is not None
         and decision.ranked == ranked
@@ -211,16 +214,16 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         and len(judged) == len(decision.verdicts)
         and all(judged.get(v.candidate) == v.reasons for v in decision.verdicts)
     ):
-        decision = ranking.decided = Decision(
+        decision = Decision(
             problem, target, earlier.policy, earlier.overrides, rental.chosen if rental else ranked[0], ranked,
             tuple(Verdict(c, reasons) for c, reasons in judged.items()),
             None, {c: predicted[c] for c in ranked}, source, rental, earlier.carried_from or earlier.problem,
         )  # fmt: skip
         # the verdicts a packing's sizes can change: not those refused at every size of the family
-        ranking.sized = tuple(v for v in decision.verdicts if not _refused_at_every_size(v, problem, target, failed))
+        sized = tuple(v for v in decision.verdicts if not _refused_at_every_size(v, problem, target, failed))
         if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last
             debug.log_decision(decision)
-    ranking.paid = paid
+    ranking.decided = decision, sized, paid
     return decision
 
 
@@ -228,24 +231,24 @@ class _Ranking:
     """The candidates a packed call's controls allow, in their predicted order at its work class, with their
     predictions (None for those the calibration leaves out), those the calibration cannot rank (where one of them
     serves, the table ranks the call), the failures known at the call's signature, and the decision last carried
-    with it (None before the first) with the process's paid compiles it was drawn at (first_calls.paid_state).
-    While those hold, a packing whose candidates that decision judged are judged alike gets it without drawing the
-    ranking again: the draw reads nothing else (the order and predictions are the key's, a failure clears it). Of its
-    verdicts, those a packing's sizes can change are ``sized``; the others refuse their candidate at every size."""
+    with it (None before the first): ``decided``, that decision, those of its verdicts a packing's sizes can change
+    (the others refuse their candidate at every size) and the process's paid compiles it was drawn at
+    (first_calls.paid_state), one tuple swapped whole. While those compiles hold, a packing whose verdicts are judged
+    alike gets it without drawing the ranking again: the draw reads nothing else (the order and predictions are the
+    key's, a failure clears it)."""
 
-    __slots__ = ("ordered", "predicted", "unranked", "failed", "decided", "paid", "sized")
+    __slots__ = ("ordered", "predicted", "unranked", "failed", "found", "decided")
 
-    def __init__(self, ordered: tuple[Candidate, ...], predicted: dict, unranked: tuple[Candidate, ...], failed: dict):
+    def __init__(self, ordered: tuple, predicted: dict, unranked: tuple, failed: dict, found: dict):
         self.ordered, self.predicted, self.unranked, self.failed = ordered, predicted, unranked, failed
-        self.decided: Decision | None = None
-        self.paid = -1
-        self.sized: tuple[Verdict, ...] = ()
+        self.found = found  # the calibration it was made under
+        self.decided: tuple[Decision, tuple[Verdict, ...], int] | None = None
 
 
-# Per family and work class: ({candidate: prediction}, the candidates the calibration cannot rank). A calibration
-# predicts at the work's class along the family's curves, and whether it ranks a candidate does not depend on the sizes
-# (rules.prediction_curve).
-_PREDICTED: OrderedDict[tuple, tuple[dict, tuple[Candidate, ...]]] = OrderedDict()
+# Per family and work class: ({candidate: prediction}, the candidates the calibration cannot rank, that calibration).
+# A calibration predicts at the work's class along the family's curves, and whether it ranks a candidate does not
+# depend on the sizes (rules.prediction_curve).
+_PREDICTED: OrderedDict[tuple, tuple[dict, tuple[Candidate, ...], dict]] = OrderedDict()
 register_cache(_PREDICTED.clear)
 # Per family, work class, size class and rules table: its :class:`_Ranking`, whose order is a function of that key
 # (failures are kept per signature, which holds the size class), so a new packing in a known class looks its ranking
@@ -259,19 +262,19 @@ def _ranking(family: _Family, problem: AttentionProblem, target: Target, found: 
     work, table = work_class(problem), rules.table_for(problem, target)[0]
     at = (family, work, problem.size_class, table)
     ranking = _RANKINGS.get(at)
-    if ranking is None:
+    if ranking is None or ranking.found is not found:  # made under another calibration (a cache directory changed)
         at_work = _PREDICTED.get((family, work))
-        if at_work is None:
+        if at_work is None or at_work[2] is not found:
             curves, unranked = family.curves_for(problem, target, found)
             predicted = {c: curve.at_class(work) if curve is not None else None for c, curve in curves.items()}
-            at_work = predicted, unranked
+            at_work = predicted, unranked, found
             _remember(_PREDICTED, (family, work), at_work, cleared)
-        predicted, unranked = at_work
+        predicted, unranked, _ = at_work
         places = family.places.get(table)
         if places is None:
             places = family.places[table] = rules.table_places(problem, target, family.allowed)
         ordered = tuple(sorted(family.runs, key=rules.order(problem, target, predicted, family.allowed, places)))
-        ranking = _Ranking(ordered, predicted, unranked, _failed(problem, target))
+        ranking = _Ranking(ordered, predicted, unranked, _failed(problem, target), found)
         _remember(_RANKINGS, at, ranking, cleared)
     return ranking
 
