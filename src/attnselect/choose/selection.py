@@ -87,28 +87,37 @@ class _Family:
     """What :func:`select_packed` keeps for a packed problem without its sizes, under one set of controls; the memos
     of its predictions and rankings are keyed by this object."""
 
-    __slots__ = ("last", "allowed", "runs", "curves", "places")
+    __slots__ = ("last", "allowed", "runs", "calibrated", "places")
 
     def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
         self.allowed = allowed
         # what the target cannot run at any size (its package missing, another device) leaves the rankings
         self.runs = [c for c in allowed if not backend_named(c.backend).target_reasons(target)]
-        # (the calibration, {candidate: its curve for it, or None}, the candidates it cannot rank): what predicts the
-        # family's calls at any size (rules.prediction_curve), made on its first ranking under that calibration
-        self.curves: tuple[dict, dict, tuple[Candidate, ...]] | None = None
+        # (the calibration, {candidate: its curve for it, or None}, the candidates it cannot rank, {work class:
+        # {candidate: prediction}}): what predicts the family's calls at any size (rules.prediction_curve), made on
+        # its first ranking under that calibration, and its predictions per work class, one tuple swapped whole
+        self.calibrated: tuple[dict, dict, tuple[Candidate, ...], dict] | None = None
         self.places: dict[tuple, dict] = {}  # per rules table: the allowed candidates' rules.table_places
 
-    def curves_for(self, problem: AttentionProblem, target: Target, found: dict) -> tuple[dict, tuple[Candidate, ...]]:
-        held = self.curves
+    def predicted_at(
+        self, work: int, problem: AttentionProblem, target: Target, found: dict
+    ) -> tuple[dict, tuple[Candidate, ...]]:
+        """({candidate: its prediction at the work class ``work``, or None}, the candidates the calibration ``found``
+        cannot rank): along the family's curves, whether it ranks a candidate not depending on the sizes."""
+        held = self.calibrated
         if held is None or held[0] is not found:  # another calibration (a cache directory changed) predicts anew
             curves, unranked = {}, []
             for c in self.runs:
                 curves[c], why = rules.prediction_curve(c, problem, target, found)
                 if why:
                     unranked.append(c)
-            held = self.curves = found, curves, tuple(unranked)
-        return held[1], held[2]
+            held = self.calibrated = found, curves, tuple(unranked), {}
+        predicted = held[3].get(work)
+        if predicted is None:
+            curves = held[1]
+            predicted = held[3][work] = {c: curves[c].at_class(work) if curves[c] is not None else None for c in curves}
+        return predicted, held[2]
 
 
 def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pad=None, disable=None) -> Decision:
@@ -245,11 +254,6 @@ class _Ranking:
         self.decided: tuple[Decision, tuple[Verdict, ...], int] | None = None
 
 
-# Per family and work class: ({candidate: prediction}, the candidates the calibration cannot rank, that calibration).
-# A calibration predicts at the work's class along the family's curves, and whether it ranks a candidate does not
-# depend on the sizes (rules.prediction_curve).
-_PREDICTED: OrderedDict[tuple, tuple[dict, tuple[Candidate, ...], dict]] = OrderedDict()
-register_cache(_PREDICTED.clear)
 # Per family, work class, size class and rules table: its :class:`_Ranking`, whose order is a function of that key
 # (failures are kept per signature, which holds the size class), so a new packing in a known class looks its ranking
 # up; a new failure clears it. A family is keyed by identity: no hash of its problem on a new packing.
@@ -263,13 +267,7 @@ def _ranking(family: _Family, problem: AttentionProblem, target: Target, found: 
     at = (family, work, problem.size_class, table)
     ranking = _RANKINGS.get(at)
     if ranking is None or ranking.found is not found:  # made under another calibration (a cache directory changed)
-        at_work = _PREDICTED.get((family, work))
-        if at_work is None or at_work[2] is not found:
-            curves, unranked = family.curves_for(problem, target, found)
-            predicted = {c: curve.at_class(work) if curve is not None else None for c, curve in curves.items()}
-            at_work = predicted, unranked, found
-            _remember(_PREDICTED, (family, work), at_work, cleared)
-        predicted, unranked, _ = at_work
+        predicted, unranked = family.predicted_at(work, problem, target, found)
         places = family.places.get(table)
         if places is None:
             places = family.places[table] = rules.table_places(problem, target, family.allowed)
