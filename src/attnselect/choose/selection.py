@@ -87,37 +87,60 @@ class _Family:
     """What :func:`select_packed` keeps for a packed problem without its sizes, under one set of controls; the memos
     of its predictions and rankings are keyed by this object."""
 
-    __slots__ = ("last", "allowed", "runs", "calibrated", "places")
+    __slots__ = ("last", "allowed", "runs", "calibrated", "places", "failed", "drawn")
 
     def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
         self.allowed = allowed
         # what the target cannot run at any size (its package missing, another device) leaves the rankings
         self.runs = [c for c in allowed if not backend_named(c.backend).target_reasons(target)]
-        # (the calibration, {candidate: its curve for it, or None}, the candidates it cannot rank, {work class:
-        # {candidate: prediction}}): what predicts the family's calls at any size (rules.prediction_curve), made on
-        # its first ranking under that calibration, and its predictions per work class, one tuple swapped whole
-        self.calibrated: tuple[dict, dict, tuple[Candidate, ...], dict] | None = None
+        self.calibrated: _Calibrated | None = None  # made on its first ranking under a calibration
         self.places: dict[tuple, dict] = {}  # per rules table: the allowed candidates' rules.table_places
+        self.failed: dict[int, dict] = {}  # per size class: _failed (a signature reads no other size)
+        # per (size class, rules table): the decision last drawn there at any work class, as ranking.decided holds
+        # it, with the calibration it was drawn under (_drawn_alike)
+        self.drawn: dict[tuple, tuple] = {}
 
-    def predicted_at(
-        self, work: int, problem: AttentionProblem, target: Target, found: dict
-    ) -> tuple[dict, tuple[Candidate, ...]]:
-        """({candidate: its prediction at the work class ``work``, or None}, the candidates the calibration ``found``
-        cannot rank): along the family's curves, whether it ranks a candidate not depending on the sizes."""
+    def calibrated_by(self, problem: AttentionProblem, target: Target, found: dict) -> _Calibrated:
+        """What predicts the family's calls under the calibration ``found``, made on first use (and again under
+        another calibration: a cache directory changed)."""
         held = self.calibrated
-        if held is None or held[0] is not found:  # another calibration (a cache directory changed) predicts anew
-            curves, unranked = {}, []
-            for c in self.runs:
-                curves[c], why = rules.prediction_curve(c, problem, target, found)
-                if why:
-                    unranked.append(c)
-            held = self.calibrated = found, curves, tuple(unranked), {}
-        predicted = held[3].get(work)
+        if held is None or held.found is not found:
+            held = self.calibrated = _Calibrated(found, {c: rules.prediction_curve(c, problem, target, found)
+                                                         for c in self.runs})  # fmt: skip
+        return held
+
+    def failed_at(self, problem: AttentionProblem, target: Target) -> dict:
+        failed = self.failed.get(problem.size_class)
+        if failed is None:
+            failed = self.failed[problem.size_class] = _failed(problem, target)
+        return failed
+
+
+class _Calibrated:
+    """What a calibration predicts a family's calls by at any size (rules.prediction_curve): each candidate's curve
+    (None for those it leaves out), the candidates it cannot rank, those it times and the others, in the family's
+    order, the others' order per rules table (they sort after the timed ones, by the table alone: the same at every
+    work class) and the predictions per work class."""
+
+    __slots__ = ("found", "curves", "unranked", "timed", "untimed", "tails", "predicted")
+
+    def __init__(self, found: dict, curves: dict):
+        self.found = found
+        self.curves = {c: curve for c, (curve, _) in curves.items()}
+        self.unranked = tuple(c for c, (_, why) in curves.items() if why)
+        self.timed = tuple(c for c, curve in self.curves.items() if curve is not None)
+        self.untimed = tuple(c for c, curve in self.curves.items() if curve is None)
+        self.tails: dict[tuple, tuple] = {}
+        self.predicted: dict[int, dict] = {}
+
+    def predicted_at(self, work: int) -> dict:
+        """{candidate: its prediction at the work class ``work``, or None}."""
+        predicted = self.predicted.get(work)
         if predicted is None:
-            curves = held[1]
-            predicted = held[3][work] = {c: curves[c].at_class(work) if curves[c] is not None else None for c in curves}
-        return predicted, held[2]
+            predicted = self.predicted[work] = {c: curve.at_class(work) if curve is not None else None
+                                                for c, curve in self.curves.items()}  # fmt: skip
+        return predicted
 
 
 def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pad=None, disable=None) -> Decision:
@@ -130,7 +153,8 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
       judged in that order only until the choice and its rental are settled: the decision's ``ranked`` is the head of
       select's ranking and its ``verdicts`` those of the candidates judged (explain and select judge them all); the
       decision last carried in the same work class, size class and rules table is returned again (describing its
-      own sizes) where it differs from this one in its sizes only;
+      own sizes) where it differs from this one in its sizes only, and at a work class new there, the decision last
+      drawn in the same size class and rules table where the new class's order draws it alike (:func:`_drawn_alike`);
     - where the table ranks it, the earlier decision stands (it is returned, describing those sizes) when the rules
       table for the new sizes is the same, its choice still serves them and has not failed for them, and no candidate
       that was refused there and that the table puts above the choice (any refused one, where the choice rebuilds per
@@ -189,11 +213,14 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         ranking = _ranking(family, problem, target, found)
     failed = ranking.failed if ranking is not None else _failed(problem, target)
     held = ranking.decided if ranking is not None else None  # one tuple: a thread reads a decision with its facts
+    if held is None and ranking is not None:  # a work class new to its size class and table
+        held = _drawn_alike(family.drawn.get(ranking.group), ranking)
     if (
         held is not None
         and held[2] == first_calls.paid_state()
         and all(_reasons(v.candidate, problem, target, failed) == v.reasons for v in held[1])
     ):
+        ranking.decided = held
         return held[0]  # its candidates judged alike, in the same order, at the same prices: the same draw (logged)
     judged: dict[Candidate, tuple[str, ...]] = {}  # as judge() refuses them
 
@@ -233,7 +260,28 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last
             debug.log_decision(decision)
     ranking.decided = decision, sized, paid
+    family.drawn[ranking.group] = decision, sized, paid, ranking.found
     return decision
+
+
+def _drawn_alike(drawn: tuple | None, ranking: _Ranking) -> tuple[Decision, tuple[Verdict, ...], int] | None:
+    """The decision ``drawn`` at another work class of ``ranking``'s size class and rules table (with its sized
+    verdicts and paid state, as ``ranking.decided`` holds it), where ``ranking`` draws it alike at the same verdicts
+    and prices: drawn under the same calibration, it ranked its choice alone and rents nothing, so the draw read the
+    order only, not the predicted times (attnselect.choose.first_calls.drawn_rental: no compile priced, or no other
+    candidate served); and the candidates it judged are those ``ranking`` judges first, in that order (those the
+    calibration cannot rank, then its order up to the choice and any refused after it). None otherwise. Returned, it
+    describes its own sizes and predictions, as a decision carried within a work class does."""
+    if drawn is None:
+        return None
+    decision, sized, paid, found = drawn
+    if found is not ranking.found or decision.rental is not None or len(decision.ranked) != 1:
+        return None
+    judged = tuple(v.candidate for v in decision.verdicts)
+    unranked = len(ranking.unranked)
+    if judged[:unranked] != ranking.unranked or judged[unranked:] != ranking.ordered[: len(judged) - unranked]:
+        return None
+    return decision, sized, paid
 
 
 class _Ranking:
@@ -246,11 +294,12 @@ class _Ranking:
     alike gets it without drawing the ranking again: the draw reads nothing else (the order and predictions are the
     key's, a failure clears it)."""
 
-    __slots__ = ("ordered", "predicted", "unranked", "failed", "found", "decided")
+    __slots__ = ("ordered", "predicted", "unranked", "failed", "found", "group", "decided")
 
-    def __init__(self, ordered: tuple, predicted: dict, unranked: tuple, failed: dict, found: dict):
+    def __init__(self, ordered: tuple, predicted: dict, unranked: tuple, failed: dict, found: dict, group: tuple):
         self.ordered, self.predicted, self.unranked, self.failed = ordered, predicted, unranked, failed
         self.found = found  # the calibration it was made under
+        self.group = group  # its size class and rules table: the key of family.drawn
         self.decided: tuple[Decision, tuple[Verdict, ...], int] | None = None
 
 
@@ -267,12 +316,17 @@ def _ranking(family: _Family, problem: AttentionProblem, target: Target, found: 
     at = (family, work, problem.size_class, table)
     ranking = _RANKINGS.get(at)
     if ranking is None or ranking.found is not found:  # made under another calibration (a cache directory changed)
-        predicted, unranked = family.predicted_at(work, problem, target, found)
+        calibrated = family.calibrated_by(problem, target, found)
+        predicted = calibrated.predicted_at(work)
         places = family.places.get(table)
         if places is None:
             places = family.places[table] = rules.table_places(problem, target, family.allowed)
-        ordered = tuple(sorted(family.runs, key=rules.order(problem, target, predicted, family.allowed, places)))
-        ranking = _Ranking(ordered, predicted, unranked, _failed(problem, target), found)
+        by = rules.order(problem, target, predicted, family.allowed, places)
+        tail = calibrated.tails.get(table)  # those without a prediction sort last, by the table alone
+        if tail is None:
+            tail = calibrated.tails[table] = tuple(sorted(calibrated.untimed, key=by))
+        ordered = (*sorted(calibrated.timed, key=by), *tail)
+        ranking = _Ranking(ordered, predicted, calibrated.unranked, family.failed_at(problem, target), found, at[2:])
         _remember(_RANKINGS, at, ranking, cleared)
     return ranking
 
