@@ -454,7 +454,9 @@ def table_places(problem: AttentionProblem, target: Target, candidates) -> dict[
     """Each of ``candidates``' place by the table that ranks ``problem`` (those it leaves out after it), then by
     their order: what :func:`order` sorts by after the predicted time, the same for every call the table ranks."""
     _, table = table_for(problem, target)
-    position = {entry: i for i, entry in enumerate(table)}
+    # a name of its own, not `entry`: Python 3.12 inlines comprehensions, and 3.12.3 reads entry(c) below as this
+    # comprehension's variable (UnboundLocalError)
+    position = {name: i for i, name in enumerate(table)}
     return {c: (position.get(entry(c), len(table)), i) for i, c in enumerate(candidates)}
 
 

@@ -361,7 +361,7 @@ def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, 
     chosen = earlier.chosen
     if not serves(chosen):
         return False
-    position = {entry: i for i, entry in enumerate(table)}
+    position = {name: i for i, name in enumerate(table)}
     cache = backend_named(chosen.backend).shape_cache
     above = (
         len(table)
