@@ -42,6 +42,7 @@ import torch
 
 import attnselect
 from attnselect import api, backends, dispatch, self_check
+from attnselect.choose.predict import work_class
 from attnselect.choose.selection import select_packed
 from attnselect.dispatch import KnownCall
 from attnselect.execution import kernel_call, packed_runner
@@ -49,6 +50,8 @@ from attnselect.spec.options import CallOptions, Packing
 from attnselect.spec.target import Target
 from hot_path import new_packings, profile, write_report
 
+# select_packed apart on a new packing of a work class (and size class) new in the round and of one seen
+CLASSES = ("select_packed, a work class seen", "select_packed, a new work class")
 STAGES = ("recall", "problem at the new sizes", "select_packed", "packed_runner", "self_check.needed", "remember",
           "run")  # fmt: skip
 
@@ -116,7 +119,9 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
     the memo seeded by hand as a first call would seed it. ``mla``: the size ladder's 2048-token packings (lognormal
     documents, :func:`ladder.packing_lengths`), 192/128, where sizes repeat and work classes are new at first, in
     place of 1024 tokens in 1 to 8 documents at 128/128; ``backend``: forced; ``paid``: FlashAttention-4's compile
-    paid in the process (first_calls.ran). {stage: per-round microseconds a call}, over the packings not seen before."""
+    paid in the process (first_calls.ran). ({stage: per-round microseconds a call}, over the packings not seen before;
+    {CLASSES: per-round median microseconds of select_packed on a packing whose work class and size class the round had
+    not seen before, and on one whose it had, with their counts})."""
     from attnselect.choose import first_calls
     from ladder import packing_lengths
 
@@ -134,7 +139,7 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
     else:
         shapes = [(cu.numel(), m) for cu, m in new_packings(tokens, calls + 1, "cpu")]
     packings = [(torch.empty(n, dtype=torch.int32, device="meta"), m) for n, m in shapes]
-    per_stage = {stage: [] for stage in STAGES[:-1]}
+    per_stage, by_class = {stage: [] for stage in STAGES[:-1]}, {}
     for _ in range(rounds):
         attnselect.clear_cache()
         first_calls.forget()
@@ -150,12 +155,24 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
             KnownCall(first, decision.chosen, target, call, backend is not None, runner)
         )
         times, made = dict.fromkeys(STAGES, 0), 0
+        seen, selects = {(work_class(first), first.size_class)}, {CLASSES[0]: [], CLASSES[1]: []}
         for cu, m in packings[:calls]:
-            made += replay(q, k, v, cu, m, times, target, backend) is not None
+            before = times["select_packed"]
+            replayed = replay(q, k, v, cu, m, times, target, backend)
+            if replayed is None:
+                continue
+            made += 1
+            problem = replayed[1]
+            kind = (work_class(problem), problem.size_class)
+            selects[CLASSES[kind not in seen]].append((times["select_packed"] - before) / 1e3)
+            seen.add(kind)
         for stage in per_stage:
             per_stage[stage].append(times[stage] / made / 1e3)
+        for kind, spent in selects.items():
+            by_class.setdefault(kind, []).append(statistics.median(spent) if spent else float("nan"))
+            by_class.setdefault(kind + " (calls)", []).append(len(spent))
     first_calls.forget()
-    return per_stage
+    return per_stage, by_class
 
 
 def _stand_in_for_flash_attn4() -> None:
@@ -180,7 +197,7 @@ def compare(a) -> None:
     import sys
     import tempfile
 
-    runs = {}
+    runs, classes = {}, {}
     flags = " ".join(f for f, on in (("--mla", a.mla), (f"--backend {a.backend}", a.backend), ("--paid", a.paid)) if on)
     for fa4 in (True,) if a.backend == "flash_attn4" or a.paid else (False, True):
         for _ in range(a.repeats):
@@ -191,14 +208,17 @@ def compare(a) -> None:
                                 *(["--mla"] if a.mla else []), *(["--backend", a.backend] if a.backend else []),
                                 *(["--paid"] if a.paid else [])],
                                env={**os.environ, "PYTHONPATH": src}, check=True, capture_output=True)  # fmt: skip
-                stages = json.loads(out.with_suffix(".json").read_text())["stages"]
-                for stage, t in stages.items():
+                found = json.loads(out.with_suffix(".json").read_text())
+                for stage, t in found["stages"].items():
                     runs.setdefault(str(fa4), {}).setdefault(side, {}).setdefault(stage, []).extend(t)
+                for kind, t in found.get("by_class", {}).items():  # an older replay has none
+                    classes.setdefault(str(fa4), {}).setdefault(side, {}).setdefault(kind, []).extend(t)
     commits = [subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True).stdout.strip() or src for src in a.compare]  # fmt: skip
     report = {"target": a.host_stages, "calls_per_round": a.calls, "rounds": a.rounds, "repeats": a.repeats,
               "before": a.compare[0], "after": a.compare[1], "commits": commits, "date": time.strftime("%F"),
-              "host": f"{os.cpu_count()} cores, torch {torch.__version__}", "runs": runs}  # fmt: skip
+              "host": f"{os.cpu_count()} cores, torch {torch.__version__}", "runs": runs,
+              "by_class": classes}  # fmt: skip
     lines = [f"# A new packing's host stages on the {a.host_stages} target, timed on this host: before and after\n",
              f"`benchmarks/new_packing_parts.py --host-stages {a.host_stages} {flags + ' ' if flags else ''}"
              "--compare BEFORE AFTER`, "
@@ -217,6 +237,11 @@ def compare(a) -> None:
         whole = {side: [sum(ts) for ts in zip(*sides[side].values())] for side in sides}
         lines.append(f"| all but the run | {statistics.median(whole['before']):.1f} ({min(whole['before']):.1f}) | "
                      f"{statistics.median(whole['after']):.1f} ({min(whole['after']):.1f}) |")  # fmt: skip
+        split = classes.get(fa4, {})
+        for kind in split.get("after", {}):  # select_packed apart by the work class's novelty (not in the sum)
+            b, f = split.get("before", {}).get(kind), split["after"][kind]
+            before = f"{statistics.median(b):.1f} ({min(b):.1f})" if b else "n/a"
+            lines.append(f"| {kind} | {before} | {statistics.median(f):.1f} ({min(f):.1f}) |")
     print("\n".join(lines))
     if a.out:
         Path(a.out + ".json").write_text(json.dumps(report, indent=1))
@@ -246,14 +271,16 @@ def main() -> None:
     if a.host_stages and a.compare:
         return compare(a)
     if a.host_stages:
-        stages = host_stages(a.host_stages, a.calls, a.rounds, a.fa4, a.mla, a.backend, a.paid)
+        stages, by_class = host_stages(a.host_stages, a.calls, a.rounds, a.fa4, a.mla, a.backend, a.paid)
         for stage, t in stages.items():
             print(f"| {stage} | {statistics.median(t):.1f} (fastest {min(t):.1f}) |")
         whole = [sum(ts) for ts in zip(*stages.values())]
         print(f"| all but the run | {statistics.median(whole):.1f} (fastest {min(whole):.1f}) |")
+        for kind, t in by_class.items():
+            print(f"| {kind} | {statistics.median(t):.1f} (fastest {min(t):.1f}) |")
         if a.out:
             Path(a.out + ".json").write_text(
-                json.dumps({"target": a.host_stages, "fa4": a.fa4, "stages": stages}, indent=1)
+                json.dumps({"target": a.host_stages, "fa4": a.fa4, "stages": stages, "by_class": by_class}, indent=1)
             )
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -221,9 +221,12 @@ def test_new_packing_parts_smoke(tmp_path):
 def test_new_packing_host_stages_run_without_a_gpu(tmp_path):
     _run("benchmarks/new_packing_parts.py", "--host-stages", "h200", "--calls", "5", "--rounds", "1", "--out",
          str(tmp_path / "stages"))  # fmt: skip
-    stages = json.loads((tmp_path / "stages.json").read_text())["stages"]
+    report = json.loads((tmp_path / "stages.json").read_text())
+    stages, by_class = report["stages"], report["by_class"]
     assert set(stages) == {"recall", "problem at the new sizes", "select_packed", "packed_runner", "self_check.needed",
                            "remember"} and all(len(t) == 1 for t in stages.values())  # fmt: skip
+    seen, new = (by_class[f"select_packed, {kind} (calls)"][0] for kind in ("a work class seen", "a new work class"))
+    assert seen + new == 5 and new >= 1  # the first packings' classes are new
 
 
 @pytest.mark.parametrize("timeout, status", [(120, "passed"), (1, "killed at 1 s")])
@@ -246,6 +249,7 @@ def test_new_packing_host_stages_compare_two_checkouts(tmp_path):
     runs = json.loads((tmp_path / "cmp.json").read_text())["runs"]
     assert set(runs) == {"False", "True"} and all(set(sides) == {"before", "after"} for sides in runs.values())
     assert (tmp_path / "cmp.md").read_text().count("| remember |") == 2
+    assert (tmp_path / "cmp.md").read_text().count("| select_packed, a new work class |") == 2
 
 
 def test_calibrate_smoke(tmp_path):
