@@ -41,6 +41,37 @@ def test_a_package_backend_is_its_module_and_one_registration():
     assert Target.current("cpu").version("attnselect-test-distribution") is None
 
 
+def test_extra_reasons_that_say_they_read_no_size_read_none():
+    """A backend whose ``extra_reasons_read_sizes`` is False (a packed loop's new packing does not judge it again) gives
+    the same extra reasons at every size; one that overrides extra_reasons without saying reads sizes."""
+    import random
+
+    from attnselect.backends.base import Backend
+
+    class Silent(Backend):
+        def extra_reasons(self, p, t):
+            return []
+
+    assert Silent.extra_reasons_read_sizes and not Backend.extra_reasons_read_sizes
+    rng = random.Random(0)
+    targets = [Target.preset(name) for name in ("h200", "a100", "b200", "cpu")]
+    free = [b for b in backends.all_backends() if not b.extra_reasons_read_sizes]
+    assert {b.name for b in free} >= {"varlen_fa2", "sdpa_efficient"}
+    for _ in range(200):
+        options = dict(
+            layout=rng.choice(["thd", "bshd"]), mask=rng.choice(["none", "causal", "causal_bottom_right"]),
+            training=rng.random() < 0.5, dtype=rng.choice([torch.bfloat16, torch.float32]),
+            dropout_p=rng.choice([0.0, 0.1]),
+        )  # fmt: skip
+        heads = (16, rng.choice([16, 4, 1]), rng.choice([8, 59, 64, 128, 192, 256]), rng.choice([8, 64, 128, 512]))
+        problems = [AttentionProblem(rng.choice([1, 3, 40]), rng.choice([1, 77, 4096]), rng.choice([1, 77, 9000]),
+                                     *heads, **options) for _ in range(4)]  # fmt: skip
+        for backend in free:
+            for target in targets:
+                reasons = {tuple(backend.extra_reasons(p, target)) for p in problems}
+                assert len(reasons) == 1, (backend.name, target.name, reasons)
+
+
 def test_packed_surface_reasons_read_no_size():
     """Surface.reasons works a packed problem's reasons out once at size 0: for every registered surface they are
     those of the problem at its own sizes."""

@@ -354,10 +354,12 @@ def test_a_settled_packed_decision_is_returned_without_drawing_its_ranking_again
     assert (paid.chosen, paid.rental) == (fresh.chosen, fresh.rental)
     assert (paid is first) == (first.rental is None)  # the draw is alike where the paid compile did not rent
     first_calls.forget()
+    chosen = backend_named(first.chosen.backend)
+    monkeypatch.setattr(chosen, "extra_reasons_read_sizes", True)  # as a backend whose reasons read sizes says
     target = _calibrated_h200(tmp_path, monkeypatch)
     selection.select_packed(_thd_training(18, 4096), target=target, backend=forced)
     first = selection.select_packed(_thd_training(batch, seqlen), target=target, backend=forced)
-    chosen = backend_named(first.chosen.backend)
+    assert backend_named(first.chosen.backend) is chosen
     real = chosen.extra_reasons
     monkeypatch.setattr(
         chosen, "extra_reasons", lambda p, t: real(p, t) + (["too long"] if p.seqlen_q > seqlen + 1 else [])
@@ -376,22 +378,27 @@ def test_a_settled_packed_decision_is_returned_without_drawing_its_ranking_again
 def test_a_settled_packed_decision_judges_again_only_the_verdicts_sizes_can_change(tmp_path, monkeypatch):
     """Of a settled decision's verdicts, a new packing judges again only those its sizes can change: a candidate
     refused by its surface (varlen_fa2 native at 192/128: its head dims must be equal, whatever the sizes) stays
-    refused; the chosen one is judged at the new sizes."""
+    refused, and the chosen one, varlen_fa2 padded, whose backend's reasons read no size (extra_reasons_read_sizes),
+    stays served; where they read sizes, the chosen one is judged at the new sizes."""
+    from attnselect.backends.base import get as backend_named
     from attnselect.choose import selection
 
     def mla(batch: int, seqlen: int) -> AttentionProblem:
         return _thd_training(batch, seqlen)._with(head_dim_qk=192)
 
-    target = _calibrated_h200(tmp_path, monkeypatch)
-    selection.select_packed(mla(18, 4096), target=target)
-    first = selection.select_packed(mla(2, 100), target=target)
-    refused = {v.candidate for v in first.verdicts if not v.supported}
-    assert Candidate("varlen_fa2") in refused and first.chosen == Candidate("varlen_fa2", 192)
     judged, real = [], selection._reasons
     monkeypatch.setattr(selection, "_reasons", lambda c, *a: judged.append(c) or real(c, *a))
-    assert selection.select_packed(mla(2, 101), target=target) is first
-    assert first.chosen in judged and not refused & set(judged)
-    assert attnselect.select(mla(2, 101), target=target).chosen == first.chosen
+    for reads_sizes in (False, True):
+        monkeypatch.setattr(backend_named("varlen_fa2"), "extra_reasons_read_sizes", reads_sizes)
+        target = _calibrated_h200(tmp_path, monkeypatch)
+        selection.select_packed(mla(18, 4096), target=target)
+        first = selection.select_packed(mla(2, 100), target=target)
+        refused = {v.candidate for v in first.verdicts if not v.supported}
+        assert Candidate("varlen_fa2") in refused and first.chosen == Candidate("varlen_fa2", 192)
+        judged.clear()
+        assert selection.select_packed(mla(2, 101), target=target) is first
+        assert judged == ([first.chosen] if reads_sizes else [])
+        assert attnselect.select(mla(2, 101), target=target).chosen == first.chosen
 
 
 def test_a_new_work_class_that_draws_alike_gets_the_decision_drawn_in_its_size_class(tmp_path, monkeypatch):
@@ -460,14 +467,14 @@ def test_a_thread_reads_a_settled_decision_with_its_own_verdicts_while_another_c
     assert keyed(grouped(127)) == keyed(grouped(129)) == keyed(grouped(130))
     selection.select_packed(grouped(2048), target=target)
     assert selection.select_packed(grouped(129), target=target).chosen == Candidate("flex")
-    real, other = selection._refused_at_every_size, []
+    real, other = selection._judged_alike_at_every_size, []
 
     def the_other_thread_looks(*args):
         if not other:
             other.append(selection.select_packed(grouped(130), target=target))
         return real(*args)
 
-    monkeypatch.setattr(selection, "_refused_at_every_size", the_other_thread_looks)
+    monkeypatch.setattr(selection, "_judged_alike_at_every_size", the_other_thread_looks)
     assert selection.select_packed(grouped(127), target=target).chosen != Candidate("flex")  # too few queries
     assert other[0].chosen == attnselect.select(grouped(130), target=target).chosen == Candidate("flex")
 

@@ -164,6 +164,15 @@ class Backend:
     # Device types where the surface is an allowlist from the correctness grid (attnselect.backends.evidence, which
     # attnselect.choose.candidates applies after these reasons): young kernels.
     evidence_required: ClassVar[frozenset[str]] = frozenset()
+    # Whether extra_reasons reads a problem's sizes (batch, seqlen_q, seqlen_kv): a packed loop's new packing judges
+    # such a backend's candidates again (attnselect.choose.selection), one whose reasons read none once per family.
+    # A subclass that overrides extra_reasons without saying reads them (__init_subclass__).
+    extra_reasons_read_sizes: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "extra_reasons" in vars(cls) and "extra_reasons_read_sizes" not in vars(cls):
+            cls.extra_reasons_read_sizes = True
 
     def not_supported_reasons(self, problem: AttentionProblem, target: Target) -> list[str]:
         """Why this backend's documented surface does not serve ``problem`` on ``target``; empty when it does (the

@@ -30,6 +30,8 @@ class SdpaEfficient(SdpaBackend):
         )
     }
 
+    extra_reasons_read_sizes = False  # the head dims and the dtype
+
     def extra_reasons(self, p, t):
         # check_head_dim_size_mem_efficient: head dims divisible by the GEMM alignment,
         # 8 for fp16/bf16, 4 for fp32 on sm80+.

@@ -50,6 +50,8 @@ class VarlenFa2(Backend):
         )
     }
 
+    extra_reasons_read_sizes = False  # the torch version, the head dims, the phase and the GPU
+
     def extra_reasons(self, p, t):
         r = []
         # The op called with scale and window as torch 2.11's varlen_attn calls it (torch 2.10's passed is_causal

@@ -255,8 +255,8 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
             tuple(Verdict(c, reasons) for c, reasons in judged.items()),
             None, {c: predicted[c] for c in ranked}, source, rental, earlier.carried_from or earlier.problem,
         )  # fmt: skip
-        # the verdicts a packing's sizes can change: not those refused at every size of the family
-        sized = tuple(v for v in decision.verdicts if not _refused_at_every_size(v, problem, target, failed))
+        # the verdicts a packing's sizes can change
+        sized = tuple(v for v in decision.verdicts if not _judged_alike_at_every_size(v, problem, target, failed))
         if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last
             debug.log_decision(decision)
     ranking.decided = decision, sized, paid
@@ -337,17 +337,21 @@ def _reasons(c: Candidate, problem: AttentionProblem, target: Target, failed: di
                                    target, failed))  # fmt: skip
 
 
-def _refused_at_every_size(verdict: Verdict, problem: AttentionProblem, target: Target, failed: dict) -> bool:
-    """Whether ``verdict`` refuses its candidate whatever a packed ``problem``'s sizes: for its run-time failure at the
-    problem's signature (``failed``), its package or device type, or its surface, whose packed reasons read no size
-    (:meth:`attnselect.backends.base.Surface.reasons`). Its reasons' text may still name sizes: the decision that
-    holds it describes its own."""
+def _judged_alike_at_every_size(verdict: Verdict, problem: AttentionProblem, target: Target, failed: dict) -> bool:
+    """Whether ``verdict`` judges its candidate alike whatever a packed ``problem``'s sizes (at its size class, whose
+    failures are ``failed``): its backend's reasons read no size (its package and device type, its surface, whose
+    packed reasons read none (:meth:`attnselect.backends.base.Surface.reasons`), its extra reasons where they say so
+    (``extra_reasons_read_sizes``) and no allowlist of the correctness grid, whose spans do); or it refuses the
+    candidate for its run-time failure at the problem's signature, its package or device type, or its surface. Its
+    reasons' text may still name sizes: the decision that holds it describes its own."""
     c = verdict.candidate
+    backend = backend_named(c.backend)
+    if not backend.extra_reasons_read_sizes and target.device_type not in backend.evidence_required:
+        return True
     if verdict.supported:
         return False
     if c in failed:
         return True
-    backend = backend_named(c.backend)
     if backend.target_reasons(target):
         return True
     kernel_problem = problem.padded(c.pad_to) if c.padded else problem
