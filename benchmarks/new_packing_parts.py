@@ -116,12 +116,12 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
                 paid: bool = False) -> dict:  # fmt: skip
     """The replay's host stages (its run left out) for the preset target ``name`` on any machine: meta tensors, the
     target at the packaged calibration's versions (the cuDNN frontend installed, and FlashAttention-4 with ``fa4``),
-    the memo seeded by hand as a first call would seed it, a cache directory of its own. ``mla``: the size ladder's 2048-token packings (lognormal
-    documents, :func:`ladder.packing_lengths`), 192/128, where sizes repeat and work classes are new at first, in
-    place of 1024 tokens in 1 to 8 documents at 128/128; ``backend``: forced; ``paid``: FlashAttention-4's compile
-    paid in the process (first_calls.ran). ({stage: per-round microseconds a call}, over the packings not seen before;
-    {CLASSES: per-round median microseconds of select_packed on a packing whose work class and size class the round had
-    not seen before, and on one whose it had, with their counts})."""
+    the memo seeded by hand as a first call would seed it, a cache directory of its own. ``mla``: the size ladder's
+    2048-token packings (lognormal documents, :func:`ladder.packing_lengths`), 192/128, where sizes repeat and work
+    classes are new at first, in place of 1024 tokens in 1 to 8 documents at 128/128; ``backend``: forced;
+    ``paid``: FlashAttention-4's compile paid in the process (first_calls.ran). ({stage: per-round microseconds a
+    call}, over the packings not seen before; {CLASSES: per-round median microseconds of select_packed on a packing
+    whose work class and size class the round had not seen before, and on one whose it had, with their counts})."""
     import tempfile
 
     from attnselect.choose import first_calls

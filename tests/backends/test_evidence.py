@@ -101,6 +101,34 @@ def test_a_packed_key_is_limited_by_all_its_tokens_as_flex_runs_them_as_one_sequ
         select_packed(_problem(**packed, batch=4), target=H200, backend="flex")
 
 
+def test_the_allowlist_reads_a_problems_sizes_only_where_a_key_holds_a_span(grid, monkeypatch):
+    """reads_sizes: the allowlist's reasons read a problem's sizes only at a key the grid passed up to a span; at
+    the others (and with the allowlist off) they are the same at every size, which lets a packed loop's settled
+    decision leave its young kernel's verdict unjudged on a new packing (attnselect.choose.selection)."""
+    import random
+
+    grid["kernels"]["flex"]["thd 64/256 inference"] = {
+        "passed": 2, "failed": 0, "passed_up_to": 800, "failed_beyond": "row 67: out of resource (a span of 1332)",
+    }  # fmt: skip
+    grid["kernels"]["flex"]["thd 128/128 inference"] = {
+        "passed": 34, "failed": 2,
+        "by_grouping": {"MQA": {"passed": 24, "failed": 2}, "MHA": {"passed": 4, "failed": 0}},
+    }  # fmt: skip
+    limited = dict(layout="thd", head_dim_qk=64, head_dim_v=256)
+    assert evidence.reads_sizes("flex", _problem(**limited), H200)
+    rng = random.Random(0)
+    for dims in (dict(head_dim_qk=128, head_dim_v=128), dict(head_dim_qk=80, head_dim_v=80), {}):
+        for heads_kv in (8, 2, 1):
+            problem = _problem(layout="thd", heads_kv=heads_kv, **dims)
+            assert not evidence.reads_sizes("flex", problem, H200)
+            sizes = [(rng.randint(1, 60), rng.randint(1, 9000)) for _ in range(20)]
+            reasons = {tuple(evidence.reasons("flex", problem._with(batch=b, seqlen_q=s, seqlen_kv=s), H200))
+                       for b, s in sizes}  # fmt: skip
+            assert len(reasons) == 1, reasons
+    monkeypatch.setenv("ATTNSELECT_ALLOWLIST", "0")
+    assert not evidence.reads_sizes("flex", _problem(**limited), H200)
+
+
 def test_the_packaged_h200_grid_limits_flex_at_64_256_to_the_length_it_passed():
     """The peer sweep's test_flash_attn_output[d64 dv256 1023x1024 mha none bfloat16 fwd] chose flex without the
     cuDNN frontend and flex ran out of shared memory (results/h200_peer_sweep_without_frontend.md)."""

@@ -401,6 +401,28 @@ def test_a_settled_packed_decision_judges_again_only_the_verdicts_sizes_can_chan
         assert attnselect.select(mla(2, 101), target=target).chosen == first.chosen
 
 
+def test_a_settled_young_kernel_is_not_judged_again_where_its_allowlist_holds_no_span(tmp_path, monkeypatch):
+    """FA4, a young kernel (its allowlist from the correctness grid), forced: its extra reasons read no size and the
+    packaged grid holds no span for its key, so a new packing of a settled decision does not judge it again; where
+    its reasons read sizes, it is judged at the new sizes."""
+    from attnselect.backends import evidence
+    from attnselect.backends.base import get as backend_named
+    from attnselect.choose import selection
+
+    judged, real = [], selection._reasons
+    monkeypatch.setattr(selection, "_reasons", lambda c, *a: judged.append(c) or real(c, *a))
+    for reads_sizes in (False, True):
+        monkeypatch.setattr(backend_named("flash_attn4"), "extra_reasons_read_sizes", reads_sizes)
+        target = _calibrated_h200(tmp_path, monkeypatch)
+        selection.select_packed(_thd_training(18, 4096), target=target, backend="flash_attn4")
+        first = selection.select_packed(_thd_training(18, 4000), target=target, backend="flash_attn4")
+        assert first.chosen == Candidate("flash_attn4")
+        assert not evidence.reads_sizes("flash_attn4", first.problem, target)
+        judged.clear()
+        assert selection.select_packed(_thd_training(18, 4001), target=target, backend="flash_attn4") is first
+        assert judged == ([first.chosen] if reads_sizes else [])
+
+
 def test_a_new_work_class_that_draws_alike_gets_the_decision_drawn_in_its_size_class(tmp_path, monkeypatch):
     """A packing of a work class not seen before, in a size class and rules table seen, gets the decision drawn
     there at another work class where its predicted order draws it alike (the same candidates judged first, in the

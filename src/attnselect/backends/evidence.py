@@ -171,6 +171,16 @@ def reasons(backend: str, problem: AttentionProblem, target: Target) -> list[str
     return [f"failed {seen['failed']} of {seen['failed'] + seen['passed']} rows at {key} ({found}) in {grid['source']}"]
 
 
+def reads_sizes(backend: str, problem: AttentionProblem, target: Target) -> bool:
+    """Whether :func:`reasons` for ``backend`` reads ``problem``'s sizes (the problem the kernel gets): only where the
+    grid passed its key up to a span (``passed_up_to``); elsewhere they follow from the key and the K/V grouping."""
+    if not allowlist_enabled():
+        return False
+    grid = grid_for(target.arch)
+    seen = grid["kernels"].get(backend, {}).get(kernel_key(problem)) if grid is not None else None
+    return seen is not None and "passed_up_to" in seen
+
+
 def base_fingerprint(target: Target) -> dict:
     """The GPU and the libraries every backend runs on: what a grid's covered signatures hold for."""
     return {

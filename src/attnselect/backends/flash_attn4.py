@@ -68,6 +68,8 @@ class FlashAttn4(FlashAttnPackageBackend):
         new_key_ms=13000.0,
     )
 
+    extra_reasons_read_sizes = False  # the head dims, the GPU, the phase and the K/V grouping
+
     def extra_reasons(self, p, t):
         r = []
         dqk, dv = p.head_dim_qk, p.head_dim_v

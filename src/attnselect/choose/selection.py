@@ -341,21 +341,22 @@ def _judged_alike_at_every_size(verdict: Verdict, problem: AttentionProblem, tar
     """Whether ``verdict`` judges its candidate alike whatever a packed ``problem``'s sizes (at its size class, whose
     failures are ``failed``): its backend's reasons read no size (its package and device type, its surface, whose
     packed reasons read none (:meth:`attnselect.backends.base.Surface.reasons`), its extra reasons where they say so
-    (``extra_reasons_read_sizes``) and no allowlist of the correctness grid, whose spans do); or it refuses the
+    (``extra_reasons_read_sizes``) and the correctness grid's allowlist where it holds no span for the kernel's key:
+    :func:`attnselect.backends.evidence.reads_sizes`); or it refuses the
     candidate for its run-time failure at the problem's signature, its package or device type, or its surface. Its
     reasons' text may still name sizes: the decision that holds it describes its own."""
     c = verdict.candidate
     backend = backend_named(c.backend)
-    if not backend.extra_reasons_read_sizes and target.device_type not in backend.evidence_required:
-        return True
-    if verdict.supported:
-        return False
-    if c in failed:
+    if not verdict.supported and c in failed:
         return True
     if backend.target_reasons(target):
         return True
     kernel_problem = problem.padded(c.pad_to) if c.padded else problem
-    return bool(backend.surfaces[target.device_type].reasons(kernel_problem, target))
+    if not backend.extra_reasons_read_sizes and not (
+        target.device_type in backend.evidence_required and evidence.reads_sizes(c.backend, kernel_problem, target)
+    ):
+        return True
+    return not verdict.supported and bool(backend.surfaces[target.device_type].reasons(kernel_problem, target))
 
 
 def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, serves) -> bool:
