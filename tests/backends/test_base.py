@@ -52,7 +52,25 @@ def test_extra_reasons_that_say_they_read_no_size_read_none():
         def extra_reasons(self, p, t):
             return []
 
-    assert Silent.extra_reasons_read_sizes and not Backend.extra_reasons_read_sizes
+    class SizeRule:  # a mixin's rule, below the class that says
+        def extra_reasons(self, p, t):
+            return ["too long"] if p.seqlen_q > 1000 else []
+
+    class Mixed(SizeRule, Backend):
+        pass
+
+    class Whole(Backend):  # its own reasons, whatever extra_reasons says
+        def not_supported_reasons(self, p, t):
+            return ["too long"] if p.seqlen_q > 1000 else []
+
+    class Said(Silent):
+        extra_reasons_read_sizes = False
+
+    class Inherits(Said):
+        pass
+
+    assert Silent.extra_reasons_read_sizes and Mixed.extra_reasons_read_sizes and Whole.extra_reasons_read_sizes
+    assert not (Backend.extra_reasons_read_sizes or Said.extra_reasons_read_sizes or Inherits.extra_reasons_read_sizes)
     rng = random.Random(0)
     targets = [Target.preset(name) for name in ("h200", "a100", "b200", "cpu")]
     free = [b for b in backends.all_backends() if not b.extra_reasons_read_sizes]

@@ -423,6 +423,27 @@ def test_a_settled_young_kernel_is_not_judged_again_where_its_allowlist_holds_no
         assert judged == ([first.chosen] if reads_sizes else [])
 
 
+def test_select_packed_of_a_dense_problem_is_select(tmp_path, monkeypatch):
+    """A dense problem's reasons may read its sizes through its surface (FA4's causal mask is bottom-right aligned:
+    it refuses top-left causal where the lengths differ), so select_packed carries nothing for it: it is select."""
+    from attnselect.choose import selection
+
+    def dense(batch: int, seqlen_q: int, seqlen_kv: int) -> AttentionProblem:
+        return AttentionProblem(batch, seqlen_q, seqlen_kv, 16, 16, 128, 128, mask="causal", training=True,
+                                dtype=torch.bfloat16)  # fmt: skip
+
+    target = _calibrated_h200(tmp_path, monkeypatch)
+    for forced in ("flash_attn4", None):
+        for problem in (dense(4, 1024, 1024), dense(4, 1025, 1025), dense(4, 1040, 1024)):
+            try:
+                want = attnselect.select(problem, target=target, backend=forced)
+            except attnselect.ForcedChoiceError:
+                with pytest.raises(attnselect.ForcedChoiceError):
+                    selection.select_packed(problem, target=target, backend=forced)
+                continue
+            assert selection.select_packed(problem, target=target, backend=forced) is want
+
+
 def test_a_new_work_class_that_draws_alike_gets_the_decision_drawn_in_its_size_class(tmp_path, monkeypatch):
     """A packing of a work class not seen before, in a size class and rules table seen, gets the decision drawn
     there at another work class where its predicted order draws it alike (the same candidates judged first, in the

@@ -166,12 +166,18 @@ class Backend:
     evidence_required: ClassVar[frozenset[str]] = frozenset()
     # Whether extra_reasons reads a problem's sizes (batch, seqlen_q, seqlen_kv): a packed loop's new packing judges
     # such a backend's candidates again (attnselect.choose.selection), one whose reasons read none once per family.
-    # A subclass that overrides extra_reasons without saying reads them (__init_subclass__).
+    # A class whose extra_reasons or not_supported_reasons comes from below the class that says so (an override, a
+    # mixin) reads them (__init_subclass__).
     extra_reasons_read_sizes: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        if "extra_reasons" in vars(cls) and "extra_reasons_read_sizes" not in vars(cls):
+
+        def owner(name: str) -> type:  # the class of the MRO whose body defines ``name``
+            return next(k for k in cls.__mro__ if name in vars(k))
+
+        said = owner("extra_reasons_read_sizes")
+        if any(not issubclass(said, owner(name)) for name in ("extra_reasons", "not_supported_reasons")):
             cls.extra_reasons_read_sizes = True
 
     def not_supported_reasons(self, problem: AttentionProblem, target: Target) -> list[str]:

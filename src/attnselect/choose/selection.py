@@ -160,8 +160,10 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
       that was refused there and that the table puts above the choice (any refused one, where the choice rebuilds per
       packing) serves them now.
 
-    Otherwise :func:`select`.
+    Otherwise, and for a problem that is not packed, :func:`select`.
     """
+    if problem.layout != "thd":  # what a packing's sizes change is worked out for packed problems only
+        return select(problem, target=target, backend=backend, pad=pad, disable=disable)
     cleared = generation()
     try:
         # the raw ATTNSELECT_* values (settings.environment decodes them): a key, read for every new packing
