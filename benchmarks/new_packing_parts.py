@@ -113,7 +113,7 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
 
 
 def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool = False, backend=None,
-                paid: bool = False) -> dict:  # fmt: skip
+                paid: bool = False) -> tuple[dict, dict]:  # fmt: skip
     """The replay's host stages (its run left out) for the preset target ``name`` on any machine: meta tensors, the
     target at the packaged calibration's versions (the cuDNN frontend installed, and FlashAttention-4 with ``fa4``),
     the memo seeded by hand as a first call would seed it, a cache directory of its own. ``mla``: the size ladder's
@@ -182,7 +182,6 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
 def _stand_in_for_flash_attn4() -> None:
     """``flash_attn.cute`` where FlashAttention-4 is not installed: the replay's runner binds its function, never
     calls it (its run is left out)."""
-    import sys
     import types
 
     def not_installed(*args, **kwargs):
@@ -198,7 +197,6 @@ def compare(a) -> None:
     """--host-stages for two checkouts (``--compare BEFORE AFTER``: their src folders), alternated process by process,
     with and without FA4; writes ``--out``.json (every round) and .md (median and fastest round per stage)."""
     import subprocess
-    import sys
     import tempfile
 
     runs, classes = {}, {}

@@ -344,9 +344,9 @@ def _judged_alike_at_every_size(verdict: Verdict, problem: AttentionProblem, tar
     failures are ``failed``): its backend's reasons read no size (its package and device type, its surface, whose
     packed reasons read none (:meth:`attnselect.backends.base.Surface.reasons`), its extra reasons where they say so
     (``extra_reasons_read_sizes``) and the correctness grid's allowlist where it holds no span for the kernel's key:
-    :func:`attnselect.backends.evidence.reads_sizes`); or it refuses the
-    candidate for its run-time failure at the problem's signature, its package or device type, or its surface. Its
-    reasons' text may still name sizes: the decision that holds it describes its own."""
+    :func:`attnselect.backends.evidence.reads_sizes`); or it refuses the candidate for its run-time failure at the
+    problem's signature, its package or device type, or its surface. Its reasons' text may still name sizes: the
+    decision that holds it describes its own."""
     c = verdict.candidate
     backend = backend_named(c.backend)
     if not verdict.supported and c in failed:
