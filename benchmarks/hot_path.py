@@ -299,7 +299,7 @@ def packed_rows(device: str, forced: str | None = None):
         )
     known = (q, k, v, CallOptions(**shape, backend=forced))
     runner = _prepared_runner(lambda: attnselect.attention(q, k, v, **kwargs), known)
-    rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v, cu)
+    rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v, cu, m, m)
     if chosen == attnselect.Candidate("varlen_fa2"):  # the op, as the backend and varlen_attn call it
         op = torch.ops.aten._flash_attention_forward.default
         rows["torch aten._flash_attention_forward"] = lambda: op(

@@ -61,12 +61,15 @@ MIRRORED = (
     "problem = sibling.problem._with(",
     "select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)",
     "again = sibling is not None and sibling.chosen == decision.chosen and sibling.runner is not None",
-    'kernel = getattr(sibling.runner, "kernel", None) if again else None',
-    "runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing), kernel=kernel)",
-    "answered = again and not sibling.checks and self_check.has_work(sibling.problem)",
-    "if not answered or problem.signature != sibling.problem.signature",
-    "unknown.remember(known)",
-    'result = known.runner(q, k, v) if layout != "thd" else known.runner(q, k, v, cu_seqlens_q)',
+    'runner = getattr(sibling.runner, "unrented", sibling.runner)',
+    "runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing))",
+    "unchecked = unknown.family.unchecked if unknown is not None and unknown.family is not None else ()",
+    "answered = bool(unchecked) and (decision.chosen, problem.size_class) in unchecked",
+    "checking = not answered and self_check.needed(problem, decision.chosen, target)",
+    "family = unknown.remember(known)",
+    "if family is not None and not (answered or checking) and self_check.has_work(problem):",
+    "family.unchecked.add((decision.chosen, problem.size_class))",
+    "else known.runner(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv)",
 )
 
 
@@ -93,19 +96,24 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
     t3 = clock()
     again = sibling.chosen == decision.chosen and sibling.runner is not None
     chosen = backends.get(decision.chosen.backend)
-    kernel = getattr(sibling.runner, "kernel", None) if again else None
-    runner = packed_runner(chosen, decision.chosen.pad_to, sibling.call, like=(q, k, v, packing), kernel=kernel)
+    if again:
+        runner = getattr(sibling.runner, "unrented", sibling.runner)
+    else:
+        runner = packed_runner(chosen, decision.chosen.pad_to, sibling.call, like=(q, k, v, packing))
     t4 = clock()
-    answered = again and not sibling.checks and self_check.has_work(sibling.problem)
-    checking = (
-        self_check.needed(problem, decision.chosen, target)
-        if not answered or problem.signature != sibling.problem.signature
-        else False
-    )
+    unchecked = unknown.family.unchecked
+    answered = bool(unchecked) and (decision.chosen, problem.size_class) in unchecked
+    checking = not answered and self_check.needed(problem, decision.chosen, target)
     t5 = clock()
-    unknown.remember(KnownCall(problem, decision.chosen, target, sibling.call, backend is not None, runner, checking))
+    family = unknown.remember(
+        KnownCall(problem, decision.chosen, target, sibling.call, backend is not None, runner, checking)
+    )
+    if not (answered or checking) and self_check.has_work(problem):
+        family.unchecked.add((decision.chosen, problem.size_class))
     t6 = clock()
-    out = runner(q, k, v, cu) if q.device.type != "meta" else None
+    if checking:  # the replay runs no self-check: taken as passed, as attention()'s first call of a signature passes it
+        self_check._PASSED.add((target, decision.chosen, problem.signature))
+    out = runner(q, k, v, cu, m, m) if q.device.type != "meta" else None
     t7 = clock()
     for name, a, b in zip(STAGES, (t0, t1, t2, t3, t4, t5, t6), (t1, t2, t3, t4, t5, t6, t7)):
         times[name] += b - a

@@ -307,7 +307,7 @@ def test_a_new_packing_of_other_sizes_skips_validation_and_gives_the_slow_path_s
 @pytest.mark.gpu
 def test_a_new_packing_on_its_sibling_s_choice_runs_its_kernel_and_takes_its_self_check_answer(monkeypatch):
     """A new packing whose decision is its sibling's choice at the same signature (the size class) runs the sibling's
-    packed kernel (made once for the call's options) and, where the sibling needed no self-check, needs none."""
+    packed runner (made once for the call's options) and, where the sibling needed no self-check, needs none."""
     from attnselect import api
 
     monkeypatch.setenv("ATTNSELECT_SELF_CHECK", "0")
@@ -322,7 +322,7 @@ def test_a_new_packing_on_its_sibling_s_choice_runs_its_kernel_and_takes_its_sel
         fast = attnselect.attention(q, k, v, cu_seqlens_q=other, max_seqlen_q=99, max_seqlen_kv=99, **kwargs)
     sibling, known = dispatch.known_calls()
     assert known.problem.signature == sibling.problem.signature and known.chosen == sibling.chosen
-    assert not known.checks and known.runner is not sibling.runner and known.runner.kernel is sibling.runner.kernel
+    assert not known.checks and known.runner is sibling.runner
     slow = attnselect.attention(q, k, v, cu_seqlens_q=other, cu_seqlens_kv=other.clone(), max_seqlen_q=99,
                                 max_seqlen_kv=99, **kwargs)  # fmt: skip
     assert torch.equal(fast, slow)
@@ -449,7 +449,8 @@ def meta_cudnn_h200(monkeypatch):
     import sys
     import types
 
-    from attnselect import api, execution
+    from attnselect import api
+    from attnselect.backends import shape_cache
     from attnselect.spec.target import Target
 
     seen = []
@@ -461,7 +462,7 @@ def meta_cudnn_h200(monkeypatch):
     monkeypatch.setitem(sys.modules, "cudnn", types.SimpleNamespace(sdpa_torch=sdpa_torch))
     h200 = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"})
     monkeypatch.setattr(api, "target_for_device", lambda device: h200)
-    monkeypatch.setattr(execution, "padded_boundaries", lambda cu, count, target: cu)
+    monkeypatch.setattr(shape_cache, "padded_boundaries", lambda cu, count, target: cu)
     monkeypatch.setenv("ATTNSELECT_SELF_CHECK", "0")
     attnselect.clear_cache()
     yield seen
@@ -469,16 +470,32 @@ def meta_cudnn_h200(monkeypatch):
 
 
 def test_a_new_packing_on_the_cudnn_frontend_runs_with_its_own_max_seqlen(meta_cudnn_h200):
-    """A new packing's runner wraps its sibling's packed kernel, which reads each packing's max_seqlen: the cuDNN
-    frontend's op sees the new packing's longest sequence (bucketed), not its sibling's."""
+    """A new packing runs its sibling's packed runner, which reads each packing's max_seqlen: the cuDNN frontend's
+    op sees the new packing's longest sequence (bucketed), not its sibling's."""
     q = torch.empty(4096, 16, 128, dtype=torch.bfloat16, device="meta")
     for longest in (1000, 3000):
         cu = torch.empty(5, dtype=torch.int32, device="meta")
         attnselect.attention(q, q, q, layout="thd", causal=True, cu_seqlens_q=cu, max_seqlen_q=longest,
                              max_seqlen_kv=longest, backend="cudnn_frontend")  # fmt: skip
-    assert [c.chosen.backend for c in dispatch.known_calls()] == ["cudnn_frontend"] * 2
+    first, then = dispatch.known_calls()
+    assert first.chosen.backend == then.chosen.backend == "cudnn_frontend" and then.runner is first.runner
     (first_q, first_kv), (then_q, then_kv) = meta_cudnn_h200
     assert first_q >= 1000 and first_kv >= 1000 and then_q >= 3000 and then_kv >= 3000
+
+
+def test_a_packed_family_asks_for_a_self_check_once_per_size_class(meta_cudnn_h200, monkeypatch):
+    """One problem at every packing's sizes has one signature per size class: where its choice needed no self-check
+    at a class, a new packing of that class does not ask again."""
+    from attnselect import api
+
+    asked = []
+    monkeypatch.setattr(api.self_check, "needed", lambda problem, *a: asked.append(problem.seqlen_q) or False)
+    q = torch.empty(4096, 16, 128, dtype=torch.bfloat16, device="meta")
+    for longest in (1000, 1001, 1002, 3000, 3001, 1003):  # 4 x 16 x 1000^2 scores: class 12; at 3000: 14
+        cu = torch.empty(5, dtype=torch.int32, device="meta")
+        attnselect.attention(q, q, q, layout="thd", causal=True, cu_seqlens_q=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest, backend="cudnn_frontend")  # fmt: skip
+    assert asked == [1000, 3000] and len(dispatch.known_calls()) == 6
 
 
 def test_a_new_packing_asks_for_its_self_check_where_its_sibling_had_nothing_to_check(meta_cudnn_h200, monkeypatch):

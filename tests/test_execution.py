@@ -268,28 +268,34 @@ def test_a_repeated_packed_runner_buckets_each_new_boundary_tensor_once():
     first, later = (torch.tensor(b, dtype=torch.int32) for b in ([0, 3, 10], [0, 6, 10]))
     backend = _RecordingPackedBackend()
     run = packed_runner(backend, None, None, like=(q, q, q, Packing(first, first, 7, 7, first, first)))
-    run(q, q, q, later)
+    run(q, q, q, later, 7, 7)
     expected = bucketed(Packing(later, later, 7, 7, later, later), backend.shape_cache.buckets)
     got = backend.seen[-1][1]
     assert torch.equal(got.cu_seqlens_q, expected.cu_seqlens_q) and got.cu_seqlens_q.numel() == 17  # 16 sequences
     assert got.cu_seqlens_kv is got.offsets_q is got.offsets_kv is got.cu_seqlens_q
     assert (got.max_seqlen_q, got.max_seqlen_kv) == (expected.max_seqlen_q, expected.max_seqlen_kv) == (128, 128)
-    run(q, q, q, later)  # the next layer of the step: the same boundaries, bucketed once
+    run(q, q, q, later, 7, 7)  # the next layer of the step: the same boundaries, bucketed once
     assert backend.seen[-1][1] is got
     later[1] = 4  # changed in place: bucketed again
-    run(q, q, q, later)
+    run(q, q, q, later, 7, 7)
     assert backend.seen[-1][1] is not got and backend.seen[-1][1].cu_seqlens_q[1] == 4
     with torch.inference_mode():  # inference tensors have no version, inference results no autograd: not kept
         fresh = torch.tensor([0, 5, 10], dtype=torch.int32)
-        run(q, q, q, fresh)
-        run(q, q, q, fresh)
-        run(q, q, q, later)
+        run(q, q, q, fresh, 7, 7)
+        run(q, q, q, fresh, 7, 7)
+        run(q, q, q, later, 7, 7)
     assert backend.seen[-1][1] is not backend.seen[-2][1] is not backend.seen[-3][1]
     assert torch.equal(backend.seen[-2][1].cu_seqlens_q[:3], fresh)
-    run(q, q, q, later)  # outside: bucketed anew, not the inference-mode copy
+    run(q, q, q, later, 7, 7)  # outside: bucketed anew, not the inference-mode copy
     assert not backend.seen[-1][1].cu_seqlens_q.is_inference()
+    kept = backend.seen[-1][1]
+    run(q, q, q, later, 200, 7)  # the same boundaries at other sizes (another packing's call): its own bucket
+    got = backend.seen[-1][1]
+    assert got is not kept and (got.max_seqlen_q, got.max_seqlen_kv) == (256, 128)
     unbucketed = _RecordingPackedBackend(buckets=False)
-    packed_runner(unbucketed, None, None, like=(q, q, q, Packing(first, first, 7, 7, first, first)))(q, q, q, later)
+    packed_runner(unbucketed, None, None, like=(q, q, q, Packing(first, first, 7, 7, first, first)))(
+        q, q, q, later, 7, 7
+    )
     got = unbucketed.seen[-1][1]  # the caller's own boundaries
     assert all(t is later for t in (got.cu_seqlens_q, got.cu_seqlens_kv, got.offsets_q, got.offsets_kv))
     assert (got.max_seqlen_q, got.max_seqlen_kv) == (7, 7)
@@ -305,7 +311,7 @@ def test_a_repeated_packed_runner_that_cannot_pass_its_tensors_as_they_are_runs_
     backend = _RecordingPackedBackend()
     call = KernelCall(mask="none", window=None, scale=0.3, dropout_p=0.0, return_lse=False)
     run = packed_runner(backend, 16 if why == "padded" else None, call, like=(q, q, q, Packing(cu, cu, 7, 7, cu, cu)))
-    out, _ = run(q, q, q, cu)
+    out, _ = run(q, q, q, cu, 7, 7)
     if why == "padded":
         ((padded, packing),) = backend.seen
         assert padded.shape == (10, 2, 16) and torch.equal(padded[..., :8], q) and not padded[..., 8:].any()

@@ -153,7 +153,7 @@ def attention(
         )
         call = sibling.call if sibling is not None else kernel_call(problem, scale, softcap)  # not the sizes'
         chosen = backends.get(decision.chosen.backend)
-        # the sibling's choice again: its packed kernel serves these sizes where it reads each packing's
+        # the sibling's choice again: its packed runner reads each packing's boundaries and sizes
         again = sibling is not None and sibling.chosen == decision.chosen and sibling.runner is not None
         if layout != "thd":
             runner = dense_runner(
@@ -161,36 +161,41 @@ def attention(
             )
         elif not (again or chosen.packs_thd(target)):
             runner = None
-        elif unknown is not None:  # later calls are like this one: the runner takes their boundaries
-            kernel = getattr(sibling.runner, "kernel", None) if again else None  # it reads each packing's sizes
-            runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing), kernel=kernel)
+        elif again:  # the sibling's runner, without its rental's counting (a rental is counted per decision)
+            runner = getattr(sibling.runner, "unrented", sibling.runner)
+        elif unknown is not None:  # later calls are like this one: the runner takes their boundaries and sizes
+            runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing))
         else:  # this call alone, on its validated packing
             runner = _on_packing(packed_runner(chosen, decision.chosen.pad_to, call), packing)
         if decision.rental and decision.rental.calls and runner is not None:  # a compile to pay later (first_calls)
             runner = _renting(runner, decision.rental, problem)
         # a calibration holds: what compiles is tracked (a configuration is the call at any size: its sibling's ran)
         compiled = decision.predictions is not None and not again
-        # reads ATTNSELECT_SELF_CHECK (in the memo's key): before memoizing; the sibling's answer where it had none to
-        # make at this signature with work to check (a check passed since only makes the answer no)
-        answered = again and not sibling.checks and self_check.has_work(sibling.problem)
-        checking = (
-            self_check.needed(problem, decision.chosen, target)
-            if not answered or problem.signature != sibling.problem.signature
-            else False
-        )
+        # reads ATTNSELECT_SELF_CHECK (in the memo's key): before memoizing. A packed family's problem at any sizes has
+        # one signature per size class: where its choice needed no check at that class, it needs none (a check passed
+        # since only makes the answer no)
+        unchecked = unknown.family.unchecked if unknown is not None and unknown.family is not None else ()
+        answered = bool(unchecked) and (decision.chosen, problem.size_class) in unchecked
+        checking = not answered and self_check.needed(problem, decision.chosen, target)
         collective = checking and decision.overrides.policy == "measure" and is_distributed()
         known = KnownCall(
             problem, decision.chosen, target, call, decision.overrides.backend is not None, runner, checking
         )
         if unknown is not None:
-            unknown.remember(known)
+            family = unknown.remember(known)
+            if family is not None and not (answered or checking) and self_check.has_work(problem):
+                family.unchecked.add((decision.chosen, problem.size_class))
     try:
         if known.runner is None:  # thd sequence by sequence
             if packing is None:  # a known packed call, whose problem follows from its key (attnselect.dispatch)
                 packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
             result = run_call(known.chosen, known.problem, known.call, q, k, v, packing=packing, target=known.target)
         else:  # a prepared runner: (out, lse) or (out, lse, max_logit)
-            result = known.runner(q, k, v) if layout != "thd" else known.runner(q, k, v, cu_seqlens_q)
+            result = (
+                known.runner(q, k, v)
+                if layout != "thd"
+                else known.runner(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv)
+            )
         if checking:  # the first call of its signature in this process (attnselect.self_check)
             self_check.check(known.problem, known.chosen, known.target, known.call, result, q, k, v, packing,
                              lambda q, k, v: run_call(known.chosen, known.problem, known.call, q, k, v,
@@ -235,13 +240,14 @@ def _renting(run, rental: first_calls.Rental, problem: AttentionProblem):
             clear_cache()
         return run(*args)
 
+    renting.unrented = run
     return renting
 
 
 def _on_packing(run, packing: Packing):
-    """A packed runner, ``run(q, k, v, packing)``, as attention() calls a known call's: ``(q, k, v, cu_seqlens_q)``,
-    here on the one packing it was validated with."""
-    return lambda q, k, v, cu_seqlens_q: run(q, k, v, packing)
+    """A packed runner, ``run(q, k, v, packing)``, as attention() calls a known call's: ``(q, k, v, cu_seqlens_q,
+    max_seqlen_q, max_seqlen_kv)``, here on the one packing it was validated with."""
+    return lambda q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv: run(q, k, v, packing)
 
 
 def _with_statistics(out, lse, max_logit, return_lse: bool) -> tuple:

@@ -59,19 +59,22 @@ class KnownCall(NamedTuple):
     target: Target
     call: KernelCall  # kernel options, the scale included
     forced: bool  # the caller forced the backend: failures re-raise
-    runner: Callable | None  # run(q, k, v) (dense, the layout work prepared) or run(q, k, v, cu_seqlens_q) (packed)
+    # run(q, k, v) (dense, the layout work prepared) or run(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv) (packed)
+    runner: Callable | None
     checks: bool = False  # its first call self-checks (attnselect.self_check.needed when it was decided)
 
 
 class _Family:
     """The packed calls that differ only in their packing's sizes: ``last``, the one decided last (the sibling of a
-    new packing); the calls themselves are in ``_SIZED`` under ``(family, sizes)`` (identity-hashed: no hash of the
-    call's state on a new packing)."""
+    new packing), and ``unchecked``, the (candidate, size class) pairs whose calls need no self-check (attention()
+    keeps them: one problem at every size has one signature per size class); the calls themselves are in ``_SIZED``
+    under ``(family, sizes)`` (identity-hashed: no hash of the call's state on a new packing)."""
 
-    __slots__ = ("last",)
+    __slots__ = ("last", "unchecked")
 
     def __init__(self, last: KnownCall):
         self.last = last
+        self.unchecked: set[tuple] = set()
 
 
 class _Entry(NamedTuple):
@@ -104,7 +107,8 @@ class Unknown(NamedTuple):
     def sibling(self) -> KnownCall | None:
         return self.family.last if self.family is not None else None
 
-    def remember(self, known: KnownCall) -> None:
+    def remember(self, known: KnownCall) -> _Family | None:
+        """Keep ``known`` as this call's decision; returns the packed family it joined (None for a dense call)."""
         family, entry = self.family, None
         if family is None:
             guard = None
@@ -128,6 +132,7 @@ class Unknown(NamedTuple):
                 _set_recent([recent for recent in _RECENT if recent is not entry])
             if family is not None:
                 _SIZED.pop((family, self.sizes), None)
+        return family
 
 
 def _keep(memo: OrderedDict, key, value) -> None:

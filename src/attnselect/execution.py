@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from attnselect.backends.base import get as backend_named
-from attnselect.backends.shape_cache import bucketed, padded_boundaries
+from attnselect.backends.shape_cache import bucketed
 from attnselect.spec.options import Candidate, KernelCall, Packing
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target, target_for_device
@@ -114,17 +114,16 @@ def run_call(
     return _run_per_sequence(backend, candidate.pad_to, problem, call, q, k, v, packing)
 
 
-def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = None, kernel=None):
+def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = None):
     """``run(q, k, v, packing) -> (out, lse)`` of a backend's packed kernel for one call's options.
 
     ``like``: the first call's (q, k, v, packing) of calls that share its tensors' shapes, strides, dtypes and
-    gradients, its sequence count and both max_seqlen, and whose one boundary tensor serves q, k and both offsets
-    (attnselect.attention's memoized packed calls). The runner is then ``run(q, k, v, cu_seqlens)``: the bucketing
-    is worked out here, and a call pays for its boundaries once per boundary tensor (every layer of a step shares
-    them). ``kernel``: the backend's packed kernel for these options as another runner of them holds it (its
-    ``kernel`` attribute), which sizes do not change: a new packing's runner is made around it."""
-    if kernel is None:
-        kernel = backend.packed_runner(call, repeated=like is not None)
+    gradients, and whose one boundary tensor serves q, k and both offsets (attnselect.attention's memoized packed
+    calls, a family at every packing's sizes). The runner is then ``run(q, k, v, cu_seqlens, max_seqlen_q,
+    max_seqlen_kv)``, for any packing of those calls: a call pays for its boundaries (bucketing, where the backend
+    buckets) once per boundary tensor and sizes (every layer of a step shares them), and a new packing whose choice
+    is its family's runs the same runner."""
+    kernel = backend.packed_runner(call, repeated=like is not None)
     buckets = backend.shape_cache.buckets if backend.shape_cache is not None else None  # few distinct shapes
 
     def run(q, k, v, packing):
@@ -137,39 +136,33 @@ def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = Non
             return kernel(q, k, v, packing)
         return _padded(lambda q, k, v: kernel(q, k, v, packing), pad_to, q, k, v)
 
-    run.kernel = kernel
     if like is None:
         return run
     first = like[3]
     cu = first.cu_seqlens_q
     if not (first.cu_seqlens_kv is cu and first.offsets_q is cu and first.offsets_kv is cu):
         raise ValueError("like: a repeated packed call has one boundary tensor for q, k and both offsets")
-    count, max_q, max_kv = cu.numel() - 1, first.max_seqlen_q, first.max_seqlen_kv
     if not _plain_packed_call(pad_to, *like[:3]):
 
-        def run_padded(q, k, v, cu):
+        def run_padded(q, k, v, cu, max_q, max_kv):
             return run(q, k, v, Packing(cu, cu, max_q, max_kv, cu, cu))
 
-        run_padded.kernel = kernel
         return run_padded
-    target = count
-    if buckets is not None:
-        bucket = bucketed(first, buckets)
-        target, max_q, max_kv = bucket.cu_seqlens_q.numel() - 1, bucket.max_seqlen_q, bucket.max_seqlen_kv
-    # The previous call's (boundaries, their version, the packing the kernel got), one tuple: a thread reads it whole.
+    # The previous call's (boundaries, their version, both max_seqlen, the packing the kernel got), one tuple: a
+    # thread reads it whole.
     last = [None]
 
-    def run_repeated(q, k, v, cu):
+    def run_repeated(q, k, v, cu, max_q, max_kv):
         seen = last[0]
-        if seen is None or cu is not seen[0] or cu._version != seen[1]:
-            padded = padded_boundaries(cu, count, target)
-            packing = Packing(padded, padded, max_q, max_kv, padded, padded)
+        if seen is None or cu is not seen[0] or cu._version != seen[1] or max_q != seen[2] or max_kv != seen[3]:
+            packing = Packing(cu, cu, max_q, max_kv, cu, cu)
+            if buckets is not None:
+                packing = bucketed(packing, buckets)
             if cu.is_inference() or torch.is_inference_mode_enabled():  # no version to check, an inference result
                 return kernel(q, k, v, packing)
-            seen = last[0] = (cu, cu._version, packing)
-        return kernel(q, k, v, seen[2])
+            seen = last[0] = (cu, cu._version, max_q, max_kv, packing)
+        return kernel(q, k, v, seen[4])
 
-    run_repeated.kernel = kernel
     return run_repeated
 
 
