@@ -148,7 +148,7 @@ def test_cudnn_frontend_repeated_packed_runner_serves_each_call_s_own_boundaries
     run = packed_runner(get("cudnn_frontend"), None, call, like=(q, k, v, first))
     for bounds in ([0, 5, 6, 6, 15, 18], [0, 9, 10, 12, 15, 18], [0, 9, 10, 12, 15, 18]):
         boundaries = torch.tensor(bounds, dtype=torch.int32)
-        out, lse = run(q, k, v, boundaries)
+        out, lse = run(q, k, v, boundaries, 9, 9)
         packing = Packing(boundaries, boundaries, 9, 9, boundaries, boundaries)
         ref, ref_lse = run_candidate(Candidate("reference"), problem, q, k, v, packing=packing)
         assert rel_err(out, ref) < 1e-12
