@@ -58,7 +58,7 @@ STAGES = ("recall", "problem at the new sizes", "select_packed", "packed_runner"
 
 # What the replay copies from api.attention's sibling branch, as written there.
 MIRRORED = (
-    "problem = sibling.problem._with(",
+    "problem = sibling.problem._at_sizes(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_kv)",
     "select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)",
     "again = sibling is not None and sibling.chosen == decision.chosen and sibling.runner is not None",
     'runner = getattr(sibling.runner, "unrented", sibling.runner)',
@@ -88,7 +88,7 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
     if type(unknown) is KnownCall:
         return None
     sibling = unknown.sibling
-    problem = sibling.problem._with(batch=cu.numel() - 1, seqlen_q=m, seqlen_kv=m)
+    problem = sibling.problem._at_sizes(cu.numel() - 1, m, m)
     packing = Packing(cu, cu, m, m, cu, cu)
     target = target or sibling.target
     t2 = clock()

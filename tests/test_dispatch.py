@@ -345,6 +345,7 @@ def test_a_sibling_s_problem_at_other_sizes_is_the_one_validation_describes(opti
         for count, longest in ((5, 9), (0, 0), (11, 1), (1, 12)):
             *_, later = _packed(count=count, longest=longest, **options)
             expected, _ = describe_call(q, k, v, later)
-            derived = problem._with(batch=count, seqlen_q=longest, seqlen_kv=longest)
+            derived = problem._at_sizes(count, longest, longest)  # what attention() makes of a new packing
             assert derived == expected and derived.signature == expected.signature
             assert derived.describe() == expected.describe()
+            assert derived == problem._with(batch=count, seqlen_q=longest, seqlen_kv=longest)

@@ -138,9 +138,7 @@ def attention(
         sibling = unknown.sibling if unknown is not None else None
         if sibling is not None and cu_seqlens_q.numel() and max_seqlen_q >= 0 and max_seqlen_kv >= 0:
             # a packed call known but for its packing's sizes (attnselect.dispatch): its problem at these sizes
-            problem = sibling.problem._with(
-                batch=cu_seqlens_q.numel() - 1, seqlen_q=max_seqlen_q, seqlen_kv=max_seqlen_kv
-            )
+            problem = sibling.problem._at_sizes(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_kv)
             packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
             target = sibling.target  # the same device
         else:

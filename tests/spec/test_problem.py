@@ -161,3 +161,6 @@ def test_a_packed_size_only_copy_has_the_signature_of_the_same_problem_made_afre
         p.sizeless.signature  # noqa: B018 # made once, as select_packed makes it
         sizes = dict(batch=rng.choice([1, 7, 40]), seqlen_q=rng.choice([1, 77, 9000]), seqlen_kv=rng.choice([1, 900]))
         assert p._with(**sizes).signature == dataclasses.replace(p, **sizes).signature
+        at = p._at_sizes(*sizes.values())  # attention()'s copy of a new packing's problem: the same, unchecked
+        assert at == p._with(**sizes) and at.signature == dataclasses.replace(p, **sizes).signature
+        assert at.sizeless is p.sizeless

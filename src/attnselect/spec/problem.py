@@ -120,8 +120,17 @@ class AttentionProblem:
             low = 1 if name in _HEAD_DIMS else 0
             if not (is_integer(value) and value >= low):
                 require(False, name, repr(value), f"an integer >= {low}")
-        fields = self.__dict__.copy()  # the fields and the derived values cached (functools.cached_property)
-        for name in _CACHED if not changes.keys() <= _SIZES else _CACHED_BY_SIZE:  # what sizes do not change, kept
+        return self._copy(changes, _CACHED if not changes.keys() <= _SIZES else _CACHED_BY_SIZE)
+
+    def _at_sizes(self, batch: int, seqlen_q: int, seqlen_kv: int) -> AttentionProblem:
+        """:meth:`_with` of a packed problem's sizes, given as integers >= 0 (attention() has checked a new
+        packing's: the boundaries' length and both max_seqlen)."""
+        return self._copy({"batch": batch, "seqlen_q": seqlen_q, "seqlen_kv": seqlen_kv}, _CACHED_BY_SIZE)
+
+    def _copy(self, changes: dict, stale: tuple) -> AttentionProblem:
+        """This problem with ``changes``, the derived values cached (functools.cached_property) kept but ``stale``."""
+        fields = self.__dict__.copy()
+        for name in stale:
             fields.pop(name, None)
         fields.update(changes)
         copy = object.__new__(AttentionProblem)
