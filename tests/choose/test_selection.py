@@ -626,3 +626,27 @@ def test_a_predicted_packed_decision_carried_to_new_sizes_refuses_what_failed_th
     carried = select_packed(large, target=target)
     assert carried.chosen == attnselect.select(large, target=target).chosen != frontend
     assert carried.problem == large and "failed at run time" in str(carried.verdicts)
+
+
+@pytest.mark.parametrize("paid", [False, True])
+def test_carried_packed_decisions_settle_ties_as_select_does(tmp_path, monkeypatch, paid):
+    """Under a calibration whose packed curves cross (FA4 issues slowly and runs fast, varlen_fa2 the other way), many
+    packings' predicted times tie within rules.TIE_BAND: a new packing's carried decision chooses, rents and ranks as
+    a fresh selection does, whatever packings came before in its size class."""
+    import random
+
+    from attnselect.choose import first_calls, rules, selection
+
+    target = _calibrated_h200(tmp_path, monkeypatch)
+    rng, ties = random.Random(1), 0
+    for _ in range(400):
+        problem = _thd_training(rng.choice([1, 2, 3, 5, 8, 13]), rng.choice([256, 700, 1000, 1500, 2048, 3000, 4096]))
+        if paid:
+            first_calls.ran(Candidate("flash_attn4"), problem)
+        carried = selection.select_packed(problem, target=target)
+        fresh = attnselect.select(problem, target=target)
+        assert (carried.chosen, carried.rental) == (fresh.chosen, fresh.rental), problem.describe()
+        assert carried.ranked == fresh.ranked[: len(carried.ranked)], problem.describe()
+        ties += rules.tied(fresh.ranked[0], fresh.ranked, fresh.predictions)
+    assert ties >= 5  # the band was met
+    first_calls.forget()

@@ -40,13 +40,21 @@ class Decision:
             f"it ranks first of {len(self.ranked)} supported candidates in the {self.policy} table for {' '.join(key)}"
         )
         if self.predictions and self.predictions.get(self.chosen) is not None:
-            because = (
-                f"its predicted time, {self.predictions[self.chosen]}, is the lowest of {len(self.ranked)} supported "
-                f"candidates (calibration {self.calibration})"
+            mine = self.predictions[self.chosen]
+            timed = {c: p for c, p in self.predictions.items() if p is not None}
+            lowest = min(timed, key=lambda c: timed[c].total_us)
+            among = (
+                f"{len(self.ranked)} supported candidates (calibration {self.calibration})"
                 if self.carried_from is None
-                else f"its predicted time, {self.predictions[self.chosen]}, is the lowest of the candidates that serve "
-                f"the call (calibration {self.calibration}; carried from the decision for "
-                f"{self.carried_from.describe()}, judging candidates in predicted order until the choice settled)"
+                else f"the candidates that serve the call (calibration {self.calibration}; carried from the decision "
+                f"for {self.carried_from.describe()}, judging candidates in predicted order until the choice settled)"
+            )
+            because = (
+                f"its predicted time, {mine}, is the lowest of {among}"
+                if timed[lowest].total_us >= mine.total_us
+                else f"its predicted time, {mine}, is within {rules.TIE_BAND:.0%} of the lowest of {among}, "
+                f"{lowest}'s {timed[lowest].total_us:.1f} us, and alone, host and GPU in turn, it takes the least of "
+                f"those: {mine.alone_us:.1f} us"
             )
         if self.timings:
             timed = {c: t for c, t in self.timings.items() if t is not None}

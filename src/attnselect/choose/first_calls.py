@@ -95,6 +95,8 @@ def drawn_rental(
         drawn.append(other)
         if price(other) is None and predicted.get(other) is not None:
             lost = predicted[other].total_us - predicted[best].total_us
+            if lost <= 0:  # a tie settled by the time alone (attnselect.choose.rules.settled): what renting loses
+                lost = predicted[other].alone_us - predicted[best].alone_us
             if lost <= 0:
                 return tuple(drawn), None
             graph = problem.cuda_graph_capture or problem.compiled_graph

@@ -35,7 +35,13 @@ class Prediction:
 
     @property
     def total_us(self) -> float:
+        """A call's time in a stack of layers, where the host's work overlaps the GPU's: what candidates rank by."""
         return max(self.host_us, self.gpu_us)
+
+    @property
+    def alone_us(self) -> float:
+        """A call's time alone, waiting for host and GPU: what settles a tie (attnselect.choose.rules.settled)."""
+        return self.host_us + self.gpu_us
 
     def __str__(self) -> str:
         return f"{self.total_us:.1f} us (host {self.host_us:.1f}, GPU {self.gpu_us:.1f})"

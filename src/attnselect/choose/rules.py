@@ -19,7 +19,7 @@ or sequence by sequence) that does not, since a training loop packs anew every s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from attnselect.backends.base import all_backends
 from attnselect.backends.base import get as backend_named
@@ -427,7 +427,7 @@ def rank(
     """Supported candidates, best first: by ``predicted`` time (:func:`predictions`) where given, else by the
     table."""
     supported = [v.candidate for v in verdicts if v.supported]
-    ordered = sorted(supported, key=order(problem, target, predicted, supported))
+    ordered = list(settled(sorted(supported, key=order(problem, target, predicted, supported)), predicted))
     # Predicted, a packed candidate's GPU curve was timed with a new packing every call (attnselect.bench.calibrate):
     # what it rebuilds per packing on the GPU is in its prediction.
     return tuple(_stable_across_packings(ordered, target) if problem.layout == "thd" and predicted is None else ordered)
@@ -448,6 +448,50 @@ def order(
         return (time is None, time.total_us if time is not None else 0.0, *in_table)
 
     return key
+
+
+# Predicted times within this fraction of the least are a tie, settled by the call's time alone (host + GPU): a stack
+# of layers overlaps the host's work with the GPU's (the time candidates rank by), a call alone waits for both. On the
+# size ladder's dense rungs, three runs, this raised the geometric mean of the picks' speed in both ways against
+# ranking by either time alone (benchmarks/ladder_rules.py: results/cpu_ladder_rules_*.md).
+TIE_BAND = 0.15
+
+
+def settled(ordered: Iterable[Candidate], predicted: dict | None) -> Iterator[Candidate]:
+    """``ordered`` (supported candidates sorted by :func:`order`) with its lead settled: the candidates predicted
+    within :data:`TIE_BAND` of the first's time go by their time alone (the table's order among equals), then the
+    rest as they come. Lazy: it draws one candidate past the lead."""
+    ordered = iter(ordered)
+    first = next(ordered, None)
+    if first is None:
+        return
+    best = predicted.get(first) if predicted else None
+    if best is None:
+        yield first
+        yield from ordered
+        return
+    lead, beyond = [first], None
+    for c in ordered:
+        time = predicted.get(c)
+        if time is None or time.total_us > best.total_us * (1 + TIE_BAND):
+            beyond = c
+            break
+        lead.append(c)
+    yield from sorted(lead, key=lambda c: predicted[c].alone_us)
+    if beyond is not None:
+        yield beyond
+        yield from ordered
+
+
+def tied(chosen: Candidate, served: Iterable[Candidate], predicted: dict | None) -> bool:
+    """Whether another of ``served`` was predicted within :data:`TIE_BAND` of ``chosen``'s lead (the choice read the
+    predicted times, not only their order)."""
+    if not predicted or predicted.get(chosen) is None:
+        return False
+    served = tuple(served)
+    least = min(predicted[c].total_us for c in served if predicted.get(c) is not None)
+    return any(c != chosen and predicted.get(c) is not None and predicted[c].total_us <= least * (1 + TIE_BAND)
+               for c in served)  # fmt: skip
 
 
 def table_places(problem: AttentionProblem, target: Target, candidates) -> dict[Candidate, tuple[int, int]]:

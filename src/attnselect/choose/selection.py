@@ -98,7 +98,7 @@ class _Family:
         self.places: dict[tuple, dict] = {}  # per rules table: the allowed candidates' rules.table_places
         self.failed: dict[int, dict] = {}  # per size class: _failed (a signature reads no other size)
         # per (size class, rules table): the decision last drawn there at any work class, as ranking.decided holds
-        # it, with the calibration it was drawn under (_drawn_alike)
+        # it, with the calibration it was drawn under and whether it settled a tie (_drawn_alike)
         self.drawn: dict[tuple, tuple] = {}
 
     def calibrated_by(self, problem: AttentionProblem, target: Target, found: dict) -> _Calibrated:
@@ -236,7 +236,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         predicted = None
     if not predicted or not any(predicted.values()):
         return earlier if earlier.predictions is None and _still_stands(earlier, problem, target, serves) else None
-    ordered = (c for c in ranking.ordered if serves(c))
+    ordered = rules.settled((c for c in ranking.ordered if serves(c)), predicted)  # as rules.rank orders them
     paid = first_calls.paid_state()  # what drawn_rental reads of this process
     if earlier.overrides.backend is not None:  # a forced backend is never rented out (_decide)
         ranked, rental = tuple(itertools.islice(ordered, 1)), None
@@ -255,29 +255,33 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         decision = Decision(
             problem, target, earlier.policy, earlier.overrides, rental.chosen if rental else ranked[0], ranked,
             tuple(Verdict(c, reasons) for c, reasons in judged.items()),
-            None, {c: predicted[c] for c in ranked}, source, rental, earlier.carried_from or earlier.problem,
+            None, {c: predicted[c] for c in (*ranked, *(c for c, reasons in judged.items() if not reasons))}, source,
+            rental, earlier.carried_from or earlier.problem,
         )  # fmt: skip
         # the verdicts a packing's sizes can change
         sized = tuple(v for v in decision.verdicts if not _judged_alike_at_every_size(v, problem, target, failed))
         if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last
             debug.log_decision(decision)
     ranking.decided = decision, sized, paid
-    family.drawn[ranking.group] = decision, sized, paid, ranking.found
+    # a choice that settled a tie read the predicted times (rules.settled): not carried to another work class
+    tie = rules.tied(decision.ranked[0], (c for c, reasons in judged.items() if not reasons), predicted)
+    family.drawn[ranking.group] = decision, sized, paid, ranking.found, tie
     return decision
 
 
 def _drawn_alike(drawn: tuple | None, ranking: _Ranking) -> tuple[Decision, tuple[Verdict, ...], int] | None:
     """The decision ``drawn`` at another work class of ``ranking``'s size class and rules table (with its sized
     verdicts and paid state, as ``ranking.decided`` holds it), where ``ranking`` draws it alike at the same verdicts
-    and prices: drawn under the same calibration, it ranked its choice alone and rents nothing, so the draw read the
-    order only, not the predicted times (attnselect.choose.first_calls.drawn_rental: no compile priced, or no other
-    candidate served); and the candidates it judged are those ``ranking`` judges first, in that order (those the
-    calibration cannot rank, then its order up to the choice and any refused after it). None otherwise. Returned, it
-    describes its own sizes and predictions, as a decision carried within a work class does."""
+    and prices: drawn under the same calibration, it ranked its choice alone, rents nothing and settled no tie, so the
+    draw read the order only, not the predicted times (attnselect.choose.first_calls.drawn_rental: no compile priced,
+    or no other candidate served; attnselect.choose.rules.settled); and the candidates it judged are those
+    ``ranking`` judges first, in that order (those the calibration cannot rank, then its order up to the choice and
+    any refused after it). None otherwise. Returned, it describes its own sizes and predictions, as a decision
+    carried within a work class does."""
     if drawn is None:
         return None
-    decision, sized, paid, found = drawn
-    if found is not ranking.found or decision.rental is not None or len(decision.ranked) != 1:
+    decision, sized, paid, found, tie = drawn
+    if found is not ranking.found or decision.rental is not None or len(decision.ranked) != 1 or tie:
         return None
     judged = tuple(v.candidate for v in decision.verdicts)
     unranked = len(ranking.unranked)
