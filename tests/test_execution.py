@@ -327,3 +327,24 @@ def test_a_repeated_packed_runner_needs_one_boundary_tensor():
     q, cu = torch.randn(10, 2, 8), torch.tensor([0, 3, 10], dtype=torch.int32)
     with pytest.raises(ValueError, match="one boundary tensor"):
         packed_runner(_RecordingPackedBackend(), None, None, like=(q, q, q, Packing(cu, cu.clone(), 7, 7, cu, cu)))
+
+
+def test_a_repeated_packed_runner_keeps_a_few_packings_worked_out():
+    """Packings that alternate (a pipeline's micro-batches, recomputation) are bucketed once each, up to
+    execution.RECENT_PACKINGS of them; one more pushes the oldest out."""
+    from attnselect.execution import RECENT_PACKINGS, packed_runner
+    from attnselect.spec.options import Packing
+
+    q = torch.randn(10, 2, 8)
+    first = torch.tensor([0, 3, 10], dtype=torch.int32)
+    backend = _RecordingPackedBackend()
+    run = packed_runner(backend, None, None, like=(q, q, q, Packing(first, first, 7, 7, first, first)))
+    packings = [torch.tensor([0, 1 + i, 10], dtype=torch.int32) for i in range(RECENT_PACKINGS + 1)]
+    for _ in range(3):
+        for cu in packings[:RECENT_PACKINGS]:
+            run(q, q, q, cu, 7, 7)
+    given = [packing for _, packing in backend.seen]
+    assert len({id(p) for p in given}) == RECENT_PACKINGS  # each bucketed once, then found
+    run(q, q, q, packings[-1], 7, 7)
+    run(q, q, q, packings[0], 7, 7)  # pushed out by the newest: bucketed again
+    assert backend.seen[-1][1] is not given[0] and torch.equal(backend.seen[-1][1].cu_seqlens_q, given[0].cu_seqlens_q)

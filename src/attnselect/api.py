@@ -176,9 +176,7 @@ def attention(
         answered = bool(unchecked) and (decision.chosen, problem.size_class) in unchecked
         checking = not answered and self_check.needed(problem, decision.chosen, target)
         collective = checking and decision.overrides.policy == "measure" and is_distributed()
-        known = KnownCall(
-            problem, decision.chosen, target, call, decision.overrides.backend is not None, runner, checking
-        )
+        known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
         if unknown is not None:
             family = unknown.remember(known)
             if family is not None and not (answered or checking) and self_check.has_work(problem):

@@ -61,7 +61,6 @@ class KnownCall(NamedTuple):
     forced: bool  # the caller forced the backend: failures re-raise
     # run(q, k, v) (dense, the layout work prepared) or run(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv) (packed)
     runner: Callable | None
-    checks: bool = False  # its first call self-checks (attnselect.self_check.needed when it was decided)
 
 
 class _Family:

@@ -148,22 +148,27 @@ def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = Non
             return run(q, k, v, Packing(cu, cu, max_q, max_kv, cu, cu))
 
         return run_padded
-    # The previous call's (boundaries, their version, both max_seqlen, the packing the kernel got), one tuple: a
-    # thread reads it whole.
-    last = [None]
+    # The last calls' (boundaries, their version, both max_seqlen, the packing the kernel got), newest first, in one
+    # tuple a thread reads whole: a few, for packings that alternate (a pipeline's micro-batches, recomputation).
+    recent = [()]
 
     def run_repeated(q, k, v, cu, max_q, max_kv):
-        seen = last[0]
-        if seen is None or cu is not seen[0] or cu._version != seen[1] or max_q != seen[2] or max_kv != seen[3]:
-            packing = Packing(cu, cu, max_q, max_kv, cu, cu)
-            if buckets is not None:
-                packing = bucketed(packing, buckets)
-            if cu.is_inference() or torch.is_inference_mode_enabled():  # no version to check, an inference result
-                return kernel(q, k, v, packing)
-            seen = last[0] = (cu, cu._version, max_q, max_kv, packing)
-        return kernel(q, k, v, seen[4])
+        for seen in recent[0]:
+            if cu is seen[0] and cu._version == seen[1] and max_q == seen[2] and max_kv == seen[3]:
+                return kernel(q, k, v, seen[4])
+        packing = Packing(cu, cu, max_q, max_kv, cu, cu)
+        if buckets is not None:
+            packing = bucketed(packing, buckets)
+        if not (
+            cu.is_inference() or torch.is_inference_mode_enabled()
+        ):  # else no version to check, an inference result
+            recent[0] = ((cu, cu._version, max_q, max_kv, packing), *recent[0][: RECENT_PACKINGS - 1])
+        return kernel(q, k, v, packing)
 
     return run_repeated
+
+
+RECENT_PACKINGS = 4  # boundaries a packed runner keeps worked out (bucketed): a step's layers share one
 
 
 def _plain_packed_call(pad_to, q, k, v) -> bool:

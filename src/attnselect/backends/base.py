@@ -231,8 +231,8 @@ class Backend:
 
     def packed_runner(self, call: KernelCall, *, repeated: bool = False):
         """``run(q, k, v, packing)``: :meth:`run_packed` with ``call`` bound (see :meth:`runner`). It reads each
-        call's packing whole, sizes included: a new packing's runner is made around its sibling's kernel
-        (attnselect.attention)."""
+        call's packing whole, sizes included: one runner serves a packed call at every packing's sizes
+        (attnselect.execution.packed_runner)."""
         return lambda q, k, v, packing: self.run_packed(q, k, v, call, packing)
 
     def __repr__(self) -> str:
