@@ -37,21 +37,15 @@ BANDS = (0.05, 0.10, 0.15, 0.20, 0.30)
 def predictions(rung: dict, target) -> dict:
     """{candidate as the ladder names it ("flash_attn4 native"): Prediction} at the rung's problem."""
     import attnselect
-    from attnselect.choose import calibration, rules
+    from attnselect.choose import rules
     from attnselect.choose.candidates import judge
 
-    found, _ = calibration.for_target(target)
     problem = attnselect.AttentionProblem(
         rung["batch"], rung["seqlen"], rung["seqlen"], 16, 16, rung["d_qk"], rung["d_v"], mask="causal",
         dtype=torch.bfloat16, training=rung["phase"] == "training",
     )  # fmt: skip
-    out = {}
-    for verdict in judge(problem, target):
-        if verdict.supported:
-            predicted, _ = rules.prediction(verdict.candidate, problem, target, found)
-            if predicted is not None:
-                out[str(verdict.candidate)] = predicted
-    return out
+    predicted, _, _ = rules.predictions(judge(problem, target), problem, target)
+    return {str(c): p for c, p in (predicted or {}).items() if p is not None}
 
 
 def pick(rule: str, band: float, predicted: dict) -> str:

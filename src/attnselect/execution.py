@@ -159,9 +159,8 @@ def packed_runner(backend, pad_to, call: KernelCall, *, like: tuple | None = Non
         packing = Packing(cu, cu, max_q, max_kv, cu, cu)
         if buckets is not None:
             packing = bucketed(packing, buckets)
-        if not (
-            cu.is_inference() or torch.is_inference_mode_enabled()
-        ):  # else no version to check, an inference result
+        # an inference tensor has no version to check, and an inference-mode result no autograd: not kept
+        if not (cu.is_inference() or torch.is_inference_mode_enabled()):
             recent[0] = ((cu, cu._version, max_q, max_kv, packing), *recent[0][: RECENT_PACKINGS - 1])
         return kernel(q, k, v, packing)
 
