@@ -57,6 +57,8 @@
 #                                      # (HOT_PATH_PART=name -> $OUT/h200_hot_path_name.*)
 #   bash scripts/device_run.sh new-packing-parts # benchmarks/new_packing_parts.py: a new packing's first call, stage
 #                                      # by stage (PARTS_NAME=name -> $OUT/h200_new_packing_parts_name.*)
+#   bash scripts/device_run.sh small-calls # benchmarks/small_calls_probe.py: small dense calls, each SDPA kernel through
+#                                      # attnselect and torch alone: host, latency, stack -> $OUT/h200_small_calls_probe.*
 #   bash scripts/device_run.sh hot-path-parts # benchmarks/hot_path_parts.py: that dense call's host time, part by
 #                                      # part                                       -> $OUT/h200_hot_path_parts.*
 #   bash scripts/device_run.sh overhead # benchmarks/packed_overhead.py (with FA4 where installed) -> $OUT/h200_packed_overhead.*
@@ -305,6 +307,8 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   new-packing-parts)   # benchmarks/new_packing_parts.py: a new packing's first call, stage by stage (NO_FA4=1: without)
     timeout 300 python3 ${BENCH_DIR:-benchmarks}/new_packing_parts.py --out "$OUT/h200_new_packing_parts${PARTS_NAME:+_$PARTS_NAME}" \
       2>&1 | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;
+  small-calls)   # benchmarks/small_calls_probe.py: small dense calls kernel by kernel (host, latency, stack)
+    timeout 300 python3 benchmarks/small_calls_probe.py --out "$OUT/h200_small_calls_probe" 2>&1 | grep -v -i warn | tail -60 ;;
   hot-path-parts)
     timeout 200 python3 benchmarks/hot_path_parts.py --out "$OUT/h200_hot_path_parts" 2>&1 | grep -v -i warn \
       | grep -E '^(\||## |Timing)' | cut -c1-160 ;;
@@ -317,7 +321,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests suite sweep ladder pytest flex-probe flex-hooks calibrate correctness checks self-check-cost grid grid-odd hot-path hot-path-parts overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-packed-gap fa4-grid fa4-bench)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests suite sweep ladder pytest flex-probe flex-hooks calibrate correctness checks self-check-cost grid grid-odd hot-path hot-path-parts small-calls overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-packed-gap fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

@@ -180,7 +180,12 @@ def dense_runner(backend, pad_to, layout, call, *, like: tuple | None = None):
 
     ``like``: the first call's (q, k, v), whose shapes, strides, storage offsets, dtypes and gradients every call
     shares (attnselect.attention's memoized calls): the backend prepares its kernel for them here (``runner``'s
-    ``like``, where they reach the kernel unpadded), and where they need no work the runner is that kernel."""
+    ``like``, where they reach the kernel unpadded), and where they need no work the runner is that kernel (between
+    the layout's permutations, or on bshd views through ``backend.bshd_runner``, checked for nothing again)."""
+    if like is not None and pad_to is None and backend.layout != "bshd":
+        direct = _bshd_runner(backend, layout, call, like)
+        if direct is not None:
+            return direct
     to_kernel = _as_function(_PERMUTE[(layout, backend.layout)])
     from_kernel = _as_function(_INVERSE.get((backend.layout, layout)))
     seq_axis = 2 if backend.layout == "bhsd" else 1
@@ -190,8 +195,8 @@ def dense_runner(backend, pad_to, layout, call, *, like: tuple | None = None):
         if q.shape[seq_axis] and k.shape[seq_axis] and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
             kernel_like = q, k, v  # what run() passes the kernel
     kernel = backend.runner(call, repeated=like is not None, like=kernel_like)
-    if kernel_like is not None and to_kernel is None:
-        return kernel
+    if kernel_like is not None:  # every call is like the first: nothing to check again
+        return kernel if to_kernel is None else _permuted(kernel, to_kernel, from_kernel)
 
     def run(q, k, v):
         if to_kernel is not None:
@@ -205,6 +210,32 @@ def dense_runner(backend, pad_to, layout, call, *, like: tuple | None = None):
         return (from_kernel(out) if from_kernel is not None else out), *stats
 
     return run
+
+
+def _permuted(kernel, to_kernel, from_kernel):
+    """``kernel`` on the calls' tensors permuted to its layout, its output permuted back."""
+    if from_kernel is None:
+        return lambda q, k, v: kernel(to_kernel(q), to_kernel(k), to_kernel(v))
+
+    def run(q, k, v):
+        out, *stats = kernel(to_kernel(q), to_kernel(k), to_kernel(v))
+        return from_kernel(out), *stats
+
+    return run
+
+
+def _bshd_runner(backend, layout, call, like):
+    """``run(q, k, v)`` through the backend's kernel on (batch, seq, heads, dim) views (``backend.bshd_runner``),
+    the call's layout permuted to it: a bshd call reaches the kernel with no permutation at all. None where the
+    backend has no such runner or the calls are empty."""
+    to_bshd = _as_function(_PERMUTE[(layout, "bshd")])
+    q, k, v = like if to_bshd is None else map(to_bshd, like)  # views: no work
+    if not (q.shape[1] and k.shape[1] and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
+        return None
+    kernel = backend.bshd_runner(call, (q, k, v))
+    if kernel is None or to_bshd is None:
+        return kernel
+    return _permuted(kernel, to_bshd, _as_function(_INVERSE[("bshd", layout)]))
 
 
 def _as_function(perm):

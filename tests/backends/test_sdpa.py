@@ -114,3 +114,77 @@ def test_gpu_repeated_sdpa_calls_run_the_kernels_aten_op_as_sdpa_would(name, tra
             grad = torch.randn_like(out)
             grads, expected_grads = (torch.autograd.grad(o, (q, k, v), grad) for o in (out, expected))
             assert all(rel_err(a, b) < 1e-2 for a, b in zip(grads, expected_grads))
+
+
+def test_a_bshd_call_reaches_the_kernels_own_op_with_no_transpose_where_it_suits(monkeypatch):
+    """Where a kernel has an op on (batch, seq, heads, dim) tensors (mem-efficient and flash, CUDA only), a
+    repeated bshd call through attention() gets it with its tensors as they are, and an sbhd call with one swap of
+    axes; here sdpa_flash stands in on the CPU with an op that records what it gets."""
+    import torch.nn.functional as F
+
+    flash, calls = backends.get("sdpa_flash"), []
+
+    def op(q, k, v, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, debug_mask, *, scale=None):
+        calls.append((q.stride(), (cum_q, cum_k, max_q, max_k, dropout_p, is_causal, debug_mask), scale))
+        views = (t.transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(*views, is_causal=is_causal, scale=scale).transpose(1, 2), "lse"
+
+    monkeypatch.setattr(type(flash), "bshd_op", staticmethod(op))
+    monkeypatch.setattr(type(flash), "bshd_op_devices", frozenset({"cpu"}))
+    for layout, causal, scale in [("bshd", False, None), ("bshd", True, 0.5), ("sbhd", True, None)]:
+        attnselect.clear_cache()
+        q, k, v = dense_inputs(layout, b=2, sq=8, skv=8, hq=2, hkv=2, dqk=16, dv=16, dtype=torch.float32)
+        for _ in range(2):
+            out = attnselect.attention(q, k, v, layout=layout, causal=causal, scale=scale, backend="sdpa_flash")
+        expected = attnselect.attention(q, k, v, layout=layout, causal=causal, scale=scale, backend="reference")
+        assert rel_err(out, expected) < 1e-5
+        assert calls[-1][1:] == ((None, None, 8, 8, 0.0, causal, False), scale)
+        bshd = q if layout == "bshd" else q.transpose(0, 1)
+        assert calls[-1][0] == bshd.stride() and len(calls) == 2  # both calls: the first prepares the runner
+        out.sum().backward()  # the op's own backward (here the stand-in's)
+        calls.clear()
+    # what the op does not suit goes the way it went: a mask tensor, head dims SDPA pads, another device
+    cases = [(dict(window=(3, 0)), 16, frozenset({"cpu"})), (dict(), 12, frozenset({"cpu"})), (dict(), 16, None)]
+    for kwargs, dim, devices in cases:
+        attnselect.clear_cache()
+        if devices is None:
+            monkeypatch.setattr(type(flash), "bshd_op_devices", frozenset({"cuda"}))
+        q, k, v = dense_inputs("bshd", b=1, sq=8, skv=8, hq=2, hkv=2, dqk=dim, dv=dim, dtype=torch.float32)
+        for _ in range(2):
+            out = attnselect.attention(q, k, v, backend="sdpa_flash", **kwargs)
+        assert rel_err(out, attnselect.attention(q, k, v, backend="reference", **kwargs)) < 1e-5
+    assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("name", ["sdpa_efficient", "sdpa_flash"])
+def test_gpu_repeated_bshd_calls_run_the_kernels_own_op_as_sdpa_would(name, training):
+    """attention() on bshd tensors, its kernel's own op called with no transpose: what SDPA gives with the kernel
+    forced, gradients included, and the output's autograd node is the kernel's op's (no transpose's)."""
+    import torch.nn.functional as F
+
+    from attnselect.backends._sdpa import only_kernel
+
+    backend = backends.get(name)
+    node = {"sdpa_efficient": "EfficientAttentionBackward0", "sdpa_flash": "FlashAttentionBackward0"}[name]
+    dims = (192, 128) if name == "sdpa_efficient" else (128, 128)
+    for causal, scale, heads_kv in [(False, None, 8), (True, 0.1, 8), (True, None, 2)]:
+        if heads_kv != 8 and not backend.native_gqa:
+            continue
+        attnselect.clear_cache()
+        q, k, v = dense_inputs("bshd", b=2, sq=256, skv=256, hq=8, hkv=heads_kv, dqk=dims[0], dv=dims[1],
+                               dtype=torch.bfloat16, device="cuda", requires_grad=training)  # fmt: skip
+        with only_kernel(backend.kernel):
+            views = [t.transpose(1, 2) for t in (q, k, v)]
+            expected = F.scaled_dot_product_attention(
+                *views, is_causal=causal, scale=scale, enable_gqa=heads_kv != 8
+            ).transpose(1, 2)
+        for _ in range(2):  # the second call is the memoized one
+            out = attnselect.attention(q, k, v, causal=causal, scale=scale, backend=name)
+        assert torch.equal(out, expected)
+        if training:
+            assert type(out.grad_fn).__name__ == node
+            grad = torch.randn_like(out)
+            grads, expected_grads = (torch.autograd.grad(o, (q, k, v), grad) for o in (out, expected))
+            assert all(rel_err(a, b) < 1e-2 for a, b in zip(grads, expected_grads))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import attnselect
 from attnselect import cli
@@ -72,3 +73,22 @@ def test_the_command_writes_a_calibration_that_holds_here(tmp_path, monkeypatch)
     out = tmp_path / "quick.json"
     assert cli.main(["calibrate", "--quick", "--out", str(out)]) == 0
     assert calibration.parse(out.read_text(), str(out)) is not None
+
+
+def test_host_times_are_taken_side_by_side_the_least_round_of_each_and_a_failing_step_is_left_out(monkeypatch):
+    monkeypatch.setattr(calibrate, "HOST_ROUNDS", 3)
+    monkeypatch.setattr(calibrate, "HOST_CALLS", 2)
+    order = []
+
+    def step(name, fail_after=None):
+        def run():
+            order.append(name)
+            if fail_after is not None and order.count(name) > fail_after:
+                raise RuntimeError("broken")
+
+        return run
+
+    issued = calibrate._host_us({"a": step("a"), "b": step("b"), "c": step("c", fail_after=4)}, torch.device("cpu"))
+    assert set(issued) == {"a", "b"} and all(0 < us < 1e6 for us in issued.values())
+    timed = [name for name in order[9:] if name != "c"]  # after 3 warm-up calls each
+    assert timed == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]  # rounds in alternating order

@@ -2,7 +2,9 @@
 
 Repeated calls (attnselect.attention's memoized ones) avoid what forcing costs: the cuDNN and mem-efficient
 kernels' aten ops called directly, as SDPA's dispatch calls them (outside autocast and TorchFunctionModes), or the
-dispatch itself where it reaches the kernel (:meth:`SdpaBackend.runner`).
+dispatch itself where it reaches the kernel (:meth:`SdpaBackend.runner`); on (batch, seq, heads, dim) tensors, the
+mem-efficient and flash kernels' own ops, without the transposes SDPA's ops make around them
+(:meth:`SdpaBackend.bshd_runner`).
 
 Masks other than none / top-left causal (and bottom-right causal on square problems, where
 the two coincide) are passed as a boolean ``attn_mask`` built by :mod:`attnselect.spec.masks`.
@@ -38,6 +40,10 @@ class SdpaBackend(Backend):
     # The op SDPA's dispatch calls once it has chosen this kernel, where it takes (q, k, v, attn_bias,
     # compute_log_sumexp, dropout_p, is_causal, ..., *, scale) (aten native_functions.yaml); None: no such op.
     aten_op: ClassVar[Callable | None] = None
+    # The kernel's own op, on (batch, seq, heads, dim) tensors, that SDPA's op calls between transposes: see
+    # :meth:`bshd_runner`; None: no such op.
+    bshd_op: ClassVar[Callable | None] = None
+    bshd_op_devices: ClassVar[frozenset] = frozenset({"cuda"})  # the ops are the CUDA kernels' (attention.cu)
     layout = "bhsd"
 
     def run(self, q, k, v, call: KernelCall):
@@ -77,22 +83,48 @@ class SdpaBackend(Backend):
 
         return run
 
-    def _direct(self, call: KernelCall, like, arguments):
-        """``run(q, k, v)`` calling ``aten_op`` with the arguments SDPA would pass it (attention.cpp,
-        scaled_dot_product_attention), or None where it does not apply."""
-        q, k, v = like
-        attn_mask, is_causal, gqa, _ = arguments
-        if (
-            self.aten_op is None
-            or attn_mask is not None
-            or gqa
-            # what acts on SDPA's call and not on the op's: autocast (SDPA is on its lower-precision list), a
-            # TorchFunctionMode or a subclass's __torch_function__ (which may intercept SDPA)
+    def bshd_runner(self, call: KernelCall, like: tuple):
+        """``run(q, k, v)`` on (batch, seq, heads, dim) tensors through the kernel's own op (:attr:`bshd_op`),
+        which SDPA's op reaches by transposing its inputs to that layout and its output back (attention.cu,
+        _scaled_dot_product_efficient_attention_cuda and _scaled_dot_product_flash_attention_cuda): a bshd call
+        then costs no transpose, forward or backward. None where there is no such op or it does not apply
+        (:meth:`_suits_op`)."""
+        if self.bshd_op is None or like[0].device.type not in self.bshd_op_devices:
+            return None
+        views = tuple(t.transpose(1, 2) for t in like)
+        arguments = self._arguments(*views[:2], call)
+        if not self._suits_op(views, call, arguments, grouped=self.native_gqa):
+            return None
+        lse = torch.is_grad_enabled() and any(t.requires_grad for t in like)  # attention.cpp should_compute_logsumexp
+        return self._bshd_call(call, like, arguments[1], lse)
+
+    def _bshd_call(self, call: KernelCall, like: tuple, is_causal: bool, lse: bool):
+        """``run(q, k, v) -> (out, None)`` calling :attr:`bshd_op` on tensors like ``like`` as SDPA's op calls it,
+        or None where it cannot."""
+        raise NotImplementedError
+
+    def _suits_op(self, like, call: KernelCall, arguments, *, grouped: bool = False) -> bool:
+        """Whether an op SDPA's dispatch calls may be called in its place for calls like ``like`` (bhsd): no mask
+        tensor, no grouped heads unless the op takes them, nothing that acts on SDPA's call and not on the op's,
+        and torch's dispatch taking the kernel for them."""
+        attn_mask, _, gqa, _ = arguments
+        return not (
+            attn_mask is not None
+            or (gqa and not grouped)
+            # autocast (SDPA is on its lower-precision list), a TorchFunctionMode or a subclass's
+            # __torch_function__ (which may intercept SDPA)
             or torch._C._is_any_autocast_enabled()
             or torch._C._is_torch_function_mode_enabled()
             or any(type(t) is not torch.Tensor for t in like)
-            or not self._serves(q, k, v, call, arguments)
-        ):
+            or not self._serves(*like, call, arguments)
+        )
+
+    def _direct(self, call: KernelCall, like, arguments):
+        """``run(q, k, v)`` calling ``aten_op`` with the arguments SDPA would pass it (attention.cpp,
+        scaled_dot_product_attention), or None where it does not apply."""
+        q = like[0]
+        is_causal = arguments[1]
+        if self.aten_op is None or not self._suits_op(like, call, arguments):
             return None
         op = self.aten_op
         lse = torch.is_grad_enabled() and any(t.requires_grad for t in like)  # attention.cpp should_compute_logsumexp
@@ -101,7 +133,7 @@ class SdpaBackend(Backend):
             else (None, lse, call.dropout_p) if call.dropout_p
             else (None, lse)
         )  # fmt: skip
-        keywords = _scale_keyword(q, call)
+        keywords = scale_keyword(q, call)
         if keywords:
             return lambda q, k, v: (op(q, k, v, *positional, **keywords)[0], None)
         if len(positional) == 2:  # the common case, without unpacking (each * and ** costs host time)
@@ -131,7 +163,7 @@ class SdpaBackend(Backend):
             else ()
         )  # fmt: skip
         keywords = {"enable_gqa": True} if gqa else {}
-        keywords.update(_scale_keyword(q, call))
+        keywords.update(scale_keyword(q, call))
         sdpa = F.scaled_dot_product_attention
         if keywords:
             return lambda q, k, v: sdpa(q, k, v, *positional, **keywords)
@@ -187,7 +219,7 @@ def _dispatch_choice(q, k, v, call: KernelCall, arguments) -> int:
     )
 
 
-def _scale_keyword(q, call: KernelCall) -> dict:
+def scale_keyword(q, call: KernelCall) -> dict:
     """``{"scale": call.scale}``, or nothing where it is SDPA's default (sdp_utils calculate_scale: 1/sqrt(d_qk))."""
     return {} if call.scale == 1.0 / math.sqrt(q.shape[-1]) else {"scale": call.scale}
 
@@ -195,6 +227,11 @@ def _scale_keyword(q, call: KernelCall) -> dict:
 _call = getattr(operator, "call", lambda f: f())  # operator.call: Python 3.11+
 # The order default dispatch tries the kernels in; a torch without it cannot change the order.
 _order = getattr(torch._C, "_get_sdp_priority_order", lambda: None)
+
+
+def aten_overload(name: str):
+    """``torch.ops.aten.<name>.default``, or None where this torch has no such op."""
+    return getattr(getattr(torch.ops.aten, name, None), "default", None)
 
 
 def kernel_op(name: str):

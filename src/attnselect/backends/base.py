@@ -229,6 +229,12 @@ class Backend:
         kernel gets them, where they are known before the first call (None: they are known at the first call)."""
         return lambda q, k, v: self.run(q, k, v, call)
 
+    def bshd_runner(self, call: KernelCall, like: tuple):
+        """A repeated call's ``run(q, k, v)`` on (batch, seq, heads, dim) tensors like ``like`` (unpadded, head dim
+        at stride 1), where this backend's :attr:`layout` is another but its kernel reads this one (SDPA's ops
+        transpose to it and back: attnselect.backends._sdpa); None where it has none. See :meth:`runner`."""
+        return None
+
     def packed_runner(self, call: KernelCall, *, repeated: bool = False):
         """``run(q, k, v, packing)``: :meth:`run_packed` with ``call`` bound (see :meth:`runner`). It reads each
         call's packing whole, sizes included: one runner serves a packed call at every packing's sizes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention import SDPBackend
 
-from attnselect.backends._sdpa import SdpaBackend, kernel_op
+from attnselect.backends._sdpa import SdpaBackend, aten_overload, kernel_op, scale_keyword
 from attnselect.backends.base import Surface
 from attnselect.spec.options import dtype_name
 
@@ -15,6 +15,7 @@ class SdpaEfficient(SdpaBackend):
     summary = "PyTorch SDPA, EFFICIENT_ATTENTION kernel forced: takes d_qk != d_v, any length"
     kernel = SDPBackend.EFFICIENT_ATTENTION
     aten_op = kernel_op("_scaled_dot_product_efficient_attention")
+    bshd_op = aten_overload("_efficient_attention_forward")
     # torch 2.11 refused enable_gqa for this kernel on the H200 (docs/sources/h200-measurements.md).
     native_gqa = False
     # Source: pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, can_use_mem_efficient_attention:
@@ -41,3 +42,12 @@ class SdpaEfficient(SdpaBackend):
                 f"head dims must be multiples of {align} for {dtype_name(p.dtype)}, got {p.head_dim_qk}/{p.head_dim_v}"
             ]
         return []
+
+    def _bshd_call(self, call, like, is_causal, lse):
+        # as attention.cu's _scaled_dot_product_efficient_attention_cuda calls it: dense (no cu_seqlens, its
+        # max_seqlen the tensors'), sdp::CustomMaskType CausalFromTopLeft (1) or NoCustomMask (0)
+        op, rest = self.bshd_op, (None, None, None, None, None, call.dropout_p, int(is_causal), lse)
+        scale = scale_keyword(like[0], call)
+        if scale:
+            return lambda q, k, v: (op(q, k, v, *rest, **scale)[0], None)
+        return lambda q, k, v: (op(q, k, v, *rest)[0], None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.nn.attention import SDPBackend
 
-from attnselect.backends._sdpa import SdpaBackend
+from attnselect.backends._sdpa import SdpaBackend, aten_overload, scale_keyword
 from attnselect.backends.base import ALL_DTYPES, HALF, Surface
 
 
@@ -12,6 +12,7 @@ class SdpaFlash(SdpaBackend):
     name = "sdpa_flash"
     summary = "PyTorch SDPA, FLASH_ATTENTION kernel forced: FlashAttention-2 on CUDA, equal head dims only"
     kernel = SDPBackend.FLASH_ATTENTION
+    bshd_op = aten_overload("_flash_attention_forward")
     surfaces = {
         # Source: pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, can_use_flash_attention:
         # sm80..sm121, fp16/bf16, q/k/v share one head dim <= 256 (attention.cpp pads it to a multiple of 8),
@@ -43,6 +44,18 @@ class SdpaFlash(SdpaBackend):
                 "which this kernel refuses"
             )
         return r + fa2_backward_head_dim_reasons(p, t)
+
+    def _bshd_call(self, call, like, is_causal, lse):
+        # as attention.cu's _scaled_dot_product_flash_attention_cuda calls it: dense, the tensors' lengths, no debug
+        # mask; head dims SDPA pads to a multiple of 8 first (attention.cpp pad_last_dim) are left to SDPA
+        q, k, v = like
+        if q.shape[-1] % 8 or v.shape[-1] % 8:
+            return None
+        op, rest = self.bshd_op, (None, None, q.shape[1], k.shape[1], call.dropout_p, is_causal, False)
+        scale = scale_keyword(q, call)
+        if scale:
+            return lambda q, k, v: (op(q, k, v, *rest, **scale)[0], None)
+        return lambda q, k, v: (op(q, k, v, *rest)[0], None)
 
 
 def fa2_backward_head_dim_reasons(p, t) -> list[str]:

@@ -4,8 +4,9 @@ For each head-dim pair of :data:`PAIRS`, phase (inference, training) and support
 where the dims differ; not those of :data:`SKIPPED`), it times a dense causal call over a ladder of sizes
 (:data:`LADDER`) side by side (:func:`attnselect.choose.timing.time_steps`, queued behind a spin, so each time is the
 GPU's); per backend, padding and phase, the host's time to issue one call at the smallest size that serves it, while
-the GPU is busy, through :func:`attnselect.attention` as a model's layers call it again and again
-(:func:`attention_step`: its memoized path and prepared runner); and per backend, what the first call of a
+the GPU is busy (the candidates side by side, in interleaved rounds: :func:`_host_us`), through
+:func:`attnselect.attention` as a model's layers call it again and again (:func:`attention_step`: its memoized path
+and prepared runner); and per backend, what the first call of a
 configuration costs on top of a later one (a JIT compile). Packed (thd) calls are timed too, by candidates that pack
 (sequence by sequence is never the fast path), over :data:`PACKED_LADDER` with a new packing every call
 (:class:`~attnselect.choose.timing.NewPackings`: a typical packing of the problem's size, so per-packing builds
@@ -41,7 +42,8 @@ HEADS = 16
 # anything else serves; flex compiles for every dense shape (40-56 s a compile on the H200:
 # results/h200_flex_probe.md), more than a calibration can spend.
 SKIPPED = ("reference", "sdpa_math", "flex")
-HOST_CALLS = 50
+HOST_ROUNDS = 5
+HOST_CALLS = 10  # a round's calls of each step
 COMPILING_MS = 1000.0  # a backend whose first call took this much longer at two sizes in a row compiles per shape
 
 
@@ -101,12 +103,14 @@ def run(
                 key = calibration.curve_key(layout, *pair, c.padded, training)
                 point = [round(work(problem), 3), round(timing.median_ms * 1e3, 2)]
                 gpu.setdefault(c.backend, {}).setdefault(key, []).append(point)
-            for c in candidates:  # at the smallest size that serves it
-                key = calibration.host_key(layout, c.padded, training)
-                if key not in host.get(c.backend, {}) and not isinstance(timed.get(c), Exception):
-                    issued = _host_us(attention_step(attention, c, problem, inputs, device), device)
-                    if issued is not None:
-                        host.setdefault(c.backend, {})[key] = round(issued, 2)
+            unmeasured = {  # at the smallest size that serves it, side by side
+                c: attention_step(attention, c, problem, inputs, device)
+                for c in candidates
+                if calibration.host_key(layout, c.padded, training) not in host.get(c.backend, {})
+                and not isinstance(timed.get(c), Exception)
+            }
+            for c, issued in _host_us(unmeasured, device).items():
+                host.setdefault(c.backend, {})[calibration.host_key(layout, c.padded, training)] = round(issued, 2)
             del steps, inputs
         if checkpoint:
             checkpoint(_result(target, quick, host, gpu, first))
@@ -198,38 +202,55 @@ def host_times(data: dict, target: Target | None = None, *, attention, progress=
                                    dtype=dtype, layout=layout, mask="causal", training=training)  # fmt: skip
         inputs = random_inputs(problem, device)
         key = calibration.host_key(layout, padded, training)
+        steps = {}
         for verdict in judge(problem, target):
             c = verdict.candidate
             if not verdict.supported or c.padded != padded or key not in host.get(c.backend, {}):
                 continue
             if layout == "thd" and not backend_named(c.backend).packs_thd(target):
                 continue
-            issued = _host_us(attention_step(attention, c, problem, inputs, device), device)
-            if issued is not None:
-                host[c.backend][key] = round(issued, 2)
+            steps[c] = attention_step(attention, c, problem, inputs, device)
+        for c, issued in _host_us(steps, device).items():
+            host[c.backend][key] = round(issued, 2)
     if progress:
         progress(len(jobs), len(jobs), "done")
     return dict(data, host_us=host)
 
 
-def _host_us(step, device) -> float | None:
-    """Microseconds the host takes to issue one call while the GPU is busy (median of :data:`HOST_CALLS`, after
-    warm-up calls: a first call decides, prepares and compiles)."""
-    issued = []
-    try:
-        for _ in range(3):
-            step()
-        for _ in range(HOST_CALLS):
-            if device.type == "cuda":
-                torch.cuda._sleep(2_000_000)  # about a millisecond: the call's issue does not wait for the GPU
-            started = time.perf_counter()
-            step()
-            issued.append(time.perf_counter() - started)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except Exception:
-        return None
-    return statistics.median(issued) * 1e6
+def _host_us(steps: dict, device) -> dict:
+    """{key: microseconds the host takes to issue one call of ``steps[key]`` while the GPU is busy}, the steps side
+    by side: :data:`HOST_ROUNDS` rounds in alternating order, each of :data:`HOST_CALLS` calls of every step, after
+    warm-up calls (a first call decides, prepares and compiles); a step's time is its least round median (a busy
+    host only adds time, and a phase of it falls on every step of a round alike: timeit's rule, the least of
+    repeats). A step that fails is left out."""
+    issued: dict = {}
+    for key, step in steps.items():
+        try:
+            for _ in range(3):
+                step()
+            issued[key] = []
+        except Exception:
+            continue
+    order = list(issued)
+    for index in range(HOST_ROUNDS):
+        for key in order if index % 2 == 0 else order[::-1]:
+            if key not in issued:
+                continue
+            times = []
+            try:
+                for _ in range(HOST_CALLS):
+                    if device.type == "cuda":
+                        torch.cuda._sleep(2_000_000)  # about a millisecond: the call's issue does not wait for the GPU
+                    started = time.perf_counter()
+                    steps[key]()
+                    times.append(time.perf_counter() - started)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            except Exception:
+                del issued[key]
+                continue
+            issued[key].append(statistics.median(times))
+    return {key: min(rounds) * 1e6 for key, rounds in issued.items()}
 
 
 def print_progress(done: int, total: int, what: str) -> None:
