@@ -14,6 +14,7 @@ import argparse
 import json
 import pathlib
 import shutil
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -25,6 +26,8 @@ def report(data: dict) -> str:
         f"{data['device']}, {data['date']}. Produced by `benchmarks/calibrate.py` (attnselect.bench.calibrate): the "
         "GPU's time of a call (median, queued behind a spin) over a ladder of sizes, 16 heads, causal, bf16; the "
         "host's time to issue one call at the smallest size; the first call's extra time.",
+        "",
+        f"Source: {data['source']}.",
         "",
         "## Host time per call (us)",
         "",
@@ -94,7 +97,9 @@ def main() -> None:
     if a.host_from:
         data = calibrate.host_times(json.loads(pathlib.Path(a.host_from).read_text()), attention=attnselect.attention,
                                     progress=calibrate.print_progress)  # fmt: skip
-        data["source"] += "; host times measured again through attnselect.attention"
+        data["source"] += (
+            f"; host times measured again through attnselect.attention, side by side, {time.strftime('%Y-%m-%d')}"
+        )
         pathlib.Path(a.out + ".json").write_text(json.dumps(data, indent=1))
         pathlib.Path(a.out + ".md").write_text(report(data))
         print(report(data))

@@ -182,7 +182,9 @@ def dense_runner(backend, pad_to, layout, call, *, like: tuple | None = None):
     shares (attnselect.attention's memoized calls): the backend prepares its kernel for them here (``runner``'s
     ``like``, where they reach the kernel unpadded), and where they need no work the runner is that kernel (between
     the layout's permutations, or on bshd views through ``backend.bshd_runner``, checked for nothing again)."""
-    if like is not None and pad_to is None and backend.layout != "bshd":
+    # the kernel's op on bshd views where the calls are permuted anyway: on the backend's own layout that op costs
+    # four permutations more than the backend's runner (results/h200_hot_path_d7b14ce_fa4.md)
+    if like is not None and pad_to is None and layout != backend.layout:
         direct = _bshd_runner(backend, layout, call, like)
         if direct is not None:
             return direct

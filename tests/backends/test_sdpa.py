@@ -143,16 +143,18 @@ def test_a_bshd_call_reaches_the_kernels_own_op_with_no_transpose_where_it_suits
         assert calls[-1][0] == bshd.stride() and len(calls) == 2  # both calls: the first prepares the runner
         out.sum().backward()  # the op's own backward (here the stand-in's)
         calls.clear()
-    # what the op does not suit goes the way it went: a mask tensor, head dims SDPA pads, another device
-    cases = [(dict(window=(3, 0)), 16, frozenset({"cpu"})), (dict(), 12, frozenset({"cpu"})), (dict(), 16, None)]
-    for kwargs, dim, devices in cases:
+    # what the op does not suit goes the way it went: the backend's own layout (its runner permutes nothing), a
+    # mask tensor, head dims SDPA pads, another device
+    cases = [("bhsd", {}, 16, True), ("bshd", dict(window=(3, 0)), 16, True), ("bshd", {}, 12, True)]
+    for layout, kwargs, dim, on_cpu in [*cases, ("bshd", {}, 16, False)]:
         attnselect.clear_cache()
-        if devices is None:
+        if not on_cpu:
             monkeypatch.setattr(type(flash), "bshd_op_devices", frozenset({"cuda"}))
-        q, k, v = dense_inputs("bshd", b=1, sq=8, skv=8, hq=2, hkv=2, dqk=dim, dv=dim, dtype=torch.float32)
+        q, k, v = dense_inputs(layout, b=1, sq=8, skv=8, hq=2, hkv=2, dqk=dim, dv=dim, dtype=torch.float32)
         for _ in range(2):
-            out = attnselect.attention(q, k, v, backend="sdpa_flash", **kwargs)
-        assert rel_err(out, attnselect.attention(q, k, v, backend="reference", **kwargs)) < 1e-5
+            out = attnselect.attention(q, k, v, layout=layout, backend="sdpa_flash", **kwargs)
+        expected = attnselect.attention(q, k, v, layout=layout, backend="reference", **kwargs)
+        assert rel_err(out, expected) < 1e-5
     assert calls == []
 
 
