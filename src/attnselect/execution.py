@@ -182,12 +182,6 @@ def dense_runner(backend, pad_to, layout, call, *, like: tuple | None = None):
     shares (attnselect.attention's memoized calls): the backend prepares its kernel for them here (``runner``'s
     ``like``, where they reach the kernel unpadded), and where they need no work the runner is that kernel (between
     the layout's permutations, or on bshd views through ``backend.bshd_runner``, checked for nothing again)."""
-    # the kernel's op on bshd views where the calls are permuted anyway: on the backend's own layout that op costs
-    # four permutations more than the backend's runner (results/h200_hot_path_d7b14ce_fa4.md)
-    if like is not None and pad_to is None and layout != backend.layout:
-        direct = _bshd_runner(backend, layout, call, like)
-        if direct is not None:
-            return direct
     to_kernel = _as_function(_PERMUTE[(layout, backend.layout)])
     from_kernel = _as_function(_INVERSE.get((backend.layout, layout)))
     seq_axis = 2 if backend.layout == "bhsd" else 1
@@ -198,7 +192,11 @@ def dense_runner(backend, pad_to, layout, call, *, like: tuple | None = None):
             kernel_like = q, k, v  # what run() passes the kernel
     kernel = backend.runner(call, repeated=like is not None, like=kernel_like)
     if kernel_like is not None:  # every call is like the first: nothing to check again
-        return kernel if to_kernel is None else _permuted(kernel, to_kernel, from_kernel)
+        runner = kernel if to_kernel is None else _permuted(kernel, to_kernel, from_kernel)
+        # the kernel's op on bshd views where the calls are permuted anyway: on the backend's own layout that op
+        # costs four permutations more than the backend's runner (results/h200_hot_path_d7b14ce_fa4.md)
+        direct = _bshd_runner(backend, layout, call, like) if layout != backend.layout else None
+        return runner if direct is None else _unless_intercepted(direct, runner)
 
     def run(q, k, v):
         if to_kernel is not None:
@@ -222,6 +220,22 @@ def _permuted(kernel, to_kernel, from_kernel):
     def run(q, k, v):
         out, *stats = kernel(to_kernel(q), to_kernel(k), to_kernel(v))
         return from_kernel(out), *stats
+
+    return run
+
+
+def _unless_intercepted(direct, runner):
+    """``direct`` (a kernel's own op), or ``runner`` (the backend's, reaching the op SDPA's dispatch calls) under a
+    TorchDispatchMode or a functorch transform: those see ops by name or need their batching rules, which the
+    kernels' own ops lack (selective activation checkpointing's save lists name SDPA's ops: torchtitan's
+    _op_sac_save_list; vmap finds no batching rule for aten._efficient_attention_forward). Neither is in the memo's
+    key, so each call looks (two C calls)."""
+    modes, transforms = torch._C._len_torch_dispatch_stack, torch._C._functorch.peek_interpreter_stack
+
+    def run(q, k, v):
+        if modes() or transforms() is not None:
+            return runner(q, k, v)
+        return direct(q, k, v)
 
     return run
 

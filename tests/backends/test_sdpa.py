@@ -143,6 +143,37 @@ def test_a_bshd_call_reaches_the_kernels_own_op_with_no_transpose_where_it_suits
         assert calls[-1][0] == bshd.stride() and len(calls) == 2  # both calls: the first prepares the runner
         out.sum().backward()  # the op's own backward (here the stand-in's)
         calls.clear()
+    # a TorchDispatchMode (selective activation checkpointing's, whose save lists name SDPA's ops) or a functorch
+    # transform (vmap: the kernel's own op has no batching rule) gets the backend's runner, call by call
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    attnselect.clear_cache()
+    q, k, v = dense_inputs("bshd", b=2, sq=8, skv=8, hq=2, hkv=2, dqk=16, dv=16, dtype=torch.float32)
+    attnselect.attention(q, k, v, causal=True, backend="sdpa_flash")  # known from here on, through the op
+    calls.clear()
+    saved = []
+
+    def policy(ctx, op, *args, **kwargs):
+        saved.append(str(op))
+        return CheckpointPolicy.MUST_SAVE
+
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    out = checkpoint(lambda q: attnselect.attention(q, k, v, causal=True, backend="sdpa_flash"), q,
+                     use_reentrant=False, context_fn=context)  # fmt: skip
+    out.sum().backward()
+    assert calls == [] and any("scaled_dot_product" in op for op in saved)
+    expected = attnselect.attention(q, k, v, causal=True, backend="reference")
+    assert rel_err(out, expected) < 1e-5
+    q, k, v = q.detach(), k.detach(), v.detach()
+    with torch.no_grad():
+        known = attnselect.attention(q, k, v, causal=True, backend="sdpa_flash")
+        assert len(calls) == 1  # outside them, the op: known from here on, without gradients
+        batch = torch.stack([q] * 3)  # per sample, the known call's shapes and strides: its runner
+        batched = torch.func.vmap(lambda q: attnselect.attention(q, k, v, causal=True, backend="sdpa_flash"))(batch)
+    assert len(calls) == 1 and all(rel_err(b, known) < 1e-5 for b in batched)
+    calls.clear()
     # what the op does not suit goes the way it went: the backend's own layout (its runner permutes nothing), a
     # mask tensor, head dims SDPA pads, another device
     cases = [("bhsd", {}, 16, True), ("bshd", dict(window=(3, 0)), 16, True), ("bshd", {}, 12, True)]

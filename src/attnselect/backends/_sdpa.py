@@ -72,6 +72,9 @@ class SdpaBackend(Backend):
             if direct is not None:
                 return direct
         seen = [None, None, arguments]  # the previous call's switches and order; SDPA's call under them; _arguments
+        if like is not None:  # asked now, where the calls' tensors are known: a call under a functorch transform
+            # (vmap) could not ask torch's dispatch (_fused_sdp_choice has no batching rule)
+            seen[:2] = (*map(_call, _ENABLED), _order()), self._dispatched(*like, call, arguments)
 
         def run(q, k, v):
             switches = (*map(_call, _ENABLED), _order())
