@@ -24,6 +24,10 @@ rung's problem (a job that precompiles its kernels). Rows run interleaved, ``--r
 calls (``stack``: steps) after ``--warmup`` untimed ones, in alternating order; the median and quartiles of the
 per-call ms of every round pooled.
 
+Each rung keeps what attnselect logged at INFO while it ran (``log``: every new decision of every row, with the
+reason, fallbacks and rentals, each line with the times it came), so a default row that ran something other than
+the choice reported after the rounds shows it.
+
 The report checks the goals (issue "Choose by predicted time"): on every rung and way, attnselect's default at
 least 0.97x as fast as the fastest single-kernel row; over the ladder, its geometric mean at least 1.05x as fast
 as each single-kernel policy's (each over the rung-ways the policy serves, with their count); never more than 3%
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import random
 import statistics
@@ -174,6 +179,34 @@ def callers(rung: dict, problem, target, device: str) -> dict:
         else:
             rows[FA4] = lambda x, p: _first(dense(x.q, x.k, x.v, causal=True))
     return rows
+
+
+class _Counted(logging.Handler):
+    """{line: times logged}, each line cut to 400 characters."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()[:400]
+        self.lines[line] = self.lines.get(line, 0) + 1
+
+
+class attnselect_log:  # noqa: N801 (a context manager)
+    """{line: times logged} of the "attnselect" logger at INFO while it is open: every row's decisions (the default
+    row's included), fallbacks and rentals, as they happened during a rung's warm-up and timed rounds."""
+
+    def __enter__(self) -> dict:
+        self.handler, self.logger = _Counted(), logging.getLogger("attnselect")
+        self.level = self.logger.level
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.INFO)
+        return self.handler.lines
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
 
 
 def _first(out):
@@ -411,15 +444,17 @@ def main() -> None:
         inputs = Inputs(rung, a.device, heads, dtype)
         with torch.enable_grad() if inputs.grad is not None else torch.no_grad():
             problem = inputs.problem()
-        attnselect.warmup([problem], device=a.device)  # as a job that precompiles: no compile left to rent out
-        rows = callers(rung, problem, target, a.device)
-        measured = time_rung(rung, rows, inputs, a)
+        with attnselect_log() as log:
+            attnselect.warmup([problem], device=a.device)  # as a job that precompiles: no compile left to rent out
+            rows = callers(rung, problem, target, a.device)
+            measured = time_rung(rung, rows, inputs, a)
         chosen = str(attnselect.select(problem, target=target).chosen)
         stats = {way: {row: _stats(t) for row, t in by_row.items() if t} for way, by_row in measured["times"].items()}
         peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
         args = {k: getattr(a, k) for k in ("rounds", "calls", "warmup", "layers", "screen")}
         report["results"].append({"rung": name, "chosen": chosen, "stats": stats, "errors": measured["errors"],
-                                  "screened": measured["screened"], "peak_gib": peak, "args": args})  # fmt: skip
+                                  "screened": measured["screened"], "peak_gib": peak, "args": args,
+                                  "log": sorted(log.items())})  # fmt: skip
         report["goals"] = goals(report["results"])
         path.write_text(json.dumps(report, indent=1))  # after every rung: a later call resumes
         print(
