@@ -243,12 +243,10 @@ def _unless_intercepted(direct, runner):
 def _bshd_runner(backend, layout, call, like):
     """``run(q, k, v)`` through the backend's kernel on (batch, seq, heads, dim) views (``backend.bshd_runner``),
     the call's layout permuted to it: a bshd call reaches the kernel with no permutation at all. None where the
-    backend has no such runner or the calls are empty."""
+    backend has no such runner. For calls :func:`dense_runner` found to need no work (none empty, head dims at
+    stride 1)."""
     to_bshd = _as_function(_PERMUTE[(layout, "bshd")])
-    q, k, v = like if to_bshd is None else map(to_bshd, like)  # views: no work
-    if not (q.shape[1] and k.shape[1] and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
-        return None
-    kernel = backend.bshd_runner(call, (q, k, v))
+    kernel = backend.bshd_runner(call, like if to_bshd is None else tuple(map(to_bshd, like)))  # views: no work
     if kernel is None or to_bshd is None:
         return kernel
     return _permuted(kernel, to_bshd, _as_function(_INVERSE[("bshd", layout)]))
