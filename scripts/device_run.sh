@@ -59,6 +59,8 @@
 #                                      # by stage (PARTS_NAME=name -> $OUT/h200_new_packing_parts_name.*)
 #   bash scripts/device_run.sh small-calls # benchmarks/small_calls_probe.py: small dense calls, each SDPA kernel through
 #                                      # attnselect and torch alone: host, latency, stack -> $OUT/h200_small_calls_probe.*
+#   bash scripts/device_run.sh first-calls # benchmarks/first_calls_probe.py: each backend's first calls in a fresh
+#                                      # process: start-up, a new configuration, a new size -> $OUT/h200_first_calls_probe.*
 #   bash scripts/device_run.sh hot-path-parts # benchmarks/hot_path_parts.py: that dense call's host time, part by
 #                                      # part                                       -> $OUT/h200_hot_path_parts.*
 #   bash scripts/device_run.sh overhead # benchmarks/packed_overhead.py (with FA4 where installed) -> $OUT/h200_packed_overhead.*
@@ -309,6 +311,8 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
       2>&1 | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;
   small-calls)   # benchmarks/small_calls_probe.py: small dense calls kernel by kernel (host, latency, stack)
     timeout 300 python3 benchmarks/small_calls_probe.py --out "$OUT/h200_small_calls_probe" 2>&1 | grep -v -i warn | tail -60 ;;
+  first-calls)   # benchmarks/first_calls_probe.py: first calls split into start-up, configuration and size
+    timeout 400 python3 benchmarks/first_calls_probe.py --out "$OUT/h200_first_calls_probe" 2>&1 | grep -v -i warn | tail -16 ;;
   hot-path-parts)
     timeout 200 python3 benchmarks/hot_path_parts.py --out "$OUT/h200_hot_path_parts" 2>&1 | grep -v -i warn \
       | grep -E '^(\||## |Timing)' | cut -c1-160 ;;
