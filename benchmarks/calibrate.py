@@ -4,6 +4,8 @@
     python benchmarks/calibrate.py --package results/h200_calibration.json  # here: the package data of its arch
     # in parts, one device call each (--pairs 192/128,128/128 then --pairs 64/64,256/256), joined:
     python benchmarks/calibrate.py --merge part1.json part2.json --out results/h200_calibration
+    # one part measured again on the GPU, into a copy: --host-from (host times), --first-calls-from (first calls)
+    python benchmarks/calibrate.py --first-calls-from results/h200_calibration.json --out /tmp/h200_calibration
 
 The calibration holds only for the GPU and library versions it ran on (attnselect.choose.calibration.fingerprint).
 """
@@ -42,10 +44,29 @@ def report(data: dict) -> str:
     for backend, curves in sorted(data["gpu"].items()):
         for key, points in sorted(curves.items()):
             lines.append(f"| {backend} | {key} | " + ", ".join(f"{w}: {us}" for w, us in points) + " |")
-    lines += ["", "## First call of a configuration, extra ms (the median configuration's)", ""]
-    lines += ["| backend | ms |", "|---|---|"]
-    lines += [f"| {b} | {ms} |" for b, ms in sorted(data["first_call_ms"].items())]
+    titles = {
+        "first_call_ms": "First call of a new configuration, extra ms (the median configuration's, start-up left out)",
+        "new_size_ms": "First call of a new size of a configuration that has run, extra ms (the median's)",
+    }
+    for name, title in titles.items():
+        costs = {b: ms if isinstance(ms, dict) else {"every call": ms} for b, ms in data.get(name, {}).items()}
+        if not costs:
+            continue
+        keys = sorted({k for v in costs.values() for k in v})
+        lines += ["", f"## {title}", "", "| backend | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+        lines += [f"| {b} | " + " | ".join(str(ms.get(k, "-")) for k in keys) + " |" for b, ms in sorted(costs.items())]
     return "\n".join(lines) + "\n"
+
+
+def _merged_costs(into: dict, costs: dict) -> None:
+    """``costs`` (a part's ``first_call_ms`` or ``new_size_ms``) into ``into``, the dearer kept per key."""
+    for backend, ms in costs.items():
+        have = into.get(backend, {})
+        if isinstance(ms, dict) and isinstance(have, dict):
+            into[backend] = {k: max(t, have.get(k, 0.0)) for k, t in {**have, **ms}.items()}
+        else:  # a part of one figure per backend: the dearest of both
+            into[backend] = max([*(have.values() if isinstance(have, dict) else [have]),
+                                 *(ms.values() if isinstance(ms, dict) else [ms]), 0.0])  # fmt: skip
 
 
 def main() -> None:
@@ -56,6 +77,8 @@ def main() -> None:
     ap.add_argument("--pairs", help="head-dim pairs, e.g. 192/128,128/128 (default: attnselect.bench.calibrate.PAIRS)")
     ap.add_argument("--merge", nargs="+", help="calibrations of one machine to join into --out")
     ap.add_argument("--host-from", help="a calibration of this machine whose host times to measure again into --out")
+    ap.add_argument("--first-calls-from", help="a calibration of this machine whose first calls' costs to measure "
+                    "again into --out (in a process that has run no attention yet)")  # fmt: skip
     a = ap.parse_args()
     from attnselect.choose import calibration
 
@@ -68,14 +91,14 @@ def main() -> None:
                 raise SystemExit(f"{name}: {calibration._problem(part)}")
         if any(p["fingerprint"] != parts[0]["fingerprint"] for p in parts):
             raise SystemExit("the parts ran on different machines or versions")
-        data = dict(parts[0], host_us={}, gpu={}, first_call_ms={})
+        data = dict(parts[0], host_us={}, gpu={}, first_call_ms={}, new_size_ms={})
         for part in parts:
             for backend, times in part["host_us"].items():
                 data["host_us"].setdefault(backend, {}).update(times)
             for backend, curves in part["gpu"].items():
                 data["gpu"].setdefault(backend, {}).update(curves)
-            for backend, ms in part["first_call_ms"].items():
-                data["first_call_ms"][backend] = max(ms, data["first_call_ms"].get(backend, 0.0))
+            for name in ("first_call_ms", "new_size_ms"):
+                _merged_costs(data[name], part.get(name, {}))
         pathlib.Path(a.out + ".json").write_text(json.dumps(data, indent=1))
         pathlib.Path(a.out + ".md").write_text(report(data))
         return
@@ -105,6 +128,20 @@ def main() -> None:
         print(report(data))
         return
     pairs = tuple(tuple(int(d) for d in p.split("/")) for p in a.pairs.split(",")) if a.pairs else calibrate.PAIRS
+    if a.first_calls_from:
+        data = json.loads(pathlib.Path(a.first_calls_from).read_text())
+        target = attnselect.Target.current()
+        if calibration.machine(data["fingerprint"]) != calibration.machine(calibration.fingerprint(target)):
+            raise SystemExit(f"{a.first_calls_from} ran on {data['device']}, not here ({target.describe()})")
+        costs = calibrate.first_call_costs(target, attention=attnselect.attention,
+                                           pairs=[p for p in pairs if p != calibrate.START_UP],
+                                           progress=calibrate.print_progress)  # fmt: skip
+        data.update(costs)
+        data["source"] += f"; first calls measured again, start-up left out, {time.strftime('%Y-%m-%d')}"
+        pathlib.Path(a.out + ".json").write_text(json.dumps(data, indent=1))
+        pathlib.Path(a.out + ".md").write_text(report(data))
+        print(report(data))
+        return
 
     def checkpoint(partial: dict) -> None:  # what a deadline or a crash would otherwise lose
         pathlib.Path(a.out + ".json").write_text(json.dumps(partial, indent=1))

@@ -22,6 +22,8 @@
 #                                      # 8192": the rungs whose names hold one of these), resuming this machine's or the
 #                                      # committed rungs -> $OUT/h200_ladder[_$LADDER_PART][_fa4].{json,md} (FA4 where installed)
 #   bash scripts/device_run.sh calibrate-host # results/h200_calibration.json's host times measured again -> $OUT/h200_calibration.*
+#   bash scripts/device_run.sh calibrate-first-calls # its first calls' costs measured again (start-up left out,
+#                                      # an empty compile cache)                  -> $OUT/h200_calibration.*
 #   bash scripts/device_run.sh package-calibration # $OUT/h200_calibration.json as this tree's package data (the
 #                                      # steps after it rank by it)  -> $OUT/calibration_<arch>.json
 #   bash scripts/device_run.sh calibrate # benchmarks/calibrate.py (CALIBRATE_ARGS="--pairs 192/128,128/128",
@@ -208,6 +210,10 @@ case "$step" in
   calibrate-host)   # the committed calibration's host times measured again (attnselect.bench.calibrate.host_times)
     timeout ${CALIBRATE_TIMEOUT:-300} python3 benchmarks/calibrate.py --host-from results/h200_calibration.json \
       --out "$OUT/h200_calibration" 2>&1 | grep -v -i warn | grep -E "^\| [a-z_0-9]+ \| [0-9-]" | head -12 ;;
+  calibrate-first-calls)   # the committed calibration's first calls measured again, an empty compile cache
+    ATTNSELECT_CACHE_DIR=$(mktemp -d) timeout ${CALIBRATE_TIMEOUT:-400} python3 benchmarks/calibrate.py \
+      --first-calls-from results/h200_calibration.json --out "$OUT/h200_calibration" 2>&1 | grep -v -i warn \
+      | sed -n '/^## First call/,$p' | head -30 ;;
   package-calibration)
     python3 benchmarks/calibrate.py --package "$OUT/h200_calibration.json" && cp src/attnselect/data/calibration_*.json "$OUT/" ;;
   torchtitan)

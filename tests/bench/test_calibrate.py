@@ -13,6 +13,12 @@ from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
 
 
+@pytest.fixture(autouse=True)
+def small_first_calls(monkeypatch):
+    """First calls measured at small sizes: the CPU's time is the tests', not the sizes'."""
+    monkeypatch.setattr(calibrate, "FIRST_CALL_SIZES", {"bshd": ((1, 32), (1, 64)), "thd": ((2, 16), (2, 32))})
+
+
 def test_a_quick_calibration_on_the_cpu_is_one_the_rules_can_read():
     seen = []
     data = calibrate.run(
@@ -26,7 +32,36 @@ def test_a_quick_calibration_on_the_cpu_is_one_the_rules_can_read():
     problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True)
     time = predict.predict(Candidate("sdpa_flash", 192), problem, data)
     assert time is not None and time.host_us == data["host_us"]["sdpa_flash"]["dense+pad training"]
-    assert data["first_call_ms"]["sdpa_flash"] >= 0
+    assert data["first_call_ms"]["sdpa_flash"]["dense+pad training"] >= 0
+    assert data["new_size_ms"]["sdpa_flash"]["dense+pad training"] >= 0
+
+
+def test_first_calls_are_priced_by_configuration_and_size_with_the_process_start_up_left_out(monkeypatch):
+    """A backend's first call in the process (start-up), a configuration's first call, a new size's: each paid once,
+    each found where it belongs (attnselect.bench.calibrate.first_call_costs)."""
+    import time
+
+    seen: set = set()
+    costs = {"start-up": 0.3, "configuration": 0.08, "size": 0.02}
+
+    def attention(q, k, v, **kwargs):
+        backend, padded, training = kwargs["backend"], kwargs["pad"], q.requires_grad
+        for part, key in (
+            ("start-up", (backend, training)),
+            ("configuration", (backend, padded, training, q.shape[-1], v.shape[-1])),
+            ("size", (backend, padded, training, q.shape[-1], v.shape[-1], q.shape)),
+        ):
+            if key not in seen:
+                seen.add(key)
+                time.sleep(costs[part])
+        return attnselect.attention(q, k, v, **kwargs)
+
+    found = calibrate.first_call_costs(attention=attention, pairs=((24, 16), (32, 32)), phases=(True,))
+    assert set(found) == {"first_call_ms", "new_size_ms"}
+    configuration, size = found["first_call_ms"]["sdpa_flash"], found["new_size_ms"]["sdpa_flash"]
+    assert set(configuration) == set(size) == {"dense training", "dense+pad training"}
+    assert all(60 <= ms < 250 for ms in configuration.values()), configuration  # no start-up in them
+    assert all(10 <= ms < 60 for ms in size.values()), size
 
 
 def test_packed_calls_are_timed_by_the_candidates_that_pack_with_a_new_packing_every_call(monkeypatch):

@@ -90,6 +90,8 @@ def test_the_cpu_has_no_calibration():
         json.dumps(sample(gpu={"sdpa_cudnn": {"dense 192/128 training": [[100.0, 1.0], [10.0, 2.0]]}})),
         json.dumps(sample(gpu={"sdpa_cudnn": {"dense 192/128 training": []}})),
         json.dumps(sample(first_call_ms=[1])),
+        json.dumps(sample(first_call_ms={"flash_attn4": {"dense": 1.0}})),
+        json.dumps(sample(new_size_ms={"sdpa_cudnn": {"dense training": "slow"}})),
         json.dumps(sample(format=True)),
         json.dumps(sample(host_us={"sdpa_cudnn": {"dense training": 10**400}})),
         "[" * 100_000,
@@ -110,6 +112,15 @@ def test_random_bytes_are_ignored(user_file, caplog):
     with caplog.at_level(logging.WARNING, logger="attnselect"):
         assert calibration.for_target(H200)[0] is None
     assert any("ignoring the calibration" in r.getMessage() for r in caplog.records)
+
+
+def test_a_first_call_s_cost_is_read_at_the_call_s_layout_padding_and_phase():
+    costs = {"flash_attn4": {"dense inference": 1600.0, "dense training": 5000.0}, "sdpa_cudnn": 400.0}
+    assert calibration.first_call_ms(costs, "flash_attn4", "bshd", False, True) == 5000.0
+    assert calibration.first_call_ms(costs, "flash_attn4", "sbhd", False, False) == 1600.0
+    assert calibration.first_call_ms(costs, "flash_attn4", "thd", True, True) == 5000.0  # unmeasured: the dearest
+    assert calibration.first_call_ms(costs, "sdpa_cudnn", "thd", False, True) == 400.0  # one figure for every key
+    assert calibration.first_call_ms(costs, "sdpa_flash", "bshd", False, True) == 0.0
 
 
 def test_the_keys_name_layout_dims_padding_and_phase():

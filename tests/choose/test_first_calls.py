@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -43,6 +44,20 @@ def test_a_faster_kernel_that_compiles_waits_until_the_time_lost_reaches_its_com
     assert rental.calls == math.ceil(4000.0 * 1e3 / lost) and rental.lost_us == pytest.approx(lost)
     assert "compiles on its first call in this process (about 4.0 s, calibrated)" in decision.why
     assert f"{rental.calls} calls, then flash_attn4" in decision.why
+
+
+def test_the_compile_is_priced_at_the_call_s_phase():
+    """FA4's forward compiles far less than its forward and backward (results/h200_first_calls_probe.md): a phase
+    whose compile is below a compile's threshold rents nothing."""
+    keyed = sample(first_call_ms={"flash_attn4": {"dense training": 5000.0, "dense inference": 500.0}})
+    for table in (*keyed["gpu"].values(), *keyed["host_us"].values()):  # inference measured as training
+        table.update({key.replace("training", "inference"): value for key, value in table.items()})
+    calibration.user_path(H200).write_text(json.dumps(keyed))
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+    assert attnselect.select(LARGE, target=H200).rental.compile_ms == 5000.0
+    inference = attnselect.select(dataclasses.replace(LARGE, training=False), target=H200)
+    assert inference.rental is None and inference.chosen == FA4 and inference.predictions[FA4] is not None
 
 
 def test_once_its_configuration_ran_in_this_process_the_fastest_is_chosen():

@@ -42,6 +42,10 @@ HEADS = 16
 # anything else serves; flex compiles for every dense shape (40-56 s a compile on the H200:
 # results/h200_flex_probe.md), more than a calibration can spend.
 SKIPPED = ("reference", "sdpa_math", "flex")
+# First calls (first_call_costs): each backend's process start-up paid at START_UP, then each configuration's
+# first call at the first size of FIRST_CALL_SIZES and a new size of it at the second
+START_UP = (128, 128)
+FIRST_CALL_SIZES = {"bshd": ((1, 1024), (1, 2048)), "thd": ((4, 512), (8, 1024))}
 HOST_ROUNDS = 5
 HOST_CALLS = 10  # a round's calls of each step
 COMPILING_MS = 1000.0  # a backend whose first call took this much longer at two sizes in a row compiles per shape
@@ -55,16 +59,18 @@ def run(
     :mod:`attnselect.choose.calibration` format), handed to ``checkpoint`` after each pair and phase too. A backend
     that compiles per shape (its first call :data:`COMPILING_MS` longer than the next at two sizes in a row; a
     compile per configuration, FA4's, costs once) is timed at the ladder's first, middle and last sizes after that.
-    A CUDA error that leaves the context unusable stops the run (raised; the checkpoints keep what was measured)."""
+    A CUDA error that leaves the context unusable stops the run (raised; the checkpoints keep what was measured).
+    The first calls' costs are measured first (:func:`first_call_costs`), before the ladder pays those compiles."""
     target = target or Target.current()
     device = torch.device("cuda" if target.is_cuda else "cpu")
     dtype = torch.bfloat16 if target.is_cuda else torch.float32
     pairs, phases = (pairs[:1], (True,)) if quick else (tuple(pairs), (False, True))
+    first = first_call_costs(target, attention=attention, pairs=[p for p in pairs if p != START_UP] or pairs,
+                             phases=phases, progress=progress)  # fmt: skip
     ladders = {"bshd": LADDER[:2] if quick else LADDER, "thd": PACKED_LADDER[:2] if quick else PACKED_LADDER}
     jobs = [(pair, layout, training) for pair in pairs for training in phases for layout in ladders]
     gpu: dict = {}
     host: dict = {}
-    first: dict = {}
     for index, (pair, layout, training) in enumerate(jobs):
         if progress:
             progress(index, len(jobs), f"{layout} {pair[0]}/{pair[1]} {'training' if training else 'inference'}")
@@ -85,12 +91,10 @@ def run(
                 continue
             steps = {c: candidate_step(c, problem, target, inputs) for c in candidates}
             compiling_now = set()
-            for c in candidates:  # the first call of each configuration, then a second one
+            for c in candidates:  # the first call at this size, then a second one
                 extra = _first_call_extra(steps[c], device)
-                if extra is not None:
-                    first.setdefault(c.backend, []).append(extra)
-                    if extra > COMPILING_MS:
-                        compiling_now.add(c.backend)
+                if extra is not None and extra > COMPILING_MS:
+                    compiling_now.add(c.backend)
             for c in candidates:  # compiled again at a second size in a row: it compiles per shape
                 compiled[c.backend] = compiled.get(c.backend, 0) + 1 if c.backend in compiling_now else 0
             timed = time_steps(steps, device, budget_s=2.0 if not quick else 0.5)
@@ -128,11 +132,65 @@ def _result(target: Target, quick: bool, host: dict, gpu: dict, first: dict) -> 
         "source": "attnselect calibrate" + (" --quick" if quick else ""),
         "host_us": host,
         "gpu": {b: {k: _increasing(points) for k, points in curves.items()} for b, curves in gpu.items()},
-        # the median configuration's: a backend's first configuration in a process also pays the process's one-off
-        # start-up (cuDNN's), which a new configuration later does not
-        "first_call_ms": {b: round(statistics.median(v), 3) for b, v in first.items() if v},
+        **first,
         "skipped": list(SKIPPED),
     }
+
+
+def first_call_costs(
+    target: Target | None = None, *, attention, pairs=PAIRS, phases=(False, True), progress=None
+) -> dict:
+    """``{"first_call_ms": {backend: {host key: ms}}, "new_size_ms": {backend: {host key: ms}}}``: what the first
+    call of a new configuration costs beyond a later call of it, and what a new size of a configuration already run
+    costs, each the median over ``pairs`` (native, and padded where the dims differ), by layout, padding and phase
+    (:func:`attnselect.choose.calibration.host_key`), through ``attention`` with the candidate forced.
+
+    A process's first calls of a backend also pay one-off start-up that no later configuration pays: CUDA's lazy
+    module loading, cuDNN's handle and engines, FA4's compiler (on the H200, 0.4-9.4 s inference and 1.9-7.6 s
+    training against 0.01-5.0 s for a new configuration: results/h200_first_calls_probe.md). Each backend's start-up
+    is paid first, at :data:`START_UP`'s dims in each layout and phase, and left out. Run in a process where the
+    ``pairs`` have not run yet (:func:`run` measures these first); FA4's disk cache of compiled kernels, where it
+    holds a configuration, makes that configuration's first call cheaper."""
+    target = target or Target.current()
+    device = torch.device("cuda" if target.is_cuda else "cpu")
+    dtype = torch.bfloat16 if target.is_cuda else torch.float32
+    jobs = [(layout, training) for training in phases for layout in FIRST_CALL_SIZES]
+    configuration: dict = {}
+    new_size: dict = {}
+    for index, (layout, training) in enumerate(jobs):
+        if progress:
+            progress(index, len(jobs), f"first calls {layout} {'training' if training else 'inference'}")
+        (batch, seqlen), (batch2, seqlen2) = FIRST_CALL_SIZES[layout]
+        for pair in (START_UP, *pairs):
+            measured = []
+            for b, s in ((batch, seqlen), (batch2, seqlen2)):
+                problem = AttentionProblem(b, s, s, HEADS, HEADS, *pair, dtype=dtype, layout=layout, mask="causal",
+                                           training=training)  # fmt: skip
+                candidates = [v.candidate for v in judge(problem, target) if v.supported]
+                candidates = [c for c in candidates if c.backend not in SKIPPED]
+                if layout == "thd":
+                    candidates = [c for c in candidates if backend_named(c.backend).packs_thd(target)]
+                try:
+                    inputs = random_inputs(problem, device)
+                except torch.OutOfMemoryError:
+                    break
+                measured.append({c: _first_call_extra(attention_step(attention, c, problem, inputs, device), device)
+                                 for c in candidates})  # fmt: skip
+                del inputs
+            if pair == START_UP:
+                continue  # the process's start-up, and the start-up pair's configuration with it
+            for into, extras in zip((configuration, new_size), measured):
+                for c, extra in extras.items():
+                    if extra is not None:
+                        key = calibration.host_key(layout, c.padded, training)
+                        into.setdefault(c.backend, {}).setdefault(key, []).append(extra)
+    if progress:
+        progress(len(jobs), len(jobs), "first calls done")
+
+    def medians(found: dict) -> dict:
+        return {b: {k: round(statistics.median(v), 3) for k, v in sorted(keys.items())} for b, keys in found.items()}
+
+    return {"first_call_ms": medians(configuration), "new_size_ms": medians(new_size)}
 
 
 def _increasing(points: list) -> list:

@@ -9,7 +9,10 @@ A calibration (written by ``attnselect calibrate`` on the user's GPU, or shipped
 - ``gpu``: the GPU's time of a call over a ladder of work sizes, by candidate key
   (:func:`curve_key`: layout, the call's head dims, ``+pad`` for the padded candidate, phase), as [work, us] points
   (:func:`attnselect.choose.predict.work`);
-- ``first_call_ms``: what the first call of a new configuration costs on top (a JIT compile), where it does;
+- ``first_call_ms``: what the first call of a new configuration costs on top of a later one (a JIT compile, a
+  graph build), the process's one-off start-up left out, by layout, padding and phase (:func:`host_key`; one figure
+  for every key in calibrations before those were told apart); ``new_size_ms`` likewise for a new size of a
+  configuration that has run (cuDNN builds a graph per shape), where measured;
 - ``skipped``: backends it leaves out on purpose (never the fastest, or a compile per shape): they rank after the
   calibrated ones.
 
@@ -204,9 +207,11 @@ def _problem(data) -> str | None:
         return "skipped is not a list of backend names"
     if not isinstance(fp["packages"], dict):
         return "its fingerprint's packages are not a dict"
-    host, gpu, first = data.get("host_us"), data.get("gpu"), data.setdefault("first_call_ms", {})
-    if not (isinstance(first, dict) and all(_is_time(ms) for ms in first.values())):
-        return "first_call_ms is not a dict of times"
+    host, gpu = data.get("host_us"), data.get("gpu")
+    for name in ("first_call_ms", "new_size_ms"):
+        costs = data.setdefault(name, {})
+        if not (isinstance(costs, dict) and all(_is_time(ms) or _is_keyed(ms) for ms in costs.values())):
+            return f"{name} is not a dict of times, or of times by layout, padding and phase"
     if not isinstance(host, dict):
         return "host_us is not a dict"
     for backend, times in host.items():
@@ -225,6 +230,20 @@ def _problem(data) -> str | None:
             if [p[0] for p in points] != sorted({p[0] for p in points}):
                 return f"gpu[{backend!r}][{key!r}]: its work sizes do not increase"
     return None
+
+
+def first_call_ms(costs: dict, backend: str, layout: str, padded: bool, training: bool) -> float:
+    """What ``backend``'s first call of a new configuration costs beyond a later one (ms), by a calibration's
+    ``first_call_ms``: at the call's layout, padding and phase where measured there; else the most it cost at any
+    of them (a compile not measured is taken as dear as the dearest measured); 0.0 where not measured at all."""
+    cost = costs.get(backend, 0.0)
+    if not isinstance(cost, dict):
+        return cost
+    return cost.get(host_key(layout, padded, training), max(cost.values(), default=0.0))
+
+
+def _is_keyed(value) -> bool:
+    return isinstance(value, dict) and all(HOST_KEY.fullmatch(k) and _is_time(t) for k, t in value.items())
 
 
 def _is_time(value) -> bool:

@@ -2,7 +2,9 @@
 
 Some kernels compile each configuration on its first call in a process: a forward and backward of FlashAttention-4
 took 6.5-19 s on the H200, its disk cache of compiled kernels filled or not (results/h200_fa4_compile.md). The
-calibration holds that cost per backend (``first_call_ms``). Where the candidate predicted fastest has such a cost
+calibration holds that cost per backend, by layout, padding and phase (``first_call_ms``: FA4's first forward and
+backward of a configuration compiles about three times what its forward alone does), the process's one-off start-up
+left out. Where the candidate predicted fastest has such a cost
 still to pay in this process and another candidate needs no compile, the choice is a ski rental (Karlin, Manasse,
 Rudolph and Sleator, "Competitive snoopy caching", 1988: rent until the rent paid equals the price of buying, then
 buy; never more than twice the cost of knowing the future): the other candidate runs until the time it has lost
@@ -21,11 +23,14 @@ import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from attnselect.choose import calibration
 from attnselect.choose.failures import eager_signature
 from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
 
-COMPILING_MS = 1000.0  # a first call this much longer than the next is a compile (attnselect.bench.calibrate)
+COMPILING_MS = 1000.0  # a new configuration's first call this much longer than the next compiles: priced
+# (FA4: 1.6-5.0 s; cuDNN's graphs 0.1-0.4 s, the others' lazily loaded kernels 0.01-0.03 s, on the H200:
+# results/h200_first_calls_probe.md)
 
 _PAID: set[tuple] = set()  # (candidate, configuration) whose first call this process has paid
 _RENT: dict[tuple, int] = {}  # (deferred candidate, configuration) -> calls rented so far, at any size
@@ -81,9 +86,9 @@ def drawn_rental(
 
     def price(candidate: Candidate) -> float | None:
         """The compile ``candidate`` would pay on its first call of the configuration here (None: nothing to pay)."""
-        if not compiles(candidate, first_call_ms):
+        ms = cost_ms(candidate, first_call_ms, problem)
+        if ms < COMPILING_MS:
             return None
-        ms = first_call_ms[candidate.backend]
         if not configuration:
             configuration.append(_configuration(problem))
         return None if (candidate, configuration[0]) in _PAID else ms
@@ -105,9 +110,12 @@ def drawn_rental(
     return tuple(drawn), None
 
 
-def compiles(candidate: Candidate, first_call_ms: dict) -> bool:
-    """Whether ``candidate``'s first call of a configuration compiles, by the calibration's ``first_call_ms``."""
-    return first_call_ms.get(candidate.backend, 0.0) >= COMPILING_MS
+def cost_ms(candidate: Candidate, first_call_ms: dict, problem: AttentionProblem) -> float:
+    """What ``candidate``'s first call of ``problem``'s configuration costs beyond a later one, by the calibration's
+    ``first_call_ms`` (:func:`attnselect.choose.calibration.first_call_ms`)."""
+    return calibration.first_call_ms(
+        first_call_ms, candidate.backend, problem.layout, candidate.padded, problem.training
+    )
 
 
 def rent_key(rental: Rental, problem: AttentionProblem) -> tuple:
