@@ -63,6 +63,8 @@
 #                                      # attnselect and torch alone: host, latency, stack -> $OUT/h200_small_calls_probe.*
 #   bash scripts/device_run.sh first-calls # benchmarks/first_calls_probe.py: each backend's first calls in a fresh
 #                                      # process: start-up, a new configuration, a new size -> $OUT/h200_first_calls_probe.*
+#   bash scripts/device_run.sh new-lengths # benchmarks/new_lengths.py: dense calls of ever new lengths, first
+#                                      # calls included, fresh processes    -> $OUT/h200_new_lengths[_fa4].*
 #   bash scripts/device_run.sh hot-path-parts # benchmarks/hot_path_parts.py: that dense call's host time, part by
 #                                      # part                                       -> $OUT/h200_hot_path_parts.*
 #   bash scripts/device_run.sh overhead # benchmarks/packed_overhead.py (with FA4 where installed) -> $OUT/h200_packed_overhead.*
@@ -319,6 +321,10 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
     timeout 300 python3 benchmarks/small_calls_probe.py --out "$OUT/h200_small_calls_probe" 2>&1 | grep -v -i warn | tail -60 ;;
   first-calls)   # benchmarks/first_calls_probe.py: first calls split into start-up, configuration and size
     timeout 400 python3 benchmarks/first_calls_probe.py --out "$OUT/h200_first_calls_probe" 2>&1 | grep -v -i warn | tail -16 ;;
+  new-lengths)   # benchmarks/new_lengths.py: dense calls of ever new lengths, fresh processes (NEW_LENGTHS_ARGS)
+    name=h200_new_lengths$(python3 -c 'import flash_attn.cute' 2>/dev/null && echo _fa4)
+    timeout ${NEW_LENGTHS_TIMEOUT:-400} python3 benchmarks/new_lengths.py --out "$OUT/$name" ${NEW_LENGTHS_ARGS:-} 2>&1 \
+      | grep -v -i warn | tail -40 ;;
   hot-path-parts)
     timeout 200 python3 benchmarks/hot_path_parts.py --out "$OUT/h200_hot_path_parts" 2>&1 | grep -v -i warn \
       | grep -E '^(\||## |Timing)' | cut -c1-160 ;;

@@ -49,7 +49,7 @@ def test_a_faster_kernel_that_compiles_waits_until_the_time_lost_reaches_its_com
 def test_the_compile_is_priced_at_the_call_s_phase():
     """FA4's forward compiles far less than its forward and backward (results/h200_first_calls_probe.md): a phase
     whose compile is below a compile's threshold rents nothing."""
-    keyed = sample(first_call_ms={"flash_attn4": {"dense training": 5000.0, "dense inference": 500.0}})
+    keyed = sample(first_call_ms={"flash_attn4": {"dense training": 5000.0, "dense inference": 20.0}})
     for table in (*keyed["gpu"].values(), *keyed["host_us"].values()):  # inference measured as training
         table.update({key.replace("training", "inference"): value for key, value in table.items()})
     calibration.user_path(H200).write_text(json.dumps(keyed))
@@ -155,7 +155,7 @@ def rented_on_cpu(monkeypatch):
     def predictions(verdicts, problem, target):
         found = {v.candidate: None for v in verdicts if v.supported}
         found.update({c: Prediction(1.0, us, "test") for c, us in times.items() if c in found})
-        return found, "test", {"sdpa_flash": 1000.0}
+        return found, "test", {"first_call_ms": {"sdpa_flash": 1000.0}}
 
     monkeypatch.setattr(rules, "predictions", predictions)
     attnselect.clear_cache()
@@ -186,3 +186,44 @@ def test_warmup_makes_the_fastest_candidates_first_call_so_the_job_starts_on_it(
     assert warmed.error is None and warmed.chosen == "sdpa_flash native"
     attnselect.attention(q, k, v, causal=True)
     assert _last_chosen() == Candidate("sdpa_flash")
+
+
+def test_a_new_shape_of_a_configuration_that_ran_rents_where_its_kernel_builds_per_shape(monkeypatch):
+    """cuDNN builds a graph per shape (results/h200_first_calls_probe_40a2f27_fa4.md): once a configuration has run,
+    a dense call of a new shape rents where the fastest candidate's ``new_size_ms`` is priced, counted at that shape
+    alone; a shape that ran has nothing left to pay."""
+    per_shape = sample(first_call_ms={}, new_size_ms={"flash_attn4": {"dense training": 150.0}})
+    calibration.user_path(H200).write_text(json.dumps(per_shape))
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+    assert attnselect.select(LARGE, target=H200).rental is None  # its configuration's first call: not priced here
+    first_calls.ran(FA4, LARGE)
+    other = LARGE._with(seqlen_q=4096, seqlen_kv=4096)
+    decision = attnselect.select(other, target=H200)
+    rental = decision.rental
+    assert decision.chosen == Candidate("sdpa_cudnn") and rental.deferred == FA4 and rental.shape
+    assert rental.compile_ms == 150.0 and rental.calls == math.ceil(150.0 * 1e3 / rental.lost_us)
+    assert "builds for this shape on its first call in this process (about 0.15 s, calibrated)" in decision.why
+    cleared = []
+    monkeypatch.setattr(api, "clear_cache", lambda: cleared.append(True))
+    api._renting(lambda *args: None, rental, LARGE._with(seqlen_q=2048, seqlen_kv=2048))()  # another shape's count
+    assert first_calls._RENT == {first_calls.rent_key(rental, LARGE._with(seqlen_q=2048, seqlen_kv=2048)): 1}
+    first_calls.ran(FA4, other)
+    attnselect.clear_cache()
+    assert attnselect.select(other, target=H200).chosen == FA4
+
+
+def test_a_packed_call_s_shapes_are_not_priced():
+    """A packed loop's every step is a new shape: its per-packing builds are the rules' (the shape cache)."""
+    from attnselect.choose.predict import Prediction
+
+    packed = AttentionProblem(4, 2048, 2048, 16, 16, 192, 128, mask="causal", training=True, layout="thd",
+                              dtype=torch.bfloat16)  # fmt: skip
+    first_calls.ran(FA4, packed)
+    predicted = {FA4: Prediction(1.0, 10.0, "test"), Candidate("sdpa_cudnn"): Prediction(1.0, 20.0, "test")}
+    costs = {"new_size_ms": {"flash_attn4": 500.0}}
+    other = packed._with(seqlen_q=1024, seqlen_kv=1024)
+    assert first_calls.rental((FA4, Candidate("sdpa_cudnn")), predicted, costs, other) is None
+    dense = LARGE._with(seqlen_q=1024, seqlen_kv=1024)
+    first_calls.ran(FA4, LARGE)
+    assert first_calls.rental((FA4, Candidate("sdpa_cudnn")), predicted, costs, dense).shape

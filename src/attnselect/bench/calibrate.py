@@ -43,9 +43,10 @@ HEADS = 16
 # results/h200_flex_probe.md), more than a calibration can spend.
 SKIPPED = ("reference", "sdpa_math", "flex")
 # First calls (first_call_costs): each backend's process start-up paid at START_UP, then each configuration's
-# first call at the first size of FIRST_CALL_SIZES and a new size of it at the second
+# first call at the first size of FIRST_CALL_SIZES and new sizes of it at the others (the least of those: a first
+# larger size may load another kernel variant once, not per size)
 START_UP = (128, 128)
-FIRST_CALL_SIZES = {"bshd": ((1, 1024), (1, 2048)), "thd": ((4, 512), (8, 1024))}
+FIRST_CALL_SIZES = {"bshd": ((1, 1024), (1, 2048), (2, 1536)), "thd": ((4, 512), (8, 1024), (8, 768))}
 HOST_ROUNDS = 5
 HOST_CALLS = 10  # a round's calls of each step
 COMPILING_MS = 1000.0  # a backend whose first call took this much longer at two sizes in a row compiles per shape
@@ -142,15 +143,16 @@ def first_call_costs(
 ) -> dict:
     """``{"first_call_ms": {backend: {host key: ms}}, "new_size_ms": {backend: {host key: ms}}}``: what the first
     call of a new configuration costs beyond a later call of it, and what a new size of a configuration already run
-    costs, each the median over ``pairs`` (native, and padded where the dims differ), by layout, padding and phase
-    (:func:`attnselect.choose.calibration.host_key`), through ``attention`` with the candidate forced.
+    costs (the least of two new sizes), each the median over ``pairs`` (native, and padded where the dims differ),
+    by layout, padding and phase (:func:`attnselect.choose.calibration.host_key`), through ``attention`` with the
+    candidate forced.
 
     A process's first calls of a backend also pay one-off start-up that no later configuration pays: CUDA's lazy
-    module loading, cuDNN's handle and engines, FA4's compiler (on the H200, 0.4-9.4 s inference and 1.9-7.6 s
-    training against 0.01-5.0 s for a new configuration: results/h200_first_calls_probe.md). Each backend's start-up
-    is paid first, at :data:`START_UP`'s dims in each layout and phase, and left out. Run in a process where the
-    ``pairs`` have not run yet (:func:`run` measures these first); FA4's disk cache of compiled kernels, where it
-    holds a configuration, makes that configuration's first call cheaper."""
+    module loading, cuDNN's handle and engines, FA4's compiler (on the H200, 0.04-9.4 s a forward and 1.9-7.6 s a
+    forward and backward, against 0.01-5.0 s for a new configuration: results/h200_first_calls_probe_40a2f27_fa4.md).
+    Each backend's start-up is paid first, at :data:`START_UP`'s dims in each layout and phase, and left out. Run in a
+    process where the ``pairs`` have not run yet (:func:`run` measures these first); FA4's disk cache of compiled
+    kernels, where it holds a configuration, makes that configuration's first call cheaper."""
     target = target or Target.current()
     device = torch.device("cuda" if target.is_cuda else "cpu")
     dtype = torch.bfloat16 if target.is_cuda else torch.float32
@@ -160,10 +162,9 @@ def first_call_costs(
     for index, (layout, training) in enumerate(jobs):
         if progress:
             progress(index, len(jobs), f"first calls {layout} {'training' if training else 'inference'}")
-        (batch, seqlen), (batch2, seqlen2) = FIRST_CALL_SIZES[layout]
         for pair in (START_UP, *pairs):
             measured = []
-            for b, s in ((batch, seqlen), (batch2, seqlen2)):
+            for b, s in FIRST_CALL_SIZES[layout]:
                 problem = AttentionProblem(b, s, s, HEADS, HEADS, *pair, dtype=dtype, layout=layout, mask="causal",
                                            training=training)  # fmt: skip
                 candidates = [v.candidate for v in judge(problem, target) if v.supported]
@@ -179,11 +180,13 @@ def first_call_costs(
                 del inputs
             if pair == START_UP:
                 continue  # the process's start-up, and the start-up pair's configuration with it
-            for into, extras in zip((configuration, new_size), measured):
-                for c, extra in extras.items():
-                    if extra is not None:
-                        key = calibration.host_key(layout, c.padded, training)
-                        into.setdefault(c.backend, {}).setdefault(key, []).append(extra)
+            for c, extra in (measured[0] if measured else {}).items():
+                key = calibration.host_key(layout, c.padded, training)
+                if extra is not None:
+                    configuration.setdefault(c.backend, {}).setdefault(key, []).append(extra)
+                sized = [m[c] for m in measured[1:] if m.get(c) is not None]
+                if sized:
+                    new_size.setdefault(c.backend, {}).setdefault(key, []).append(min(sized))
     if progress:
         progress(len(jobs), len(jobs), "first calls done")
 

@@ -1,20 +1,25 @@
-"""What a process's first call of a configuration costs, and when paying it pays off.
+"""What a process's first call of a configuration, or of a new shape, costs, and when paying it pays off.
 
 Some kernels compile each configuration on its first call in a process: a forward and backward of FlashAttention-4
-took 6.5-19 s on the H200, its disk cache of compiled kernels filled or not (results/h200_fa4_compile.md). The
-calibration holds that cost per backend, by layout, padding and phase (``first_call_ms``: FA4's first forward and
-backward of a configuration compiles about three times what its forward alone does), the process's one-off start-up
-left out. Where the candidate predicted fastest has such a cost
-still to pay in this process and another candidate needs no compile, the choice is a ski rental (Karlin, Manasse,
-Rudolph and Sleator, "Competitive snoopy caching", 1988: rent until the rent paid equals the price of buying, then
-buy; never more than twice the cost of knowing the future): the other candidate runs until the time it has lost
-against the faster one, by their predicted times, reaches the compile's cost, then the faster one is chosen and pays
-its compile. A one-off call does not pay seconds of compile to save microseconds, and a training loop reaches the
-faster kernel after a bounded loss.
+took 6.5-19 s on the H200, its disk cache of compiled kernels filled or not (results/h200_fa4_compile.md). Others
+build per shape: PyTorch's cuDNN attention builds a cuDNN graph for every new (batch, heads, lengths, head dims,
+strides) (aten/src/ATen/native/cudnn/MHA.cpp, MHAParams), 42.4-151.5 ms a new size on the H200, where F.sdpa's
+default dispatch, which reaches it there, pays it at every new length (results/h200_first_calls_probe_40a2f27_fa4.md).
+The calibration holds both per backend, by layout, padding and phase: ``first_call_ms``, a new configuration's first
+call, and ``new_size_ms``, a new shape's of a configuration that has run, each beyond a later call, the process's
+one-off start-up left out. Where the candidate predicted fastest has such a cost still to pay in this process, at
+least :data:`COMPILING_MS`, and another candidate has none, the choice is a ski rental (Karlin, Manasse, Rudolph and
+Sleator, "Competitive snoopy caching", 1988: rent until the rent paid equals the price of buying, then buy; never
+more than twice the cost of knowing the future): the other candidate runs until the time it has lost against the
+faster one, by their predicted times, reaches that cost, then the faster one is chosen and pays it. A one-off call
+does not pay a compile or a graph to save microseconds, and a training loop reaches the faster kernel after a
+bounded loss.
 
 A configuration (the call at any size) is paid for in a process once a call of it has run there (:func:`ran`:
-``attnselect.warmup`` makes those calls ahead of time) or its rent has reached the price (:func:`paid`). That is
-process state, not a memo: clearing the decision caches does not forget it (:func:`forget` does, for tests).
+``attnselect.warmup`` makes those calls ahead of time) or its rent has reached the price (:func:`paid`); so is a
+dense call's shape. That is process state, not a memo: clearing the decision caches does not forget it
+(:func:`forget` does, for tests). Shapes are priced for dense calls only: a packed call's per-packing builds are the
+shape cache's (:mod:`attnselect.choose.rules` ranks a candidate that rebuilds per packing after those that do not).
 """
 
 from __future__ import annotations
@@ -28,30 +33,35 @@ from attnselect.choose.failures import eager_signature
 from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
 
-COMPILING_MS = 1000.0  # a new configuration's first call this much longer than the next compiles: priced
-# (FA4: 1.6-5.0 s; cuDNN's graphs 0.1-0.4 s, the others' lazily loaded kernels 0.01-0.03 s, on the H200:
-# results/h200_first_calls_probe.md)
+# A first call this much longer than the next builds something worth renting around: on the H200 FA4's
+# configurations (2.6-8.9 s), cuDNN's (0.6-2.1 s) and its graphs per shape (42-152 ms), the cuDNN frontend's; not
+# the other kernels' lazily loaded modules (5-47 ms a configuration, under 2 ms a later new size):
+# results/h200_calibration.md, results/h200_first_calls_probe_40a2f27_fa4.md
+COMPILING_MS = 50.0
 
-_PAID: set[tuple] = set()  # (candidate, configuration) whose first call this process has paid
-_RENT: dict[tuple, int] = {}  # (deferred candidate, configuration) -> calls rented so far, at any size
-_CHANGES = [0]  # how often _PAID changed: a decision drawn at one count stands while the count holds (paid_state)
+_PAID: set[tuple] = set()  # (candidate, configuration[, shape]) whose first call this process has paid
+_RENT: dict[tuple, int] = {}  # a rental's key (rent_key) -> calls rented so far
+_CHANGES = [0]  # how often a configuration was paid: a packed decision drawn at one count stands while it holds
 
 
 class Rental(NamedTuple):
     """The candidate run meanwhile (``chosen``), the one deferred (``deferred``) and after how many calls the
-    deferred one's compile has been paid in lost time (``calls``; 0 for a captured or compiled call, which keeps
-    ``chosen`` for the graph's life)."""
+    deferred one's cost has been paid in lost time (``calls``; 0 for a captured or compiled call, which keeps
+    ``chosen`` for the graph's life); ``shape``: the cost is the deferred candidate's build for this shape, its
+    configuration having run (else its configuration's first call)."""
 
     chosen: Candidate
     deferred: Candidate
     calls: int
     compile_ms: float
     lost_us: float  # per call
+    shape: bool = False
 
     def describe(self) -> str:
+        builds = "builds for this shape" if self.shape else "compiles"
         head = (
-            f"{self.deferred} is predicted {self.lost_us:.1f} us a call faster but compiles on its first call in this "
-            f"process (about {self.compile_ms / 1e3:.1f} s, calibrated): "
+            f"{self.deferred} is predicted {self.lost_us:.1f} us a call faster but {builds} on its first call in "
+            f"this process (about {self.compile_ms / 1e3:.{2 if self.compile_ms < 1e3 else 1}f} s, calibrated): "
         )
         if not self.calls:
             return head + (
@@ -64,37 +74,42 @@ class Rental(NamedTuple):
         )
 
 
-def rental(
-    ranked: tuple[Candidate, ...], predicted: dict, first_call_ms: dict, problem: AttentionProblem
-) -> Rental | None:
-    """The rental where ``ranked[0]`` (ranked by ``predicted`` time) has a compile still to pay for ``problem`` in
-    this process and a candidate that compiles nothing serves; None otherwise (choose ``ranked[0]``). A captured or
-    compiled call whose fastest candidate is unpaid keeps the candidate its eager warm-up ran (``calls`` 0): it
-    would otherwise compile inside the capture, unchecked (attnselect.self_check checks eager calls)."""
-    return drawn_rental(iter(ranked), predicted, first_call_ms, problem)[1]
+def rental(ranked: tuple[Candidate, ...], predicted: dict, costs: dict, problem: AttentionProblem) -> Rental | None:
+    """The rental where ``ranked[0]`` (ranked by ``predicted`` time) has a first call still to pay for ``problem``
+    in this process (``costs``: a calibration's ``first_call_ms`` and ``new_size_ms``) and a candidate with none
+    serves; None otherwise (choose ``ranked[0]``). A captured or compiled call whose fastest candidate is unpaid keeps
+    the candidate its eager warm-up ran (``calls`` 0): it would otherwise compile inside the capture, unchecked
+    (attnselect.self_check checks eager calls)."""
+    return drawn_rental(iter(ranked), predicted, costs, problem)[1]
 
 
 def drawn_rental(
-    ranking: Iterator[Candidate], predicted: dict, first_call_ms: dict, problem: AttentionProblem
+    ranking: Iterator[Candidate], predicted: dict, costs: dict, problem: AttentionProblem
 ) -> tuple[tuple[Candidate, ...], Rental | None]:
     """:func:`rental` of the ranking ``ranking`` yields, drawing from it only as far as the rental needs: the
     candidates drawn (the ranking's head) and the rental."""
     best = next(ranking, None)
     if best is None:
         return (), None
-    configuration = []  # worked out on first use: most candidates compile nothing
+    keys: list = []  # the configuration and the shape, worked out on first use: most candidates build nothing
 
-    def price(candidate: Candidate) -> float | None:
-        """The compile ``candidate`` would pay on its first call of the configuration here (None: nothing to pay)."""
-        ms = cost_ms(candidate, first_call_ms, problem)
-        if ms < COMPILING_MS:
+    def price(candidate: Candidate) -> tuple[float, bool] | None:
+        """What ``candidate`` would pay on its first call here, and whether for the shape (None: nothing to pay)."""
+        configuration_ms = cost_ms(candidate, costs.get("first_call_ms", {}), problem)
+        shape_ms = 0.0 if problem.layout == "thd" else cost_ms(candidate, costs.get("new_size_ms", {}), problem)
+        if max(configuration_ms, shape_ms) < COMPILING_MS:
             return None
-        if not configuration:
-            configuration.append(_configuration(problem))
-        return None if (candidate, configuration[0]) in _PAID else ms
+        if not keys:
+            keys.append(_configuration(problem))
+            keys.append(None if problem.layout == "thd" else _shape(problem))
+        if (candidate, keys[0]) not in _PAID:
+            return (configuration_ms, False) if configuration_ms >= COMPILING_MS else None
+        if keys[1] is not None and shape_ms >= COMPILING_MS and (candidate, keys[0], keys[1]) not in _PAID:
+            return shape_ms, True
+        return None
 
-    compile_ms, drawn = price(best), [best]
-    if compile_ms is None or predicted.get(best) is None:
+    owed, drawn = price(best), [best]
+    if owed is None or predicted.get(best) is None:
         return tuple(drawn), None
     for other in ranking:
         drawn.append(other)
@@ -105,28 +120,29 @@ def drawn_rental(
             if lost <= 0:
                 return tuple(drawn), None
             graph = problem.cuda_graph_capture or problem.compiled_graph
-            calls = 0 if graph else max(math.ceil(compile_ms * 1e3 / lost), 1)
-            return tuple(drawn), Rental(other, best, calls, compile_ms, lost)
+            calls = 0 if graph else max(math.ceil(owed[0] * 1e3 / lost), 1)
+            return tuple(drawn), Rental(other, best, calls, owed[0], lost, owed[1])
     return tuple(drawn), None
 
 
-def cost_ms(candidate: Candidate, first_call_ms: dict, problem: AttentionProblem) -> float:
-    """What ``candidate``'s first call of ``problem``'s configuration costs beyond a later one, by the calibration's
-    ``first_call_ms`` (:func:`attnselect.choose.calibration.first_call_ms`)."""
-    return calibration.first_call_ms(
-        first_call_ms, candidate.backend, problem.layout, candidate.padded, problem.training
-    )
+def cost_ms(candidate: Candidate, costs: dict, problem: AttentionProblem) -> float:
+    """What ``candidate``'s first call of ``problem`` costs beyond a later one by ``costs`` (a calibration's
+    ``first_call_ms`` or ``new_size_ms``: :func:`attnselect.choose.calibration.first_call_ms`)."""
+    return calibration.first_call_ms(costs, candidate.backend, problem.layout, candidate.padded, problem.training)
 
 
 def rent_key(rental: Rental, problem: AttentionProblem) -> tuple:
-    """What :func:`rent` counts under: the deferred candidate and the configuration (worked out once per runner)."""
-    return rental.deferred, _configuration(problem)
+    """What :func:`rent` counts under: the deferred candidate, the configuration and, for a shape's build, the shape
+    (worked out once per runner)."""
+    configuration = _configuration(problem)
+    return (rental.deferred, configuration, _shape(problem)) if rental.shape else (rental.deferred, configuration)
 
 
 def rent(rental: Rental, key: tuple) -> bool:
     """Count one call run meanwhile; True at the call that reaches the rental's count, or once the deferred
     candidate was paid otherwise (a forced call, another size's choice): the decisions are then made again. Calls of
-    the configuration at other sizes count together: a packed loop's every step has new sizes."""
+    a configuration's rental count together at every size (a packed loop's every step has new sizes); a shape's, at
+    that shape."""
     if key in _PAID:
         return True
     calls = _RENT[key] = _RENT.get(key, 0) + 1
@@ -137,20 +153,26 @@ def rent(rental: Rental, key: tuple) -> bool:
 
 
 def ran(candidate: Candidate, problem: AttentionProblem) -> None:
-    """A call of ``problem`` ran on ``candidate`` in this process: its configuration is compiled."""
-    key = (candidate, _configuration(problem))
+    """A call of ``problem`` ran on ``candidate`` in this process: its configuration is compiled, and a dense call's
+    shape built."""
+    configuration = _configuration(problem)
+    key = (candidate, configuration)
     if key not in _PAID:
         _pay(key)
+    if problem.layout != "thd":
+        _PAID.add((candidate, configuration, _shape(problem)))
 
 
 def _pay(key: tuple) -> None:
     _PAID.add(key)
-    _CHANGES[0] += 1
+    if len(key) == 2:  # a configuration: what a packed decision's draw reads (a shape is priced for dense calls)
+        _CHANGES[0] += 1
 
 
 def paid_state() -> int:
-    """A count that changes whenever what this process has paid for changes: a rental drawn (:func:`drawn_rental`)
-    at one count is drawn alike while it holds, as the prices are all it reads of this process."""
+    """A count that changes whenever the configurations this process has paid for change: a packed rental drawn
+    (:func:`drawn_rental`) at one count is drawn alike while it holds, as the configurations' prices are all it reads
+    of this process (shapes are priced for dense calls only)."""
     return _CHANGES[0]
 
 
@@ -161,6 +183,11 @@ def _configuration(problem: AttentionProblem) -> tuple:
     """What a compile is kept for: the problem's signature at any size (FA4 compiles per head dims, GQA ratio, mask,
     layout, dtype and phase, not per length: flash_attn/cute/interface.py compile_key)."""
     return eager_signature(problem.sizeless)
+
+
+def _shape(problem: AttentionProblem) -> tuple:
+    """What a per-shape build is kept for: the dense problem's signature with its sizes (cuDNN's MHAParams)."""
+    return eager_signature(problem)
 
 
 def forget() -> None:

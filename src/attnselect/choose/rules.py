@@ -370,7 +370,8 @@ def predictions(
     verdicts: tuple[Verdict, ...], problem: AttentionProblem, target: Target
 ) -> tuple[dict[Candidate, Prediction | None] | None, str, dict]:
     """Each supported candidate's predicted time (None for backends the calibration skips on purpose: they rank
-    after the others), the calibration's source and its first calls' costs (``first_call_ms``); (None, why not,
+    after the others), the calibration's source and the calibration itself (its first calls' costs:
+    :mod:`attnselect.choose.first_calls`); (None, why not,
     {}) where no calibration holds on ``target``, the
     call is not one calibrations measure (:func:`attnselect.choose.calibration.outside`: the table ranks it), or a
     candidate the calibration did not skip has no curve for it or another version of its package (a partial
@@ -389,7 +390,7 @@ def predictions(
                 return None, f"calibration {source} {unranked}", {}
     if not any(predicted.values()):
         return None, f"calibration {source} has no curve for this call's candidates", {}
-    return predicted, source, found["first_call_ms"]
+    return predicted, source, found
 
 
 def prediction(

@@ -241,7 +241,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     if earlier.overrides.backend is not None:  # a forced backend is never rented out (_decide)
         ranked, rental = tuple(itertools.islice(ordered, 1)), None
     else:
-        ranked, rental = first_calls.drawn_rental(ordered, predicted, found["first_call_ms"], problem)
+        ranked, rental = first_calls.drawn_rental(ordered, predicted, found, problem)
     if not ranked or predicted[ranked[0]] is None:  # nothing it serves is calibrated: select() says why
         return None
     decision, sized = held[:2] if held is not None else (None, ())
@@ -401,7 +401,7 @@ def _failed(problem: AttentionProblem, target: Target) -> dict:
 
 def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overrides) -> Decision:
     verdicts = judge(problem, target, overrides, _failed(problem, target))
-    predicted, calibration, first_call_ms = rules.predictions(verdicts, problem, target)
+    predicted, calibration, costs = rules.predictions(verdicts, problem, target)
     ranked = rules.rank(verdicts, problem, target, predicted)
     if not ranked:
         error = ForcedChoiceError if overrides.backend or overrides.pad != "auto" else NoSupportedCandidateError
@@ -411,7 +411,7 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
     if overrides.policy == "measure" and (len(ranked) > 1 or is_distributed()):
         ranked, timings = measure.measured(problem, target, ranked)
     elif predicted is not None and overrides.backend is None:  # a compile to pay first (attnselect.choose.first_calls)
-        rental = first_calls.rental(ranked, predicted, first_call_ms, problem)
+        rental = first_calls.rental(ranked, predicted, costs, problem)
     return Decision(
         problem, target, overrides.policy, overrides, rental.chosen if rental else ranked[0], ranked, verdicts,
         timings, predicted, calibration, rental,
