@@ -192,7 +192,8 @@ def test_a_new_shape_of_a_configuration_that_ran_rents_where_its_kernel_builds_p
     """cuDNN builds a graph per shape (results/h200_first_calls_probe_40a2f27_fa4.md): once a configuration has run,
     a dense call of a new shape rents where the fastest candidate's ``new_size_ms`` is priced, counted at that shape
     alone; a shape that ran has nothing left to pay."""
-    per_shape = sample(first_call_ms={}, new_size_ms={"flash_attn4": {"dense training": 150.0}})
+    # 20 ms: a shape's build rents (BUILDING_MS) where a configuration's first call would not (COMPILING_MS)
+    per_shape = sample(first_call_ms={"flash_attn4": 20.0}, new_size_ms={"flash_attn4": {"dense training": 20.0}})
     calibration.user_path(H200).write_text(json.dumps(per_shape))
     calibration.parse.cache_clear()
     attnselect.clear_cache()
@@ -202,8 +203,8 @@ def test_a_new_shape_of_a_configuration_that_ran_rents_where_its_kernel_builds_p
     decision = attnselect.select(other, target=H200)
     rental = decision.rental
     assert decision.chosen == Candidate("sdpa_cudnn") and rental.deferred == FA4 and rental.shape
-    assert rental.compile_ms == 150.0 and rental.calls == math.ceil(150.0 * 1e3 / rental.lost_us)
-    assert "builds for this shape on its first call in this process (about 0.15 s, calibrated)" in decision.why
+    assert rental.compile_ms == 20.0 and rental.calls == math.ceil(20.0 * 1e3 / rental.lost_us)
+    assert "builds for this shape on its first call in this process (about 0.02 s, calibrated)" in decision.why
     cleared = []
     monkeypatch.setattr(api, "clear_cache", lambda: cleared.append(True))
     api._renting(lambda *args: None, rental, LARGE._with(seqlen_q=2048, seqlen_kv=2048))()  # another shape's count

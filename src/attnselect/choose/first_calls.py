@@ -7,13 +7,13 @@ strides) (aten/src/ATen/native/cudnn/MHA.cpp, MHAParams), 42.4-151.5 ms a new si
 default dispatch, which reaches it there, pays it at every new length (results/h200_first_calls_probe_40a2f27_fa4.md).
 The calibration holds both per backend, by layout, padding and phase: ``first_call_ms``, a new configuration's first
 call, and ``new_size_ms``, a new shape's of a configuration that has run, each beyond a later call, the process's
-one-off start-up left out. Where the candidate predicted fastest has such a cost still to pay in this process, at
-least :data:`COMPILING_MS`, and another candidate has none, the choice is a ski rental (Karlin, Manasse, Rudolph and
-Sleator, "Competitive snoopy caching", 1988: rent until the rent paid equals the price of buying, then buy; never
-more than twice the cost of knowing the future): the other candidate runs until the time it has lost against the
-faster one, by their predicted times, reaches that cost, then the faster one is chosen and pays it. A one-off call
-does not pay a compile or a graph to save microseconds, and a training loop reaches the faster kernel after a
-bounded loss.
+one-off start-up left out. Where the candidate predicted fastest has such a cost still to pay in this process (at
+least :data:`COMPILING_MS` a configuration, :data:`BUILDING_MS` a shape) and another candidate has none, the choice
+is a ski rental (Karlin, Manasse, Rudolph and Sleator, "Competitive snoopy caching", 1988: rent until the rent paid
+equals the price of buying, then buy; never more than twice the cost of knowing the future): the other candidate
+runs until the time it has lost against the faster one, by their predicted times, reaches that cost, then the faster
+one is chosen and pays it. A one-off call does not pay a compile or a graph to save microseconds, and a training
+loop reaches the faster kernel after a bounded loss.
 
 A configuration (the call at any size) is paid for in a process once a call of it has run there (:func:`ran`:
 ``attnselect.warmup`` makes those calls ahead of time) or its rent has reached the price (:func:`paid`); so is a
@@ -33,11 +33,13 @@ from attnselect.choose.failures import eager_signature
 from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
 
-# A first call this much longer than the next builds something worth renting around: on the H200 FA4's
-# configurations (2.6-8.9 s), cuDNN's (0.6-2.1 s) and its graphs per shape (42-152 ms), the cuDNN frontend's; not
-# the other kernels' lazily loaded modules (5-47 ms a configuration, under 2 ms a later new size):
-# results/h200_calibration.md, results/h200_first_calls_probe_40a2f27_fa4.md
+# A first call this much longer than the next builds something worth renting around, for a new configuration and for
+# a new shape of one that ran. On the H200: FA4's configurations (2.6-8.9 s), cuDNN's (0.6-2.1 s), the cuDNN
+# frontend's (53-2653 ms), not the other kernels' lazily loaded modules (5-47 ms); cuDNN's graph per shape
+# (42-152 ms), where a new size costs the others 0.4-1.4 ms (results/h200_calibration.md,
+# results/h200_first_calls_probe_40a2f27_fa4.md)
 COMPILING_MS = 50.0
+BUILDING_MS = 10.0
 
 _PAID: set[tuple] = set()  # (candidate, configuration[, shape]) whose first call this process has paid
 _RENT: dict[tuple, int] = {}  # a rental's key (rent_key) -> calls rented so far
@@ -97,14 +99,14 @@ def drawn_rental(
         """What ``candidate`` would pay on its first call here, and whether for the shape (None: nothing to pay)."""
         configuration_ms = cost_ms(candidate, costs.get("first_call_ms", {}), problem)
         shape_ms = 0.0 if problem.layout == "thd" else cost_ms(candidate, costs.get("new_size_ms", {}), problem)
-        if max(configuration_ms, shape_ms) < COMPILING_MS:
+        if configuration_ms < COMPILING_MS and shape_ms < BUILDING_MS:
             return None
         if not keys:
             keys.append(_configuration(problem))
             keys.append(None if problem.layout == "thd" else _shape(problem))
         if (candidate, keys[0]) not in _PAID:
             return (configuration_ms, False) if configuration_ms >= COMPILING_MS else None
-        if keys[1] is not None and shape_ms >= COMPILING_MS and (candidate, keys[0], keys[1]) not in _PAID:
+        if keys[1] is not None and shape_ms >= BUILDING_MS and (candidate, keys[0], keys[1]) not in _PAID:
             return shape_ms, True
         return None
 
