@@ -228,3 +228,11 @@ def test_a_packed_call_s_shapes_are_not_priced():
     dense = LARGE._with(seqlen_q=1024, seqlen_kv=1024)
     first_calls.ran(FA4, LARGE)
     assert first_calls.rental((FA4, Candidate("sdpa_cudnn")), predicted, costs, dense).shape
+
+
+def test_a_memoized_rental_is_drawn_again_once_what_it_deferred_was_paid():
+    """select()'s memo does not hand out a rental whose deferred compile a forced call or warmup has paid since."""
+    assert attnselect.select(LARGE, target=H200).rental is not None
+    first_calls.ran(FA4, LARGE._with(seqlen_q=4096, seqlen_kv=4096))  # the configuration, at another size
+    decision = attnselect.select(LARGE, target=H200)
+    assert decision.rental is None and decision.chosen == FA4

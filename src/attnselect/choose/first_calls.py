@@ -140,6 +140,12 @@ def rent_key(rental: Rental, problem: AttentionProblem) -> tuple:
     return (rental.deferred, configuration, _shape(problem)) if rental.shape else (rental.deferred, configuration)
 
 
+def settled(rental: Rental, problem: AttentionProblem) -> bool:
+    """Whether what ``rental`` defers for ``problem`` has been paid in this process since it was drawn (a forced
+    call, ``warmup``, the rent of another size's rental): a memoized decision holding it is drawn again."""
+    return rent_key(rental, problem) in _PAID
+
+
 def rent(rental: Rental, key: tuple) -> bool:
     """Count one call run meanwhile; True at the call that reaches the rental's count, or once the deferred
     candidate was paid otherwise (a forced call, another size's choice): the decisions are then made again. Calls of

@@ -59,6 +59,8 @@ def select(
         decision = _MEMO.get(key)
     except TypeError:  # an unhashable control: resolve() names it
         decision, key = None, None
+    if decision is not None and decision.rental is not None and first_calls.settled(decision.rental, problem):
+        decision = None  # what it rented around has been paid since (a forced call, warmup, another size's choice)
     if decision is None:
         # Settings read only on some paths fail on every call alike: before anything is decided or memoized.
         debug.debug_level()
