@@ -236,3 +236,10 @@ def test_a_memoized_rental_is_drawn_again_once_what_it_deferred_was_paid():
     first_calls.ran(FA4, LARGE._with(seqlen_q=4096, seqlen_kv=4096))  # the configuration, at another size
     decision = attnselect.select(LARGE, target=H200)
     assert decision.rental is None and decision.chosen == FA4
+
+
+def test_a_rented_padded_choice_is_not_said_to_win_by_padding():
+    padded = Candidate("sdpa_cudnn", 192)
+    rental = first_calls.Rental(padded, FA4, 10, 4000.0, 5.0)
+    decision = dataclasses.replace(attnselect.select(LARGE, target=H200), chosen=padded, rental=rental)
+    assert "padding wins" not in decision.why and "sdpa_cudnn padded to 192 runs until" in decision.why

@@ -74,6 +74,8 @@ class Decision:
             return f"running {self.chosen.backend}, {how}, because {because}"
         if self.overrides.pad != "auto" and self.problem.pad_target is not None:
             because += f"; the caller set pad={self.overrides.pad!r}"
+        elif self.rental is not None:  # the rental says why this candidate, padded or not, runs meanwhile
+            pass
         elif self.chosen.padded:
             because += (
                 f"; padding wins over the best native candidate, {natives[0].backend}"
