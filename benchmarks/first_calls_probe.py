@@ -2,13 +2,14 @@
 
     python benchmarks/first_calls_probe.py --out results/h200_first_calls_probe   # a GPU; writes .json and .md
 
-The packaged calibration keeps one first-call figure per backend (``first_call_ms``, the median over the
-calibration's configurations), and attnselect.choose.first_calls charges it to every new configuration. Whether a
-backend's first call pays once a process (cuDNN's library start-up), once a configuration (FA4's compile: head dims,
-mask, phase) or once a size (a cuDNN graph built per shape) decides what that charge should be. Each backend runs in
-a fresh process (FA4 with an empty compile cache), bshd, 16 heads, causal, bf16, forced through attnselect
-(``backend=``; training a forward and ``torch.autograd.grad``), and F.sdpa's default dispatch likewise. The calls, in
-order, each timed as synchronised wall ms, then a second call of the same:
+attnselect.choose.first_calls charges a backend's first call of a configuration, and of a new shape, to the
+candidate that would pay it. Whether a backend's first call pays once a process (cuDNN's library start-up), once a
+configuration (FA4's compile: head dims, mask, phase) or once a size (a cuDNN graph built per shape) decides what
+each charge should be; this probe splits them, the calibration keeps them
+(attnselect.bench.calibrate.first_call_costs). Each backend runs in a fresh process (FA4 with an empty compile
+cache), bshd, 16 heads, causal, bf16, forced through attnselect (``backend=``; training a forward and
+``torch.autograd.grad``), and F.sdpa's default dispatch likewise. The calls, in order, each timed as synchronised wall
+ms, then a second call of the same:
 
 1. configuration A (128/128) at B1 S1024: the process's first call (start-up, configuration and size);
 2. A at B1 S2048, then A at B2 S1536: new sizes of a known configuration;

@@ -231,6 +231,7 @@ def _renting(run, rental: first_calls.Rental, problem: AttentionProblem):
     def renting(*args):
         if not paid[0] and first_calls.rent(rental, key):
             paid[0] = True
+            first_calls.paid(rental.deferred, problem)  # a configuration's first call builds its first shape too
             log.info("attnselect: %s; the rent reached the price: choosing again for %s", rental.describe(),
                      problem.describe())  # fmt: skip
             clear_cache()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -47,6 +49,7 @@ def test_first_calls_are_priced_by_configuration_and_size_with_the_process_start
     monkeypatch.setattr(calibrate, "FIRST_CALL_SIZES", {"bshd": ((1, 32), (1, 64), (2, 48))})
 
     def attention(q, k, v, **kwargs):
+        assert os.environ["ATTNSELECT_SELF_CHECK"] == "0"  # the self-check's cost is no backend's
         backend, padded, training = kwargs["backend"], kwargs["pad"], q.requires_grad
         for part, key in (
             ("start-up", (backend, training)),
@@ -61,6 +64,7 @@ def test_first_calls_are_priced_by_configuration_and_size_with_the_process_start
         d_v = v.shape[-1]
         return q[..., :d_v] + k[..., :d_v] + v  # no kernel: the sleeps are all the time there is to find
 
+    before = os.environ.get("ATTNSELECT_SELF_CHECK")
     found = calibrate.first_call_costs(attention=attention, pairs=((24, 16), (32, 32)), phases=(True,))
     assert set(found) == {"first_call_ms", "new_size_ms"}
     configuration, size = found["first_call_ms"]["sdpa_flash"], found["new_size_ms"]["sdpa_flash"]
@@ -68,6 +72,9 @@ def test_first_calls_are_priced_by_configuration_and_size_with_the_process_start
     # a configuration's first call pays its first size too (400 ms); with the start-up, the median would be 900
     assert all(250 <= ms < 800 for ms in configuration.values()), configuration
     assert all(50 <= ms < 250 for ms in size.values()), size
+    assert os.environ.get("ATTNSELECT_SELF_CHECK") == before  # as it was
+    with pytest.raises(ValueError, match="no pair but the start-up's"):
+        calibrate.first_call_costs(attention=attention, pairs=(calibrate.START_UP,))
 
 
 def test_packed_calls_are_timed_by_the_candidates_that_pack_with_a_new_packing_every_call(monkeypatch):

@@ -243,3 +243,52 @@ def test_a_rented_padded_choice_is_not_said_to_win_by_padding():
     rental = first_calls.Rental(padded, FA4, 10, 4000.0, 5.0)
     decision = dataclasses.replace(attnselect.select(LARGE, target=H200), chosen=padded, rental=rental)
     assert "padding wins" not in decision.why and "sdpa_cudnn padded to 192 runs until" in decision.why
+
+
+def test_lengths_in_one_size_class_are_shapes_of_their_own():
+    """cuDNN keys its graphs on the lengths themselves (MHAParams), not on the size class a signature holds."""
+    per_shape = sample(first_call_ms={}, new_size_ms={"flash_attn4": {"dense training": 150.0}})
+    calibration.user_path(H200).write_text(json.dumps(per_shape))
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+    ran, near = (LARGE._with(seqlen_q=s, seqlen_kv=s) for s in (6000, 7000))
+    first_calls.ran(FA4, ran)
+    assert near.size_class == ran.size_class
+    assert attnselect.select(near, target=H200).rental.shape
+
+
+def test_a_configuration_s_rent_paid_pays_its_first_shape_too(monkeypatch):
+    """A configuration's first call builds its first shape as well: once its rent is paid, that shape rents
+    nothing more."""
+    both = sample(new_size_ms={"flash_attn4": {"dense training": 150.0}})  # and FA4's 4000 ms configuration
+    calibration.user_path(H200).write_text(json.dumps(both))
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+    rental = attnselect.select(LARGE, target=H200).rental
+    assert not rental.shape
+    monkeypatch.setattr(api, "clear_cache", attnselect.clear_cache)
+    run = api._renting(lambda *args: None, rental, LARGE)
+    for _ in range(rental.calls):
+        run()
+    decision = attnselect.select(LARGE, target=H200)
+    assert decision.chosen == FA4 and decision.rental is None
+
+
+def test_a_packed_family_s_rental_is_drawn_again_once_paid():
+    from attnselect.choose.selection import select_packed
+
+    packed = sample()
+    packed["skipped"].remove("varlen_fa2")  # a packing kernel that compiles nothing, to rent
+    packed["gpu"]["varlen_fa2"] = {"thd 192/128+pad training": [[10.0, 30.0], [1e4, 2000.0]]}
+    packed["host_us"]["varlen_fa2"] = {"thd+pad training": 100.0}
+    for table in (*packed["gpu"].values(), *packed["host_us"].values()):  # packed measured as dense
+        table.update({key.replace("dense", "thd"): value for key, value in table.items()})
+    calibration.user_path(H200).write_text(json.dumps(packed))
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+    problem = AttentionProblem(8, 4096, 4096, 16, 16, 192, 128, mask="causal", training=True, layout="thd",
+                               dtype=torch.bfloat16)  # fmt: skip
+    first = select_packed(problem, target=H200)
+    assert first.rental.deferred == FA4, first.why
+    first_calls.ran(first.rental.deferred, problem._with(seqlen_q=1024, seqlen_kv=1024))
+    assert select_packed(problem, target=H200).rental is None

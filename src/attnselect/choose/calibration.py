@@ -233,9 +233,10 @@ def _problem(data) -> str | None:
 
 
 def first_call_ms(costs: dict, backend: str, layout: str, padded: bool, training: bool) -> float:
-    """What ``backend``'s first call of a new configuration costs beyond a later one (ms), by a calibration's
-    ``first_call_ms``: at the call's layout, padding and phase where measured there; else the most it cost at any
-    of them (a compile not measured is taken as dear as the dearest measured); 0.0 where not measured at all."""
+    """What ``backend``'s first call costs beyond a later one (ms) by ``costs``, a calibration's ``first_call_ms``
+    (a new configuration) or ``new_size_ms`` (a new size of one that has run): at the call's layout, padding and
+    phase where measured there; else the most it cost at any of them (a cost not measured is taken as dear as the
+    dearest measured); 0.0 where not measured at all."""
     cost = costs.get(backend, 0.0)
     if not isinstance(cost, dict):
         return cost

@@ -194,8 +194,10 @@ def _configuration(problem: AttentionProblem) -> tuple:
 
 
 def _shape(problem: AttentionProblem) -> tuple:
-    """What a per-shape build is kept for: the dense problem's signature with its sizes (cuDNN's MHAParams)."""
-    return eager_signature(problem)
+    """What a per-shape build is kept for: the dense problem's signature (its layout, dims, mask, dtype, phase) with
+    its batch, heads and lengths (cuDNN's MHAParams; the signature holds only a size class)."""
+    p = problem
+    return eager_signature(p), p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv
 
 
 def forget() -> None:

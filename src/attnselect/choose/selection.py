@@ -176,7 +176,8 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     decision = None
     if family is not None:
         earlier, held_for = family.last
-        if _same_sizes(problem, held_for):  # the key holds every other field
+        settled = earlier.rental is not None and first_calls.settled(earlier.rental, problem)
+        if _same_sizes(problem, held_for) and not settled:  # the key holds every other field
             decision = earlier
         elif earlier.policy == "rules":
             decision = _carried(family, earlier, problem, target)
