@@ -29,7 +29,7 @@ from attnselect.choose.settings import strict
 from attnselect.choose.timing import random_inputs
 from attnselect.context_parallel.call import attention as context_parallel_attention
 from attnselect.context_parallel.call import group_size
-from attnselect.dispatch import KnownCall, recall
+from attnselect.dispatch import KnownCall, forget_dense, recall
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import TIMING_SOFTCAP, apply_sinks, dense_runner, kernel_call, packed_runner, run_call
 from attnselect.memos import clear_cache
@@ -224,7 +224,9 @@ _CONTROL_FLOW = tuple(
 
 def _renting(run, rental: first_calls.Rental, problem: AttentionProblem):
     """``run``, counting its calls (:func:`attnselect.choose.first_calls.rent`): at the rental's count the deferred
-    candidate's compile is paid for in lost time, and the decisions are forgotten, so the next call chooses it."""
+    candidate's compile is paid for in lost time, and the decisions are forgotten, so the next call chooses it: every
+    decision for a configuration's compile (it holds at every size), the calls of this shape alone for a shape's
+    build (a server's many recurring lengths each end a rental: select() draws a paid one again itself)."""
 
     key, paid = first_calls.rent_key(rental, problem), [False]
 
@@ -234,7 +236,10 @@ def _renting(run, rental: first_calls.Rental, problem: AttentionProblem):
             first_calls.paid(rental.deferred, problem)  # a configuration's first call builds its first shape too
             log.info("attnselect: %s; the rent reached the price: choosing again for %s", rental.describe(),
                      problem.describe())  # fmt: skip
-            clear_cache()
+            if rental.shape:
+                forget_dense(problem)
+            else:
+                clear_cache()
         return run(*args)
 
     renting.unrented = run

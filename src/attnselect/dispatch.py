@@ -157,6 +157,16 @@ def _clear() -> None:
 register_cache(_clear)
 
 
+def forget_dense(problem: AttentionProblem) -> None:
+    """Forget the dense calls decided for ``problem``, and those alone: their next call decides again (a rental at
+    that shape has been paid: attnselect.choose.first_calls)."""
+    gone = [key for key, entry in list(_CALLS.items()) if entry.known is not None and entry.known.problem == problem]
+    for key in gone:
+        _CALLS.pop(key, None)
+    if gone:
+        _set_recent([recent for recent in _RECENT if recent.known is None or recent.known.problem != problem])
+
+
 def known_calls() -> list[KnownCall]:
     """Every call decided before: the dense ones, then the packed ones, each oldest first."""
     dense = [entry.known for entry in _CALLS.values() if entry.known is not None]  # a family's holds none of its own

@@ -292,3 +292,34 @@ def test_a_packed_family_s_rental_is_drawn_again_once_paid():
     assert first.rental.deferred == FA4, first.why
     first_calls.ran(first.rental.deferred, problem._with(seqlen_q=1024, seqlen_kv=1024))
     assert select_packed(problem, target=H200).rental is None
+
+
+def test_a_shape_s_rent_paid_makes_that_call_choose_again_and_keeps_the_others(rented_on_cpu, monkeypatch):
+    """A shape's rental ends for that shape's calls alone: the other calls decided stay known (no clear_cache)."""
+    from attnselect import dispatch
+    from attnselect.choose import rules
+    from attnselect.choose.predict import Prediction
+
+    times = {Candidate("sdpa_flash"): 10.0, Candidate("sdpa_math"): 100_010.0}
+
+    def predictions(verdicts, problem, target):
+        found = {v.candidate: None for v in verdicts if v.supported}
+        found.update({c: Prediction(1.0, us, "test") for c, us in times.items() if c in found})
+        return found, "test", {"new_size_ms": {"sdpa_flash": 1000.0}}
+
+    monkeypatch.setattr(rules, "predictions", predictions)
+    cleared = []
+    monkeypatch.setattr(api, "clear_cache", lambda: cleared.append(True))
+    attnselect.clear_cache()
+    q, k, v = rented_on_cpu
+    other = tuple(t[:, :4] for t in (q, k, v))  # another shape: its own decision
+    first_calls.ran(Candidate("sdpa_flash"), AttentionProblem.from_tensors(*other, causal=True))  # the configuration
+    attnselect.attention(*other, causal=True)
+    kept = dispatch.known_calls()[-1]
+    for _ in range(9):  # a shape's rental of 10 calls
+        attnselect.attention(q, k, v, causal=True)
+        assert _last_chosen() == Candidate("sdpa_math")
+    attnselect.attention(q, k, v, causal=True)  # the tenth pays: this shape's calls are forgotten
+    attnselect.attention(q, k, v, causal=True)
+    assert _last_chosen() == Candidate("sdpa_flash") and cleared == []
+    assert any(known is kept for known in dispatch.known_calls())
