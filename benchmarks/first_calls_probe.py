@@ -16,7 +16,9 @@ ms, then a second call of the same:
 3. configuration B (64/64) at B1 S1024: a new configuration, the process started;
 4. B at B1 S2048: a new size of it.
 
-A call's extra is its first time less the second's. Start-up is call 1's extra less call 3's.
+A call's extra is its first time less the second's. Start-up is call 1's extra less call 3's; size, the largest
+extra of the new sizes' calls (a first larger size may load another kernel variant once: the calibration,
+attnselect.bench.calibrate.first_call_costs, keeps the least of two).
 """
 
 from __future__ import annotations

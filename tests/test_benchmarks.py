@@ -513,3 +513,24 @@ def test_ladder_rules_scores_each_rule_s_picks_on_a_committed_ladder(tmp_path):
     per_rule = {rule: sum(1 for p in picks if (p["rule"], p["band"]) == rule) for rule in rules}
     assert len(set(per_rule.values())) == 1  # every rule scored on the same rung-ways
     assert "| max, sum within 15% | stack |" in (tmp_path / "rules.md").read_text()
+
+
+def test_first_calls_probe_splits_start_up_configuration_and_size():
+    """benchmarks/first_calls_probe.py (GPU only): its split of a process's first calls, from made-up times."""
+    probe = _benchmark("first_calls_probe")
+    rows = {
+        "A first": {"first_ms": 500.0, "second_ms": 1.0},  # start-up, configuration and size
+        "A new size": {"first_ms": 31.0, "second_ms": 1.0},
+        "A another size": {"first_ms": 41.0, "second_ms": 1.0},
+        "B new configuration": {"first_ms": 101.0, "second_ms": 1.0},
+        "B new size": {"error": "RuntimeError: no"},
+    }
+    assert probe.derived(rows) == {"configuration_ms": 100.0, "start_up_ms": 399.0, "size_ms": 40.0}
+
+
+def test_new_lengths_draws_the_same_lengths_every_run():
+    """benchmarks/new_lengths.py (GPU only): every row of a workload meets the same lengths, in the same order."""
+    new_lengths = _benchmark("new_lengths")
+    drawn = new_lengths.lengths(200, 100)
+    assert drawn == new_lengths.lengths(200, 100) and len(set(drawn)) <= 100
+    assert all(256 <= n <= 4096 and n % 16 == 0 for n in drawn)
