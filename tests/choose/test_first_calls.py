@@ -323,3 +323,14 @@ def test_a_shape_s_rent_paid_makes_that_call_choose_again_and_keeps_the_others(r
     attnselect.attention(q, k, v, causal=True)
     assert _last_chosen() == Candidate("sdpa_flash") and cleared == []
     assert any(known is kept for known in dispatch.known_calls())
+
+
+def test_the_shapes_kept_are_bounded(monkeypatch):
+    """A server meets lengths without end: the shapes paid are the last SHAPES_KEPT; one forgotten rents again."""
+    monkeypatch.setattr(first_calls, "SHAPES_KEPT", 2)
+    shapes = [LARGE._with(seqlen_q=s, seqlen_kv=s) for s in (1024, 2048, 4096)]
+    for problem in shapes:
+        first_calls.ran(FA4, problem)
+    assert len(first_calls._SHAPES) == 2
+    rental = first_calls.Rental(Candidate("sdpa_cudnn"), FA4, 5, 20.0, 1.0, shape=True)
+    assert not first_calls.settled(rental, shapes[0]) and first_calls.settled(rental, shapes[2])

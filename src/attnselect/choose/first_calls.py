@@ -41,7 +41,11 @@ from attnselect.spec.problem import AttentionProblem
 COMPILING_MS = 50.0
 BUILDING_MS = 10.0
 
-_PAID: set[tuple] = set()  # (candidate, configuration[, shape]) whose first call this process has paid
+_PAID: set[tuple] = set()  # (candidate, configuration) whose first call this process has paid
+# (candidate, configuration, shape) whose build this process has paid, the last SHAPES_KEPT paid (a server's lengths
+# are many; a shape forgotten is at worst rented around again). A plain dict: no OrderedDict mutated across threads
+_SHAPES: dict[tuple, None] = {}
+SHAPES_KEPT = 1 << 16
 _RENT: dict[tuple, int] = {}  # a rental's key (rent_key) -> calls rented so far
 _CHANGES = [0]  # how often a configuration was paid: a packed decision drawn at one count stands while it holds
 
@@ -104,9 +108,9 @@ def drawn_rental(
         if not keys:
             keys.append(_configuration(problem))
             keys.append(None if problem.layout == "thd" else _shape(problem))
-        if (candidate, keys[0]) not in _PAID:
+        if not _paid((candidate, keys[0])):
             return (configuration_ms, False) if configuration_ms >= COMPILING_MS else None
-        if keys[1] is not None and shape_ms >= BUILDING_MS and (candidate, keys[0], keys[1]) not in _PAID:
+        if keys[1] is not None and shape_ms >= BUILDING_MS and not _paid((candidate, keys[0], keys[1])):
             return shape_ms, True
         return None
 
@@ -143,7 +147,7 @@ def rent_key(rental: Rental, problem: AttentionProblem) -> tuple:
 def settled(rental: Rental, problem: AttentionProblem) -> bool:
     """Whether what ``rental`` defers for ``problem`` has been paid in this process since it was drawn (a forced
     call, ``warmup``, the rent of another size's rental): a memoized decision holding it is drawn again."""
-    return rent_key(rental, problem) in _PAID
+    return _paid(rent_key(rental, problem))
 
 
 def rent(rental: Rental, key: tuple) -> bool:
@@ -151,7 +155,7 @@ def rent(rental: Rental, key: tuple) -> bool:
     candidate was paid otherwise (a forced call, another size's choice): the decisions are then made again. Calls of
     a configuration's rental count together at every size (a packed loop's every step has new sizes); a shape's, at
     that shape."""
-    if key in _PAID:
+    if _paid(key):
         return True
     calls = _RENT[key] = _RENT.get(key, 0) + 1
     if calls < rental.calls:
@@ -168,13 +172,24 @@ def ran(candidate: Candidate, problem: AttentionProblem) -> None:
     if key not in _PAID:
         _pay(key)
     if problem.layout != "thd":
-        _PAID.add((candidate, configuration, _shape(problem)))
+        _pay((candidate, configuration, _shape(problem)))
+
+
+def _paid(key: tuple) -> bool:
+    return key in _PAID if len(key) == 2 else key in _SHAPES
 
 
 def _pay(key: tuple) -> None:
-    _PAID.add(key)
     if len(key) == 2:  # a configuration: what a packed decision's draw reads (a shape is priced for dense calls)
+        _PAID.add(key)
         _CHANGES[0] += 1
+        return
+    _SHAPES[key] = None
+    while len(_SHAPES) > SHAPES_KEPT:
+        try:
+            _SHAPES.pop(next(iter(_SHAPES)), None)
+        except (RuntimeError, StopIteration):  # another thread changed it meanwhile: the next pay trims it
+            break
 
 
 def paid_state() -> int:
@@ -203,5 +218,6 @@ def _shape(problem: AttentionProblem) -> tuple:
 def forget() -> None:
     """Forget what this process has compiled (tests)."""
     _PAID.clear()
+    _SHAPES.clear()
     _RENT.clear()
     _CHANGES[0] += 1
