@@ -334,3 +334,15 @@ def test_the_shapes_kept_are_bounded(monkeypatch):
     assert len(first_calls._SHAPES) == 2
     rental = first_calls.Rental(Candidate("sdpa_cudnn"), FA4, 5, 20.0, 1.0, shape=True)
     assert not first_calls.settled(rental, shapes[0]) and first_calls.settled(rental, shapes[2])
+
+
+def test_explain_shows_what_each_candidate_s_first_call_has_left_to_pay():
+    report = attnselect.select(LARGE, target=H200).report()
+    header = next(line for line in report.splitlines() if line.startswith("backend"))
+    assert "first call to pay" in header
+    fa4_row = next(line for line in report.splitlines() if line.startswith("flash_attn4     -"))
+    assert "4.00 s (compile)" in fa4_row
+    first_calls.ran(FA4, LARGE)
+    fa4_row = next(line for line in attnselect.select(LARGE, target=H200).report().splitlines()
+                   if line.startswith("flash_attn4     -"))  # fmt: skip
+    assert "4.00 s" not in fa4_row

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnselect.choose import rules
+from attnselect.choose import calibration, first_calls, rules
 from attnselect.choose.first_calls import Rental
 from attnselect.choose.settings import Overrides
 from attnselect.spec.options import Candidate, Verdict
@@ -101,7 +101,11 @@ class Decision:
         by_rank = sorted((v for v in self.verdicts if v.supported), key=lambda v: self.rank_of(v.candidate) or unranked)
         refused = [v for v in self.verdicts if not v.supported]
         predicted = self.predictions is not None
-        rows = [("backend", "padded to", "supported", "rank", *(("predicted us (host, GPU)",) * predicted), "reasons")]
+        costs = calibration.for_target(self.target)[0] if predicted else None
+        if costs is None or (costs.get("first_call_ms"), costs.get("new_size_ms")) == ({}, {}):
+            costs = None  # nothing priced: no column for it
+        columns_named = ("predicted us (host, GPU)",) * predicted + ("first call to pay",) * (costs is not None)
+        rows = [("backend", "padded to", "supported", "rank", *columns_named, "reasons")]
         for verdict in by_rank + (refused if show_all else []):
             c = verdict.candidate
             rank = self.rank_of(c)
@@ -111,6 +115,9 @@ class Decision:
             if predicted:
                 shown = f"{time.total_us:.1f} ({time.host_us:.1f}, {time.gpu_us:.1f})" if time else "-"
                 cells += (shown if verdict.supported else "",)
+            if costs is not None:  # in this process, now (attnselect.choose.first_calls)
+                due = first_calls.owed(c, costs, self.problem) if verdict.supported else None
+                cells += (f"{due[0] / 1e3:.2f} s ({'its shape' if due[1] else 'compile'})" if due else "-",)
             reasons = "; ".join(verdict.reasons)
             if time is not None and time.basis.endswith("(nearest calibrated dims)"):
                 reasons = f"predicted from {time.basis}"

@@ -100,19 +100,7 @@ def drawn_rental(
     keys: list = []  # the configuration and the shape, worked out on first use: most candidates build nothing
 
     def price(candidate: Candidate) -> tuple[float, bool] | None:
-        """What ``candidate`` would pay on its first call here, and whether for the shape (None: nothing to pay)."""
-        configuration_ms = cost_ms(candidate, costs.get("first_call_ms", {}), problem)
-        shape_ms = 0.0 if problem.layout == "thd" else cost_ms(candidate, costs.get("new_size_ms", {}), problem)
-        if configuration_ms < COMPILING_MS and shape_ms < BUILDING_MS:
-            return None
-        if not keys:
-            keys.append(_configuration(problem))
-            keys.append(None if problem.layout == "thd" else _shape(problem))
-        if not _paid((candidate, keys[0])):
-            return (configuration_ms, False) if configuration_ms >= COMPILING_MS else None
-        if keys[1] is not None and shape_ms >= BUILDING_MS and not _paid((candidate, keys[0], keys[1])):
-            return shape_ms, True
-        return None
+        return _owed(candidate, costs, problem, keys)
 
     owed, drawn = price(best), [best]
     if owed is None or predicted.get(best) is None:
@@ -129,6 +117,29 @@ def drawn_rental(
             calls = 0 if graph else max(math.ceil(owed[0] * 1e3 / lost), 1)
             return tuple(drawn), Rental(other, best, calls, owed[0], lost, owed[1])
     return tuple(drawn), None
+
+
+def owed(candidate: Candidate, costs: dict, problem: AttentionProblem) -> tuple[float, bool] | None:
+    """What ``candidate`` would pay on its first call of ``problem`` in this process by ``costs`` (a calibration's
+    ``first_call_ms`` and ``new_size_ms``), ms, and whether for the shape; None where nothing is left to pay, or
+    less than a rental would rent around (:data:`COMPILING_MS`, :data:`BUILDING_MS`)."""
+    return _owed(candidate, costs, problem, [])
+
+
+def _owed(candidate: Candidate, costs: dict, problem: AttentionProblem, keys: list) -> tuple[float, bool] | None:
+    """:func:`owed`, with ``keys`` (the problem's configuration and shape) worked out into it on first use."""
+    configuration_ms = cost_ms(candidate, costs.get("first_call_ms", {}), problem)
+    shape_ms = 0.0 if problem.layout == "thd" else cost_ms(candidate, costs.get("new_size_ms", {}), problem)
+    if configuration_ms < COMPILING_MS and shape_ms < BUILDING_MS:
+        return None
+    if not keys:
+        keys.append(_configuration(problem))
+        keys.append(None if problem.layout == "thd" else _shape(problem))
+    if not _paid((candidate, keys[0])):
+        return (configuration_ms, False) if configuration_ms >= COMPILING_MS else None
+    if keys[1] is not None and shape_ms >= BUILDING_MS and not _paid((candidate, keys[0], keys[1])):
+        return shape_ms, True
+    return None
 
 
 def cost_ms(candidate: Candidate, costs: dict, problem: AttentionProblem) -> float:
