@@ -335,9 +335,9 @@ def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> Wa
         try:
             _call(q, k, v, grad_out, kwargs, controls, problem.training, device)
             described = AttentionProblem.from_tensors(q, k, v, **kwargs)
-            rental = select(described, **controls).rental
-            if rental is not None:  # the fastest candidate compiles on its first call: that call is made now
-                first_calls.paid(rental.deferred, described)
+            decision = select(described, **controls)
+            if decision.rental is not None:  # the fastest candidate compiles on its first call: that call is made now
+                first_calls.paid(decision.ranked[0], described)  # (a rental may defer another one on the way)
                 clear_cache()  # chosen from now on; a failure falls back and is recorded as in the job
                 _call(q, k, v, grad_out, kwargs, controls, problem.training, device)
         except Exception as exc:  # reported: the job's call would meet the same

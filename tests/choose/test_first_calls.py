@@ -346,3 +346,45 @@ def test_explain_shows_what_each_candidate_s_first_call_has_left_to_pay():
     fa4_row = next(line for line in attnselect.select(LARGE, target=H200).report().splitlines()
                    if line.startswith("flash_attn4     -"))  # fmt: skip
     assert "4.00 s" not in fa4_row
+
+
+def test_a_rental_rents_towards_the_candidate_that_pays_off_first_then_on_to_the_fastest():
+    """Candidates each with a price (FA4 7.9 s, the cuDNN frontend 0.18 s) and one without: the one whose price is
+    paid back first by what renting loses against it is rented towards, then the fastest from there (the H200's
+    B1 S4k 192/128 training, `attnselect explain`: a chain of two-state rentals)."""
+    from attnselect.choose.predict import Prediction
+
+    mid, free = Candidate("cudnn_frontend"), Candidate("sdpa_flash", 192)
+    predicted = {c: Prediction(1.0, us, "test") for c, us in ((FA4, 670.0), (mid, 785.0), (free, 1677.0))}
+    costs = {"first_call_ms": {"flash_attn4": 7870.0, "cudnn_frontend": 177.0}}
+    rental = first_calls.rental((FA4, mid, free), predicted, costs, LARGE)
+    assert (rental.chosen, rental.deferred, rental.calls) == (free, mid, math.ceil(177.0 * 1e3 / 892.0))
+    first_calls.ran(mid, LARGE)
+    rental = first_calls.rental((FA4, mid, free), predicted, costs, LARGE)
+    assert (rental.chosen, rental.deferred, rental.calls) == (mid, FA4, math.ceil(7870.0 * 1e3 / 115.0))
+    first_calls.forget()
+    dear = {"first_call_ms": {"flash_attn4": 7870.0, "cudnn_frontend": 7000.0}}  # pays off after FA4 would
+    assert first_calls.rental((FA4, mid, free), predicted, dear, LARGE).deferred == FA4
+
+
+def test_warmup_pays_the_fastest_candidate_where_a_rental_would_go_through_another(rented_on_cpu, monkeypatch):
+    from attnselect.choose import rules
+    from attnselect.choose.predict import Prediction
+
+    # renting sdpa_math loses 10 us a call against reference (60 ms: 6000 calls), 20 against sdpa_flash (1 s)
+    times = {Candidate("sdpa_flash"): 10.0, Candidate("reference"): 20.0, Candidate("sdpa_math"): 30.0}
+
+    def predictions(verdicts, problem, target):
+        found = {v.candidate: None for v in verdicts if v.supported}
+        found.update({c: Prediction(1.0, us, "test") for c, us in times.items() if c in found})
+        return found, "test", {"first_call_ms": {"sdpa_flash": 1000.0, "reference": 60.0}}
+
+    monkeypatch.setattr(rules, "predictions", predictions)
+    attnselect.clear_cache()
+    q, k, v = rented_on_cpu
+    problem = AttentionProblem.from_tensors(q, k, v, causal=True)
+    assert attnselect.select(problem).rental.deferred == Candidate("reference")  # on the way to sdpa_flash
+    (warmed,) = attnselect.warmup([problem], device="cpu")
+    assert warmed.error is None and warmed.chosen == "sdpa_flash native"
+    attnselect.attention(q, k, v, causal=True)
+    assert _last_chosen() == Candidate("sdpa_flash")

@@ -10,10 +10,13 @@ call, and ``new_size_ms``, a new shape's of a configuration that has run, each b
 one-off start-up left out. Where the candidate predicted fastest has such a cost still to pay in this process (at
 least :data:`COMPILING_MS` a configuration, :data:`BUILDING_MS` a shape) and another candidate has none, the choice
 is a ski rental (Karlin, Manasse, Rudolph and Sleator, "Competitive snoopy caching", 1988: rent until the rent paid
-equals the price of buying, then buy; never more than twice the cost of knowing the future): the other candidate
-runs until the time it has lost against the faster one, by their predicted times, reaches that cost, then the faster
-one is chosen and pays it. A one-off call does not pay a compile or a graph to save microseconds, and a training
-loop reaches the faster kernel after a bounded loss.
+equals the price of buying, then buy; never more than twice the cost of knowing the future): the fastest candidate
+with nothing to pay runs until the time it has lost against a faster one, by their predicted times, reaches that
+one's cost, then that one is chosen and pays it. Where several faster ones have a price, the one rented towards is
+the one whose price that loss pays back in the fewest calls, and the fastest is rented towards from there: a chain
+of two-state rentals along the candidates' cost lines (multislope ski rental: Lotker, Patt-Shamir and Rawitz,
+"Rent, lease or buy", 2008), each step never more than twice its own price. A one-off call does not pay a compile
+or a graph to save microseconds, and a training loop reaches the faster kernel after a bounded loss.
 
 A configuration (the call at any size) is paid for in a process once a call of it has run there (:func:`ran`:
 ``attnselect.warmup`` makes those calls ahead of time) or its rent has reached the price (:func:`paid`); so is a
@@ -102,20 +105,33 @@ def drawn_rental(
     def price(candidate: Candidate) -> tuple[float, bool] | None:
         return _owed(candidate, costs, problem, keys)
 
-    owed, drawn = price(best), [best]
-    if owed is None or predicted.get(best) is None:
-        return tuple(drawn), None
+    owing = price(best)
+    if owing is None or predicted.get(best) is None:
+        return (best,), None
+    drawn, owes = [best], {best: owing}
     for other in ranking:
         drawn.append(other)
-        if price(other) is None and predicted.get(other) is not None:
-            lost = predicted[other].total_us - predicted[best].total_us
+        owes[other] = price(other)
+        if owes[other] is not None or predicted.get(other) is None:
+            continue
+        # ``other`` runs now; the candidate ranked above it that pays off first (the least calls for its price at
+        # what renting ``other`` loses against it) is the one rented towards, then the next from there
+        steps = []
+        for c in drawn[:-1]:
+            if owes[c] is None or predicted.get(c) is None:
+                continue
+            lost = predicted[other].total_us - predicted[c].total_us
             if lost <= 0:  # a tie settled by the time alone (attnselect.choose.rules.settled): what renting loses
-                lost = predicted[other].alone_us - predicted[best].alone_us
-            if lost <= 0:
-                return tuple(drawn), None
-            graph = problem.cuda_graph_capture or problem.compiled_graph
-            calls = 0 if graph else max(math.ceil(owed[0] * 1e3 / lost), 1)
-            return tuple(drawn), Rental(other, best, calls, owed[0], lost, owed[1])
+                lost = predicted[other].alone_us - predicted[c].alone_us
+            if lost > 0:
+                steps.append((owes[c][0] / lost, len(steps), c, lost))
+        if not steps:
+            return tuple(drawn), None
+        _, _, deferred, lost = min(steps)
+        ms, shape = owes[deferred]
+        graph = problem.cuda_graph_capture or problem.compiled_graph
+        calls = 0 if graph else max(math.ceil(ms * 1e3 / lost), 1)
+        return tuple(drawn), Rental(other, deferred, calls, ms, lost, shape)
     return tuple(drawn), None
 
 
