@@ -163,8 +163,8 @@ def forget_dense(problem: AttentionProblem) -> None:
     gone = [key for key, entry in list(_CALLS.items()) if entry.known is not None and entry.known.problem == problem]
     for key in gone:
         _CALLS.pop(key, None)
-    if gone:
-        _set_recent([recent for recent in _RECENT if recent.known is None or recent.known.problem != problem])
+    # every time: a recent call stays recent after the memo drops it (a hit there does not refresh it)
+    _set_recent([recent for recent in _RECENT if recent.known is None or recent.known.problem != problem])
 
 
 def known_calls() -> list[KnownCall]:

@@ -388,3 +388,32 @@ def test_warmup_pays_the_fastest_candidate_where_a_rental_would_go_through_anoth
     assert warmed.error is None and warmed.chosen == "sdpa_flash native"
     attnselect.attention(q, k, v, causal=True)
     assert _last_chosen() == Candidate("sdpa_flash")
+
+
+def test_a_shape_s_rent_paid_reaches_a_recent_call_the_memo_has_dropped(rented_on_cpu, monkeypatch):
+    """A recent call stays recent after the memo drops it: the shape's paid rent forgets it there too."""
+    from attnselect import dispatch
+    from attnselect.choose import rules
+    from attnselect.choose.predict import Prediction
+
+    times = {Candidate("sdpa_flash"): 10.0, Candidate("sdpa_math"): 100_010.0}
+
+    def predictions(verdicts, problem, target):
+        found = {v.candidate: None for v in verdicts if v.supported}
+        found.update({c: Prediction(1.0, us, "test") for c, us in times.items() if c in found})
+        return found, "test", {"new_size_ms": {"sdpa_flash": 1000.0}}
+
+    monkeypatch.setattr(rules, "predictions", predictions)
+    monkeypatch.setattr(dispatch, "MEMO_SIZE", 2)
+    attnselect.clear_cache()
+    q, k, v = rented_on_cpu
+    first_calls.ran(Candidate("sdpa_flash"), AttentionProblem.from_tensors(*(t[:, :4] for t in (q, k, v)), causal=True))
+    attnselect.attention(q, k, v, causal=True)  # the rental's first call
+    assert _last_chosen() == Candidate("sdpa_math")
+    for length in (3, 5):  # two other shapes push it out of the memo; it stays recent
+        attnselect.attention(*(t[:, :length] for t in (q, k, v)), causal=True)
+    assert not any(known.problem.seqlen_q == 8 for known in dispatch.known_calls())
+    for _ in range(9):
+        attnselect.attention(q, k, v, causal=True)  # the tenth call pays
+    attnselect.attention(q, k, v, causal=True)
+    assert _last_chosen() == Candidate("sdpa_flash")

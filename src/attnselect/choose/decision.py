@@ -27,7 +27,7 @@ class Decision:
     timings: dict | None = None  # measure policy: Candidate -> Timing, or None where it failed
     predictions: dict | None = None  # a calibration held: Candidate -> Prediction, or None where it has none
     calibration: str = ""  # the calibration's source, or why none holds
-    rental: Rental | None = None  # ranked[0] has a compile to pay first: chosen runs meanwhile (choose.first_calls)
+    rental: Rental | None = None  # a faster one has a first call to pay: chosen runs meanwhile (choose.first_calls)
     # select_packed's decision at other sizes that this one was carried from: ranked and verdicts hold only the
     # candidates judged until the choice settled (explain and select judge them all)
     carried_from: AttentionProblem | None = None

@@ -15,7 +15,9 @@ with nothing to pay runs until the time it has lost against a faster one, by the
 one's cost, then that one is chosen and pays it. Where several faster ones have a price, the one rented towards is
 the one whose price that loss pays back in the fewest calls, and the fastest is rented towards from there: a chain
 of two-state rentals along the candidates' cost lines (multislope ski rental: Lotker, Patt-Shamir and Rawitz,
-"Rent, lease or buy", 2008), each step never more than twice its own price. A one-off call does not pay a compile
+"Rent, lease or buy", 2008), each step never more than twice its own price; over a whole chain more than twice what
+knowing the future would cost is possible (a step that saves little a call for a small price, before one that saves
+much for a large one), and no bound is shown here. A one-off call does not pay a compile
 or a graph to save microseconds, and a training loop reaches the faster kernel after a bounded loss.
 
 A configuration (the call at any size) is paid for in a process once a call of it has run there (:func:`ran`:
@@ -127,9 +129,10 @@ def drawn_rental(
                 steps.append((owes[c][0] / lost, len(steps), c, lost))
         if not steps:
             return tuple(drawn), None
-        _, _, deferred, lost = min(steps)
-        ms, shape = owes[deferred]
         graph = problem.cuda_graph_capture or problem.compiled_graph
+        # a captured or compiled call keeps its candidate for the graph's life: what it waits for is the fastest
+        _, _, deferred, lost = steps[0] if graph and steps[0][2] == best else min(steps)
+        ms, shape = owes[deferred]
         calls = 0 if graph else max(math.ceil(ms * 1e3 / lost), 1)
         return tuple(drawn), Rental(other, deferred, calls, ms, lost, shape)
     return tuple(drawn), None
@@ -211,6 +214,7 @@ def _pay(key: tuple) -> None:
         _PAID.add(key)
         _CHANGES[0] += 1
         return
+    _SHAPES.pop(key, None)  # paid again: the last to be forgotten
     _SHAPES[key] = None
     while len(_SHAPES) > SHAPES_KEPT:
         try:
