@@ -365,6 +365,9 @@ def test_a_rental_rents_towards_the_candidate_that_pays_off_first_then_on_to_the
     first_calls.forget()
     dear = {"first_call_ms": {"flash_attn4": 7870.0, "cudnn_frontend": 7000.0}}  # pays off after FA4 would
     assert first_calls.rental((FA4, mid, free), predicted, dear, LARGE).deferred == FA4
+    captured = dataclasses.replace(LARGE, cuda_graph_capture=True)  # keeps its candidate: it waits for the fastest
+    rental = first_calls.rental((FA4, mid, free), predicted, costs, captured)
+    assert (rental.chosen, rental.deferred, rental.calls) == (free, FA4, 0)
 
 
 def test_warmup_pays_the_fastest_candidate_where_a_rental_would_go_through_another(rented_on_cpu, monkeypatch):
