@@ -20,6 +20,7 @@ from helpers import calibration_sample as sample
 
 LARGE = AttentionProblem(4, 8192, 8192, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
 FA4 = Candidate("flash_attn4")
+FLASH_OR_MATH = {Candidate("sdpa_flash"): 10.0, Candidate("sdpa_math"): 100_010.0}  # sdpa_math 0.1 s a call slower
 
 
 @pytest.fixture(autouse=True)
@@ -143,21 +144,25 @@ def test_a_rental_ends_when_the_fastest_was_paid_for_another_way(monkeypatch):
     assert cleared == [True]
 
 
-@pytest.fixture
-def rented_on_cpu(monkeypatch):
-    """Predictions on the CPU: sdpa_flash fastest but with a 1 s first call, sdpa_math 0.1 s a call slower (a
-    rental of 10 calls)."""
+def _predicted_on_cpu(monkeypatch, times: dict, costs: dict) -> None:
+    """The rules' predictions on the CPU: ``times`` (candidate -> us a call) for those supported, the others
+    uncalibrated, and ``costs`` as a calibration's first calls."""
     from attnselect.choose import rules
     from attnselect.choose.predict import Prediction
-
-    times = {Candidate("sdpa_flash"): 10.0, Candidate("sdpa_math"): 100_010.0}
 
     def predictions(verdicts, problem, target):
         found = {v.candidate: None for v in verdicts if v.supported}
         found.update({c: Prediction(1.0, us, "test") for c, us in times.items() if c in found})
-        return found, "test", {"first_call_ms": {"sdpa_flash": 1000.0}}
+        return found, "test", costs
 
     monkeypatch.setattr(rules, "predictions", predictions)
+
+
+@pytest.fixture
+def rented_on_cpu(monkeypatch):
+    """Predictions on the CPU: sdpa_flash fastest but with a 1 s first call, sdpa_math 0.1 s a call slower (a
+    rental of 10 calls)."""
+    _predicted_on_cpu(monkeypatch, FLASH_OR_MATH, {"first_call_ms": {"sdpa_flash": 1000.0}})
     attnselect.clear_cache()
     g = torch.Generator().manual_seed(0)
     return tuple(torch.randn(1, 8, 2, 16, generator=g) for _ in range(3))
@@ -297,17 +302,8 @@ def test_a_packed_family_s_rental_is_drawn_again_once_paid():
 def test_a_shape_s_rent_paid_makes_that_call_choose_again_and_keeps_the_others(rented_on_cpu, monkeypatch):
     """A shape's rental ends for that shape's calls alone: the other calls decided stay known (no clear_cache)."""
     from attnselect import dispatch
-    from attnselect.choose import rules
-    from attnselect.choose.predict import Prediction
 
-    times = {Candidate("sdpa_flash"): 10.0, Candidate("sdpa_math"): 100_010.0}
-
-    def predictions(verdicts, problem, target):
-        found = {v.candidate: None for v in verdicts if v.supported}
-        found.update({c: Prediction(1.0, us, "test") for c, us in times.items() if c in found})
-        return found, "test", {"new_size_ms": {"sdpa_flash": 1000.0}}
-
-    monkeypatch.setattr(rules, "predictions", predictions)
+    _predicted_on_cpu(monkeypatch, FLASH_OR_MATH, {"new_size_ms": {"sdpa_flash": 1000.0}})
     cleared = []
     monkeypatch.setattr(api, "clear_cache", lambda: cleared.append(True))
     attnselect.clear_cache()
@@ -371,18 +367,13 @@ def test_a_rental_rents_towards_the_candidate_that_pays_off_first_then_on_to_the
 
 
 def test_warmup_pays_the_fastest_candidate_where_a_rental_would_go_through_another(rented_on_cpu, monkeypatch):
-    from attnselect.choose import rules
-    from attnselect.choose.predict import Prediction
 
     # renting sdpa_math loses 10 us a call against reference (60 ms: 6000 calls), 20 against sdpa_flash (1 s)
-    times = {Candidate("sdpa_flash"): 10.0, Candidate("reference"): 20.0, Candidate("sdpa_math"): 30.0}
-
-    def predictions(verdicts, problem, target):
-        found = {v.candidate: None for v in verdicts if v.supported}
-        found.update({c: Prediction(1.0, us, "test") for c, us in times.items() if c in found})
-        return found, "test", {"first_call_ms": {"sdpa_flash": 1000.0, "reference": 60.0}}
-
-    monkeypatch.setattr(rules, "predictions", predictions)
+    _predicted_on_cpu(
+        monkeypatch,
+        {Candidate("sdpa_flash"): 10.0, Candidate("reference"): 20.0, Candidate("sdpa_math"): 30.0},
+        {"first_call_ms": {"sdpa_flash": 1000.0, "reference": 60.0}},
+    )
     attnselect.clear_cache()
     q, k, v = rented_on_cpu
     problem = AttentionProblem.from_tensors(q, k, v, causal=True)
@@ -396,17 +387,8 @@ def test_warmup_pays_the_fastest_candidate_where_a_rental_would_go_through_anoth
 def test_a_shape_s_rent_paid_reaches_a_recent_call_the_memo_has_dropped(rented_on_cpu, monkeypatch):
     """A recent call stays recent after the memo drops it: the shape's paid rent forgets it there too."""
     from attnselect import dispatch
-    from attnselect.choose import rules
-    from attnselect.choose.predict import Prediction
 
-    times = {Candidate("sdpa_flash"): 10.0, Candidate("sdpa_math"): 100_010.0}
-
-    def predictions(verdicts, problem, target):
-        found = {v.candidate: None for v in verdicts if v.supported}
-        found.update({c: Prediction(1.0, us, "test") for c, us in times.items() if c in found})
-        return found, "test", {"new_size_ms": {"sdpa_flash": 1000.0}}
-
-    monkeypatch.setattr(rules, "predictions", predictions)
+    _predicted_on_cpu(monkeypatch, FLASH_OR_MATH, {"new_size_ms": {"sdpa_flash": 1000.0}})
     monkeypatch.setattr(dispatch, "MEMO_SIZE", 2)
     attnselect.clear_cache()
     q, k, v = rented_on_cpu
