@@ -99,11 +99,12 @@ class SdpaBackend(Backend):
         if not self._suits_op(views, call, arguments, grouped=self.native_gqa):
             return None
         lse = torch.is_grad_enabled() and any(t.requires_grad for t in like)  # attention.cpp should_compute_logsumexp
-        return self._bshd_call(call, like, arguments[1], lse)
+        positional = self._bshd_arguments(call, like, arguments[1], lse)
+        return None if positional is None else _first_output(self.bshd_op, positional, _scale_keyword(like[0], call))
 
-    def _bshd_call(self, call: KernelCall, like: tuple, is_causal: bool, lse: bool):
-        """``run(q, k, v) -> (out, None)`` calling :attr:`bshd_op` on tensors like ``like`` as SDPA's op calls it,
-        or None where it cannot (here: a kernel that names an op says how it calls it)."""
+    def _bshd_arguments(self, call: KernelCall, like: tuple, is_causal: bool, lse: bool) -> tuple | None:
+        """:attr:`bshd_op`'s arguments after (q, k, v), as SDPA's op passes them for tensors like ``like``, or None
+        where it cannot be called in its place (here: a kernel that names an op says how it calls it)."""
         return None
 
     def _suits_op(self, like, call: KernelCall, arguments, *, grouped: bool = False) -> bool:
@@ -136,12 +137,10 @@ class SdpaBackend(Backend):
             else (None, lse, call.dropout_p) if call.dropout_p
             else (None, lse)
         )  # fmt: skip
-        keywords = scale_keyword(q, call)
-        if keywords:
-            return lambda q, k, v: (op(q, k, v, *positional, **keywords)[0], None)
-        if len(positional) == 2:  # the common case, without unpacking (each * and ** costs host time)
+        keywords = _scale_keyword(q, call)
+        if not keywords and len(positional) == 2:  # the common case, without unpacking (each * costs host time)
             return lambda q, k, v: (op(q, k, v, None, lse)[0], None)
-        return lambda q, k, v: (op(q, k, v, *positional)[0], None)
+        return _first_output(op, positional, keywords)
 
     def _serves(self, q, k, v, call: KernelCall, arguments) -> bool:
         """Whether torch's dispatch, with only this kernel enabled, takes these inputs (its checks, its warnings
@@ -166,7 +165,7 @@ class SdpaBackend(Backend):
             else ()
         )  # fmt: skip
         keywords = {"enable_gqa": True} if gqa else {}
-        keywords.update(scale_keyword(q, call))
+        keywords.update(_scale_keyword(q, call))
         sdpa = F.scaled_dot_product_attention
         if keywords:
             return lambda q, k, v: sdpa(q, k, v, *positional, **keywords)
@@ -222,7 +221,15 @@ def _dispatch_choice(q, k, v, call: KernelCall, arguments) -> int:
     )
 
 
-def scale_keyword(q, call: KernelCall) -> dict:
+def _first_output(op, positional: tuple, keywords: dict):
+    """``run(q, k, v) -> (out, None)``: ``op(q, k, v, *positional, **keywords)``'s first output (its other outputs,
+    the log-sum-exp and the RNG state, are autograd's)."""
+    if keywords:
+        return lambda q, k, v: (op(q, k, v, *positional, **keywords)[0], None)
+    return lambda q, k, v: (op(q, k, v, *positional)[0], None)
+
+
+def _scale_keyword(q, call: KernelCall) -> dict:
     """``{"scale": call.scale}``, or nothing where it is SDPA's default (sdp_utils calculate_scale: 1/sqrt(d_qk))."""
     return {} if call.scale == 1.0 / math.sqrt(q.shape[-1]) else {"scale": call.scale}
 

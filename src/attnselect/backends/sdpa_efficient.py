@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention import SDPBackend
 
-from attnselect.backends._sdpa import SdpaBackend, aten_overload, kernel_op, scale_keyword
+from attnselect.backends._sdpa import SdpaBackend, aten_overload, kernel_op
 from attnselect.backends.base import Surface
 from attnselect.spec.options import dtype_name
 
@@ -43,11 +43,7 @@ class SdpaEfficient(SdpaBackend):
             ]
         return []
 
-    def _bshd_call(self, call, like, is_causal, lse):
+    def _bshd_arguments(self, call, like, is_causal, lse):
         # as attention.cu's _scaled_dot_product_efficient_attention_cuda calls it: dense (no cu_seqlens, its
         # max_seqlen the tensors'), sdp::CustomMaskType CausalFromTopLeft (1) or NoCustomMask (0)
-        op, rest = self.bshd_op, (None, None, None, None, None, call.dropout_p, int(is_causal), lse)
-        scale = scale_keyword(like[0], call)
-        if scale:
-            return lambda q, k, v: (op(q, k, v, *rest, **scale)[0], None)
-        return lambda q, k, v: (op(q, k, v, *rest)[0], None)
+        return None, None, None, None, None, call.dropout_p, int(is_causal), lse

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.nn.attention import SDPBackend
 
-from attnselect.backends._sdpa import SdpaBackend, aten_overload, scale_keyword
+from attnselect.backends._sdpa import SdpaBackend, aten_overload
 from attnselect.backends.base import ALL_DTYPES, HALF, Surface
 
 
@@ -45,17 +45,13 @@ class SdpaFlash(SdpaBackend):
             )
         return r + fa2_backward_head_dim_reasons(p, t)
 
-    def _bshd_call(self, call, like, is_causal, lse):
+    def _bshd_arguments(self, call, like, is_causal, lse):
         # as attention.cu's _scaled_dot_product_flash_attention_cuda calls it: dense, the tensors' lengths, no debug
         # mask; head dims SDPA pads to a multiple of 8 first (attention.cpp pad_last_dim) are left to SDPA
         q, k, v = like
         if q.shape[-1] % 8 or v.shape[-1] % 8:
             return None
-        op, rest = self.bshd_op, (None, None, q.shape[1], k.shape[1], call.dropout_p, is_causal, False)
-        scale = scale_keyword(q, call)
-        if scale:
-            return lambda q, k, v: (op(q, k, v, *rest, **scale)[0], None)
-        return lambda q, k, v: (op(q, k, v, *rest)[0], None)
+        return None, None, q.shape[1], k.shape[1], call.dropout_p, is_causal, False
 
 
 def fa2_backward_head_dim_reasons(p, t) -> list[str]:

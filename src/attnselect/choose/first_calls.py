@@ -103,17 +103,13 @@ def drawn_rental(
     if best is None:
         return (), None
     keys: list = []  # the configuration and the shape, worked out on first use: most candidates build nothing
-
-    def price(candidate: Candidate) -> tuple[float, bool] | None:
-        return _owed(candidate, costs, problem, keys)
-
-    owing = price(best)
+    owing = _owed(best, costs, problem, keys)
     if owing is None or predicted.get(best) is None:
         return (best,), None
     drawn, owes = [best], {best: owing}
     for other in ranking:
         drawn.append(other)
-        owes[other] = price(other)
+        owes[other] = _owed(other, costs, problem, keys)
         if owes[other] is not None or predicted.get(other) is None:
             continue
         # ``other`` runs now; the candidate ranked above it that pays off first (the least calls for its price at
