@@ -84,11 +84,8 @@ def run(
         for batch, seqlen in ladder:
             problem = AttentionProblem(batch, seqlen, seqlen, HEADS, HEADS, *pair, dtype=dtype, layout=layout,
                                        mask="causal", training=training)  # fmt: skip
-            candidates = [v.candidate for v in judge(problem, target) if v.supported]
-            candidates = [c for c in candidates if c.backend not in SKIPPED]
-            if layout == "thd":  # sequence by sequence reads the boundaries on the host: never the fast path
-                candidates = [c for c in candidates if backend_named(c.backend).packs_thd(target)]
-            candidates = [c for c in candidates if compiled.get(c.backend, 0) < 2 or (batch, seqlen) in sparse]
+            candidates = [c for c in _calibrated(problem, target)
+                          if compiled.get(c.backend, 0) < 2 or (batch, seqlen) in sparse]  # fmt: skip
             try:
                 inputs = random_inputs(problem, device)
             except torch.OutOfMemoryError:
@@ -194,10 +191,7 @@ def _first_call_costs(target: Target, attention, pairs, phases, progress) -> dic
             for b, s in FIRST_CALL_SIZES[layout]:
                 problem = AttentionProblem(b, s, s, HEADS, HEADS, *pair, dtype=dtype, layout=layout, mask="causal",
                                            training=training)  # fmt: skip
-                candidates = [v.candidate for v in judge(problem, target) if v.supported]
-                candidates = [c for c in candidates if c.backend not in SKIPPED]
-                if layout == "thd":
-                    candidates = [c for c in candidates if backend_named(c.backend).packs_thd(target)]
+                candidates = _calibrated(problem, target)
                 try:
                     inputs = random_inputs(problem, device)
                 except torch.OutOfMemoryError:
@@ -221,6 +215,15 @@ def _first_call_costs(target: Target, attention, pairs, phases, progress) -> dic
         return {b: {k: round(statistics.median(v), 3) for k, v in sorted(keys.items())} for b, keys in found.items()}
 
     return {"first_call_ms": medians(configuration), "new_size_ms": medians(new_size)}
+
+
+def _calibrated(problem: AttentionProblem, target: Target) -> list:
+    """The candidates a calibration times for ``problem``: those supported, but :data:`SKIPPED`'s and, packed, those
+    that run sequence by sequence (they read the boundaries on the host: never the fast path)."""
+    candidates = [v.candidate for v in judge(problem, target) if v.supported and v.candidate.backend not in SKIPPED]
+    if problem.layout == "thd":
+        candidates = [c for c in candidates if backend_named(c.backend).packs_thd(target)]
+    return candidates
 
 
 def _increasing(points: list) -> list:
