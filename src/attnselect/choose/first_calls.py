@@ -8,17 +8,21 @@ default dispatch, which reaches it there, pays it at every new length (results/h
 The calibration holds both per backend, by layout, padding and phase: ``first_call_ms``, a new configuration's first
 call, and ``new_size_ms``, a new shape's of a configuration that has run, each beyond a later call, the process's
 one-off start-up left out. Where the candidate predicted fastest has such a cost still to pay in this process (at
-least :data:`COMPILING_MS` a configuration, :data:`BUILDING_MS` a shape) and another candidate has none, the choice
-is a ski rental (Karlin, Manasse, Rudolph and Sleator, "Competitive snoopy caching", 1988: rent until the rent paid
-equals the price of buying, then buy; never more than twice the cost of knowing the future): the fastest candidate
-with nothing to pay runs until the time it has lost against a faster one, by their predicted times, reaches that
-one's cost, then that one is chosen and pays it. Where several faster ones have a price, the one rented towards is
+least :data:`COMPILING_MS` a configuration, :data:`BUILDING_MS` a shape), the choice is a ski rental (Karlin,
+Manasse, Rudolph and Sleator, "Competitive snoopy caching", 1988: rent until the rent paid equals the price of
+buying, then buy; never more than twice the cost of knowing the future): the fastest candidate with nothing to pay
+runs until the time it has lost against a faster one, by their predicted times, reaches that one's cost, then that
+one is chosen and pays it. Where every calibrated candidate has a price (on the H200, MLA packed training: FA4
+9.4 s, the cuDNN frontend 2.7 s, ``varlen_fa2`` padded 72 ms), the least is paid first, as a choice knowing the job
+is one call long would, and that candidate rents. Where several faster ones have a price, the one rented towards is
 the one whose price that loss pays back in the fewest calls, and the fastest is rented towards from there: a chain
 of two-state rentals along the candidates' cost lines (multislope ski rental: Lotker, Patt-Shamir and Rawitz,
-"Rent, lease or buy", 2008), each step never more than twice its own price; over a whole chain more than twice what
-knowing the future would cost is possible (a step that saves little a call for a small price, before one that saves
-much for a large one), and no bound is shown here. A one-off call does not pay a compile
-or a graph to save microseconds, and a training loop reaches the faster kernel after a bounded loss.
+"Rent, lease or buy", 2008), each step never more than twice its own price. No bound over a whole chain is shown in
+general: a step that saves little a call for a small price, before one that saves much for a large one, can bring
+it near three times what knowing the future would cost. On the packaged H200 calibration's prices and predicted
+times (dense and packed calls of 192/128, 128/128, 64/64 and 256/256, both phases, 256 to 32k tokens, with FA4 and
+without) it stays within 1.67 times (tests/choose/test_first_calls.py). A one-off call does not pay a compile or a
+graph to save microseconds, and a training loop reaches the faster kernel after a bounded loss.
 
 A configuration (the call at any size) is paid for in a process once a call of it has run there (:func:`ran`:
 ``attnselect.warmup`` makes those calls ahead of time) or its rent has reached the price (:func:`paid`); so is a
@@ -59,7 +63,8 @@ class Rental(NamedTuple):
     """The candidate run meanwhile (``chosen``), the one deferred (``deferred``) and after how many calls the
     deferred one's cost has been paid in lost time (``calls``; 0 for a captured or compiled call, which keeps
     ``chosen`` for the graph's life); ``shape``: the cost is the deferred candidate's build for this shape, its
-    configuration having run (else its configuration's first call)."""
+    configuration having run (else its configuration's first call); ``own_ms``: what ``chosen``'s own first call
+    costs, where every candidate had one to pay (the least of theirs), else 0."""
 
     chosen: Candidate
     deferred: Candidate
@@ -67,13 +72,17 @@ class Rental(NamedTuple):
     compile_ms: float
     lost_us: float  # per call
     shape: bool = False
+    own_ms: float = 0.0
 
     def describe(self) -> str:
         builds = "builds for this shape" if self.shape else "compiles"
         head = (
             f"{self.deferred} is predicted {self.lost_us:.1f} us a call faster but {builds} on its first call in "
-            f"this process (about {self.compile_ms / 1e3:.{2 if self.compile_ms < 1e3 else 1}f} s, calibrated): "
+            f"this process (about {_seconds(self.compile_ms)}, calibrated): "
         )
+        if self.own_ms:
+            least = _seconds(self.own_ms)
+            head += f"every candidate has a first call to pay, {self.chosen}'s the least (about {least}): "
         if not self.calls:
             return head + (
                 f"this captured or compiled call keeps {self.chosen}, as its eager warm-up ran (warmup() runs "
@@ -85,10 +94,15 @@ class Rental(NamedTuple):
         )
 
 
+def _seconds(ms: float) -> str:
+    return f"{ms / 1e3:.{2 if ms < 1e3 else 1}f} s"
+
+
 def rental(ranked: tuple[Candidate, ...], predicted: dict, costs: dict, problem: AttentionProblem) -> Rental | None:
     """The rental where ``ranked[0]`` (ranked by ``predicted`` time) has a first call still to pay for ``problem``
     in this process (``costs``: a calibration's ``first_call_ms`` and ``new_size_ms``) and a candidate with none
-    serves; None otherwise (choose ``ranked[0]``). A captured or compiled call whose fastest candidate is unpaid keeps
+    serves, or, where every calibrated one has a price, a candidate with a lower price than its; None otherwise
+    (choose ``ranked[0]``). A captured or compiled call whose fastest candidate is unpaid keeps
     the candidate its eager warm-up ran (``calls`` 0): it would otherwise compile inside the capture, unchecked
     (attnselect.self_check checks eager calls)."""
     return drawn_rental(iter(ranked), predicted, costs, problem)[1]
@@ -110,28 +124,39 @@ def drawn_rental(
     for other in ranking:
         drawn.append(other)
         owes[other] = _owed(other, costs, problem, keys)
-        if owes[other] is not None or predicted.get(other) is None:
+        if owes[other] is None and predicted.get(other) is not None:  # ``other`` runs now, with nothing to pay
+            return tuple(drawn), _towards(other, drawn[:-1], owes, predicted, problem)
+    # every calibrated candidate has a first call to pay: the least price is paid now, as a choice knowing the job
+    # is one call long would (its calls are the rent from there)
+    priced = [c for c in drawn if predicted.get(c) is not None]
+    cheapest = min(priced, key=lambda c: owes[c][0])  # ties: the faster (the ranking's order)
+    if cheapest is best:
+        return tuple(drawn), None
+    rental = _towards(cheapest, drawn[: drawn.index(cheapest)], owes, predicted, problem)
+    return tuple(drawn), rental and rental._replace(own_ms=owes[cheapest][0])
+
+
+def _towards(other: Candidate, above: list, owes: dict, predicted: dict, problem: AttentionProblem) -> Rental | None:
+    """The rental that runs ``other`` towards one of the candidates ranked above it (``above``, in rank order) that
+    has a price: the one whose price what renting ``other`` loses against it pays back in the fewest calls (the next
+    is rented towards from there); None where none is faster at a price."""
+    steps = []
+    for c in above:
+        if owes[c] is None or predicted.get(c) is None:
             continue
-        # ``other`` runs now; the candidate ranked above it that pays off first (the least calls for its price at
-        # what renting ``other`` loses against it) is the one rented towards, then the next from there
-        steps = []
-        for c in drawn[:-1]:
-            if owes[c] is None or predicted.get(c) is None:
-                continue
-            lost = predicted[other].total_us - predicted[c].total_us
-            if lost <= 0:  # a tie settled by the time alone (attnselect.choose.rules.settled): what renting loses
-                lost = predicted[other].alone_us - predicted[c].alone_us
-            if lost > 0:
-                steps.append((owes[c][0] / lost, len(steps), c, lost))
-        if not steps:
-            return tuple(drawn), None
-        graph = problem.cuda_graph_capture or problem.compiled_graph
-        # a captured or compiled call keeps its candidate for the graph's life: what it waits for is the fastest
-        _, _, deferred, lost = steps[0] if graph and steps[0][2] == best else min(steps)
-        ms, shape = owes[deferred]
-        calls = 0 if graph else max(math.ceil(ms * 1e3 / lost), 1)
-        return tuple(drawn), Rental(other, deferred, calls, ms, lost, shape)
-    return tuple(drawn), None
+        lost = predicted[other].total_us - predicted[c].total_us
+        if lost <= 0:  # a tie settled by the time alone (attnselect.choose.rules.settled): what renting loses
+            lost = predicted[other].alone_us - predicted[c].alone_us
+        if lost > 0:
+            steps.append((owes[c][0] / lost, len(steps), c, lost))
+    if not steps:
+        return None
+    graph = problem.cuda_graph_capture or problem.compiled_graph
+    # a captured or compiled call keeps its candidate for the graph's life: what it waits for is the fastest
+    _, _, deferred, lost = steps[0] if graph and steps[0][2] == above[0] else min(steps)
+    ms, shape = owes[deferred]
+    calls = 0 if graph else max(math.ceil(ms * 1e3 / lost), 1)
+    return Rental(other, deferred, calls, ms, lost, shape)
 
 
 def owed(candidate: Candidate, costs: dict, problem: AttentionProblem) -> tuple[float, bool] | None:
