@@ -361,6 +361,30 @@ def test_predicted_times_within_the_tie_band_go_by_the_time_alone():
     assert rules.tied(a, [b, a, c], predicted) and not rules.tied(c, [c], predicted)
 
 
+def test_settling_the_lead_judges_no_candidate_predicted_beyond_the_band():
+    """rules.settled asks ``serves`` of the candidates it draws only: one predicted beyond TIE_BAND of the first
+    cannot tie, so settling the lead does not judge it (a new packing judges again every candidate its decision
+    judged whose reasons read sizes: the cuDNN frontend's, 7 us a packing on the development VM,
+    benchmarks/new_packing_parts.py --host-stages h200)."""
+    from attnselect.choose import rules
+    from attnselect.choose.predict import Prediction
+
+    a, b, c, d = (Candidate(n) for n in ("varlen_fa2", "cudnn_frontend", "flex", "sdpa_cudnn"))
+    predicted = {a: Prediction(24.4, 32.3, "test"), b: Prediction(164.9, 29.5, "test"), c: None, d: None}
+    asked = []
+
+    def serves(candidate):
+        asked.append(candidate)
+        return candidate != c
+
+    settled = rules.settled((a, b, c, d), predicted, serves)
+    assert next(settled) == a and asked == [a]  # b, 5.1 times a's time, is not judged
+    assert list(settled) == [b, d] and asked == [a, b, c, d]  # drawn on: judged as they come
+    near = {**predicted, b: Prediction(24.0, 36.0, "test")}  # within the band: judged, and it settles the lead
+    asked.clear()
+    assert next(rules.settled((a, b, c, d), near, serves)) == a and asked == [a, b]
+
+
 def test_a_tie_goes_to_the_call_that_costs_least_alone_and_explain_says_why(tmp_path, monkeypatch):
     """Under a calibration where sdpa_cudnn issues fast and runs a little slower on the GPU than FA4, which issues
     slowly, both within the tie band in a stack: select chooses sdpa_cudnn, the shorter call alone, and says so."""

@@ -458,30 +458,37 @@ def order(
 TIE_BAND = 0.15
 
 
-def settled(ordered: Iterable[Candidate], predicted: dict | None) -> Iterator[Candidate]:
-    """``ordered`` (supported candidates sorted by :func:`order`) with its lead settled: the candidates predicted
-    within :data:`TIE_BAND` of the first's time go by their time alone (the table's order among equals), then the
-    rest as they come. Lazy: it draws one candidate past the lead."""
-    ordered = iter(ordered)
-    first = next(ordered, None)
+def settled(ordered: Iterable[Candidate], predicted: dict | None, serves=None) -> Iterator[Candidate]:
+    """``ordered`` (candidates sorted by :func:`order`) with its lead settled: the candidates predicted within
+    :data:`TIE_BAND` of the first's time go by their time alone (the table's order among equals), then the rest as
+    they come. ``serves``: a predicate that keeps the supported ones, asked lazily, only of the candidates drawn: one
+    predicted beyond the band cannot tie, so it is not judged to settle the lead."""
+    items, keep = iter(ordered), serves or _any
+    first = next((c for c in items if keep(c)), None)
     if first is None:
         return
     best = predicted.get(first) if predicted else None
     if best is None:
         yield first
-        yield from ordered
+        yield from (c for c in items if keep(c))
         return
     lead, beyond = [first], None
-    for c in ordered:
+    for c in items:
         time = predicted.get(c)
-        if time is None or time.total_us > best.total_us * (1 + TIE_BAND):
+        if time is None or time.total_us > best.total_us * (1 + TIE_BAND):  # sorted: the rest are beyond too
             beyond = c
             break
-        lead.append(c)
+        if keep(c):
+            lead.append(c)
     yield from sorted(lead, key=lambda c: predicted[c].alone_us)
     if beyond is not None:
-        yield beyond
-        yield from ordered
+        if keep(beyond):
+            yield beyond
+        yield from (c for c in items if keep(c))
+
+
+def _any(candidate: Candidate) -> bool:
+    return True
 
 
 def tied(chosen: Candidate, served: Iterable[Candidate], predicted: dict | None) -> bool:

@@ -239,7 +239,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         predicted = None
     if not predicted or not any(predicted.values()):
         return earlier if earlier.predictions is None and _still_stands(earlier, problem, target, serves) else None
-    ordered = rules.settled((c for c in ranking.ordered if serves(c)), predicted)  # as rules.rank orders them
+    ordered = rules.settled(ranking.ordered, predicted, serves)  # as rules.rank orders them
     paid = first_calls.paid_state()  # what drawn_rental reads of this process
     if earlier.overrides.backend is not None:  # a forced backend is never rented out (_decide)
         ranked, rental = tuple(itertools.islice(ordered, 1)), None
