@@ -370,7 +370,8 @@ def test_a_rental_rents_towards_the_candidate_that_pays_off_first_then_on_to_the
 def test_where_every_candidate_has_a_price_the_least_is_paid_first_and_that_one_rents():
     """The H200's packed MLA training with FA4 unpaid (the packaged calibration): every calibrated candidate has a
     first call to pay, so the least price is paid first, as a choice knowing the job is one call long would; where
-    the fastest has the least, it is chosen."""
+    the fastest has the least, it is chosen; a captured or compiled call, whose graph keeps its candidate for its life
+    and whose eager warm-up ran none of them, gets the fastest."""
     from attnselect.choose.predict import Prediction
 
     frontend, padded = Candidate("cudnn_frontend"), Candidate("varlen_fa2", 192)
@@ -383,6 +384,9 @@ def test_where_every_candidate_has_a_price_the_least_is_paid_first_and_that_one_
     assert "every candidate has a first call to pay, varlen_fa2 padded to 192's the least" in rental.describe()
     first_calls.ran(padded, packed)  # it ran: its price is paid, and the chain goes on as from a free candidate
     assert first_calls.rental((FA4, frontend, padded), predicted, costs, packed).own_ms == 0.0
+    first_calls.forget()
+    for graph in (dict(cuda_graph_capture=True), dict(compiled_graph=True)):  # no warm-up ran any: the fastest, kept
+        assert first_calls.rental((FA4, frontend, padded), predicted, costs, packed._with(**graph)) is None
     least_first = {"first_call_ms": {"flash_attn4": 60.0, "cudnn_frontend": 2718.0, "varlen_fa2": 71.8}}
     first_calls.forget()
     assert first_calls.rental((FA4, frontend, padded), predicted, least_first, packed) is None

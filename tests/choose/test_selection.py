@@ -650,3 +650,43 @@ def test_carried_packed_decisions_settle_ties_as_select_does(tmp_path, monkeypat
         ties += rules.tied(fresh.ranked[0], fresh.ranked, fresh.predictions)
     assert ties >= 5  # the band was met
     first_calls.forget()
+
+
+def test_a_new_work_class_whose_order_brings_the_next_candidate_within_the_tie_band_is_drawn_anew(
+    tmp_path, monkeypatch
+):
+    """A decision drawn at one work class is reused at another of its size class only where the next candidate stays
+    beyond the tie band there too: varlen_fa2 (host 20, GPU 30 us) leads at the smaller work, where the cuDNN frontend
+    runs 100 us on the GPU, and ties with it at the larger, where the frontend runs 32 us and costs less alone (host
+    5): the larger packing's decision is drawn anew, as select draws it."""
+    import json
+
+    from attnselect.choose import calibration, first_calls, predict, selection
+    from helpers import calibration_sample
+
+    def packing(batch, seqlen):
+        return AttentionProblem(batch, seqlen, seqlen, 16, 16, 128, 128, layout="thd", mask="causal", training=True,
+                                dtype=torch.bfloat16)  # fmt: skip
+
+    seed, small, large = packing(3, 1000), packing(4, 1024), packing(7, 1024)
+    assert small.size_class == large.size_class and predict.work_class(small) != predict.work_class(large)
+    target = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"})
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    data = calibration_sample(target)
+    crossing = [[1.0, 100.0], [predict.work(small) * 1.05, 100.0], [predict.work(large) * 0.95, 32.0], [1e6, 32.0]]
+    for backend, host, points in (("varlen_fa2", 20.0, [[1.0, 30.0], [1e6, 30.0]]), ("cudnn_frontend", 5.0, crossing)):
+        keys = [(pad, phase) for pad in ("", "+pad") for phase in ("training", "inference")]
+        data["host_us"][backend] = {f"thd{pad} {phase}": host for pad, phase in keys}
+        data["gpu"][backend] = {f"thd 128/128{pad} {phase}": points for pad, phase in keys}
+    data["first_call_ms"] = {}
+    data["skipped"] = [b for b in data["skipped"] if b not in ("varlen_fa2", "cudnn_frontend")]
+    data["skipped"] += ["sdpa_cudnn", "flex", "flash_attn4"]
+    calibration.user_path(target).write_text(json.dumps(data))
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+    first_calls.forget()
+    selection.select_packed(seed, target=target)
+    assert selection.select_packed(small, target=target).chosen == Candidate("varlen_fa2")
+    fresh = attnselect.select(large, target=target)
+    assert fresh.chosen == Candidate("cudnn_frontend")  # within the band, and shorter alone
+    assert selection.select_packed(large, target=target).chosen == fresh.chosen

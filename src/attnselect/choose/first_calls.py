@@ -127,7 +127,10 @@ def drawn_rental(
         if owes[other] is None and predicted.get(other) is not None:  # ``other`` runs now, with nothing to pay
             return tuple(drawn), _towards(other, drawn[:-1], owes, predicted, problem)
     # every calibrated candidate has a first call to pay: the least price is paid now, as a choice knowing the job
-    # is one call long would (its calls are the rent from there)
+    # is one call long would (its calls are the rent from there). Not for a captured or compiled call: no eager
+    # warm-up ran any of them, so whichever it keeps compiles inside the graph, and it keeps it for the graph's life
+    if problem.cuda_graph_capture or problem.compiled_graph:
+        return tuple(drawn), None
     priced = [c for c in drawn if predicted.get(c) is not None]
     cheapest = min(priced, key=lambda c: owes[c][0])  # ties: the faster (the ranking's order)
     if cheapest is best:

@@ -279,7 +279,8 @@ def _drawn_alike(drawn: tuple | None, ranking: _Ranking) -> tuple[Decision, tupl
     draw read the order only, not the predicted times (attnselect.choose.first_calls.drawn_rental: no compile priced,
     or no other candidate served; attnselect.choose.rules.settled); and the candidates it judged are those
     ``ranking`` judges first, in that order (those the calibration cannot rank, then its order up to the choice and
-    any refused after it). None otherwise. Returned, it describes its own sizes and predictions, as a decision
+    any refused after it), and the next in ``ranking``'s order is predicted beyond the tie band of the choice's time
+    there. None otherwise. Returned, it describes its own sizes and predictions, as a decision
     carried within a work class does."""
     if drawn is None:
         return None
@@ -287,8 +288,14 @@ def _drawn_alike(drawn: tuple | None, ranking: _Ranking) -> tuple[Decision, tupl
     if found is not ranking.found or decision.rental is not None or len(decision.ranked) != 1 or tie:
         return None
     judged = tuple(v.candidate for v in decision.verdicts)
-    unranked = len(ranking.unranked)
-    if judged[:unranked] != ranking.unranked or judged[unranked:] != ranking.ordered[: len(judged) - unranked]:
+    unranked, drawn = len(ranking.unranked), len(judged) - len(ranking.unranked)
+    if judged[:unranked] != ranking.unranked or judged[unranked:] != ranking.ordered[:drawn]:
+        return None
+    # nor does the new class's order bring the next candidate within the tie band of the choice (rules.settled would
+    # judge it, and it may tie): the order is by predicted time, so the rest are beyond it too
+    following = ranking.ordered[drawn] if drawn < len(ranking.ordered) else None
+    lead, time = ranking.predicted.get(decision.chosen), ranking.predicted.get(following)
+    if lead is not None and time is not None and time.total_us <= lead.total_us * (1 + rules.TIE_BAND):
         return None
     return decision, sized, paid
 
