@@ -2,6 +2,7 @@
 
     python benchmarks/ladder.py --out results/h200_ladder             # a GPU; writes .json and .md, resumable
     python benchmarks/ladder.py --smoke --out /tmp/ladder              # tiny, any device
+    python benchmarks/ladder.py --isolate --group --out ...            # a process for each layout, pair and phase
 
 Rungs (16 query and 16 K/V heads, causal, bf16; d_qk/d_v 192/128 and 128/128; inference and training, a forward and
 ``torch.autograd.grad``):
@@ -415,9 +416,12 @@ def main() -> None:
     ap.add_argument("--screen", type=float, default=0.0, help="leave forced rows slower than this many times the "
                     "fastest row's one call out of the timed rounds (0: none)")  # fmt: skip
     ap.add_argument("--rung-timeout", type=float, default=600.0, help="seconds a rung's process may take (--isolate)")
-    ap.add_argument("--rung", help="run this rung alone (its exact name)")
+    ap.add_argument("--rung", action="append", default=[], help="run these rungs alone (exact names; repeatable)")
     ap.add_argument("--isolate", action="store_true", help="each rung in a process of its own (what one rung leaves "
                     "allocated, or a broken CUDA context, cannot reach the next)")  # fmt: skip
+    ap.add_argument("--group", action="store_true", help="with --isolate: the rungs of one layout, head-dim pair and "
+                    "phase in one process (their configurations compile, or load, once), a rung whose process "
+                    "fails recorded and the rest of its group run on in a new one")  # fmt: skip
     a = ap.parse_args()
     if a.isolate:
         return isolated(a)
@@ -436,11 +440,14 @@ def main() -> None:
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     for rung in rungs(a.smoke):
         name = rung_name(rung)
-        if name in done or (a.only and not any(o in name for o in a.only)) or (a.rung and name != a.rung):
+        if name in done or (a.only and not any(o in name for o in a.only)) or (a.rung and name not in a.rung):
             continue
         if a.deadline is not None and time.time() - started > a.deadline:
             print(f"deadline: {name} and later rungs not run (run again to resume)", flush=True)
             break
+        if a.device == "cuda":  # each rung's own peak, and nothing an earlier rung of the process kept
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         inputs = Inputs(rung, a.device, heads, dtype)
         with torch.enable_grad() if inputs.grad is not None else torch.no_grad():
             problem = inputs.problem()
@@ -468,34 +475,56 @@ def main() -> None:
 
 
 def isolated(a) -> None:
-    """Every rung not yet in ``--out`` in a process of its own (``--rung``), until ``--deadline``; then the report."""
+    """Every rung not yet in ``--out`` in a process of its own (``--rung``), or with ``--group`` one process for the
+    rungs of each layout, head-dim pair and phase, until ``--deadline``; then the report. A process that fails or
+    runs past ``--rung-timeout`` a rung records the first of its rungs not done as failed (a resume does not spend
+    the device's time on it again); the rest of its group run on in a new process."""
     started, path = time.time(), Path(a.out + ".json")
     passed = ["--out", a.out, "--rounds", str(a.rounds), "--calls", str(a.calls), "--warmup", str(a.warmup),
               "--layers", str(a.layers), "--screen", str(a.screen), *(["--smoke"] if a.smoke else [])]  # fmt: skip
+
+    def done() -> set:
+        return {e["rung"] for e in json.loads(path.read_text())["results"]} if path.exists() else set()
+
+    groups: dict[tuple, list[str]] = {}
     for rung in rungs(a.smoke):
         name = rung_name(rung)
-        done = {e["rung"] for e in json.loads(path.read_text())["results"]} if path.exists() else set()
-        if name in done or (a.only and not any(o in name for o in a.only)):
-            continue
-        if a.deadline is not None and time.time() - started > a.deadline:
-            print(f"deadline: {name} and later rungs not run (run again to resume)", flush=True)
-            break
-        try:
-            finished = subprocess.run([sys.executable, __file__, *passed, "--rung", name], timeout=a.rung_timeout)
-            failure = f"its process exited with {finished.returncode}" if finished.returncode else None
-        except subprocess.TimeoutExpired:
-            failure = f"its process ran past --rung-timeout ({a.rung_timeout:.0f} s)"
-        if failure:  # recorded, so that a resume does not spend the device's time on it again
-            print(f"{name}: {failure}", flush=True)
-            report = json.loads(path.read_text()) if path.exists() else {"results": []}
-            report["results"].append({"rung": name, "chosen": "", "stats": {}, "errors": {"the rung": failure}})
-            path.write_text(json.dumps(report, indent=1))
+        if not a.only or any(o in name for o in a.only):
+            key = (rung["layout"], rung["d_qk"], rung["d_v"], rung["phase"]) if a.group else (name,)
+            groups.setdefault(key, []).append(name)
+    for names in groups.values():
+        while left := [name for name in names if name not in done()]:
+            if a.deadline is not None and time.time() - started > a.deadline:
+                print(f"deadline: {left[0]} and later rungs not run (run again to resume)", flush=True)
+                return _report(path, a.out)
+            command = [sys.executable, __file__, *passed, *(arg for name in left for arg in ("--rung", name))]
+            if a.deadline is not None:  # no rung of the process starts after it either
+                command += ["--deadline", str(a.deadline - (time.time() - started))]
+            try:
+                finished = subprocess.run(command, timeout=a.rung_timeout * len(left))
+                failure = f"its process exited with {finished.returncode}" if finished.returncode else None
+            except subprocess.TimeoutExpired:
+                failure = f"its process ran past --rung-timeout ({a.rung_timeout:.0f} s a rung)"
+            if failure is None:
+                if not set(left) - done():
+                    break
+                continue  # its deadline passed: the loop's check stops
+            first = next((name for name in left if name not in done()), None)
+            if first is not None:  # recorded, so that a resume does not spend the device's time on it again
+                print(f"{first}: {failure}", flush=True)
+                report = json.loads(path.read_text()) if path.exists() else {"results": []}
+                report["results"].append({"rung": first, "chosen": "", "stats": {}, "errors": {"the rung": failure}})
+                path.write_text(json.dumps(report, indent=1))
+    _report(path, a.out)
+
+
+def _report(path: Path, out: str) -> None:
     if path.exists():
         report = json.loads(path.read_text())
         report.setdefault("meta", {"device": "no rung finished", "date": time.strftime("%Y-%m-%d")})
         report["goals"] = goals(report["results"])
         path.write_text(json.dumps(report, indent=1))
-        Path(a.out + ".md").write_text(markdown(report))
+        Path(out + ".md").write_text(markdown(report))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@
 #   bash scripts/device_run.sh flex-probe # benchmarks/flex_probe.py                  -> $OUT/h200_flex_probe.*
 #   bash scripts/device_run.sh flex-hooks # benchmarks/flex_hooks_probe.py            -> $OUT/h200_flex_hooks_probe.*
 #   bash scripts/device_run.sh ladder  # benchmarks/ladder.py (LADDER_ARGS, LADDER_DEADLINE; LADDER_ONLY="thd 2048;thd
-#                                      # 8192": the rungs whose names hold one of these), resuming this machine's or the
+#                                      # 8192": the rungs whose names hold one of these; a process for each layout,
+#                                      # head-dim pair and phase, LADDER_GROUP= one for each rung), resuming this machine's or the
 #                                      # committed rungs -> $OUT/h200_ladder[_$LADDER_PART][_fa4].{json,md} (FA4 where installed)
 #   bash scripts/device_run.sh calibrate-host # results/h200_calibration.json's host times measured again -> $OUT/h200_calibration.*
 #   bash scripts/device_run.sh calibrate-first-calls # its first calls' costs measured again (start-up left out,
@@ -206,7 +207,7 @@ case "$step" in
     # the rungs run so far stay in /tmp while the machine is warm: a later call resumes them without a round trip
     [ -f "results/$name.json" ] && [ ! -f "/tmp/$name.json" ] && cp "results/$name.json" /tmp/
     only=(); IFS=';' read -ra rungs <<< "${LADDER_ONLY:-}"; for rung in "${rungs[@]}"; do only+=(--only "$rung"); done
-    timeout ${LADDER_TIMEOUT:-560} python3 benchmarks/ladder.py --isolate --out "/tmp/$name" --deadline ${LADDER_DEADLINE:-420} \
+    timeout ${LADDER_TIMEOUT:-560} python3 benchmarks/ladder.py --isolate ${LADDER_GROUP---group} --out "/tmp/$name" --deadline ${LADDER_DEADLINE:-420} \
       ${LADDER_ARGS:-} "${only[@]}" 2>&1 | grep -v -i warn | tail -30
     cp "/tmp/$name.json" "/tmp/$name.md" "$OUT/" ;;
   calibrate-host)   # the committed calibration's host times measured again (attnselect.bench.calibrate.host_times)

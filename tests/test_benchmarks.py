@@ -458,6 +458,19 @@ def test_ladder_smoke(tmp_path):
     assert "## Goals" in (tmp_path / "ladder.md").read_text()
 
 
+def test_ladder_isolated_by_group_runs_every_rung_once(tmp_path):
+    """--isolate --group: one process for the rungs of each layout, head-dim pair and phase; every rung's result
+    recorded once, as a run in one process records it."""
+    out = str(tmp_path / "ladder")
+    args = ("--smoke", "--rounds", "1", "--calls", "1", "--warmup", "1", "--layers", "2", "--out", out)
+    _run("benchmarks/ladder.py", *args, "--isolate", "--group")
+    report = json.loads((tmp_path / "ladder.json").read_text())
+    names = [e["rung"] for e in report["results"]]
+    assert sorted(names) == sorted(set(names)) and len(names) == 6
+    assert all(e["chosen"] and not e["errors"] for e in report["results"])
+    assert "## Goals" in (tmp_path / "ladder.md").read_text()
+
+
 def test_hot_path_smoke(tmp_path):
     _run("benchmarks/hot_path.py", "--calls", "3", "--repeats", "3", "--out", str(tmp_path / "hot"))
     rows = json.loads((tmp_path / "hot.json").read_text())["cases"][0]["rows"]
