@@ -349,3 +349,23 @@ def test_a_sibling_s_problem_at_other_sizes_is_the_one_validation_describes(opti
             assert derived == expected and derived.signature == expected.signature
             assert derived.describe() == expected.describe()
             assert derived == problem._with(batch=count, seqlen_q=longest, seqlen_kv=longest)
+
+
+def test_a_shape_forgotten_forgets_its_captured_and_compiled_calls_too():
+    """forget_dense (a shape's rental paid, attnselect.choose.first_calls) forgets the calls decided for that shape
+    under CUDA graph capture or in a compiled graph as well: they keep their candidate for the graph's life, so the
+    next capture must choose again."""
+    import dataclasses
+
+    from attnselect.spec.problem import AttentionProblem
+
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v, causal=True)
+    (eager,) = dispatch.known_calls()
+    captured = eager._replace(problem=dataclasses.replace(eager.problem, cuda_graph_capture=True))
+    _recall(*(t[:, :5] for t in (q, k, v)), causal=True).remember(captured)  # as a capture's call is remembered
+    other = _qkv()
+    attnselect.attention(*(t[:1] for t in other), causal=True)  # another shape: kept
+    assert len(dispatch.known_calls()) == 3
+    dispatch.forget_dense(AttentionProblem.from_tensors(q, k, v, causal=True))
+    assert [known.problem.batch for known in dispatch.known_calls()] == [1]

@@ -167,8 +167,9 @@ def attention(
             runner = _on_packing(packed_runner(chosen, decision.chosen.pad_to, call), packing)
         if decision.rental and decision.rental.calls and runner is not None:  # a compile to pay later (first_calls)
             runner = _renting(runner, decision.rental, problem)
-        # a calibration holds: what compiles is tracked (a configuration is the call at any size: its sibling's ran)
-        compiled = decision.predictions is not None and not again
+        # what compiles is tracked (a configuration is the call at any size: its sibling's ran), whatever ranked it:
+        # a call the rules table ranks (a decode step's few queries) compiles what a calibrated one may rent around
+        compiled = not again
         # reads ATTNSELECT_SELF_CHECK (in the memo's key): before memoizing. A packed family's problem at any sizes has
         # one signature per size class: where its choice needed no check at that class, it needs none (a check passed
         # since only makes the answer no)
@@ -233,7 +234,6 @@ def _renting(run, rental: first_calls.Rental, problem: AttentionProblem):
     def renting(*args):
         if not paid[0] and first_calls.rent(rental, key):
             paid[0] = True
-            first_calls.paid(rental.deferred, problem)  # a configuration's first call builds its first shape too
             log.info("attnselect: %s; the rent reached the price: choosing again for %s", rental.describe(),
                      problem.describe())  # fmt: skip
             if rental.shape:
@@ -323,6 +323,7 @@ def warmup(
 
 
 def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> WarmedUp:
+    target = target_for_device(device)  # the device warmed up, not the machine's default one
     q, k, v, grad_out, packings = random_inputs(problem, device)
     kwargs = call_arguments(problem, device)
     if packings is not None:
@@ -333,17 +334,18 @@ def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> Wa
     started = time.perf_counter()
     with torch.enable_grad() if problem.training else torch.no_grad():
         try:
-            _call(q, k, v, grad_out, kwargs, controls, problem.training, device)
             described = AttentionProblem.from_tensors(q, k, v, **kwargs)
-            decision = select(described, **controls)
-            if decision.rental is not None:  # the fastest candidate compiles on its first call: that call is made now
-                first_calls.paid(decision.ranked[0], described)  # (a rental may defer another one on the way)
-                clear_cache()  # chosen from now on; a failure falls back and is recorded as in the job
-                _call(q, k, v, grad_out, kwargs, controls, problem.training, device)
+            decision = select(described, target=target, **controls)
+            if decision.rental is not None:
+                # the fastest candidate has a first call to pay: warm-up makes it, not the rented one's (a rental may
+                # defer another one on the way); a failure falls back and is recorded as in the job
+                first_calls.paid(decision.ranked[0], described)
+                clear_cache()
+            _call(q, k, v, grad_out, kwargs, controls, problem.training, device)
         except Exception as exc:  # reported: the job's call would meet the same
             return WarmedUp(problem, "", time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:300])
         seconds = time.perf_counter() - started
-    return WarmedUp(problem, str(select(described, **controls).chosen), seconds, None)
+    return WarmedUp(problem, str(select(described, target=target, **controls).chosen), seconds, None)
 
 
 def _call(q, k, v, grad_out, kwargs: dict, controls: dict, training: bool, device: torch.device) -> None:

@@ -78,7 +78,7 @@ def test_the_paid_state_changes_exactly_when_a_compile_is_paid():
     assert paid != before
     first_calls.ran(FA4, LARGE._with(seqlen_q=4096, seqlen_kv=4096))  # the same configuration: nothing new paid
     assert first_calls.paid_state() == paid
-    rental = first_calls.Rental(Candidate("sdpa_cudnn"), FA4, 2, 4000.0, 1.0)
+    rental = first_calls.Rental(Candidate("sdpa_cudnn"), FA4, 2, 0.002, 1.0)  # 2 us to pay at 1 us a call
     other = LARGE._with(mask="none")
     key = first_calls.rent_key(rental, other)
     assert not first_calls.rent(rental, key) and first_calls.paid_state() == paid  # rent counted, not yet paid
@@ -104,11 +104,16 @@ def test_a_captured_or_compiled_call_keeps_what_its_eager_warm_up_ran_until_the_
     assert attnselect.select(LARGE._with(**graph), target=H200).chosen == FA4
 
 
+def _paid_in(rental: first_calls.Rental, calls: int) -> first_calls.Rental:
+    """``rental`` with a price its loss a call pays in ``calls`` calls."""
+    return rental._replace(calls=calls, compile_ms=calls * rental.lost_us / 1e3)
+
+
 def test_the_renting_runner_pays_at_its_count_and_makes_the_next_call_choose_again(monkeypatch):
     rental = attnselect.select(LARGE, target=H200).rental
     cleared = []
     monkeypatch.setattr(api, "clear_cache", lambda: cleared.append(True))
-    run = api._renting(lambda *args: args, rental._replace(calls=3), LARGE)
+    run = api._renting(lambda *args: args, _paid_in(rental, 3), LARGE)
     for _ in range(2):
         assert run(1, 2, 3) == (1, 2, 3)
     assert not cleared and attnselect.select(LARGE, target=H200).rental is not None
@@ -122,7 +127,7 @@ def test_the_renting_runner_pays_at_its_count_and_makes_the_next_call_choose_aga
 
 def test_calls_at_other_sizes_of_the_signature_rent_together(monkeypatch):
     """A packed loop brings new sizes every step, so a new decision and runner: the count goes on across them."""
-    rental = attnselect.select(LARGE, target=H200).rental._replace(calls=4)
+    rental = _paid_in(attnselect.select(LARGE, target=H200).rental, 4)
     cleared = []
     monkeypatch.setattr(api, "clear_cache", lambda: cleared.append(True))
     for seqlen in (8192, 8000, 7900, 8100):
@@ -214,7 +219,8 @@ def test_a_new_shape_of_a_configuration_that_ran_rents_where_its_kernel_builds_p
     cleared = []
     monkeypatch.setattr(api, "clear_cache", lambda: cleared.append(True))
     api._renting(lambda *args: None, rental, LARGE._with(seqlen_q=2048, seqlen_kv=2048))()  # another shape's count
-    assert first_calls._RENT == {first_calls.rent_key(rental, LARGE._with(seqlen_q=2048, seqlen_kv=2048)): 1}
+    counted = {first_calls.rent_key(rental, LARGE._with(seqlen_q=2048, seqlen_kv=2048)): rental.lost_us}
+    assert first_calls._RENT == counted  # one call's loss, at that shape
     first_calls.ran(FA4, other)
     attnselect.clear_cache()
     assert attnselect.select(other, target=H200).chosen == FA4
@@ -542,3 +548,164 @@ def test_on_random_prices_and_times_rentals_cost_at_most_four_times_what_knowing
     assert 3.0 < worst <= 3.5
     near_three = [("sdpa_flash", 1e5, 0.0), ("cudnn_frontend", 99_900.0, 99.0), ("flash_attn4", 100.0, 1e5)]
     assert 2.9 < over_knowing(near_three) < 3.0
+
+
+def test_a_configuration_s_rent_ended_by_a_payment_elsewhere_leaves_this_shape_s_build_to_pay(
+    rented_on_cpu, monkeypatch
+):
+    """A configuration paid by a call at another shape (a forced one) did not build this shape: the rented runner
+    chooses again there and the shape's build rents, where only the rent reaching the price pays the first shape
+    the deferred candidate comes at."""
+    costs = {"first_call_ms": {"sdpa_flash": 1000.0}, "new_size_ms": {"sdpa_flash": 1000.0}}
+    _predicted_on_cpu(monkeypatch, FLASH_OR_MATH, costs)
+    attnselect.clear_cache()
+    q, k, v = rented_on_cpu
+    attnselect.attention(q, k, v, causal=True)  # the configuration's rental: sdpa_math runs
+    attnselect.attention(*(t[:, :4] for t in (q, k, v)), causal=True, backend="sdpa_flash")  # paid at another shape
+    attnselect.attention(q, k, v, causal=True)  # the renting runner sees it paid: the calls choose again
+    rental = attnselect.select(AttentionProblem.from_tensors(q, k, v, causal=True)).rental
+    assert rental is not None and rental.shape and rental.deferred == Candidate("sdpa_flash")
+
+
+def test_a_configuration_s_rent_reaching_its_price_pays_the_first_shape_its_candidate_comes_at(monkeypatch):
+    """The configuration's price was measured on a first call, which builds that call's shape: whichever shape the
+    deferred candidate's first call comes at, it rents no build there, and the next new shape does."""
+    rental = first_calls.Rental(Candidate("sdpa_cudnn"), FA4, 1, 0.001, 1.0)
+    assert first_calls.rent(rental, first_calls.rent_key(rental, LARGE))
+    costs = {"new_size_ms": {"flash_attn4": {"dense training": 150.0}}}
+    at, later = LARGE._with(seqlen_q=2048, seqlen_kv=2048), LARGE._with(seqlen_q=1024, seqlen_kv=1024)
+    assert first_calls.owed(FA4, costs, at) is None and first_calls.owed(FA4, costs, LARGE) is None
+    first_calls.ran(FA4, at)  # its first call came at another shape than the rent's
+    assert first_calls.owed(FA4, costs, LARGE) == (150.0, True) and first_calls.owed(FA4, costs, later) == (150.0, True)
+
+
+def test_the_rent_counted_is_bounded_as_the_shapes_paid_are(monkeypatch):
+    """A server's many lengths each rent a shape's build: their counts are kept for the last SHAPES_KEPT, as the
+    shapes paid."""
+    monkeypatch.setattr(first_calls, "SHAPES_KEPT", 4)
+    rental = first_calls.Rental(Candidate("sdpa_cudnn"), FA4, 3, 0.003, 1.0, shape=True)
+    for seqlen in range(1000, 1100):
+        problem = LARGE._with(seqlen_q=seqlen, seqlen_kv=seqlen)
+        assert not first_calls.rent(rental, first_calls.rent_key(rental, problem))  # one call's loss of three
+    assert len(first_calls._RENT) == 4 and len(first_calls._SHAPES) == 0
+
+
+def test_a_configuration_s_rent_counts_the_time_each_size_lost_not_its_calls(monkeypatch):
+    """Calls of a configuration count together at every size, each by what it lost: six calls at 4k tokens and one at
+    32k (the packaged H200 calibration, 128/128 training) do not pay the cuDNN frontend's price, which they lost a
+    sixth of; the loss reaching it does."""
+    calibration.user_path(H200).unlink()
+    calibration.parse.cache_clear()
+    target = attnselect.Target.preset("h200", packages=PACKAGED_PACKAGES, torch_version="2.11.0+cu130",
+                                      cudnn_version="9.19.0")  # fmt: skip
+    small, large = (
+        AttentionProblem(1, s, s, 16, 16, 128, 128, mask="causal", training=True, dtype=torch.bfloat16)
+        for s in (4096, 32768)
+    )
+    at_small, at_large = (attnselect.select(p, target=target).rental for p in (small, large))
+    assert at_small.deferred == at_large.deferred and at_large.calls < at_small.calls
+    cleared = []
+    monkeypatch.setattr(api, "clear_cache", lambda: cleared.append(True))
+    run_small, run_large = api._renting(lambda: None, at_small, small), api._renting(lambda: None, at_large, large)
+    for _ in range(at_large.calls - 1):
+        run_small()
+    run_large()
+    assert not cleared
+    lost = (at_large.calls - 1) * at_small.lost_us + at_large.lost_us
+    for _ in range(math.ceil((at_large.compile_ms * 1e3 - lost) / at_large.lost_us)):
+        run_large()
+    assert cleared == [True]
+
+
+def test_warmup_makes_the_fastest_candidate_s_first_call_itself(rented_on_cpu, monkeypatch):
+    """Where the fastest candidate has a first call to pay, warm-up makes that call (not the rented candidate's),
+    even where one rented call would reach the price."""
+    _predicted_on_cpu(monkeypatch, FLASH_OR_MATH, {"first_call_ms": {"sdpa_flash": 100.0}})  # a one-call rental
+    attnselect.clear_cache()
+    q, k, v = rented_on_cpu
+    problem = AttentionProblem.from_tensors(q, k, v, causal=True)
+    assert attnselect.select(problem).rental.calls == 1
+    ran, real = [], first_calls.ran
+    monkeypatch.setattr(first_calls, "ran", lambda c, p: ran.append(c) or real(c, p))
+    (warmed,) = attnselect.warmup([problem], device="cpu")
+    assert warmed.chosen == "sdpa_flash native" and ran == [Candidate("sdpa_flash")]
+
+
+def test_warmup_chooses_for_the_device_it_warms_up(monkeypatch):
+    """warmup(device="cpu") on a machine with a GPU reads the CPU's decision, not the GPU's: it marks nothing of the
+    GPU's paid and reports what ran."""
+    from attnselect.spec import target as target_module
+
+    calibration.user_path(H200).unlink()
+    calibration.parse.cache_clear()
+    gpu = attnselect.Target.preset("h200", packages=PACKAGED_PACKAGES, torch_version="2.11.0+cu130",
+                                   cudnn_version="9.19.0")  # fmt: skip
+    monkeypatch.setattr(target_module, "_cuda_usable", lambda: True)  # a CUDA machine, as Target.current sees it
+    monkeypatch.setattr(target_module, "_cuda_target", lambda index: gpu)
+    attnselect.clear_cache()
+    problem = AttentionProblem(1, 1024, 1024, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    on_gpu = attnselect.select(problem, target=gpu)
+    assert on_gpu.rental is not None
+    (warmed,) = attnselect.warmup([problem], device="cpu")
+    assert warmed.chosen == str(attnselect.select(problem, target=attnselect.Target.current("cpu")).chosen)
+    assert attnselect.select(problem, target=gpu).rental == on_gpu.rental
+
+
+def test_a_compiled_graph_s_kernel_is_paid_for_the_eager_calls_after_it(rented_on_cpu, monkeypatch):
+    """Every candidate priced, a compiled call runs the fastest (first_calls.drawn_rental), which compiles inside
+    the graph: the eager calls after it choose it, not a rental around it."""
+    flash, math_ = Candidate("sdpa_flash"), Candidate("sdpa_math")
+    _predicted_on_cpu(monkeypatch, {flash: 10.0, math_: 100_010.0},
+                      {"first_call_ms": {"sdpa_flash": 1000.0, "sdpa_math": 60.0}})  # fmt: skip
+    attnselect.clear_cache()
+    q, k, v = rented_on_cpu
+    eager = AttentionProblem.from_tensors(q, k, v, causal=True)
+    assert attnselect.select(eager._with(compiled_graph=True)).chosen == flash
+    assert attnselect.select(eager).rental is not None
+    compiled = torch.compile(lambda q, k, v: attnselect.attention(q, k, v, causal=True), backend="aot_eager",
+                             fullgraph=True)  # fmt: skip
+    compiled(q, k, v)
+    attnselect.clear_cache()
+    decision = attnselect.select(eager)
+    assert decision.chosen == flash and decision.rental is None
+
+
+def test_a_call_the_rules_table_ranks_pays_its_configuration_too(monkeypatch):
+    """A decode step's few queries are outside what calibrations measure (the table ranks it), yet it runs and
+    compiles its configuration, which the calibrated calls of the same configuration then rent around no more."""
+    from attnselect.choose import rules
+    from attnselect.choose.predict import Prediction
+
+    flash = Candidate("sdpa_flash")
+
+    def predictions(verdicts, problem, target):  # as rules.predictions: none where the calibration does not cover it
+        if problem.seqlen_q < 4:
+            return None, "the calibration covers 4 or more queries", {}
+        found = {v.candidate: None for v in verdicts if v.supported}
+        found.update({flash: Prediction(1.0, 10.0, "test"), Candidate("sdpa_math"): Prediction(1.0, 100_010.0, "t")})
+        return found, "test", {"first_call_ms": {"sdpa_flash": 1000.0}}
+
+    monkeypatch.setattr(rules, "predictions", predictions)
+    attnselect.clear_cache()
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, 8, 2, 16, generator=g) for _ in range(2))
+    attnselect.attention(torch.randn(1, 2, 2, 16, generator=g), k, v)  # ranked by the table: sdpa_flash runs
+    assert _last_chosen() == flash
+    attnselect.attention(torch.randn(1, 8, 2, 16, generator=g), k, v)
+    assert _last_chosen() == flash
+
+
+def test_a_rental_drawn_while_every_candidate_had_a_price_is_drawn_again_once_its_own_ran():
+    """explain says every candidate has a first call to pay only while the rented one's has not run."""
+    calibration.user_path(H200).unlink()
+    calibration.parse.cache_clear()
+    target = attnselect.Target.preset("h200", packages=PACKAGED_PACKAGES, torch_version="2.11.0+cu130",
+                                      cudnn_version="9.19.0")  # fmt: skip
+    problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, layout="thd", mask="causal", training=True,
+                               dtype=torch.bfloat16)  # fmt: skip
+    decision = attnselect.select(problem, target=target)
+    assert decision.rental.own_ms and "every candidate has a first call to pay" in decision.why
+    first_calls.ran(decision.chosen, problem)  # as attention() records its first call
+    again = attnselect.select(problem, target=target)
+    assert again.chosen == decision.chosen and not again.rental.own_ms
+    assert "every candidate has a first call to pay" not in again.why

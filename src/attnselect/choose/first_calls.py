@@ -25,11 +25,15 @@ predicted times (dense and packed calls of 192/128, 128/128, 64/64 and 256/256, 
 with FA4 and without) it stays within 1.67 times (both: tests/choose/test_first_calls.py). A one-off call does not
 pay a compile or a graph to save microseconds, and a training loop reaches the faster kernel after a bounded loss.
 
-A configuration (the call at any size) is paid for in a process once a call of it has run there (:func:`ran`:
-``attnselect.warmup`` makes those calls ahead of time) or its rent has reached the price (:func:`paid`); so is a
-dense call's shape. That is process state, not a memo: clearing the decision caches does not forget it
-(:func:`forget` does, for tests). Shapes are priced for dense calls only: a packed call's per-packing builds are the
-shape cache's (:mod:`attnselect.choose.rules` ranks a candidate that rebuilds per packing after those that do not).
+A configuration (the call at any size) is paid for in a process once a call of it has run there, eager, captured,
+compiled or ranked by the rules table (:func:`ran`: ``attnselect.warmup`` makes those calls ahead of time), or its
+rent has reached the price (:func:`rent`: the time each call lost, at its own size, summed over the configuration's
+calls at every size); so is a dense call's shape. A configuration's rent pays the first shape its candidate comes at
+(its price was measured on a first call, which builds that call's shape), not the shape of the call that reached
+it. That is process state, not a memo: clearing the decision caches does not forget it (:func:`forget` does, for
+tests); the counts and shapes kept are bounded (:data:`SHAPES_KEPT`). Shapes are priced for dense calls only: a
+packed call's per-packing builds are the shape cache's (:mod:`attnselect.choose.rules` ranks a candidate that
+rebuilds per packing after those that do not).
 """
 
 from __future__ import annotations
@@ -56,7 +60,11 @@ _PAID: set[tuple] = set()  # (candidate, configuration) whose first call this pr
 # are many; a shape forgotten is at worst rented around again). A plain dict: no OrderedDict mutated across threads
 _SHAPES: dict[tuple, None] = {}
 SHAPES_KEPT = 1 << 16
-_RENT: dict[tuple, int] = {}  # a rental's key (rent_key) -> calls rented so far
+_RENT: dict[tuple, float] = {}  # a rental's key (rent_key) -> the time its calls have lost so far, us
+# (candidate, configuration) whose configuration's rent reached its price: its first call builds that call's shape
+# too (the configuration's price was measured on a first call), whichever shape it comes at (_owed, ran)
+_FIRST_SHAPE: set[tuple] = set()
+_RAN_ONCE: set = set()  # the tokens ran_once has recorded (a compiled graph's op specs)
 _CHANGES = [0]  # how often a configuration was paid: a packed decision drawn at one count stands while it holds
 
 
@@ -181,7 +189,12 @@ def _owed(candidate: Candidate, costs: dict, problem: AttentionProblem, keys: li
         keys.append(None if problem.layout == "thd" else _shape(problem))
     if not _paid((candidate, keys[0])):
         return (configuration_ms, False) if configuration_ms >= COMPILING_MS else None
-    if keys[1] is not None and shape_ms >= BUILDING_MS and not _paid((candidate, keys[0], keys[1])):
+    if (
+        keys[1] is not None
+        and shape_ms >= BUILDING_MS
+        and not _paid((candidate, keys[0], keys[1]))
+        and (candidate, keys[0]) not in _FIRST_SHAPE
+    ):
         return shape_ms, True
     return None
 
@@ -201,21 +214,28 @@ def rent_key(rental: Rental, problem: AttentionProblem) -> tuple:
 
 def settled(rental: Rental, problem: AttentionProblem) -> bool:
     """Whether what ``rental`` defers for ``problem`` has been paid in this process since it was drawn (a forced
-    call, ``warmup``, the rent of another size's rental): a memoized decision holding it is drawn again."""
-    return _paid(rent_key(rental, problem))
+    call, ``warmup``, the rent of another size's rental), or the first call of its candidate with a price of its own
+    (``own_ms``) has run: a memoized decision holding it is drawn again."""
+    key = rent_key(rental, problem)
+    return _paid(key) or (rental.own_ms > 0 and _paid((rental.chosen, key[1])))
 
 
 def rent(rental: Rental, key: tuple) -> bool:
-    """Count one call run meanwhile; True at the call that reaches the rental's count, or once the deferred
-    candidate was paid otherwise (a forced call, another size's choice): the decisions are then made again. Calls of
-    a configuration's rental count together at every size (a packed loop's every step has new sizes); a shape's, at
-    that shape."""
+    """Count one call run meanwhile, by the time it lost against the deferred candidate (``lost_us``); True at the
+    call whose loss, with the calls' before it, reaches the price, or once the deferred candidate was paid otherwise
+    (a forced call, another size's choice): the decisions are then made again. Calls of a configuration's rental
+    count together at every size, each at its own loss (a packed loop's every step has new sizes); a shape's, at that
+    shape."""
     if _paid(key):
         return True
-    calls = _RENT[key] = _RENT.get(key, 0) + 1
-    if calls < rental.calls:
+    lost = _RENT.pop(key, 0.0) + rental.lost_us  # popped: the last counted, the last forgotten (bounded, as _SHAPES)
+    if lost < rental.compile_ms * 1e3 * (1 - 1e-9):  # the tolerance: the sum of equal losses, rounded
+        _RENT[key] = lost
+        _trim(_RENT)
         return False
     _pay(key)
+    if len(key) == 2:  # a configuration's: its first call builds the shape it comes at too
+        _FIRST_SHAPE.add(key)
     return True
 
 
@@ -228,6 +248,17 @@ def ran(candidate: Candidate, problem: AttentionProblem) -> None:
         _pay(key)
     if problem.layout != "thd":
         _pay((candidate, configuration, _shape(problem)))
+        _FIRST_SHAPE.discard(key)
+
+
+def ran_once(token, candidate: Candidate, problem: AttentionProblem) -> None:
+    """:func:`ran`, once for the calls ``token`` names (a compiled graph's op spec, whose problem and candidate are
+    fixed): its later calls cost a set lookup."""
+    if token not in _RAN_ONCE:
+        ran(candidate, problem)
+        if len(_RAN_ONCE) >= SHAPES_KEPT:  # bounded: a token forgotten is recorded again
+            _RAN_ONCE.clear()
+        _RAN_ONCE.add(token)
 
 
 def _paid(key: tuple) -> bool:
@@ -241,10 +272,15 @@ def _pay(key: tuple) -> None:
         return
     _SHAPES.pop(key, None)  # paid again: the last to be forgotten
     _SHAPES[key] = None
-    while len(_SHAPES) > SHAPES_KEPT:
+    _trim(_SHAPES)
+
+
+def _trim(kept: dict) -> None:
+    """Drop the oldest of ``kept`` past :data:`SHAPES_KEPT`."""
+    while len(kept) > SHAPES_KEPT:
         try:
-            _SHAPES.pop(next(iter(_SHAPES)), None)
-        except (RuntimeError, StopIteration):  # another thread changed it meanwhile: the next pay trims it
+            kept.pop(next(iter(kept)), None)
+        except (RuntimeError, StopIteration):  # another thread changed it meanwhile: the next call trims it
             break
 
 
@@ -276,4 +312,6 @@ def forget() -> None:
     _PAID.clear()
     _SHAPES.clear()
     _RENT.clear()
+    _FIRST_SHAPE.clear()
+    _RAN_ONCE.clear()
     _CHANGES[0] += 1
