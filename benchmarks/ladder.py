@@ -38,6 +38,7 @@ slower than F.sdpa's default dispatch where that serves the call natively (the d
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -304,10 +305,16 @@ def _stats(values: list[float]) -> dict:
 
 def goals(results: list[dict]) -> dict:
     """The three goals over the rungs measured so far (see the module docstring)."""
-    per_row, worst, sdpa, no_fa4 = [], None, [], []
+    per_row, worst, sdpa, no_fa4, unmeasured = [], None, [], [], []
     policies: dict[str, list[float]] = {}
     for entry in results:
+        if not entry["stats"]:  # the rung's process failed: nothing of the default measured
+            unmeasured.append({"rung": entry["rung"], "way": "every", "why": next(iter(entry["errors"].values()), "")})
         for way, rows in entry["stats"].items():
+            for default in DEFAULTS:
+                if default not in rows and (default == DEFAULT or FA4 in rows):  # FA4 installed: both defaults run
+                    why = entry["errors"].get(default, "no times")
+                    unmeasured.append({"rung": entry["rung"], "way": way, "row": default, "why": why})
             if DEFAULT not in rows:
                 continue
             ours = rows[DEFAULT]["median"]
@@ -329,17 +336,20 @@ def goals(results: list[dict]) -> dict:
             if SDPA in rows:
                 sdpa.append({"rung": entry["rung"], "way": way, "speed": rows[SDPA]["median"] / ours})
     geo = {p: {"speed": math.exp(statistics.fmean(map(math.log, r))), "rungs": len(r)} for p, r in policies.items()}
+    whole = not unmeasured  # a rung-way whose default has no times cannot be shown to meet a goal
     return {
         "against the fastest single-kernel row (goal >= 0.97 everywhere)": {
-            "worst": worst, "met": worst is not None and worst >= 0.97, "rows": per_row},
+            "worst": worst, "met": whole and worst is not None and worst >= 0.97, "rows": per_row},
         "geometric mean against each single-kernel policy (goal >= 1.05)": {
-            "policies": geo, "met": bool(geo) and all(g["speed"] >= 1.05 for g in geo.values())},
+            "policies": geo, "met": whole and bool(geo) and all(g["speed"] >= 1.05 for g in geo.values())},
         "against F.sdpa's default dispatch (goal >= 0.97)": {
             "worst": min((s["speed"] for s in sdpa), default=None),
-            "met": all(s["speed"] >= 0.97 for s in sdpa), "rows": sdpa},
+            "met": whole and bool(sdpa) and all(s["speed"] >= 0.97 for s in sdpa), "rows": sdpa},
         **({"without FA4: its default against the fastest single-kernel row without FA4 (goal >= 0.97)": {
-            "worst": min(s["speed"] for s in no_fa4), "met": all(s["speed"] >= 0.97 for s in no_fa4),
+            "worst": min(s["speed"] for s in no_fa4), "met": whole and all(s["speed"] >= 0.97 for s in no_fa4),
             "rows": no_fa4}} if no_fa4 else {}),
+        **({"unmeasured: rung-ways without the default's times (every goal missed while any)": {
+            "met": False, "rows": unmeasured}} if unmeasured else {}),
     }  # fmt: skip
 
 
@@ -354,6 +364,10 @@ def markdown(report: dict) -> str:
     g = report["goals"]
     lines.append("## Goals\n")
     for name, goal in g.items():
+        if name.startswith("unmeasured"):
+            lines.append(f"- {name}: {len(goal['rows'])}")
+            lines += [f"  - {r['rung']}, {r['way']}: {r['why']}" for r in goal["rows"]]
+            continue
         lines.append(f"- {name}: {'met' if goal['met'] else '**missed**'}"
                      + (f", worst {goal['worst']:.3f}" if goal.get("worst") is not None else ""))  # fmt: skip
         for policy, v in goal.get("policies", {}).items():
@@ -413,9 +427,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--layers", type=int, default=8, help="calls a step in the stack way")
     ap.add_argument("--deadline", type=float, help="seconds from now: no rung starts after it (resume later)")
+    ap.add_argument("--deadline-at", type=float, help=argparse.SUPPRESS)  # --isolate's: the parent's, in epoch seconds
     ap.add_argument("--screen", type=float, default=0.0, help="leave forced rows slower than this many times the "
                     "fastest row's one call out of the timed rounds (0: none)")  # fmt: skip
-    ap.add_argument("--rung-timeout", type=float, default=600.0, help="seconds a rung's process may take (--isolate)")
+    ap.add_argument("--rung-timeout", type=float, default=600.0, help="seconds a rung may take (--isolate: a "
+                    "process gets this for each rung it runs)")  # fmt: skip
     ap.add_argument("--rung", action="append", default=[], help="run these rungs alone (exact names; repeatable)")
     ap.add_argument("--isolate", action="store_true", help="each rung in a process of its own (what one rung leaves "
                     "allocated, or a broken CUDA context, cannot reach the next)")  # fmt: skip
@@ -423,13 +439,16 @@ def main() -> None:
                     "phase in one process (their configurations compile, or load, once), a rung whose process "
                     "fails recorded and the rest of its group run on in a new one")  # fmt: skip
     a = ap.parse_args()
+    if a.screen and (a.screen < 1 or a.warmup < 1):  # below 1 it would leave out the fastest; without a warm-up
+        ap.error("--screen: 0 (none) or at least 1, after --warmup 1 or more (its one call must not compile)")
+    started = time.time()
+    deadline_at = a.deadline_at if a.deadline_at is not None else None if a.deadline is None else started + a.deadline
     if a.isolate:
-        return isolated(a)
+        return isolated(a, deadline_at)
     import attnselect
 
     a.device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     target = attnselect.Target.current(a.device)
-    started = time.time()
     path = Path(a.out + ".json")
     report = json.loads(path.read_text()) if path.exists() else {"results": []}
     report["meta"] = {"device": target.describe(), "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
@@ -442,19 +461,27 @@ def main() -> None:
         name = rung_name(rung)
         if name in done or (a.only and not any(o in name for o in a.only)) or (a.rung and name not in a.rung):
             continue
-        if a.deadline is not None and time.time() - started > a.deadline:
+        if deadline_at is not None and time.time() > deadline_at:
             print(f"deadline: {name} and later rungs not run (run again to resume)", flush=True)
             break
-        if a.device == "cuda":  # each rung's own peak, and nothing an earlier rung of the process kept
+        if a.device == "cuda":  # each rung's own peak: an earlier rung's tensors were released (below)
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         inputs = Inputs(rung, a.device, heads, dtype)
         with torch.enable_grad() if inputs.grad is not None else torch.no_grad():
             problem = inputs.problem()
         with attnselect_log() as log:
-            attnselect.warmup([problem], device=a.device)  # as a job that precompiles: no compile left to rent out
+            # as a job that precompiles: no compile left to rent out, for the default and, where FA4 is installed,
+            # the default without it (what a machine without FA4 runs)
+            warmed = attnselect.warmup([problem], device=a.device)
+            if _fa4() is not None and a.device == "cuda":
+                warmed += attnselect.warmup([problem], device=a.device, disable="flash_attn4")
             rows = callers(rung, problem, target, a.device)
             measured = time_rung(rung, rows, inputs, a)
+        for default, w in zip(DEFAULTS, warmed):
+            if w.error:
+                measured["errors"][f"{default}: its warm-up"] = w.error
         chosen = str(attnselect.select(problem, target=target).chosen)
         stats = {way: {row: _stats(t) for row, t in by_row.items() if t} for way, by_row in measured["times"].items()}
         peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
@@ -463,25 +490,35 @@ def main() -> None:
                                   "screened": measured["screened"], "peak_gib": peak, "args": args,
                                   "log": sorted(log.items())})  # fmt: skip
         report["goals"] = goals(report["results"])
-        path.write_text(json.dumps(report, indent=1))  # after every rung: a later call resumes
+        _write(path, report)  # after every rung: a later call resumes
         print(
             f"{name}: chosen {chosen}; "
             + ", ".join(f"{way} {stats[way][DEFAULT]['median']:.3f} ms" for way in WAYS if DEFAULT in stats[way]),
             flush=True,
         )
+        del inputs, problem, rows, measured  # released before the next rung's peak is reset
     report["goals"] = goals(report["results"])
-    path.write_text(json.dumps(report, indent=1))
+    _write(path, report)
     Path(a.out + ".md").write_text(markdown(report))
 
 
-def isolated(a) -> None:
+def _write(path: Path, report: dict) -> None:
+    """``report`` as ``path``'s JSON, whole or not at all (a process killed while writing leaves the last one)."""
+    part = path.with_suffix(".json.part")
+    part.write_text(json.dumps(report, indent=1))
+    part.replace(path)
+
+
+def isolated(a, deadline_at: float | None) -> None:
     """Every rung not yet in ``--out`` in a process of its own (``--rung``), or with ``--group`` one process for the
-    rungs of each layout, head-dim pair and phase, until ``--deadline``; then the report. A process that fails or
-    runs past ``--rung-timeout`` a rung records the first of its rungs not done as failed (a resume does not spend
-    the device's time on it again); the rest of its group run on in a new process."""
-    started, path = time.time(), Path(a.out + ".json")
+    rungs of each layout, head-dim pair and phase, until the deadline; then the report. A process that fails, runs
+    past ``--rung-timeout`` for each of its rungs, or ends without finishing a rung records the first of its rungs not
+    done as failed (a resume does not spend the device's time on it again); the rest of its group run on in a new
+    process."""
+    path = Path(a.out + ".json")
     passed = ["--out", a.out, "--rounds", str(a.rounds), "--calls", str(a.calls), "--warmup", str(a.warmup),
-              "--layers", str(a.layers), "--screen", str(a.screen), *(["--smoke"] if a.smoke else [])]  # fmt: skip
+              "--layers", str(a.layers), "--screen", str(a.screen), *(["--smoke"] if a.smoke else []),
+              *(["--deadline-at", str(deadline_at)] if deadline_at is not None else [])]  # fmt: skip
 
     def done() -> set:
         return {e["rung"] for e in json.loads(path.read_text())["results"]} if path.exists() else set()
@@ -489,32 +526,33 @@ def isolated(a) -> None:
     groups: dict[tuple, list[str]] = {}
     for rung in rungs(a.smoke):
         name = rung_name(rung)
-        if not a.only or any(o in name for o in a.only):
+        if (not a.only or any(o in name for o in a.only)) and (not a.rung or name in a.rung):
             key = (rung["layout"], rung["d_qk"], rung["d_v"], rung["phase"]) if a.group else (name,)
             groups.setdefault(key, []).append(name)
     for names in groups.values():
         while left := [name for name in names if name not in done()]:
-            if a.deadline is not None and time.time() - started > a.deadline:
+            if deadline_at is not None and time.time() > deadline_at:
                 print(f"deadline: {left[0]} and later rungs not run (run again to resume)", flush=True)
                 return _report(path, a.out)
             command = [sys.executable, __file__, *passed, *(arg for name in left for arg in ("--rung", name))]
-            if a.deadline is not None:  # no rung of the process starts after it either
-                command += ["--deadline", str(a.deadline - (time.time() - started))]
             try:
                 finished = subprocess.run(command, timeout=a.rung_timeout * len(left))
                 failure = f"its process exited with {finished.returncode}" if finished.returncode else None
             except subprocess.TimeoutExpired:
-                failure = f"its process ran past --rung-timeout ({a.rung_timeout:.0f} s a rung)"
-            if failure is None:
-                if not set(left) - done():
-                    break
-                continue  # its deadline passed: the loop's check stops
+                failure = f"its process ran past --rung-timeout ({a.rung_timeout:.0f} s for each of its rungs)"
             first = next((name for name in left if name not in done()), None)
-            if first is not None:  # recorded, so that a resume does not spend the device's time on it again
-                print(f"{first}: {failure}", flush=True)
-                report = json.loads(path.read_text()) if path.exists() else {"results": []}
-                report["results"].append({"rung": first, "chosen": "", "stats": {}, "errors": {"the rung": failure}})
-                path.write_text(json.dumps(report, indent=1))
+            if first is None:
+                continue
+            if failure is None and first != left[0]:
+                continue  # some ran, and its deadline stopped it: the loop's check stops
+            if failure is None:
+                if deadline_at is not None and time.time() > deadline_at:
+                    continue  # it started none: the deadline
+                failure = "its process ended without finishing it"
+            print(f"{first}: {failure}", flush=True)  # recorded: a resume does not spend the device's time on it
+            report = json.loads(path.read_text()) if path.exists() else {"results": []}
+            report["results"].append({"rung": first, "chosen": "", "stats": {}, "errors": {"the rung": failure}})
+            _write(path, report)
     _report(path, a.out)
 
 
@@ -523,7 +561,7 @@ def _report(path: Path, out: str) -> None:
         report = json.loads(path.read_text())
         report.setdefault("meta", {"device": "no rung finished", "date": time.strftime("%Y-%m-%d")})
         report["goals"] = goals(report["results"])
-        path.write_text(json.dumps(report, indent=1))
+        _write(path, report)
         Path(out + ".md").write_text(markdown(report))
 
 

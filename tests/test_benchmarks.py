@@ -471,6 +471,32 @@ def test_ladder_isolated_by_group_runs_every_rung_once(tmp_path):
     assert "## Goals" in (tmp_path / "ladder.md").read_text()
 
 
+def test_the_ladder_s_goals_are_missed_while_a_rung_way_has_no_default_times():
+    """A rung whose process failed, or whose default row raised, leaves no time to compare: no goal can be shown met
+    (a faster single-kernel row there would otherwise go unseen)."""
+    ladder = _benchmark("ladder")
+    fast = {"median": 1.0, "q1": 1.0, "q3": 1.0, "n": 1}
+    slow = {"median": 10.0, "q1": 10.0, "q3": 10.0, "n": 1}
+    good = {"rung": "a", "stats": {"latency": {ladder.DEFAULT: fast, "forced x": slow, ladder.SDPA: slow}},
+            "errors": {}}  # fmt: skip
+    assert all(g["met"] for g in ladder.goals([good]).values())
+    raised = {"rung": "b", "stats": {"latency": {"forced x": fast}}, "errors": {ladder.DEFAULT: "RuntimeError: x"}}
+    crashed = {"rung": "c", "stats": {}, "errors": {"the rung": "its process exited with 1"}}
+    for bad in (raised, crashed):
+        found = ladder.goals([good, bad])
+        assert not any(g["met"] for g in found.values())
+        (unmeasured,) = (g["rows"] for name, g in found.items() if name.startswith("unmeasured"))
+        assert unmeasured[0]["rung"] == bad["rung"]
+    assert "unmeasured" in ladder.markdown({"meta": {"device": "d", "date": "t"}, "goals": found, "results": []})
+
+
+def test_the_ladder_refuses_a_screen_that_could_leave_the_fastest_row_out(tmp_path):
+    for bad in (["--screen", "0.5"], ["--screen", "3", "--warmup", "0"]):
+        found = subprocess.run([sys.executable, "benchmarks/ladder.py", "--smoke", "--out", str(tmp_path / "l"), *bad],
+                               cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert found.returncode == 2 and "--screen" in found.stderr
+
+
 def test_hot_path_smoke(tmp_path):
     _run("benchmarks/hot_path.py", "--calls", "3", "--repeats", "3", "--out", str(tmp_path / "hot"))
     rows = json.loads((tmp_path / "hot.json").read_text())["cases"][0]["rows"]
