@@ -19,6 +19,7 @@ import shutil
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+PARTIAL = " (partial: a checkpoint of a run not finished)"  # marks a checkpoint's source: --package refuses it
 
 
 def report(data: dict) -> str:
@@ -106,10 +107,14 @@ def main() -> None:
     if a.package:
         data = json.loads(pathlib.Path(a.package).read_text())
         problem = calibration._problem(data)
+        capability = data["fingerprint"]["capability"] if not problem else None
+        if not problem and not capability:
+            problem = "a CPU's calibration (the loader reads GPUs' alone)"
+        if not problem and ("--quick" in data["source"] or PARTIAL in data["source"]):
+            problem = f"not a whole calibration ({data['source']})"  # a quick run's, or a run's checkpoint
         if problem:
             raise SystemExit(f"{a.package}: {problem}")
-        capability = data["fingerprint"]["capability"]
-        arch = f"sm{capability[0]}{capability[1]}" if capability else "cpu"
+        arch = f"sm{capability[0]}{capability[1]}"
         target = ROOT / "src" / "attnselect" / "data" / f"calibration_{arch}.json"
         shutil.copyfile(a.package, target)
         print(f"{a.package} -> {target.relative_to(ROOT)}")
@@ -136,14 +141,16 @@ def main() -> None:
         costs = calibrate.first_call_costs(target, attention=attnselect.attention,
                                            pairs=[p for p in pairs if p != calibrate.START_UP],
                                            progress=calibrate.print_progress)  # fmt: skip
-        data.update(costs)
+        for name, by_backend in costs.items():  # per backend: one not installed here keeps its measured costs
+            data.setdefault(name, {}).update(by_backend)
         data["source"] += f"; first calls measured again, start-up left out, {time.strftime('%Y-%m-%d')}"
         pathlib.Path(a.out + ".json").write_text(json.dumps(data, indent=1))
         pathlib.Path(a.out + ".md").write_text(report(data))
         print(report(data))
         return
 
-    def checkpoint(partial: dict) -> None:  # what a deadline or a crash would otherwise lose
+    def checkpoint(partial: dict) -> None:  # what a deadline or a crash would otherwise lose; --package refuses it
+        partial = {**partial, "source": partial["source"] + PARTIAL}
         pathlib.Path(a.out + ".json").write_text(json.dumps(partial, indent=1))
 
     data = calibrate.run(attention=attnselect.attention, quick=a.quick, pairs=pairs, progress=calibrate.print_progress,

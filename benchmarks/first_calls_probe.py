@@ -16,7 +16,10 @@ ms, then a second call of the same:
 3. configuration B (64/64) at B1 S1024: a new configuration, the process started;
 4. B at B1 S2048: a new size of it.
 
-A call's extra is its first time less the second's. Start-up is call 1's extra less call 3's; size, the largest
+Through attnselect a first call of a signature the correctness grid does not cover also runs the first-use
+self-check (5.80-34.97 ms, results/h200_self_check_cost.md), as a user's does; the calibration measures with it off
+(attnselect.bench.calibrate.first_call_costs), so its sizes' costs come out lower. A call's extra is its first time
+less the second's. Start-up is call 1's extra less call 3's; size, the largest
 extra of the new sizes' calls (a first larger size may load another kernel variant once: the calibration,
 attnselect.bench.calibrate.first_call_costs, keeps the least of two).
 """

@@ -9,10 +9,12 @@ Each workload runs in a fresh process per row (its caches empty, as a new job's;
 untimed, pays the process's start-up): ``--calls`` calls (``prefill``: B1, inference; ``training``: B4, a forward
 and ``torch.autograd.grad``) whose lengths are drawn (seed 0) from ``--lengths`` distinct multiples of 16 between 256
 and 4096, bshd, 16 heads, causal, bf16, 192/128; the loop's wall time, then the same calls again (every length
-seen). Rows: attnselect's default; attnselect's default after ``attnselect.warmup`` of the configuration at
-length 128 (its fastest candidate's configuration paid, so a new length's build is what is rented around); F.sdpa's
-default dispatch; F.sdpa inside ``sdpa_kernel`` of the mem-efficient kernel (no per-shape build). attnselect's rows
-log what they chose (its INFO log: decisions and rentals).
+seen). Rows: attnselect's default; attnselect's default after ``attnselect.warmup`` of the configuration at a
+length of the loop's range (:data:`WARMUP_LENGTH`: its fastest candidate's configuration paid, so a new length's
+build is what is rented around); F.sdpa's default dispatch; F.sdpa inside ``sdpa_kernel`` of the mem-efficient
+kernel (no per-shape build). attnselect's rows log what they chose (its INFO log: decisions and rentals), and their
+first calls include the first-use self-check where the correctness grid does not cover the call's signature (what
+a user's first calls pay; 5.80-34.97 ms each, results/h200_self_check_cost.md).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 ROWS = ("attnselect default", "attnselect default after warmup()", "F.sdpa default", "F.sdpa mem-efficient")
 WORKLOADS = {"prefill": dict(batch=1, training=False), "training": dict(batch=4, training=True)}
 HEADS, DQK, DV = 16, 192, 128
+WARMUP_LENGTH = 2056  # in the loop's range, a length it may not meet (not a multiple of 16)
 
 
 def lengths(count: int, distinct: int) -> list[int]:
@@ -79,8 +82,11 @@ def child(row: str, workload: str, count: int, distinct: int) -> dict:
             torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
     call(128)  # the process's start-up, at a length the loop never meets
-    if row == "attnselect default after warmup()":  # the fastest candidate's configuration paid before the job
-        problem = attnselect.AttentionProblem(spec["batch"], 128, 128, HEADS, HEADS, DQK, DV, dtype=torch.bfloat16,
+    if row == "attnselect default after warmup()":  # the fastest candidate's configuration paid before the job, at a
+        # length of the loop's range, where the loop's fastest candidate ranks first (at 128 the mem-efficient kernel,
+        # which the start-up call ran, does): its later new lengths rent that kernel's build per shape alone
+        length, dtype = WARMUP_LENGTH, torch.bfloat16
+        problem = attnselect.AttentionProblem(spec["batch"], length, length, HEADS, HEADS, DQK, DV, dtype=dtype,
                                               mask="causal", training=spec["training"])  # fmt: skip
         attnselect.warmup([problem])
     torch.cuda.synchronize()

@@ -210,12 +210,16 @@ case "$step" in
     timeout ${LADDER_TIMEOUT:-560} python3 benchmarks/ladder.py --isolate ${LADDER_GROUP---group} --out "/tmp/$name" --deadline ${LADDER_DEADLINE:-420} \
       ${LADDER_ARGS:-} "${only[@]}" 2>&1 | grep -v -i warn | tail -30
     cp "/tmp/$name.json" "/tmp/$name.md" "$OUT/" ;;
-  calibrate-host)   # the committed calibration's host times measured again (attnselect.bench.calibrate.host_times)
-    timeout ${CALIBRATE_TIMEOUT:-300} python3 benchmarks/calibrate.py --host-from results/h200_calibration.json \
+  calibrate-host)   # the calibration's host times measured again (attnselect.bench.calibrate.host_times): this
+                    # call's calibration where an earlier step wrote one (steps chain), else the committed one
+    from=results/h200_calibration.json; [ -f "$OUT/h200_calibration.json" ] && from=$OUT/h200_calibration.json
+    timeout ${CALIBRATE_TIMEOUT:-300} python3 benchmarks/calibrate.py --host-from "$from" \
       --out "$OUT/h200_calibration" 2>&1 | grep -v -i warn | grep -E "^\| [a-z_0-9]+ \| [0-9-]" | head -12 ;;
-  calibrate-first-calls)   # the committed calibration's first calls measured again, an empty compile cache
+  calibrate-first-calls)   # its first calls measured again, an empty compile cache (as calibrate-host, it chains;
+                           # it writes at its end alone: give it a call of its own, CALIBRATE_TIMEOUT under the limit)
+    from=results/h200_calibration.json; [ -f "$OUT/h200_calibration.json" ] && from=$OUT/h200_calibration.json
     ATTNSELECT_CACHE_DIR=$(mktemp -d) timeout ${CALIBRATE_TIMEOUT:-400} python3 benchmarks/calibrate.py \
-      --first-calls-from results/h200_calibration.json --out "$OUT/h200_calibration" 2>&1 | grep -v -i warn \
+      --first-calls-from "$from" --out "$OUT/h200_calibration" 2>&1 | grep -v -i warn \
       | sed -n '/^## First call/,$p' | head -30 ;;
   package-calibration)
     python3 benchmarks/calibrate.py --package "$OUT/h200_calibration.json" && cp src/attnselect/data/calibration_*.json "$OUT/" ;;

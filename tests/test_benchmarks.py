@@ -262,6 +262,45 @@ def test_calibrate_smoke(tmp_path):
     assert "## Host time per call (us)" in (tmp_path / "both.md").read_text()
 
 
+def test_calibrate_packages_a_whole_gpu_calibration_only(tmp_path, monkeypatch):
+    """--package refuses a quick run's calibration, a checkpoint of a run not finished and a CPU's: each would become
+    the package data the rules rank by."""
+    tool = _benchmark("calibrate")
+    monkeypatch.setattr(tool, "ROOT", tmp_path)  # where it would package: never the checkout's data
+    (tmp_path / "src" / "attnselect" / "data").mkdir(parents=True)
+    whole = json.loads((ROOT / "src" / "attnselect" / "data" / "calibration_sm90.json").read_text())
+    for changes in ({"source": whole["source"] + tool.PARTIAL}, {"source": "attnselect calibrate --quick"},
+                    {"fingerprint": {**whole["fingerprint"], "capability": None}}):  # fmt: skip
+        (tmp_path / "c.json").write_text(json.dumps({**whole, **changes}))
+        monkeypatch.setattr(sys, "argv", ["calibrate.py", "--package", str(tmp_path / "c.json")])
+        with pytest.raises(SystemExit, match="calibration"):
+            tool.main()
+    assert not list((tmp_path / "src" / "attnselect" / "data").iterdir())
+    (tmp_path / "c.json").write_text(json.dumps(whole))
+    tool.main()
+    assert json.loads((tmp_path / "src" / "attnselect" / "data" / "calibration_sm90.json").read_text()) == whole
+
+
+def test_calibrate_first_calls_again_keeps_the_costs_of_backends_not_measured_here(tmp_path, monkeypatch):
+    """--first-calls-from on a machine without one of the calibrated backends (FA4 not installed) measures the others
+    again and keeps that one's costs: dropped, its first call would look free."""
+    from attnselect.bench import calibrate
+
+    tool = _benchmark("calibrate")
+    _run("benchmarks/calibrate.py", "--quick", "--pairs", "64/64", "--out", str(tmp_path / "cpu"))
+    data = json.loads((tmp_path / "cpu.json").read_text())
+    data["first_call_ms"]["flash_attn4"] = {"dense training": 7869.766}
+    (tmp_path / "cpu.json").write_text(json.dumps(data))
+    measured = {"first_call_ms": {"sdpa_flash": {"dense training": 1.5}}, "new_size_ms": {}}
+    monkeypatch.setattr(calibrate, "first_call_costs", lambda *args, **kwargs: measured)
+    monkeypatch.setattr(sys, "argv", ["calibrate.py", "--first-calls-from", str(tmp_path / "cpu.json"),
+                                      "--out", str(tmp_path / "again")])  # fmt: skip
+    tool.main()
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["first_call_ms"]["flash_attn4"] == {"dense training": 7869.766}
+    assert again["first_call_ms"]["sdpa_flash"] == {"dense training": 1.5}
+
+
 def test_hf_deepseek_smoke(tmp_path):
     pytest.importorskip("transformers", reason="the test extra installs transformers")
     _run("benchmarks/hf_deepseek.py", "--smoke", "--out", str(tmp_path / "hf"))
