@@ -93,6 +93,9 @@ def main() -> None:
         if any(p["fingerprint"] != parts[0]["fingerprint"] for p in parts):
             raise SystemExit("the parts ran on different machines or versions")
         data = dict(parts[0], host_us={}, gpu={}, first_call_ms={}, new_size_ms={})
+        for marker, says in (("--quick", " (merged with a --quick part)"), (PARTIAL, PARTIAL)):
+            if any(marker in part["source"] for part in parts) and marker not in data["source"]:
+                data["source"] += says  # what a part was not, the whole is not: --package refuses it
         for part in parts:
             for backend, times in part["host_us"].items():
                 data["host_us"].setdefault(backend, {}).update(times)

@@ -276,7 +276,16 @@ def test_calibrate_packages_a_whole_gpu_calibration_only(tmp_path, monkeypatch):
         with pytest.raises(SystemExit, match="calibration"):
             tool.main()
     assert not list((tmp_path / "src" / "attnselect" / "data").iterdir())
+    parts = [tmp_path / "whole.json", tmp_path / "quick.json"]  # a quick part makes the merge no whole one
+    parts[0].write_text(json.dumps(whole))
+    parts[1].write_text(json.dumps({**whole, "source": "attnselect calibrate --quick"}))
+    monkeypatch.setattr(sys, "argv", ["calibrate.py", "--merge", *map(str, parts), "--out", str(tmp_path / "m")])
+    tool.main()
+    monkeypatch.setattr(sys, "argv", ["calibrate.py", "--package", str(tmp_path / "m.json")])
+    with pytest.raises(SystemExit, match="calibration"):
+        tool.main()
     (tmp_path / "c.json").write_text(json.dumps(whole))
+    monkeypatch.setattr(sys, "argv", ["calibrate.py", "--package", str(tmp_path / "c.json")])
     tool.main()
     assert json.loads((tmp_path / "src" / "attnselect" / "data" / "calibration_sm90.json").read_text()) == whole
 
@@ -527,6 +536,9 @@ def test_the_ladder_s_goals_are_missed_while_a_rung_way_has_no_default_times():
         (unmeasured,) = (g["rows"] for name, g in found.items() if name.startswith("unmeasured"))
         assert unmeasured[0]["rung"] == bad["rung"]
     assert "unmeasured" in ladder.markdown({"meta": {"device": "d", "date": "t"}, "goals": found, "results": []})
+    packed = {"rung": "thd", "stats": {"latency": {ladder.DEFAULT: fast, "forced x": slow}}, "errors": {}}
+    sdpa_goal = next(g for name, g in ladder.goals([packed]).items() if "F.sdpa" in name)
+    assert sdpa_goal["met"] is None  # packed rungs have no F.sdpa row: not measured, not missed
 
 
 def test_the_ladder_refuses_a_screen_that_could_leave_the_fastest_row_out(tmp_path):

@@ -590,6 +590,22 @@ def test_the_rent_counted_is_bounded_as_the_shapes_paid_are(monkeypatch):
     assert len(first_calls._RENT) == 4 and len(first_calls._SHAPES) == 0
 
 
+def test_a_rental_whose_own_price_is_a_shape_s_build_stands_until_that_shape_is_built():
+    """Every candidate priced, the cheapest's price may be its build for this shape (its configuration ran at
+    another): the rental stands until that shape is built, not from the moment it is drawn."""
+    from attnselect.choose.predict import Prediction
+
+    cudnn = Candidate("sdpa_cudnn")
+    predicted = {FA4: Prediction(1.0, 500.0, "test"), cudnn: Prediction(1.0, 700.0, "test")}
+    costs = {"first_call_ms": {"flash_attn4": 8000.0, "sdpa_cudnn": 1000.0}, "new_size_ms": {"sdpa_cudnn": 100.0}}
+    first_calls.ran(cudnn, LARGE._with(seqlen_q=2048, seqlen_kv=2048))  # its configuration ran, at another length
+    rental = first_calls.rental((FA4, cudnn), predicted, costs, LARGE)
+    assert (rental.chosen, rental.own_ms, rental.own_shape) == (cudnn, 100.0, True)
+    assert not first_calls.settled(rental, LARGE)
+    first_calls.ran(cudnn, LARGE)
+    assert first_calls.settled(rental, LARGE)
+
+
 def test_a_configuration_s_rent_counts_the_time_each_size_lost_not_its_calls(monkeypatch):
     """Calls of a configuration count together at every size, each by what it lost: six calls at 4k tokens and one at
     32k (the packaged H200 calibration, 128/128 training) do not pay the cuDNN frontend's price, which they lost a

@@ -48,8 +48,9 @@ SKIPPED = ("reference", "sdpa_math", "flex")
 # first call at the first size of FIRST_CALL_SIZES and new sizes of it at the others (the least of those: a first
 # larger size may load another kernel variant once, not per size)
 START_UP = (128, 128)
-# (the packed sizes each in a bucket of their own: the cuDNN frontend's buckets share a graph between packings,
-# backends/shape_cache.py, so (8, 768) would reuse (8, 1024)'s)
+# (the packed (8, 1536), not (8, 768), whose packings fall in (8, 1024)'s cuDNN-frontend bucket, which shares a graph
+# between packings: backends/shape_cache.py; a later candidate's packing of it may still fall there, as each
+# candidate takes the next packing: packed shapes are not priced, attnselect.choose.first_calls)
 FIRST_CALL_SIZES = {"bshd": ((1, 1024), (1, 2048), (2, 1536)), "thd": ((4, 512), (8, 1024), (8, 1536))}
 HOST_ROUNDS = 5
 HOST_CALLS = 10  # a round's calls of each step

@@ -82,6 +82,7 @@ class Rental(NamedTuple):
     lost_us: float  # per call
     shape: bool = False
     own_ms: float = 0.0
+    own_shape: bool = False  # ``own_ms`` is ``chosen``'s build for this shape (its configuration has run)
 
     def describe(self) -> str:
         builds = "builds for this shape" if self.shape else "compiles"
@@ -145,7 +146,7 @@ def drawn_rental(
     if cheapest is best:
         return tuple(drawn), None
     rental = _towards(cheapest, drawn[: drawn.index(cheapest)], owes, predicted, problem)
-    return tuple(drawn), rental and rental._replace(own_ms=owes[cheapest][0])
+    return tuple(drawn), rental and rental._replace(own_ms=owes[cheapest][0], own_shape=owes[cheapest][1])
 
 
 def _towards(other: Candidate, above: list, owes: dict, predicted: dict, problem: AttentionProblem) -> Rental | None:
@@ -217,7 +218,11 @@ def settled(rental: Rental, problem: AttentionProblem) -> bool:
     call, ``warmup``, the rent of another size's rental), or the first call of its candidate with a price of its own
     (``own_ms``) has run: a memoized decision holding it is drawn again."""
     key = rent_key(rental, problem)
-    return _paid(key) or (rental.own_ms > 0 and _paid((rental.chosen, key[1])))
+    if _paid(key):
+        return True
+    if not rental.own_ms:
+        return False
+    return _paid((rental.chosen, key[1], _shape(problem)) if rental.own_shape else (rental.chosen, key[1]))
 
 
 def rent(rental: Rental, key: tuple) -> bool:
@@ -228,10 +233,10 @@ def rent(rental: Rental, key: tuple) -> bool:
     shape."""
     if _paid(key):
         return True
-    lost = _RENT.pop(key, 0.0) + rental.lost_us  # popped: the last counted, the last forgotten (bounded, as _SHAPES)
+    # threads may each add a call's loss to the same sum: one is lost at worst (a get and a set, no pop between)
+    lost = _RENT[key] = _RENT.get(key, 0.0) + rental.lost_us
     if lost < rental.compile_ms * 1e3 * (1 - 1e-9):  # the tolerance: the sum of equal losses, rounded
-        _RENT[key] = lost
-        _trim(_RENT)
+        _trim(_RENT)  # bounded, as _SHAPES: the first rented, the first forgotten
         return False
     _pay(key)
     if len(key) == 2:  # a configuration's: its first call builds the shape it comes at too
