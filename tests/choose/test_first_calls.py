@@ -606,6 +606,22 @@ def test_a_rental_whose_own_price_is_a_shape_s_build_stands_until_that_shape_is_
     assert first_calls.settled(rental, LARGE)
 
 
+def test_a_captured_call_waits_for_the_fastest_to_have_run_not_only_for_its_rent(monkeypatch):
+    """The rent reaching the price makes the next eager call run the fastest candidate, which compiles there; a call
+    captured or compiled before that keeps the rented one (the fastest would compile inside the graph)."""
+    rental = attnselect.select(LARGE, target=H200).rental
+    monkeypatch.setattr(api, "clear_cache", attnselect.clear_cache)
+    run = api._renting(lambda *args: None, _paid_in(rental, 1), LARGE)
+    run()  # the rent reaches the price
+    captured = LARGE._with(cuda_graph_capture=True)
+    decision = attnselect.select(captured, target=H200)
+    assert decision.chosen == rental.chosen and decision.rental.calls == 0
+    assert attnselect.select(LARGE, target=H200).chosen == FA4  # the eager call runs it
+    first_calls.ran(FA4, LARGE)  # as attention() records that call
+    attnselect.clear_cache()
+    assert attnselect.select(captured, target=H200).chosen == FA4
+
+
 def test_a_configuration_s_rent_counts_the_time_each_size_lost_not_its_calls(monkeypatch):
     """Calls of a configuration count together at every size, each by what it lost: six calls at 4k tokens and one at
     32k (the packaged H200 calibration, 128/128 training) do not pay the cuDNN frontend's price, which they lost a

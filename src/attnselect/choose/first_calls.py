@@ -65,6 +65,7 @@ _RENT: dict[tuple, float] = {}  # a rental's key (rent_key) -> the time its call
 # too (the configuration's price was measured on a first call), whichever shape it comes at (_owed, ran)
 _FIRST_SHAPE: set[tuple] = set()
 _RAN_ONCE: set = set()  # the tokens ran_once has recorded (a compiled graph's op specs)
+_RAN: set[tuple] = set()  # (candidate, configuration) that has run in this process (paid by its rent or not)
 _CHANGES = [0]  # how often a configuration was paid: a packed decision drawn at one count stands while it holds
 
 
@@ -188,7 +189,10 @@ def _owed(candidate: Candidate, costs: dict, problem: AttentionProblem, keys: li
     if not keys:
         keys.append(_configuration(problem))
         keys.append(None if problem.layout == "thd" else _shape(problem))
-    if not _paid((candidate, keys[0])):
+    graph = problem.cuda_graph_capture or problem.compiled_graph
+    # a captured or compiled call waits for the configuration to have run: its rent paid, it has not yet (the next
+    # eager call compiles it), and a graph would compile it inside
+    if not _paid((candidate, keys[0])) or (graph and (candidate, keys[0]) not in _RAN):
         return (configuration_ms, False) if configuration_ms >= COMPILING_MS else None
     if (
         keys[1] is not None
@@ -251,6 +255,9 @@ def ran(candidate: Candidate, problem: AttentionProblem) -> None:
     key = (candidate, configuration)
     if key not in _PAID:
         _pay(key)
+    if key not in _RAN:  # what a graph's draw reads too (_owed): a packed decision drawn before is drawn again
+        _RAN.add(key)
+        _CHANGES[0] += 1
     if problem.layout != "thd":
         _pay((candidate, configuration, _shape(problem)))
         _FIRST_SHAPE.discard(key)
@@ -319,4 +326,5 @@ def forget() -> None:
     _RENT.clear()
     _FIRST_SHAPE.clear()
     _RAN_ONCE.clear()
+    _RAN.clear()
     _CHANGES[0] += 1
