@@ -27,7 +27,6 @@ as integers, or with keys that have their own boundaries).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import operator
 from collections import OrderedDict
@@ -161,22 +160,15 @@ register_cache(_clear)
 def forget_dense(problem: AttentionProblem) -> None:
     """Forget the dense calls decided for ``problem``, and those alone, captured or compiled ones included: their next
     call decides again (a rental at that shape has been paid: attnselect.choose.first_calls)."""
-    eager = _as_eager(problem)
+    eager = problem.eager
 
     def decided(entry: _Entry) -> bool:
-        return entry.known is not None and _as_eager(entry.known.problem) == eager
+        return entry.known is not None and entry.known.problem.eager == eager
 
     for key in [key for key, entry in list(_CALLS.items()) if decided(entry)]:
         _CALLS.pop(key, None)
     # every time: a recent call stays recent after the memo drops it (a hit there does not refresh it)
     _set_recent([recent for recent in _RECENT if not decided(recent)])
-
-
-def _as_eager(problem: AttentionProblem) -> AttentionProblem:
-    """``problem`` as an eager call makes it (neither captured nor compiled)."""
-    if problem.cuda_graph_capture or problem.compiled_graph:
-        return dataclasses.replace(problem, cuda_graph_capture=False, compiled_graph=False)
-    return problem
 
 
 def known_calls() -> list[KnownCall]:

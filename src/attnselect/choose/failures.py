@@ -6,7 +6,6 @@ at every new packing."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import torch
@@ -92,9 +91,7 @@ def _is_failure_key(key: str) -> bool:
 def eager_signature(problem: AttentionProblem) -> tuple:
     """The signature failures are kept under: the call's, as if made eagerly, so what failed in an eager call (the
     warm-up before a CUDA graph capture, say) is refused inside a compiled graph and under capture too."""
-    if problem.cuda_graph_capture or problem.compiled_graph:
-        problem = dataclasses.replace(problem, cuda_graph_capture=False, compiled_graph=False)
-    return problem.signature
+    return problem.eager.signature
 
 
 def _entry_key(problem: AttentionProblem, target: Target) -> str:

@@ -66,7 +66,8 @@ _RENT: dict[tuple, float] = {}  # a rental's key (rent_key) -> the time its call
 _FIRST_SHAPE: set[tuple] = set()
 _RAN_ONCE: set = set()  # the tokens ran_once has recorded (a compiled graph's op specs)
 _RAN: set[tuple] = set()  # (candidate, configuration) that has run in this process (paid by its rent or not)
-_CHANGES = [0]  # how often a configuration was paid: a packed decision drawn at one count stands while it holds
+_CHANGES = [0]  # how often a configuration was paid or first ran: a packed decision drawn at one count stands while it
+# holds
 
 
 class Rental(NamedTuple):
@@ -273,6 +274,11 @@ def ran_once(token, candidate: Candidate, problem: AttentionProblem) -> None:
         _RAN_ONCE.add(token)
 
 
+# a first call about to be made (warm-up's of the fastest candidate, or the deferred one's once its rent is paid), paid
+# for as one that ran
+paid = ran
+
+
 def _paid(key: tuple) -> bool:
     return key in _PAID if len(key) == 2 else key in _SHAPES
 
@@ -301,9 +307,6 @@ def paid_state() -> int:
     (:func:`drawn_rental`) at one count is drawn alike while it holds, as the configurations' prices are all it reads
     of this process (shapes are priced for dense calls only)."""
     return _CHANGES[0]
-
-
-paid = ran  # a rental whose rent reached the price: the deferred candidate is chosen from now on
 
 
 def _configuration(problem: AttentionProblem) -> tuple:

@@ -144,6 +144,14 @@ class AttentionProblem:
         other sizes, so a loop's new packing does not make it again."""
         return self._with(batch=0, seqlen_q=0, seqlen_kv=0)
 
+    @property
+    def eager(self) -> AttentionProblem:
+        """This problem as an eager call makes it (neither captured nor compiled): what a graph's call shares with the
+        eager calls before it (their failures, compiles and decided calls)."""
+        if self.cuda_graph_capture or self.compiled_graph:
+            return dataclasses.replace(self, cuda_graph_capture=False, compiled_graph=False)
+        return self
+
     @functools.cached_property
     def _padded_sizeless(self) -> dict[int, AttentionProblem]:
         """{head dim: this problem padded to it}, on a sizeless problem (:meth:`padded` keeps its copies' sizeless)."""
