@@ -1,6 +1,7 @@
-"""How a call's predicted host and GPU times should combine, judged on a size ladder's measured rows.
+"""How a call's predicted host and GPU times should combine, judged on size ladders' measured rows.
 
     python benchmarks/ladder_rules.py results/h200_ladder_20c9c6a_fa4.json --out results/cpu_ladder_rules_20c9c6a
+    python benchmarks/ladder_rules.py results/h200_ladder*.json --out results/cpu_ladder_rules_all   # pooled
 
 Any machine: the predictions are the packaged calibration's for the H200 preset at its library versions
 (FlashAttention-4 stood in for where it is not installed: nothing runs), the times are the ladder's. For each dense
@@ -9,13 +10,23 @@ rule below picks one of the candidates the ladder forced (its ``forced ...`` row
 with the backend and padding forced), and the rule's pick is scored by its measured time over the fastest forced
 row's at that rung and way (1.0: it picked the fastest). Rules:
 
-- ``max``: the least ``max(host, GPU)`` (what attnselect ranks by: a stack overlaps the host's work with the GPU's);
+- ``max``: the least ``max(host, GPU)`` (a stack overlapping the host's work with the GPU's whole);
 - ``sum``: the least ``host + GPU`` (a call alone waits for both);
-- ``max, sum within B``: among the candidates whose ``max`` is within B (a fraction) of the least, the least ``sum``.
+- ``stack``: the least ``Prediction.total_us`` (what attnselect ranks by: ``max`` and part of the shorter,
+  ``attnselect.choose.predict.UNHIDDEN``);
+- ``max, sum within B`` and ``stack, sum within B``: among the candidates whose ``max`` (``stack``) is within B (a
+  fraction) of the least, the least ``sum`` (attnselect settles ties so: ``stack`` within ``rules.TIE_BAND``);
+- ``one choice in hindsight``: the candidate whose worse way scores best, chosen from the measured times (no rule
+  can do better with one choice for both ways: where it scores below 0.97 in either way, the ladder's goal of 0.97x
+  the fastest row on every rung-way is out of reach of any choice that does not know how the call is waited on).
 
-Packed rungs are left out: their choice is made per packing, and the ladder times each row over many packings.
-Writes ``--out``.json (every pick) and .md (per rule and way: the geometric mean of the scores, the worst, and how
-many rung-ways are within 3% of the fastest).
+Each rule is scored per way and on both (a rung's worse way; the tables count rungs). Packed rungs are left out:
+their choice is made per packing, and the ladder times each row over many packings. Also how well the predictions
+fit the forced rows' times: the median and root mean square of log(measured / predicted), alone against host + GPU
+and in a stack against ``max(host, GPU)`` and ``max + b * min`` (the overlap of a stack's host and GPU work being
+partial), over every row and over those where neither time is twice the other. Writes ``--out``.json (every pick)
+and .md (per rule and way: the geometric mean of the scores, the worst, and how many rungs are within 3% of the
+fastest; the fit). Several ladders are pooled, each judged with FlashAttention-4 installed or not as it ran.
 """
 
 from __future__ import annotations
@@ -24,12 +35,15 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from attnselect.choose.rules import TIE_BAND
 
 BANDS = (0.05, 0.10, 0.15, 0.20, 0.30)
 
@@ -48,19 +62,44 @@ def predictions(rung: dict, target) -> dict:
     return {str(c): p for c, p in (predicted or {}).items() if p is not None}
 
 
+RANKED_BY = {
+    "max": lambda p: max(p.host_us, p.gpu_us),
+    "sum": lambda p: p.alone_us,
+    "stack": lambda p: p.total_us,
+}
+
+
 def pick(rule: str, band: float, predicted: dict) -> str:
-    if rule == "max":
-        return min(predicted, key=lambda c: predicted[c].total_us)
-    if rule == "sum":
-        return min(predicted, key=lambda c: predicted[c].host_us + predicted[c].gpu_us)
-    least = min(p.total_us for p in predicted.values())
-    near = [c for c, p in predicted.items() if p.total_us <= least * (1 + band)]
-    return min(near, key=lambda c: predicted[c].host_us + predicted[c].gpu_us)
+    """``rule`` (a key of :data:`RANKED_BY`) picks among ``predicted``; with a ``band``, the candidates within it of
+    the least go by the sum."""
+    by = RANKED_BY[rule]
+    least = min(by(p) for p in predicted.values())
+    near = [c for c, p in predicted.items() if by(p) <= least * (1 + band)]
+    return min(near, key=lambda c: predicted[c].alone_us if band else by(predicted[c]))
+
+
+HINDSIGHT = "one choice in hindsight"
+OVERLAPS = (0.0, 0.25, 0.5)  # b in a stack's max(host, GPU) + b * min(host, GPU)
+
+
+def hindsight(measured: dict, served) -> str:
+    """The candidate of ``served`` whose worse way is fastest against each way's fastest, by the measured times
+    (``measured``: {way: {candidate: ms}})."""
+    fastest = {way: min(times[c] for c in served) for way, times in measured.items()}
+    return max(served, key=lambda c: min(fastest[way] / times[c] for way, times in measured.items()))
+
+
+def geometric_mean(values) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def rms(values) -> float:
+    return math.sqrt(sum(v * v for v in values) / len(values))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("ladder", help="a size ladder's .json (benchmarks/ladder.py)")
+    ap.add_argument("ladders", nargs="+", help="size ladders' .json (benchmarks/ladder.py), pooled")
     ap.add_argument("--out", help="write .json and .md here")
     a = ap.parse_args()
     os.environ["ATTNSELECT_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnselect-ladder-rules-")  # the packaged one
@@ -69,41 +108,63 @@ def main() -> None:
     from attnselect.spec.target import Target
     from new_packing_parts import _stand_in_for_flash_attn4
 
-    report = json.loads(Path(a.ladder).read_text())
-    packages = {"nvidia-cudnn-frontend": "1.32.0"}
-    if "flash-attn-4" in report["meta"]["device"]:
-        packages["flash-attn-4"] = "4.0.0b36"
-        if "flash_attn" not in sys.modules:
-            _stand_in_for_flash_attn4()
-    target = Target.preset("h200", packages=packages, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
     rungs = {ladder_script.rung_name(r): r for r in ladder_script.rungs(False)}
-    rules_ = [("max", 0.0), ("sum", 0.0)] + [("max, sum within", b) for b in BANDS]
-    picks, scores = [], {(rule, band, way): [] for rule, band in rules_ for way in ladder_script.WAYS}
-    for entry in report["results"]:
-        rung = rungs.get(entry["rung"])
-        if rung is None or rung["layout"] != "bshd":
-            continue
-        predicted = predictions(rung, target)
-        for way in ladder_script.WAYS:
-            measured = {row[len("forced "):]: s["median"] for row, s in entry["stats"].get(way, {}).items()
-                        if row.startswith("forced ")}  # fmt: skip
-            served = {c: p for c, p in predicted.items() if c in measured}
+    rules_ = [("max", 0.0), ("sum", 0.0), ("stack", 0.0), ("max", TIE_BAND)] + [("stack", b) for b in BANDS]
+    rules_.append((HINDSIGHT, 0.0))
+    ways = (*ladder_script.WAYS, "both")
+    picks, scores = [], {(rule, band, way): [] for rule, band in rules_ for way in ways}
+    fit = {"latency, host + GPU": []} | {f"stack, max + {b:g} min": [] for b in OVERLAPS}
+    fit |= {f"stack, max + {b:g} min, neither time twice the other": [] for b in OVERLAPS}
+    devices = []
+    for path in a.ladders:
+        report = json.loads(Path(path).read_text())
+        packages = {"nvidia-cudnn-frontend": "1.32.0"}
+        if "flash-attn-4" in report["meta"]["device"]:
+            packages["flash-attn-4"] = "4.0.0b36"
+            if "flash_attn" not in sys.modules:
+                _stand_in_for_flash_attn4()
+        devices.append(f"{Path(path).name}: {report['meta']['device']}, {report['meta']['rounds']} rounds of "
+                       f"{report['meta']['calls']} calls")  # fmt: skip
+        target = Target.preset("h200", packages=packages, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
+        for entry in report["results"]:
+            rung = rungs.get(entry["rung"])
+            if rung is None or rung["layout"] != "bshd":
+                continue
+            predicted = predictions(rung, target)
+            measured = {way: {row[len("forced "):]: s["median"] for row, s in entry["stats"].get(way, {}).items()
+                              if row.startswith("forced ")} for way in ladder_script.WAYS}  # fmt: skip
+            served = {c: p for c, p in predicted.items() if all(c in times for times in measured.values())}
             if len(served) < 2:
                 continue
-            fastest = min(measured[c] for c in served)
+            for c, p in served.items():
+                fit["latency, host + GPU"].append(math.log(measured["latency"][c] * 1e3 / p.alone_us))
+                for b in OVERLAPS:
+                    stacked = max(p.host_us, p.gpu_us) + b * min(p.host_us, p.gpu_us)
+                    error = math.log(measured["stack"][c] * 1e3 / stacked)
+                    fit[f"stack, max + {b:g} min"].append(error)
+                    if max(p.host_us, p.gpu_us) < 2 * min(p.host_us, p.gpu_us):  # where the overlap matters most
+                        fit[f"stack, max + {b:g} min, neither time twice the other"].append(error)
+            fastest = {way: min(times[c] for c in served) for way, times in measured.items()}
             for rule, band in rules_:
-                chosen = pick(rule, band, served)
-                score = fastest / measured[chosen]
-                scores[(rule, band, way)].append(score)
-                picks.append({"rung": entry["rung"], "way": way, "rule": rule, "band": band, "chosen": chosen,
-                              "ms": measured[chosen], "fastest_ms": fastest, "score": score})  # fmt: skip
+                chosen = hindsight(measured, served) if rule == HINDSIGHT else pick(rule, band, served)
+                both = 1.0
+                for way, times in measured.items():
+                    score = fastest[way] / times[chosen]
+                    both = min(both, score)
+                    scores[(rule, band, way)].append(score)
+                    picks.append({"ladder": path, "rung": entry["rung"], "way": way, "rule": rule, "band": band,
+                                  "chosen": chosen, "ms": times[chosen], "fastest_ms": fastest[way],
+                                  "score": score})  # fmt: skip
+                scores[(rule, band, "both")].append(both)
     lines = [
-        "# How predicted host and GPU times combine, judged on the size ladder's forced rows\n",
-        f"`benchmarks/ladder_rules.py {a.ladder}`, {time.strftime('%F')}, on {os.cpu_count()} CPU cores (nothing "
-        f"runs): the packaged calibration's predictions for the H200 at the ladder's library versions ("
-        f"{report['meta']['device']}), each rule's pick among the candidates the ladder forced at each dense rung, "
-        "scored by the fastest forced row's measured time over the pick's (1.0: the fastest; the ladder's "
-        f"{report['meta']['rounds']} rounds of {report['meta']['calls']} calls, medians).",
+        "# How predicted host and GPU times combine, judged on size ladders' forced rows\n",
+        f"`benchmarks/ladder_rules.py {' '.join(a.ladders)}`, {time.strftime('%F')}, on {os.cpu_count()} CPU cores "
+        "(nothing runs): the packaged calibration's predictions for the H200 at each ladder's library versions, each "
+        "rule's pick among the candidates the ladder forced at each dense rung, scored by the fastest forced row's "
+        "measured time over the pick's (1.0: the fastest; medians of each ladder's rounds); `both`: a rung's worse "
+        "way. Ladders:",
+        "",
+        *(f"- {d}" for d in devices),
         "",
         "| rule | way | geometric mean | worst | within 3% of the fastest |",
         "|---|---|---|---|---|",
@@ -111,13 +172,21 @@ def main() -> None:
     for (rule, band, way), found in scores.items():
         if not found:
             continue
-        name = rule if rule in ("max", "sum") else f"{rule} {band:.0%}"
-        geo = math.exp(sum(map(math.log, found)) / len(found))
+        name = f"{rule}, sum within {band:.0%}" if band else rule
         good = sum(s >= 0.97 for s in found)
-        lines.append(f"| {name} | {way} | {geo:.3f} | {min(found):.3f} | {good} of {len(found)} |")
+        lines.append(f"| {name} | {way} | {geometric_mean(found):.3f} | {min(found):.3f} | {good} of {len(found)} |")
+    lines += [
+        "",
+        "How the predictions fit the forced rows' measured times, log(measured / predicted) over every forced row of "
+        "every dense rung scored:",
+        "",
+        "| way, predicted as | rows | median | root mean square |",
+        "|---|---|---|---|",
+        *(f"| {name} | {len(e)} | {statistics.median(e):+.3f} | {rms(e):.3f} |" for name, e in fit.items() if e),
+    ]
     print("\n".join(lines))
     if a.out:
-        Path(a.out + ".json").write_text(json.dumps({"ladder": a.ladder, "picks": picks}, indent=1))
+        Path(a.out + ".json").write_text(json.dumps({"ladders": a.ladders, "picks": picks}, indent=1))
         Path(a.out + ".md").write_text("\n".join(lines) + "\n")
 
 

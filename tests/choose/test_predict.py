@@ -68,10 +68,15 @@ def test_a_candidate_s_curve_predicts_at_every_size_what_its_problem_at_that_siz
             assert curve is None or curve.at_class(predict.work_class(problem)) == expected
 
 
-def test_a_prediction_is_the_longer_of_host_and_gpu():
+def test_a_prediction_is_the_longer_of_host_and_gpu_and_a_quarter_of_the_shorter():
+    """In a stack of layers the shorter of host and GPU time hides behind the longer but for predict.UNHIDDEN of it;
+    alone, a call waits for both."""
     problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
     small = predict.predict(Candidate("sdpa_cudnn"), problem, sample())
-    assert small.host_us == 60.0 and small.total_us == max(small.host_us, small.gpu_us)
+    assert predict.UNHIDDEN == 0.25 and small.host_us == 60.0 and small.gpu_us > small.host_us
+    assert small.total_us == small.gpu_us + 15.0 and small.alone_us == small.gpu_us + 60.0
+    captured = predict.Prediction(host_us=0.0, gpu_us=small.gpu_us, basis="graph")  # a graph's replay: GPU alone
+    assert captured.total_us == captured.alone_us == small.gpu_us
     assert predict.predict(Candidate("sdpa_math"), problem, sample()) is None  # not calibrated
     other = AttentionProblem(1, 256, 256, 16, 16, 128, 128, training=True, dtype=torch.bfloat16)
     other_dims = predict.predict(Candidate("sdpa_cudnn"), other, sample())
@@ -132,7 +137,8 @@ def test_small_calls_go_to_the_kernel_with_the_least_host_time_and_large_ones_to
 def test_explain_prints_each_candidates_predicted_time_and_its_parts(calibrated):
     problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
     report = attnselect.explain(problem, target=H200)
-    assert "ranked:  by predicted time (calibration" in report and "predicted us (host, GPU)" in report
+    ranked = "ranked:  by predicted time in a stack of layers, the longer of host and GPU and 25% of the shorter"
+    assert f"{ranked} (calibration" in report and "predicted us (host, GPU)" in report
     row = next(line for line in report.splitlines() if line.startswith("sdpa_cudnn "))
     assert "(60.0," in row
 

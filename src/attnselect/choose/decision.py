@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from attnselect.choose import calibration, first_calls, rules
 from attnselect.choose.first_calls import Rental
+from attnselect.choose.predict import UNHIDDEN
 from attnselect.choose.settings import Overrides
 from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
@@ -126,7 +127,10 @@ class Decision:
         widths = [max(len(r[i]) for r in rows) for i in range(columns)]
         lines = [f"problem: {self.problem.describe()}", f"target:  {self.target.describe()}"]
         if self.timings is None and predicted:  # measured: the why says so
-            lines.append(f"ranked:  by predicted time (calibration {self.calibration})")
+            lines.append(
+                f"ranked:  by predicted time in a stack of layers, the longer of host and GPU and "
+                f"{UNHIDDEN:.0%} of the shorter (calibration {self.calibration})"
+            )
         elif self.timings is None and self.calibration:
             lines.append(f"ranked:  by the rules table ({self.calibration})")
         lines.append("")
