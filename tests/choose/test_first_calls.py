@@ -106,7 +106,7 @@ def test_a_captured_or_compiled_call_keeps_what_its_eager_warm_up_ran_until_the_
 
 def _paid_in(rental: first_calls.Rental, calls: int) -> first_calls.Rental:
     """``rental`` with a price its loss a call pays in ``calls`` calls."""
-    return rental._replace(calls=calls, compile_ms=calls * rental.lost_us / 1e3)
+    return dataclasses.replace(rental, calls=calls, compile_ms=calls * rental.lost_us / 1e3)
 
 
 def test_the_renting_runner_pays_at_its_count_and_makes_the_next_call_choose_again(monkeypatch):
@@ -741,3 +741,95 @@ def test_a_rental_drawn_while_every_candidate_had_a_price_is_drawn_again_once_it
     again = attnselect.select(problem, target=target)
     assert again.chosen == decision.chosen and not again.rental.own_ms
     assert "every candidate has a first call to pay" not in again.why
+
+
+def _packaged_h200() -> attnselect.Target:
+    """The H200 with FA4 and the cuDNN frontend at the packaged calibration's versions, that calibration alone."""
+    calibration.user_path(H200).unlink()
+    calibration.parse.cache_clear()
+    return attnselect.Target.preset("h200", packages=PACKAGED_PACKAGES, torch_version="2.11.0+cu130",
+                                    cudnn_version="9.19.0")  # fmt: skip
+
+
+def _fresh(problem: AttentionProblem, target: attnselect.Target):
+    """The decision a selection with no memo makes now: (chosen, its rental but for when it was drawn)."""
+    from attnselect.choose import selection, settings
+
+    decision = selection._decide(problem, target, settings.resolve(env=settings.environment(), scoped=settings.scope()))
+    return decision.chosen, decision.rental
+
+
+def _memoized(problem: AttentionProblem, target: attnselect.Target):
+    decision = attnselect.select(problem, target=target)
+    return decision.chosen, decision.rental
+
+
+def test_a_chain_s_memoized_rental_is_drawn_again_once_its_fastest_was_paid_for_another_way():
+    """A chain (the packaged H200 calibration, B1 S4k 192/128 training: a padded kernel rents towards the cuDNN
+    frontend, which defers the fastest) whose head, not its deferred candidate, is paid for another way (a forced
+    call, another layer): the memoized decision is drawn again, as a fresh selection draws it."""
+    target = _packaged_h200()
+    problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    first = attnselect.select(problem, target=target)
+    fastest = first.ranked[0]
+    assert first.rental is not None and first.rental.deferred != fastest
+    first_calls.ran(fastest, problem)  # its first call ran (a forced call of this configuration)
+    assert _memoized(problem, target) == _fresh(problem, target) == (fastest, None)
+
+
+def test_a_rental_is_drawn_again_once_a_candidate_ranked_between_was_paid():
+    """Paid for another way, a priced candidate ranked between the head and the rented one (at another batch: a
+    configuration's compile holds at every size) ends the rental: the memoized decision is drawn again, as a fresh
+    selection draws it (the packaged H200 calibration, B1 S1k 192/128 inference, a chain of several prices)."""
+    target = _packaged_h200()
+    problem = AttentionProblem(1, 1024, 1024, 16, 16, 192, 128, mask="none", dtype=torch.bfloat16)
+    first = attnselect.select(problem, target=target)
+    assert first.rental is not None
+    costs = calibration.for_target(target)[0]
+    between = [c for c in first.ranked[1 : first.ranked.index(first.chosen)] if first_calls.owed(c, costs, problem)]
+    between = [c for c in between if c != first.rental.deferred]
+    assert between
+    for paid in between:
+        first_calls.ran(paid, problem._with(batch=2))
+        assert _memoized(problem, target) == _fresh(problem, target)
+    assert _memoized(problem, target)[0] != first.chosen
+
+
+def test_a_renting_call_chooses_again_once_the_fastest_was_forced(monkeypatch):
+    """attention() end to end: sdpa_flash fastest with a 1 s first call, the reference next with 60 ms, sdpa_math
+    free; a forced sdpa_flash call pays the fastest, and the next unforced call runs it (it kept renting sdpa_math
+    towards the reference), and says why in the log."""
+    from attnselect import dispatch
+
+    times = {Candidate("sdpa_flash"): 10.0, Candidate("reference"): 20.0, Candidate("sdpa_math"): 30.0}
+    _predicted_on_cpu(monkeypatch, times, {"first_call_ms": {"sdpa_flash": 1000.0, "reference": 60.0}})
+    attnselect.clear_cache()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 16, generator=g) for _ in range(3))
+    attnselect.attention(q, k, v, causal=True)
+    assert _last_chosen() == Candidate("sdpa_math")
+    attnselect.attention(q, k, v, causal=True, backend="sdpa_flash")
+    attnselect.attention(q, k, v, causal=True)  # the rental sees the payment: the decisions are forgotten
+    attnselect.attention(q, k, v, causal=True)
+    unforced = [known.chosen for known in dispatch.known_calls() if not known.forced]
+    assert unforced[-1] == Candidate("sdpa_flash")
+
+
+def test_a_rental_stands_while_nothing_it_was_drawn_over_is_paid(monkeypatch):
+    """Payments elsewhere (another configuration's first call, a shape at another length) leave a rental as drawn:
+    settled() reads what its drawn candidates owe, not only that something was paid, and once found standing at
+    the process's payments it is not read again until they change (a packed loop asks at every new packing)."""
+    problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    rental = attnselect.select(problem, target=H200).rental
+    assert rental is not None and rental.drawn and rental.drawn_at == first_calls.state()
+    other = AttentionProblem(1, 4096, 4096, 16, 16, 128, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    first_calls.ran(FA4, other)
+    first_calls.ran(Candidate("sdpa_cudnn"), problem._with(seqlen_q=2048, seqlen_kv=2048))
+    assert first_calls.state() != rental.drawn_at and not first_calls.settled(rental, problem)
+    assert attnselect.select(problem, target=H200).rental == rental  # its draw's time left out of its equality
+    read = []
+    owed_at = first_calls._owed_at
+    monkeypatch.setattr(first_calls, "_owed_at", lambda *a: read.append(a[0]) or owed_at(*a))
+    assert not first_calls.settled(rental, problem) and read == []  # standing at these payments: not read again
+    first_calls.ran(FA4, other._with(head_dim_qk=64, head_dim_v=64))
+    assert not first_calls.settled(rental, problem) and read

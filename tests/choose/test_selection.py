@@ -545,6 +545,35 @@ def test_a_settled_packed_decision_follows_a_calibration_changed_with_the_cache_
     assert carried.rental is None and (carried.chosen, carried.rental) == (fresh.chosen, fresh.rental)
 
 
+def test_a_memoized_dense_decision_follows_a_calibration_changed_with_the_cache_directory(tmp_path, monkeypatch):
+    """ATTNSELECT_CACHE_DIR changed, no cache cleared: select() and attention()'s memos are keyed on it, as the
+    calibration is, so a memoized dense call is ranked under the calibration in force, as a new one is."""
+    import json
+
+    from attnselect.choose import calibration, first_calls
+    from helpers import CALIBRATED_H200, calibration_sample
+
+    data = calibration_sample(CALIBRATED_H200)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path / "a"))
+    calibration.user_path(CALIBRATED_H200).write_text(json.dumps(data))
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+    first_calls.forget()
+    problem = AttentionProblem(2, 4096, 4096, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    first = attnselect.select(problem, target=CALIBRATED_H200)
+    assert str(tmp_path / "a") in first.calibration
+    fastest = first.ranked[0].backend
+    slower = {k: [[w, t * 100] for w, t in points] for k, points in data["gpu"][fastest].items()}
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path / "b"))
+    calibration.user_path(CALIBRATED_H200).write_text(json.dumps({**data, "gpu": {**data["gpu"], fastest: slower}}))
+    again, other = (attnselect.select(p, target=CALIBRATED_H200) for p in (problem, problem._with(batch=3)))
+    assert again.ranked[0].backend != fastest and again.ranked[0] == other.ranked[0]
+    assert str(tmp_path / "b") in again.calibration
+    first_calls.forget()
+
+
 def test_packed_rankings_are_bounded_in_all_families_together(tmp_path, monkeypatch):
     """The rankings of every packed family are bounded by MEMO_SIZE together, in one memo: past it the oldest is
     dropped and made again on use, choosing as before."""

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import NamedTuple
+from dataclasses import dataclass, field, replace
 
 from attnselect.choose import calibration
 from attnselect.choose.failures import eager_signature
@@ -66,16 +66,23 @@ _RENT: dict[tuple, float] = {}  # a rental's key (rent_key) -> the time its call
 _FIRST_SHAPE: set[tuple] = set()
 _RAN_ONCE: set = set()  # the tokens ran_once has recorded (a compiled graph's op specs)
 _RAN: set[tuple] = set()  # (candidate, configuration) that has run in this process (paid by its rent or not)
+# id(rental) -> (rental, state()) where settled() last found a rental standing after payments elsewhere; bounded
+_STOOD: dict[int, tuple] = {}
+STOOD_KEPT = 4096
 _CHANGES = [0]  # how often a configuration was paid or first ran: a packed decision drawn at one count stands while it
 # holds
+_SHAPE_CHANGES = [0]  # how often a shape was paid: with _CHANGES, what a rental was drawn at (Rental.drawn_at)
 
 
-class Rental(NamedTuple):
+@dataclass(frozen=True)
+class Rental:
     """The candidate run meanwhile (``chosen``), the one deferred (``deferred``) and after how many calls the
     deferred one's cost has been paid in lost time (``calls``; 0 for a captured or compiled call, which keeps
     ``chosen`` for the graph's life); ``shape``: the cost is the deferred candidate's build for this shape, its
     configuration having run (else its configuration's first call); ``own_ms``: what ``chosen``'s own first call
-    costs, where every candidate had one to pay (the least of theirs), else 0."""
+    costs, where every candidate had one to pay (the least of theirs), else 0; ``drawn``: the candidates the ranking
+    was drawn through, each with its prices and what it owed then, and ``drawn_at`` the process's payments then
+    (:func:`state`): the rental stands while they owe the same (:func:`settled`)."""
 
     chosen: Candidate
     deferred: Candidate
@@ -85,6 +92,9 @@ class Rental(NamedTuple):
     shape: bool = False
     own_ms: float = 0.0
     own_shape: bool = False  # ``own_ms`` is ``chosen``'s build for this shape (its configuration has run)
+    # how it was drawn, not what it does: left out of its equality (another draw of the same rental is the same)
+    drawn: tuple = field(default=(), compare=False)  # ((candidate, (configuration_ms, shape_ms), owed), ...)
+    drawn_at: tuple | None = field(default=None, compare=False)  # None: not known (its deferred and own are checked)
 
     def describe(self) -> str:
         builds = "builds for this shape" if self.shape else "compiles"
@@ -128,16 +138,20 @@ def drawn_rental(
     best = next(ranking, None)
     if best is None:
         return (), None
+    at = state()
     keys: list = []  # the configuration and the shape, worked out on first use: most candidates build nothing
-    owing = _owed(best, costs, problem, keys)
+    prices = {best: _prices(best, costs, problem)}
+    owing = _owed_at(best, prices[best], problem, keys)
     if owing is None or predicted.get(best) is None:
         return (best,), None
     drawn, owes = [best], {best: owing}
     for other in ranking:
         drawn.append(other)
-        owes[other] = _owed(other, costs, problem, keys)
+        prices[other] = _prices(other, costs, problem)
+        owes[other] = _owed_at(other, prices[other], problem, keys)
         if owes[other] is None and predicted.get(other) is not None:  # ``other`` runs now, with nothing to pay
-            return tuple(drawn), _towards(other, drawn[:-1], owes, predicted, problem)
+            rental = _towards(other, drawn[:-1], owes, predicted, problem)
+            return tuple(drawn), rental and _drawn(rental, drawn, prices, owes, at)
     # every calibrated candidate has a first call to pay: the least price is paid now, as a choice knowing the job
     # is one call long would (its calls are the rent from there). Not for a captured or compiled call: no eager
     # warm-up ran any of them, so whichever it keeps compiles inside the graph, and it keeps it for the graph's life
@@ -148,7 +162,15 @@ def drawn_rental(
     if cheapest is best:
         return tuple(drawn), None
     rental = _towards(cheapest, drawn[: drawn.index(cheapest)], owes, predicted, problem)
-    return tuple(drawn), rental and rental._replace(own_ms=owes[cheapest][0], own_shape=owes[cheapest][1])
+    if rental is None:
+        return tuple(drawn), None
+    rental = replace(rental, own_ms=owes[cheapest][0], own_shape=owes[cheapest][1])
+    return tuple(drawn), _drawn(rental, drawn, prices, owes, at)
+
+
+def _drawn(rental: Rental, drawn: list, prices: dict, owes: dict, at: tuple) -> Rental:
+    """``rental`` with what it was drawn from: what each candidate drawn owed, at the process's payments ``at``."""
+    return replace(rental, drawn=tuple((c, prices[c], owes[c]) for c in drawn), drawn_at=at)
 
 
 def _towards(other: Candidate, above: list, owes: dict, predicted: dict, problem: AttentionProblem) -> Rental | None:
@@ -183,8 +205,20 @@ def owed(candidate: Candidate, costs: dict, problem: AttentionProblem) -> tuple[
 
 def _owed(candidate: Candidate, costs: dict, problem: AttentionProblem, keys: list) -> tuple[float, bool] | None:
     """:func:`owed`, with ``keys`` (the problem's configuration and shape) worked out into it on first use."""
+    return _owed_at(candidate, _prices(candidate, costs, problem), problem, keys)
+
+
+def _prices(candidate: Candidate, costs: dict, problem: AttentionProblem) -> tuple[float, float]:
+    """``candidate``'s first call of ``problem``'s configuration and of its shape by ``costs``, ms (no shape packed)."""
     configuration_ms = cost_ms(candidate, costs.get("first_call_ms", {}), problem)
-    shape_ms = 0.0 if problem.layout == "thd" else cost_ms(candidate, costs.get("new_size_ms", {}), problem)
+    return configuration_ms, 0.0 if problem.layout == "thd" else cost_ms(
+        candidate, costs.get("new_size_ms", {}), problem
+    )
+
+
+def _owed_at(candidate: Candidate, prices: tuple, problem: AttentionProblem, keys: list) -> tuple[float, bool] | None:
+    """:func:`_owed` at ``candidate``'s prices (:func:`_prices`)."""
+    configuration_ms, shape_ms = prices
     if configuration_ms < COMPILING_MS and shape_ms < BUILDING_MS:
         return None
     if not keys:
@@ -219,15 +253,27 @@ def rent_key(rental: Rental, problem: AttentionProblem) -> tuple:
 
 
 def settled(rental: Rental, problem: AttentionProblem) -> bool:
-    """Whether what ``rental`` defers for ``problem`` has been paid in this process since it was drawn (a forced
-    call, ``warmup``, the rent of another size's rental), or the first call of its candidate with a price of its own
-    (``own_ms``) has run: a memoized decision holding it is drawn again."""
-    key = rent_key(rental, problem)
-    if _paid(key):
-        return True
-    if not rental.own_ms:
+    """Whether ``rental`` would be drawn otherwise for ``problem`` now: what it defers has been paid in this process
+    since it was drawn (a forced call, ``warmup``, the rent of another size's rental), the first call of its
+    candidate with a price of its own (``own_ms``) has run, or any candidate it was drawn through owes otherwise (a
+    faster one paid for: a chain's head, or one ranked between): a memoized decision holding it is drawn again.
+    Nothing paid since it was drawn or found standing last, a comparison of counts."""
+    now = state()
+    if rental.drawn_at is not None and now == rental.drawn_at:
         return False
-    return _paid((rental.chosen, key[1], _shape(problem)) if rental.own_shape else (rental.chosen, key[1]))
+    stood = _STOOD.get(id(rental))
+    if stood is not None and stood[0] is rental and stood[1] == now:
+        return False
+    if not rental.drawn:  # what it was drawn through not known: what it defers and what its own candidate owes
+        key = rent_key(rental, problem)
+        own = (rental.chosen, key[1], _shape(problem)) if rental.own_shape else (rental.chosen, key[1])
+        return _paid(key) or bool(rental.own_ms and _paid(own))
+    keys = [_configuration(problem), _shape(problem) if problem.layout != "thd" else None]
+    if any(_owed_at(c, prices, problem, keys) != owed for c, prices, owed in rental.drawn):
+        return True
+    _STOOD[id(rental)] = rental, now  # asked again at these counts (a packed loop's every new packing): a lookup
+    _trim(_STOOD, STOOD_KEPT)
+    return False
 
 
 def rent(rental: Rental, key: tuple) -> bool:
@@ -288,18 +334,24 @@ def _pay(key: tuple) -> None:
         _PAID.add(key)
         _CHANGES[0] += 1
         return
-    _SHAPES.pop(key, None)  # paid again: the last to be forgotten
+    if _SHAPES.pop(key, False) is False:  # paid again: the last to be forgotten; paid anew: a rental may change
+        _SHAPE_CHANGES[0] += 1
     _SHAPES[key] = None
     _trim(_SHAPES)
 
 
-def _trim(kept: dict) -> None:
-    """Drop the oldest of ``kept`` past :data:`SHAPES_KEPT`."""
-    while len(kept) > SHAPES_KEPT:
+def _trim(kept: dict, most: int | None = None) -> None:
+    """Drop the oldest of ``kept`` past ``most`` (:data:`SHAPES_KEPT`)."""
+    while len(kept) > (SHAPES_KEPT if most is None else most):
         try:
             kept.pop(next(iter(kept)), None)
         except (RuntimeError, StopIteration):  # another thread changed it meanwhile: the next call trims it
             break
+
+
+def state() -> tuple[int, int]:
+    """Counts that change whenever the configurations or the shapes this process has paid for change."""
+    return _CHANGES[0], _SHAPE_CHANGES[0]
 
 
 def paid_state() -> int:
@@ -330,4 +382,5 @@ def forget() -> None:
     _FIRST_SHAPE.clear()
     _RAN_ONCE.clear()
     _RAN.clear()
+    _STOOD.clear()
     _CHANGES[0] += 1

@@ -19,6 +19,7 @@ from attnselect.memos import environment_reader
 POLICIES = ("rules", "measure")
 PAD_MODES = ("auto", "always", "never")
 MEMO_SIZE = 4096  # distinct (problem, target, controls) decisions kept in memory; the oldest go first
+# The variables a decision reads, each in the memo keys: a memoized call cannot skip a change of one
 ENV_VARS = (
     "ATTNSELECT_POLICY",
     "ATTNSELECT_BACKEND",
@@ -29,6 +30,7 @@ ENV_VARS = (
     "ATTNSELECT_STRICT",
     "ATTNSELECT_SELF_CHECK",
     "ATTNSELECT_ALLOWLIST",
+    "ATTNSELECT_CACHE_DIR",  # where a user's calibration is read (attnselect.choose.calibration): it ranks
 )
 _NO_SCOPE = (None, None, None, None)
 _SCOPE: ContextVar[tuple] = ContextVar("attnselect_overrides", default=_NO_SCOPE)
