@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnselect
-from attnselect import dispatch
+from attnselect import api, dispatch
 from attnselect.spec.options import CallOptions
 
 
@@ -403,6 +403,42 @@ def test_warmup_reports_a_call_that_fails_and_refuses_what_it_cannot_make():
     captured = dataclasses.replace(problem, cuda_graph_capture=True)
     with pytest.raises(attnselect.InvalidInputError, match=r"problems\[0\].cuda_graph_capture: got True"):
         attnselect.warmup([captured])
+
+
+@pytest.mark.parametrize(
+    "arguments,message",
+    [
+        (dict(device="cpuu"), r"^device: got 'cpuu', expected 'cpu', 'cuda'"),
+        (dict(device="meta"), r"^device: got 'meta', expected"),
+        (dict(device=3.5), r"^device: got 3.5, expected"),
+        (dict(progress=5), r"^progress: got 5, expected None or a callable"),
+    ],
+)
+def test_warmup_names_a_bad_argument_before_any_call(arguments, message, monkeypatch):
+    problem = attnselect.AttentionProblem(1, 8, 8, 2, 2, 16, 16, torch.float32)
+    monkeypatch.setattr(api, "_warm", lambda *a: pytest.fail("warmed up before its arguments were checked"))
+    with pytest.raises(attnselect.InvalidInputError, match=message):
+        attnselect.warmup([problem], **arguments)
+    with pytest.raises(attnselect.InvalidInputError, match=r"^problems: got AttentionProblem, .*warmup\(\[problem\]\)"):
+        attnselect.warmup(problem)
+    with pytest.raises(attnselect.InvalidInputError, match=r"^problems: got int, expected an iterable"):
+        attnselect.warmup(3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only case")
+def test_warmup_on_cuda_without_cuda_says_so():
+    problem = attnselect.AttentionProblem(1, 8, 8, 2, 2, 16, 16, torch.float32)
+    with pytest.raises(attnselect.InvalidInputError, match=r"^device: got 'cuda', but CUDA is not available"):
+        attnselect.warmup([problem], device="cuda")
+
+
+def test_warmup_reports_inputs_it_cannot_make_and_keeps_the_others():
+    """A problem too large for the device fails making its inputs: reported as its call's failure would be, the
+    other problems warmed up alike."""
+    small = attnselect.AttentionProblem(1, 8, 8, 2, 2, 16, 16, torch.float32)
+    huge = attnselect.AttentionProblem(10**6, 10**6, 10**6, 2, 2, 16, 16, torch.float32)
+    done = attnselect.warmup([small, huge, small], device="cpu")
+    assert [bool(w.error) for w in done] == [False, True, False] and done[2].chosen
 
 
 @pytest.fixture

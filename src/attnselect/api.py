@@ -308,6 +308,13 @@ def warmup(
     its first call is made here too, so the job's calls run on it from the start. A call that raises is reported,
     not raised: the job's own call would raise or fall back the same way. ``progress(done, total, text)`` is
     called after each problem."""
+    if isinstance(problems, AttentionProblem) or not isinstance(problems, Iterable):
+        hint = " (warmup([problem]))" if isinstance(problems, AttentionProblem) else ""
+        raise InvalidInputError(
+            f"problems: got {type(problems).__name__}, expected an iterable of AttentionProblem{hint}"
+        )
+    if progress is not None and not callable(progress):
+        raise InvalidInputError(f"progress: got {progress!r}, expected None or a callable progress(done, total, text)")
     problems = list(problems)
     for i, problem in enumerate(problems):
         if not isinstance(problem, AttentionProblem):
@@ -321,7 +328,7 @@ def warmup(
                     "plain eager calls (a captured or compiled call's eager warm-up is the one made here)"
                 )
     settings.resolve(backend=backend, pad=pad, disable=disable)  # a bad control is the caller's error, raised now
-    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    device = _warm_device(device)
     done = []
     for i, problem in enumerate(problems, 1):
         done.append(_warm(problem, device, dict(backend=backend, pad=pad, disable=disable)))
@@ -331,9 +338,30 @@ def warmup(
     return done
 
 
+def _warm_device(device) -> torch.device:
+    """warmup()'s ``device``: CUDA where available, else the CPU, by default; a CPU or an available CUDA device."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        found = None
+    if found is None or found.type not in ("cpu", "cuda"):
+        raise InvalidInputError(f"device: got {device!r}, expected 'cpu', 'cuda', 'cuda:N' or a torch.device of those")
+    if found.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(f"device: got {device!r}, but CUDA is not available here (torch.cuda.is_available())")
+    if found.type == "cuda" and found.index is not None and found.index >= torch.cuda.device_count():
+        raise InvalidInputError(f"device: got {device!r}, expected a CUDA index below {torch.cuda.device_count()}")
+    return found
+
+
 def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> WarmedUp:
     target = target_for_device(device)  # the device warmed up, not the machine's default one
-    q, k, v, grad_out, packings = random_inputs(problem, device)
+    started = time.perf_counter()
+    try:  # its inputs too: a problem too large for the device is reported, as its call would be
+        q, k, v, grad_out, packings = random_inputs(problem, device)
+    except Exception as exc:
+        return WarmedUp(problem, "", time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:300])
     kwargs = call_arguments(problem, device)
     if packings is not None:
         p = packings()

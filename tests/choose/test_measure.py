@@ -288,3 +288,25 @@ def test_a_candidate_that_builds_per_packing_pays_for_it_in_its_measurement(monk
     for _ in range(3):
         step()
     assert len({id(p.cu_seqlens_q) for p in handed}) == 3
+
+
+def test_a_deeply_nested_key_or_a_timing_past_a_float_is_an_entry_ignored_not_a_crash(cache_dir, caplog, monkeypatch):
+    """decisions.json's keys are not parsed unless they are a failure record's (a key nested past Python's
+    recursion limit failed every call, under every policy, and was never rebuilt); a measured timing too large for a
+    float is a malformed entry, named in one warning."""
+    from attnselect.choose import failures
+
+    path = cache_dir / "decisions.json"
+    path.write_text(json.dumps({"format": store.FORMAT, "entries": {"[" * 50000 + "]" * 50000: {}}}))
+    monkeypatch.setattr(failures, "_RECORDED", None)
+    assert attnselect.select(P, target=Target.current("cpu")).chosen  # the rules policy reads the failures
+    attnselect.select(P, target=Target.current("cpu"), policy="measure")
+    data = json.loads(path.read_text())
+    key = next(k for k in data["entries"] if not k.startswith("["))
+    data["entries"][key]["timings"][0]["ms"] = [1, 1, 1]
+    path.write_text(json.dumps(data).replace("[1, 1, 1]", "[" + "9" * 400 + ", 1, 1]"))
+    store._seen.clear()
+    attnselect.clear_cache()
+    with caplog.at_level("WARNING", logger="attnselect"):
+        assert attnselect.select(P, target=Target.current("cpu"), policy="measure").chosen
+    assert f"the measured decision for {P.describe()}" in caplog.text and "malformed" in caplog.text

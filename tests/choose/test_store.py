@@ -121,3 +121,15 @@ def test_a_lock_held_too_long_times_out_and_the_entry_stays_in_memory(tmp_path, 
             store.remember('{"a": 1}', {"x": 1})
     assert "held by another process for 0 s" in caplog.text and store.lookup('{"a": 1}') == {"x": 1}
     store._memory.clear()
+
+
+def test_a_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch, caplog):
+    """decisions.json a directory: the write's temporary file is removed, not left behind one per write."""
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    (tmp_path / "decisions.json").mkdir()
+    monkeypatch.setattr(store, "_memory", {})
+    with caplog.at_level(logging.WARNING, logger="attnselect"):
+        for n in range(3):
+            store.remember(f"key {n}", {"value": n})
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".decisions-")]
+    assert store._memory["key 2"] == {"value": 2}

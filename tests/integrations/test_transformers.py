@@ -421,6 +421,42 @@ def test_sliding_window_keyword_and_unsupported_features():
         attention_forward(module, q, k, v, None, sliding_window=3)
 
 
+_CU = torch.tensor([0, 3, 6], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "mask,kwargs,message",
+    [
+        (torch.zeros(1, 1, 6, 6), dict(scaling=float("nan")), r"^scale: got nan"),  # a 4-D mask: checked alike
+        (torch.zeros(1, 1, 6, 6), dict(scaling=-3.0), r"^scale: got -3.0"),
+        (torch.zeros(1, 1, 6, 6), dict(dropout=2.0), r"^dropout_p: got 2.0"),
+        (None, dict(cu_seq_lens_q=_CU), r"^cu_seq_lens_k: got None, expected a tensor"),
+        (None, dict(cu_seq_lens_q=[0, 3, 6], cu_seq_lens_k=_CU), r"^cu_seq_lens_q: got list, expected an integer"),
+        (None, dict(cu_seq_lens_q=_CU.float(), cu_seq_lens_k=_CU), r"^cu_seq_lens_q: got a torch.float32 tensor"),
+        (None, dict(cu_seq_lens_q=_CU, cu_seq_lens_k=_CU, max_length_q="abc"), r"^max_length_q: got 'abc'"),
+        (None, dict(cu_seq_lens_q=_CU, cu_seq_lens_k=_CU, max_length_k=torch.tensor([3, 3])), r"^max_length_k: got a"),
+        (None, dict(position_ids=[0, 1, 2, 0, 1, 2]), r"^position_ids: got list, expected None or a tensor"),
+        (None, dict(sliding_window="4"), r"^sliding_window: got '4', expected None or a positive int"),
+        (None, dict(sliding_window=0), r"^sliding_window: got 0"),
+        (None, dict(sliding_window=-5), r"^sliding_window: got -5"),
+    ],
+)
+def test_a_bad_argument_from_the_model_is_refused_by_name(mask, kwargs, message):
+    """What a model passes the attention function is checked as attnselect.attention checks its own arguments, on
+    every path (a 4-D mask runs torch's SDPA: its tensors and options are checked first all the same)."""
+    from attnselect.integrations.transformers import attention_forward
+
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    with pytest.raises(InvalidInputError, match=message):
+        attention_forward(_bare_module(), q, k, v, mask, **kwargs)
+
+
+@pytest.mark.parametrize("name", [None, "", 5])
+def test_register_refuses_a_name_that_is_not_a_string(name):
+    with pytest.raises(InvalidInputError, match=f"^name: got {name!r}, expected a non-empty string"):
+        attnselect_hf.register(name)
+
+
 def _tiny(config_class, model_class, implementation, **fields):
     torch.manual_seed(0)
     config = config_class(

@@ -34,6 +34,8 @@ CASES = [
     ("negative window", (q, k, v), {"window": (-2, 0)}, r"window: got \(-2, 0\)"),
     ("causal window looks ahead", (q, k, v), {"window": (4, 2), "causal": True}, r"right = 0 or -1"),
     ("cu_seqlens on dense", (q, k, v), {"cu_seqlens_q": cu}, r"cu_seqlens_q: .* belong to layout='thd'"),
+    ("max_seqlen on dense", (q, k, v), {"max_seqlen_q": "abc"}, r"max_seqlen_q: got 'abc', expected None for layout"),
+    ("max_seqlen_kv on dense", (q, k, v), {"max_seqlen_kv": 8}, r"max_seqlen_kv: got 8, .* belongs to layout='thd'"),
     ("thd without cu_seqlens", (tq, tk, tv), {"layout": "thd"}, r"cu_seqlens_q: got None"),
     (
         "thd int64 cu_seqlens",

@@ -23,6 +23,7 @@ _FAILED: dict[tuple, dict] = {}
 # Those earlier processes recorded in the decision cache: its entry key -> {candidate: error}, read once per process.
 _RECORDED: dict | None = None
 FAILED_AT_RUN_TIME = "failed at run time"  # the policy field of their cache entries
+_FAILED_VALUE = json.dumps(FAILED_AT_RUN_TIME)  # as it appears in their keys
 
 
 def failures(problem: AttentionProblem, target: Target) -> dict:
@@ -81,9 +82,11 @@ def mark_failed(
 
 
 def _is_failure_key(key: str) -> bool:
+    if _FAILED_VALUE not in key:  # a key of another policy, or anything else, is not parsed
+        return False
     try:
         parsed = json.loads(key)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(parsed, dict) and parsed.get("policy") == FAILED_AT_RUN_TIME
 

@@ -166,7 +166,7 @@ def _from_store(entry, ranked, key, problem):
             c = Candidate(**timed["candidate"])
             if c in supported:
                 timings[c] = None if timed["ms"] is None else Timing(*map(float, timed["ms"]))
-    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+    except (TypeError, KeyError, ValueError, AttributeError, OverflowError) as exc:  # OverflowError: an int past float
         store.malformed(key, exc, f"the measured decision for {problem.describe()}")
         return None
     if not order or timings.get(order[0]) is None:  # the choice's timing is what its decision reports

@@ -77,9 +77,14 @@ def remember(key: str, value: dict, combine=None) -> None:
             entries = {k: v for k, v in _read(path).items() if not _is_malformed(path, k, v)}
             entries[key] = combine(entries.get(key), value) if combine else value
             fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".decisions-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"format": FORMAT, "entries": entries}, f)
-            os.replace(temporary, path)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"format": FORMAT, "entries": entries}, f)
+                os.replace(temporary, path)
+            except BaseException:
+                with contextlib.suppress(OSError):  # a write that failed leaves nothing behind
+                    os.unlink(temporary)
+                raise
     except OSError as exc:
         _cannot_use(path.parent, exc)
         _memory[key] = combine(_memory.get(key), value) if combine else value

@@ -4,7 +4,41 @@ Each framework is an optional extra; this package holds what the integrations sh
 
 from __future__ import annotations
 
+import numbers
 
-def optional_int(value) -> int | None:
-    """A framework's maximum sequence length (an int, a 0-d tensor or None) as an int or None."""
-    return int(value) if value is not None else None
+import torch
+
+from attnselect.errors import InvalidInputError
+
+
+def optional_int(value, name: str) -> int | None:
+    """A framework's maximum sequence length ``name`` (an int, a 0-d integer tensor or None) as an int or None."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and not value.is_floating_point()
+        and value.dtype != torch.bool
+    ):
+        return int(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # numpy's integers too
+        return int(value)
+    shown = (
+        f"a tensor of shape {tuple(value.shape)} and {value.dtype}" if isinstance(value, torch.Tensor) else repr(value)
+    )
+    raise InvalidInputError(f"{name}: got {shown}, expected None, an int or a one-element integer tensor")
+
+
+def integer_boundaries(value, name: str) -> torch.Tensor:
+    """A framework's sequence boundaries ``name`` as attnselect takes them: an integer tensor, as int32 (a float
+    or bool tensor, or anything else, is refused by name rather than cast)."""
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.is_floating_point()
+        or value.is_complex()
+        or value.dtype == torch.bool
+    ):
+        shown = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise InvalidInputError(f"{name}: got {shown}, expected an integer tensor of sequence boundaries")
+    return value.int()

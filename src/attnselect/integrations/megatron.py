@@ -191,7 +191,10 @@ def _packing(params, cp_size: int = 1) -> dict:
             return cu.int()
         return _LOCAL_BOUNDARIES.get((cu,), cp_size, lambda: _divided(cu, cp_size))
 
-    longest = (optional_int(params.max_seqlen_q), optional_int(params.max_seqlen_kv))
+    longest = (
+        optional_int(params.max_seqlen_q, "packed_seq_params.max_seqlen_q"),
+        optional_int(params.max_seqlen_kv, "packed_seq_params.max_seqlen_kv"),
+    )
     args = dict(
         cu_seqlens_q=boundaries(params.cu_seqlens_q),
         cu_seqlens_kv=boundaries(params.cu_seqlens_kv),

@@ -42,20 +42,29 @@ import torch
 
 from attnselect import api
 from attnselect.errors import InvalidInputError
-from attnselect.integrations import optional_int
+from attnselect.integrations import integer_boundaries, optional_int
+from attnselect.spec.problem import AttentionProblem
 
 NAME = "attnselect"
 
 
 def register(name: str = NAME) -> str:
     """Register attnselect with transformers' attention and mask interfaces under ``name``; returns it."""
+    if not isinstance(name, str) or not name:
+        raise InvalidInputError(f"name: got {name!r}, expected a non-empty string")
     if "flash" in name:
         raise InvalidInputError(
             f"name: got {name!r}, expected a name without 'flash' (transformers pads V to the "
             "query width for implementations named like that)"
         )
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    except ImportError as exc:
+        raise ImportError(
+            f"attnselect.integrations.transformers.register needs transformers ({exc}): "
+            "pip install 'attnselect[transformers]'"
+        ) from exc
 
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
@@ -92,7 +101,10 @@ def attention_forward(
         softcap=kwargs.get("softcap"),  # Gemma 2's attn_logit_softcapping
         sinks=kwargs.get("s_aux"),  # GPT-OSS's learnable sinks, one logit per query head
     )
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    window = kwargs.get("sliding_window")
+    window = window if window is not None else getattr(module, "sliding_window", None) or None  # 0: none
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise InvalidInputError(f"sliding_window: got {window!r}, expected None or a positive int (keys a query sees)")
     if window:
         if not causal:
             raise InvalidInputError(
@@ -102,7 +114,7 @@ def attention_forward(
         options["window"] = (window - 1, 0)  # keys in (q - window, q], as transformers' sliding_window_overlay
     if kwargs.get("cu_seq_lens_q") is None and attention_mask is None:
         kwargs.update(_boundaries_from_positions(query, key, kwargs.get("position_ids")))
-    if kwargs.get("cu_seq_lens_q") is not None:
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         return _packed(query, key, value, kwargs, options), None
     if attention_mask is None:
         out = api.attention(query, key, value, layout="bhsd", **options)
@@ -115,6 +127,8 @@ def attention_forward(
                     f"{name}: got a value with a 4-D attention_mask, expected None (the explicit mask runs "
                     "through torch's SDPA, which applies neither softcap nor sinks)"
                 )
+        # what attnselect.attention checks of these tensors and options, as any other call is checked
+        AttentionProblem.from_tensors(query, key, value, layout="bhsd", dropout_p=dropout, scale=scaling)
         return _with_explicit_mask(query, key, value, attention_mask, dropout, scaling), None
     if attention_mask.dim() != 2:
         raise InvalidInputError(
@@ -206,16 +220,19 @@ def _packed(query, key, value, kwargs, options):
     """A padding-free batch: (1, H, T, D) tensors with the sequences' boundaries."""
     if query.shape[0] != 1:
         raise InvalidInputError(f"query.shape[0]: got {query.shape[0]}, expected 1 with cu_seq_lens_q (packed)")
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if kwargs.get(name) is None:
+            raise InvalidInputError(f"{name}: got None, expected a tensor with cu_seq_lens_q and cu_seq_lens_k both")
     to_thd = lambda t: t[0].transpose(0, 1)  # noqa: E731   (1, H, T, D) -> (T, H, D)
     out = api.attention(
         to_thd(query),
         to_thd(key),
         to_thd(value),
         layout="thd",
-        cu_seqlens_q=kwargs["cu_seq_lens_q"].int(),
-        cu_seqlens_kv=kwargs["cu_seq_lens_k"].int(),
-        max_seqlen_q=optional_int(kwargs.get("max_length_q")),
-        max_seqlen_kv=optional_int(kwargs.get("max_length_k")),
+        cu_seqlens_q=integer_boundaries(kwargs["cu_seq_lens_q"], "cu_seq_lens_q"),
+        cu_seqlens_kv=integer_boundaries(kwargs["cu_seq_lens_k"], "cu_seq_lens_k"),
+        max_seqlen_q=optional_int(kwargs.get("max_length_q"), "max_length_q"),
+        max_seqlen_kv=optional_int(kwargs.get("max_length_k"), "max_length_k"),
         **options,
     )
     return out.unsqueeze(0)  # (1, T, H, Dv)
@@ -235,6 +252,8 @@ def _boundaries_from_positions(query, key, position_ids) -> dict:
     version counter and traced calls no identity, so those are read every time.
     """
     global _last_positions
+    if position_ids is not None and not isinstance(position_ids, torch.Tensor):
+        raise InvalidInputError(f"position_ids: got {type(position_ids).__name__}, expected None or a tensor")
     if position_ids is None or query.shape[0] != 1 or query.shape[2] < 2 or key.shape[2] != query.shape[2]:
         return {}  # not a single packed row (a KV cache, where keys outnumber queries, is never packed)
     remember = not torch.compiler.is_compiling() and not position_ids.is_inference()

@@ -95,6 +95,9 @@ def read_call(q, k, v, options: CallOptions, *, context_parallel_size: int = 1) 
         ):
             if value is not None:
                 _fail(name, "a tensor", f"None for layout={o.layout!r} (cu_seqlens belong to layout='thd')")
+        for name, value in (("max_seqlen_q", o.max_seqlen_q), ("max_seqlen_kv", o.max_seqlen_kv)):
+            if value is not None:
+                _fail(name, _describe(value), f"None for layout={o.layout!r} (max_seqlen belongs to layout='thd')")
         batch, sq, skv = q.shape[b_axis], q.shape[seq_axis], k.shape[seq_axis]
         packing = None
     if k.shape[seq_axis] != v.shape[seq_axis]:
