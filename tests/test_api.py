@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnselect
-from attnselect import api, dispatch
+from attnselect import api, dispatch, memos
 from attnselect.spec.options import CallOptions
 
 
@@ -98,6 +98,7 @@ def _as_a_new_process(monkeypatch):
 
     failures._FAILED.clear()
     monkeypatch.setattr(failures, "_RECORDED", None)
+    monkeypatch.setattr(memos, "_WARNED", set())
     attnselect.clear_cache()
 
 
@@ -111,7 +112,11 @@ def test_a_run_time_failure_is_remembered_by_later_processes_on_the_same_target(
     caplog.clear()
     with caplog.at_level("WARNING", logger="attnselect"):
         attnselect.attention(q, k, v, causal=True)
-    assert not caplog.records  # not tried again: no second failure, no warning
+        attnselect.attention(q, k, v, causal=True)
+    # not tried again, and not skipped silently: one warning, naming what failed, why and where it is recorded
+    (record,) = caplog.records
+    assert record.getMessage().startswith(f"attnselect: skipping {broken} for {problem.describe()}: _Broken: ")
+    assert "in an earlier process" in record.getMessage() and "decisions.json" in record.getMessage()
     verdict = next(v for v in attnselect.select(problem).verdicts if v.candidate == broken)
     assert verdict.reasons[0].startswith("failed at run time on this target: _Broken: workspace")
     _as_a_new_process(monkeypatch)  # another library version: the entry does not apply

@@ -135,6 +135,25 @@ def test_explain_refuses_what_context_parallelism_refuses(capsys):
     assert "causal: got mask 'causal_bottom_right' with context_parallel_size=2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--cp", "0"], "--cp (context_parallel_size): got 0, expected"),
+        (["--heads", "0"], "--heads (heads_q): got 0, expected"),
+        (["--dropout", "1.5"], "--dropout (dropout_p): got 1.5, expected"),
+        (["--target", "cpu", "--cudnn-version", "9.1.0"], "--cudnn-version: got '9.1.0', expected none for the cpu"),
+    ],
+)
+def test_explain_names_the_flag_of_a_bad_value(flags, message, capsys):
+    assert main(["explain", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_explain_takes_a_given_zero_as_given(capsys):
+    assert main(["explain", "--seqlen", "128", "--seqlen-kv", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["problem"]["seqlen_kv"] == 0
+
+
 @pytest.mark.parametrize("how", [["--render"], ["--merge", "missing-part.json"]])
 def test_bench_names_a_report_it_cannot_read(how, tmp_path, capsys):
     assert main(["bench", "--out", str(tmp_path / "none"), *how]) == 2

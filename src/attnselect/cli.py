@@ -69,7 +69,7 @@ def problem_from_args(a) -> AttentionProblem:
     return AttentionProblem(
         batch=a.batch,
         seqlen_q=a.seqlen,
-        seqlen_kv=a.seqlen_kv or a.seqlen,
+        seqlen_kv=a.seqlen if a.seqlen_kv is None else a.seqlen_kv,
         heads_q=heads,
         heads_kv=kv_heads,
         head_dim_qk=dqk,
@@ -87,7 +87,23 @@ def problem_from_args(a) -> AttentionProblem:
 
 def target_from_args(a) -> Target:
     target = Target.current() if a.target == "current" else Target.preset(a.target)
+    if a.cudnn_version is not None and not target.is_cuda:
+        raise InvalidInputError(f"--cudnn-version: got {a.cudnn_version!r}, expected none for the cpu target")
     return target.with_versions(cudnn_version=a.cudnn_version) if a.cudnn_version else target
+
+
+# The problem's and target's fields explain's flags set: an error naming a field names its flag too
+FLAGS = {
+    "batch": "--batch", "seqlen_q": "--seqlen", "seqlen_kv": "--seqlen-kv", "heads_q": "--heads",
+    "heads_kv": "--kv-heads", "head_dim_qk": "--head-dim-qk", "head_dim_v": "--head-dim-v", "dropout_p": "--dropout",
+    "context_parallel_size": "--cp", "window": "--window", "cudnn_version": "--cudnn-version", "target": "--target",
+}  # fmt: skip
+
+
+def _flagged(message: str) -> str:
+    """``message`` with the field it names (``field: got ...``) named by its flag: ``--flag (field): got ...``."""
+    field, colon, rest = message.partition(":")
+    return f"{FLAGS[field]} ({field}):{rest}" if colon and field in FLAGS else message
 
 
 def cmd_explain(a) -> int:
@@ -95,7 +111,7 @@ def cmd_explain(a) -> int:
         problem, target = problem_from_args(a), target_from_args(a)
         decision = select(problem, target=target, backend=a.backend, pad=a.pad)
     except AttnSelectError as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{type(exc).__name__}: {_flagged(str(exc))}", file=sys.stderr)
         return 2
     print(json.dumps(decision.to_dict(), indent=2) if a.json else decision.report(show_all=a.all))
     return 0

@@ -83,7 +83,7 @@ def cache_dir() -> Path:
         import platformdirs
 
         directory = platformdirs.user_cache_dir("attnselect")
-    return Path(directory)
+    return Path(directory).expanduser()
 
 
 def clear_cache() -> None:

@@ -148,3 +148,38 @@ def test_a_cache_dir_that_cannot_hold_files_serves_every_call_alike(tmp_path, mo
                 assert torch.equal(call(), call())
         assert len([r for r in caplog.records if str(junk) in r.getMessage()]) <= 1  # reading, then writing
     assert junk.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("argument", ["policy", "backend", "pad"])
+def test_an_empty_argument_is_refused_though_an_empty_variable_is_unset(argument, monkeypatch):
+    q = torch.randn(1, 6, 2, 8, dtype=torch.float64)
+    problem = attnselect.AttentionProblem.from_tensors(q, q, q)
+    with pytest.raises(attnselect.InvalidInputError, match=f"^{argument}: got '', expected None"):
+        attnselect.select(problem, **{argument: ""})
+    if argument != "policy":  # attention() takes no policy: the variable or overrides() set it
+        with pytest.raises(attnselect.InvalidInputError, match=f"^{argument}: got '', expected None"):
+            attnselect.attention(q, q, q, **{argument: ""})
+    with pytest.raises(attnselect.InvalidInputError, match=f"^{argument}: got ''"):
+        with attnselect.overrides(**{argument: ""}):
+            pass
+    monkeypatch.setenv(f"ATTNSELECT_{argument.upper()}", "")
+    attnselect.clear_cache()
+    assert attnselect.attention(q, q, q).shape == q.shape
+
+
+def test_a_misspelt_variable_is_named_once(monkeypatch, caplog):
+    monkeypatch.setenv("ATTNSELECT_POLCY", "measure")
+    settings._warn_unknown_variables.cache_clear()
+    with caplog.at_level("WARNING", logger="attnselect"):
+        settings.resolve()
+        settings.resolve()
+    assert caplog.text.count("ignoring unknown variable(s) ATTNSELECT_POLCY (did you mean ATTNSELECT_POLICY?)") == 1
+    settings._warn_unknown_variables.cache_clear()
+
+
+def test_a_cache_directory_under_home_is_expanded(monkeypatch, tmp_path):
+    from attnselect import memos
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", "~/attnselect-cache")
+    assert memos.cache_dir() == tmp_path / "attnselect-cache"

@@ -335,3 +335,15 @@ def test_the_converter_keeps_each_inner_attention_config_s_fields_tensor_paralle
         assert type(new).__name__ == "Config" and isinstance(new, FlexAttention.Config)
         assert new.sharding_config is old.sharding_config and new.block_size == old.block_size
         assert type(new.build()).__name__ == "AttnSelectFlexAttention"
+
+
+def test_without_torchtitan_the_integration_says_what_to_install(monkeypatch):
+    """An optional extra, as Megatron's: an ImportError naming the install, not a model error or a bare one."""
+    import sys
+
+    from attnselect.integrations import torchtitan as titan
+
+    for name in [m for m in sys.modules if m == "torchtitan" or m.startswith("torchtitan.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # imported as absent
+    with pytest.raises(ImportError, match=r"needs torchtitan .*pip install 'attnselect\[torchtitan\]'"):
+        titan._torchtitan("protocols.model")

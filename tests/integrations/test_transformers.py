@@ -494,3 +494,11 @@ def test_gpt_oss_sinks_match_eager_with_their_gradient():
         for x, m in zip((ours, eager), models)
     ]
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-5)
+
+
+def test_without_transformers_register_says_what_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # imported as absent
+    with pytest.raises(ImportError, match=r"needs transformers .*pip install 'attnselect\[transformers\]'"):
+        attnselect_hf.register()

@@ -73,11 +73,36 @@ def test_describe_and_dict():
         (dict(name="x", device_type="cpu", capability=(9, 0)), "capability: got (9, 0), expected None"),
         (dict(name="x", device_type="tpu"), "device_type: got 'tpu'"),
         (dict(name=3, capability=(9, 0)), "name: got 3, expected a non-empty string"),
+        (dict(name="x", capability=(True, False)), "capability: got (True, False), expected a (major, minor)"),
+        (dict(name="x", capability=(-9, 0)), "capability: got (-9, 0), expected a (major, minor)"),
     ],
 )
 def test_inconsistent_targets_are_refused(kwargs, message):
     with pytest.raises(InvalidInputError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Target(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: Target.preset("h200", packages={"flash-atn-4": "4.0.0b36"}), r"^packages: got \['flash-atn-4'\]"),
+        (lambda: Target.from_dict({"name": "x", "foo": 1}), r"^target: got fields \['foo', 'name'\], expected"),
+        (lambda: Target.from_dict({}), r"^target: got fields \[\], expected 'name'"),
+        (lambda: Target.from_dict("abc"), r"^target: got str, expected a dict"),
+        (lambda: Target.preset("h200").at_least("cuda_version", "12.0"), r"^name: got 'cuda_version', expected one"),
+    ],
+)
+def test_a_target_s_junk_is_refused_by_name(make, message):
+    """A misspelt package would simulate its absence; an unknown field or version name is named, not a TypeError."""
+    with pytest.raises(InvalidInputError, match=message):
+        make()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine without CUDA")
+def test_a_cuda_device_asked_for_without_cuda_is_the_cpu_target_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="attnselect"):
+        assert Target.current("cuda:7").device_type == "cpu"
+    assert "Target.current('cuda:7'): CUDA is not usable here" in caplog.text
 
 
 def test_bad_device_names_the_argument():

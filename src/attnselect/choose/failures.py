@@ -34,8 +34,20 @@ def failures(problem: AttentionProblem, target: Target) -> dict:
     recorded = _recorded_failures()
     if not recorded or is_distributed():
         return failed
-    earlier = recorded.get(_entry_key(problem, target))
-    return {**earlier, **failed} if earlier else failed
+    key = _entry_key(problem, target)
+    earlier = recorded.get(key)
+    if not earlier:
+        return failed
+    fresh = [c for c in earlier if c not in failed]
+    if fresh:  # what an earlier process met changes this one's choice: said once per signature, not silently
+        memos.warn_once(
+            f"recorded failure:{key}",
+            "attnselect: skipping %s for %s: %s in an earlier process on this GPU and these library versions "
+            "(recorded in %s; remove that entry, or the file, to try %s again)",
+            ", ".join(map(str, fresh)), problem.describe(), "; ".join(earlier[c] for c in fresh), store.cache_file(),
+            "it" if len(fresh) == 1 else "them",
+        )  # fmt: skip
+    return {**earlier, **failed}
 
 
 def _recorded_failures() -> dict:

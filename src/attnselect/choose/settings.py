@@ -7,7 +7,9 @@ Unknown values raise an :class:`~attnselect.errors.InvalidInputError` naming the
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
+import logging
 import os
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -135,6 +137,10 @@ def resolve(
     env_policy, env_backend, env_pad, env_disable = [
         s if s is not None else e for s, e in zip(scoped, (env or environment())[:4])
     ]
+    _warn_unknown_variables()
+    for value, argument in ((policy, "policy"), (backend, "backend"), (pad, "pad")):
+        if value == "":  # a variable set empty is unset; an argument given empty is a mistake
+            raise InvalidInputError(f"{argument}: got '', expected None (the default) or a name")
     policy, source = _pick(policy, env_policy, "policy", "ATTNSELECT_POLICY")
     if not isinstance(policy, (str, type(None))) or (policy or "rules") not in POLICIES:
         raise InvalidInputError(f"{source}: got {policy!r}, expected one of {POLICIES}")
@@ -159,6 +165,19 @@ def resolve(
     return Overrides(
         policy=policy or "rules", backend=backend or None, pad=pad or "auto", disable=frozenset(disable or ())
     )
+
+
+@functools.cache
+def _warn_unknown_variables() -> None:
+    """One warning, at the process's first decision, for ATTNSELECT_* variables attnselect does not read (a
+    misspelt one would otherwise change nothing, silently)."""
+    unknown = sorted(n for n in os.environ if n.startswith("ATTNSELECT_") and n not in ENV_VARS)
+    if unknown:
+        close = {n: difflib.get_close_matches(n, ENV_VARS, n=1) for n in unknown}
+        logging.getLogger("attnselect").warning(
+            "attnselect: ignoring unknown variable(s) %s; attnselect reads %s",
+            ", ".join(f"{n} (did you mean {c[0]}?)" if c else n for n, c in close.items()), ", ".join(ENV_VARS),
+        )  # fmt: skip
 
 
 def _pick(value, env_value, argument: str, variable: str):

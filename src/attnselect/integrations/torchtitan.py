@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import re
 
 import torch
@@ -228,12 +229,7 @@ _KIND_OF = {"FlexAttention": "flex", "VarlenAttention": "varlen", "ScaledDotProd
 @functools.cache
 def _classes() -> dict:
     """{torchtitan's inner attention class: attnselect's subclass of it}, made once."""
-    try:
-        from torchtitan.models.common import attention
-    except ImportError as exc:
-        raise InvalidInputError(
-            "model: the torchtitan integration needs torchtitan (pip install torchtitan==0.3.0)"
-        ) from exc
+    attention = _torchtitan("models.common.attention")
     made = {}
     for name in _KIND_OF:
         base = getattr(attention, name)
@@ -254,8 +250,18 @@ def _convert_config(config):
     return config
 
 
+def _torchtitan(module: str):
+    """torchtitan's ``module``, or an ImportError that says what to install (an optional extra, as megatron's)."""
+    try:
+        return importlib.import_module(f"torchtitan.{module}")
+    except ImportError as exc:
+        raise ImportError(
+            f"attnselect.integrations.torchtitan needs torchtitan ({exc}): pip install 'attnselect[torchtitan]'"
+        ) from exc
+
+
 def _converter():
-    from torchtitan.protocols.model import ModelConfigConverter
+    ModelConfigConverter = _torchtitan("protocols.model").ModelConfigConverter  # noqa: N806
 
     class AttnSelectConverter(ModelConfigConverter):
         """torchtitan model converter: every layer's inner attention (MTP layers included) through attnselect."""

@@ -130,10 +130,10 @@ def mask_from_arguments(causal: bool | str, window: tuple[int, int] | None) -> t
     require(
         isinstance(window, (tuple, list))
         and len(window) == 2
-        and all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window),
+        and all(isinstance(x, int) and not isinstance(x, bool) and -1 <= x < 2**31 for x in window),
         "window",
         window,
-        "a (left, right) pair of integers >= -1 (-1 = unbounded)",
+        "a (left, right) pair of integers from -1 (unbounded) to 2**31 - 1 (the kernels' int32)",
     )
     left, right = window
     if mask != "none":

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from attnselect.errors import InvalidInputError
+from attnselect.memos import warn_once
 
 log = logging.getLogger("attnselect")
 
@@ -117,7 +118,11 @@ class Target:
             raise InvalidInputError(f"device_type: got {self.device_type!r}, expected 'cuda' or 'cpu'")
         cc = self.capability
         if self.device_type == "cuda" and not (
-            isinstance(cc, tuple) and len(cc) == 2 and all(isinstance(x, int) for x in cc)
+            isinstance(cc, tuple)
+            and len(cc) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in cc)
+            and cc[0] >= 1
+            and cc[1] >= 0
         ):
             raise InvalidInputError(f"capability: got {cc!r}, expected a (major, minor) pair for a cuda target")
         if self.device_type == "cpu" and cc is not None:
@@ -139,6 +144,9 @@ class Target:
     def at_least(self, name: str, version: str) -> bool:
         """Whether ``name`` (``torch_version``, ``cudnn_version`` or a package's distribution) is at ``version`` or
         later."""
+        fields = [f.name for f in dataclasses.fields(self) if f.name.endswith("_version")]
+        if not isinstance(name, str) or (name.endswith("_version") and name not in fields):
+            raise InvalidInputError(f"name: got {name!r}, expected one of {fields} or a package's distribution name")
         have = getattr(self, name) if name.endswith("_version") else self.version(name)
         return have is not None and version_tuple(have) >= version_tuple(version)
 
@@ -154,6 +162,11 @@ class Target:
         if packages is not None:
             if not isinstance(packages, dict):
                 raise InvalidInputError(f"packages: got {packages!r}, expected a dict of distribution to version")
+            unknown = sorted(d for d in packages if _PACKAGES and d not in _PACKAGES)  # a typo simulates its absence
+            if unknown:
+                raise InvalidInputError(
+                    f"packages: got {unknown}, expected distributions the backends use: {sorted(_PACKAGES)}"
+                )
             versions["packages"] = {**dict(self.packages), **packages}
         return dataclasses.replace(self, **versions)
 
@@ -167,6 +180,14 @@ class Target:
     def from_dict(cls, d: dict) -> Target:
         """A target from :meth:`to_dict`; also from the older form with one field per package
         (:data:`LEGACY_PACKAGE_FIELDS`), as results files of 2026-12-02 and earlier hold it."""
+        if not isinstance(d, dict):
+            raise InvalidInputError(f"target: got {type(d).__name__}, expected a dict (Target.to_dict())")
+        known = {f.name for f in dataclasses.fields(cls)} | set(LEGACY_PACKAGE_FIELDS)
+        unknown = sorted(set(d) - known)
+        if unknown or "name" not in d:
+            raise InvalidInputError(
+                f"target: got fields {sorted(d)}, expected 'name' and any of {sorted(known - {'name'})}"
+            )
         fields = dict(d)
         packages = dict(fields.pop("packages", None) or {})
         for field, distribution in LEGACY_PACKAGE_FIELDS.items():
@@ -217,6 +238,10 @@ class Target:
             raise InvalidInputError(
                 f"device: got {device!r}, expected a torch.device, 'cpu', 'cuda[:N]' or an index ({exc})"
             ) from None
+        if dev.type == "cuda" and not _cuda_usable():
+            warn_once(
+                f"no cuda for {dev}", "attnselect: Target.current(%r): CUDA is not usable here; the cpu target", device
+            )
         return target_for_device(dev)
 
 

@@ -109,7 +109,7 @@ def read_call(q, k, v, options: CallOptions, *, context_parallel_size: int = 1) 
         _fail("q/k heads", f"q {hq}, k {hkv}", "at least one head each")
     if hq % hkv:
         _fail("q heads", hq, f"a multiple of the k/v head count {hkv} (GQA/MQA)")
-    if not isinstance(o.dropout_p, (int, float)) or not 0.0 <= o.dropout_p < 1.0:
+    if isinstance(o.dropout_p, bool) or not isinstance(o.dropout_p, (int, float)) or not 0.0 <= o.dropout_p < 1.0:
         _fail("dropout_p", _describe(o.dropout_p), "a number in [0, 1)")
     mask, window = mask_from_arguments(o.causal, o.window)
     if o.layout == "thd" and mask == "sliding_window_top_left" and lengths[0] is None and not lengths[2]:
@@ -160,7 +160,12 @@ def read_call(q, k, v, options: CallOptions, *, context_parallel_size: int = 1) 
 
 
 def _positive_number(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an int past a float's range
+        return False
 
 
 def check_softcap(softcap) -> None:
