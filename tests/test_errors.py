@@ -131,7 +131,7 @@ def test_the_cli_refuses_zero_kv_heads(capsys):
     from attnselect.cli import main
 
     assert main(["explain", "--kv-heads", "0"]) == 2
-    assert "heads_kv: got 0" in capsys.readouterr().err
+    assert "--kv-heads (heads_kv): got 0" in capsys.readouterr().err
 
 
 def test_the_grouped_report_keeps_every_reason_whole():

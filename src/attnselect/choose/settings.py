@@ -139,7 +139,7 @@ def resolve(
     ]
     _warn_unknown_variables()
     for value, argument in ((policy, "policy"), (backend, "backend"), (pad, "pad")):
-        if value == "":  # a variable set empty is unset; an argument given empty is a mistake
+        if isinstance(value, str) and not value:  # a variable set empty is unset; an argument given empty: a mistake
             raise InvalidInputError(f"{argument}: got '', expected None (the default) or a name")
     policy, source = _pick(policy, env_policy, "policy", "ATTNSELECT_POLICY")
     if not isinstance(policy, (str, type(None))) or (policy or "rules") not in POLICIES:
