@@ -39,7 +39,7 @@ PARTS = (
     ("nested flags", "if q.is_nested or k.is_nested or v.is_nested or (sinks is not None and sinks.is_nested):",
      "if False:"),
     ("thread and settings state", "_grad(), _deterministic(), _function_mode(),\n"
-     "            _no_environment() or _environment(), _scope(),", ""),
+     "            _no_environment() or _environment(), _cache_dir(), _scope(),", ""),
 )  # fmt: skip
 
 

@@ -594,8 +594,8 @@ def test_the_grid_restarts_a_worker_on_a_sticky_cuda_error_and_not_on_a_transien
 
 def test_ladder_rules_scores_each_rule_s_picks_on_committed_ladders(tmp_path):
     """benchmarks/ladder_rules.py on two committed ladders: every dense rung-way scored for every rule, each score
-    the fastest forced row's time over the pick's; the max rule's picks the least max(host, GPU), attnselect's rule
-    there; one choice in hindsight at least as good in its worse way as every rule's on every rung."""
+    the fastest forced row's time over the pick's; the max, sum and stack rules (attnselect's ranking, with its tie
+    band) there; one choice in hindsight at least as good in its worse way as every rule's on every rung."""
     from attnselect.choose.rules import TIE_BAND
 
     ladders = ("results/h200_ladder_20c9c6a_fa4.json", "results/h200_ladder.json")

@@ -369,3 +369,13 @@ def test_a_shape_forgotten_forgets_its_captured_and_compiled_calls_too():
     assert len(dispatch.known_calls()) == 3
     dispatch.forget_dense(AttentionProblem.from_tensors(q, k, v, causal=True))
     assert [known.problem.batch for known in dispatch.known_calls()] == [1]
+
+
+def test_a_memoized_dense_call_given_max_seqlen_is_refused_as_a_first_one_is():
+    """max_seqlen belongs to packed calls: a dense call that names it is refused whatever ran before (the memo's
+    lookup leaves it to validation)."""
+    q, k, v = _qkv()
+    attnselect.attention(q, k, v)
+    for name, value in (("max_seqlen_q", 5), ("max_seqlen_kv", "x")):
+        with pytest.raises(attnselect.InvalidInputError, match=f"^{name}: got .*, expected None for layout"):
+            attnselect.attention(q, k, v, **{name: value})

@@ -210,7 +210,7 @@ stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: F
 # it ("CUDA graphs must be captured on a non-default stream"), so on the default stream stream_capturing() is False,
 # and this answers that in a fraction of its time (it asks the CUDA runtime).
 raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0)
-_no_environment, _environment = settings.no_environment, settings.raw_environment
+_no_environment, _environment, _cache_dir = settings.no_environment, settings.raw_environment, settings.cache_dir_key
 _scope = settings.scope
 _NUMBER = (float, int, type(None))
 # A memo key's per-tensor facts, read by C getters (map over them costs a fraction of a generator per fact)
@@ -241,8 +241,8 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
         ):
             return None
         sizes = (cu_q.shape[0], max_q, max_kv)
-    elif cu_q is not None or cu_kv is not None:
-        return None
+    elif cu_q is not None or cu_kv is not None or max_q is not None or max_kv is not None:
+        return None  # a dense call given a packed call's arguments: validation refuses them
     if not (
         (causal is False or causal is True or type(causal) is str)
         and (scale is None or type(scale) in _NUMBER)
@@ -264,7 +264,7 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
         state = (
             layout, causal, window, scale, dropout_p, return_lse, softcap, return_max_logit, backend, pad, disable,
             sinks is None, aliases, _grad(), _deterministic(), _function_mode(),
-            _no_environment() or _environment(), _scope(),
+            _no_environment() or _environment(), _cache_dir(), _scope(),
         )  # fmt: skip
         tensors = (q, k, v) if aliases is None else tuple({id(t): t for t in (q, k, v)}.values())
         if cu_q is not None:

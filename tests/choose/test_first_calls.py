@@ -828,8 +828,39 @@ def test_a_rental_stands_while_nothing_it_was_drawn_over_is_paid(monkeypatch):
     assert first_calls.state() != rental.drawn_at and not first_calls.settled(rental, problem)
     assert attnselect.select(problem, target=H200).rental == rental  # its draw's time left out of its equality
     read = []
-    owed_at = first_calls._owed_at
-    monkeypatch.setattr(first_calls, "_owed_at", lambda *a: read.append(a[0]) or owed_at(*a))
+    owed = first_calls._owed
+    monkeypatch.setattr(first_calls, "_owed", lambda *a: read.append(a[0]) or owed(*a))
     assert not first_calls.settled(rental, problem) and read == []  # standing at these payments: not read again
     first_calls.ran(FA4, other._with(head_dim_qk=64, head_dim_v=64))
     assert not first_calls.settled(rental, problem) and read
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_memoized_decision_is_the_one_a_fresh_selection_makes_through_random_payments(seed):
+    """A differential check on the packaged H200 calibration: random dense calls (head-dim pairs, lengths, GQA,
+    masks, phases, graphs) among random payments (a candidate's first call at any of them, a rent counted as the
+    renting runner counts it); after each step the memoized decision (chosen and rental) equals a fresh selection's.
+    A rental that stood until its own deferred candidate was paid fails it."""
+    import random
+
+    target = _packaged_h200()
+    rng = random.Random(seed)
+    pairs = [(192, 128), (128, 128), (64, 64)]
+    graphs = [{}, {}, {"cuda_graph_capture": True}, {"compiled_graph": True}]
+    problems = [
+        AttentionProblem(rng.choice([1, 2, 4]), s, s, 16, rng.choice([16, 4]), *rng.choice(pairs), dtype=torch.bfloat16,
+                         mask=rng.choice(["causal", "none"]), training=rng.random() < 0.5, **rng.choice(graphs))
+        for s in (rng.choice([128, 1024, 4096, 8192]) for _ in range(30))
+    ]  # fmt: skip
+    payable = [FA4, Candidate("cudnn_frontend"), Candidate("sdpa_cudnn"), Candidate("sdpa_flash", 192),
+               *(Candidate(b, 192) for b in ("sdpa_cudnn", "flash_attn4", "cudnn_frontend"))]  # fmt: skip
+    for step in range(400):
+        problem = rng.choice(problems)
+        if rng.random() < 0.05:
+            first_calls.ran(rng.choice(payable), rng.choice(problems))
+            continue
+        decision = attnselect.select(problem, target=target)
+        if decision.rental and decision.rental.calls and rng.random() < 0.3:  # as api._renting counts a call
+            if first_calls.rent(decision.rental, first_calls.rent_key(decision.rental, problem)):
+                attnselect.clear_cache()
+        assert _memoized(problem, target) == _fresh(problem, target), (step, problem.describe())

@@ -358,6 +358,7 @@ def test_predicted_times_within_the_tie_band_go_by_the_time_alone():
     assert next(settled) == a and drawn == [b, a, c]  # a: 142.2 us alone against b's 171.0
     assert list(settled) == [b, c, e]
     assert list(rules.settled([d, b], predicted)) == [d, b]  # d's 170 us alone is the less of the two: as ordered
+    assert list(rules.settled([d, b, a], predicted)) == [a, d, b]  # all three within 15% of d's 110: a's 142.2 first
     assert list(rules.settled([e, a], predicted)) == [e, a] and list(rules.settled([b, a], None)) == [b, a]
     assert rules.tied(a, [b, a, c], predicted) and not rules.tied(c, [c], predicted)
 

@@ -427,9 +427,9 @@ _CU = torch.tensor([0, 3, 6], dtype=torch.int32)
 @pytest.mark.parametrize(
     "mask,kwargs,message",
     [
-        (torch.zeros(1, 1, 6, 6), dict(scaling=float("nan")), r"^scale: got nan"),  # a 4-D mask: checked alike
-        (torch.zeros(1, 1, 6, 6), dict(scaling=-3.0), r"^scale: got -3.0"),
-        (torch.zeros(1, 1, 6, 6), dict(dropout=2.0), r"^dropout_p: got 2.0"),
+        (torch.zeros(1, 1, 6, 6), dict(scaling=float("nan")), r"^scaling: got nan"),  # a 4-D mask: checked alike
+        (torch.zeros(1, 1, 6, 6), dict(scaling=-3.0), r"^scaling: got -3.0"),
+        (torch.zeros(1, 1, 6, 6), dict(dropout=2.0), r"^dropout: got 2.0"),
         (None, dict(cu_seq_lens_q=_CU), r"^cu_seq_lens_k: got None, expected a tensor"),
         (None, dict(cu_seq_lens_q=[0, 3, 6], cu_seq_lens_k=_CU), r"^cu_seq_lens_q: got list, expected an integer"),
         (None, dict(cu_seq_lens_q=_CU.float(), cu_seq_lens_k=_CU), r"^cu_seq_lens_q: got a torch.float32 tensor"),
@@ -449,6 +449,21 @@ def test_a_bad_argument_from_the_model_is_refused_by_name(mask, kwargs, message)
     q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
     with pytest.raises(InvalidInputError, match=message):
         attention_forward(_bare_module(), q, k, v, mask, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "shapes,dtype,message",
+    [
+        (((1, 4, 6, 8), (1, 3, 6, 8), (1, 3, 6, 8)), torch.float32, r"^query/key/value heads: got 4, 3, 3"),
+        (((1, 2, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8)), torch.int64, r"^query/key/value dtype: got torch.int64"),
+    ],
+)
+def test_a_4d_mask_call_s_tensors_are_checked_before_sdpa(shapes, dtype, message):
+    from attnselect.integrations.transformers import attention_forward
+
+    q, k, v = (torch.ones(s, dtype=dtype) for s in shapes)
+    with pytest.raises(InvalidInputError, match=message):
+        attention_forward(_bare_module(), q, k, v, torch.zeros(1, 1, 6, 6))
 
 
 @pytest.mark.parametrize("name", [None, "", 5])

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from attnselect.choose import calibration
 from attnselect.choose.failures import eager_signature
@@ -81,7 +81,7 @@ class Rental:
     ``chosen`` for the graph's life); ``shape``: the cost is the deferred candidate's build for this shape, its
     configuration having run (else its configuration's first call); ``own_ms``: what ``chosen``'s own first call
     costs, where every candidate had one to pay (the least of theirs), else 0; ``drawn``: the candidates the ranking
-    was drawn through, each with its prices and what it owed then, and ``drawn_at`` the process's payments then
+    was drawn through, each with what it owed then by ``costs``, and ``drawn_at`` the process's payments then
     (:func:`state`): the rental stands while they owe the same (:func:`settled`)."""
 
     chosen: Candidate
@@ -93,8 +93,9 @@ class Rental:
     own_ms: float = 0.0
     own_shape: bool = False  # ``own_ms`` is ``chosen``'s build for this shape (its configuration has run)
     # how it was drawn, not what it does: left out of its equality (another draw of the same rental is the same)
-    drawn: tuple = field(default=(), compare=False)  # ((candidate, (configuration_ms, shape_ms), owed), ...)
+    drawn: tuple = field(default=(), compare=False)  # ((candidate, what it owed), ...), the ranking's head
     drawn_at: tuple | None = field(default=None, compare=False)  # None: not known (its deferred and own are checked)
+    costs: dict | None = field(default=None, compare=False)  # the calibration's prices it was drawn by
 
     def describe(self) -> str:
         builds = "builds for this shape" if self.shape else "compiles"
@@ -138,20 +139,17 @@ def drawn_rental(
     best = next(ranking, None)
     if best is None:
         return (), None
-    at = state()
+    at = _CHANGES[0], _SHAPE_CHANGES[0]  # state(), before anything is read
     keys: list = []  # the configuration and the shape, worked out on first use: most candidates build nothing
-    prices = {best: _prices(best, costs, problem)}
-    owing = _owed_at(best, prices[best], problem, keys)
+    owing = _owed(best, costs, problem, keys)
     if owing is None or predicted.get(best) is None:
         return (best,), None
     drawn, owes = [best], {best: owing}
     for other in ranking:
         drawn.append(other)
-        prices[other] = _prices(other, costs, problem)
-        owes[other] = _owed_at(other, prices[other], problem, keys)
+        owes[other] = _owed(other, costs, problem, keys)
         if owes[other] is None and predicted.get(other) is not None:  # ``other`` runs now, with nothing to pay
-            rental = _towards(other, drawn[:-1], owes, predicted, problem)
-            return tuple(drawn), rental and _drawn(rental, drawn, prices, owes, at)
+            return tuple(drawn), _towards(other, drawn, owes, predicted, problem, costs, at)
     # every calibrated candidate has a first call to pay: the least price is paid now, as a choice knowing the job
     # is one call long would (its calls are the rent from there). Not for a captured or compiled call: no eager
     # warm-up ran any of them, so whichever it keeps compiles inside the graph, and it keeps it for the graph's life
@@ -161,23 +159,19 @@ def drawn_rental(
     cheapest = min(priced, key=lambda c: owes[c][0])  # ties: the faster (the ranking's order)
     if cheapest is best:
         return tuple(drawn), None
-    rental = _towards(cheapest, drawn[: drawn.index(cheapest)], owes, predicted, problem)
-    if rental is None:
-        return tuple(drawn), None
-    rental = replace(rental, own_ms=owes[cheapest][0], own_shape=owes[cheapest][1])
-    return tuple(drawn), _drawn(rental, drawn, prices, owes, at)
+    return tuple(drawn), _towards(cheapest, drawn, owes, predicted, problem, costs, at, own=owes[cheapest])
 
 
-def _drawn(rental: Rental, drawn: list, prices: dict, owes: dict, at: tuple) -> Rental:
-    """``rental`` with what it was drawn from: what each candidate drawn owed, at the process's payments ``at``."""
-    return replace(rental, drawn=tuple((c, prices[c], owes[c]) for c in drawn), drawn_at=at)
-
-
-def _towards(other: Candidate, above: list, owes: dict, predicted: dict, problem: AttentionProblem) -> Rental | None:
-    """The rental that runs ``other`` towards one of the candidates ranked above it (``above``, in rank order) that
-    has a price: the one whose price what renting ``other`` loses against it pays back in the fewest calls (the next
-    is rented towards from there); None where none is faster at a price."""
+def _towards(
+    other: Candidate, drawn: list, owes: dict, predicted: dict, problem: AttentionProblem, costs: dict, at: tuple,
+    own: tuple[float, bool] | None = None,
+) -> Rental | None:  # fmt: skip
+    """The rental that runs ``other`` towards one of the candidates ranked above it (in ``drawn``, in rank order)
+    that has a price: the one whose price what renting ``other`` loses against it pays back in the fewest calls (the
+    next is rented towards from there); None where none is faster at a price. ``own``: ``other``'s own price, where
+    every candidate had one; ``costs`` and ``at``: what the candidates drawn were judged by, and when."""
     steps = []
+    above = drawn[: drawn.index(other)]
     for c in above:
         if owes[c] is None or predicted.get(c) is None:
             continue
@@ -193,7 +187,9 @@ def _towards(other: Candidate, above: list, owes: dict, predicted: dict, problem
     _, _, deferred, lost = steps[0] if graph and steps[0][2] == above[0] else min(steps)
     ms, shape = owes[deferred]
     calls = 0 if graph else max(math.ceil(ms * 1e3 / lost), 1)
-    return Rental(other, deferred, calls, ms, lost, shape)
+    own_ms, own_shape = own or (0.0, False)
+    drawn_owed = tuple((c, owes[c]) for c in drawn)
+    return Rental(other, deferred, calls, ms, lost, shape, own_ms, own_shape, drawn_owed, at, costs)
 
 
 def owed(candidate: Candidate, costs: dict, problem: AttentionProblem) -> tuple[float, bool] | None:
@@ -205,20 +201,8 @@ def owed(candidate: Candidate, costs: dict, problem: AttentionProblem) -> tuple[
 
 def _owed(candidate: Candidate, costs: dict, problem: AttentionProblem, keys: list) -> tuple[float, bool] | None:
     """:func:`owed`, with ``keys`` (the problem's configuration and shape) worked out into it on first use."""
-    return _owed_at(candidate, _prices(candidate, costs, problem), problem, keys)
-
-
-def _prices(candidate: Candidate, costs: dict, problem: AttentionProblem) -> tuple[float, float]:
-    """``candidate``'s first call of ``problem``'s configuration and of its shape by ``costs``, ms (no shape packed)."""
     configuration_ms = cost_ms(candidate, costs.get("first_call_ms", {}), problem)
-    return configuration_ms, 0.0 if problem.layout == "thd" else cost_ms(
-        candidate, costs.get("new_size_ms", {}), problem
-    )
-
-
-def _owed_at(candidate: Candidate, prices: tuple, problem: AttentionProblem, keys: list) -> tuple[float, bool] | None:
-    """:func:`_owed` at ``candidate``'s prices (:func:`_prices`)."""
-    configuration_ms, shape_ms = prices
+    shape_ms = 0.0 if problem.layout == "thd" else cost_ms(candidate, costs.get("new_size_ms", {}), problem)
     if configuration_ms < COMPILING_MS and shape_ms < BUILDING_MS:
         return None
     if not keys:
@@ -269,7 +253,7 @@ def settled(rental: Rental, problem: AttentionProblem) -> bool:
         own = (rental.chosen, key[1], _shape(problem)) if rental.own_shape else (rental.chosen, key[1])
         return _paid(key) or bool(rental.own_ms and _paid(own))
     keys = [_configuration(problem), _shape(problem) if problem.layout != "thd" else None]
-    if any(_owed_at(c, prices, problem, keys) != owed for c, prices, owed in rental.drawn):
+    if any(_owed(c, rental.costs, problem, keys) != owed for c, owed in rental.drawn):
         return True
     _STOOD[id(rental)] = rental, now  # asked again at these counts (a packed loop's every new packing): a lookup
     _trim(_STOOD, STOOD_KEPT)
@@ -289,9 +273,9 @@ def rent(rental: Rental, key: tuple) -> bool:
     if lost < rental.compile_ms * 1e3 * (1 - 1e-9):  # the tolerance: the sum of equal losses, rounded
         _trim(_RENT)  # bounded, as _SHAPES: the first rented, the first forgotten
         return False
-    _pay(key)
-    if len(key) == 2:  # a configuration's: its first call builds the shape it comes at too
+    if len(key) == 2:  # a configuration's: its first call builds the shape it comes at too (before it is counted)
         _FIRST_SHAPE.add(key)
+    _pay(key)
     return True
 
 
@@ -334,9 +318,10 @@ def _pay(key: tuple) -> None:
         _PAID.add(key)
         _CHANGES[0] += 1
         return
-    if _SHAPES.pop(key, False) is False:  # paid again: the last to be forgotten; paid anew: a rental may change
-        _SHAPE_CHANGES[0] += 1
+    anew = _SHAPES.pop(key, False) is False  # paid again: the last to be forgotten
     _SHAPES[key] = None
+    if anew:  # counted once it shows: a draw that reads the count sees the payment too
+        _SHAPE_CHANGES[0] += 1
     _trim(_SHAPES)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from attnselect.choose.calibration import CURVE_KEY, curve_key, host_key
@@ -37,20 +37,22 @@ UNHIDDEN = 0.25
 
 @dataclass(frozen=True)
 class Prediction:
+    """A candidate's predicted host and GPU times for a call, and how they combine (worked out once: rankings read
+    them many times a draw)."""
+
     host_us: float
     gpu_us: float
     basis: str  # the curve it comes from, e.g. "dense 192/128 training" or "... (nearest calibrated dims)"
+    # a call's time in a stack of layers, where the host's work overlaps the GPU's but for UNHIDDEN of the shorter:
+    # what candidates rank by
+    total_us: float = field(init=False, compare=False, repr=False)
+    # a call's time alone, waiting for host and GPU: what settles a tie (attnselect.choose.rules.settled)
+    alone_us: float = field(init=False, compare=False, repr=False)
 
-    @property
-    def total_us(self) -> float:
-        """A call's time in a stack of layers, where the host's work overlaps the GPU's but for :data:`UNHIDDEN` of
-        the shorter: what candidates rank by."""
-        return max(self.host_us, self.gpu_us) + UNHIDDEN * min(self.host_us, self.gpu_us)
-
-    @property
-    def alone_us(self) -> float:
-        """A call's time alone, waiting for host and GPU: what settles a tie (attnselect.choose.rules.settled)."""
-        return self.host_us + self.gpu_us
+    def __post_init__(self) -> None:
+        longer, shorter = max(self.host_us, self.gpu_us), min(self.host_us, self.gpu_us)
+        object.__setattr__(self, "total_us", longer + UNHIDDEN * shorter)
+        object.__setattr__(self, "alone_us", self.host_us + self.gpu_us)
 
     def __str__(self) -> str:
         return f"{self.total_us:.1f} us (host {self.host_us:.1f}, GPU {self.gpu_us:.1f})"

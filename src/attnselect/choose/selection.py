@@ -25,6 +25,7 @@ from attnselect.spec.target import Target
 _MEMO: OrderedDict[tuple, Decision] = OrderedDict()
 register_cache(_MEMO.clear)
 _no_environment, _raw_environment, _scope = settings.no_environment, settings.raw_environment, settings.scope
+_cache_dir = settings.cache_dir_key
 
 
 def select(
@@ -54,7 +55,7 @@ def select(
     env, scoped = settings.environment(), settings.scope()
     if disable is not None and not isinstance(disable, str):
         disable = settings.names(disable, "disable")
-    key = (problem, target, policy, backend, pad, disable, env, scoped)
+    key = (problem, target, policy, backend, pad, disable, env, settings.cache_dir_key(), scoped)
     try:
         decision = _MEMO.get(key)
     except TypeError:  # an unhashable control: resolve() names it
@@ -169,7 +170,8 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     cleared = generation()
     try:
         # the raw ATTNSELECT_* values (settings.environment decodes them): a key, read for every new packing
-        key = (problem.sizeless, target, backend, pad, disable, _no_environment() or _raw_environment(), _scope())
+        key = (problem.sizeless, target, backend, pad, disable, _no_environment() or _raw_environment(), _cache_dir(),
+               _scope())  # fmt: skip
         family = _PACKED.get(key)
     except TypeError:  # an unhashable control: select() names it
         return select(problem, target=target, backend=backend, pad=pad, disable=disable)
@@ -252,6 +254,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         decision is not None
         and decision.ranked == ranked
         and decision.rental == rental
+        and (rental is None or decision.rental.drawn_at == rental.drawn_at)  # what settled() reads: the last draw
         and len(judged) == len(decision.verdicts)
         and all(judged.get(v.candidate) == v.reasons for v in decision.verdicts)
     ):

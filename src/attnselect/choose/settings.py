@@ -21,7 +21,7 @@ from attnselect.memos import environment_reader
 POLICIES = ("rules", "measure")
 PAD_MODES = ("auto", "always", "never")
 MEMO_SIZE = 4096  # distinct (problem, target, controls) decisions kept in memory; the oldest go first
-# The variables a decision reads, each in the memo keys: a memoized call cannot skip a change of one
+# The variables that control a decision, each in the memo keys: a memoized call cannot skip a change of one
 ENV_VARS = (
     "ATTNSELECT_POLICY",
     "ATTNSELECT_BACKEND",
@@ -32,8 +32,10 @@ ENV_VARS = (
     "ATTNSELECT_STRICT",
     "ATTNSELECT_SELF_CHECK",
     "ATTNSELECT_ALLOWLIST",
-    "ATTNSELECT_CACHE_DIR",  # where a user's calibration is read (attnselect.choose.calibration): it ranks
 )
+# Where a user's calibration is read (attnselect.choose.calibration), which ranks: in the memo keys too, apart, as its
+# raw value (:func:`cache_dir_key`), so a job that sets it alone keeps no_environment()'s one-call key
+CACHE_DIR_VARIABLE = "ATTNSELECT_CACHE_DIR"
 _NO_SCOPE = (None, None, None, None)
 _SCOPE: ContextVar[tuple] = ContextVar("attnselect_overrides", default=_NO_SCOPE)
 
@@ -91,6 +93,12 @@ no_environment = functools.partial(_RAW_ENVIRON.keys().isdisjoint, _RAW_NAMES) i
 
 
 _self_check_variable = environment_reader("ATTNSELECT_SELF_CHECK")
+# ``cache_dir_key()``: ATTNSELECT_CACHE_DIR's raw value (bytes on POSIX) or None, one dict lookup
+cache_dir_key = (
+    functools.partial(_RAW_ENVIRON.get, CACHE_DIR_VARIABLE.encode())
+    if _RAW_ENVIRON is not None
+    else functools.partial(os.environ.get, CACHE_DIR_VARIABLE)
+)
 
 
 def raw_environment() -> tuple:
@@ -171,7 +179,8 @@ def resolve(
 def _warn_unknown_variables() -> None:
     """One warning, at the process's first decision, for ATTNSELECT_* variables attnselect does not read (a
     misspelt one would otherwise change nothing, silently)."""
-    unknown = sorted(n for n in os.environ if n.startswith("ATTNSELECT_") and n not in ENV_VARS)
+    read = (*ENV_VARS, CACHE_DIR_VARIABLE)
+    unknown = sorted(n for n in os.environ if n.startswith("ATTNSELECT_") and n not in read)
     if unknown:
         close = {n: difflib.get_close_matches(n, ENV_VARS, n=1) for n in unknown}
         logging.getLogger("attnselect").warning(

@@ -43,7 +43,7 @@ import torch
 from attnselect import api
 from attnselect.errors import InvalidInputError
 from attnselect.integrations import integer_boundaries, optional_int
-from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.validate import check_scale
 
 NAME = "attnselect"
 
@@ -127,8 +127,7 @@ def attention_forward(
                     f"{name}: got a value with a 4-D attention_mask, expected None (the explicit mask runs "
                     "through torch's SDPA, which applies neither softcap nor sinks)"
                 )
-        # what attnselect.attention checks of these tensors and options, as any other call is checked
-        AttentionProblem.from_tensors(query, key, value, layout="bhsd", dropout_p=dropout, scale=scaling)
+        _check_explicit_call(query, key, value, dropout, scaling)
         return _with_explicit_mask(query, key, value, attention_mask, dropout, scaling), None
     if attention_mask.dim() != 2:
         raise InvalidInputError(
@@ -170,6 +169,28 @@ def _kept_tokens(mask: torch.Tensor, query, key) -> torch.Tensor:
             "additive mask of 0 (keep) and large negative values or -inf (masked), or a bool/integer padding mask"
         )
     return kept
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_explicit_call(query, key, value, dropout, scaling) -> None:
+    """What torch's SDPA would take silently (a NaN or negative scale) or refuse with an error of its own, checked
+    as attnselect.attention checks its arguments, for the calls a 4-D mask sends to SDPA (a few comparisons: the
+    full validation cost a third of such a call)."""
+    check_scale(scaling, "scaling")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise InvalidInputError(f"dropout: got {dropout!r}, expected a number in [0, 1)")
+    if query.dtype not in _FLOATS or key.dtype != query.dtype or value.dtype != query.dtype:
+        raise InvalidInputError(
+            f"query/key/value dtype: got {query.dtype}, {key.dtype}, {value.dtype}, expected one floating-point dtype "
+            "(float16, bfloat16, float32 or float64)"
+        )
+    if key.shape[1] != value.shape[1] or key.shape[1] == 0 or query.shape[1] % key.shape[1]:
+        raise InvalidInputError(
+            f"query/key/value heads: got {query.shape[1]}, {key.shape[1]}, {value.shape[1]}, expected key and value "
+            "alike, their count dividing the query's (GQA/MQA)"
+        )
 
 
 def _with_explicit_mask(query, key, value, mask, dropout, scaling):

@@ -187,9 +187,9 @@ def check_sinks(sinks, heads_q: int, q) -> None:
         _fail("sinks.device", sinks.device, f"q's device {q.device}")
 
 
-def check_scale(scale) -> None:
+def check_scale(scale, name: str = "scale") -> None:
     if scale is not None and not _positive_number(scale):
-        _fail("scale", _describe(scale), "None or a finite number > 0")
+        _fail(name, _describe(scale), "None or a finite number > 0")
 
 
 def packing_facts(
