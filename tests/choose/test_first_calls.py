@@ -486,7 +486,7 @@ def test_on_the_packaged_h200_calibration_rentals_cost_at_most_twice_what_knowin
     """The chain's bound is not shown in general (attnselect.choose.first_calls), so it is checked on the prices and
     predicted times the packaged H200 calibration gives: dense and packed calls of the issue's head-dim pairs, both
     phases, 256 to 32k tokens, with FA4 installed and without. Over every number of calls, the rentals' cost stays
-    within twice what a choice knowing that number would pay (the ski rental's bound for one step; 1.662 at most
+    within twice what a choice knowing that number would pay (the ski rental's bound for one step; 1.611 at most
     here), and some of these calls chain through two or more rentals. Packed MLA training, where every calibrated
     candidate has a price, chose FA4 and paid its 9.4 s compile on the first call before the cheapest price was paid
     first (34 times what knowing one call would cost)."""

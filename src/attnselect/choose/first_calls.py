@@ -22,7 +22,7 @@ general: a step that saves little a call for a small price, before one that save
 near three times what knowing the future would cost, and 3000 random draws of two to five candidates reached 3.5
 times (a cheap step bought a few calls before a dearer, faster one). On the packaged H200 calibration's prices and
 predicted times (dense and packed calls of 192/128, 128/128, 64/64 and 256/256, both phases, 256 to 32k tokens,
-with FA4 and without) it stays within 1.67 times (both: tests/choose/test_first_calls.py). A one-off call does not
+with FA4 and without) it stays within 1.62 times (both: tests/choose/test_first_calls.py). A one-off call does not
 pay a compile or a graph to save microseconds, and a training loop reaches the faster kernel after a bounded loss.
 
 A configuration (the call at any size) is paid for in a process once a call of it has run there, eager, captured,
