@@ -228,19 +228,17 @@ def _renting(run, rental: first_calls.Rental, problem: AttentionProblem):
     candidate's compile is paid for in lost time, and the decisions are forgotten, so the next call chooses it: every
     decision for a configuration's compile (it holds at every size), the calls of this shape alone for a shape's
     build (a server's many recurring lengths each end a rental: select() draws a paid one again itself). So too
-    where a candidate the rental was drawn over has been paid for another way (:func:`first_calls.settled`, asked
-    only once the process has paid for something since the last call)."""
+    where a candidate the rental was drawn over has been paid for another way (:func:`first_calls.settled`: a
+    comparison of counts while nothing has been paid since it last stood)."""
 
-    key, paid, checked = first_calls.rent_key(rental, problem), [False], [rental.drawn_at]
+    key, paid = first_calls.rent_key(rental, problem), [False]
 
     def renting(*args):
         if not paid[0]:
-            now = first_calls.state()
-            if now != checked[0] and first_calls.settled(rental, problem):  # paid for another way since
+            if first_calls.settled(rental, problem):  # paid for another way since
                 end("a candidate it was drawn over has been paid for since")
             elif first_calls.rent(rental, key):
                 end("the rent reached the price")
-            checked[0] = now
         return run(*args)
 
     def end(why: str) -> None:

@@ -43,7 +43,7 @@ import torch
 from attnselect import api
 from attnselect.errors import InvalidInputError
 from attnselect.integrations import integer_boundaries, optional_int
-from attnselect.spec.validate import check_scale
+from attnselect.spec.validate import check_dropout, check_scale
 
 NAME = "attnselect"
 
@@ -179,8 +179,7 @@ def _check_explicit_call(query, key, value, dropout, scaling) -> None:
     as attnselect.attention checks its arguments, for the calls a 4-D mask sends to SDPA (a few comparisons: the
     full validation cost a third of such a call)."""
     check_scale(scaling, "scaling")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise InvalidInputError(f"dropout: got {dropout!r}, expected a number in [0, 1)")
+    check_dropout(dropout, "dropout")
     if query.dtype not in _FLOATS or key.dtype != query.dtype or value.dtype != query.dtype:
         raise InvalidInputError(
             f"query/key/value dtype: got {query.dtype}, {key.dtype}, {value.dtype}, expected one floating-point dtype "

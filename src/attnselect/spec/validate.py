@@ -109,8 +109,7 @@ def read_call(q, k, v, options: CallOptions, *, context_parallel_size: int = 1) 
         _fail("q/k heads", f"q {hq}, k {hkv}", "at least one head each")
     if hq % hkv:
         _fail("q heads", hq, f"a multiple of the k/v head count {hkv} (GQA/MQA)")
-    if isinstance(o.dropout_p, bool) or not isinstance(o.dropout_p, (int, float)) or not 0.0 <= o.dropout_p < 1.0:
-        _fail("dropout_p", _describe(o.dropout_p), "a number in [0, 1)")
+    check_dropout(o.dropout_p)
     mask, window = mask_from_arguments(o.causal, o.window)
     if o.layout == "thd" and mask == "sliding_window_top_left" and lengths[0] is None and not lengths[2]:
         # The lengths were not read and cu_seqlens_kv is a tensor of its own: whether they match decides whether
@@ -185,6 +184,11 @@ def check_sinks(sinks, heads_q: int, q) -> None:
         _fail("sinks.dtype", sinks.dtype, "one of float16, bfloat16, float32, float64")
     if sinks.device != q.device:
         _fail("sinks.device", sinks.device, f"q's device {q.device}")
+
+
+def check_dropout(dropout, name: str = "dropout_p") -> None:
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        _fail(name, _describe(dropout), "a number in [0, 1)")
 
 
 def check_scale(scale, name: str = "scale") -> None:
