@@ -98,8 +98,8 @@ def cudnn_sdpa_torch(
 
 
 def torch_flash_attention_forward(
-    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale, window_size_left,
-    window_size_right,
+    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale, window_size_left=None,
+    window_size_right=None,
 ):  # fmt: skip
     """aten._flash_attention_forward's packed path (attention.cpp, FA2's mha_varlen_fwd in flash_api.cpp): causal
     and windows bottom-right aligned, grouped K/V heads as they are, max_seqlen an upper bound, lse (H, T) float32
@@ -108,7 +108,8 @@ def torch_flash_attention_forward(
     assert k.shape[-1] == q.shape[-1] and v.shape == (*k.shape[:2], q.shape[-1]) and q.shape[1] % k.shape[1] == 0
     assert dropout_p == 0.0 and not return_debug_mask
     assert max_q >= int((cu_q[1:] - cu_q[:-1]).max()) and max_k >= int((cu_k[1:] - cu_k[:-1]).max())
-    window = (window_size_left, 0 if is_causal else window_size_right)
+    left, right = (-1 if size is None else size for size in (window_size_left, window_size_right))  # value_or(-1)
+    window = (left, 0 if is_causal else right)
     if max_q == 1 and q.shape[1] > k.shape[1] and window == (-1, -1) and q.shape[0] != cu_q.numel() - 1:
         raise RuntimeError(f"shape '[{cu_q.numel() - 1}, {k.shape[1]}, ...]' is invalid for input of size {q.numel()}")
     out, lse = _packed(lambda a, b, c: _attend(a, b, c, scale, False, window), q, k, v, cu_q, cu_k)

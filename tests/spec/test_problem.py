@@ -164,3 +164,41 @@ def test_a_packed_size_only_copy_has_the_signature_of_the_same_problem_made_afre
         at = p._at_sizes(*sizes.values())  # attention()'s copy of a new packing's problem: the same, unchecked
         assert at == p._with(**sizes) and at.signature == dataclasses.replace(p, **sizes).signature
         assert at.sizeless is p.sizeless
+
+
+def test_a_problem_hashes_as_its_fields_whatever_copy_or_pickle_made_it():
+    import pickle
+    import random
+
+    rng = random.Random(1)
+    for _ in range(100):
+        p = AttentionProblem(
+            rng.choice([1, 5]), 300, 300, 16, rng.choice([16, 4]), rng.choice([64, 192]), rng.choice([64, 128]),
+            layout=rng.choice(["thd", "bshd"]), mask=rng.choice(["none", "causal"]), training=rng.random() < 0.5,
+        )  # fmt: skip
+        hash(p), hash(p.sizeless)  # worked out once, then kept
+        sizes = dict(batch=rng.choice([2, 7]), seqlen_q=rng.choice([1, 77]), seqlen_kv=rng.choice([1, 900]))
+        for copy in (p._with(**sizes), p.padded(256), pickle.loads(pickle.dumps(p))):
+            fresh = dataclasses.replace(copy)
+            assert hash(copy) == hash(fresh) and {fresh: 1}.get(copy) == 1
+        if p.layout == "thd":
+            assert hash(p._at_sizes(*sizes.values())) == hash(dataclasses.replace(p, **sizes))
+
+
+def test_a_pickled_problem_finds_its_equal_in_a_process_with_other_string_hashes(tmp_path):
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    p = AttentionProblem(2, 64, 64, 4, 4, 192, 128, layout="thd", mask="causal")
+    hash(p)
+    (tmp_path / "p.pkl").write_bytes(pickle.dumps(p))
+    code = (
+        "import pickle, sys, attnselect; p = pickle.load(open(sys.argv[1], 'rb')); "
+        "fresh = attnselect.AttentionProblem(2, 64, 64, 4, 4, 192, 128, layout='thd', mask='causal'); "
+        "assert {fresh: 1}.get(p) == 1 and hash(p) == hash(fresh)"
+    )
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / "p.pkl")], env=env, check=True)

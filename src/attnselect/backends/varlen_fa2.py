@@ -66,11 +66,17 @@ class VarlenFa2(Backend):
 
     def packed_runner(self, call: KernelCall, *, repeated: bool = False):
         """``run(q, k, v, packing)``: the op called as varlen_attn calls it, its arguments worked out once."""
-        forward = flash_forward
+        # the overload's own function, without OpOverload.__call__'s Python frame around it (torch/_ops.py)
+        forward = getattr(flash_forward, "_op", flash_forward)
         left, right = _window(call)
         is_causal = (left, right) == (-1, 0)  # varlen_attn's is_causal = window_size == (-1, 0)
         unbounded = (left, right) == (-1, -1)
-        keywords = {"scale": call.scale, "window_size_left": left, "window_size_right": right}
+        # Only the keywords that differ from the op's defaults, each one a parse more: an omitted window size is -1
+        # (attention.cu, _flash_attention_forward and _flash_attention_backward: value_or(-1)), and with is_causal
+        # mha_varlen_fwd/bwd set the right one to 0 (flash_api.cpp), so causal and unbounded calls pass neither.
+        keywords = {"scale": call.scale}
+        if not (is_causal or unbounded):
+            keywords.update(window_size_left=left, window_size_right=right)
 
         def run(q, k, v, packing: Packing):  # the op returns (out, lse, rng state, unused, debug mask)
             max_q = packing.max_seqlen_q

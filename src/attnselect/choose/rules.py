@@ -313,9 +313,8 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
     key = (arch_family(target), "training" if problem.training else "inference")
     if problem.layout == "thd":
         key += ("thd",)
-    for name, applies in _REFINEMENTS:  # each test run only where its table exists (a packed call: every packing)
-        refined = key + (name,)
-        if refined in TABLES and applies(problem):
+    for refined, applies in _REFINED.get(key, ()):  # each test run only where its table exists (a packed call: every
+        if applies(problem):  # packing)
             return refined, TABLES[refined]
     return key, TABLES[key]
 
@@ -353,6 +352,13 @@ _REFINEMENTS = (
         lambda p: max(p.head_dim_qk, p.head_dim_v) > 256 and p.seqlen_q == p.seqlen_kv >= WIDE_PREFILL,
     ),
 )
+
+
+# Per table key without a refinement: the refined tables it has, with their tests, in _REFINEMENTS' order
+_REFINED = {
+    base: tuple((base + (name,), applies) for name, applies in _REFINEMENTS if base + (name,) in TABLES)
+    for base in {key[:-1] for key in TABLES if key[-1] in dict(_REFINEMENTS)}
+}
 
 
 def pack_work(heads_q: int, head_dim_qk: int, head_dim_v: int, sequences: int, seqlen_q: int, seqlen_kv: int) -> int:

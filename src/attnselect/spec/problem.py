@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -151,6 +152,21 @@ class AttentionProblem:
         if self.cuda_graph_capture or self.compiled_graph:
             return dataclasses.replace(self, cuda_graph_capture=False, compiled_graph=False)
         return self
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        """The hash of the fields (what dataclass would hash), worked out once: a packed loop's memo keys hash its
+        problem without its sizes on every new packing. A copy at other values drops it with the other derived
+        values (:meth:`_copy`); a pickle leaves it out (:meth:`__getstate__`): str hashes differ between processes."""
+        return hash(_field_values(self))
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_hash", None)
+        return state
 
     @functools.cached_property
     def _padded_sizeless(self) -> dict[int, AttentionProblem]:
@@ -354,6 +370,7 @@ class AttentionProblem:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(AttentionProblem))
+_field_values = operator.attrgetter(*_FIELDS)  # the fields' values, as eq compares them
 _FLAGS = tuple(f.name for f in dataclasses.fields(AttentionProblem) if f.type in ("bool", bool))
 _HEAD_DIMS = frozenset({"head_dim_qk", "head_dim_v"})
 # Sizes that no other field's check reads on a packed problem (its squareness is a varlen fact), and head dims.
