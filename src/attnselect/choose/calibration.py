@@ -83,15 +83,19 @@ def _key(layout: str, dims: str, padded: bool, training: bool) -> str:
 def outside(problem) -> str | None:
     """What the calibrations measure, where ``problem`` is not such a call (None where it is): its prediction would
     come from curves of other calls, so the rules table ranks it."""
-    covered = (
+    return None if problem.seqlen_q >= MIN_QUERIES and covers_kind(problem) else COVERS
+
+
+def covers_kind(problem) -> bool:
+    """Whether the calibrations measure calls of ``problem``'s kind, its sizes aside (:func:`outside` is this and the
+    query count): the same for a packed problem at every packing."""
+    return (
         problem.dtype in (torch.bfloat16, torch.float16)
         and problem.mask in ("none", "causal", "causal_bottom_right")
-        and problem.seqlen_q >= MIN_QUERIES
         and not (problem.dropout_p or problem.softcap or problem.sinks or problem.fp8)
         and not problem.return_max_logit
         and problem.context_parallel_size == 1
     )
-    return None if covered else COVERS
 
 
 COVERS = (

@@ -90,7 +90,7 @@ class _Family:
     """What :func:`select_packed` keeps for a packed problem without its sizes, under one set of controls; the memos
     of its predictions and rankings are keyed by this object."""
 
-    __slots__ = ("last", "allowed", "runs", "calibrated", "places", "failed", "drawn")
+    __slots__ = ("last", "allowed", "runs", "calibrated", "places", "failed", "drawn", "calibration")
 
     def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
@@ -103,6 +103,10 @@ class _Family:
         # per (size class, rules table): the decision last drawn there at any work class, as ranking.decided holds
         # it, with the calibration it was drawn under and whether it settled a tie (_drawn_alike)
         self.drawn: dict[tuple, tuple] = {}
+        # the calibration that holds on the target and where it comes from (calibration.for_target), and whether it
+        # measures calls of this kind (calibration.covers_kind): read on the first packing ranked, then the same for
+        # the family's life (its key holds the target and the cache directory; a clear of the caches drops it)
+        self.calibration: tuple[dict | None, str, bool] | None = None
 
     def calibrated_by(self, problem: AttentionProblem, target: Target, found: dict) -> _Calibrated:
         """What predicts the family's calls under the calibration ``found``, made on first use (and again under
@@ -214,9 +218,11 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     where only :func:`select` can tell. Where the decision last carried with the same ranking is this one but for
     its sizes (the same candidates judged alike, ranking and rental), that one is returned, describing its own
     sizes."""
-    found, source = calibration.for_target(target)
+    if family.calibration is None:
+        family.calibration = (*calibration.for_target(target), calibration.covers_kind(problem))
+    found, source, covered = family.calibration
     ranking = None
-    if found is not None and not calibration.outside(problem):
+    if found is not None and covered and problem.seqlen_q >= calibration.MIN_QUERIES:  # not calibration.outside
         ranking = _ranking(family, problem, target, found)
     failed = ranking.failed if ranking is not None else _failed(problem, target)
     held = ranking.decided if ranking is not None else None  # one tuple: a thread reads a decision with its facts
