@@ -134,7 +134,7 @@ def attention(
     known = recall(q, k, v, options)
     packing, checking, collective, compiled = None, False, False, False
     if type(known) is not KnownCall:  # else the same shapes, dtypes, devices and options were validated and decided
-        unknown, options = known, CallOptions._make(options)
+        unknown = known
         sibling = unknown.sibling if unknown is not None else None
         if sibling is not None and cu_seqlens_q.numel() and max_seqlen_q >= 0 and max_seqlen_kv >= 0:
             # a packed call known but for its packing's sizes (attnselect.dispatch): its problem at these sizes
@@ -142,7 +142,7 @@ def attention(
             packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
             target = sibling.target  # the same device
         else:
-            problem, packing = describe_call(q, k, v, options)
+            problem, packing = describe_call(q, k, v, CallOptions._make(options))
             sibling, target = None, target_for_device(q.device)
         decision = (
             select(problem, target=target, backend=backend, pad=pad, disable=disable)
