@@ -22,7 +22,8 @@ flash_attn_func / flash_attn_varlen_func called directly where installed, and th
 disabled too (what a machine without FA4 runs), judged against the single-kernel rows without FA4. Each row goes
 through the same packings (made before its clock starts). The default row runs after ``attnselect.warmup`` of the
 rung's problem (a job that precompiles its kernels). Rows run interleaved, ``--rounds`` rounds of ``--calls`` timed
-calls (``stack``: steps) after ``--warmup`` untimed ones, in alternating order; the median and quartiles of the
+calls (``latency``: ``--latency-calls``, by default as many as the stack's steps make; ``stack``: steps) after
+``--warmup`` untimed ones, in alternating order; the median and quartiles of the
 per-call ms of every round pooled.
 
 Each rung keeps what attnselect logged at INFO while it ran (``log``: every new decision of every row, with the
@@ -257,7 +258,7 @@ def time_rung(rung: dict, rows: dict, x: Inputs, a) -> dict:
             live = [(name, fn) for name, fn in rows.items() if name not in errors and name not in screened]
             for name, fn in live if r % 2 == 0 else reversed(live):
                 try:
-                    for _ in range(a.calls):  # latency: one call, then a sync
+                    for _ in range(a.latency_calls):  # latency: one call, then a sync
                         packing = x.packing(name)  # made before the clock starts (a data loader's work)
                         _sync(a.device)
                         start = time.perf_counter()
@@ -428,6 +429,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=10, help="timed calls (latency) and steps (stack) a row and round")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--layers", type=int, default=8, help="calls a step in the stack way")
+    ap.add_argument("--latency-calls", type=int, help="timed calls a row and round in the latency way (default: "
+                    "--calls x --layers, the calls of the stack way's steps: a call alone varies more than a "
+                    "step)")  # fmt: skip
     ap.add_argument("--deadline", type=float, help="seconds from now: no rung starts after it (resume later)")
     ap.add_argument("--deadline-at", type=float, help=argparse.SUPPRESS)  # --isolate's: the parent's, in epoch seconds
     ap.add_argument("--screen", type=float, default=0.0, help="leave forced rows slower than this many times the "
@@ -441,6 +445,8 @@ def main() -> None:
                     "phase in one process (their configurations compile, or load, once), a rung whose process "
                     "fails recorded and the rest of its group run on in a new one")  # fmt: skip
     a = ap.parse_args()
+    if a.latency_calls is None:
+        a.latency_calls = a.calls * a.layers
     if a.screen and (a.screen < 1 or a.warmup < 1):  # below 1 it would leave out the fastest; without a warm-up
         ap.error("--screen: 0 (none) or at least 1, after --warmup 1 or more (its one call must not compile)")
     started = time.time()
@@ -454,7 +460,8 @@ def main() -> None:
     path = Path(a.out + ".json")
     report = json.loads(path.read_text()) if path.exists() else {"results": []}
     report["meta"] = {"device": target.describe(), "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
-                      "rounds": a.rounds, "calls": a.calls, "warmup": a.warmup, "layers": a.layers,
+                      "rounds": a.rounds, "calls": a.calls, "latency_calls": a.latency_calls, "warmup": a.warmup,
+                      "layers": a.layers,
                       "screen": a.screen, "not forced": NOT_FORCED}  # fmt: skip
     done = {entry["rung"] for entry in report["results"]}
     heads = SMOKE["heads"] if a.smoke else HEADS
@@ -487,7 +494,7 @@ def main() -> None:
         chosen = str(attnselect.select(problem, target=target).chosen)
         stats = {way: {row: _stats(t) for row, t in by_row.items() if t} for way, by_row in measured["times"].items()}
         peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
-        args = {k: getattr(a, k) for k in ("rounds", "calls", "warmup", "layers", "screen")}
+        args = {k: getattr(a, k) for k in ("rounds", "calls", "latency_calls", "warmup", "layers", "screen")}
         report["results"].append({"rung": name, "chosen": chosen, "stats": stats, "errors": measured["errors"],
                                   "screened": measured["screened"], "peak_gib": peak, "args": args,
                                   "log": sorted(log.items())})  # fmt: skip
@@ -518,7 +525,8 @@ def isolated(a, deadline_at: float | None) -> None:
     done as failed (a resume does not spend the device's time on it again); the rest of its group run on in a new
     process."""
     path = Path(a.out + ".json")
-    passed = ["--out", a.out, "--rounds", str(a.rounds), "--calls", str(a.calls), "--warmup", str(a.warmup),
+    passed = ["--out", a.out, "--rounds", str(a.rounds), "--calls", str(a.calls), "--latency-calls",
+              str(a.latency_calls), "--warmup", str(a.warmup),
               "--layers", str(a.layers), "--screen", str(a.screen), *(["--smoke"] if a.smoke else []),
               *(["--deadline-at", str(deadline_at)] if deadline_at is not None else [])]  # fmt: skip
 

@@ -503,6 +503,8 @@ def test_ladder_smoke(tmp_path):
     stats = report["results"][0]["stats"]
     assert {"latency", "stack"} == set(stats) and "attnselect default" in stats["latency"]
     assert "F.sdpa default" in stats["latency"]
+    # a call alone varies more than a step: the latency way times as many calls as the stack way's steps make
+    assert stats["latency"]["attnselect default"]["n"] == 2 * 2 * 2 and stats["stack"]["attnselect default"]["n"] == 4
     assert "## Goals" in (tmp_path / "ladder.md").read_text()
 
 
