@@ -300,11 +300,10 @@ def packed_rows(device: str, forced: str | None = None):
     known = (q, k, v, CallOptions(**shape, backend=forced))
     runner = _prepared_runner(lambda: attnselect.attention(q, k, v, **kwargs), known)
     rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v, cu, m, m)
-    if chosen == attnselect.Candidate("varlen_fa2"):  # the op, as the backend and varlen_attn call it
+    if chosen == attnselect.Candidate("varlen_fa2"):  # the op, with the arguments a causal call needs
         op = torch.ops.aten._flash_attention_forward.default
-        rows["torch aten._flash_attention_forward"] = lambda: op(
-            q, k, v, cu, cu, m, m, 0.0, True, False, scale=call.scale, window_size_left=-1, window_size_right=0
-        )
+        rows["torch aten._flash_attention_forward"] = lambda: op(q, k, v, cu, cu, m, m, 0.0, True, False,
+                                                                 scale=call.scale)  # fmt: skip
     from torch.nn.attention.varlen import varlen_attn
 
     rows["torch varlen_attn"] = lambda: varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))
