@@ -109,6 +109,7 @@ def torch_flash_attention_forward(
     assert dropout_p == 0.0 and not return_debug_mask
     assert max_q >= int((cu_q[1:] - cu_q[:-1]).max()) and max_k >= int((cu_k[1:] - cu_k[:-1]).max())
     left, right = (-1 if size is None else size for size in (window_size_left, window_size_right))  # value_or(-1)
+    is_causal = is_causal and max_q != 1  # mha_varlen_fwd: one query a sequence is not masked
     window = (left, 0 if is_causal else right)
     if max_q == 1 and q.shape[1] > k.shape[1] and window == (-1, -1) and q.shape[0] != cu_q.numel() - 1:
         raise RuntimeError(f"shape '[{cu_q.numel() - 1}, {k.shape[1]}, ...]' is invalid for input of size {q.numel()}")

@@ -28,8 +28,16 @@ def test_varlen_fa2_mapping_padded(kwargs, lengths, monkeypatch):
         # one query at most, grouped heads, no mask, a sequence without queries: off FA2's one-query shortcut
         (dict(return_lse=True), ([1, 0, 1], [5, 3, 7])),
         (dict(), ([1, 1, 1], [5, 3, 7])),
+        # causal, which FA2 drops at one query a sequence: its right edge of 0 keeps it off that shortcut
+        (dict(causal="bottom_right"), ([1, 0, 1], [5, 3, 7])),
     ],
-    ids=["keyless-rows-causal", "keyless-rows-window", "one-query-with-an-empty-sequence", "one-query-each"],
+    ids=[
+        "keyless-rows-causal",
+        "keyless-rows-window",
+        "one-query-with-an-empty-sequence",
+        "one-query-each",
+        "causal-one-query-with-an-empty-sequence",
+    ],  # fmt: skip
 )
 def test_varlen_fa2_mapping_native(kwargs, lengths, monkeypatch):
     from attnselect.backends import varlen_fa2

@@ -72,11 +72,13 @@ class VarlenFa2(Backend):
         is_causal = (left, right) == (-1, 0)  # varlen_attn's is_causal = window_size == (-1, 0)
         unbounded = (left, right) == (-1, -1)
         # Only the keywords that differ from the op's defaults, each one a parse more: an omitted window size is -1
-        # (attention.cu, _flash_attention_forward and _flash_attention_backward: value_or(-1)), and with is_causal
-        # mha_varlen_fwd/bwd set the right one to 0 (flash_api.cpp), so causal and unbounded calls pass neither.
+        # (attention.cu, _flash_attention_forward and _flash_attention_backward: value_or(-1)). A causal call keeps
+        # its right edge of 0: mha_varlen_fwd clears is_causal where max_seqlen_q is 1 (flash_api.cpp), and a right
+        # edge of -1 would then send grouped heads down the one-query path below.
         keywords = {"scale": call.scale}
-        if not (is_causal or unbounded):
-            keywords.update(window_size_left=left, window_size_right=right)
+        if not unbounded:
+            keywords.update({"window_size_right": right} if left == -1 else {"window_size_left": left,
+                                                                             "window_size_right": right})  # fmt: skip
 
         def run(q, k, v, packing: Packing):  # the op returns (out, lse, rng state, unused, debug mask)
             max_q = packing.max_seqlen_q
