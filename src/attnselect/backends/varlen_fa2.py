@@ -76,9 +76,10 @@ class VarlenFa2(Backend):
         # its right edge of 0: mha_varlen_fwd clears is_causal where max_seqlen_q is 1 (flash_api.cpp), and a right
         # edge of -1 would then send grouped heads down the one-query path below.
         keywords = {"scale": call.scale}
-        if not unbounded:
-            keywords.update({"window_size_right": right} if left == -1 else {"window_size_left": left,
-                                                                             "window_size_right": right})  # fmt: skip
+        if left != -1:
+            keywords["window_size_left"] = left
+        if right != -1:
+            keywords["window_size_right"] = right
 
         def run(q, k, v, packing: Packing):  # the op returns (out, lse, rng state, unused, debug mask)
             max_q = packing.max_seqlen_q

@@ -104,9 +104,9 @@ class _Family:
         # it, with the calibration it was drawn under and whether it settled a tie (_drawn_alike)
         self.drawn: dict[tuple, tuple] = {}
         # the calibration that holds on the target and where it comes from (calibration.for_target), and whether it
-        # measures calls of this kind (calibration.covers_kind): read on the first packing ranked, then the same for
-        # the family's life (its key holds the target and the cache directory; a clear of the caches drops it)
-        self.calibration: tuple[dict | None, str, bool] | None = None
+        # measures calls of this kind (calibration.covers_kind): the same for the family's life (its key holds the
+        # target and the cache directory; a clear of the caches drops it)
+        self.calibration = (*calibration.for_target(target), calibration.covers_kind(held_for))
 
     def calibrated_by(self, problem: AttentionProblem, target: Target, found: dict) -> _Calibrated:
         """What predicts the family's calls under the calibration ``found``, made on first use (and again under
@@ -218,8 +218,6 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     where only :func:`select` can tell. Where the decision last carried with the same ranking is this one but for
     its sizes (the same candidates judged alike, ranking and rental), that one is returned, describing its own
     sizes."""
-    if family.calibration is None:
-        family.calibration = (*calibration.for_target(target), calibration.covers_kind(problem))
     found, source, covered = family.calibration
     ranking = None
     if found is not None and covered and problem.seqlen_q >= calibration.MIN_QUERIES:  # not calibration.outside
