@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import attnselect
-from attnselect.choose.calibration import fingerprint
+from attnselect.choose.calibration import FORMAT, fingerprint
 from attnselect.spec.target import Target
 
 # The small MLA-like causal training problem the selection, settings and decision tests judge on the CPU target.
@@ -147,7 +147,7 @@ CALIBRATED_H200 = Target.preset("h200", packages={"flash-attn-4": "4.0.0b36"})
 def calibration_sample(target: Target = CALIBRATED_H200, **changes) -> dict:
     """A small calibration of ``target``: sdpa_cudnn and flash_attn4 on dense 192/128 training."""
     data = {
-        "format": 1,
+        "format": FORMAT,
         "fingerprint": fingerprint(target),
         "device": target.describe(),
         "date": "2026-12-02",

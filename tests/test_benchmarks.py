@@ -218,6 +218,12 @@ def test_new_packing_parts_smoke(tmp_path):
     assert len(report["rows"]["attention(), a new packing each call"]) == 1
 
 
+def test_packed_work_estimates_reproduce_the_committed_table(tmp_path):
+    """The table is computed, not typed: a rerun writes the committed file."""
+    _run("benchmarks/packed_work_estimates.py", "--out", str(tmp_path / "estimates.md"))
+    assert (tmp_path / "estimates.md").read_text() == (ROOT / "results" / "cpu_packed_work_estimates.md").read_text()
+
+
 def test_new_packing_host_stages_run_without_a_gpu(tmp_path):
     _run("benchmarks/new_packing_parts.py", "--host-stages", "h200", "--calls", "5", "--rounds", "1", "--out",
          str(tmp_path / "stages"))  # fmt: skip

@@ -142,11 +142,17 @@ def test_explain_refuses_what_context_parallelism_refuses(capsys):
         (["--heads", "0"], "--heads (heads_q): got 0, expected"),
         (["--dropout", "1.5"], "--dropout (dropout_p): got 1.5, expected"),
         (["--target", "cpu", "--cudnn-version", "9.1.0"], "--cudnn-version: got '9.1.0', expected none for the cpu"),
+        (["--tokens", "4096"], "--tokens (tokens): got 4096, expected 0 unless layout is 'thd'"),
     ],
 )
 def test_explain_names_the_flag_of_a_bad_value(flags, message, capsys):
     assert main(["explain", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_explain_takes_a_packing_s_tokens(capsys):
+    assert main(["explain", "--layout", "thd", "--batch", "52", "--seqlen", "10269", "--tokens", "65536"]) == 0
+    assert "thd 52 seqs in 65536 tokens, max sq=10269" in capsys.readouterr().out
 
 
 def test_explain_takes_a_given_zero_as_given(capsys):

@@ -39,6 +39,7 @@ def _explain_parser(sub) -> None:
     p.add_argument("--seqlen-kv", type=int, help="default: --seqlen")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--layout", default="bshd", choices=["bshd", "sbhd", "bhsd", "thd"])
+    p.add_argument("--tokens", type=int, default=0, help="thd: q's rows, the packing's tokens (default: not known)")
     p.add_argument("--train", action="store_true", help="backward needed")
     p.add_argument(
         "--causal", nargs="?", const="top_left", default="none", choices=["none", "top_left", "bottom_right"]
@@ -76,6 +77,7 @@ def problem_from_args(a) -> AttentionProblem:
         head_dim_v=dv,
         dtype=DTYPES[a.dtype],
         layout=a.layout,
+        tokens=a.tokens,
         mask=mask,
         window=window,
         dropout_p=a.dropout,
@@ -96,7 +98,8 @@ def target_from_args(a) -> Target:
 FLAGS = {
     "batch": "--batch", "seqlen_q": "--seqlen", "seqlen_kv": "--seqlen-kv", "heads_q": "--heads",
     "heads_kv": "--kv-heads", "head_dim_qk": "--head-dim-qk", "head_dim_v": "--head-dim-v", "dropout_p": "--dropout",
-    "context_parallel_size": "--cp", "window": "--window", "cudnn_version": "--cudnn-version", "target": "--target",
+    "context_parallel_size": "--cp", "window": "--window", "tokens": "--tokens", "cudnn_version": "--cudnn-version",
+    "target": "--target",
 }  # fmt: skip
 
 

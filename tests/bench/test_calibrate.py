@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import statistics
 
 import pytest
 import torch
@@ -11,6 +13,8 @@ import attnselect
 from attnselect import cli
 from attnselect.bench import calibrate
 from attnselect.choose import calibration, predict
+from attnselect.choose.predict import work
+from attnselect.choose.timing import NewPackings
 from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
 
@@ -86,6 +90,12 @@ def test_packed_calls_are_timed_by_the_candidates_that_pack_with_a_new_packing_e
     assert {"thd 24/16 inference", "thd 24/16+pad inference"} <= set(data["gpu"]["flex"])
     assert "thd inference" in data["host_us"]["flex"]
     assert not any(key.startswith("thd") for key in data["gpu"]["sdpa_flash"])  # sequence by sequence: not timed
+    # a packed point's work: the mean over the packings timed of each one's as a prediction reads it
+    problem = AttentionProblem(2, 16, 16, 16, 16, 24, 16, torch.float32, layout="thd", mask="causal")
+    packings = NewPackings(problem, torch.device("cpu"))
+    expected = statistics.fmean(work(dataclasses.replace(problem, batch=b, seqlen_q=mq, seqlen_kv=mkv, tokens=t))
+                                for b, mq, mkv, t in packings.sizes())  # fmt: skip
+    assert data["gpu"]["flex"]["thd 24/16 inference"][0][0] == round(expected, 3) != round(work(problem), 3)
 
 
 def test_host_times_are_measured_again_through_attention_on_the_machine_that_calibrated(monkeypatch):

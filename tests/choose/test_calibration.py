@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from importlib import resources
 
 import pytest
 import torch
@@ -105,6 +106,21 @@ def test_a_corrupt_or_foreign_file_is_ignored_with_one_warning(user_file, conten
             found, _ = calibration.for_target(H200)
             assert found is None
     assert sum("ignoring the calibration" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_older_format_is_refused_with_how_to_make_a_new_one(user_file, caplog):
+    """Format 1 keyed a packed curve's points by every sequence at the longest length: read by today's work they
+    would predict packed calls several times too slow."""
+    user_file.write_text(json.dumps(sample(format=1)))
+    with caplog.at_level(logging.WARNING, logger="attnselect"):
+        assert calibration.for_target(H200)[0] is None
+    (message,) = [r.getMessage() for r in caplog.records if "ignoring the calibration" in r.getMessage()]
+    assert "format 1, an older attnselect's" in message and "`attnselect calibrate` makes one of format 2" in message
+
+
+def test_the_packaged_calibration_is_of_this_format():
+    text = (resources.files("attnselect") / "data" / "calibration_sm90.json").read_text()
+    assert calibration.parse(text, "packaged")["format"] == calibration.FORMAT
 
 
 def test_random_bytes_are_ignored(user_file, caplog):

@@ -204,9 +204,10 @@ def test_measure_refuses_simulated_targets():
 
 
 def test_packed_problems_share_a_bucket():
-    a = AttentionProblem(5, 300, 300, 4, 4, 24, 16, torch.float32, layout="thd", mask="causal")
-    b = AttentionProblem(7, 500, 500, 4, 4, 24, 16, torch.float32, layout="thd", mask="causal")
+    a = AttentionProblem(5, 300, 300, 4, 4, 24, 16, torch.float32, layout="thd", mask="causal", tokens=1200)
+    b = AttentionProblem(7, 500, 500, 4, 4, 24, 16, torch.float32, layout="thd", mask="causal", tokens=2000)
     assert measure.bucket(a) == measure.bucket(b) and measure.bucket(a).seqlen_q == 512
+    assert measure.bucket(a).tokens == 0  # timed on packings of its own: `attnselect tune`'s problems have no tokens
 
 
 def test_measure_through_attention_and_environment(monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -41,6 +42,48 @@ def test_visible_pairs_in_closed_form_count_what_every_mask_shows():
         expected = sq * skv if shown is None else int(shown.sum())
         assert predict.visible_pairs(mask, window, sq, skv) == expected, (mask, window, sq, skv)
         assert predict._banded_pairs.__wrapped__(mask, window, sq, skv) == expected, (mask, window, sq, skv)
+
+
+def _packed(lengths, tokens=None, mask="causal", window=None):
+    """A packed problem of sequences of ``lengths`` (self-attention), with q's rows (``tokens``: their sum)."""
+    tokens = sum(lengths) if tokens is None else tokens
+    return AttentionProblem(len(lengths), max(lengths), max(lengths), 16, 16, 192, 128, layout="thd", mask=mask,
+                            window=window, tokens=tokens)  # fmt: skip
+
+
+def _exact_work(problem, lengths):
+    return sum(predict.work(AttentionProblem(1, n, n, 16, 16, 192, 128, mask=problem.mask, window=problem.window))
+               for n in lengths)  # fmt: skip
+
+
+@pytest.mark.parametrize("mask,window", [("none", None), ("causal", None), ("sliding_window", (100, 0))])
+def test_a_pack_s_work_is_its_longest_sequence_and_the_rest_of_its_tokens_shared_evenly(mask, window):
+    """The host knows a pack's sequences, longest length and tokens, not its lengths: the work is one sequence at the
+    longest and the others at an even share of the rest, exact for such packs, the least any pack of those three
+    can do, and never more than every sequence at the longest (the pack without its tokens)."""
+    import random
+
+    assert predict.work(_packed([1000, 300, 300, 300], mask=mask, window=window)) == pytest.approx(
+        _exact_work(_packed([1], mask=mask, window=window), [1000, 300, 300, 300])
+    )
+    rng = random.Random(3)
+    for _ in range(300):
+        lengths = [rng.randint(1, 2000) for _ in range(rng.randint(1, 30))]
+        packed = _packed(lengths, mask=mask, window=window)
+        exact, estimate = _exact_work(packed, lengths), predict.work(packed)
+        assert estimate <= exact * 1.001 + 1e-9  # rounding the even share
+        assert estimate <= predict.work(dataclasses.replace(packed, tokens=0)) * (1 + 1e-9)
+    assert predict.work(_packed([500, 500], tokens=5000)) == predict.work(_packed([500, 500], tokens=0))  # gaps
+
+
+def test_the_ladder_s_64k_packing_is_estimated_near_its_work_and_without_tokens_8x_above():
+    """52 sequences, the longest 10269 tokens, in 65536 (results/cpu_explain_packed_64k_63c7283.txt): every sequence
+    at the longest is 8x the tokens the pack has."""
+    lengths = [10269] + [1084] * 50 + [1067]
+    packed = _packed(lengths)
+    assert sum(lengths) == 65536 and len(lengths) == 52
+    assert predict.work(packed) == pytest.approx(_exact_work(packed, lengths), rel=0.01)
+    assert predict.work(dataclasses.replace(packed, tokens=0)) > 8 * predict.work(packed)
 
 
 def test_the_time_follows_the_curve_between_below_and_above_its_points():

@@ -51,6 +51,20 @@ def test_from_tensors_reads_the_call():
         assert not AttentionProblem.from_tensors(q, k, v, layout="bhsd").training
 
 
+def test_a_packed_call_s_problem_holds_q_s_rows_and_keeps_them_at_every_packing():
+    """q's rows (tokens) are fixed for a packed loop's calls of one shape; the problem at size 0, their shared key,
+    has none, as it has no sizes."""
+    q = torch.randn(700, 2, 16)
+    cu = torch.tensor([0, 400, 700], dtype=torch.int32)
+    p = AttentionProblem.from_tensors(q, q, q, layout="thd", cu_seqlens_q=cu, max_seqlen_q=400, max_seqlen_kv=400)
+    assert (p.batch, p.seqlen_q, p.tokens) == (2, 400, 700)
+    assert "2 seqs in 700 tokens, max sq=400" in p.describe()
+    assert p._at_sizes(3, 300, 300).tokens == 700 and p.sizeless.tokens == 0
+    assert p._at_sizes(3, 300, 300).sizeless is p.sizeless
+    assert AttentionProblem.from_dict(p.to_dict()) == p
+    assert AttentionProblem.from_tensors(torch.randn(1, 8, 2, 16), *[torch.randn(1, 8, 2, 16)] * 2).tokens == 0
+
+
 def test_window_from_arguments():
     q = torch.randn(1, 10, 2, 8)
     p = AttentionProblem.from_tensors(q, q, q, window=(3, -1), causal=True)
@@ -68,6 +82,8 @@ def test_window_from_arguments():
         ("dtype", torch.int8, "dtype: got torch.int8"),
         ("head_dim_v", 0, "head_dim_v: got 0"),
         ("varlen_gaps", "yes", "varlen_gaps: got 'yes', expected True or False"),
+        ("tokens", -1, "tokens: got -1, expected an integer >= 0"),
+        ("tokens", 4096, "tokens: got 4096, expected 0 unless layout is 'thd'"),
     ],
 )
 def test_bad_fields(field, value, message):
@@ -114,13 +130,13 @@ def test_a_top_left_window_where_the_anchors_coincide_is_the_bottom_right_one():
 
 
 def test_a_problem_at_size_zero_is_made_once_and_kept_by_size_only_copies():
-    p = AttentionProblem(4, 400, 400, 16, 16, 128, 128, layout="thd", mask="causal")
-    assert p.sizeless == p._with(batch=0, seqlen_q=0, seqlen_kv=0)
+    p = AttentionProblem(4, 400, 400, 16, 16, 128, 128, layout="thd", mask="causal", tokens=1600)
+    assert p.sizeless == p._with(batch=0, seqlen_q=0, seqlen_kv=0, tokens=0)
     resized = p._with(batch=7, seqlen_q=90, seqlen_kv=90)
     assert resized.sizeless is p.sizeless  # a packed loop's new packing does not make it again
-    assert resized == AttentionProblem(7, 90, 90, 16, 16, 128, 128, layout="thd", mask="causal")
+    assert resized == AttentionProblem(7, 90, 90, 16, 16, 128, 128, layout="thd", mask="causal", tokens=1600)
     other_dims = p._with(head_dim_v=64)
-    assert other_dims.sizeless == other_dims._with(batch=0, seqlen_q=0, seqlen_kv=0) != p.sizeless
+    assert other_dims.sizeless == other_dims._with(batch=0, seqlen_q=0, seqlen_kv=0, tokens=0) != p.sizeless
 
 
 def test_a_packed_problem_padded_shares_one_padded_problem_at_size_zero():

@@ -10,15 +10,16 @@ and prepared runner); and per backend, what the first call of a
 configuration costs on top of a later one (a JIT compile). Packed (thd) calls are timed too, by candidates that pack
 (sequence by sequence is never the fast path), over :data:`PACKED_LADDER` with a new packing every call
 (:class:`~attnselect.choose.timing.NewPackings`: a typical packing of the problem's size, so per-packing builds
-show): their curves are keyed ``thd`` and their work is the problem's (its sequences at their longest), the measure a
-prediction reads them by (:func:`attnselect.choose.rules.predictions`). The result is the format
-:mod:`attnselect.choose.calibration` reads, for this GPU and these versions; ``attnselect calibrate`` stores it in
-the cache directory, where it takes precedence over the packaged one. ``quick`` measures one pair, one phase and two
-sizes (a smoke test, never stored there)."""
+show): their curves are keyed ``thd`` and their work is the mean of the packings' as a prediction reads a call's
+(:func:`attnselect.choose.predict.work`, from each packing's sequences, longest lengths and tokens:
+:func:`_timed_work`). The result is the format :mod:`attnselect.choose.calibration` reads, for this GPU and these
+versions; ``attnselect calibrate`` stores it in the cache directory, where it takes precedence over the packaged
+one. ``quick`` measures one pair, one phase and two sizes (a smoke test, never stored there)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -109,7 +110,7 @@ def run(
                 if isinstance(timing, Exception):
                     continue
                 key = calibration.curve_key(layout, *pair, c.padded, training)
-                point = [round(work(problem), 3), round(timing.median_ms * 1e3, 2)]
+                point = [round(_timed_work(problem, inputs[4]), 3), round(timing.median_ms * 1e3, 2)]
                 gpu.setdefault(c.backend, {}).setdefault(key, []).append(point)
             unmeasured = {  # at the smallest size that serves it, side by side
                 c: attention_step(attention, c, problem, inputs, device)
@@ -125,6 +126,17 @@ def run(
     if progress:
         progress(len(jobs), len(jobs), "done")
     return _result(target, quick, host, gpu, first)
+
+
+def _timed_work(problem: AttentionProblem, packings) -> float:
+    """The work a curve's point is keyed by: the call's; packed, the mean over the packings timed of each one's, read
+    as a prediction reads a call of it (its sequences, longest lengths and tokens)."""
+    if packings is None:
+        return work(problem)
+    return statistics.fmean(
+        work(dataclasses.replace(problem, batch=batch, seqlen_q=max_q, seqlen_kv=max_kv, tokens=tokens))
+        for batch, max_q, max_kv, tokens in packings.sizes()
+    )
 
 
 def _result(target: Target, quick: bool, host: dict, gpu: dict, first: dict) -> dict:

@@ -8,7 +8,8 @@ A calibration (written by ``attnselect calibrate`` on the user's GPU, or shipped
   GPU waits for the host;
 - ``gpu``: the GPU's time of a call over a ladder of work sizes, by candidate key
   (:func:`curve_key`: layout, the call's head dims, ``+pad`` for the padded candidate, phase), as [work, us] points
-  (:func:`attnselect.choose.predict.work`);
+  (:func:`attnselect.choose.predict.work`; format 2 estimates a packed call's from its tokens, format 1 took every
+  sequence at the longest, so a format-1 file is refused);
 - ``first_call_ms``: what the first call of a new configuration costs on top of a later one (a JIT compile, a
   graph build), the process's one-off start-up left out, by layout, padding and phase (:func:`host_key`; one figure
   for every key in calibrations before those were told apart); ``new_size_ms`` likewise for a new size of a
@@ -39,7 +40,7 @@ from attnselect.spec.target import Target
 from attnselect.version import __version__
 
 log = logging.getLogger("attnselect")
-FORMAT = 1
+FORMAT = 2
 MIN_QUERIES = 16  # fewer queries (decoding) is another kernel regime than the calibrated prefill ladder
 CURVE_KEY = re.compile(r"(dense|thd) ([1-9][0-9]*)/([1-9][0-9]*)(\+pad)? (inference|training)")
 HOST_KEY = re.compile(r"(dense|thd)(\+pad)? (inference|training)")
@@ -202,6 +203,9 @@ def parse(text: str, source: str) -> dict | None:
 def _problem(data) -> str | None:
     """What makes ``data`` not a calibration of this format (None: nothing)."""
     if not isinstance(data, dict) or type(data.get("format")) is not int or data["format"] != FORMAT:
+        if isinstance(data, dict) and type(data.get("format")) is int and data["format"] < FORMAT:
+            return (f"a calibration of format {data['format']}, an older attnselect's (its packed work differs): "
+                    f"`attnselect calibrate` makes one of format {FORMAT}")  # fmt: skip
         return f"not a calibration of format {FORMAT}"
     fp = data.get("fingerprint")
     if not (isinstance(fp, dict) and set(fp) == {"name", "capability", "torch", "cudnn", "packages", "attnselect"}):

@@ -34,12 +34,13 @@ TIE_TOLERANCE = 0.02  # a rules-preferred candidate this close to the fastest (a
 
 
 def bucket(problem: AttentionProblem) -> AttentionProblem:
-    """The problem a packed call is tuned as: batch and lengths rounded up to powers of two."""
+    """The problem a packed call is tuned as: batch and lengths rounded up to powers of two, its tokens left out (the
+    bucket is timed on packings of its own: :class:`~attnselect.choose.timing.NewPackings`)."""
     if problem.layout != "thd":
         return problem
     up = Rounding()  # powers of two
     return dataclasses.replace(
-        problem, batch=up(problem.batch), seqlen_q=up(problem.seqlen_q), seqlen_kv=up(problem.seqlen_kv)
+        problem, batch=up(problem.batch), seqlen_q=up(problem.seqlen_q), seqlen_kv=up(problem.seqlen_kv), tokens=0
     )
 
 

@@ -103,9 +103,21 @@ def _banded_pairs(mask: str, window, seqlen_q: int, seqlen_kv: int) -> int:
 
 
 def work(problem: AttentionProblem) -> float:
-    """The call's work in units of 1e6: visible score pairs x query heads x (d_qk + d_v)."""
+    """The call's work in units of 1e6: visible score pairs x query heads x (d_qk + d_v).
+
+    A packed call's lengths are not read (a sync); the host knows its sequences (``batch``), the longest lengths and
+    q's rows (``tokens``). Its pairs are estimated as one sequence at the longest lengths and the others sharing the
+    rest of the tokens evenly: the least the pairs can be, given the longest. Over the size ladder's and the
+    calibration's seeded packings (results/cpu_packed_work_estimates.md) a causal pack's work is 1.0-1.9x this
+    estimate, where batch x the longest's (a pack without ``tokens``) overstates it up to 50x."""
     pairs = visible_pairs(problem.mask, problem.window, problem.seqlen_q, problem.seqlen_kv)
-    return problem.batch * problem.heads_q * pairs * (problem.head_dim_qk + problem.head_dim_v) / 1e6
+    sequences = problem.batch
+    if problem.tokens and problem.seqlen_q and sequences > 1:
+        rest = min(max(problem.tokens - problem.seqlen_q, 0) / (sequences - 1), problem.seqlen_q)
+        rest_q, rest_kv = round(rest), round(rest * problem.seqlen_kv / problem.seqlen_q)
+        pairs += (sequences - 1) * visible_pairs(problem.mask, problem.window, rest_q, rest_kv)
+        sequences = 1
+    return sequences * problem.heads_q * pairs * (problem.head_dim_qk + problem.head_dim_v) / 1e6
 
 
 WORK_STEPS = 8  # work classes per doubling of work

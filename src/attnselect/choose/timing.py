@@ -378,6 +378,10 @@ class NewPackings:
             )
             self._packings.append((cu_q, cu_kv, max(lengths) * factors[0], max(lengths) * factors[1]))
 
+    def sizes(self) -> list[tuple[int, int, int, int]]:
+        """Each packing's sequences, longest query and key lengths, and query tokens: what a call's problem holds."""
+        return [(cu_q.numel() - 1, max_q, max_kv, self.tokens_q) for cu_q, _, max_q, max_kv in self._packings]
+
     def causal_pairs(self) -> float:
         """The mean over the packings of the (query, key) pairs top-left causal leaves visible, sum n (n + 1) / 2."""
         pairs = [sum(n * (n + 1) / 2 for n in torch.diff(cu_q).tolist()) for cu_q, *_ in self._packings]

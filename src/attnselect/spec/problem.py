@@ -32,8 +32,8 @@ class AttentionProblem:
 
     Dense layouts: q is (B, Sq, Hq, Dqk) for ``bshd``, (Sq, B, Hq, Dqk) for ``sbhd`` and
     (B, Hq, Sq, Dqk) for ``bhsd``; k has Hkv heads and Skv positions; v has head dim Dv.
-    ``thd`` packs sequences: q is (Tq, Hq, Dqk), ``batch`` is the number of sequences and
-    ``seqlen_q``/``seqlen_kv`` are the longest sequence lengths.
+    ``thd`` packs sequences: q is (Tq, Hq, Dqk), ``batch`` is the number of sequences,
+    ``seqlen_q``/``seqlen_kv`` are the longest sequence lengths and ``tokens`` is Tq (0: not known).
 
     Masks: ``causal`` is top-left aligned (query i sees keys j <= i, as SDPA's is_causal);
     ``causal_bottom_right`` aligns the diagonal to the last key (j <= i + Skv - Sq, as
@@ -75,11 +75,14 @@ class AttentionProblem:
     varlen_single_key: bool = False
     varlen_rows_without_keys: bool = False
     varlen_gaps: bool = False
+    # thd only: q's rows (Tq), the packed query tokens with any gaps; 0 where not known. With the longest lengths it
+    # estimates the pack's work (attnselect.choose.predict.work), which batch x the longest overstates.
+    tokens: int = 0
 
     def __post_init__(self) -> None:
         # Each check builds its message only when it fails: this runs for every new problem (a packed loop makes
         # one a step).
-        for name in ("batch", "seqlen_q", "seqlen_kv"):
+        for name in ("batch", "seqlen_q", "seqlen_kv", "tokens"):
             value = getattr(self, name)
             if not (is_integer(value) and value >= 0):
                 require(False, name, repr(value), "an integer >= 0")
@@ -91,6 +94,8 @@ class AttentionProblem:
             require(
                 False, "heads_q", f"{self.heads_q} with heads_kv={self.heads_kv}", "a multiple of heads_kv (GQA/MQA)"
             )
+        if self.tokens and self.layout != "thd":
+            require(False, "tokens", repr(self.tokens), "0 unless layout is 'thd' (q's rows of a packing)")
         if self.dtype not in DTYPES:
             require(False, "dtype", repr(self.dtype), DTYPE_CHOICES)
         if self.layout not in LAYOUTS:
@@ -140,10 +145,10 @@ class AttentionProblem:
 
     @functools.cached_property
     def sizeless(self) -> AttentionProblem:
-        """This problem at size 0 (batch and both sequence lengths): what a packed loop's calls share whatever their
-        packing, the key of the decisions and compiles kept across packings. Kept by the copies :meth:`_with` makes at
-        other sizes, so a loop's new packing does not make it again."""
-        return self._with(batch=0, seqlen_q=0, seqlen_kv=0)
+        """This problem at size 0 (batch, both sequence lengths and tokens): what a packed loop's calls share whatever
+        their packing, the key of the decisions and compiles kept across packings. Kept by the copies :meth:`_with`
+        makes at other sizes, so a loop's new packing does not make it again."""
+        return self._with(batch=0, seqlen_q=0, seqlen_kv=0, tokens=0)
 
     @property
     def eager(self) -> AttentionProblem:
@@ -327,7 +332,8 @@ class AttentionProblem:
             mask += " (gaps between sequences)"
         phase = "training" if self.training else "inference"
         seq = (
-            f"{self.batch} seqs, max sq={self.seqlen_q} skv={self.seqlen_kv}"
+            f"{self.batch} seqs{f' in {self.tokens} tokens' if self.tokens else ''}, max sq={self.seqlen_q} "
+            f"skv={self.seqlen_kv}"
             if self.layout == "thd"
             else f"B={self.batch} Sq={self.seqlen_q} Skv={self.seqlen_kv}"
         )
@@ -374,7 +380,7 @@ _field_values = operator.attrgetter(*_FIELDS)  # the fields' values, as eq compa
 _FLAGS = tuple(f.name for f in dataclasses.fields(AttentionProblem) if f.type in ("bool", bool))
 _HEAD_DIMS = frozenset({"head_dim_qk", "head_dim_v"})
 # Sizes that no other field's check reads on a packed problem (its squareness is a varlen fact), and head dims.
-_SIZES = frozenset({"batch", "seqlen_q", "seqlen_kv"})
+_SIZES = frozenset({"batch", "seqlen_q", "seqlen_kv", "tokens"})
 _CHECKED_ALONE = _SIZES | _HEAD_DIMS
 # The derived values a problem caches, and those its sizes change (sizeless does not: a copy at other sizes keeps it).
 _CACHED = tuple(name for name, value in vars(AttentionProblem).items() if isinstance(value, functools.cached_property))

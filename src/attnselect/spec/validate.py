@@ -153,6 +153,7 @@ def read_call(q, k, v, options: CallOptions, *, context_parallel_size: int = 1) 
         return_max_logit=o.return_max_logit,
         context_parallel_size=context_parallel_size,
         varlen_gaps=packing is not None and packing.has_gaps,
+        tokens=q.shape[0] if o.layout == "thd" else 0,
         cuda_graph_capture=capturing,
         **facts,
     ), packing
