@@ -303,7 +303,10 @@ def warmup(
     :func:`attnselect.attention` with these ``backend``, ``pad`` and ``disable`` would make it in the job; return
     what each ran on and how long its first call took. Where the fastest candidate compiles on its first call in a
     process and would run only after a cheaper one had lost that much time (:mod:`attnselect.choose.first_calls`),
-    its first call is made here too, so the job's calls run on it from the start. A call that raises is reported,
+    its first call is made here too, so the job's calls run on it from the start. A packed problem (``thd``: at most
+    ``batch`` sequences of at most ``seqlen_q`` tokens, in ``tokens`` where it holds them) is called on packings
+    whose longest sequence spans that range, and each candidate they choose makes its first call (a packed job's
+    choice follows each packing's work); ``chosen`` names the first packing's. A call that raises is reported,
     not raised: the job's own call would raise or fall back the same way. ``progress(done, total, text)`` is
     called after each problem."""
     if isinstance(problems, AttentionProblem) or not isinstance(problems, Iterable):
@@ -369,18 +372,35 @@ def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> Wa
     started = time.perf_counter()
     with torch.enable_grad() if problem.training else torch.no_grad():
         try:
-            described = AttentionProblem.from_tensors(q, k, v, **kwargs)
-            decision = select(described, target=target, **controls)
-            if decision.rental is not None:
-                # the fastest candidate has a first call to pay: warm-up makes it, not the rented one's (a rental may
-                # defer another one on the way); a failure falls back and is recorded as in the job
-                first_calls.paid(decision.ranked[0], described)
-                clear_cache()
-            _call(q, k, v, grad_out, kwargs, controls, problem.training, device)
+            described = _warm_call(q, k, v, grad_out, kwargs, controls, problem.training, device, target)
+            chosen = select(described, target=target, **controls).chosen
+            warmed = {chosen}
+            for p in packings.spanning() if packings is not None else ():
+                # a packed job's choice follows each packing's work (attnselect.choose.predict.work): the first
+                # calls of what packings of this size choose, from short sequences to the longest, are made here too
+                kwargs.update(cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_kv=p.cu_seqlens_kv,
+                              max_seqlen_q=p.max_seqlen_q, max_seqlen_kv=p.max_seqlen_kv)  # fmt: skip
+                other = AttentionProblem.from_tensors(q, k, v, **kwargs)
+                if select(other, target=target, **controls).ranked[0] not in warmed:
+                    _warm_call(q, k, v, grad_out, kwargs, controls, problem.training, device, target)
+                    warmed.add(select(other, target=target, **controls).chosen)
         except Exception as exc:  # reported: the job's call would meet the same
             return WarmedUp(problem, "", time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:300])
         seconds = time.perf_counter() - started
-    return WarmedUp(problem, str(select(described, target=target, **controls).chosen), seconds, None)
+    return WarmedUp(problem, str(chosen), seconds, None)
+
+
+def _warm_call(q, k, v, grad_out, kwargs: dict, controls: dict, training: bool, device: torch.device, target):
+    """A warm-up call of these tensors and arguments, its problem returned. Where the fastest candidate has a first
+    call to pay, warm-up makes it, not the rented one's (a rental may defer another one on the way); a failure falls
+    back and is recorded as in the job."""
+    described = AttentionProblem.from_tensors(q, k, v, **kwargs)
+    decision = select(described, target=target, **controls)
+    if decision.rental is not None:
+        first_calls.paid(decision.ranked[0], described)
+        clear_cache()
+    _call(q, k, v, grad_out, kwargs, controls, training, device)
+    return described
 
 
 def _call(q, k, v, grad_out, kwargs: dict, controls: dict, training: bool, device: torch.device) -> None:

@@ -663,6 +663,34 @@ def test_warmup_makes_the_fastest_candidate_s_first_call_itself(rented_on_cpu, m
     assert warmed.chosen == "sdpa_flash native" and ran == [Candidate("sdpa_flash")]
 
 
+def test_warmup_of_a_packed_problem_makes_the_first_calls_its_other_packings_choose(monkeypatch):
+    """A packed job's choice follows each packing's work: warm-up makes the first call of every candidate the
+    problem's packings choose (here sdpa_flash at packings whose longest sequence is long, reference at the others,
+    both with a first call to pay), so the job rents around neither."""
+    from attnselect.choose import rules
+    from attnselect.choose.predict import Prediction
+
+    flash, reference, math_ = Candidate("sdpa_flash"), Candidate("reference"), Candidate("sdpa_math")
+
+    def predictions(verdicts, problem, target):
+        found = {v.candidate: None for v in verdicts if v.supported}
+        long = problem.seqlen_q > 12
+        times = {flash: 10.0 if long else 30.0, reference: 30.0 if long else 10.0, math_: 100_000.0}
+        found.update({c: Prediction(1.0, us, "test") for c, us in times.items() if c in found})
+        return found, "test", {"first_call_ms": {"sdpa_flash": 1000.0, "reference": 1000.0}}
+
+    monkeypatch.setattr(rules, "predictions", predictions)
+    attnselect.clear_cache()
+    problem = AttentionProblem(8, 16, 16, 2, 2, 16, 16, torch.float32, layout="thd", mask="causal", tokens=64)
+    ran, real = [], first_calls.ran
+    monkeypatch.setattr(first_calls, "ran", lambda c, p: ran.append(c) or real(c, p))
+    (warmed,) = attnselect.warmup([problem], device="cpu")
+    assert warmed.error is None and set(ran) == {flash, reference}
+    for longest in (16, 8):  # each packing's choice has run: no rental left
+        decision = attnselect.select(problem._at_sizes(5, longest, longest))
+        assert decision.rental is None and decision.chosen == (flash if longest > 12 else reference)
+
+
 def test_warmup_chooses_for_the_device_it_warms_up(monkeypatch):
     """warmup(device="cpu") on a machine with a GPU reads the CPU's decision, not the GPU's: it marks nothing of the
     GPU's paid and reports what ran."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 
@@ -10,6 +11,7 @@ import torch
 
 from attnselect import AttentionProblem
 from attnselect.choose import timing
+from attnselect.choose.timing import NewPackings
 
 
 def test_time_step_counts_warmup_repeats_and_budget():
@@ -370,3 +372,38 @@ def test_measure_times_a_new_packing_of_the_bucket_every_call(batch, sq, skv):
         seen.add(tuple(lengths_q))
     assert packings().cu_seqlens_q is not packings().cu_seqlens_q  # new tensors every call
     assert len(seen) >= (1 if batch == 1 else timing.NewPackings.COUNT // 2)
+
+
+def test_a_packed_problem_s_packings_hold_its_tokens():
+    problem = AttentionProblem(8, 16, 16, 2, 2, 16, 16, torch.float32, layout="thd", mask="causal", tokens=100)
+    packings = NewPackings(problem, torch.device("cpu"))
+    assert packings.tokens_q == 100
+    for _ in range(packings.COUNT):
+        p = packings()
+        assert int(p.cu_seqlens_q[-1]) == 100 and p.cu_seqlens_q.numel() - 1 <= 8 and p.max_seqlen_q <= 16
+    assert NewPackings(dataclasses.replace(problem, tokens=0), torch.device("cpu")).tokens_q == 64  # B x S / 2
+    few = dataclasses.replace(problem, tokens=5)  # fewer tokens than the longest sequence may hold
+    assert all(int(p.cu_seqlens_q[-1]) == 5 for p in (NewPackings(few, torch.device("cpu"))() for _ in range(64)))
+
+
+@pytest.mark.parametrize("batch,seqlen,tokens", [(8, 16, 100), (64, 16384, 65536), (4, 512, 0), (8, 16, 10), (1, 9, 0)])
+def test_spanning_packings_range_the_longest_sequence_from_an_even_share_to_the_most(batch, seqlen, tokens):
+    problem = AttentionProblem(batch, seqlen, seqlen, 2, 2, 16, 16, torch.float32, layout="thd", mask="causal",
+                               tokens=tokens)  # fmt: skip
+    packings = NewPackings(problem, torch.device("cpu"))
+    spanning = packings.spanning()
+    total = packings.tokens_q
+    for p in spanning:
+        lengths = torch.diff(p.cu_seqlens_q)
+        assert int(lengths.sum()) == total and int(lengths.min()) >= 0 and int(lengths.max()) == p.max_seqlen_q
+        assert lengths.numel() <= batch and p.cu_seqlens_kv is p.cu_seqlens_q
+    longest = sorted({p.max_seqlen_q for p in spanning})
+    assert longest[0] == -(-total // batch) and longest[-1] == min(seqlen, total)
+    assert all(b <= a * 1.5 for a, b in zip(longest, longest[1:]))  # steps of about sqrt(2)
+
+
+def test_spanning_packings_keep_the_query_to_key_ratio():
+    problem = AttentionProblem(4, 6, 9, 2, 2, 16, 16, torch.float32, layout="thd", mask="causal_bottom_right")
+    for p in NewPackings(problem, torch.device("cpu")).spanning():
+        assert (torch.diff(p.cu_seqlens_kv) * 2 == torch.diff(p.cu_seqlens_q) * 3).all()
+        assert p.max_seqlen_kv * 2 == p.max_seqlen_q * 3

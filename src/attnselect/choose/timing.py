@@ -353,7 +353,8 @@ class NewPackings:
     A data loader brings a new packing every step; so does this, within the problem's size: with batch B and
     lengths Sq, Skv, each packing has between B/2 + 1 and B sequences (B when B is 1) whose longest lies in
     (S/2, S], over fixed token totals of B * S / 2 (S for one sequence), so that each call does about the
-    work of a typical packing of that size. Query and key lengths keep the problem's ratio (both are whole
+    work of a typical packing of that size; a problem that holds its tokens (q's rows) is packed in as many (at most
+    B * S), with as many more sequences as they need. Query and key lengths keep the problem's ratio (both are whole
     multiples of one length per sequence, their greatest common divisor's share); they share one boundary
     tensor when Sq == Skv. The packings are drawn once (seeded) and copied to the device before timing;
     every call clones its boundaries, so per-tensor caches see a new packing.
@@ -368,15 +369,37 @@ class NewPackings:
         unit = math.gcd(sq, skv)
         factors = (sq // unit, skv // unit)
         units = unit if batch == 1 else batch * unit // 2
+        if problem.tokens:
+            units = min(max(problem.tokens // factors[0], 1), batch * unit)
         self.tokens_q, self.tokens_kv = units * factors[0], units * factors[1]
-        self._shared, self._next, self._packings = sq == skv, 0, []
-        for _ in range(self.COUNT):
-            lengths = _lengths(rng, batch, unit, units)
-            cu_q, cu_kv = (
-                torch.tensor([0, *itertools.accumulate(n * f for n in lengths)], dtype=torch.int32, device=device)
-                for f in factors
-            )
-            self._packings.append((cu_q, cu_kv, max(lengths) * factors[0], max(lengths) * factors[1]))
+        self._shared, self._next = sq == skv, 0
+        self._batch, self._unit, self._units, self._factors, self._device = batch, unit, units, factors, device
+        self._packings = [self._packing(_lengths(rng, batch, unit, units)) for _ in range(self.COUNT)]
+
+    def _packing(self, lengths: list[int]) -> tuple:
+        """(cu_q, cu_kv, longest query length, longest key length) of sequences of ``lengths`` units."""
+        cu_q, cu_kv = (
+            torch.tensor([0, *itertools.accumulate(n * f for n in lengths)], dtype=torch.int32, device=self._device)
+            for f in self._factors
+        )
+        return cu_q, cu_kv, max(lengths) * self._factors[0], max(lengths) * self._factors[1]
+
+    def spanning(self) -> list[Packing]:
+        """Packings of these tokens whose longest sequence spans every length they allow, from the tokens' even share
+        of B sequences up to S, in steps of about sqrt(2): at each longest length, one with as few sequences as hold
+        the tokens and one with as many as B allows, the others sharing the rest evenly. A packed job's packings range
+        over these works, and its choice with them (attnselect.warmup makes each choice's first call)."""
+        batch, units = self._batch, self._units
+        least, most = -(-units // batch), min(self._unit, units)
+        found = []
+        for top in sorted({min(round(least * 2 ** (i / 2)), most) for i in range(64)}):
+            for count in sorted({-(-units // top), batch}):
+                rest = units - top
+                even = [rest // (count - 1) + (i < rest % (count - 1)) for i in range(count - 1)] if count > 1 else []
+                cu_q, cu_kv, max_q, max_kv = self._packing([top, *even])
+                found.append(Packing(cu_q, cu_q if self._shared else cu_kv, max_q, max_kv, cu_q,
+                                     cu_q if self._shared else cu_kv))  # fmt: skip
+        return found
 
     def sizes(self) -> list[tuple[int, int, int, int]]:
         """Each packing's sequences, longest query and key lengths, and query tokens: what a call's problem holds."""
@@ -396,11 +419,12 @@ class NewPackings:
 
 
 def _lengths(rng, batch: int, longest: int, tokens: int) -> list[int]:
-    """``count`` in (batch/2, batch] lengths summing to ``tokens``, the longest in (longest/2, longest]."""
+    """``count`` in (batch/2, batch] lengths summing to ``tokens`` (at most batch x longest; more than batch/2
+    sequences where they need more), the longest in (longest/2, longest]."""
     if batch == 1:
         return [tokens]
-    count = rng.randint(batch // 2 + 1, batch)
-    top = rng.randint(max(longest // 2 + 1, -(-tokens // count)), longest)
+    count = rng.randint(max(batch // 2 + 1, -(-tokens // longest)), batch)
+    top = rng.randint(min(max(longest // 2 + 1, -(-tokens // count)), tokens), min(longest, tokens))
     rest, left = [top], tokens - top
     for i in range(count - 1, 0, -1):  # i sequences still to place, each at most top, together `left`
         low, high = max(left - (i - 1) * top, 0), min(top, left)
