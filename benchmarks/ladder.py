@@ -21,9 +21,9 @@ transposed back); torch's varlen_attn (packed, V zero-padded to d_qk where d_v i
 flash_attn_func / flash_attn_varlen_func called directly where installed, and there attnselect's default with FA4
 disabled too (what a machine without FA4 runs), judged against the single-kernel rows without FA4. Each row goes
 through the same packings (made before its clock starts). The default row runs after ``attnselect.warmup`` of the
-rung's problem (a job that precompiles its kernels). Rows run interleaved, ``--rounds`` rounds of ``--calls`` timed
-calls (``latency``: ``--latency-calls``, by default as many as the stack's steps make; ``stack``: steps) after
-``--warmup`` untimed ones, in alternating order; the median and quartiles of the
+rung's problem (a job that precompiles its kernels; packed, at the bounds of its packings). Rows run interleaved,
+``--rounds`` rounds of ``--calls`` timed calls (``latency``: ``--latency-calls``, by default as many as the stack's
+steps make; ``stack``: steps) after ``--warmup`` untimed ones, in alternating order; the median and quartiles of the
 per-call ms of every round pooled.
 
 Each rung keeps what attnselect logged at INFO while it ran (``log``: every new decision of every row, with the
@@ -39,6 +39,7 @@ slower than F.sdpa's default dispatch where that serves the call natively (the d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -123,6 +124,15 @@ class Inputs:
         lengths = packing_lengths(self.rung["tokens"], turn)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=self.device)
         return cu, max(lengths)
+
+    def warm_problem(self, problem):
+        """What a job warms up for ``problem``: itself where dense; packed, its tokens in packings as its loader
+        bounds them (:func:`packing_lengths`: documents of at least 16 tokens but the last, which is cut, the longest
+        up to all of them)."""
+        if self.rung["layout"] != "thd":
+            return problem
+        tokens = self.rung["tokens"]
+        return dataclasses.replace(problem, batch=tokens // 16 + 1, seqlen_q=tokens, seqlen_kv=tokens)
 
     def problem(self):
         """The problem of the rung's calls as attention() describes them (packed: on the first packing)."""
@@ -483,9 +493,10 @@ def main() -> None:
         with attnselect_log() as log:
             # as a job that precompiles: no compile left to rent out, for the default and, where FA4 is installed,
             # the default without it (what a machine without FA4 runs)
-            warmed = attnselect.warmup([problem], device=a.device)
+            warm = inputs.warm_problem(problem)
+            warmed = attnselect.warmup([warm], device=a.device)
             if _fa4() is not None and a.device == "cuda":
-                warmed += attnselect.warmup([problem], device=a.device, disable="flash_attn4")
+                warmed += attnselect.warmup([warm], device=a.device, disable="flash_attn4")
             rows = callers(rung, problem, target, a.device)
             measured = time_rung(rung, rows, inputs, a)
         for default, w in zip(DEFAULTS, warmed):
