@@ -4,8 +4,9 @@
 
 The size ladder's packed rungs (benchmarks/ladder.py) put FA4 forced through attnselect at 0.42 ms a call where FA4
 called directly took 0.15 (2048 tokens, a new packing each call, 192/128 inference, latency), and 0.196 against 0.110
-in a stack of 8 layers sharing each step's packing. This takes the ladder's packings (2048 tokens, lognormal
-documents, H16, 192/128 bf16, causal, inference) and times, per call (``latency``: a sync after each; ``stack``: 8
+in a stack of 8 layers sharing each step's packing. This takes the ladder's packings (2048 tokens, or
+``--tokens``; lognormal documents, H16, 192/128 bf16, causal, inference, or with ``--training`` each call's
+backward too, ``torch.autograd.grad``) and times, per call (``latency``: a sync after each; ``stack``: 8
 calls a packing, one sync), these rows in alternating order:
 
 - FA4 called directly, as the ladder calls it (``causal=True`` and both max_seqlen);
@@ -41,13 +42,14 @@ from attnselect.execution import kernel_call
 from attnselect.spec.options import Packing
 from ladder import packing_lengths
 
-TOKENS, HEADS, D_QK, D_V, LAYERS = 2048, 16, 192, 128, 8
+HEADS, D_QK, D_V, LAYERS = 16, 192, 128, 8
+TOKENS = [2048]  # --tokens
 
 
 def packings(count: int, start: int) -> list:
     out = []
     for turn in range(start, start + count):
-        lengths = packing_lengths(TOKENS, turn)
+        lengths = packing_lengths(TOKENS[0], turn)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         out.append((cu, max(lengths)))
     return out
@@ -125,18 +127,34 @@ def attribute(rows: dict, turn: int, calls: int) -> tuple[dict, int]:
     return out, turn
 
 
+def _with_backward(fn, inputs: tuple, grad_out):
+    """``fn`` followed by the gradients of its output (the first of a tuple) with respect to ``inputs``."""
+
+    def step(cu, m):
+        out = fn(cu, m)
+        return torch.autograd.grad(out[0] if isinstance(out, tuple) else out, inputs, grad_out)
+
+    return step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--attribute-calls", type=int, default=60)
+    ap.add_argument("--tokens", type=int, default=TOKENS[0], help="tokens a packing (the ladder's packed rungs)")
+    ap.add_argument("--training", action="store_true", help="each call a forward and its backward (autograd.grad)")
     a = ap.parse_args()
     from flash_attn.cute import flash_attn_varlen_func
 
+    TOKENS[0] = a.tokens
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k = (torch.randn(TOKENS, HEADS, D_QK, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    v = torch.randn(TOKENS, HEADS, D_V, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k = (torch.randn(a.tokens, HEADS, D_QK, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    v = torch.randn(a.tokens, HEADS, D_V, device="cuda", dtype=torch.bfloat16, generator=g)
+    grad_out = torch.randn(a.tokens, HEADS, D_V, device="cuda", dtype=torch.bfloat16, generator=g)
+    for t in (q, k, v):
+        t.requires_grad_(a.training)
     first_cu, first_m = packings(1, 1)[0]
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, layout="thd", cu_seqlens_q=first_cu, causal=True,
                                                        max_seqlen_q=first_m, max_seqlen_kv=first_m)  # fmt: skip
@@ -170,7 +188,9 @@ def main() -> None:
         "attnselect default": lambda cu, m: attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu,
                                                                  max_seqlen_q=m, max_seqlen_kv=m, causal=True),
     }  # fmt: skip
-    with torch.no_grad():
+    if a.training:  # the backward too, as a training step takes it
+        rows = {row: _with_backward(fn, (q, k, v), grad_out) for row, fn in rows.items()}
+    with torch.enable_grad() if a.training else torch.no_grad():
         for fn in rows.values():  # compiles, first checks
             for cu, m in packings(3, 1):
                 fn(cu, m)
@@ -218,7 +238,8 @@ def main() -> None:
             "self_checks_warm": warm_checks, "calls": a.calls, "rounds": a.rounds}  # fmt: skip
     lines = ["# attnselect's packed FA4 calls against FA4 called directly\n",
              f"{meta['device']}, {meta['date']}. Produced by `benchmarks/fa4_packed_gap.py` (method in its docstring): "
-             f"{TOKENS} tokens, H{HEADS}, {D_QK}/{D_V} bf16, causal, inference; ms a call, median (quartiles) over "
+             f"{a.tokens} tokens, H{HEADS}, {D_QK}/{D_V} bf16, causal, {'training' if a.training else 'inference'}; "
+             f"ms a call, median (quartiles) over "
              f"{a.rounds} rounds of {a.calls}. attnselect's options: {meta['options']}. Self-checks run while timed: "
              f"{timed_checks} (warm-up: {warm_checks}).\n"]  # fmt: skip
     for way in ("latency", "stack"):

@@ -82,7 +82,7 @@
 #   bash scripts/device_run.sh fa4-loop     # the training loop's FA4 rows (forced, direct) beside the default and torch's
 #   bash scripts/device_run.sh fa4-compile  # benchmarks/fa4_compile_cost.py           -> $OUT/h200_fa4_compile.*
 #   bash scripts/device_run.sh fa4-packed-gap # benchmarks/fa4_packed_gap.py: packed FA4 through attnselect and direct
-#                                      #                                            -> $OUT/h200_fa4_packed_gap.*
+#                                      # (GAP_ARGS="--tokens 8192 --training", GAP_PART=name) -> $OUT/h200_fa4_packed_gap*
 #   bash scripts/device_run.sh fa4-grid     # the rules grid's FA4 section (FA4 rows only) -> $OUT/h200_rules_grid.jsonl
 #   bash scripts/device_run.sh fa4-bench    # attnselect bench on the suite's 4k problems  -> $OUT/h200_bench_fa4.*
 # Carry `.whl` (scripts/fetch_device_wheels.sh) to include the cudnn_frontend backend, megatron-core, transformers and
@@ -306,7 +306,8 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
       | grep -v -i warn | tail -40 ;;
   fa4-packed-gap)   # benchmarks/fa4_packed_gap.py: attnselect's packed FA4 calls against FA4 called directly
     need_fa4 || exit 1
-    timeout 300 python3 benchmarks/fa4_packed_gap.py --out "$OUT/h200_fa4_packed_gap" 2>&1 | grep -v -i warn | tail -45 ;;
+    timeout 300 python3 benchmarks/fa4_packed_gap.py ${GAP_ARGS:-} --out "$OUT/h200_fa4_packed_gap${GAP_PART:+_$GAP_PART}" \
+      2>&1 | grep -v -i warn | tail -45 ;;
   fa4-compile)
     need_fa4 || exit 1
     timeout 400 python3 benchmarks/fa4_compile_cost.py --out "$OUT/h200_fa4_compile" 2>&1 | grep -v -i warn | tail -12 ;;
