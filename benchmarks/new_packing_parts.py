@@ -28,6 +28,7 @@ its problem, choice or result differ from those attention() makes for the same p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -150,12 +151,14 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
         shapes = [(cu.numel(), m) for cu, m in new_packings(tokens, calls + 1, "cpu")]
     packings = [(torch.empty(n, dtype=torch.int32, device="meta"), m) for n, m in shapes]
     per_stage, by_class = {stage: [] for stage in STAGES[:-1]}, {}
+    # q's rows, as attention() describes the call (a checkout older than the problem's tokens has no such field)
+    rows = {"tokens": tokens} if "tokens" in {f.name for f in dataclasses.fields(attnselect.AttentionProblem)} else {}
     for _ in range(rounds):
         attnselect.clear_cache()
         first_calls.forget()
         cu, m = packings[-1]
         first = attnselect.AttentionProblem(cu.numel() - 1, m, m, 16, 16, d_qk, d_v, layout="thd", mask="causal",
-                                            dtype=torch.bfloat16)  # fmt: skip
+                                            dtype=torch.bfloat16, **rows)  # fmt: skip
         if paid:
             first_calls.ran(attnselect.Candidate("flash_attn4"), first)
         decision, call = select_packed(first, target=target, backend=backend), kernel_call(first)

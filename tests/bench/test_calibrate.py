@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import pathlib
 import statistics
 
 import pytest
@@ -17,6 +19,8 @@ from attnselect.choose.predict import work
 from attnselect.choose.timing import NewPackings
 from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -150,3 +154,24 @@ def test_host_times_are_taken_side_by_side_the_least_round_of_each_and_a_failing
     assert set(issued) == {"a", "b"} and all(0 < us < 1e6 for us in issued.values())
     timed = [name for name in order[9:] if name != "c"]  # after 3 warm-up calls each
     assert timed == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]  # rounds in alternating order
+
+
+def test_the_packaged_packed_points_are_keyed_by_the_work_of_the_packings_they_timed():
+    """Each packed curve's point is keyed as the calibration now keys it (format 2): the mean work of its size's
+    seeded packings as a prediction reads each; the results copy is the packaged file."""
+    from importlib import resources
+
+    packaged = json.loads((resources.files("attnselect") / "data" / "calibration_sm90.json").read_text())
+    assert json.loads((ROOT / "results" / "h200_calibration.json").read_text()) == packaged
+    keyed = {}
+    for pair in calibrate.PAIRS:
+        for batch, seqlen in calibrate.PACKED_LADDER:
+            problem = AttentionProblem(batch, seqlen, seqlen, calibrate.HEADS, calibrate.HEADS, *pair,
+                                       torch.bfloat16, layout="thd", mask="causal")  # fmt: skip
+            keyed.setdefault(pair, set()).add(round(calibrate._timed_work(problem, NewPackings(problem, "cpu")), 3))
+    points = [(key, w) for curves in packaged["gpu"].values() for key, pts in curves.items() if key.startswith("thd")
+              for w, _ in pts]  # fmt: skip
+    assert len(points) > 50
+    for key, w in points:
+        pair = tuple(int(d) for d in key.split()[1].removesuffix("+pad").split("/"))
+        assert w in keyed[pair], (key, w)

@@ -230,6 +230,19 @@ def test_predicted_packed_decisions_at_new_sizes_judge_no_candidate_again(tmp_pa
     assert "carried from" in carried.why and "supported candidates" not in carried.why
 
 
+def test_a_packed_call_of_other_tokens_at_the_same_sizes_is_predicted_at_its_own_work(tmp_path, monkeypatch):
+    """The family's key (the problem at size 0) is shared by q's every row count: a call of the same sequences and
+    longest lengths in more tokens has more work, and is decided at it, not handed the last call's decision."""
+    from attnselect.choose import selection
+
+    target = _calibrated_h200(tmp_path, monkeypatch)
+    few, many = (dataclasses.replace(_thd_training(8, 4096), tokens=tokens) for tokens in (4208, 32768))
+    selection.select_packed(few, target=target)
+    decision = selection.select_packed(many, target=target)
+    fresh = attnselect.select(many, target=target)
+    assert decision.problem.tokens == 32768 and decision.predictions[decision.chosen] == fresh.predictions[fresh.chosen]
+
+
 def test_a_new_packing_in_a_known_work_class_predicts_nothing_again(tmp_path, monkeypatch):
     """A packed call's ranking is kept per work class, size class and rules table: a new packing whose sizes fall in
     a class seen before looks its ranking up (no prediction, no sort), and chooses what select chooses there."""

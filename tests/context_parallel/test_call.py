@@ -43,3 +43,17 @@ def test_a_refusal_on_one_rank_raises_on_every_rank(n):
 def test_bad_calls_raise_on_every_rank_before_the_ring(n, call):
     for rank in range(n):
         assert EXPECTED_ERRORS[call] in results(n)[rank, "bad-calls"]["errors"][call]
+
+
+def test_a_packed_shard_s_half_pairs_hold_the_rows_their_queries_take():
+    """The causal ring's later steps: all queries against the keys' first halves, and the queries' second halves (half
+    q's rows) against all keys: each problem's tokens are its queries' rows, which with its lengths give its work."""
+    from attnselect.context_parallel.call import _thd_halves_pairs
+    from attnselect.context_parallel.ring import thd_halves
+    from attnselect.spec.options import Packing
+
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    base = attnselect.AttentionProblem(2, 8, 8, 2, 2, 16, 16, layout="thd", mask="causal", tokens=12)
+    pairs = _thd_halves_pairs(base, Packing(cu, cu, 8, 8, cu, cu), thd_halves(cu, 12), ([4, 8], [4, 8]))
+    assert pairs["kv_half"][0].tokens == 12 and pairs["kv_half"][0].seqlen_kv == 4
+    assert pairs["q_half"][0].tokens == 6 and pairs["q_half"][0].seqlen_q == 4

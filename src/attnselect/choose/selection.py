@@ -200,7 +200,13 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
 
 
 def _same_sizes(problem: AttentionProblem, other: AttentionProblem) -> bool:
-    return problem.batch == other.batch and problem.seqlen_q == other.seqlen_q and problem.seqlen_kv == other.seqlen_kv
+    """The same sizes, tokens included (a family's key, the problem at size 0, is shared by q's every row count)."""
+    return (
+        problem.batch == other.batch
+        and problem.seqlen_q == other.seqlen_q
+        and problem.seqlen_kv == other.seqlen_kv
+        and problem.tokens == other.tokens
+    )
 
 
 def _remember(memo: OrderedDict, key, value, cleared: int) -> None:

@@ -158,7 +158,9 @@ def _thd_halves_pairs(base: AttentionProblem, packing, halves: Halves, lengths) 
             packing._replace(cu_seqlens_kv=h, offsets_kv=h, max_seqlen_kv=s_kv // 2),
         ),
         "q_half": (
-            dataclasses.replace(base, mask="none", seqlen_q=s_q // 2, **packing_facts("none", None, half, full)),
+            dataclasses.replace(
+                base, mask="none", seqlen_q=s_q // 2, tokens=base.tokens // 2, **packing_facts("none", None, half, full)
+            ),
             packing._replace(cu_seqlens_q=h, offsets_q=h, max_seqlen_q=s_q // 2),
         ),
     }
