@@ -174,3 +174,4 @@ def test_warmup_makes_the_model_shapes_first_calls(capsys):
     assert main([*args, "--backend", "flash_attn4"]) == 1  # not installed here: each call reported
     assert "failed: thd" in capsys.readouterr().err
     assert main([*args, "--backend", "no_such_backend"]) == 2  # the library's error, before any call
+    assert main([*args, "--tokens", "24"]) == 0 and "2 seqs in 24 tokens" in capsys.readouterr().out

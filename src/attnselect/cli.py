@@ -167,6 +167,7 @@ def model_problems(a) -> list[AttentionProblem]:
                         layout=a.layout,
                         mask="causal",
                         training=training,
+                        tokens=getattr(a, "tokens", 0),
                     )
                 )
     return problems
@@ -311,6 +312,8 @@ def main(argv=None) -> int:
         p.add_argument("--phase", default="both", choices=["training", "inference", "both"])
         p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     warm.add_argument("--backend", help="force a backend, as the job does (default: ATTNSELECT_BACKEND)")
+    warm.add_argument("--tokens", type=int, default=0, help="thd: a packing's tokens, q's rows (default: half of "
+                      "--batch x --seqlen)")  # fmt: skip
     a = parser.parse_args(argv)
     try:
         return {
