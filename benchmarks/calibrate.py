@@ -40,8 +40,12 @@ def report(data: dict) -> str:
     lines.append("|---|" + "---|" * len(keys))
     for backend, times in sorted(data["host_us"].items()):
         lines.append(f"| {backend} | " + " | ".join(str(times.get(k, "-")) for k in keys) + " |")
-    lines += ["", "## GPU time per call (us) by work (1e6 score pairs x heads x (d_qk + d_v); packed: as "
-              "attnselect.choose.predict.work estimates it)", ""]
+    lines += [
+        "",
+        "## GPU time per call (us) by work (1e6 score pairs x heads x (d_qk + d_v); packed: as "
+        "attnselect.choose.predict.work estimates it)",
+        "",
+    ]
     lines += ["| backend | curve | points (work: us) |", "|---|---|---|"]
     for backend, curves in sorted(data["gpu"].items()):
         for key, points in sorted(curves.items()):
