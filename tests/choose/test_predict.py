@@ -186,6 +186,21 @@ def test_explain_prints_each_candidates_predicted_time_and_its_parts(calibrated)
     assert "(60.0," in row
 
 
+def test_explain_says_how_a_packed_call_s_work_was_taken(tmp_path, monkeypatch):
+    """Without q's rows a pack's work is every sequence at the longest (up to 50x its work): explain says so, and how
+    to give them."""
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))  # the packaged calibration
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+    packaged = Target.preset("h200", packages={"flash-attn-4": "4.0.0b36", "nvidia-cudnn-frontend": "1.32.0"},
+                             torch_version="2.11.0+cu130")  # fmt: skip
+    problem = AttentionProblem(52, 10269, 10269, 16, 16, 192, 128, layout="thd", mask="causal", training=True)
+    without, given = (attnselect.explain(dataclasses.replace(problem, tokens=t), target=packaged) for t in (0, 65536))
+    assert "ranked:  by predicted time" in without and "ranked:  by predicted time" in given
+    assert "work:    every sequence taken as long as the longest" in without and "work:" not in given
+    attnselect.clear_cache()
+
+
 def test_without_a_calibration_the_table_ranks_and_explain_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "_packaged", lambda arch: (_ for _ in ()).throw(FileNotFoundError(arch)))

@@ -131,6 +131,11 @@ class Decision:
                 f"ranked:  by predicted time in a stack of layers, the longer of host and GPU and "
                 f"{UNHIDDEN:.0%} of the shorter (calibration {self.calibration})"
             )
+            if self.problem.layout == "thd" and not self.problem.tokens and self.problem.batch > 1:
+                lines.append(  # attnselect.choose.predict.work
+                    "work:    every sequence taken as long as the longest, the most it can be: q's rows (tokens=, "
+                    "--tokens) estimate it"
+                )
         elif self.timings is None and self.calibration:
             lines.append(f"ranked:  by the rules table ({self.calibration})")
         lines.append("")
