@@ -556,6 +556,25 @@ def test_the_ladder_refuses_a_screen_that_could_leave_the_fastest_row_out(tmp_pa
         assert found.returncode == 2 and "--screen" in found.stderr
 
 
+def test_the_ladder_s_screen_keeps_a_row_whose_first_call_alone_is_slow():
+    """A forced row's first call at a new packing may pay a one-off (a self-check at a new size class, a graph for a
+    new shape): the screen takes each row's least of SCREEN_CALLS calls, so only a row slow at every call leaves."""
+    import types
+
+    ladder = _benchmark("ladder")
+    calls = {"forced once slow": 0}
+
+    def once_slow(x, packing):
+        calls["forced once slow"] += 1
+        time.sleep(0.05 if calls["forced once slow"] == 1 else 0.001)
+
+    rows = {"attnselect default": lambda x, p: time.sleep(0.001), "forced once slow": once_slow,
+            "forced always slow": lambda x, p: time.sleep(0.05)}  # fmt: skip
+    x = types.SimpleNamespace(grad=None, packing=lambda name: None)
+    screened = ladder.screen(rows, x, types.SimpleNamespace(screen=3.0, device="cpu"), {})
+    assert list(screened) == ["forced always slow"] and calls["forced once slow"] == ladder.SCREEN_CALLS
+
+
 def test_hot_path_smoke(tmp_path):
     _run("benchmarks/hot_path.py", "--calls", "3", "--repeats", "3", "--out", str(tmp_path / "hot"))
     rows = json.loads((tmp_path / "hot.json").read_text())["cases"][0]["rows"]
