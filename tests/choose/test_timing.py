@@ -395,7 +395,7 @@ def test_spanning_packings_range_the_longest_sequence_from_an_even_share_to_the_
     total = packings.tokens_q
     for p in spanning:
         lengths = torch.diff(p.cu_seqlens_q)
-        assert int(lengths.sum()) == total and int(lengths.min()) >= 0 and int(lengths.max()) == p.max_seqlen_q
+        assert int(lengths.sum()) == total and int(lengths.min()) >= 1 and int(lengths.max()) == p.max_seqlen_q
         assert lengths.numel() <= batch and p.cu_seqlens_kv is p.cu_seqlens_q
     longest = sorted({p.max_seqlen_q for p in spanning})
     assert longest[0] == -(-total // batch) and longest[-1] == min(seqlen, total)

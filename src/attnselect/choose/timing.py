@@ -387,13 +387,14 @@ class NewPackings:
     def spanning(self) -> list[Packing]:
         """Packings of these tokens whose longest sequence spans every length they allow, from the tokens' even share
         of B sequences up to S, in steps of about sqrt(2): at each longest length, one with as few sequences as hold
-        the tokens and one with as many as B allows, the others sharing the rest evenly. A packed job's packings range
-        over these works, and its choice with them (attnselect.warmup makes each choice's first call)."""
+        the tokens and one with as many as B allows (none empty), the others sharing the rest evenly. A packed job's
+        packings range over these works, and its choice with them (attnselect.warmup makes each choice's first
+        call)."""
         batch, units = self._batch, self._units
         least, most = -(-units // batch), min(self._unit, units)
         found = []
         for top in sorted({min(round(least * 2 ** (i / 2)), most) for i in range(64)}):
-            for count in sorted({-(-units // top), batch}):
+            for count in sorted({-(-units // top), min(batch, units - top + 1)}):  # no empty sequence
                 rest = units - top
                 even = [rest // (count - 1) + (i < rest % (count - 1)) for i in range(count - 1)] if count > 1 else []
                 cu_q, cu_kv, max_q, max_kv = self._packing([top, *even])
