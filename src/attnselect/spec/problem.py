@@ -349,9 +349,13 @@ class AttentionProblem:
         )
 
     def to_dict(self) -> dict:
+        """The fields as JSON values; ``tokens`` only where known (a packed call's), so the keys of decisions stored,
+        and of reports, before the field existed still name the same problems."""
         d = dataclasses.asdict(self)
         d["dtype"] = dtype_name(self.dtype)
         d["window"] = list(self.window) if self.window else None
+        if not self.tokens:
+            del d["tokens"]
         return d
 
     @classmethod
