@@ -372,7 +372,9 @@ def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> Wa
     started = time.perf_counter()
     with torch.enable_grad() if problem.training else torch.no_grad():
         try:
-            described = _warm_call(q, k, v, grad_out, kwargs, controls, problem.training, device, target)
+            described = AttentionProblem.from_tensors(q, k, v, **kwargs)
+            _warm_call(described, select(described, target=target, **controls), q, k, v, grad_out, kwargs, controls,
+                       device)  # fmt: skip
             chosen = select(described, target=target, **controls).chosen
             warmed = {chosen}
             for p in packings.spanning() if packings is not None else ():
@@ -381,26 +383,24 @@ def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> Wa
                 kwargs.update(cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_kv=p.cu_seqlens_kv,
                               max_seqlen_q=p.max_seqlen_q, max_seqlen_kv=p.max_seqlen_kv)  # fmt: skip
                 other = AttentionProblem.from_tensors(q, k, v, **kwargs)
-                if select(other, target=target, **controls).ranked[0] not in warmed:
-                    _warm_call(q, k, v, grad_out, kwargs, controls, problem.training, device, target)
-                    warmed.add(select(other, target=target, **controls).chosen)
+                decision = select(other, target=target, **controls)
+                if decision.ranked[0] not in warmed:  # the fastest, paid below where it has a first call to pay
+                    _warm_call(other, decision, q, k, v, grad_out, kwargs, controls, device)
+                    warmed.add(decision.ranked[0])
         except Exception as exc:  # reported: the job's call would meet the same
             return WarmedUp(problem, "", time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:300])
         seconds = time.perf_counter() - started
     return WarmedUp(problem, str(chosen), seconds, None)
 
 
-def _warm_call(q, k, v, grad_out, kwargs: dict, controls: dict, training: bool, device: torch.device, target):
-    """A warm-up call of these tensors and arguments, its problem returned. Where the fastest candidate has a first
-    call to pay, warm-up makes it, not the rented one's (a rental may defer another one on the way); a failure falls
-    back and is recorded as in the job."""
-    described = AttentionProblem.from_tensors(q, k, v, **kwargs)
-    decision = select(described, target=target, **controls)
+def _warm_call(described: AttentionProblem, decision, q, k, v, grad_out, kwargs: dict, controls: dict, device) -> None:
+    """A warm-up call of these tensors and arguments (``described``, decided as ``decision``). Where the fastest
+    candidate has a first call to pay, warm-up makes it, not the rented one's (a rental may defer another one on the
+    way); a failure falls back and is recorded as in the job."""
     if decision.rental is not None:
         first_calls.paid(decision.ranked[0], described)
         clear_cache()
-    _call(q, k, v, grad_out, kwargs, controls, training, device)
-    return described
+    _call(q, k, v, grad_out, kwargs, controls, described.training, device)
 
 
 def _call(q, k, v, grad_out, kwargs: dict, controls: dict, training: bool, device: torch.device) -> None:

@@ -202,10 +202,11 @@ def parse(text: str, source: str) -> dict | None:
 
 def _problem(data) -> str | None:
     """What makes ``data`` not a calibration of this format (None: nothing)."""
-    if not isinstance(data, dict) or type(data.get("format")) is not int or data["format"] != FORMAT:
-        if isinstance(data, dict) and type(data.get("format")) is int and data["format"] < FORMAT:
-            return (f"a calibration of format {data['format']}, an older attnselect's (its packed work differs): "
-                    f"`attnselect calibrate` makes one of format {FORMAT}")  # fmt: skip
+    found = data.get("format") if isinstance(data, dict) else None
+    if type(found) is int and found < FORMAT:
+        return (f"a calibration of format {found}, an older attnselect's (its packed work differs): "
+                f"`attnselect calibrate` makes one of format {FORMAT}")  # fmt: skip
+    if type(found) is not int or found != FORMAT:
         return f"not a calibration of format {FORMAT}"
     fp = data.get("fingerprint")
     if not (isinstance(fp, dict) and set(fp) == {"name", "capability", "torch", "cudnn", "packages", "attnselect"}):
