@@ -40,6 +40,13 @@ def report(data: dict) -> str:
     lines.append("|---|" + "---|" * len(keys))
     for backend, times in sorted(data["host_us"].items()):
         lines.append(f"| {backend} | " + " | ".join(str(times.get(k, "-")) for k in keys) + " |")
+    new_packing = data.get("new_packing_us", {})
+    if new_packing:  # packed: on a new packing each call, beside the time on a packing already seen
+        keys = sorted({k for v in new_packing.values() for k in v})
+        lines += ["", "## Host time per packed call on a new packing each call (us; on one seen: above)", "",
+                  "| backend | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]  # fmt: skip
+        for backend, times in sorted(new_packing.items()):
+            lines.append(f"| {backend} | " + " | ".join(str(times.get(k, "-")) for k in keys) + " |")
     lines += [
         "",
         "## GPU time per call (us) by work (1e6 score pairs x heads x (d_qk + d_v); packed: as "
@@ -97,13 +104,14 @@ def main() -> None:
                 raise SystemExit(f"{name}: {calibration._problem(part)}")
         if any(p["fingerprint"] != parts[0]["fingerprint"] for p in parts):
             raise SystemExit("the parts ran on different machines or versions")
-        data = dict(parts[0], host_us={}, gpu={}, first_call_ms={}, new_size_ms={})
+        data = dict(parts[0], host_us={}, new_packing_us={}, gpu={}, first_call_ms={}, new_size_ms={})
         for marker, says in (("--quick", " (merged with a --quick part)"), (PARTIAL, PARTIAL)):
             if any(marker in part["source"] for part in parts) and marker not in data["source"]:
                 data["source"] += says  # what a part was not, the whole is not: --package refuses it
         for part in parts:
-            for backend, times in part["host_us"].items():
-                data["host_us"].setdefault(backend, {}).update(times)
+            for name in ("host_us", "new_packing_us"):
+                for backend, times in part.get(name, {}).items():
+                    data[name].setdefault(backend, {}).update(times)
             for backend, curves in part["gpu"].items():
                 data["gpu"].setdefault(backend, {}).update(curves)
             for name in ("first_call_ms", "new_size_ms"):
@@ -134,7 +142,8 @@ def main() -> None:
         data = calibrate.host_times(json.loads(pathlib.Path(a.host_from).read_text()), attention=attnselect.attention,
                                     progress=calibrate.print_progress)  # fmt: skip
         data["source"] += (
-            f"; host times measured again through attnselect.attention, side by side, {time.strftime('%Y-%m-%d')}"
+            "; host times measured again through attnselect.attention, side by side (packed: on a packing seen and "
+            f"on a new packing each call), {time.strftime('%Y-%m-%d')}"
         )
         pathlib.Path(a.out + ".json").write_text(json.dumps(data, indent=1))
         pathlib.Path(a.out + ".md").write_text(report(data))

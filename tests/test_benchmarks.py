@@ -258,6 +258,19 @@ def test_new_packing_host_stages_compare_two_checkouts(tmp_path):
     assert (tmp_path / "cmp.md").read_text().count("| select_packed, a new work class |") == 2
 
 
+def test_new_packing_host_measures_a_packed_backend_on_a_packing_seen_and_on_new_ones(monkeypatch):
+    from attnselect.bench import calibrate
+
+    monkeypatch.setattr(calibrate, "PACKED_LADDER", ((2, 16),))
+    monkeypatch.setattr(calibrate, "HOST_ROUNDS", 2)
+    bench = _benchmark("new_packing_host")
+    assert {"thd inference", "thd training"} <= set(bench.packaged_keys()["flash_attn4"])
+    data = bench.measure({"flex": ["thd inference", "dense inference"]})  # flex packs inference on the CPU
+    assert set(data["seen_packing_us"]) == {"flex"} and set(data["seen_packing_us"]["flex"]) == {"thd inference"}
+    assert data["new_packing_us"]["flex"]["thd inference"] > 0
+    assert "| flex | thd inference |" in bench.report(data)
+
+
 def test_calibrate_smoke(tmp_path):
     for pair in ("64/64", "128/128"):
         _run("benchmarks/calibrate.py", "--quick", "--pairs", pair, "--out", str(tmp_path / pair.replace("/", "_")))

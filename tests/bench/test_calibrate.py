@@ -102,6 +102,55 @@ def test_packed_calls_are_timed_by_the_candidates_that_pack_with_a_new_packing_e
     assert data["gpu"]["flex"]["thd 24/16 inference"][0][0] == round(expected, 3) != round(work(problem), 3)
 
 
+def test_packed_host_times_are_taken_on_a_packing_seen_and_on_a_new_packing_each_call(monkeypatch):
+    """A packed step's first layer decides and prepares for a new packing: new_packing_us times a call on a packing
+    drawn (before the clock starts) for it alone, each candidate on packings of its own; host_us one repeated."""
+    monkeypatch.setattr(calibrate, "SKIPPED", ("reference", "sdpa_math"))  # flex packs on the CPU (inference)
+    monkeypatch.setattr(calibrate, "LADDER", ((1, 16),))
+    monkeypatch.setattr(calibrate, "PACKED_LADDER", ((2, 16),))
+    packings = []
+
+    def attention(*args, **kwargs):
+        if kwargs.get("layout") == "thd":
+            packings.append((kwargs["backend"], kwargs["pad"], kwargs["cu_seqlens_q"]))  # kept: ids stay apart
+        return attnselect.attention(*args, **kwargs)
+
+    data = calibrate.run(attention=attention, pairs=((24, 16),))
+    assert calibration._problem(data) is None
+    assert set(data["new_packing_us"]["flex"]) == {"thd inference", "thd+pad inference"} <= set(data["host_us"]["flex"])
+    assert not any(key.startswith("dense") for times in data["new_packing_us"].values() for key in times)
+    calls = 3 + calibrate.HOST_ROUNDS * calibrate.HOST_CALLS  # warm-up and timed calls of a step
+    assert calls <= NewPackings.COUNT  # none comes back to a packing it has seen
+    for pad in (False, True):
+        drawn = [id(cu) for backend, padded, cu in packings if backend == "flex" and padded == pad]
+        assert len(drawn) >= 2 * calls and len(set(drawn)) >= calls  # one packing repeated, then a new one each call
+    # a candidate's packings are its own: seeded apart
+    problem = AttentionProblem(2, 16, 16, 16, 16, 24, 16, torch.float32, layout="thd", mask="causal")
+    candidates = [Candidate("flex"), Candidate("flex", 24)]
+    steps = calibrate._new_packing_steps(attention, candidates, problem, (None,) * 5, torch.device("cpu"))
+    assert all(callable(step.prepare) for step in steps.values())
+    seeded = [NewPackings(problem, torch.device("cpu"), seed=seed).sizes() for seed in (1, 2)]
+    assert seeded[0] != seeded[1]
+    # measured again with the host times (attnselect calibrate's host step)
+    stale = dict(data, new_packing_us={b: {key: 1e9 for key in times} for b, times in data["new_packing_us"].items()})
+    again = calibrate.host_times(stale, attention=attnselect.attention)["new_packing_us"]
+    assert again.keys() == data["new_packing_us"].keys() and all(us < 1e9 for us in again["flex"].values())
+
+
+def test_a_step_s_next_packing_is_drawn_before_its_clock_starts(monkeypatch):
+    monkeypatch.setattr(calibrate, "HOST_ROUNDS", 1)
+    monkeypatch.setattr(calibrate, "HOST_CALLS", 3)
+    clock = []
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock.append("clock") or 0.0)
+
+    def step():
+        clock.append("call")
+
+    step.prepare = lambda: clock.append("prepare")
+    calibrate._host_us({"a": step}, torch.device("cpu"))
+    assert clock[3:] == ["prepare", "clock", "call", "clock"] * 3  # after the warm-up's 3 calls
+
+
 def test_host_times_are_measured_again_through_attention_on_the_machine_that_calibrated(monkeypatch):
     monkeypatch.setattr(calibrate, "LADDER", ((1, 16),))
     data = calibrate.run(attention=attnselect.attention, pairs=((24, 16),))

@@ -250,8 +250,9 @@ PACKED = AttentionProblem(8, 2048, 2048, 16, 16, 192, 128, layout="thd", mask="c
 
 
 def test_packed_calls_rank_by_their_calibrated_curves_and_per_sequence_candidates_after(calibrated):
-    """A packed candidate's curve was timed with a new packing every call, so what it rebuilds per packing is in
-    its host time; candidates that run sequence by sequence are not calibrated and rank after the packed ones."""
+    """A packed candidate's curve was timed with a new packing every call, so what it rebuilds per packing on the
+    GPU is in its GPU time; candidates that run sequence by sequence are not calibrated and rank after the packed
+    ones."""
     data = sample()
     data["host_us"]["flash_attn4"].update({"thd training": 400.0, "thd+pad training": 420.0})
     data["gpu"]["flash_attn4"].update({"thd 192/128 training": [[10.0, 30.0], [1e4, 900.0]],
@@ -265,6 +266,37 @@ def test_packed_calls_rank_by_their_calibrated_curves_and_per_sequence_candidate
     assert packs == sorted(packs, reverse=True)  # every packed candidate first
     per_sequence = [c for c, p in zip(decision.ranked, packs) if not p]
     assert per_sequence and all(decision.predictions[c] is None for c in per_sequence)
+
+
+def test_a_packed_call_s_host_time_is_spread_over_the_calls_that_share_its_packing(calibrated):
+    """The first call of a packing decides and prepares for it (new_packing_us); the others sharing it take the
+    time of a call on a packing seen: a stack ranks by their mean, a call alone waits for the first's."""
+    data = sample()
+    data["host_us"]["flash_attn4"].update({"thd training": 400.0, "dense training": 50.0})
+    data["new_packing_us"] = {"flash_attn4": {"thd training": 1200.0}}
+    data["host_us"]["flash_attn4"]["thd+pad training"] = 420.0
+    data["gpu"]["flash_attn4"].update({"thd 192/128 training": [[10.0, 30.0], [1e4, 900.0]],
+                                       "thd 192/128+pad training": [[10.0, 35.0], [1e4, 1100.0]]})  # fmt: skip
+    assert calibration._problem(data) is None
+    packed = predict.predict(Candidate("flash_attn4"), PACKED, data)
+    assert packed.host_us == 400.0 + 800.0 / predict.PACKING_SHARED_BY and packed.new_packing_host_us == 1200.0
+    assert packed.alone_us == 1200.0 + packed.gpu_us
+    assert str(packed).endswith(f"(host 500.0, a new packing's call 1200.0, GPU {packed.gpu_us:.1f})")
+    dense = predict.predict(Candidate("flash_attn4"), dataclasses.replace(PACKED, layout="bshd"), data)
+    assert dense.host_us == 50.0 and dense.new_packing_host_us is None  # a dense call has no packing
+    captured = predict.predict(Candidate("flash_attn4"), dataclasses.replace(PACKED, cuda_graph_capture=True), data)
+    assert captured.host_us == 0.0 and captured.new_packing_host_us is None  # a replay issues nothing
+    noisy = dict(data, host_us=dict(data["host_us"], flash_attn4={"thd training": 1500.0}))
+    below = predict.predict(Candidate("flash_attn4"), PACKED, noisy)  # a new packing's below a seen one's: noise
+    assert below.host_us == below.new_packing_host_us == 1500.0
+    for bad in ({"flash_attn4": {"dense training": 1.0}}, {"flash_attn4": {"thd training": -1.0}}, [1.0]):
+        assert "new_packing_us" in calibration._problem(dict(data, new_packing_us=bad))
+    calibration.user_path(H200).write_text(json.dumps(data))
+    calibration.parse.cache_clear()
+    attnselect.clear_cache()
+    report = attnselect.explain(PACKED, target=H200)
+    assert "host:    a packed call's, the mean over 8 calls sharing a packing" in report
+    assert "on a new packing: flash_attn4 native 1200.0 us" in report
 
 
 def test_a_calibration_without_packed_curves_leaves_packed_calls_to_the_table(calibrated):

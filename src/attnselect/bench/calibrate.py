@@ -6,7 +6,8 @@ where the dims differ; not those of :data:`SKIPPED`), it times a dense causal ca
 GPU's); per backend, padding and phase, the host's time to issue one call at the smallest size that serves it, while
 the GPU is busy (the candidates side by side, in interleaved rounds: :func:`_host_us`), through
 :func:`attnselect.attention` as a model's layers call it again and again (:func:`attention_step`: its memoized path
-and prepared runner); and per backend, what the first call of a
+and prepared runner), and for packed calls also on a new packing each call (a step's first layer, which
+decides and prepares for the packing: ``new_packing_us``); and per backend, what the first call of a
 configuration costs on top of a later one (a JIT compile). Packed (thd) calls are timed too, by candidates that pack
 (sequence by sequence is never the fast path), over :data:`PACKED_LADDER` with a new packing every call
 (:class:`~attnselect.choose.timing.NewPackings`: a typical packing of the problem's size, so per-packing builds
@@ -31,7 +32,7 @@ from attnselect.backends.base import get as backend_named
 from attnselect.choose import calibration
 from attnselect.choose.candidates import judge
 from attnselect.choose.predict import work
-from attnselect.choose.timing import _sized_call, candidate_step, random_inputs, time_steps
+from attnselect.choose.timing import NewPackings, _sized_call, candidate_step, random_inputs, time_steps
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 
@@ -79,6 +80,7 @@ def run(
     jobs = [(pair, layout, training) for pair in pairs for training in phases for layout in ladders]
     gpu: dict = {}
     host: dict = {}
+    new_packing: dict = {}
     for index, (pair, layout, training) in enumerate(jobs):
         if progress:
             progress(index, len(jobs), f"{layout} {pair[0]}/{pair[1]} {'training' if training else 'inference'}")
@@ -112,20 +114,26 @@ def run(
                 key = calibration.curve_key(layout, *pair, c.padded, training)
                 point = [round(_timed_work(problem, inputs[4]), 3), round(timing.median_ms * 1e3, 2)]
                 gpu.setdefault(c.backend, {}).setdefault(key, []).append(point)
+            kinds = {c: calibration.host_key(layout, c.padded, training) for c in candidates
+                     if not isinstance(timed.get(c), Exception)}  # fmt: skip
             unmeasured = {  # at the smallest size that serves it, side by side
                 c: attention_step(attention, c, problem, inputs, device)
-                for c in candidates
-                if calibration.host_key(layout, c.padded, training) not in host.get(c.backend, {})
-                and not isinstance(timed.get(c), Exception)
+                for c, kind in kinds.items()
+                if kind not in host.get(c.backend, {})
             }
             for c, issued in _host_us(unmeasured, device).items():
-                host.setdefault(c.backend, {})[calibration.host_key(layout, c.padded, training)] = round(issued, 2)
+                host.setdefault(c.backend, {})[kinds[c]] = round(issued, 2)
+            if layout == "thd":  # and on a new packing each call
+                unmeasured = [c for c, kind in kinds.items() if kind not in new_packing.get(c.backend, {})]
+                steps = _new_packing_steps(attention, unmeasured, problem, inputs, device)
+                for c, issued in _host_us(steps, device).items():
+                    new_packing.setdefault(c.backend, {})[kinds[c]] = round(issued, 2)
             del steps, inputs
         if checkpoint:
-            checkpoint(_result(target, quick, host, gpu, first))
+            checkpoint(_result(target, quick, host, new_packing, gpu, first))
     if progress:
         progress(len(jobs), len(jobs), "done")
-    return _result(target, quick, host, gpu, first)
+    return _result(target, quick, host, new_packing, gpu, first)
 
 
 def _timed_work(problem: AttentionProblem, packings) -> float:
@@ -139,7 +147,24 @@ def _timed_work(problem: AttentionProblem, packings) -> float:
     )
 
 
-def _result(target: Target, quick: bool, host: dict, gpu: dict, first: dict) -> dict:
+def _new_packing_steps(attention, candidates, problem: AttentionProblem, inputs: tuple, device) -> dict:
+    """{candidate: :func:`attention_step` on a new packing each call}: each candidate its own seeded packings of
+    the problem's size (as many as its host rounds draw), so that none comes back to one it has seen."""
+    q, k, v, grad_out, _ = inputs
+    return {
+        c: attention_step(
+            attention,
+            c,
+            problem,
+            (q, k, v, grad_out, NewPackings(problem, device, seed=1 + index)),
+            device,
+            new_packing=True,
+        )  # fmt: skip
+        for index, c in enumerate(candidates)
+    }
+
+
+def _result(target: Target, quick: bool, host: dict, new_packing: dict, gpu: dict, first: dict) -> dict:
     return {
         "format": calibration.FORMAT,
         "fingerprint": calibration.fingerprint(target),
@@ -147,6 +172,7 @@ def _result(target: Target, quick: bool, host: dict, gpu: dict, first: dict) -> 
         "date": time.strftime("%Y-%m-%d"),
         "source": "attnselect calibrate" + (" --quick" if quick else ""),
         "host_us": host,
+        "new_packing_us": new_packing,
         "gpu": {b: {k: _increasing(points) for k, points in curves.items()} for b, curves in gpu.items()},
         **first,
         "skipped": list(SKIPPED),
@@ -264,19 +290,24 @@ def _first_call_extra(step, device) -> float | None:
     return max(first - second, 0.0)
 
 
-def attention_step(attention, candidate, problem: AttentionProblem, inputs: tuple, device: torch.device):
+def attention_step(attention, candidate, problem: AttentionProblem, inputs: tuple, device: torch.device,
+                   *, new_packing: bool = False):  # fmt: skip
     """``step()``: the call as a model makes it again and again, ``attention`` (:func:`attnselect.attention`) with
     the candidate forced (``backend=``, ``pad=``), with its backward in training; packed, on one packing (the layers
-    of a step share it). Its host time is what the rules predict with: attention()'s memoized path and the runner it
-    prepared (the SDPA kernels' aten ops called directly), not a backend's unprepared run. The calibration's problems
-    are causal, without the options a call may add."""
+    of a step share it), or with ``new_packing`` on the next packing each call, drawn by ``step.prepare()`` (a data
+    loader's work, before the clock starts: :func:`_host_us`). Its host time is what the rules predict with:
+    attention()'s memoized path and the runner it prepared (the SDPA kernels' aten ops called directly), not a
+    backend's unprepared run. The calibration's problems are causal, without the options a call may add."""
     q, k, v, grad_out, packings = inputs
-    kwargs = dict(layout=problem.layout, causal=True)
-    if packings is not None:
+    kwargs = dict(layout=problem.layout, causal=True, backend=candidate.backend, pad=candidate.padded)
+
+    def prepare():
         p = packings()
         kwargs.update(cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_kv=p.cu_seqlens_kv, max_seqlen_q=p.max_seqlen_q,
                       max_seqlen_kv=p.max_seqlen_kv)  # fmt: skip
-    kwargs.update(backend=candidate.backend, pad=candidate.padded)
+
+    if packings is not None:
+        prepare()
 
     def step():
         out = attention(q, k, v, **kwargs)
@@ -284,20 +315,24 @@ def attention_step(attention, candidate, problem: AttentionProblem, inputs: tupl
             torch.autograd.grad(out, (q, k, v), grad_out)
         return out
 
+    if packings is not None and new_packing:
+        step.prepare = prepare
     return step
 
 
 def host_times(data: dict, target: Target | None = None, *, attention, progress=None) -> dict:
     """``data`` (a calibration of this machine) with the host times of its installed backends measured again
-    through ``attention`` (:func:`attention_step`), at the smallest ladder size, 128/128 native and 192/128 padded;
-    the others' are kept (their packages absent here: a package measured again needs the version calibrated, which
-    the fingerprint's packages keep). Raises ValueError where ``data`` ran on another GPU or library versions."""
+    through ``attention`` (:func:`attention_step`), at the smallest ladder size, 128/128 native and 192/128 padded,
+    packed ones on one packing (``host_us``) and on a new packing each call (``new_packing_us``); the others' are
+    kept (their packages absent here: a package measured again needs the version calibrated, which the
+    fingerprint's packages keep). Raises ValueError where ``data`` ran on another GPU or library versions."""
     target = target or Target.current()
     if calibration.machine(data["fingerprint"]) != calibration.machine(calibration.fingerprint(target)):
         raise ValueError(f"the calibration ran on {data['device']}, not here ({target.describe()})")
     device = torch.device("cuda" if target.is_cuda else "cpu")
     dtype = torch.bfloat16 if target.is_cuda else torch.float32
     host = {backend: dict(times) for backend, times in data["host_us"].items()}
+    new_packing = {backend: dict(times) for backend, times in data.get("new_packing_us", {}).items()}
     jobs = [(layout, padded, training) for layout in ("bshd", "thd") for padded in (False, True)
             for training in (False, True)]  # fmt: skip
     for index, (layout, padded, training) in enumerate(jobs):
@@ -318,9 +353,12 @@ def host_times(data: dict, target: Target | None = None, *, attention, progress=
             steps[c] = attention_step(attention, c, problem, inputs, device)
         for c, issued in _host_us(steps, device).items():
             host[c.backend][key] = round(issued, 2)
+        if layout == "thd":
+            for c, issued in _host_us(_new_packing_steps(attention, steps, problem, inputs, device), device).items():
+                new_packing.setdefault(c.backend, {})[key] = round(issued, 2)
     if progress:
         progress(len(jobs), len(jobs), "done")
-    return dict(data, host_us=host)
+    return dict(data, host_us=host, new_packing_us=new_packing)
 
 
 def _host_us(steps: dict, device) -> dict:
@@ -343,8 +381,10 @@ def _host_us(steps: dict, device) -> dict:
             if key not in issued:
                 continue
             times = []
+            prepare = getattr(steps[key], "prepare", _nothing)  # a new packing's boundaries, before the clock starts
             try:
                 for _ in range(HOST_CALLS):
+                    prepare()
                     if device.type == "cuda":
                         torch.cuda._sleep(2_000_000)  # about a millisecond: the call's issue does not wait for the GPU
                     started = time.perf_counter()
@@ -357,6 +397,10 @@ def _host_us(steps: dict, device) -> dict:
                 continue
             issued[key].append(statistics.median(times))
     return {key: min(rounds) * 1e6 for key, rounds in issued.items()}
+
+
+def _nothing() -> None:
+    pass
 
 
 def print_progress(done: int, total: int, what: str) -> None:

@@ -4,8 +4,9 @@ A calibration (written by ``attnselect calibrate`` on the user's GPU, or shipped
 ``benchmarks/calibrate.py``: ``attnselect/data/calibration_<arch>.json``) holds, per backend:
 
 - ``host_us``: the host's time to issue one call (forward, or forward and backward), by layout, padding and phase
-  (:func:`host_key`: ``"dense inference"``, ``"thd+pad training"``, a new packing every call), at a size where the
-  GPU waits for the host;
+  (:func:`host_key`: ``"dense inference"``, ``"thd+pad training"``; packed, on a packing already seen), at a size
+  where the GPU waits for the host; ``new_packing_us`` likewise for packed calls on a new packing each call (its
+  decision and its runner's per-packing work), where measured;
 - ``gpu``: the GPU's time of a call over a ladder of work sizes, by candidate key
   (:func:`curve_key`: layout, the call's head dims, ``+pad`` for the padded candidate, phase), as [work, us] points
   (:func:`attnselect.choose.predict.work`; format 2 estimates a packed call's from its tokens, format 1 took every
@@ -226,6 +227,15 @@ def _problem(data) -> str | None:
     for backend, times in host.items():
         if not (isinstance(times, dict) and all(HOST_KEY.fullmatch(k) and _is_time(t) for k, t in times.items())):
             return f"host_us[{backend!r}] is not a dict of times by layout, padding and phase"
+    new_packing = data.setdefault("new_packing_us", {})
+    if not isinstance(new_packing, dict):
+        return "new_packing_us is not a dict"
+    for backend, times in new_packing.items():
+        packed = isinstance(times, dict) and all(
+            HOST_KEY.fullmatch(k) and k.startswith("thd") and _is_time(t) for k, t in times.items()
+        )
+        if not packed:
+            return f"new_packing_us[{backend!r}] is not a dict of times by packed layout, padding and phase"
     if not isinstance(gpu, dict):
         return "gpu is not a dict"
     for backend, curves in gpu.items():

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from attnselect.choose import calibration, first_calls, rules
 from attnselect.choose.first_calls import Rental
-from attnselect.choose.predict import UNHIDDEN
+from attnselect.choose.predict import PACKING_SHARED_BY, UNHIDDEN
 from attnselect.choose.settings import Overrides
 from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
@@ -131,6 +131,13 @@ class Decision:
                 f"ranked:  by predicted time in a stack of layers, the longer of host and GPU and "
                 f"{UNHIDDEN:.0%} of the shorter (calibration {self.calibration})"
             )
+            new_packing = {c: p.new_packing_host_us for c, p in self.predictions.items()
+                           if p is not None and p.new_packing_host_us is not None}  # fmt: skip
+            if new_packing:  # attnselect.choose.predict.curve
+                lines.append(
+                    f"host:    a packed call's, the mean over {PACKING_SHARED_BY} calls sharing a packing, the first "
+                    "on a new packing: " + ", ".join(f"{c} {us:.1f} us" for c, us in new_packing.items())
+                )
             if self.problem.layout == "thd" and not self.problem.tokens and self.problem.batch > 1:
                 lines.append(  # attnselect.choose.predict.work
                     "work:    every sequence taken as long as the longest, the most it can be: q's rows (tokens=, "

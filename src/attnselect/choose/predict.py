@@ -8,11 +8,13 @@ throughput above it. Work is the score pairs the mask leaves visible times the q
 loop's new packing every step finds its ranking made (:func:`attnselect.choose.selection.select_packed`). Where the
 call's head dims were not calibrated, the candidate's curve at the nearest calibrated dims (by d_qk + d_v) stands
 in, and the prediction says so. The host time is the backend's time to issue a call of that layout and phase (none
-for a call captured into a CUDA graph: its replays issue nothing on the host).
+for a call captured into a CUDA graph: its replays issue nothing on the host). A packed call's is the mean over the
+:data:`PACKING_SHARED_BY` calls of a step that share its packing, where the calibration measured a new packing's
+call (``new_packing_us``: its decision and its runner's per-packing work) beside a call on a packing already seen.
 
 The two combine as a stack of layers runs them (:data:`UNHIDDEN`): a model issues its layers' calls back to back, so
 while the GPU runs one call the host issues the next, and a step takes the longer of the two and part of the shorter
-(a call alone, synchronised, takes their sum).
+(a call alone, synchronised, takes their sum; packed, a new packing's host time).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from attnselect.spec.problem import AttentionProblem
 # +0.155 on the 144 rows where neither time is twice the other; with a quarter of the shorter added, -0.003 and
 # -0.034 (a half: -0.055 and -0.178). A call alone: +0.032 against host + GPU.
 UNHIDDEN = 0.25
+# The calls that share a packed step's packing, in a stack's prediction: the first pays the new packing's host time
+# (its decision, its runner's per-packing work), the others the time of a call on a packing already seen. The size
+# ladder's stacks share a packing across 8 layers (benchmarks/ladder.py, --layers); a model has as many or more.
+PACKING_SHARED_BY = 8
 
 
 @dataclass(frozen=True)
@@ -40,9 +46,11 @@ class Prediction:
     """A candidate's predicted host and GPU times for a call, and how they combine (worked out once: rankings read
     them many times a draw)."""
 
-    host_us: float
+    host_us: float  # a call's host time in a stack of layers (packed: the mean over the calls sharing a packing)
     gpu_us: float
     basis: str  # the curve it comes from, e.g. "dense 192/128 training" or "... (nearest calibrated dims)"
+    # packed: the host time of a new packing's call, where calibrated (a call alone on a new packing waits for it)
+    new_packing_host_us: float | None = None
     # a call's time in a stack of layers, where the host's work overlaps the GPU's but for UNHIDDEN of the shorter:
     # what candidates rank by
     total_us: float = field(init=False, compare=False, repr=False)
@@ -52,10 +60,12 @@ class Prediction:
     def __post_init__(self) -> None:
         longer, shorter = max(self.host_us, self.gpu_us), min(self.host_us, self.gpu_us)
         object.__setattr__(self, "total_us", longer + UNHIDDEN * shorter)
-        object.__setattr__(self, "alone_us", self.host_us + self.gpu_us)
+        alone_host = self.host_us if self.new_packing_host_us is None else self.new_packing_host_us
+        object.__setattr__(self, "alone_us", alone_host + self.gpu_us)
 
     def __str__(self) -> str:
-        return f"{self.total_us:.1f} us (host {self.host_us:.1f}, GPU {self.gpu_us:.1f})"
+        first = "" if self.new_packing_host_us is None else f", a new packing's call {self.new_packing_host_us:.1f}"
+        return f"{self.total_us:.1f} us (host {self.host_us:.1f}{first}, GPU {self.gpu_us:.1f})"
 
 
 def visible_pairs(mask: str, window, seqlen_q: int, seqlen_kv: int) -> int:
@@ -142,6 +152,7 @@ class Curve(NamedTuple):
     host_us: float
     points: list
     basis: str
+    new_packing_host_us: float | None = None
 
     def at(self, problem: AttentionProblem) -> Prediction:
         """The predicted time of ``problem``'s call, at its work class."""
@@ -149,7 +160,8 @@ class Curve(NamedTuple):
 
     def at_class(self, work_class: int) -> Prediction:
         """The predicted time of a call of this work class."""
-        return Prediction(host_us=self.host_us, gpu_us=_along(self.points, class_work(work_class)), basis=self.basis)
+        gpu = _along(self.points, class_work(work_class))
+        return Prediction(self.host_us, gpu, self.basis, self.new_packing_host_us)
 
 
 def predict(candidate: Candidate, problem: AttentionProblem, calibration: dict) -> Prediction | None:
@@ -162,11 +174,8 @@ def predict(candidate: Candidate, problem: AttentionProblem, calibration: dict) 
 def curve(candidate: Candidate, problem: AttentionProblem, calibration: dict) -> Curve | None:
     """The :class:`Curve` that predicts ``candidate``'s calls like ``problem`` (its layout, head dims, padding, phase
     and capture, not its sizes), or None where the calibration has no curve or host time of its backend for them."""
-    host = (
-        calibration["host_us"]
-        .get(candidate.backend, {})
-        .get(host_key(problem.layout, candidate.padded, problem.training))
-    )
+    kind = host_key(problem.layout, candidate.padded, problem.training)
+    host = calibration["host_us"].get(candidate.backend, {}).get(kind)
     curves = calibration["gpu"].get(candidate.backend, {})
     key = curve_key(problem.layout, problem.head_dim_qk, problem.head_dim_v, candidate.padded, problem.training)
     basis = key
@@ -176,8 +185,12 @@ def curve(candidate: Candidate, problem: AttentionProblem, calibration: dict) ->
     if key is None or host is None:
         return None
     if problem.cuda_graph_capture:  # a captured call is replayed from the graph: no host time to issue it
-        host = 0.0
-    return Curve(float(host), curves[key], basis)
+        return Curve(0.0, curves[key], basis)
+    new = calibration.get("new_packing_us", {}).get(candidate.backend, {}).get(kind)
+    if problem.layout != "thd" or new is None:
+        return Curve(float(host), curves[key], basis)
+    new = max(float(new), float(host))  # a new packing's call does all a seen one does, and more
+    return Curve(float(host) + (new - float(host)) / PACKING_SHARED_BY, curves[key], basis, new)
 
 
 def _nearest(curves: dict, problem: AttentionProblem, padded: bool) -> str | None:
