@@ -268,12 +268,12 @@ def test_packed_calls_rank_by_their_calibrated_curves_and_per_sequence_candidate
     assert per_sequence and all(decision.predictions[c] is None for c in per_sequence)
 
 
-def test_a_packed_call_s_host_time_is_spread_over_the_calls_that_share_its_packing(calibrated):
+def test_a_packed_call_s_host_time_is_spread_over_the_calls_that_share_its_packing(calibrated, caplog):
     """The first call of a packing decides and prepares for it (new_packing_us); the others sharing it take the
     time of a call on a packing seen: a stack ranks by their mean, a call alone waits for the first's."""
     data = sample()
     data["host_us"]["flash_attn4"].update({"thd training": 400.0, "dense training": 50.0})
-    data["new_packing_us"] = {"flash_attn4": {"thd training": 1200.0}}
+    data["new_packing_us"] = {"flash_attn4": {"thd training": 1200.0, "thd+pad training": 1300.0}}
     data["host_us"]["flash_attn4"]["thd+pad training"] = 420.0
     data["gpu"]["flash_attn4"].update({"thd 192/128 training": [[10.0, 30.0], [1e4, 900.0]],
                                        "thd 192/128+pad training": [[10.0, 35.0], [1e4, 1100.0]]})  # fmt: skip
@@ -291,6 +291,11 @@ def test_a_packed_call_s_host_time_is_spread_over_the_calls_that_share_its_packi
     assert below.host_us == below.new_packing_host_us == 1500.0
     for bad in ({"flash_attn4": {"dense training": 1.0}}, {"flash_attn4": {"thd training": -1.0}}, [1.0]):
         assert "new_packing_us" in calibration._problem(dict(data, new_packing_us=bad))
+    # a calibration whose new packings leave a packed backend out predicts every packed call from a seen packing's
+    partial = dict(data, host_us=dict(data["host_us"], varlen_fa2={"thd training": 100.0}))
+    with caplog.at_level("WARNING", logger="attnselect"):
+        assert calibration.parse(json.dumps(partial), "partial")["new_packing_us"] == {}
+    assert "has no new packing's host time for varlen_fa2 thd training:" in caplog.text
     calibration.user_path(H200).write_text(json.dumps(data))
     calibration.parse.cache_clear()
     attnselect.clear_cache()

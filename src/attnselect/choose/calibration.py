@@ -198,6 +198,14 @@ def parse(text: str, source: str) -> dict | None:
     if problem:
         warn_once(f"calibration {source}", "attnselect: ignoring the calibration %s (%s)", source, problem)
         return None
+    new_packing = data["new_packing_us"]
+    missing = [f"{backend} {key}" for backend, times in data["host_us"].items() for key in times
+               if key.startswith("thd") and key not in new_packing.get(backend, {})]  # fmt: skip
+    if new_packing and missing:  # some candidates' packed host times a new packing's, others' a seen one's: unfair
+        warn_once(f"calibration {source} new packings", "attnselect: the calibration %s has no new packing's host "
+                  "time for %s: its packed calls are predicted with a seen packing's host times alone", source,
+                  ", ".join(missing))  # fmt: skip
+        data["new_packing_us"] = {}
     return data
 
 
