@@ -28,6 +28,18 @@ def test_explain_table_defaults_to_embedded_target(capsys):
         assert header in out
 
 
+def test_explain_as_calibrated_ranks_the_embedded_target_by_predicted_time(capsys):
+    """The H200 preset at the versions its packaged calibration measured: every candidate's predicted time."""
+    assert main(["explain", "--as-calibrated", "--layout", "thd", "--batch", "52", "--seqlen", "10269",
+                 "--tokens", "65536", "--train", "--causal"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "torch 2.11.0+cu130, cuDNN 9.19.0, flash-attn-4 4.0.0b36, nvidia-cudnn-frontend 1.32.0" in out
+    assert "ranked:  by predicted time in a stack of layers" in out and "predicted us (host, GPU)" in out
+    assert "flash_attn4     -          yes        1     7190.1 (397.8, 7090.6)" in out  # results/cpu_explain_packed_64k
+    assert main(["explain", "--as-calibrated", "--cudnn-version", "9.10.0"]) == 0  # a flag given wins
+    assert "ranked:  by the rules table" in capsys.readouterr().out
+
+
 def test_explain_explicit_shape_and_cudnn_override(capsys):
     assert (
         main(
@@ -143,6 +155,13 @@ def test_explain_refuses_what_context_parallelism_refuses(capsys):
         (["--dropout", "1.5"], "--dropout (dropout_p): got 1.5, expected"),
         (["--target", "cpu", "--cudnn-version", "9.1.0"], "--cudnn-version: got '9.1.0', expected none for the cpu"),
         (["--tokens", "4096"], "--tokens (tokens): got 4096, expected 0 unless layout is 'thd'"),
+        (
+            ["--as-calibrated", "--target", "h100"],
+            "--as-calibrated: the calibration packaged for sm90 is the NVIDIA H200's, expected the NVIDIA H100's",
+        ),
+        (["--as-calibrated", "--target", "a100"], "--as-calibrated: no calibration is packaged for sm80"),
+        (["--as-calibrated", "--target", "cpu"], "--as-calibrated: got --target cpu, expected a GPU preset"),
+        (["--as-calibrated", "--target", "current"], "--as-calibrated: got --target current, expected a GPU preset"),
     ],
 )
 def test_explain_names_the_flag_of_a_bad_value(flags, message, capsys):

@@ -14,6 +14,7 @@ import torch
 from attnselect.api import attention, warmup
 from attnselect.backends import all_backends
 from attnselect.bench.models import MODELS
+from attnselect.choose import calibration
 from attnselect.choose.selection import select
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.spec.options import mask_from_arguments
@@ -30,6 +31,11 @@ def _explain_parser(sub) -> None:
         "--target", default=DEFAULT_TARGET, help=f"preset {sorted(PRESETS)} or 'current' (default {DEFAULT_TARGET})"
     )
     p.add_argument("--cudnn-version", help="override the target's cuDNN version, e.g. 9.10.0")
+    p.add_argument(
+        "--as-calibrated",
+        action="store_true",
+        help="the preset at the torch, cuDNN and packages its packaged calibration measured (ranked by predicted time)",
+    )
     p.add_argument("--model", choices=sorted(MODELS), help="take heads and head dims from a model (flags given win)")
     p.add_argument("--head-dim-qk", type=int, help="default: the model's, else 192")
     p.add_argument("--head-dim-v", type=int, help="default: the model's, else 128")
@@ -89,9 +95,27 @@ def problem_from_args(a) -> AttentionProblem:
 
 def target_from_args(a) -> Target:
     target = Target.current() if a.target == "current" else Target.preset(a.target)
+    if a.as_calibrated:
+        target = _as_calibrated(target, a.target)
     if a.cudnn_version is not None and not target.is_cuda:
         raise InvalidInputError(f"--cudnn-version: got {a.cudnn_version!r}, expected none for the cpu target")
     return target.with_versions(cudnn_version=a.cudnn_version) if a.cudnn_version else target
+
+
+def _as_calibrated(target: Target, name: str) -> Target:
+    """The preset ``target`` at the versions its arch's packaged calibration ran with (its GPU alone)."""
+    if name == "current" or not target.is_cuda:
+        raise InvalidInputError(f"--as-calibrated: got --target {name}, expected a GPU preset (a simulated machine)")
+    data = calibration.packaged(target.arch)
+    if data is None:
+        raise InvalidInputError(f"--as-calibrated: no calibration is packaged for {target.arch}, expected one")
+    fp = data["fingerprint"]
+    if fp["name"] != target.name:
+        raise InvalidInputError(
+            f"--as-calibrated: the calibration packaged for {target.arch} is the {fp['name']}'s, expected the "
+            f"{target.name}'s"
+        )
+    return target.with_versions(torch_version=fp["torch"], cudnn_version=fp["cudnn"], packages=fp["packages"])
 
 
 # The problem's and target's fields explain's flags set: an error naming a field names its flag too
@@ -227,7 +251,6 @@ def cmd_bench(a) -> int:
 
 def cmd_calibrate(a) -> int:
     from attnselect.bench import calibrate
-    from attnselect.choose import calibration
     from attnselect.memos import clear_cache
 
     if a.quick and not a.out:

@@ -173,6 +173,13 @@ def _texts(target: Target):
             yield source, text
 
 
+def packaged(arch: str) -> dict | None:
+    """The calibration packaged for ``arch`` (e.g. ``"sm90"``), or None where none is (or it is not of this format)."""
+    source = f"attnselect/data/calibration_{arch}.json"
+    text = _read(source, lambda: _packaged(arch))
+    return parse(text, source) if text is not None else None
+
+
 def _packaged(arch: str) -> str:
     return resources.files("attnselect").joinpath("data", f"calibration_{arch}.json").read_text()
 
