@@ -24,7 +24,7 @@
 #                                      # committed rungs -> $OUT/h200_ladder[_$LADDER_PART][_fa4].{json,md} (FA4 where installed)
 #   bash scripts/device_run.sh calibrate-host # results/h200_calibration.json's host times measured again -> $OUT/h200_calibration.*
 #   bash scripts/device_run.sh new-packing-host # benchmarks/new_packing_host.py, on a GPU without a calibration too
-#                                      #                     -> $OUT/<gpu>_new_packing_host[_$HOST_PART].*
+#                                      #                     -> $OUT/<gpu>_new_packing_host.*
 #   bash scripts/device_run.sh calibrate-first-calls # its first calls' costs measured again (start-up left out,
 #                                      # an empty compile cache)                  -> $OUT/h200_calibration.*
 #   bash scripts/device_run.sh package-calibration # $OUT/h200_calibration.json as this tree's package data (the
@@ -219,7 +219,7 @@ case "$step" in
       --out "$OUT/h200_calibration" 2>&1 | grep -v -i warn | grep -E "^\| [a-z_0-9]+ \| [0-9-]" | head -12 ;;
   new-packing-host)   # benchmarks/new_packing_host.py: packed host times, a packing seen and new ones, any GPU
     gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E 'H100|H200|B200|A100' | tr 'A-Z' 'a-z')
-    timeout 300 python3 benchmarks/new_packing_host.py --out "$OUT/${gpu_name:-gpu}_new_packing_host${HOST_PART:+_$HOST_PART}" \
+    timeout 300 python3 benchmarks/new_packing_host.py --out "$OUT/${gpu_name:-gpu}_new_packing_host" \
       2>&1 | grep -E '^\|' ;;
   calibrate-first-calls)   # its first calls measured again, an empty compile cache (as calibrate-host, it chains;
                            # it writes at its end alone: give it a call of its own, CALIBRATE_TIMEOUT under the limit)

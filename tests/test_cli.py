@@ -40,6 +40,22 @@ def test_explain_as_calibrated_ranks_the_embedded_target_by_predicted_time(capsy
     assert "ranked:  by the rules table" in capsys.readouterr().out
 
 
+def test_explain_as_calibrated_refuses_a_calibration_that_does_not_hold(monkeypatch, capsys):
+    """Another attnselect than the one that calibrated: the promise of predicted times would not hold."""
+    import attnselect
+    from attnselect.choose import calibration
+
+    monkeypatch.setattr(calibration, "_version", lambda: "9.9.9")
+    attnselect.clear_cache()
+    try:
+        assert main(["explain", "--as-calibrated"]) == 2
+    finally:
+        monkeypatch.undo()
+        attnselect.clear_cache()
+    err = capsys.readouterr().err
+    assert "--as-calibrated: the packaged calibration does not hold (" in err and "expected it to" in err
+
+
 def test_explain_explicit_shape_and_cudnn_override(capsys):
     assert (
         main(

@@ -94,6 +94,8 @@ def problem_from_args(a) -> AttentionProblem:
 
 
 def target_from_args(a) -> Target:
+    if a.as_calibrated and a.target == "current":
+        raise InvalidInputError("--as-calibrated: got --target current, expected a GPU preset (a simulated machine)")
     target = Target.current() if a.target == "current" else Target.preset(a.target)
     if a.as_calibrated:
         target = _as_calibrated(target, a.target)
@@ -103,8 +105,10 @@ def target_from_args(a) -> Target:
 
 
 def _as_calibrated(target: Target, name: str) -> Target:
-    """The preset ``target`` at the versions its arch's packaged calibration ran with (its GPU alone)."""
-    if name == "current" or not target.is_cuda:
+    """The preset ``target`` at the versions its arch's packaged calibration ran with (its GPU alone), its packages
+    those the calibration measured and no other; refused where that calibration would not hold there (it ran with
+    another attnselect)."""
+    if not target.is_cuda:
         raise InvalidInputError(f"--as-calibrated: got --target {name}, expected a GPU preset (a simulated machine)")
     data = calibration.packaged(target.arch)
     if data is None:
@@ -115,7 +119,12 @@ def _as_calibrated(target: Target, name: str) -> Target:
             f"--as-calibrated: the calibration packaged for {target.arch} is the {fp['name']}'s, expected the "
             f"{target.name}'s"
         )
-    return target.with_versions(torch_version=fp["torch"], cudnn_version=fp["cudnn"], packages=fp["packages"])
+    packages = {**dict.fromkeys(dict(target.packages)), **fp["packages"]}  # None: not installed
+    calibrated = target.with_versions(torch_version=fp["torch"], cudnn_version=fp["cudnn"], packages=packages)
+    found, why = calibration.for_target(calibrated)
+    if found is None:
+        raise InvalidInputError(f"--as-calibrated: the packaged calibration does not hold ({why}), expected it to")
+    return calibrated
 
 
 # The problem's and target's fields explain's flags set: an error naming a field names its flag too

@@ -126,11 +126,21 @@ def test_packed_host_times_are_taken_on_a_packing_seen_and_on_a_new_packing_each
         assert len(drawn) >= 2 * calls and len(set(drawn)) >= calls  # one packing repeated, then a new one each call
     # a candidate's packings are its own: seeded apart
     problem = AttentionProblem(2, 16, 16, 16, 16, 24, 16, torch.float32, layout="thd", mask="causal")
+    seeds = []
+
+    def seeded(problem, device, seed=0):
+        seeds.append(seed)
+        return NewPackings(problem, device, seed)
+
+    monkeypatch.setattr(calibrate, "NewPackings", seeded)
+    inputs = (None, None, None, None, NewPackings(problem, torch.device("cpu")))
     candidates = [Candidate("flex"), Candidate("flex", 24)]
-    steps = calibrate._new_packing_steps(attention, candidates, problem, (None,) * 5, torch.device("cpu"))
+    steps = calibrate._new_packing_steps(attention, candidates, problem, inputs, torch.device("cpu"))
     assert all(callable(step.prepare) for step in steps.values())
-    seeded = [NewPackings(problem, torch.device("cpu"), seed=seed).sizes() for seed in (1, 2)]
-    assert seeded[0] != seeded[1]
+    assert len(seeds) == 2 and len(set(seeds)) == 2 and 0 not in seeds  # not the seen packings' seed either
+    assert (
+        NewPackings(problem, torch.device("cpu"), seed=1).sizes() != NewPackings(problem, torch.device("cpu")).sizes()
+    )
     # measured again with the host times (attnselect calibrate's host step)
     stale = dict(data, new_packing_us={b: {key: 1e9 for key in times} for b, times in data["new_packing_us"].items()})
     again = calibrate.host_times(stale, attention=attnselect.attention)["new_packing_us"]

@@ -7,7 +7,8 @@ GPU's); per backend, padding and phase, the host's time to issue one call at the
 the GPU is busy (the candidates side by side, in interleaved rounds: :func:`_host_us`), through
 :func:`attnselect.attention` as a model's layers call it again and again (:func:`attention_step`: its memoized path
 and prepared runner), and for packed calls also on a new packing each call (a step's first layer, which
-decides and prepares for the packing: ``new_packing_us``); and per backend, what the first call of a
+prepares for the packing and, at sizes not seen, decides: ``new_packing_us``, forced to the candidate as the host
+times are, the self-check off); and per backend, what the first call of a
 configuration costs on top of a later one (a JIT compile). Packed (thd) calls are timed too, by candidates that pack
 (sequence by sequence is never the fast path), over :data:`PACKED_LADDER` with a new packing every call
 (:class:`~attnselect.choose.timing.NewPackings`: a typical packing of the problem's size, so per-packing builds
@@ -121,12 +122,12 @@ def run(
                 for c, kind in kinds.items()
                 if kind not in host.get(c.backend, {})
             }
-            for c, issued in _host_us(unmeasured, device).items():
+            measured = _host_us(unmeasured, device)
+            for c, issued in measured.items():
                 host.setdefault(c.backend, {})[kinds[c]] = round(issued, 2)
-            if layout == "thd":  # and on a new packing each call
-                unmeasured = [c for c, kind in kinds.items() if kind not in new_packing.get(c.backend, {})]
-                steps = _new_packing_steps(attention, unmeasured, problem, inputs, device)
-                for c, issued in _host_us(steps, device).items():
+            if layout == "thd":  # and on a new packing each call, at the size its seen packing's time was taken
+                steps = _new_packing_steps(attention, measured, problem, inputs, device)
+                for c, issued in _new_packing_us(steps, device).items():
                     new_packing.setdefault(c.backend, {})[kinds[c]] = round(issued, 2)
             del steps, inputs
         if checkpoint:
@@ -162,6 +163,13 @@ def _new_packing_steps(attention, candidates, problem: AttentionProblem, inputs:
         )  # fmt: skip
         for index, c in enumerate(candidates)
     }
+
+
+def _new_packing_us(steps: dict, device) -> dict:
+    """:func:`_host_us` of steps on a new packing each call, the self-check off: a packing of a new size class may
+    run a reference check (attnselect.self_check), a one-off of a signature, not a cost of the packing."""
+    with _self_check_off():
+        return _host_us(steps, device)
 
 
 def _result(target: Target, quick: bool, host: dict, new_packing: dict, gpu: dict, first: dict) -> dict:
@@ -354,7 +362,9 @@ def host_times(data: dict, target: Target | None = None, *, attention, progress=
         for c, issued in _host_us(steps, device).items():
             host[c.backend][key] = round(issued, 2)
         if layout == "thd":
-            for c, issued in _host_us(_new_packing_steps(attention, steps, problem, inputs, device), device).items():
+            for c, issued in _new_packing_us(
+                _new_packing_steps(attention, steps, problem, inputs, device), device
+            ).items():
                 new_packing.setdefault(c.backend, {})[key] = round(issued, 2)
     if progress:
         progress(len(jobs), len(jobs), "done")

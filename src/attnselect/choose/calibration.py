@@ -6,7 +6,7 @@ A calibration (written by ``attnselect calibrate`` on the user's GPU, or shipped
 - ``host_us``: the host's time to issue one call (forward, or forward and backward), by layout, padding and phase
   (:func:`host_key`: ``"dense inference"``, ``"thd+pad training"``; packed, on a packing already seen), at a size
   where the GPU waits for the host; ``new_packing_us`` likewise for packed calls on a new packing each call (its
-  decision and its runner's per-packing work), where measured;
+  runner's per-packing work and, at sizes not seen, its decision), where measured for every packed backend;
 - ``gpu``: the GPU's time of a call over a ladder of work sizes, by candidate key
   (:func:`curve_key`: layout, the call's head dims, ``+pad`` for the padded candidate, phase), as [work, us] points
   (:func:`attnselect.choose.predict.work`; format 2 estimates a packed call's from its tokens, format 1 took every

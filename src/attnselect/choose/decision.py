@@ -135,8 +135,8 @@ class Decision:
                            if p is not None and p.new_packing_host_us is not None}  # fmt: skip
             if new_packing:  # attnselect.choose.predict.curve
                 lines.append(
-                    f"host:    a packed call's, the mean over {PACKING_SHARED_BY} calls sharing a packing, the first "
-                    "on a new packing: " + ", ".join(f"{c} {us:.1f} us" for c, us in new_packing.items())
+                    f"host:    a packed call's is the mean over {PACKING_SHARED_BY} calls sharing a packing; the "
+                    "first's, on a new packing: " + ", ".join(f"{c} {us:.1f} us" for c, us in new_packing.items())
                 )
             if self.problem.layout == "thd" and not self.problem.tokens and self.problem.batch > 1:
                 lines.append(  # attnselect.choose.predict.work

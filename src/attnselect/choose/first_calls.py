@@ -176,7 +176,8 @@ def _towards(
         if owes[c] is None or predicted.get(c) is None:
             continue
         lost = predicted[other].total_us - predicted[c].total_us
-        if lost <= 0:  # a tie settled by the time alone (attnselect.choose.rules.settled): what renting loses
+        if lost <= 0:  # a tie settled by the time alone (attnselect.choose.rules.settled): what renting loses, by
+            # the measure that ranked them (packed: a call alone on a new packing, as the tie was settled)
             lost = predicted[other].alone_us - predicted[c].alone_us
         if lost > 0:
             steps.append((owes[c][0] / lost, len(steps), c, lost))

@@ -10,7 +10,8 @@ call's head dims were not calibrated, the candidate's curve at the nearest calib
 in, and the prediction says so. The host time is the backend's time to issue a call of that layout and phase (none
 for a call captured into a CUDA graph: its replays issue nothing on the host). A packed call's is the mean over the
 :data:`PACKING_SHARED_BY` calls of a step that share its packing, where the calibration measured a new packing's
-call (``new_packing_us``: its decision and its runner's per-packing work) beside a call on a packing already seen.
+call (``new_packing_us``: its runner's per-packing work and, at sizes not seen, its decision) beside a call on a
+packing already seen.
 
 The two combine as a stack of layers runs them (:data:`UNHIDDEN`): a model issues its layers' calls back to back, so
 while the GPU runs one call the host issues the next, and a step takes the longer of the two and part of the shorter
