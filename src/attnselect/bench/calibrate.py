@@ -152,17 +152,11 @@ def _new_packing_steps(attention, candidates, problem: AttentionProblem, inputs:
     """{candidate: :func:`attention_step` on a new packing each call}: each candidate its own seeded packings of
     the problem's size (as many as its host rounds draw), so that none comes back to one it has seen."""
     q, k, v, grad_out, _ = inputs
-    return {
-        c: attention_step(
-            attention,
-            c,
-            problem,
-            (q, k, v, grad_out, NewPackings(problem, device, seed=1 + index)),
-            device,
-            new_packing=True,
-        )  # fmt: skip
-        for index, c in enumerate(candidates)
-    }
+    steps = {}
+    for index, c in enumerate(candidates):
+        own = (q, k, v, grad_out, NewPackings(problem, device, seed=1 + index))
+        steps[c] = attention_step(attention, c, problem, own, device, new_packing=True)
+    return steps
 
 
 def _new_packing_us(steps: dict, device) -> dict:

@@ -42,6 +42,7 @@ from attnselect.version import __version__
 
 log = logging.getLogger("attnselect")
 FORMAT = 2
+PACKAGED = "attnselect/data/calibration_{arch}.json"  # a packaged calibration's source, as warnings name it
 MIN_QUERIES = 16  # fewer queries (decoding) is another kernel regime than the calibrated prefill ladder
 CURVE_KEY = re.compile(r"(dense|thd) ([1-9][0-9]*)/([1-9][0-9]*)(\+pad)? (inference|training)")
 HOST_KEY = re.compile(r"(dense|thd)(\+pad)? (inference|training)")
@@ -167,7 +168,7 @@ def _texts(target: Target):
     """(source, text) of the user's calibration, then the packaged one, where present."""
     arch = target.arch
     for source, read in ((str(user_path(target)), lambda: user_path(target).read_text()),
-                         (f"attnselect/data/calibration_{arch}.json", lambda: _packaged(arch))):  # fmt: skip
+                         (PACKAGED.format(arch=arch), lambda: _packaged(arch))):  # fmt: skip
         text = _read(source, read)
         if text is not None:
             yield source, text
@@ -175,7 +176,7 @@ def _texts(target: Target):
 
 def packaged(arch: str) -> dict | None:
     """The calibration packaged for ``arch`` (e.g. ``"sm90"``), or None where none is (or it is not of this format)."""
-    source = f"attnselect/data/calibration_{arch}.json"
+    source = PACKAGED.format(arch=arch)
     text = _read(source, lambda: _packaged(arch))
     return parse(text, source) if text is not None else None
 
