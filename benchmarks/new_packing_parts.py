@@ -137,9 +137,11 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
     # the packaged calibration alone: no calibration or recorded failure of this machine's cache directory
     os.environ["ATTNSELECT_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnselect-host-stages-")
     packages = {"nvidia-cudnn-frontend": "1.32.0", **({"flash-attn-4": "4.0.0b36"} if fa4 else {})}
+    # the runners bind their packages' functions; the run is left out
     if fa4 and "flash_attn" not in sys.modules and importlib.util.find_spec("flash_attn") is None:
-        # its runner binds the function; the run is left out
-        _stand_in_for_flash_attn4()
+        _stand_ins({"flash_attn.cute": ("flash_attn_varlen_func", "flash_attn_func")})
+    if "cudnn" not in sys.modules and importlib.util.find_spec("cudnn") is None:  # where the rules rank the frontend
+        _stand_ins({"cudnn": ("sdpa_torch",)})
     target = Target.preset(name, packages=packages, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
     tokens, d_qk, d_v = (2048, 192, 128) if mla else (1024, 128, 128)
     q, k = (torch.empty(tokens, 16, d_qk, device="meta", dtype=torch.bfloat16) for _ in range(2))
@@ -190,18 +192,22 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
     return per_stage, by_class
 
 
-def _stand_in_for_flash_attn4() -> None:
-    """``flash_attn.cute`` where FlashAttention-4 is not installed: the replay's runner binds its function, never
-    calls it (its run is left out)."""
+def _stand_ins(functions: dict[str, tuple[str, ...]]) -> None:
+    """Modules of packages not installed here ({module: its functions}, parent packages made too): the replay's
+    runners bind those functions, never call them (their run is left out)."""
     import types
 
     def not_installed(*args, **kwargs):
-        raise RuntimeError("a stand-in for FlashAttention-4 (benchmarks/new_packing_parts.py --host-stages)")
+        raise RuntimeError("a stand-in for a package not installed (benchmarks/new_packing_parts.py --host-stages)")
 
-    package, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
-    cute.flash_attn_varlen_func = cute.flash_attn_func = not_installed
-    package.cute = cute
-    sys.modules.update({"flash_attn": package, "flash_attn.cute": cute})
+    for name, names in functions.items():
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            sys.modules.setdefault(".".join(parts[:depth]), types.ModuleType(".".join(parts[:depth])))
+        for depth in range(1, len(parts)):  # each parent holds its child, as an import binds it
+            setattr(sys.modules[".".join(parts[:depth])], parts[depth], sys.modules[".".join(parts[: depth + 1])])
+        for function in names:
+            setattr(sys.modules[name], function, not_installed)
 
 
 def compare(a) -> None:

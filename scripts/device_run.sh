@@ -325,7 +325,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
     } | tee "$OUT/h200_context_parallel.txt" | tail -30 ;;
   hot-path)   # HOT_PATH_ARGS adds arguments (--only "new packing" --profile-sort cumulative)
     timeout 200 python3 ${BENCH_DIR:-benchmarks}/hot_path.py --profile ${HOT_PATH_ARGS:-} --out "$OUT/h200_hot_path${HOT_PATH_PART:+_$HOT_PATH_PART}" 2>&1 \
-      | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;
+      | grep -v -i warn | grep -E '^(\||## )|Error|Traceback' | cut -c1-160 ;;   # a failure shows its error
   new-packing-parts)   # benchmarks/new_packing_parts.py: a new packing's first call, stage by stage (NO_FA4=1: without)
     timeout 300 python3 ${BENCH_DIR:-benchmarks}/new_packing_parts.py --out "$OUT/h200_new_packing_parts${PARTS_NAME:+_$PARTS_NAME}" \
       2>&1 | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;

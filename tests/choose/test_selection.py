@@ -166,6 +166,30 @@ def test_packed_decisions_at_new_sizes_judge_no_candidate_again(monkeypatch):
     assert len(judged) == 1
 
 
+def test_packings_that_straddle_a_refinement_s_bound_carry_a_decision_within_each_table(monkeypatch):
+    """Ranked by the rules table (no calibration holds on an H100), packings on both sides of the small-pack bound
+    alternate between two tables: each table's decision is carried within it, so only the first packing of each is
+    judged, and every packing gets what a fresh selection chooses there."""
+    from attnselect.choose import candidates, selection
+
+    h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0"})
+    judged = []
+    real = candidates.judge
+    monkeypatch.setattr(selection, "judge", lambda *a, **k: judged.append(1) or real(*a, **k))
+    sizes = ((4, 400), (30, 1024), (5, 380), (28, 1100), (3, 500), (32, 990), (6, 300))  # small, large, ...
+    judged_by_packing = []
+    for batch, seqlen in sizes:
+        problem = AttentionProblem(batch, seqlen, seqlen, 16, 16, 128, 128, layout="thd", mask="causal",
+                                   dtype=torch.bfloat16)  # fmt: skip
+        before = len(judged)
+        carried = selection.select_packed(problem, target=h100)
+        judged_by_packing.append(len(judged) - before)
+        assert carried.chosen == attnselect.select(problem, target=h100).chosen
+        assert carried.chosen == Candidate("varlen_fa2" if batch < 10 else "cudnn_frontend")
+        assert ("small pack" in carried.why) == (batch < 10)
+    assert judged_by_packing == [1, 1, 0, 0, 0, 0, 0]  # each table's first packing only
+
+
 def _packed_calibration(tmp_path, monkeypatch, target):
     """A calibration of ``target`` whose packed curves cross: varlen_fa2 issues fastest, FA4 and the cuDNN frontend
     run fastest on the GPU, FA4 compiles on its first call (so the choice and its rental change with the sizes)."""

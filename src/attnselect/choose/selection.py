@@ -90,10 +90,13 @@ class _Family:
     """What :func:`select_packed` keeps for a packed problem without its sizes, under one set of controls; the memos
     of its predictions and rankings are keyed by this object."""
 
-    __slots__ = ("last", "allowed", "runs", "calibrated", "places", "failed", "drawn", "calibration")
+    __slots__ = ("last", "by_table", "allowed", "runs", "calibrated", "places", "failed", "drawn", "calibration")
 
     def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
+        # per rules table: the decision select() last made there where the table ranked it (_carried): packings that
+        # straddle a refinement's bound alternate between tables, and each keeps its own
+        self.by_table: dict[tuple, Decision] = {}
         self.allowed = allowed
         # what the target cannot run at any size (its package missing, another device) leaves the rankings
         self.runs = [c for c in allowed if not backend_named(c.backend).target_reasons(target)]
@@ -162,10 +165,10 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
       decision last carried in the same work class, size class and rules table is returned again (describing its
       own sizes) where it differs from this one in its sizes only, and at a work class new there, the decision last
       drawn in the same size class and rules table where the new class's order draws it alike (:func:`_drawn_alike`);
-    - where the table ranks it, the earlier decision stands (it is returned, describing those sizes) when the rules
-      table for the new sizes is the same, its choice still serves them and has not failed for them, and no candidate
-      that was refused there and that the table puts above the choice (any refused one, where the choice rebuilds per
-      packing) serves them now.
+    - where the table ranks it, the decision last made under the rules table of the new sizes (packings on both
+      sides of a refinement's bound alternate between tables) stands (it is returned, describing its sizes) when its
+      choice still serves them and has not failed for them, and no candidate that was refused there and that the
+      table puts above the choice (any refused one, where the choice rebuilds per packing) serves them now.
 
     Otherwise, and for a problem that is not packed, :func:`select`.
     """
@@ -179,7 +182,7 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
         family = _PACKED.get(key)
     except TypeError:  # an unhashable control: select() names it
         return select(problem, target=target, backend=backend, pad=pad, disable=disable)
-    decision = None
+    decision = made = None
     if family is not None:
         earlier, held_for = family.last
         settled = earlier.rental is not None and first_calls.settled(earlier.rental, problem)
@@ -188,14 +191,17 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
         elif earlier.policy == "rules":
             decision = _carried(family, earlier, problem, target)
     if decision is None:
-        decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
+        decision = made = select(problem, target=target, backend=backend, pad=pad, disable=disable)
     if family is None:
         allowed = tuple(  # what the controls leave: the same at every size
             v.candidate for v in decision.verdicts if not override_reasons(decision.overrides, v.candidate, problem)
         )
-        _remember(_PACKED, key, _Family(decision, problem, allowed, target), cleared)
+        family = _Family(decision, problem, allowed, target)
+        _remember(_PACKED, key, family, cleared)
     else:
         family.last = decision, problem
+    if made is not None and made.predictions is None:  # ranked by the rules table: carried within it (_carried)
+        family.by_table[rules.table_for(problem, target)[0]] = made
     return decision
 
 
@@ -228,7 +234,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     ranking = None
     if found is not None and covered and problem.seqlen_q >= calibration.MIN_QUERIES:  # not calibration.outside
         ranking = _ranking(family, problem, target, found)
-    failed = ranking.failed if ranking is not None else _failed(problem, target)
+    failed = ranking.failed if ranking is not None else family.failed_at(problem, target)
     held = ranking.decided if ranking is not None else None  # one tuple: a thread reads a decision with its facts
     if held is None and ranking is not None:  # a work class new to its size class and table
         held = _drawn_alike(family.drawn.get(ranking.group), ranking)
@@ -249,8 +255,12 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     predicted = ranking.predicted if ranking is not None else None
     if predicted is not None and any(serves(c) for c in ranking.unranked):  # the table ranks the call (predictions)
         predicted = None
-    if not predicted or not any(predicted.values()):
-        return earlier if earlier.predictions is None and _still_stands(earlier, problem, target, serves) else None
+    if not predicted or not any(predicted.values()):  # the table ranks it: the decision last made under its table
+        table_key, table = rules.table_for(problem, target)
+        earlier = family.by_table.get(table_key, earlier)
+        if earlier.predictions is None and _still_stands(earlier, problem, target, serves, table_key, table):
+            return earlier
+        return None
     ordered = rules.settled(ranking.ordered, predicted, serves)  # as rules.rank orders them
     paid = first_calls.paid_state()  # what drawn_rental reads of this process
     if earlier.overrides.backend is not None:  # a forced backend is never rented out (_decide)
@@ -388,8 +398,9 @@ def _judged_alike_at_every_size(verdict: Verdict, problem: AttentionProblem, tar
     return not verdict.supported and bool(backend.surfaces[target.device_type].reasons(kernel_problem, target))
 
 
-def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, serves) -> bool:
-    table_key, table = rules.table_for(problem, target)
+def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, serves, table_key, table) -> bool:
+    """Whether the rules' ``earlier`` decision stands for ``problem`` (ranked by ``table``, its table's key
+    ``table_key``): :func:`select_packed`'s conditions."""
     if table_key != rules.table_for(earlier.problem, target)[0]:
         return False
     chosen = earlier.chosen
