@@ -200,7 +200,7 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
         _remember(_PACKED, key, family, cleared)
     else:
         family.last = decision, problem
-    if made is not None and made.predictions is None:  # ranked by the rules table: carried within it (_carried)
+    if made is not None and made.policy == "rules" and made.predictions is None:  # ranked by the table (_carried)
         family.by_table[rules.table_for(problem, target)[0]] = made
     return decision
 
