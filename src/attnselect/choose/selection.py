@@ -234,7 +234,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     ranking = None
     if found is not None and covered and problem.seqlen_q >= calibration.MIN_QUERIES:  # not calibration.outside
         ranking = _ranking(family, problem, target, found)
-    failed = ranking.failed if ranking is not None else family.failed_at(problem, target)
+    failed = ranking.failed if ranking is not None else _failed(problem, target)
     held = ranking.decided if ranking is not None else None  # one tuple: a thread reads a decision with its facts
     if held is None and ranking is not None:  # a work class new to its size class and table
         held = _drawn_alike(family.drawn.get(ranking.group), ranking)
@@ -257,10 +257,8 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         predicted = None
     if not predicted or not any(predicted.values()):  # the table ranks it: the decision last made under its table
         table_key, table = rules.table_for(problem, target)
-        earlier = family.by_table.get(table_key, earlier)
-        if earlier.predictions is None and _still_stands(earlier, problem, target, serves, table_key, table):
-            return earlier
-        return None
+        made = family.by_table.get(table_key)
+        return made if made is not None and _still_stands(made, problem, target, serves, table) else None
     ordered = rules.settled(ranking.ordered, predicted, serves)  # as rules.rank orders them
     paid = first_calls.paid_state()  # what drawn_rental reads of this process
     if earlier.overrides.backend is not None:  # a forced backend is never rented out (_decide)
@@ -398,11 +396,9 @@ def _judged_alike_at_every_size(verdict: Verdict, problem: AttentionProblem, tar
     return not verdict.supported and bool(backend.surfaces[target.device_type].reasons(kernel_problem, target))
 
 
-def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, serves, table_key, table) -> bool:
-    """Whether the rules' ``earlier`` decision stands for ``problem`` (ranked by ``table``, its table's key
-    ``table_key``): :func:`select_packed`'s conditions."""
-    if table_key != rules.table_for(earlier.problem, target)[0]:
-        return False
+def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, serves, table) -> bool:
+    """Whether the rules' ``earlier`` decision, made under the rules table ``table`` that ranks ``problem`` too,
+    stands for ``problem``: :func:`select_packed`'s conditions."""
     chosen = earlier.chosen
     if not serves(chosen):
         return False
