@@ -106,7 +106,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     import ladder as ladder_script
     from attnselect.spec.target import Target
-    from new_packing_parts import _stand_ins
+    from new_packing_parts import FA4_STAND_IN, _stand_ins
 
     rungs = {ladder_script.rung_name(r): r for r in ladder_script.rungs(False)}
     rules_ = [("max", 0.0), ("sum", 0.0), ("stack", 0.0), ("max", TIE_BAND)] + [("stack", b) for b in BANDS]
@@ -122,7 +122,7 @@ def main() -> None:
         if "flash-attn-4" in report["meta"]["device"]:
             packages["flash-attn-4"] = "4.0.0b36"
             if "flash_attn" not in sys.modules:
-                _stand_ins({"flash_attn.cute": ("flash_attn_varlen_func", "flash_attn_func")})
+                _stand_ins(FA4_STAND_IN)
         devices.append(f"{Path(path).name}: {report['meta']['device']}, {report['meta']['rounds']} rounds of "
                        f"{report['meta']['calls']} calls")  # fmt: skip
         target = Target.preset("h200", packages=packages, torch_version="2.11.0+cu130", cudnn_version="9.19.0")

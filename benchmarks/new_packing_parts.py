@@ -56,6 +56,8 @@ CLASSES = ("select_packed, a work class seen", "select_packed, a new work class"
 STAGES = ("recall", "problem at the new sizes", "select_packed", "packed_runner", "self_check.needed", "remember",
           "run")  # fmt: skip
 
+FA4_STAND_IN = {"flash_attn.cute": ("flash_attn_varlen_func", "flash_attn_func")}  # what FA4's runners bind
+
 
 # What the replay copies from api.attention's sibling branch, as written there.
 MIRRORED = (
@@ -139,7 +141,7 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
     packages = {"nvidia-cudnn-frontend": "1.32.0", **({"flash-attn-4": "4.0.0b36"} if fa4 else {})}
     # the runners bind their packages' functions; the run is left out
     if fa4 and "flash_attn" not in sys.modules and importlib.util.find_spec("flash_attn") is None:
-        _stand_ins({"flash_attn.cute": ("flash_attn_varlen_func", "flash_attn_func")})
+        _stand_ins(FA4_STAND_IN)
     if "cudnn" not in sys.modules and importlib.util.find_spec("cudnn") is None:  # where the rules rank the frontend
         _stand_ins({"cudnn": ("sdpa_torch",)})
     target = Target.preset(name, packages=packages, torch_version="2.11.0+cu130", cudnn_version="9.19.0")

@@ -258,7 +258,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     if not predicted or not any(predicted.values()):  # the table ranks it: the decision last made under its table
         table_key, table = rules.table_for(problem, target)
         made = family.by_table.get(table_key)
-        return made if made is not None and _still_stands(made, problem, target, serves, table) else None
+        return made if made is not None and _still_stands(made, problem, serves, table) else None
     ordered = rules.settled(ranking.ordered, predicted, serves)  # as rules.rank orders them
     paid = first_calls.paid_state()  # what drawn_rental reads of this process
     if earlier.overrides.backend is not None:  # a forced backend is never rented out (_decide)
@@ -396,7 +396,7 @@ def _judged_alike_at_every_size(verdict: Verdict, problem: AttentionProblem, tar
     return not verdict.supported and bool(backend.surfaces[target.device_type].reasons(kernel_problem, target))
 
 
-def _still_stands(earlier: Decision, problem: AttentionProblem, target: Target, serves, table) -> bool:
+def _still_stands(earlier: Decision, problem: AttentionProblem, serves, table) -> bool:
     """Whether the rules' ``earlier`` decision, made under the rules table ``table`` that ranks ``problem`` too,
     stands for ``problem``: :func:`select_packed`'s conditions."""
     chosen = earlier.chosen
