@@ -206,7 +206,7 @@ def test_without_a_calibration_the_table_ranks_and_explain_says_so(tmp_path, mon
     monkeypatch.setattr(calibration, "_packaged", lambda arch: (_ for _ in ()).throw(FileNotFoundError(arch)))
     calibration.parse.cache_clear()
     attnselect.clear_cache()
-    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
     decision = attnselect.select(problem, target=H200)
     assert decision.predictions is None and decision.chosen == Candidate("flash_attn4")
     assert "ranked:  by the rules table (no calibration for sm90: `attnselect calibrate` on such a GPU makes one)" in (

@@ -334,6 +334,81 @@ def test_the_small_pack_bound_sits_where_the_h200_inference_loop_measured_it():
     assert below >= 12 and above >= 3
 
 
+@pytest.mark.parametrize("fa4", [False, True])
+def test_small_dense_hopper_calls_run_where_the_host_time_is_least(fa4):
+    """Without a calibration (an H100), small dense calls go by the "tiny call", "small call" and "medium call"
+    tables: the SDPA kernels ahead of FA4 and the cuDNN frontend, whose Python interfaces cost more host time than
+    they save there; from MEDIUM_CALL_WORK on the sm90 table (FA4 first where installed)."""
+    packages = {"nvidia-cudnn-frontend": "1.32.0", **({"flash-attn-4": "4.0.0b36"} if fa4 else {})}
+    h100 = Target.preset("h100", packages=packages)
+
+    def call(batch, seqlen, head_dims=(192, 128), heads=16, heads_kv=16, **options):
+        options = {"mask": "causal", "dtype": torch.bfloat16, **options}
+        return AttentionProblem(batch, seqlen, seqlen, heads, heads_kv, *head_dims, **options)
+
+    for training in (False, True):
+        cases = [
+            (call(1, 256, training=training), "tiny call", "sdpa_efficient"),
+            (call(1, 1024, training=training), "small call", "sdpa_cudnn"),  # sdpa_flash takes equal head dims only
+            (call(1, 1024, (128, 128), training=training), "small call", "sdpa_flash"),
+            (call(8, 1024, (128, 128), training=training), "medium call", "sdpa_cudnn"),
+        ]
+        for problem, table, chosen in cases:
+            d = attnselect.select(problem, target=h100)
+            assert d.chosen == Candidate(chosen) and table in d.why, problem.describe()
+        large = attnselect.select(call(1, 4096, training=training), target=h100)
+        assert large.chosen == Candidate("flash_attn4" if fa4 else "sdpa_cudnn") and "call" not in large.why
+    unmeasured_or_host_free = [
+        call(1, 1024, cuda_graph_capture=True),  # a replay has no host time
+        call(1, 1024, heads_kv=4),  # grouped heads
+        call(1, 1024, mask="none"),
+        call(1, 1024, (256, 256)),
+        call(1, 1024, (59, 59)),
+        call(1, 1024, layout="thd"),  # packed: the "small pack" table's
+    ]
+    for problem in unmeasured_or_host_free:
+        assert "call" not in attnselect.select(problem, target=h100).why, problem.describe()
+
+
+def test_the_small_dense_call_tables_sit_where_the_size_ladders_measured_them():
+    """The size ladders' dense rungs below MEDIUM_CALL_WORK (three on the H200, one on an H100; forced rows timed
+    alone and in a stack): the tables' choice at least 0.69x as fast as the fastest forced row on every rung-way and
+    0.98x in geometric mean (0.99 measured); forced FA4 native 0.92x (B8 S1k stacks) to 4.8x the choice's time. The
+    tables were read off these runs: this holds them to the data, it is not a check out of sample."""
+    import json
+    import math
+    import pathlib
+    import re
+
+    from attnselect.choose import rules
+
+    h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+    results = pathlib.Path(__file__).parents[2] / "results"
+    ladders = ("h200_ladder_20c9c6a_fa4", "h200_ladder_small_d7b14ce_fa4", "h200_ladder_b1s1k_40a2f27_fa4",
+               "h100_ladder_small_fa4")  # fmt: skip
+    logs, against_fa4 = [], []
+    for name in ladders:
+        for entry in json.loads((results / f"{name}.json").read_text())["results"]:
+            shape = re.fullmatch(r"bshd B(\d+) S(\d+) (\d+)/(\d+) (inference|training)", entry["rung"])
+            if shape is None:
+                continue
+            batch, seqlen, d_qk, d_v = map(int, shape.groups()[:4])
+            problem = AttentionProblem(batch, seqlen, seqlen, 16, 16, d_qk, d_v, mask="causal",
+                                       dtype=torch.bfloat16, training=shape[5] == "training")  # fmt: skip
+            if rules.pack_work(16, d_qk, d_v, batch, seqlen, seqlen) > rules.MEDIUM_CALL_WORK:
+                continue
+            chosen = str(attnselect.select(problem, target=h100).chosen)
+            for way, rows in entry["stats"].items():
+                forced = {row[len("forced ") :]: r["median"] for row, r in rows.items() if row.startswith("forced ")}
+                ratio = min(forced.values()) / forced[chosen]
+                assert ratio >= 0.69, (name, entry["rung"], way)
+                logs.append(math.log(ratio))
+                if "flash_attn4 native" in forced:
+                    against_fa4.append(forced["flash_attn4 native"] / forced[chosen])
+    assert len(logs) >= 80 and math.exp(sum(logs) / len(logs)) >= 0.98
+    assert min(against_fa4) >= 0.92 and max(against_fa4) >= 4.5
+
+
 def test_predicted_times_within_the_tie_band_go_by_the_time_alone():
     """Candidates predicted within rules.TIE_BAND of the least (a stack's time, Prediction.total_us) are a tie,
     settled by the time of a call alone (host + GPU); the rest keep their order; drawn lazily, one past the lead."""

@@ -265,6 +265,42 @@ PREFERENCES[("sm90", "inference", "wide heads")] = (
     "reference",
     "reference+pad",
 )
+# "tiny call", "small call" and "medium call" (dense, sm90, causal, as many query as K/V heads, head dims multiples of
+# 8 from 64 to 192, outside CUDA graph capture; call work up to TINY_CALL_WORK, SMALL_CALL_WORK, MEDIUM_CALL_WORK):
+# FA4's and the cuDNN frontend's Python interfaces cost 100-190 us of host time a call against 25-35 for the SDPA
+# kernels, more than the GPU time they save on these calls. Size ladders, 16 heads, causal bf16, 192/128 and 128/128,
+# inference and training, every forced row timed alone (latency) and in a stack of 8 layers: three on the H200
+# (results/h200_ladder_20c9c6a_fa4.md, results/h200_ladder_small_d7b14ce_fa4.md,
+# results/h200_ladder_b1s1k_40a2f27_fa4.md) and one on an H100 (results/h100_ladder_small_fa4.md). Below
+# MEDIUM_CALL_WORK (B1 S256 to B8 S1k, work 2.7e8 to 4.3e10) forced FA4 took 0.92-4.8x the time of these tables'
+# choice (below 1x only in B8 S1k stacks, 0.92-0.99x) and the frontend 1.05-3.8x; from B1 S4k (6.9e10) on FA4 led
+# the H200's stacks (0.73-0.94x) and from S8k both ways.
+# Among the SDPA kernels: at B1 S256 sdpa_efficient led sdpa_cudnn on every rung-way (1.2-2.0x) and led or matched
+# sdpa_flash; at B1 S1k 128/128 (4.3e9) sdpa_flash led sdpa_cudnn in training on every run (1.4-2.5x) and about
+# matched it in inference, where sdpa_efficient mostly trailed both; at B8 S1k 128/128 (3.4e10) sdpa_cudnn led
+# sdpa_flash on every H200 rung-way (1.2-1.8x). FlashAttention 2 and 3 were not installed there: they keep their
+# general place after the SDPA kernels. Where a calibration holds, the predicted times order these calls and these
+# tables only break exact ties.
+TINY_CALL_WORK, SMALL_CALL_WORK, MEDIUM_CALL_WORK = 1e9, 1e10, 5e10
+# after every SDPA and FlashAttention 2/3 kernel: FA4 and the frontend for their host time, flex (compiled per shape,
+# not forced on the ladders) where the general table has it, after them
+_HOST_BOUND_LAST = ("flash_attn4", "cudnn_frontend", "flex")
+_SDPA_FIRST = {
+    "tiny call": ("sdpa_efficient", "sdpa_flash", "sdpa_cudnn"),
+    "small call": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient"),
+    "medium call": ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient"),
+}
+for _size, _first in _SDPA_FIRST.items():
+    _native = (*_first, "flash_attn3", "flash_attn2", *_HOST_BOUND_LAST)
+    for _phase in ("training", "inference"):
+        PREFERENCES[("sm90", _phase, _size)] = (
+            *_native,
+            *(name + "+pad" for name in _native),
+            "sdpa_math",
+            "sdpa_math+pad",
+            "reference",
+            "reference+pad",
+        )
 for _family in ("sm80", "sm100", "sm120", "cpu"):
     PREFERENCES[(_family, "inference", "thd")] = PREFERENCES[
         ("sm100" if _family == "sm120" else _family, "training", "thd")
@@ -351,7 +387,21 @@ _REFINEMENTS = (
         "wide heads",
         lambda p: max(p.head_dim_qk, p.head_dim_v) > 256 and p.seqlen_q == p.seqlen_kv >= WIDE_PREFILL,
     ),
+    ("tiny call", lambda p: _small_dense_call(p) and _work(p) <= TINY_CALL_WORK),
+    ("small call", lambda p: _small_dense_call(p) and _work(p) <= SMALL_CALL_WORK),
+    ("medium call", lambda p: _small_dense_call(p) and _work(p) <= MEDIUM_CALL_WORK),
 )
+
+
+def _small_dense_call(p: AttentionProblem) -> bool:
+    """What the "tiny call", "small call" and "medium call" tables were measured on, their work bounds aside."""
+    return (
+        p.layout != "thd"
+        and not p.cuda_graph_capture
+        and p.mask in ("causal", "causal_bottom_right")
+        and p.heads_q == p.heads_kv
+        and all(64 <= d <= 192 and d % 8 == 0 for d in (p.head_dim_qk, p.head_dim_v))
+    )
 
 
 # Per table key without a refinement: the refined tables it has, with their tests, in _REFINEMENTS' order
