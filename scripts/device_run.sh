@@ -62,6 +62,8 @@
 #                                      # (HOT_PATH_PART=name -> $OUT/h200_hot_path_name.*)
 #   bash scripts/device_run.sh new-packing-parts # benchmarks/new_packing_parts.py: a new packing's first call, stage
 #                                      # by stage (PARTS_NAME=name -> $OUT/h200_new_packing_parts_name.*)
+#   bash scripts/device_run.sh sdpa-training-gap # benchmarks/sdpa_training_gap.py: sdpa_cudnn through attnselect
+#                                      # against F.sdpa's default in training, with each row's CUDA kernels -> $OUT/sdpa_training_gap.*
 #   bash scripts/device_run.sh small-calls # benchmarks/small_calls_probe.py: small dense calls, each SDPA kernel through
 #                                      # attnselect and torch alone: host, latency, stack -> $OUT/h200_small_calls_probe.*
 #   bash scripts/device_run.sh first-calls # benchmarks/first_calls_probe.py: each backend's first calls in a fresh
@@ -329,6 +331,8 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   new-packing-parts)   # benchmarks/new_packing_parts.py: a new packing's first call, stage by stage (NO_FA4=1: without)
     timeout 300 python3 ${BENCH_DIR:-benchmarks}/new_packing_parts.py --out "$OUT/h200_new_packing_parts${PARTS_NAME:+_$PARTS_NAME}" \
       2>&1 | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;
+  sdpa-training-gap)   # benchmarks/sdpa_training_gap.py: sdpa_cudnn through attnselect against F.sdpa in training
+    timeout 200 python3 benchmarks/sdpa_training_gap.py --out "$OUT/sdpa_training_gap" 2>&1 | grep -v -i warn | tail -60 ;;
   small-calls)   # benchmarks/small_calls_probe.py: small dense calls kernel by kernel (host, latency, stack)
     timeout 300 python3 benchmarks/small_calls_probe.py --out "$OUT/h200_small_calls_probe" 2>&1 | grep -v -i warn | tail -60 ;;
   first-calls)   # benchmarks/first_calls_probe.py: first calls split into start-up, configuration and size
