@@ -190,6 +190,41 @@ def test_packings_that_straddle_a_refinement_s_bound_carry_a_decision_within_eac
     assert judged_by_packing == [1, 1, 0, 0, 0, 0, 0]  # each table's first packing only
 
 
+def test_a_table_s_decision_judges_again_only_what_a_packing_s_sizes_or_failures_can_change(monkeypatch):
+    """Carried within a rules table, a decision's candidates are judged again at a new packing only where their
+    verdict reads sizes, or their failure came or went (a recorded failure is not read under torch.distributed):
+    on small packs with FA4 installed the choice, varlen_fa2, heads the table and reads no size, so later packings
+    judge nothing, and each gets what a fresh selection chooses."""
+    from attnselect.choose import selection
+
+    h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+    judged = []
+    real = selection._reasons
+    monkeypatch.setattr(selection, "_reasons", lambda c, *a: judged.append(c) or real(c, *a))
+    judged_by_packing = []
+    for batch, seqlen in ((4, 400), (5, 380), (3, 500), (6, 300)):
+        problem = AttentionProblem(batch, seqlen, seqlen, 16, 16, 128, 128, layout="thd", mask="causal",
+                                   dtype=torch.bfloat16)  # fmt: skip
+        before = len(judged)
+        carried = selection.select_packed(problem, target=h100)
+        judged_by_packing.append(len(judged) - before)
+        assert carried.chosen == attnselect.select(problem, target=h100).chosen == Candidate("varlen_fa2")
+        assert "small pack" in carried.why
+    assert judged_by_packing == [0, 0, 0, 0]  # the first by select(), the others carried with nothing judged again
+    checks = ((Candidate("varlen_fa2"), True, False, False), (Candidate("flash_attn4"), False, False, True))
+    asked = []
+
+    def serves(c):
+        asked.append(c)
+        return c == Candidate("varlen_fa2")
+
+    fa4_failed = {Candidate("flash_attn4"): "failed at run time"}
+    assert selection._still_stands(checks, fa4_failed, serves) and asked == []  # nothing changed: nothing asked
+    assert selection._still_stands(checks, {}, serves) and asked == [Candidate("flash_attn4")]  # its failure went
+    asked.clear()
+    assert not selection._still_stands(checks, {}, lambda c: asked.append(c) or True)  # and FA4 serves again
+
+
 def _packed_calibration(tmp_path, monkeypatch, target):
     """A calibration of ``target`` whose packed curves cross: varlen_fa2 issues fastest, FA4 and the cuDNN frontend
     run fastest on the GPU, FA4 compiles on its first call (so the choice and its rental change with the sizes)."""

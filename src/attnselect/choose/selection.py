@@ -94,9 +94,10 @@ class _Family:
 
     def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
-        # per rules table: the decision select() last made there where the table ranked it (_carried): packings that
-        # straddle a refinement's bound alternate between tables, and each keeps its own
-        self.by_table: dict[tuple, Decision] = {}
+        # per rules table: the decision select() last made there where the table ranked it (_carried), with what a
+        # new packing must check for it to stand (_standing_checks): packings that straddle a refinement's bound
+        # alternate between tables, and each keeps its own
+        self.by_table: dict[tuple, tuple[Decision, tuple]] = {}
         self.allowed = allowed
         # what the target cannot run at any size (its package missing, another device) leaves the rankings
         self.runs = [c for c in allowed if not backend_named(c.backend).target_reasons(target)]
@@ -201,7 +202,8 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     else:
         family.last = decision, problem
     if made is not None and made.policy == "rules" and made.predictions is None:  # ranked by the table (_carried)
-        family.by_table[rules.table_for(problem, target)[0]] = made
+        table_key, table = rules.table_for(problem, target)
+        family.by_table[table_key] = made, _standing_checks(made, problem, target, table)
     return decision
 
 
@@ -256,9 +258,8 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     if predicted is not None and any(serves(c) for c in ranking.unranked):  # the table ranks the call (predictions)
         predicted = None
     if not predicted or not any(predicted.values()):  # the table ranks it: the decision last made under its table
-        table_key, table = rules.table_for(problem, target)
-        made = family.by_table.get(table_key)
-        return made if made is not None and _still_stands(made, problem, serves, table) else None
+        standing = family.by_table.get(rules.table_for(problem, target)[0])
+        return standing[0] if standing is not None and _still_stands(standing[1], failed, serves) else None
     ordered = rules.settled(ranking.ordered, predicted, serves)  # as rules.rank orders them
     paid = first_calls.paid_state()  # what drawn_rental reads of this process
     if earlier.overrides.backend is not None:  # a forced backend is never rented out (_decide)
@@ -396,12 +397,14 @@ def _judged_alike_at_every_size(verdict: Verdict, problem: AttentionProblem, tar
     return not verdict.supported and bool(backend.surfaces[target.device_type].reasons(kernel_problem, target))
 
 
-def _still_stands(earlier: Decision, problem: AttentionProblem, serves, table) -> bool:
-    """Whether the rules' ``earlier`` decision, made under the rules table ``table`` that ranks ``problem`` too,
-    stands for ``problem``: :func:`select_packed`'s conditions."""
-    chosen = earlier.chosen
-    if not serves(chosen):
-        return False
+def _standing_checks(made: Decision, problem: AttentionProblem, target: Target, table) -> tuple:
+    """What a packing at other sizes must check for the rules' decision ``made`` for ``problem`` under the rules table
+    ``table`` to stand (:func:`select_packed`'s conditions): its choice still serves, and no candidate refused there
+    that the table puts above the choice (any refused one, where the choice rebuilds per packing) serves now, the
+    caller's controls aside. One (candidate, whether it must serve, whether its verdict reads sizes
+    (:func:`_judged_alike_at_every_size`), whether it had failed) for each: the others' verdicts stand while their
+    failures do."""
+    chosen, failed = made.chosen, _failed(problem, target)
     position = {name: i for i, name in enumerate(table)}
     cache = backend_named(chosen.backend).shape_cache
     above = (
@@ -409,12 +412,24 @@ def _still_stands(earlier: Decision, problem: AttentionProblem, serves, table) -
         if cache is not None and cache.rebuilds_per_packing
         else position.get(rules.entry(chosen), len(table))
     )
-    refused = (
-        v.candidate
-        for v in earlier.verdicts
-        if not v.supported and not override_reasons(earlier.overrides, v.candidate, problem)
+    own = next((v for v in made.verdicts if v.candidate == chosen), None)  # judged again at every packing if none
+    checks = [(chosen, True, own is None or not _judged_alike_at_every_size(own, problem, target, failed))]
+    checks += (
+        (v.candidate, False, not _judged_alike_at_every_size(v, problem, target, failed))
+        for v in made.verdicts
+        if not v.supported
+        and not override_reasons(made.overrides, v.candidate, problem)
+        and position.get(rules.entry(v.candidate), len(table)) <= above
     )
-    return not any(serves(c) for c in refused if position.get(rules.entry(c), len(table)) <= above)
+    return tuple((c, must_serve, sized, c in failed) for c, must_serve, sized in checks)
+
+
+def _still_stands(checks: tuple, failed: dict, serves) -> bool:
+    """Whether a rules decision stands at a packing whose failures are ``failed``: each candidate of its
+    :func:`_standing_checks` whose verdict reads sizes, or whose failure came or went, judged again (``serves``)."""
+    return all(
+        serves(c) == must_serve for c, must_serve, sized, had_failed in checks if sized or (c in failed) != had_failed
+    )
 
 
 def _failed(problem: AttentionProblem, target: Target) -> dict:
