@@ -353,6 +353,7 @@ def test_small_dense_hopper_calls_run_where_the_host_time_is_least(fa4):
             (call(1, 1024, (128, 128), training=training), "small call", "sdpa_flash"),
             (call(8, 1024, (128, 128), training=training), "medium call", "sdpa_cudnn"),
         ]
+        cases.append((call(1, 256, mask="none", training=training), "tiny call", "sdpa_efficient"))
         for problem, table, chosen in cases:
             d = attnselect.select(problem, target=h100)
             assert d.chosen == Candidate(chosen) and table in d.why, problem.describe()
@@ -361,7 +362,7 @@ def test_small_dense_hopper_calls_run_where_the_host_time_is_least(fa4):
     unmeasured_or_host_free = [
         call(1, 1024, cuda_graph_capture=True),  # a replay has no host time
         call(1, 1024, heads_kv=4),  # grouped heads
-        call(1, 1024, mask="none"),
+        call(1, 1024, mask="none"),  # measured without a mask at S256 only
         call(1, 1024, (256, 256)),
         call(1, 1024, (59, 59)),
         call(1, 1024, layout="thd"),  # packed: the "small pack" table's

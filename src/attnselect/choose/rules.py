@@ -265,8 +265,9 @@ PREFERENCES[("sm90", "inference", "wide heads")] = (
     "reference",
     "reference+pad",
 )
-# "tiny call", "small call" and "medium call" (dense, sm90, causal, as many query as K/V heads, head dims multiples of
-# 8 from 64 to 192, outside CUDA graph capture; call work up to TINY_CALL_WORK, SMALL_CALL_WORK, MEDIUM_CALL_WORK):
+# "tiny call", "small call" and "medium call" (dense, sm90, causal (tiny calls also without a mask: below), as many
+# query as K/V heads, head dims multiples of 8 from 64 to 192, outside CUDA graph capture; call work up to
+# TINY_CALL_WORK, SMALL_CALL_WORK, MEDIUM_CALL_WORK):
 # FA4's and the cuDNN frontend's Python interfaces cost 100-190 us of host time a call against 25-35 for the SDPA
 # kernels, more than the GPU time they save on these calls. Size ladders, 16 heads, causal bf16, 192/128 and 128/128,
 # inference and training, every forced row timed alone (latency) and in a stack of 8 layers: three on the H200
@@ -281,7 +282,12 @@ PREFERENCES[("sm90", "inference", "wide heads")] = (
 # sdpa_flash on every H200 rung-way (1.2-1.8x). FlashAttention 2 and 3 were not installed there: they keep their
 # general place after the SDPA kernels. Where a calibration holds, the predicted times order these calls and these
 # tables only break exact ties.
+# Without a mask, measured at B1 S256 192/128 only, host time with the sync, inference and fwd+bwd: FA4 158.5 and 777.5
+# us a call on an H100 (results/h100_hot_path_529f551_fa4.md) against 19.2 and 198.5 for sdpa_efficient on the H200
+# (results/h200_hot_path_after_35aaaad_nofa4.md): the "tiny call" table takes such calls, where a non-causal call's
+# twice the GPU time is still a few microseconds.
 TINY_CALL_WORK, SMALL_CALL_WORK, MEDIUM_CALL_WORK = 1e9, 1e10, 5e10
+TINY_CALL_MASKS = ("causal", "causal_bottom_right", "none")
 # after every SDPA and FlashAttention 2/3 kernel: FA4 and the frontend for their host time, flex (compiled per shape,
 # not forced on the ladders) where the general table has it, after them
 _HOST_BOUND_LAST = ("flash_attn4", "cudnn_frontend", "flex")
@@ -387,18 +393,18 @@ _REFINEMENTS = (
         "wide heads",
         lambda p: max(p.head_dim_qk, p.head_dim_v) > 256 and p.seqlen_q == p.seqlen_kv >= WIDE_PREFILL,
     ),
-    ("tiny call", lambda p: _small_dense_call(p) and _work(p) <= TINY_CALL_WORK),
+    ("tiny call", lambda p: _small_dense_call(p, TINY_CALL_MASKS) and _work(p) <= TINY_CALL_WORK),
     ("small call", lambda p: _small_dense_call(p) and _work(p) <= SMALL_CALL_WORK),
     ("medium call", lambda p: _small_dense_call(p) and _work(p) <= MEDIUM_CALL_WORK),
 )
 
 
-def _small_dense_call(p: AttentionProblem) -> bool:
+def _small_dense_call(p: AttentionProblem, masks: tuple[str, ...] = ("causal", "causal_bottom_right")) -> bool:
     """What the "tiny call", "small call" and "medium call" tables were measured on, their work bounds aside."""
     return (
         p.layout != "thd"
         and not p.cuda_graph_capture
-        and p.mask in ("causal", "causal_bottom_right")
+        and p.mask in masks
         and p.heads_q == p.heads_kv
         and all(64 <= d <= 192 and d % 8 == 0 for d in (p.head_dim_qk, p.head_dim_v))
     )
