@@ -363,6 +363,9 @@ def test_small_dense_hopper_calls_run_where_the_host_time_is_least(fa4):
         call(1, 1024, cuda_graph_capture=True),  # a replay has no host time
         call(1, 1024, heads_kv=4),  # grouped heads
         call(1, 1024, mask="none"),  # measured without a mask at S256 only
+        AttentionProblem(1, 1, 131072, 16, 16, 128, 128, mask="causal_bottom_right"),  # decode: memory-bound
+        AttentionProblem(1, 128, 65536, 16, 16, 192, 128, mask="causal_bottom_right"),  # prefill on a long cache
+        call(1, 256, dtype=torch.float32),
         call(1, 1024, (256, 256)),
         call(1, 1024, (59, 59)),
         call(1, 1024, layout="thd"),  # packed: the "small pack" table's

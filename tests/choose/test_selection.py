@@ -225,6 +225,34 @@ def test_a_table_s_decision_judges_again_only_what_a_packing_s_sizes_or_failures
     assert not selection._still_stands(checks, {}, lambda c: asked.append(c) or True)  # and FA4 serves again
 
 
+def test_a_failure_at_one_size_class_moves_a_table_s_decision_there_only():
+    """Ranked by the rules table (an H100), FA4 failing at run time for the packings of one size class moves their
+    choice to the next candidate, while packings of another size class under the same table keep FA4: each gets what
+    a fresh selection chooses."""
+    from attnselect.choose import failures, selection
+
+    h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+
+    def pack(batch, seqlen):
+        return AttentionProblem(batch, seqlen, seqlen, 16, 16, 128, 128, layout="thd", mask="causal",
+                                dtype=torch.bfloat16)  # fmt: skip
+
+    failing, other = pack(30, 1024), pack(30, 8192)  # above the small-pack bound, in two size classes
+    assert failing.size_class != other.size_class
+    assert selection.select_packed(failing, target=h100).chosen == Candidate("flash_attn4")
+    failures.mark_failed(failing, h100, Candidate("flash_attn4"), RuntimeError("no kernel image is available"))
+    expected = {
+        "small": Candidate("varlen_fa2"),
+        "failing": Candidate("cudnn_frontend"),
+        "other": Candidate("flash_attn4"),
+    }
+    for kind, problem in (("small", pack(4, 400)), ("failing", failing), ("other", other), ("failing", pack(29, 1000)),
+                          ("other", pack(31, 8000)), ("failing", failing)):  # fmt: skip
+        assert (problem.size_class == failing.size_class) == (kind == "failing")
+        carried = selection.select_packed(problem, target=h100)
+        assert carried.chosen == attnselect.select(problem, target=h100).chosen == expected[kind], problem.describe()
+
+
 def _packed_calibration(tmp_path, monkeypatch, target):
     """A calibration of ``target`` whose packed curves cross: varlen_fa2 issues fastest, FA4 and the cuDNN frontend
     run fastest on the GPU, FA4 compiles on its first call (so the choice and its rental change with the sizes)."""

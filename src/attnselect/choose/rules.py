@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
+import torch
+
 from attnselect.backends.base import all_backends
 from attnselect.backends.base import get as backend_named
 from attnselect.choose import calibration
@@ -265,9 +267,9 @@ PREFERENCES[("sm90", "inference", "wide heads")] = (
     "reference",
     "reference+pad",
 )
-# "tiny call", "small call" and "medium call" (dense, sm90, causal (tiny calls also without a mask: below), as many
-# query as K/V heads, head dims multiples of 8 from 64 to 192, outside CUDA graph capture; call work up to
-# TINY_CALL_WORK, SMALL_CALL_WORK, MEDIUM_CALL_WORK):
+# "tiny call", "small call" and "medium call" (dense, sm90, as many queries as keys, 16-bit, causal (tiny calls also
+# without a mask: below), as many query as K/V heads, head dims multiples of 8 from 64 to 192, outside CUDA graph
+# capture; call work up to TINY_CALL_WORK, SMALL_CALL_WORK, MEDIUM_CALL_WORK):
 # FA4's and the cuDNN frontend's Python interfaces cost 100-190 us of host time a call against 25-35 for the SDPA
 # kernels, more than the GPU time they save on these calls. Size ladders, 16 heads, causal bf16, 192/128 and 128/128,
 # inference and training, every forced row timed alone (latency) and in a stack of 8 layers: three on the H200
@@ -279,9 +281,9 @@ PREFERENCES[("sm90", "inference", "wide heads")] = (
 # Among the SDPA kernels: at B1 S256 sdpa_efficient led sdpa_cudnn on every rung-way (1.2-2.0x) and led or matched
 # sdpa_flash; at B1 S1k 128/128 (4.3e9) sdpa_flash led sdpa_cudnn in training on every run (1.4-2.5x) and about
 # matched it in inference, where sdpa_efficient mostly trailed both; at B8 S1k 128/128 (3.4e10) sdpa_cudnn led
-# sdpa_flash on every H200 rung-way (1.2-1.8x). FlashAttention 2 and 3 were not installed there: they keep their
-# general place after the SDPA kernels. Where a calibration holds, the predicted times order these calls and these
-# tables only break exact ties.
+# sdpa_flash on every H200 rung-way (1.2-1.8x). FlashAttention 2 and 3 were not installed there: these tables put them
+# after the three SDPA kernels, unmeasured (the general tables have FA3 above sdpa_flash). Where a calibration holds,
+# the predicted times order these calls and these tables only break exact ties.
 # Without a mask, measured at B1 S256 192/128 only, host time with the sync, inference and fwd+bwd: FA4 158.5 and 777.5
 # us a call on an H100 (results/h100_hot_path_529f551_fa4.md) against 19.2 and 198.5 for sdpa_efficient on the H200
 # (results/h200_hot_path_after_35aaaad_nofa4.md): the "tiny call" table takes such calls, where a non-causal call's
@@ -404,6 +406,8 @@ def _small_dense_call(p: AttentionProblem, masks: tuple[str, ...] = ("causal", "
     return (
         p.layout != "thd"
         and not p.cuda_graph_capture
+        and p.square  # as many queries as keys: prefill; decode against a long cache is bound by its memory
+        and p.dtype in (torch.bfloat16, torch.float16)
         and p.mask in masks
         and p.heads_q == p.heads_kv
         and all(64 <= d <= 192 and d % 8 == 0 for d in (p.head_dim_qk, p.head_dim_v))
