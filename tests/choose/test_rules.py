@@ -413,6 +413,32 @@ def test_the_small_dense_call_tables_sit_where_the_size_ladders_measured_them():
     assert min(against_fa4) >= 0.92 and max(against_fa4) >= 4.5
 
 
+def test_the_small_dense_call_tables_chose_the_fastest_kernel_on_a_ladder_run_after_them():
+    """Out of sample: on the H100 ladder run after the tables were written (results/h100_ladder_small_509a3ed_fa4.md),
+    the tables' choice was the fastest forced row on every rung-way below MEDIUM_CALL_WORK, alone and in a stack."""
+    import json
+    import pathlib
+    import re
+
+    from attnselect.choose import rules
+
+    h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+    ladder = pathlib.Path(__file__).parents[2] / "results" / "h100_ladder_small_509a3ed_fa4.json"
+    ways = 0
+    for entry in json.loads(ladder.read_text())["results"]:
+        batch, seqlen, d_qk, d_v, phase = re.fullmatch(r"bshd B(\d+) S(\d+) (\d+)/(\d+) (\w+)", entry["rung"]).groups()
+        problem = AttentionProblem(int(batch), int(seqlen), int(seqlen), 16, 16, int(d_qk), int(d_v), mask="causal",
+                                   dtype=torch.bfloat16, training=phase == "training")  # fmt: skip
+        if rules.pack_work(16, int(d_qk), int(d_v), int(batch), int(seqlen), int(seqlen)) > rules.MEDIUM_CALL_WORK:
+            continue
+        chosen = f"forced {attnselect.select(problem, target=h100).chosen}"
+        for way, rows in entry["stats"].items():
+            forced = {row: r["median"] for row, r in rows.items() if row.startswith("forced ")}
+            assert forced[chosen] == min(forced.values()), (entry["rung"], way)
+            ways += 1
+    assert ways == 24
+
+
 def test_predicted_times_within_the_tie_band_go_by_the_time_alone():
     """Candidates predicted within rules.TIE_BAND of the least (a stack's time, Prediction.total_us) are a tie,
     settled by the time of a call alone (host + GPU); the rest keep their order; drawn lazily, one past the lead."""
