@@ -374,6 +374,20 @@ def test_small_dense_hopper_calls_run_where_the_host_time_is_least(fa4):
         assert "call" not in attnselect.select(problem, target=h100).why, problem.describe()
 
 
+def test_a_refined_table_s_decision_says_why_the_refinement_applies():
+    """Every refinement has a reason, and a decision ranked by one names its table, the work its bound compares and
+    the reason; a call the general table ranks says none."""
+    from attnselect.choose import rules
+
+    assert set(rules._REFINEMENT_REASONS) == {name for name, _ in rules._REFINEMENTS}
+    h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+    small = AttentionProblem(1, 1024, 1024, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16)
+    why = attnselect.select(small, target=h100).why
+    assert "table for sm90 inference small call (work H*(d_qk+d_v)*B*S_q*S_kv 5.4e+09 <= 1e+10: the host time" in why
+    large = AttentionProblem(1, 8192, 8192, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16)
+    assert "table for sm90 inference;" in attnselect.select(large, target=h100).why
+
+
 def test_the_small_dense_call_tables_sit_where_the_size_ladders_measured_them():
     """The size ladders' dense rungs below MEDIUM_CALL_WORK (three on the H200, one on an H100; forced rows timed
     alone and in a stack): the tables' choice at least 0.69x as fast as the fastest forced row on every rung-way and

@@ -37,8 +37,10 @@ class Decision:
     def why(self) -> str:
         key, _ = rules.table_for(self.problem, self.target)
         how = f"padded to {self.chosen.pad_to}" if self.chosen.padded else "native"
+        refined = rules.refinement_reason(key, self.problem)
         because = (
             f"it ranks first of {len(self.ranked)} supported candidates in the {self.policy} table for {' '.join(key)}"
+            + (f" ({refined})" if refined else "")
         )
         if self.predictions and self.predictions.get(self.chosen) is not None:
             mine = self.predictions[self.chosen]

@@ -414,6 +414,27 @@ def _small_dense_call(p: AttentionProblem, masks: tuple[str, ...] = ("causal", "
     )
 
 
+_HOST_BOUND = "the host time of FA4's and the cuDNN frontend's Python interfaces outweighs the GPU time they save"
+# Why each refinement's table ranks the calls it takes, for a decision's why: (its bound, or None, and the reason)
+_REFINEMENT_REASONS = {
+    "short documents": (SHORT_PACK_WORK, "the cuDNN frontend's host time outweighs the pack's GPU work"),
+    "small pack": (SMALL_PACK_WORK, _HOST_BOUND),
+    "wide heads": (None, "head dims above 256 in prefill, where sdpa_efficient measured fastest"),
+    "tiny call": (TINY_CALL_WORK, _HOST_BOUND),
+    "small call": (SMALL_CALL_WORK, _HOST_BOUND),
+    "medium call": (MEDIUM_CALL_WORK, _HOST_BOUND),
+}
+
+
+def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
+    """Why the refined table ``key`` (:func:`table_for`'s) ranks ``problem``, with the work its bound compares; empty
+    for a table without a refinement."""
+    bound, reason = _REFINEMENT_REASONS.get(key[-1], (None, ""))
+    if bound is None:
+        return reason
+    return f"work H*(d_qk+d_v)*B*S_q*S_kv {_work(problem):.2g} <= {bound:.2g}: {reason}"
+
+
 # Per table key without a refinement: the refined tables it has, with their tests, in _REFINEMENTS' order
 _REFINED = {
     base: tuple((base + (name,), applies) for name, applies in _REFINEMENTS if base + (name,) in TABLES)
