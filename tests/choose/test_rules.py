@@ -388,41 +388,49 @@ def test_a_refined_table_s_decision_says_why_the_refinement_applies():
     assert "table for sm90 inference;" in attnselect.select(large, target=h100).why
 
 
-def test_the_small_dense_call_tables_sit_where_the_size_ladders_measured_them():
-    """The size ladders' dense rungs below MEDIUM_CALL_WORK (three on the H200, one on an H100; forced rows timed
-    alone and in a stack): the tables' choice at least 0.69x as fast as the fastest forced row on every rung-way and
-    0.98x in geometric mean (0.99 measured); forced FA4 native 0.92x (B8 S1k stacks) to 4.8x the choice's time. The
-    tables were read off these runs: this holds them to the data, it is not a check out of sample."""
+def _small_ladder_rung_ways(name: str):
+    """(rung, way, {forced row without "forced ": median ms}, the small dense call tables' choice as such a row) of
+    results/``name``.json's dense rungs below MEDIUM_CALL_WORK, chosen on an H100 with FA4 (no calibration)."""
     import json
-    import math
     import pathlib
     import re
 
     from attnselect.choose import rules
 
     h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
-    results = pathlib.Path(__file__).parents[2] / "results"
+    ladder = pathlib.Path(__file__).parents[2] / "results" / f"{name}.json"
+    for entry in json.loads(ladder.read_text())["results"]:
+        shape = re.fullmatch(r"bshd B(\d+) S(\d+) (\d+)/(\d+) (inference|training)", entry["rung"])
+        if shape is None:
+            continue
+        batch, seqlen, d_qk, d_v = map(int, shape.groups()[:4])
+        if rules.pack_work(16, d_qk, d_v, batch, seqlen, seqlen) > rules.MEDIUM_CALL_WORK:
+            continue
+        problem = AttentionProblem(batch, seqlen, seqlen, 16, 16, d_qk, d_v, mask="causal", dtype=torch.bfloat16,
+                                   training=shape[5] == "training")  # fmt: skip
+        chosen = str(attnselect.select(problem, target=h100).chosen)
+        for way, rows in entry["stats"].items():
+            forced = {row[len("forced ") :]: r["median"] for row, r in rows.items() if row.startswith("forced ")}
+            yield entry["rung"], way, forced, chosen
+
+
+def test_the_small_dense_call_tables_sit_where_the_size_ladders_measured_them():
+    """The size ladders' dense rungs below MEDIUM_CALL_WORK (three on the H200, one on an H100; forced rows timed
+    alone and in a stack): the tables' choice at least 0.69x as fast as the fastest forced row on every rung-way and
+    0.98x in geometric mean (0.99 measured); forced FA4 native 0.92x (B8 S1k stacks) to 4.8x the choice's time. The
+    tables were read off these runs: this holds them to the data, it is not a check out of sample."""
+    import math
+
     ladders = ("h200_ladder_20c9c6a_fa4", "h200_ladder_small_d7b14ce_fa4", "h200_ladder_b1s1k_40a2f27_fa4",
                "h100_ladder_small_fa4")  # fmt: skip
     logs, against_fa4 = [], []
     for name in ladders:
-        for entry in json.loads((results / f"{name}.json").read_text())["results"]:
-            shape = re.fullmatch(r"bshd B(\d+) S(\d+) (\d+)/(\d+) (inference|training)", entry["rung"])
-            if shape is None:
-                continue
-            batch, seqlen, d_qk, d_v = map(int, shape.groups()[:4])
-            problem = AttentionProblem(batch, seqlen, seqlen, 16, 16, d_qk, d_v, mask="causal",
-                                       dtype=torch.bfloat16, training=shape[5] == "training")  # fmt: skip
-            if rules.pack_work(16, d_qk, d_v, batch, seqlen, seqlen) > rules.MEDIUM_CALL_WORK:
-                continue
-            chosen = str(attnselect.select(problem, target=h100).chosen)
-            for way, rows in entry["stats"].items():
-                forced = {row[len("forced ") :]: r["median"] for row, r in rows.items() if row.startswith("forced ")}
-                ratio = min(forced.values()) / forced[chosen]
-                assert ratio >= 0.69, (name, entry["rung"], way)
-                logs.append(math.log(ratio))
-                if "flash_attn4 native" in forced:
-                    against_fa4.append(forced["flash_attn4 native"] / forced[chosen])
+        for rung, way, forced, chosen in _small_ladder_rung_ways(name):
+            ratio = min(forced.values()) / forced[chosen]
+            assert ratio >= 0.69, (name, rung, way)
+            logs.append(math.log(ratio))
+            if "flash_attn4 native" in forced:
+                against_fa4.append(forced["flash_attn4 native"] / forced[chosen])
     assert len(logs) >= 80 and math.exp(sum(logs) / len(logs)) >= 0.98
     assert min(against_fa4) >= 0.92 and max(against_fa4) >= 4.5
 
@@ -430,26 +438,10 @@ def test_the_small_dense_call_tables_sit_where_the_size_ladders_measured_them():
 def test_the_small_dense_call_tables_chose_the_fastest_kernel_on_a_ladder_run_after_them():
     """Out of sample: on the H100 ladder run after the tables were written (results/h100_ladder_small_509a3ed_fa4.md),
     the tables' choice was the fastest forced row on every rung-way below MEDIUM_CALL_WORK, alone and in a stack."""
-    import json
-    import pathlib
-    import re
-
-    from attnselect.choose import rules
-
-    h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
-    ladder = pathlib.Path(__file__).parents[2] / "results" / "h100_ladder_small_509a3ed_fa4.json"
     ways = 0
-    for entry in json.loads(ladder.read_text())["results"]:
-        batch, seqlen, d_qk, d_v, phase = re.fullmatch(r"bshd B(\d+) S(\d+) (\d+)/(\d+) (\w+)", entry["rung"]).groups()
-        problem = AttentionProblem(int(batch), int(seqlen), int(seqlen), 16, 16, int(d_qk), int(d_v), mask="causal",
-                                   dtype=torch.bfloat16, training=phase == "training")  # fmt: skip
-        if rules.pack_work(16, int(d_qk), int(d_v), int(batch), int(seqlen), int(seqlen)) > rules.MEDIUM_CALL_WORK:
-            continue
-        chosen = f"forced {attnselect.select(problem, target=h100).chosen}"
-        for way, rows in entry["stats"].items():
-            forced = {row: r["median"] for row, r in rows.items() if row.startswith("forced ")}
-            assert forced[chosen] == min(forced.values()), (entry["rung"], way)
-            ways += 1
+    for rung, way, forced, chosen in _small_ladder_rung_ways("h100_ladder_small_509a3ed_fa4"):
+        assert forced[chosen] == min(forced.values()), (rung, way)
+        ways += 1
     assert ways == 24
 
 
