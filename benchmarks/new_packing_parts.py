@@ -1,12 +1,13 @@
 """Where a new packing's first call spends its host time: attention()'s path for a packed call known but for its
 packing's sizes (attnselect.dispatch's sibling), stage by stage.
 
-    python benchmarks/new_packing_parts.py [--calls 150] [--rounds 7] [--out results/h200_new_packing_parts]
+    python benchmarks/new_packing_parts.py [--calls 150] [--rounds 7] [--training] [--out OUT]
 
 The new-packing case of benchmarks/hot_path.py (1024 tokens in 1 to 8 documents, a new packing each call, H16,
 128/128 bf16, causal, both max_seqlen given, inference; CPU: its small stand-in, which attention() does not memoize,
-so only the whole calls are timed there). Rows, each the median over ``--rounds`` rounds of the per-call mean over
-``--calls`` calls, each on a packing not seen before:
+so only the whole calls are timed there); ``--training``: each call's forward and backward (``torch.autograd.grad``
+of the output, the replay's backward a stage of its own). Rows, each the median over ``--rounds`` rounds of the
+per-call mean over ``--calls`` calls, each on a packing not seen before:
 
 - attention() as users call it; the chosen kernel's op called directly (torch's ``aten._flash_attention_forward``
   where the choice is ``varlen_fa2``, the package's ``flash_attn_varlen_func`` for FlashAttention packages); torch's
@@ -269,6 +270,11 @@ def compare(a) -> None:
         Path(a.out + ".md").write_text("\n".join(lines) + "\n")
 
 
+def _first(result):
+    """A package function's output: its first item where it returns (out, lse)."""
+    return result[0] if isinstance(result, tuple) else result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=150)
@@ -288,6 +294,7 @@ def main() -> None:
         "src folders, each timed in turn in its own processes (--repeats each, with FA4 and without)",
     )
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--training", action="store_true", help="on the GPU: forward and backward (torch.autograd.grad)")
     a = ap.parse_args()
     if a.host_stages and a.compare:
         return compare(a)
@@ -309,7 +316,10 @@ def main() -> None:
     heads, total, dim = (16, 1024, 128) if device == "cuda" else (2, 256, 16)
     packings = new_packings(total, a.calls * (a.rounds + 1) * 4 + a.calls + 8, device)  # 5387 at most
     turn = iter(packings)
-    q, k, v = (torch.randn(total, heads, dim, device=device, dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(total, heads, dim, device=device, dtype=dtype, requires_grad=a.training) for _ in range(3))
+
+    def backward(out):  # training: the output's gradients, the output as the upstream one
+        return torch.autograd.grad(out, (q, k, v), out) if a.training else None
 
     def attention(cu, m):
         return attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=m,
@@ -319,20 +329,20 @@ def main() -> None:
     attention(cu, m)  # the sibling every later call is known by
     chosen = attnselect.select(attnselect.AttentionProblem.from_tensors(
         q, k, v, layout="thd", cu_seqlens_q=cu, causal=True, max_seqlen_q=m, max_seqlen_kv=m)).chosen  # fmt: skip
-    rows = {"attention(), a new packing each call": lambda cu, m: attention(cu, m)}
+    rows = {"attention(), a new packing each call": lambda cu, m: backward(attention(cu, m))}
     backend = backends.get(chosen.backend)
     if chosen.backend == "varlen_fa2" and not chosen.padded:
         op = torch.ops.aten._flash_attention_forward.default  # the overload: no lookup among overloads a call
-        rows["aten._flash_attention_forward, the chosen op"] = lambda cu, m: op(q, k, v, cu, cu, m, m, 0.0, True, False,
-                                                                                scale=dim**-0.5)  # fmt: skip
+        rows["aten._flash_attention_forward, the chosen op"] = lambda cu, m: backward(
+            op(q, k, v, cu, cu, m, m, 0.0, True, False, scale=dim**-0.5)[0])  # fmt: skip
     elif getattr(backend, "module", None) and not chosen.padded:
         function = importlib.import_module(backend.module).flash_attn_varlen_func
-        rows[f"{backend.module}.flash_attn_varlen_func"] = lambda cu, m: function(
-            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, causal=True)  # fmt: skip
+        rows[f"{backend.module}.flash_attn_varlen_func"] = lambda cu, m: backward(_first(function(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, causal=True)))  # fmt: skip
     if device == "cuda":
         from torch.nn.attention.varlen import varlen_attn
 
-        rows["torch varlen_attn"] = lambda cu, m: varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))
+        rows["torch varlen_attn"] = lambda cu, m: backward(varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0)))
     memoized = device == "cuda"  # attention() memoizes packed calls with boundaries on the GPU only
     source = inspect.getsource(api.attention)
     if not all(line in source for line in MIRRORED):
@@ -347,7 +357,7 @@ def main() -> None:
             raise SystemExit("the replay's problem, choice or result differ from attention()'s")
         attention(*next(turn))  # a sibling again
     per_row = {name: [] for name in rows}
-    per_stage = {name: [] for name in STAGES}
+    per_stage = {name: [] for name in STAGES + (("backward",) if a.training else ())}
     for r in range(a.rounds + 1):  # the first round warms up
         for name, fn in rows.items() if r % 2 == 0 else reversed(rows.items()):
             torch.cuda.synchronize() if device == "cuda" else None
@@ -357,24 +367,29 @@ def main() -> None:
             if r:
                 per_row[name].append((time.perf_counter() - start) / a.calls * 1e6)
         if memoized:
-            times = dict.fromkeys(STAGES, 0)
+            times = dict.fromkeys(per_stage, 0)
             torch.cuda.synchronize() if device == "cuda" else None
             for _ in range(a.calls):
-                replay(q, k, v, *next(turn), times)
+                out = replay(q, k, v, *next(turn), times)[2][0]
+                if a.training:
+                    start = time.perf_counter_ns()
+                    backward(out)
+                    times["backward"] += time.perf_counter_ns() - start
             if r:
-                for name in STAGES:
+                for name in per_stage:
                     per_stage[name].append(times[name] / a.calls / 1e3)
-    profiled = profile(lambda: attention(*next(turn)), a.calls, lines=30)
+    profiled = profile(lambda: backward(attention(*next(turn))), a.calls, lines=30)
     meta = {"device": attnselect.Target.current().describe(), "date": time.strftime("%Y-%m-%d"), "chosen": str(chosen)}
     lines = [
         "# A new packing's first call: where its host time goes\n",
         f"{meta['device']}, {meta['date']}. Produced by `benchmarks/new_packing_parts.py`: {total} tokens in 1 to 8 "
-        f"documents, a new packing each call, H{heads}, {dim}/{dim} {str(dtype)[6:]}, causal, inference; chosen: "
+        f"documents, a new packing each call, H{heads}, {dim}/{dim} {str(dtype)[6:]}, causal, "
+        f"{'training (forward and backward)' if a.training else 'inference'}; chosen: "
         f"{chosen}. Median host us per call over {a.rounds} rounds of {a.calls} calls (min..max).\n",
         "| row | host us per call |",
         "|---|---|",
     ]
-    report = {"meta": meta, "rows": per_row, "stages": per_stage}
+    report = {"meta": {**meta, "training": a.training}, "rows": per_row, "stages": per_stage}
     for name, t in per_row.items():
         lines.append(f"| {name} | {statistics.median(t):.1f} ({min(t):.1f}..{max(t):.1f}) |")
     if memoized:

@@ -61,7 +61,8 @@
 #   bash scripts/device_run.sh hot-path # benchmarks/hot_path.py: host time of repeated small calls -> $OUT/h200_hot_path.*
 #                                      # (HOT_PATH_PART=name -> $OUT/h200_hot_path_name.*)
 #   bash scripts/device_run.sh new-packing-parts # benchmarks/new_packing_parts.py: a new packing's first call, stage
-#                                      # by stage (PARTS_NAME=name -> $OUT/h200_new_packing_parts_name.*)
+#                                      # by stage (PARTS_NAME=name -> $OUT/h200_new_packing_parts_name.*; PARTS_ARGS:
+#                                      # its arguments, e.g. --training)
 #   bash scripts/device_run.sh sdpa-training-gap # benchmarks/sdpa_training_gap.py: sdpa_cudnn through attnselect
 #                                      # against F.sdpa's default in training, with each row's CUDA kernels -> $OUT/sdpa_training_gap.*
 #   bash scripts/device_run.sh small-calls # benchmarks/small_calls_probe.py: small dense calls, each SDPA kernel through
@@ -329,7 +330,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
     timeout 200 python3 ${BENCH_DIR:-benchmarks}/hot_path.py --profile ${HOT_PATH_ARGS:-} --out "$OUT/h200_hot_path${HOT_PATH_PART:+_$HOT_PATH_PART}" 2>&1 \
       | grep -v -i warn | grep -E '^(\||## )|Error|Traceback' | cut -c1-160 ;;   # a failure shows its error
   new-packing-parts)   # benchmarks/new_packing_parts.py: a new packing's first call, stage by stage (NO_FA4=1: without)
-    timeout 300 python3 ${BENCH_DIR:-benchmarks}/new_packing_parts.py --out "$OUT/h200_new_packing_parts${PARTS_NAME:+_$PARTS_NAME}" \
+    timeout 300 python3 ${BENCH_DIR:-benchmarks}/new_packing_parts.py ${PARTS_ARGS:-} --out "$OUT/h200_new_packing_parts${PARTS_NAME:+_$PARTS_NAME}" \
       2>&1 | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;
   sdpa-training-gap)   # benchmarks/sdpa_training_gap.py: sdpa_cudnn through attnselect against F.sdpa in training
     timeout 200 python3 benchmarks/sdpa_training_gap.py --out "$OUT/sdpa_training_gap" 2>&1 | grep -v -i warn | tail -60 ;;

@@ -218,6 +218,13 @@ def test_new_packing_parts_smoke(tmp_path):
     assert len(report["rows"]["attention(), a new packing each call"]) == 1
 
 
+def test_new_packing_parts_training_smoke(tmp_path):
+    _run("benchmarks/new_packing_parts.py", "--training", "--calls", "3", "--rounds", "1", "--out",
+         str(tmp_path / "parts"))  # fmt: skip
+    report = json.loads((tmp_path / "parts.json").read_text())
+    assert report["meta"]["training"] is True and len(report["rows"]["attention(), a new packing each call"]) == 1
+
+
 def test_packed_work_estimates_reproduce_the_committed_table(tmp_path):
     """The table is computed, not typed: a rerun writes the committed file."""
     _run("benchmarks/packed_work_estimates.py", "--out", str(tmp_path / "estimates.md"))

@@ -236,7 +236,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     ranking = None
     if found is not None and covered and problem.seqlen_q >= calibration.MIN_QUERIES:  # not calibration.outside
         ranking = _ranking(family, problem, target, found)
-    failed = ranking.failed if ranking is not None else _failed(problem, target)
+    failed = ranking.failed if ranking is not None else family.failed_at(problem, target)
     held = ranking.decided if ranking is not None else None  # one tuple: a thread reads a decision with its facts
     if held is None and ranking is not None:  # a work class new to its size class and table
         held = _drawn_alike(family.drawn.get(ranking.group), ranking)
