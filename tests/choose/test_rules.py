@@ -163,23 +163,24 @@ def test_thd_facts_are_read_from_cu_seqlens():
 
 
 @pytest.mark.parametrize(
-    "max_seqlen,heads,training,chosen",
+    "max_seqlen,heads,training,chosen,batch",
     [
-        (512, 16, True, Candidate("varlen_fa2", 192)),  # short documents: the frontend op's host time dominates
-        (1024, 16, True, Candidate("cudnn_frontend")),
-        (512, 128, True, Candidate("cudnn_frontend")),  # short, but enough work in the pack to hide the host time
-        (512, 16, False, Candidate("cudnn_frontend")),  # forward only: cuDNN led the uncontended run
+        (512, 16, True, Candidate("varlen_fa2", 192), 32),  # a small pack: the frontend op's host time dominates
+        (1024, 16, True, Candidate("cudnn_frontend"), 32),  # 32 documents of 1024: enough work to hide it
+        (1024, 16, True, Candidate("varlen_fa2", 192), 4),  # 4 documents of 1024: a small pack again
+        (512, 128, True, Candidate("cudnn_frontend"), 32),  # short, but enough work in the pack to hide the host time
+        (512, 16, False, Candidate("cudnn_frontend"), 32),  # forward only: cuDNN led the uncontended run
     ],
 )
-def test_packed_short_documents_train_on_varlen_on_hopper(max_seqlen, heads, training, chosen):
+def test_small_packs_train_on_varlen_on_hopper(max_seqlen, heads, training, chosen, batch):
     problem = AttentionProblem(
-        **{**MLA, "batch": 32, "seqlen_q": max_seqlen, "seqlen_kv": max_seqlen, "heads_q": heads, "heads_kv": heads},
+        **{**MLA, "batch": batch, "seqlen_q": max_seqlen, "seqlen_kv": max_seqlen, "heads_q": heads, "heads_kv": heads},
         layout="thd",
         training=training,
     )
     d = attnselect.select(problem, target=Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"}))
     assert d.chosen == chosen
-    assert ("short documents" in d.why) == (chosen.backend == "varlen_fa2")
+    assert ("small training pack" in d.why) == (chosen.backend == "varlen_fa2")
 
 
 def test_absorbed_mla_prefill_prefers_the_efficient_kernel_on_hopper():

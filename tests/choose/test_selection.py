@@ -123,7 +123,7 @@ def test_cuda_graph_capture_keeps_only_capturable_candidates():
 )
 def test_packed_decisions_carried_across_sizes_choose_what_a_fresh_selection_chooses(installed):
     """select_packed reuses a packed problem's decision at new sizes only where a full selection agrees: sizes that
-    cross a rule (one key, short documents, a key sequence of length 1) are selected afresh."""
+    cross a rule (one key, a small training pack, a key sequence of length 1) are selected afresh."""
     import random
 
     from attnselect.choose.selection import select_packed

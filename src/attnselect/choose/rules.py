@@ -5,7 +5,7 @@ Where a calibration of this GPU and these library versions holds (:mod:`attnsele
 supported candidates go by their predicted time for the call (:mod:`attnselect.choose.predict`), the table breaking
 ties and the backends the calibration skips last (packed: the candidates that run sequence by sequence too). A
 packed candidate's calibrated host time includes what it rebuilds for a new packing, so the demotion below and the
-refinements for small packs and short documents are the table's, where no calibration holds. Elsewhere the table
+refinements for small packs are the table's, where no calibration holds. Elsewhere the table
 orders them, as follows.
 
 A table lists candidates fastest first ("name" = native, "name+pad" = padded). Padding wins
@@ -202,19 +202,23 @@ PREFERENCES.update(
     }
 )
 # Refinements, keyed by the base key plus a name, for problems where the measured order differs.
-# "short documents" (thd, every sequence <= SHORT_DOCUMENTS tokens and little work in the whole pack), sm90
-# training: the cuDNN frontend's torch op spends about 2 ms of host time per forward+backward call, so when the
-# pack's GPU work is smaller than that, varlen_attn with V padded is faster (192/128, 16 heads, fwd+bwd ms queued:
-# results/h200_thd_bench.md, 16k tokens of 128..512-token documents, 1.40 against 2.02; results/h200_thd_crossover.md,
-# equal documents of 128 / 256 / 512 tokens, 1.02 / 1.42 / 1.44 against 2.04 / 2.00 / 2.25, at 1024 they trade
-# places between runs, and with more work, 16k of 2048-token documents or 32k of 256..1024, cuDNN leads, 2.16 against
-# 3.36 and 2.26 against 3.50). The work bound is H * (d_qk + d_v) * sequences * max_seqlen^2 (the forward's FLOPs
-# with every sequence as long as the longest): 6.7e10 for the 16k pack of 128..512 (51 sequences), 1.7e11 for
-# 2048-token documents.
+# "small training pack" (thd, sm90 training, little work in the whole pack): the cuDNN frontend's torch op spends
+# about 2 ms of host time per forward+backward call, so when the pack's GPU work is smaller than that, varlen_attn
+# with V padded is faster (192/128, 16 heads, fwd+bwd ms queued: results/h200_thd_bench.md, 16k tokens of
+# 128..512-token documents, 1.40 against 2.02; results/h200_thd_crossover.md, equal documents of 128 / 256 / 512
+# tokens, 1.02 / 1.42 / 1.44 against 2.04 / 2.00 / 2.25, at 1024 (work 8.6e10) they trade places between runs, and
+# with more work, 16k of 2048-token documents or 32k of 256..1024, cuDNN leads, 2.16 against 3.36 and 2.26 against
+# 3.50). The work bound is H * (d_qk + d_v) * sequences * max_seqlen^2 (the forward's FLOPs with every sequence as
+# long as the longest): 6.7e10 for the 16k pack of 128..512 (51 sequences), 1.7e11 for 2048-token documents. Long
+# documents in a small pack are below it too: 1024 tokens in 1 to 8 documents (up to 1000 tokens long), 128/128,
+# training without FA4 on an H100, attention() took 1660.2 us a call where the frontend served 92 of the 150
+# packings (those with a document over 512 tokens, before this table took them) against varlen_attn's 609.5
+# (results/h100_new_packing_parts_training_e58eab5_nofa4.md), and the H200's calibration, host times included,
+# ranks varlen_fa2 first on all 150.
 # Forward only, the order stays: uncontended, cuDNN led that pack (0.24 ms against 0.39 for flex and varlen); the
 # crossover run, beside another GPU's test suite, had flex ahead on equal short documents, which is unsettled.
-SHORT_DOCUMENTS, SHORT_PACK_WORK = 512, 8e10
-PREFERENCES[("sm90", "training", "thd", "short documents")] = (
+SMALL_TRAINING_PACK_WORK = 8e10
+PREFERENCES[("sm90", "training", "thd", "small training pack")] = (
     "flash_attn4",
     "flash_attn4+pad",
     "varlen_fa2",
@@ -371,13 +375,8 @@ def _work(problem: AttentionProblem) -> int:
 
 _REFINEMENTS = (
     (
-        "short documents",
-        lambda p: (
-            p.layout == "thd"
-            and p.seqlen_q <= SHORT_DOCUMENTS
-            and p.seqlen_kv <= SHORT_DOCUMENTS
-            and _work(p) <= SHORT_PACK_WORK
-        ),
+        "small training pack",
+        lambda p: p.layout == "thd" and _work(p) <= SMALL_TRAINING_PACK_WORK,
     ),
     (
         "small pack",
@@ -417,7 +416,7 @@ def _small_dense_call(p: AttentionProblem, masks: tuple[str, ...] = ("causal", "
 _HOST_BOUND = "the host time of FA4's and the cuDNN frontend's Python interfaces outweighs the GPU time they save"
 # Why each refinement's table ranks the calls it takes, for a decision's why: (its bound, or None, and the reason)
 _REFINEMENT_REASONS = {
-    "short documents": (SHORT_PACK_WORK, "the cuDNN frontend's host time outweighs the pack's GPU work"),
+    "small training pack": (SMALL_TRAINING_PACK_WORK, "the cuDNN frontend's host time outweighs the pack's GPU work"),
     "small pack": (SMALL_PACK_WORK, _HOST_BOUND),
     "wide heads": (None, "head dims above 256 in prefill, where sdpa_efficient measured fastest"),
     "tiny call": (TINY_CALL_WORK, _HOST_BOUND),
