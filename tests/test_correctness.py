@@ -39,9 +39,10 @@ def test_a_right_kernel_passes_and_a_wrong_one_fails_each_value():
             assert correctness.compare(q, k, v, dout, call, bad).failures == [name]
 
 
-def _fused_kernel(q, k, v, dout, scale):
+def _fused_kernel(q, k, v, dout, scale, *, rounded=True):
     """A fused kernel's causal backward, written out: float32 math, the output rounded to the inputs' dtype and read
-    back for D = rowsum(dO * O) (FlashAttention-2's flash_bwd_preprocess, cuDNN's compute_dot_do_o)."""
+    back for D = rowsum(dO * O) (FlashAttention-2's flash_bwd_preprocess, cuDNN's compute_dot_do_o); its gradients
+    rounded too unless ``rounded`` is False."""
     heads = q.shape[1]
     qf, dof = q.float(), dout.float()
     kf, vf = (t.float().expand(-1, heads, -1) for t in (k, v))
@@ -51,24 +52,47 @@ def _fused_kernel(q, k, v, dout, scale):
     out = torch.einsum("hst,thd->shd", p, vf).to(q.dtype)
     d = (dof * out.float()).sum(-1).transpose(0, 1)
     ds = p * (torch.einsum("shd,thd->hst", dof, vf) - d[..., None])
-    dq = torch.einsum("hst,thd->shd", ds, kf) * scale
-    dk = (torch.einsum("hst,shd->thd", ds, qf) * scale).sum(1, keepdim=True)
-    dv = torch.einsum("hst,shd->thd", p, dof).sum(1, keepdim=True)
-    return {"out": out, "dq": dq.to(q.dtype), "dk": dk.to(q.dtype), "dv": dv.to(q.dtype)}
+    grads = {
+        "dq": torch.einsum("hst,thd->shd", ds, kf) * scale,
+        "dk": (torch.einsum("hst,shd->thd", ds, qf) * scale).sum(1, keepdim=True),
+        "dv": torch.einsum("hst,shd->thd", p, dof).sum(1, keepdim=True),
+    }
+    return {"out": out, **{name: g.to(q.dtype) if rounded else g for name, g in grads.items()}}
 
 
-def test_gradients_allow_the_output_read_back_as_fused_kernels_read_it(monkeypatch):
-    """Without the allowance a right fused kernel fails at short sequences (4 of these 40 two-token ones, as six
-    kernels failed one self-check on an H100); with it every one passes, and a wrong dq or dk still fails."""
-    call = KernelCall(mask="causal", window=None, scale=128**-0.5, dropout_p=0.0, return_lse=False)
-    cases = [(*_slice_inputs(sq=2, skv=2, h=1, dqk=128, dv=128, seed=seed), call) for seed in range(40)]
-    results = [(case, _fused_kernel(*case[:4], call.scale)) for case in cases]
+_CAUSAL = KernelCall(mask="causal", window=None, scale=128**-0.5, dropout_p=0.0, return_lse=False)
+
+
+def test_the_read_back_reference_is_a_fused_backward_s_exact_gradients():
+    """Grouped heads and an output far from zero (V with a common offset): the read-back reference's dq and dk are
+    what a backward reading its rounded output computes in float32."""
+    q, k, v, dout = _slice_inputs(sq=64, skv=64, h=4, dqk=128, dv=128, seed=3)
+    v = (v.float() + 2.0).to(v.dtype)
+    batch = [t.unsqueeze(0) for t in (q, k, v, dout)]
+    exact = dict(zip(("out", "lse", "dq", "dk", "dv"), correctness.reference(*batch, _CAUSAL, torch.float32)))
+    read_back = correctness._read_back_reference(*batch, _CAUSAL, exact, torch.float32)
+    fused = _fused_kernel(q, k, v, dout, _CAUSAL.scale, rounded=False)
+    for name in ("dq", "dk"):
+        moved = (fused[name] - exact[name][0]).abs().max()
+        assert moved > 1e-3  # the read-back moves them
+        # within a tenth of the move: the kernel's output may round an ulp away from the exact output rounded
+        assert (read_back[name][0] - fused[name]).abs().max() <= 0.1 * moved
+
+
+def test_a_fused_backward_reading_its_output_back_passes_and_a_wrong_one_does_not(monkeypatch):
+    """Judged against the exact gradients alone a right fused kernel fails at short sequences (4 of these 40
+    one-head two-token slices, as six kernels failed one self-check on an H100); against the read-back reference
+    too every one passes (grouped heads too), and a dq or dk 5% off still fails."""
+    cases = [
+        (*_slice_inputs(sq=2, skv=2, h=h, dqk=128, dv=128, seed=seed), _CAUSAL) for h in (1, 4) for seed in range(40)
+    ]
+    results = [(case, _fused_kernel(*case[:4], _CAUSAL.scale)) for case in cases]
     assert all(correctness.compare(*case, got).passed for case, got in results)
     for name in ("dq", "dk"):
-        case, got = results[0]
-        assert correctness.compare(*case, dict(got, **{name: got[name] * 1.05})).failures == [name]
-    monkeypatch.setattr(correctness, "_read_back_allowance", lambda *args: {})
-    assert sum(not correctness.compare(*case, got).passed for case, got in results) >= 2
+        failed = [not correctness.compare(*case, dict(got, **{name: got[name] * 1.05})).passed for case, got in results]
+        assert sum(failed) >= 0.9 * len(results)
+    monkeypatch.setattr(correctness, "_read_back_reference", lambda *args: {})
+    assert sum(not correctness.compare(*case, got).passed for case, got in results[:40]) >= 2
 
 
 def test_keyless_rows_need_a_zero_output_and_an_lse_of_minus_infinity():

@@ -190,6 +190,29 @@ def test_packings_that_straddle_a_refinement_s_bound_carry_a_decision_within_eac
     assert judged_by_packing == [1, 1, 0, 0, 0, 0, 0]  # each table's first packing only
 
 
+def test_a_packed_decision_reads_recorded_failures_as_select_does_once_torch_distributed_starts(monkeypatch):
+    """Failures recorded by earlier processes are not read under torch.distributed (ranks could read different cache
+    files); a job that starts it after its first packed calls gets, at its next packing, what select() chooses."""
+    from attnselect.choose import failures, selection
+
+    h200 = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"})
+
+    def pack(seqlen):
+        return AttentionProblem(8, seqlen, seqlen, 16, 16, 128, 128, layout="thd", mask="causal", training=True,
+                                dtype=torch.bfloat16)  # fmt: skip
+
+    first, second, third = pack(2000), pack(2010), pack(2020)
+    assert first.size_class == second.size_class == third.size_class
+    usual = attnselect.select(first, target=h200).chosen
+    monkeypatch.setattr(failures, "_RECORDED", {failures._entry_key(first, h200): {usual: "RuntimeError: recorded"}})
+    attnselect.clear_cache()
+    assert selection.select_packed(first, target=h200).chosen != usual
+    assert selection.select_packed(second, target=h200).chosen != usual
+    for module in (failures, selection):
+        monkeypatch.setattr(module, "is_distributed", lambda: True)
+    assert selection.select_packed(third, target=h200).chosen == attnselect.select(third, target=h200).chosen == usual
+
+
 def test_a_table_s_decision_judges_again_only_what_a_packing_s_sizes_or_failures_can_change(monkeypatch):
     """Carried within a rules table, a decision's candidates are judged again at a new packing only where their
     verdict reads sizes, or their failure came or went (a recorded failure is not read under torch.distributed):

@@ -103,7 +103,9 @@ class _Family:
         self.runs = [c for c in allowed if not backend_named(c.backend).target_reasons(target)]
         self.calibrated: _Calibrated | None = None  # made on its first ranking under a calibration
         self.places: dict[tuple, dict] = {}  # per rules table: the allowed candidates' rules.table_places
-        self.failed: dict[int, dict] = {}  # per size class: _failed (a signature reads no other size)
+        # per (size class, torch.distributed on): _failed (a signature reads no other size; failures recorded by
+        # earlier processes are not read under torch.distributed, which a job may start after its first calls)
+        self.failed: dict[tuple, dict] = {}
         # per (size class, rules table): the decision last drawn there at any work class, as ranking.decided holds
         # it, with the calibration it was drawn under and whether it settled a tie (_drawn_alike)
         self.drawn: dict[tuple, tuple] = {}
@@ -122,9 +124,10 @@ class _Family:
         return held
 
     def failed_at(self, problem: AttentionProblem, target: Target) -> dict:
-        failed = self.failed.get(problem.size_class)
+        key = (problem.size_class, is_distributed())
+        failed = self.failed.get(key)
         if failed is None:
-            failed = self.failed[problem.size_class] = _failed(problem, target)
+            failed = self.failed[key] = _failed(problem, target)
         return failed
 
 
