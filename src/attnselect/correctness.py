@@ -30,6 +30,10 @@ import torch
 from attnselect.spec import masks
 from attnselect.spec.options import KernelCall
 
+# This criterion's version: bumped when a change passes right kernels it failed before, so that a wrong result
+# recorded under an earlier one is judged again (attnselect.choose.failures). 2: dq and dk against the read-back
+# reference too (:func:`_read_back_reference`).
+CRITERION = 2
 OUT_FACTOR = 2.0
 GRAD_FACTOR = 3.0
 SLICE_HEADS = 4  # query heads of the one K/V head compared

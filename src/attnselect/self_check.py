@@ -46,6 +46,8 @@ _PASSED: set = set()
 class WrongResultError(AttnSelectError, RuntimeError):
     """A kernel's result did not match the reference at the self-check of its first call."""
 
+    criterion = correctness.CRITERION  # what judged it: a record of it holds under this criterion only
+
 
 def needed(problem: AttentionProblem, chosen: Candidate, target: Target) -> bool:
     """Whether this call, the first of its kind since the memo last decided it, is to be checked."""

@@ -46,3 +46,30 @@ def test_a_lasting_failure_is_recorded_for_the_signature():
     failures._RECORDED = None
     bigger = AttentionProblem(1, 9, 9, 2, 2, 16, 16, dtype=torch.float32)  # the same size class: the same signature
     assert failures.failures(bigger, target) == {Candidate("sdpa_math"): "RuntimeError: no kernel image is available"}
+
+
+def test_a_wrong_result_judged_by_an_earlier_criterion_is_checked_again(caplog):
+    """A self-check's wrong result is recorded with the correctness criterion that judged it; one recorded under an
+    earlier criterion, or before criteria were recorded, is not read (a right kernel it failed passes now), while a
+    run-time error and a wrong result under the current criterion are."""
+    from attnselect import correctness
+    from attnselect.self_check import WrongResultError
+
+    target = attnselect.Target.current()
+    failures.mark_failed(P, target, Candidate("sdpa_math"), WrongResultError("self-check of sdpa_math: dq wrong"))
+    failures.mark_failed(P, target, Candidate("sdpa_efficient"), RuntimeError("no kernel image is available"))
+    data = json.loads(store.cache_file().read_text())
+    (entry,) = data["entries"].values()
+    assert [f.get("criterion") for f in entry["failed"]] == [correctness.CRITERION, None]
+    earlier = [
+        {"candidate": Candidate("sdpa_flash").to_dict(), "error": "WrongResultError: self-check: dq wrong"},
+        {"candidate": Candidate("flex").to_dict(), "error": "WrongResultError: self-check: dk wrong", "criterion": 1},
+    ]
+    entry["failed"] += earlier
+    store.cache_file().write_text(json.dumps(data))
+    failures._FAILED.clear()
+    failures._RECORDED = None
+    with caplog.at_level("INFO", logger="attnselect"):
+        recorded = failures.failures(P, target)
+    assert set(recorded) == {Candidate("sdpa_math"), Candidate("sdpa_efficient")}
+    assert caplog.text.count("judged by an earlier correctness criterion") == 2

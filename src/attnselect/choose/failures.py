@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from attnselect import memos
+from attnselect import correctness, memos
 from attnselect.choose import debug, store
 from attnselect.choose.distributed import is_distributed
 from attnselect.spec.options import Candidate
@@ -58,11 +58,29 @@ def _recorded_failures() -> dict:
             if not _is_failure_key(key):  # another policy's entry, or not one of attnselect's keys at all
                 continue
             try:
-                recorded[key] = {Candidate(**f["candidate"]): str(f["error"]) for f in entry.get("failed", ())}
+                found = {
+                    Candidate(**f["candidate"]): (str(f["error"]), f.get("criterion")) for f in entry.get("failed", ())
+                }
             except (TypeError, KeyError, ValueError, AttributeError) as exc:  # written by hand, or by another version
                 store.malformed(key, exc, f"the failures recorded at signature {json.loads(key).get('signature')}")
+                continue
+            recorded[key] = {
+                c: error for c, (error, criterion) in found.items() if not _judged_before(error, criterion)
+            }
+            for c, (error, _) in found.items():
+                if c not in recorded[key]:
+                    debug.LOGGER.info(
+                        "attnselect: %s's wrong result recorded in %s was judged by an earlier correctness criterion: "
+                        "checked again (%s)", c, store.cache_file(), error,
+                    )  # fmt: skip
         _RECORDED = recorded
     return _RECORDED
+
+
+def _judged_before(error: str, criterion) -> bool:
+    """Whether a recorded failure is a wrong result the self-check found under an earlier correctness criterion (one
+    recorded before criteria were recorded has none): a right kernel it failed passes now."""
+    return error.startswith("WrongResultError") and criterion != correctness.CRITERION
 
 
 def mark_failed(
@@ -77,9 +95,10 @@ def mark_failed(
     _FAILED.setdefault((eager_signature(problem), target), {})[candidate] = text
     transient = is_transient(error)
     if not transient:
+        judged = {"criterion": error.criterion} if getattr(error, "criterion", None) is not None else {}
         store.remember(
             _entry_key(problem, target),
-            {"failed": [{"candidate": candidate.to_dict(), "error": text}]},
+            {"failed": [{"candidate": candidate.to_dict(), "error": text, **judged}]},
             combine=_with_earlier,
         )
     debug.LOGGER.warning(
