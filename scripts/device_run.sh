@@ -331,7 +331,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
       | grep -v -i warn | grep -E '^(\||## )|Error|Traceback' | cut -c1-160 ;;   # a failure shows its error
   new-packing-parts)   # benchmarks/new_packing_parts.py: a new packing's first call, stage by stage (NO_FA4=1: without)
     timeout 300 python3 ${BENCH_DIR:-benchmarks}/new_packing_parts.py ${PARTS_ARGS:-} --out "$OUT/h200_new_packing_parts${PARTS_NAME:+_$PARTS_NAME}" \
-      2>&1 | grep -v -i warn | grep -E '^(\||## )' | cut -c1-160 ;;
+      2>&1 | grep -v -i warn | grep -E '^(\||## )|Error|Traceback' | cut -c1-160 ;;   # a failure shows its error
   sdpa-training-gap)   # benchmarks/sdpa_training_gap.py: sdpa_cudnn through attnselect against F.sdpa in training
     timeout 200 python3 benchmarks/sdpa_training_gap.py --out "$OUT/sdpa_training_gap" 2>&1 | grep -v -i warn | tail -60 ;;
   small-calls)   # benchmarks/small_calls_probe.py: small dense calls kernel by kernel (host, latency, stack)

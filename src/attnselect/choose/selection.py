@@ -206,7 +206,10 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
         family.last = decision, problem
     if made is not None and made.policy == "rules" and made.predictions is None:  # ranked by the table (_carried)
         table_key, table = rules.table_for(problem, target)
-        family.by_table[table_key] = made, _standing_checks(made, problem, target, table)
+        family.by_table[table_key] = (
+            made,
+            _standing_checks(made, problem, target, table, family.failed_at(problem, target)),
+        )
     return decision
 
 
@@ -400,14 +403,14 @@ def _judged_alike_at_every_size(verdict: Verdict, problem: AttentionProblem, tar
     return not verdict.supported and bool(backend.surfaces[target.device_type].reasons(kernel_problem, target))
 
 
-def _standing_checks(made: Decision, problem: AttentionProblem, target: Target, table) -> tuple:
+def _standing_checks(made: Decision, problem: AttentionProblem, target: Target, table, failed: dict) -> tuple:
     """What a packing at other sizes must check for the rules' decision ``made`` for ``problem`` under the rules table
     ``table`` to stand (:func:`select_packed`'s conditions): its choice still serves, and no candidate refused there
     that the table puts above the choice (any refused one, where the choice rebuilds per packing) serves now, the
     caller's controls aside. One (candidate, whether it must serve, whether its verdict reads sizes
-    (:func:`_judged_alike_at_every_size`), whether it had failed) for each: the others' verdicts stand while their
-    failures do."""
-    chosen, failed = made.chosen, _failed(problem, target)
+    (:func:`_judged_alike_at_every_size`), whether it had failed (``failed``: the problem's failures)) for each: the
+    others' verdicts stand while their failures do."""
+    chosen = made.chosen
     position = {name: i for i, name in enumerate(table)}
     cache = backend_named(chosen.backend).shape_cache
     above = (
