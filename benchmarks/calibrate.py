@@ -1,7 +1,7 @@
 """The packaged calibration of a GPU: ``attnselect calibrate`` in full, with its report.
 
     python benchmarks/calibrate.py --out results/h200_calibration           # on the GPU: .json and .md
-    python benchmarks/calibrate.py --package results/h200_calibration.json  # here: the package data of its arch
+    python benchmarks/calibrate.py --package results/h200_calibration.json  # here: the package data of its GPU
     # in parts, one device call each (--pairs 192/128,128/128 then --pairs 64/64,256/256), joined:
     python benchmarks/calibrate.py --merge part1.json part2.json --out results/h200_calibration
     # one part measured again on the GPU, into a copy: --host-from (host times), --first-calls-from (first calls)
@@ -19,7 +19,6 @@ import shutil
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PARTIAL = " (partial: a checkpoint of a run not finished)"  # marks a checkpoint's source: --package refuses it
 
 
 def report(data: dict) -> str:
@@ -86,13 +85,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="path without extension: .json and .md")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--package", help="a calibration .json to install as the package data of its arch")
+    ap.add_argument("--package", help="a calibration .json to install as the package data of its GPU model")
     ap.add_argument("--pairs", help="head-dim pairs, e.g. 192/128,128/128 (default: attnselect.bench.calibrate.PAIRS)")
     ap.add_argument("--merge", nargs="+", help="calibrations of one machine to join into --out")
     ap.add_argument("--host-from", help="a calibration of this machine whose host times to measure again into --out")
     ap.add_argument("--first-calls-from", help="a calibration of this machine whose first calls' costs to measure "
                     "again into --out (in a process that has run no attention yet)")  # fmt: skip
     a = ap.parse_args()
+    from attnselect.bench import calibrate
     from attnselect.choose import calibration
 
     if not a.out and not a.package:
@@ -105,7 +105,7 @@ def main() -> None:
         if any(p["fingerprint"] != parts[0]["fingerprint"] for p in parts):
             raise SystemExit("the parts ran on different machines or versions")
         data = dict(parts[0], host_us={}, new_packing_us={}, gpu={}, first_call_ms={}, new_size_ms={})
-        for marker, says in (("--quick", " (merged with a --quick part)"), (PARTIAL, PARTIAL)):
+        for marker, says in (("--quick", " (merged with a --quick part)"), (calibrate.PARTIAL, calibrate.PARTIAL)):
             if any(marker in part["source"] for part in parts) and marker not in data["source"]:
                 data["source"] += says  # what a part was not, the whole is not: --package refuses it
         for part in parts:
@@ -126,17 +126,16 @@ def main() -> None:
         capability = data["fingerprint"]["capability"] if not problem else None
         if not problem and not capability:
             problem = "a CPU's calibration (the loader reads GPUs' alone)"
-        if not problem and ("--quick" in data["source"] or PARTIAL in data["source"]):
+        if not problem and ("--quick" in data["source"] or calibrate.PARTIAL in data["source"]):
             problem = f"not a whole calibration ({data['source']})"  # a quick run's, or a run's checkpoint
         if problem:
             raise SystemExit(f"{a.package}: {problem}")
         arch = f"sm{capability[0]}{capability[1]}"
-        target = ROOT / "src" / "attnselect" / "data" / f"calibration_{arch}.json"
+        target = ROOT / "src" / "attnselect" / "data" / calibration.file_name(arch, data["fingerprint"]["name"])
         shutil.copyfile(a.package, target)
         print(f"{a.package} -> {target.relative_to(ROOT)}")
         return
     import attnselect
-    from attnselect.bench import calibrate
 
     if a.host_from:
         data = calibrate.host_times(json.loads(pathlib.Path(a.host_from).read_text()), attention=attnselect.attention,
@@ -167,7 +166,7 @@ def main() -> None:
         return
 
     def checkpoint(partial: dict) -> None:  # what a deadline or a crash would otherwise lose; --package refuses it
-        partial = {**partial, "source": partial["source"] + PARTIAL}
+        partial = {**partial, "source": partial["source"] + calibrate.PARTIAL}
         pathlib.Path(a.out + ".json").write_text(json.dumps(partial, indent=1))
 
     data = calibrate.run(attention=attnselect.attention, quick=a.quick, pairs=pairs, progress=calibrate.print_progress,

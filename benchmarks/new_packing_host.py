@@ -24,8 +24,9 @@ from attnselect.choose import calibration
 
 
 def packaged_keys() -> dict:
-    """{backend: its host keys} of the packaged sm90 calibration."""
-    packaged = json.loads(resources.files("attnselect").joinpath("data", "calibration_sm90.json").read_text())
+    """{backend: its host keys} of the packaged calibration of the H200."""
+    packaged = json.loads(resources.files("attnselect").joinpath("data", "calibration_sm90_nvidia-h200.json")
+                          .read_text())  # fmt: skip
     return {backend: list(keys) for backend, keys in packaged["host_us"].items()}
 
 

@@ -28,7 +28,7 @@
 #   bash scripts/device_run.sh calibrate-first-calls # its first calls' costs measured again (start-up left out,
 #                                      # an empty compile cache)                  -> $OUT/h200_calibration.*
 #   bash scripts/device_run.sh package-calibration # $OUT/h200_calibration.json as this tree's package data (the
-#                                      # steps after it rank by it)  -> $OUT/calibration_<arch>.json
+#                                      # steps after it rank by it)  -> $OUT/calibration_<arch>_<gpu>.json
 #   bash scripts/device_run.sh calibrate # benchmarks/calibrate.py (CALIBRATE_ARGS="--pairs 192/128,128/128",
 #                                      # CALIBRATE_PART=name)          -> $OUT/h200_calibration${CALIBRATE_PART:+_name}.*
 #   bash scripts/device_run.sh pytest  # pytest $PYTEST_ARGS, the whole log  -> $OUT/h200_pytest_$TEST_PART.txt

@@ -9,6 +9,7 @@ import torch
 
 import attnselect
 from attnselect import api, dispatch, memos
+from attnselect.api import call_arguments
 from attnselect.spec.options import CallOptions
 
 
@@ -428,6 +429,46 @@ def test_warmup_names_a_bad_argument_before_any_call(arguments, message, monkeyp
         attnselect.warmup(problem)
     with pytest.raises(attnselect.InvalidInputError, match=r"^problems: got int, expected an iterable"):
         attnselect.warmup(3)
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(batch=0), r"^problems\[0\].batch: got 0, expected at least 1"),
+        (dict(seqlen_kv=0), r"^problems\[0\].seqlen_kv: got 0, expected at least 1"),
+        (dict(layout="thd", tokens=17), r"^problems\[0\].tokens: got 17, expected at most batch x seqlen_q = 16"),
+        (dict(layout="thd", varlen_gaps=True), r"^problems\[0\].varlen_gaps: got True, expected False"),
+    ],
+)
+def test_warmup_refuses_a_problem_whose_call_it_cannot_make(fields, message, monkeypatch):
+    """No queries or keys (nothing to warm), more tokens than the packing holds, gaps it never packs: refused before
+    any call, naming the field, not reported as warmed."""
+    sizes = dict(batch=2, seqlen_q=8, seqlen_kv=8, heads_q=2, heads_kv=2, head_dim_qk=16, head_dim_v=16)
+    problem = attnselect.AttentionProblem(**{**sizes, **fields}, dtype=torch.float32)
+    monkeypatch.setattr(api, "_warm", lambda *a: pytest.fail("warmed up before its problems were checked"))
+    with pytest.raises(attnselect.InvalidInputError, match=message):
+        attnselect.warmup([problem])
+
+
+def test_warmup_makes_a_deterministic_problem_s_call_under_deterministic_algorithms(monkeypatch):
+    """The job's deterministic call is what warm-up decides and runs (the problem reads torch's switch), and the
+    switch is as the caller left it afterwards."""
+    selected, original = [], api.select
+    monkeypatch.setattr(api, "select", lambda problem, **kw: selected.append(problem) or original(problem, **kw))
+    problem = attnselect.AttentionProblem(1, 8, 8, 2, 2, 16, 16, torch.float32, training=True, deterministic=True)
+    attnselect.clear_cache()
+    (warmed,) = attnselect.warmup([problem], device="cpu")
+    assert warmed.error is None and not torch.are_deterministic_algorithms_enabled()
+    assert selected and all(p.deterministic for p in selected)
+
+
+def test_warmup_reports_a_call_unlike_its_problem_not_warmed(monkeypatch):
+    """Where the call warm-up makes is not the problem's (a field it did not reproduce), it is reported, naming the
+    field, not warmed."""
+    problem = attnselect.AttentionProblem(1, 8, 8, 2, 2, 16, 16, torch.float32, return_lse=True)
+    monkeypatch.setattr(api, "call_arguments", lambda p, device: {**call_arguments(p, device), "return_lse": False})
+    (warmed,) = attnselect.warmup([problem], device="cpu")
+    assert warmed.chosen == "" and "return_lse False where the problem has True" in warmed.error
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only case")

@@ -290,12 +290,14 @@ def test_calibrate_smoke(tmp_path):
 
 def test_calibrate_packages_a_whole_gpu_calibration_only(tmp_path, monkeypatch):
     """--package refuses a quick run's calibration, a checkpoint of a run not finished and a CPU's: each would become
-    the package data the rules rank by."""
+    the package data the rules rank by. A whole one becomes its GPU model's file."""
+    from attnselect.bench import calibrate
+
     tool = _benchmark("calibrate")
     monkeypatch.setattr(tool, "ROOT", tmp_path)  # where it would package: never the checkout's data
     (tmp_path / "src" / "attnselect" / "data").mkdir(parents=True)
-    whole = json.loads((ROOT / "src" / "attnselect" / "data" / "calibration_sm90.json").read_text())
-    for changes in ({"source": whole["source"] + tool.PARTIAL}, {"source": "attnselect calibrate --quick"},
+    whole = json.loads((ROOT / "src" / "attnselect" / "data" / "calibration_sm90_nvidia-h200.json").read_text())
+    for changes in ({"source": whole["source"] + calibrate.PARTIAL}, {"source": "attnselect calibrate --quick"},
                     {"fingerprint": {**whole["fingerprint"], "capability": None}}):  # fmt: skip
         (tmp_path / "c.json").write_text(json.dumps({**whole, **changes}))
         monkeypatch.setattr(sys, "argv", ["calibrate.py", "--package", str(tmp_path / "c.json")])
@@ -313,7 +315,13 @@ def test_calibrate_packages_a_whole_gpu_calibration_only(tmp_path, monkeypatch):
     (tmp_path / "c.json").write_text(json.dumps(whole))
     monkeypatch.setattr(sys, "argv", ["calibrate.py", "--package", str(tmp_path / "c.json")])
     tool.main()
-    assert json.loads((tmp_path / "src" / "attnselect" / "data" / "calibration_sm90.json").read_text()) == whole
+    data = tmp_path / "src" / "attnselect" / "data"
+    assert json.loads((data / "calibration_sm90_nvidia-h200.json").read_text()) == whole
+    h100 = {**whole, "fingerprint": {**whole["fingerprint"], "name": "NVIDIA H100 80GB HBM3"}}
+    (tmp_path / "c.json").write_text(json.dumps(h100))
+    tool.main()  # another GPU of the arch: its own file, beside the H200's
+    assert json.loads((data / "calibration_sm90_nvidia-h100-80gb-hbm3.json").read_text()) == h100
+    assert json.loads((data / "calibration_sm90_nvidia-h200.json").read_text()) == whole
 
 
 def test_calibrate_first_calls_again_keeps_the_costs_of_backends_not_measured_here(tmp_path, monkeypatch):
@@ -597,9 +605,14 @@ def test_the_ladder_s_screen_keeps_a_row_whose_first_call_alone_is_slow():
 
 def test_hot_path_smoke(tmp_path):
     _run("benchmarks/hot_path.py", "--calls", "3", "--repeats", "3", "--out", str(tmp_path / "hot"))
-    rows = json.loads((tmp_path / "hot.json").read_text())["cases"][0]["rows"]
+    cases = json.loads((tmp_path / "hot.json").read_text())["cases"]
+    rows = cases[0]["rows"]
     assert next(iter(rows)).startswith("attnselect.attention")
     assert "F.scaled_dot_product_attention, default dispatch" in rows
+    # the issue's cases: dense and a new packing each call, inference and training (fwd+bwd)
+    firsts = [next(iter(case["rows"])) for case in cases]
+    assert sum(row.endswith("a new packing each call") for row in firsts) == 2
+    assert sum(row.endswith("fwd+bwd") for row in firsts) == 1 and "training" in cases[3]["problem"]
 
 
 def test_hot_path_parts_smoke(tmp_path):

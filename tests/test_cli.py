@@ -171,11 +171,8 @@ def test_explain_refuses_what_context_parallelism_refuses(capsys):
         (["--dropout", "1.5"], "--dropout (dropout_p): got 1.5, expected"),
         (["--target", "cpu", "--cudnn-version", "9.1.0"], "--cudnn-version: got '9.1.0', expected none for the cpu"),
         (["--tokens", "4096"], "--tokens (tokens): got 4096, expected 0 unless layout is 'thd'"),
-        (
-            ["--as-calibrated", "--target", "h100"],
-            "--as-calibrated: the calibration packaged for sm90 is the NVIDIA H200's, expected the NVIDIA H100's",
-        ),
-        (["--as-calibrated", "--target", "a100"], "--as-calibrated: no calibration is packaged for sm80"),
+        (["--as-calibrated", "--target", "h100"], "--as-calibrated: no calibration is packaged for the NVIDIA H100"),
+        (["--as-calibrated", "--target", "a100"], "--as-calibrated: no calibration is packaged for the NVIDIA A100"),
         (["--as-calibrated", "--target", "cpu"], "--as-calibrated: got --target cpu, expected a GPU preset"),
         (["--as-calibrated", "--target", "current"], "--as-calibrated: got --target current, expected a GPU preset"),
     ],
@@ -210,3 +207,20 @@ def test_warmup_makes_the_model_shapes_first_calls(capsys):
     assert "failed: thd" in capsys.readouterr().err
     assert main([*args, "--backend", "no_such_backend"]) == 2  # the library's error, before any call
     assert main([*args, "--tokens", "24"]) == 0 and "2 seqs in 24 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "command,flags,message",
+    [
+        ("warmup", ["--batch", "0"], "InvalidInputError: --batch: got 0, expected at least 1"),
+        ("warmup", ["--seqlen", "16", "0"], "InvalidInputError: --seqlen: got 0, expected lengths of at least 1"),
+        ("tune", ["--seqlen", "0"], "InvalidInputError: --seqlen: got 0, expected lengths of at least 1"),
+        ("warmup", ["--layout", "thd", "--batch", "2", "--tokens", "33"], "--tokens: got 33, expected 0 (half of"),
+        ("warmup", ["--tokens", "8"], "--tokens: got 8 with --layout bshd, expected it with --layout thd only"),
+        ("warmup", ["--backend", "no_such_backend"], "ForcedChoiceError: --backend (backend): got 'no_such_backend'"),
+    ],
+)
+def test_tune_and_warmup_name_a_flag_that_makes_no_call_before_starting(command, flags, message, capsys):
+    assert main([command, "--model", "llama-3-70b", "--seqlen", "16", "--dtype", "fp32", *flags]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""  # nothing started, no header printed

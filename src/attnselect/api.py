@@ -12,6 +12,8 @@ instead of compiling again, as they share the measure policy's decisions.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -328,6 +330,7 @@ def warmup(
                     f"problems[{i}].{name}: got {getattr(problem, name)!r}, expected {expected!r}: warm-up makes "
                     "plain eager calls (a captured or compiled call's eager warm-up is the one made here)"
                 )
+        _check_warmable(problem, f"problems[{i}]")
     settings.resolve(backend=backend, pad=pad, disable=disable)  # a bad control is the caller's error, raised now
     device = _warm_device(device)
     done = []
@@ -337,6 +340,27 @@ def warmup(
             w = done[-1]
             progress(i, len(problems), f"{problem.describe()}: {w.chosen or w.error} in {w.seconds:.2f} s")
     return done
+
+
+def _check_warmable(problem: AttentionProblem, name: str) -> None:
+    """Refuse, naming the field, a problem whose call warm-up cannot make: one of no queries or keys (no first call
+    to make), or a packing warm-up does not draw (:class:`attnselect.choose.timing.NewPackings` packs sequences
+    back to back, in at most batch x seqlen_q tokens)."""
+    for field in ("batch", "seqlen_q", "seqlen_kv"):
+        if getattr(problem, field) < 1:
+            raise InvalidInputError(f"{name}.{field}: got {getattr(problem, field)}, expected at least 1: a call of "
+                                    "no queries or keys has no first call to make")  # fmt: skip
+    if problem.layout != "thd":
+        return
+    if problem.tokens > problem.batch * problem.seqlen_q:
+        raise InvalidInputError(
+            f"{name}.tokens: got {problem.tokens}, expected at most batch x seqlen_q = "
+            f"{problem.batch * problem.seqlen_q} (q's rows of at most {problem.batch} sequences of at most "
+            f"{problem.seqlen_q} tokens)"
+        )
+    if problem.varlen_gaps:
+        raise InvalidInputError(f"{name}.varlen_gaps: got True, expected False: warm-up packs sequences back to back "
+                                "(it passes no cu_seqlens_*_padded)")  # fmt: skip
 
 
 def _warm_device(device) -> torch.device:
@@ -370,9 +394,12 @@ def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> Wa
                       max_seqlen_kv=p.max_seqlen_kv)  # fmt: skip
     _sync(device)
     started = time.perf_counter()
-    with torch.enable_grad() if problem.training else torch.no_grad():
+    with torch.enable_grad() if problem.training else torch.no_grad(), _deterministic(problem.deterministic):
         try:
             described = AttentionProblem.from_tensors(q, k, v, **kwargs)
+            unlike = _unlike(described, problem)
+            if unlike:  # not the job's call: warming it would pay another problem's first call
+                return WarmedUp(problem, "", 0.0, f"warm-up could not make this problem's call: {unlike}")
             _warm_call(described, select(described, target=target, **controls), q, k, v, grad_out, kwargs, controls,
                        device)  # fmt: skip
             chosen = select(described, target=target, **controls).chosen
@@ -391,6 +418,37 @@ def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> Wa
             return WarmedUp(problem, "", time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:300])
         seconds = time.perf_counter() - started
     return WarmedUp(problem, str(chosen), seconds, None)
+
+
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    """torch's deterministic algorithms switched to ``on`` (AttentionProblem.deterministic reads them), warn-only mode
+    kept, restored after."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if was == on:
+        yield
+        return
+    torch.use_deterministic_algorithms(on, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+def _unlike(described: AttentionProblem, problem: AttentionProblem) -> str:
+    """Where the call warm-up made (``described``) is not of ``problem``: its fields that differ, a packed call's
+    packing aside (warm-up calls packings within its sizes, as a data loader draws them: their sizes and what their
+    boundaries' values show); empty where none does."""
+    sizes = _PACKING_FIELDS if problem.layout == "thd" else ()
+    return ", ".join(
+        f"{f.name} {getattr(described, f.name)!r} where the problem has {getattr(problem, f.name)!r}"
+        for f in dataclasses.fields(AttentionProblem)
+        if f.name not in sizes and getattr(described, f.name) != getattr(problem, f.name)
+    )
+
+
+_PACKING_FIELDS = ("batch", "seqlen_q", "seqlen_kv", "tokens", "varlen_seqlens_match", "varlen_single_key",
+                   "varlen_rows_without_keys")  # fmt: skip
 
 
 def _warm_call(described: AttentionProblem, decision, q, k, v, grad_out, kwargs: dict, controls: dict, device) -> None:

@@ -8,13 +8,14 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 
 import torch
 
 from attnselect.api import attention, warmup
 from attnselect.backends import all_backends
 from attnselect.bench.models import MODELS
-from attnselect.choose import calibration
+from attnselect.choose import calibration, settings
 from attnselect.choose.selection import select
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.spec.options import mask_from_arguments
@@ -105,20 +106,15 @@ def target_from_args(a) -> Target:
 
 
 def _as_calibrated(target: Target, name: str) -> Target:
-    """The preset ``target`` at the versions its arch's packaged calibration ran with (its GPU alone), its packages
+    """The preset ``target`` at the versions its GPU's packaged calibration ran with (its GPU alone), its packages
     those the calibration measured and no other; refused where that calibration would not hold there (it ran with
     another attnselect)."""
     if not target.is_cuda:
         raise InvalidInputError(f"--as-calibrated: got --target {name}, expected a GPU preset (a simulated machine)")
-    data = calibration.packaged(target.arch)
+    data = calibration.packaged(target)
     if data is None:
-        raise InvalidInputError(f"--as-calibrated: no calibration is packaged for {target.arch}, expected one")
+        raise InvalidInputError(f"--as-calibrated: no calibration is packaged for the {target.name}, expected one")
     fp = data["fingerprint"]
-    if fp["name"] != target.name:
-        raise InvalidInputError(
-            f"--as-calibrated: the calibration packaged for {target.arch} is the {fp['name']}'s, expected the "
-            f"{target.name}'s"
-        )
     packages = {**dict.fromkeys(dict(target.packages)), **fp["packages"]}  # None: not installed
     calibrated = target.with_versions(torch_version=fp["torch"], cudnn_version=fp["cudnn"], packages=packages)
     found, why = calibration.for_target(calibrated)
@@ -127,12 +123,12 @@ def _as_calibrated(target: Target, name: str) -> Target:
     return calibrated
 
 
-# The problem's and target's fields explain's flags set: an error naming a field names its flag too
+# The problem's, target's and controls' fields the flags set: an error naming a field names its flag too
 FLAGS = {
     "batch": "--batch", "seqlen_q": "--seqlen", "seqlen_kv": "--seqlen-kv", "heads_q": "--heads",
     "heads_kv": "--kv-heads", "head_dim_qk": "--head-dim-qk", "head_dim_v": "--head-dim-v", "dropout_p": "--dropout",
     "context_parallel_size": "--cp", "window": "--window", "tokens": "--tokens", "cudnn_version": "--cudnn-version",
-    "target": "--target",
+    "target": "--target", "backend": "--backend",
 }  # fmt: skip
 
 
@@ -181,7 +177,19 @@ def cmd_demo(a) -> int:
 
 
 def model_problems(a) -> list[AttentionProblem]:
-    """Every (model, seqlen, phase) problem of ``tune`` and ``warmup``: causal, the models' heads and head dims."""
+    """Every (model, seqlen, phase) problem of ``tune`` and ``warmup``: causal, the models' heads and head dims. Flags
+    that make no call (no sequences, no tokens, a packing of more tokens than it holds) are refused, named."""
+    tokens = getattr(a, "tokens", 0)
+    if a.batch < 1:
+        raise InvalidInputError(f"--batch: got {a.batch}, expected at least 1")
+    for seqlen in a.seqlen:
+        if seqlen < 1:
+            raise InvalidInputError(f"--seqlen: got {seqlen}, expected lengths of at least 1")
+    if tokens and a.layout != "thd":
+        raise InvalidInputError(f"--tokens: got {tokens} with --layout {a.layout}, expected it with --layout thd only")
+    if tokens < 0 or tokens > a.batch * min(a.seqlen):
+        raise InvalidInputError(f"--tokens: got {tokens}, expected 0 (half of --batch x --seqlen) up to --batch x "
+                                f"--seqlen = {a.batch * min(a.seqlen)} (a packing's tokens)")  # fmt: skip
     problems = []
     for model in a.model:
         m = MODELS[model]
@@ -200,7 +208,7 @@ def model_problems(a) -> list[AttentionProblem]:
                         layout=a.layout,
                         mask="causal",
                         training=training,
-                        tokens=getattr(a, "tokens", 0),
+                        tokens=tokens,
                     )
                 )
     return problems
@@ -221,6 +229,7 @@ def cmd_tune(a) -> int:
 def cmd_warmup(a) -> int:
     """Make each (model, seqlen, phase) problem's first call now: decisions, self-checks and kernel compiles."""
     problems = model_problems(a)
+    settings.resolve(backend=a.backend)  # a bad --backend is named before anything is warmed
     print(f"warming up {len(problems)} problems on {Target.current().describe()}", flush=True)
 
     def progress(done: int, total: int, text: str) -> None:
@@ -259,6 +268,8 @@ def cmd_bench(a) -> int:
 
 
 def cmd_calibrate(a) -> int:
+    """Measure this GPU (minutes) into its calibration file; a run stopped on the way keeps what it measured in a
+    partial file beside it, which nothing reads as a calibration."""
     from attnselect.bench import calibrate
     from attnselect.memos import clear_cache
 
@@ -271,15 +282,51 @@ def cmd_calibrate(a) -> int:
             "attnselect calibrate: got a machine without a CUDA GPU, expected one (on the CPU the rules table orders "
             "the candidates)"
         )
-    data = calibrate.run(target, attention=attention, quick=a.quick, progress=calibrate.print_progress)
     path = pathlib.Path(a.out) if a.out else calibration.user_path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(data, indent=1))
-    os.replace(temporary, path)
+    _check_writable(path, "--out" if a.out else "ATTNSELECT_CACHE_DIR")  # before minutes of measuring, not after
+    partial = path.with_name(f"{path.stem}.partial{path.suffix or '.json'}")
+
+    def checkpoint(data: dict) -> None:
+        _write_json(partial, {**data, "source": data["source"] + calibrate.PARTIAL})
+
+    try:
+        data = calibrate.run(target, attention=attention, quick=a.quick, progress=calibrate.print_progress,
+                             checkpoint=checkpoint)  # fmt: skip
+    except (RuntimeError, KeyboardInterrupt) as exc:  # a CUDA error that ends the process's use of the GPU, or ^C
+        kept = f"; what it measured is in {partial} (a partial calibration: not used)" if partial.exists() else ""
+        print(f"attnselect calibrate: stopped ({type(exc).__name__}: {exc}){kept}", file=sys.stderr)
+        return 1
+    _write_json(path, data)
+    partial.unlink(missing_ok=True)
     clear_cache()
     print(f"calibration of {target.describe()} -> {path}")
     return 0
+
+
+def _check_writable(path: pathlib.Path, where: str) -> None:
+    """Refuse, naming ``where`` (the flag or variable that chose it), a path a calibration cannot be written to."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a directory")
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise InvalidInputError(f"{where}: cannot write {path} ({type(exc).__name__}: {exc}), expected a writable "
+                                "file path") from exc  # fmt: skip
+
+
+def _write_json(path: pathlib.Path, data: dict) -> None:
+    """``data`` as JSON at ``path``, whole or not at all: written to a file of its own beside it, then renamed over it
+    (processes writing to one cache directory do not mix their writes)."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as file:
+            json.dump(data, file, indent=1)
+        os.replace(temporary, path)
+    except BaseException:
+        pathlib.Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def cmd_backends(a) -> int:
@@ -358,7 +405,7 @@ def main(argv=None) -> int:
             "calibrate": cmd_calibrate,
         }[a.command](a)
     except AttnSelectError as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{type(exc).__name__}: {_flagged(str(exc))}", file=sys.stderr)
         return 2
 
 

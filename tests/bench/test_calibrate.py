@@ -187,10 +187,70 @@ def test_the_command_needs_a_gpu_and_keeps_a_quick_run_out_of_the_cache(capsys, 
     assert "--quick: got no --out" in capsys.readouterr().err
 
 
+@pytest.fixture
+def on_an_h200(tmp_path, monkeypatch):
+    """``attnselect calibrate`` as on an H200 (Target.current), its measurement the sample's, handed the progress bar
+    and a checkpoint; the cache directory a fresh one. Yields the arguments each run got."""
+    from helpers import CALIBRATED_H200, calibration_sample
+
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(attnselect.Target, "current", classmethod(lambda cls: CALIBRATED_H200))
+    runs = []
+
+    def run(target, *, attention, quick, progress, checkpoint):
+        runs.append(dict(target=target, progress=progress, checkpoint=checkpoint))
+        progress(0, 1, "dense 192/128 training")
+        return calibration_sample(target)
+
+    monkeypatch.setattr(calibrate, "run", run)
+    attnselect.clear_cache()
+    yield runs
+    attnselect.clear_cache()
+
+
+def test_the_command_stores_the_calibration_where_it_takes_precedence(on_an_h200, capsys):
+    from helpers import CALIBRATED_H200
+
+    assert calibration.for_target(CALIBRATED_H200)[0] is None  # the packaged one is for other versions
+    assert cli.main(["calibrate"]) == 0
+    path = calibration.user_path(CALIBRATED_H200)
+    assert on_an_h200[0]["progress"] is calibrate.print_progress and f"-> {path}" in capsys.readouterr().out
+    found, source = calibration.for_target(CALIBRATED_H200)  # read at once: the command cleared the caches
+    assert found is not None and source == str(path)
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary or partial file left
+
+
+def test_the_command_refuses_a_path_it_cannot_write_before_measuring(on_an_h200, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli.main(["calibrate", "--out", str(blocker / "h200.json")]) == 2
+    assert f"--out: cannot write {blocker / 'h200.json'}" in capsys.readouterr().err and not on_an_h200
+    (tmp_path / "a-dir").mkdir()
+    assert cli.main(["calibrate", "--out", str(tmp_path / "a-dir")]) == 2
+    assert "is a directory" in capsys.readouterr().err and not on_an_h200
+
+
+def test_a_stopped_calibration_keeps_what_it_measured_apart_and_says_where(on_an_h200, monkeypatch, capsys):
+    from helpers import CALIBRATED_H200, calibration_sample
+
+    def stopped(target, *, attention, quick, progress, checkpoint):
+        checkpoint(calibration_sample(target))
+        raise RuntimeError("calibration stopped: AcceleratorError: an illegal memory access")
+
+    monkeypatch.setattr(calibrate, "run", stopped)
+    assert cli.main(["calibrate"]) == 1
+    path = calibration.user_path(CALIBRATED_H200)
+    partial = path.with_name(path.stem + ".partial.json")
+    err = capsys.readouterr().err
+    assert "stopped (RuntimeError: calibration stopped: AcceleratorError" in err and str(partial) in err
+    assert not path.exists() and calibrate.PARTIAL in json.loads(partial.read_text())["source"]
+    assert calibration.for_target(CALIBRATED_H200)[0] is None  # a partial calibration is never read
+
+
 @pytest.mark.gpu
 def test_the_command_writes_a_calibration_that_holds_here(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     out = tmp_path / "quick.json"
     assert cli.main(["calibrate", "--quick", "--out", str(out)]) == 0
     assert calibration.parse(out.read_text(), str(out)) is not None
@@ -220,7 +280,7 @@ def test_the_packaged_packed_points_are_keyed_by_the_work_of_the_packings_they_t
     seeded packings as a prediction reads each; the results copy is the packaged file."""
     from importlib import resources
 
-    packaged = json.loads((resources.files("attnselect") / "data" / "calibration_sm90.json").read_text())
+    packaged = json.loads((resources.files("attnselect") / "data" / "calibration_sm90_nvidia-h200.json").read_text())
     assert json.loads((ROOT / "results" / "h200_calibration.json").read_text()) == packaged
     keyed = {}
     for pair in calibrate.PAIRS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pathlib
 from importlib import resources
 
 import pytest
@@ -24,9 +25,9 @@ from helpers import calibration_sample as sample
 @pytest.fixture
 def user_file(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     yield calibration.user_path(H200)
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
 
 
 def test_a_calibration_of_this_gpu_and_these_versions_holds(user_file):
@@ -62,16 +63,37 @@ def test_a_backend_package_s_version_is_matched_backend_by_backend(user_file, fa
 
 
 def test_gpu_models_of_one_arch_keep_their_own_files(user_file):
-    """An H100 and an H200 sharing a cache directory do not read (or overwrite) each other's calibration."""
+    """An H100 and an H200 sharing a cache directory, or a package shipping both, do not read (or overwrite) each
+    other's calibration."""
     h100 = Target.preset("h100", packages={"flash-attn-4": "4.0.0b36"})
     assert calibration.user_path(h100) != user_file
+    assert calibration.file_name("sm90", "NVIDIA H100") != calibration.file_name("sm90", "NVIDIA H200")
     user_file.write_text(json.dumps(sample()))
-    found, why = calibration.for_target(h100)  # the user's file is the H200's; the packaged one is an H200's too
-    assert found is None and str(user_file) not in why and "for NVIDIA H200" in why
+    found, why = calibration.for_target(h100)  # the user's file and the packaged one are the H200's
+    assert found is None and why == "no calibration for the NVIDIA H100 (sm90): `attnselect calibrate` on it makes one"
+    assert calibration.packaged(h100) is None and calibration.packaged(H200)["fingerprint"]["name"] == "NVIDIA H200"
+
+
+def test_a_user_calibration_left_behind_by_an_upgrade_is_not_used_and_said_once(user_file, caplog):
     stamped = sample()
     stamped["fingerprint"] = dict(stamped["fingerprint"], attnselect="0.0.1")  # another attnselect
     user_file.write_text(json.dumps(stamped))
-    assert calibration.for_target(H200)[0] is None
+    for _ in range(2):
+        attnselect.clear_cache()
+        found, why = calibration.for_target(H200)
+        assert found is None and f"{user_file} is for NVIDIA H200" in why and "attnselect 0.0.1" in why
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and str(user_file) in r.getMessage()]
+    assert len(said) == 1 and "it was made for" in said[0] and "attnselect 0.0.1" in said[0]
+
+
+@pytest.mark.parametrize("content", ["not json", json.dumps({"format": 99})])
+def test_explain_says_why_a_user_calibration_was_ignored_every_time(user_file, content):
+    """The warning is logged once a process; explain tells each time why the user's own file was not read."""
+    user_file.write_text(content)
+    for _ in range(2):
+        attnselect.clear_cache()
+        found, why = calibration.for_target(H200)
+        assert f"{user_file} was ignored (" in why
 
 
 def test_the_cpu_has_no_calibration():
@@ -119,7 +141,7 @@ def test_an_older_format_is_refused_with_how_to_make_a_new_one(user_file, caplog
 
 
 def test_the_packaged_calibration_is_of_this_format():
-    text = (resources.files("attnselect") / "data" / "calibration_sm90.json").read_text()
+    text = (resources.files("attnselect") / "data" / "calibration_sm90_nvidia-h200.json").read_text()
     assert calibration.parse(text, "packaged")["format"] == calibration.FORMAT
 
 
@@ -208,17 +230,17 @@ def test_any_content_of_the_calibration_file_never_breaks_a_choice(content, tmp_
 
 
 def test_the_packaged_h200_calibration_holds_on_the_machine_it_measured(tmp_path, monkeypatch):
-    """attnselect/data/calibration_sm90.json (results/h200_calibration.json): a valid calibration, read for the H200,
-    torch and cuDNN it ran on, with FA4 and the cuDNN frontend or without them; it covers the head-dim pairs the issue
-    names, dense and packed, in both phases, for every backend it timed."""
+    """attnselect/data/calibration_sm90_nvidia-h200.json (results/h200_calibration.json): a valid calibration, read
+    for the H200, torch and cuDNN it ran on, with FA4 and the cuDNN frontend or without them; it covers the head-dim
+    pairs the issue names, dense and packed, in both phases, for every backend it timed."""
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))  # no user calibration
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     memos.clear_cache()
     packages = {"flash-attn-4": "4.0.0b36", "nvidia-cudnn-frontend": "1.32.0"}
     for installed in (packages, {}):
         h200 = Target.preset("h200", packages=installed, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
         found, source = calibration.for_target(h200)
-        assert found is not None and source == "attnselect/data/calibration_sm90.json"
+        assert found is not None and source == "attnselect/data/calibration_sm90_nvidia-h200.json"
     curves = found["gpu"]
     keys = [key for per_backend in curves.values() for key in per_backend]
     for d_qk, d_v in ((192, 128), (128, 128), (64, 64), (256, 256)):
@@ -228,4 +250,17 @@ def test_the_packaged_h200_calibration_holds_on_the_machine_it_measured(tmp_path
     assert {"flash_attn4", "cudnn_frontend", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "varlen_fa2"} <= set(curves)
     problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
     decision = attnselect.select(problem, target=h200)
-    assert decision.predictions is not None and decision.calibration == "attnselect/data/calibration_sm90.json"
+    assert (
+        decision.predictions is not None and decision.calibration == "attnselect/data/calibration_sm90_nvidia-h200.json"
+    )
+
+
+def test_the_documented_format_names_every_field_of_the_packaged_calibration():
+    """docs/api.md's description of the file names each field the packaged one holds, and the format's number."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "api.md").read_text()
+    described = next(block for block in text.split("\n- ") if block.startswith("The file (format "))
+    packaged = calibration.packaged(H200)  # the packaged file of its GPU model, whatever the versions
+    assert packaged is not None and f"(format {calibration.FORMAT};" in described
+    for field in [*packaged, *packaged["fingerprint"], "new_packing_us"]:
+        assert f"`{field}`" in described, field

@@ -27,12 +27,12 @@ FLASH_OR_MATH = {Candidate("sdpa_flash"): 10.0, Candidate("sdpa_math"): 100_010.
 @pytest.fixture(autouse=True)
 def calibrated(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     calibration.user_path(H200).write_text(json.dumps(sample()))
     attnselect.clear_cache()
     first_calls.forget()
     yield
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     first_calls.forget()
 
@@ -55,7 +55,7 @@ def test_the_compile_is_priced_at_the_call_s_phase():
     for table in (*keyed["gpu"].values(), *keyed["host_us"].values()):  # inference measured as training
         table.update({key.replace("training", "inference"): value for key, value in table.items()})
     calibration.user_path(H200).write_text(json.dumps(keyed))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     assert attnselect.select(LARGE, target=H200).rental.compile_ms == 5000.0
     inference = attnselect.select(dataclasses.replace(LARGE, training=False), target=H200)
@@ -206,7 +206,7 @@ def test_a_new_shape_of_a_configuration_that_ran_rents_where_its_kernel_builds_p
     # 20 ms: a shape's build rents (BUILDING_MS) where a configuration's first call would not (COMPILING_MS)
     per_shape = sample(first_call_ms={"flash_attn4": 20.0}, new_size_ms={"flash_attn4": {"dense training": 20.0}})
     calibration.user_path(H200).write_text(json.dumps(per_shape))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     assert attnselect.select(LARGE, target=H200).rental is None  # its configuration's first call: not priced here
     first_calls.ran(FA4, LARGE)
@@ -261,7 +261,7 @@ def test_lengths_in_one_size_class_are_shapes_of_their_own():
     """cuDNN keys its graphs on the lengths themselves (MHAParams), not on the size class a signature holds."""
     per_shape = sample(first_call_ms={}, new_size_ms={"flash_attn4": {"dense training": 150.0}})
     calibration.user_path(H200).write_text(json.dumps(per_shape))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     ran, near = (LARGE._with(seqlen_q=s, seqlen_kv=s) for s in (6000, 7000))
     first_calls.ran(FA4, ran)
@@ -274,7 +274,7 @@ def test_a_configuration_s_rent_paid_pays_its_first_shape_too(monkeypatch):
     nothing more."""
     both = sample(new_size_ms={"flash_attn4": {"dense training": 150.0}})  # and FA4's 4000 ms configuration
     calibration.user_path(H200).write_text(json.dumps(both))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     rental = attnselect.select(LARGE, target=H200).rental
     assert not rental.shape
@@ -296,7 +296,7 @@ def test_a_packed_family_s_rental_is_drawn_again_once_paid():
     for table in (*packed["gpu"].values(), *packed["host_us"].values()):  # packed measured as dense
         table.update({key.replace("dense", "thd"): value for key, value in table.items()})
     calibration.user_path(H200).write_text(json.dumps(packed))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     problem = AttentionProblem(8, 4096, 4096, 16, 16, 192, 128, mask="causal", training=True, layout="thd",
                                dtype=torch.bfloat16)  # fmt: skip
@@ -491,11 +491,11 @@ def test_on_the_packaged_h200_calibration_rentals_cost_at_most_twice_what_knowin
     candidate has a price, chose FA4 and paid its 9.4 s compile on the first call before the cheapest price was paid
     first (34 times what knowing one call would cost)."""
     calibration.user_path(H200).unlink()  # the packaged calibration alone
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     packages = PACKAGED_PACKAGES if fa4 else {"nvidia-cudnn-frontend": "1.32.0"}
     target = attnselect.Target.preset("h200", packages=packages, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
     found, source = calibration.for_target(target)
-    assert source == "attnselect/data/calibration_sm90.json"
+    assert source == "attnselect/data/calibration_sm90_nvidia-h200.json"
     worst, chained = 1.0, 0
     for (d_qk, d_v), training, (batch, seqlen), layout in itertools.product(
         ((192, 128), (128, 128), (64, 64), (256, 256)), (False, True), CHAIN_SIZES, ("bshd", "thd")
@@ -627,7 +627,7 @@ def test_a_configuration_s_rent_counts_the_time_each_size_lost_not_its_calls(mon
     32k (the packaged H200 calibration, 128/128 training) do not pay the cuDNN frontend's price, which they lost a
     sixth of; the loss reaching it does."""
     calibration.user_path(H200).unlink()
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     target = attnselect.Target.preset("h200", packages=PACKAGED_PACKAGES, torch_version="2.11.0+cu130",
                                       cudnn_version="9.19.0")  # fmt: skip
     small, large = (
@@ -697,7 +697,7 @@ def test_warmup_chooses_for_the_device_it_warms_up(monkeypatch):
     from attnselect.spec import target as target_module
 
     calibration.user_path(H200).unlink()
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     gpu = attnselect.Target.preset("h200", packages=PACKAGED_PACKAGES, torch_version="2.11.0+cu130",
                                    cudnn_version="9.19.0")  # fmt: skip
     monkeypatch.setattr(target_module, "_cuda_usable", lambda: True)  # a CUDA machine, as Target.current sees it
@@ -758,7 +758,7 @@ def test_a_call_the_rules_table_ranks_pays_its_configuration_too(monkeypatch):
 def test_a_rental_drawn_while_every_candidate_had_a_price_is_drawn_again_once_its_own_ran():
     """explain says every candidate has a first call to pay only while the rented one's has not run."""
     calibration.user_path(H200).unlink()
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     target = attnselect.Target.preset("h200", packages=PACKAGED_PACKAGES, torch_version="2.11.0+cu130",
                                       cudnn_version="9.19.0")  # fmt: skip
     problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, layout="thd", mask="causal", training=True,
@@ -774,7 +774,7 @@ def test_a_rental_drawn_while_every_candidate_had_a_price_is_drawn_again_once_it
 def _packaged_h200() -> attnselect.Target:
     """The H200 with FA4 and the cuDNN frontend at the packaged calibration's versions, that calibration alone."""
     calibration.user_path(H200).unlink()
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     return attnselect.Target.preset("h200", packages=PACKAGED_PACKAGES, torch_version="2.11.0+cu130",
                                     cudnn_version="9.19.0")  # fmt: skip
 

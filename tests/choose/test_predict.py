@@ -158,11 +158,11 @@ def test_a_captured_call_is_predicted_by_its_gpu_time_alone():
 @pytest.fixture
 def calibrated(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     calibration.user_path(H200).write_text(json.dumps(sample()))
     attnselect.clear_cache()
     yield
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
 
 
@@ -186,11 +186,31 @@ def test_explain_prints_each_candidates_predicted_time_and_its_parts(calibrated)
     assert "(60.0," in row
 
 
+def test_explain_json_holds_each_candidates_predicted_time_and_its_parts(calibrated):
+    """``explain --json`` (Decision.to_dict): what the report prints, in fields a script can read."""
+    problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    decision = attnselect.select(problem, target=H200)
+    data = json.loads(json.dumps(decision.to_dict()))
+    assert data["ranked_by"] == "predicted time" and data["calibration"] == decision.calibration
+    row = next(c for c in data["candidates"] if c["backend"] == "sdpa_cudnn" and c["pad_to"] is None)
+    predicted = decision.predictions[Candidate("sdpa_cudnn")]
+    assert predicted.host_us == 60.0  # the sample's host time (the report's row shows it too)
+    assert row["predicted_us"] == {
+        "total": predicted.total_us, "host": predicted.host_us, "gpu": predicted.gpu_us, "alone": predicted.alone_us,
+        "new_packing_host": None, "basis": predicted.basis,
+    }  # fmt: skip
+    refused = [c for c in data["candidates"] if not c["supported"]]
+    assert refused and all("predicted_us" not in c for c in refused)
+    rules = attnselect.select(problem, target=Target.preset("h100")).to_dict()
+    assert rules["ranked_by"] == "rules table" and "attnselect calibrate" in rules["calibration"]
+    assert all("predicted_us" not in c for c in rules["candidates"])
+
+
 def test_explain_says_how_a_packed_call_s_work_was_taken(tmp_path, monkeypatch):
     """Without q's rows a pack's work is every sequence at the longest (up to 50x its work): explain says so, and how
     to give them."""
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))  # the packaged calibration
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     packaged = Target.preset("h200", packages={"flash-attn-4": "4.0.0b36", "nvidia-cudnn-frontend": "1.32.0"},
                              torch_version="2.11.0+cu130")  # fmt: skip
@@ -204,14 +224,13 @@ def test_explain_says_how_a_packed_call_s_work_was_taken(tmp_path, monkeypatch):
 def test_without_a_calibration_the_table_ranks_and_explain_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "_packaged", lambda arch: (_ for _ in ()).throw(FileNotFoundError(arch)))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
     decision = attnselect.select(problem, target=H200)
     assert decision.predictions is None and decision.chosen == Candidate("flash_attn4")
-    assert "ranked:  by the rules table (no calibration for sm90: `attnselect calibrate` on such a GPU makes one)" in (
-        decision.report()
-    )
+    why = "no calibration for the NVIDIA H200 (sm90): `attnselect calibrate` on it makes one"
+    assert f"ranked:  by the rules table ({why})" in decision.report()
 
 
 def test_calls_unlike_the_calibrated_ones_are_ranked_by_the_table(calibrated):
@@ -229,7 +248,7 @@ def test_a_calibration_missing_a_served_candidate_ranks_nothing(calibrated):
     """A candidate the calibration neither measured nor skipped would rank last on no evidence: the table ranks."""
     partial = sample(skipped=["sdpa_math", "reference"])
     calibration.user_path(H200).write_text(json.dumps(partial))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     problem = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
     decision = attnselect.select(problem, target=H200)
@@ -258,7 +277,7 @@ def test_packed_calls_rank_by_their_calibrated_curves_and_per_sequence_candidate
     data["gpu"]["flash_attn4"].update({"thd 192/128 training": [[10.0, 30.0], [1e4, 900.0]],
                                        "thd 192/128+pad training": [[10.0, 35.0], [1e4, 1100.0]]})  # fmt: skip
     calibration.user_path(H200).write_text(json.dumps(data))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     decision = attnselect.select(PACKED, target=H200)
     assert decision.predictions is not None and decision.chosen == Candidate("flash_attn4")
@@ -297,7 +316,7 @@ def test_a_packed_call_s_host_time_is_spread_over_the_calls_that_share_its_packi
         assert calibration.parse(json.dumps(partial), "partial")["new_packing_us"] == {}
     assert "has no new packing's host time for varlen_fa2 thd training:" in caplog.text
     calibration.user_path(H200).write_text(json.dumps(data))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     report = attnselect.explain(PACKED, target=H200)
     assert (

@@ -514,7 +514,7 @@ def test_a_tie_goes_to_the_call_that_costs_least_alone_and_explain_says_why(tmp_
     data["gpu"]["sdpa_cudnn"]["dense 192/128 training"] = [[10.0, 115.0], [1e4, 115.0]]
     data["gpu"]["flash_attn4"]["dense 192/128 training"] = [[10.0, 100.0], [1e4, 100.0]]
     calibration.user_path(CALIBRATED_H200).write_text(json.dumps(data))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     problem = AttentionProblem(2, 1024, 1024, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
     first_calls.ran(Candidate("flash_attn4"), problem)  # its compile paid: no rental
@@ -525,11 +525,11 @@ def test_a_tie_goes_to_the_call_that_costs_least_alone_and_explain_says_why(tmp_
         assert "within 15% of the lowest" in d.why and "flash_attn4 native's 117.5 us" in d.why  # 122.5 against
         data["gpu"]["sdpa_cudnn"]["dense 192/128 training"] = [[10.0, 140.0], [1e4, 140.0]]  # 147.5 us: no tie
         calibration.user_path(CALIBRATED_H200).write_text(json.dumps(data))
-        calibration.parse.cache_clear()
+        calibration._parsed.cache_clear()
         attnselect.clear_cache()
         first_calls.ran(Candidate("flash_attn4"), problem)
         assert attnselect.select(problem, target=CALIBRATED_H200).chosen == Candidate("flash_attn4")
     finally:
         first_calls.forget()
-        calibration.parse.cache_clear()
+        calibration._parsed.cache_clear()
         attnselect.clear_cache()

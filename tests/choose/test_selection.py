@@ -301,7 +301,7 @@ def _packed_calibration(tmp_path, monkeypatch, target):
         }
     data["skipped"] = [b for b in data["skipped"] if b not in ("varlen_fa2", "cudnn_frontend")] + ["sdpa_cudnn"]
     calibration.user_path(target).write_text(json.dumps(data))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
 
 
@@ -619,7 +619,7 @@ def test_a_thread_reads_a_settled_decision_with_its_own_verdicts_while_another_c
         }
     data["skipped"] = [b for b in data["skipped"] if b not in ("varlen_fa2", "cudnn_frontend", "flex")] + ["sdpa_cudnn"]
     calibration.user_path(target).write_text(json.dumps(data))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     first_calls.forget()
 
@@ -662,7 +662,7 @@ def test_a_settled_packed_decision_follows_a_calibration_changed_with_the_cache_
     (tmp_path / "b").mkdir()
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path / "b"))
     calibration.user_path(target).write_text(json.dumps(data))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     carried = selection.select_packed(_thd_training(18, 4001), target=target)
     fresh = attnselect.select(_thd_training(18, 4001), target=target)
     assert carried.rental is None and (carried.chosen, carried.rental) == (fresh.chosen, fresh.rental)
@@ -681,7 +681,7 @@ def test_a_memoized_dense_decision_follows_a_calibration_changed_with_the_cache_
         (tmp_path / name).mkdir()
     monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path / "a"))
     calibration.user_path(CALIBRATED_H200).write_text(json.dumps(data))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     first_calls.forget()
     problem = AttentionProblem(2, 4096, 4096, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
@@ -834,7 +834,7 @@ def test_a_new_work_class_whose_order_brings_the_next_candidate_within_the_tie_b
     data["skipped"] = [b for b in data["skipped"] if b not in ("varlen_fa2", "cudnn_frontend")]
     data["skipped"] += ["sdpa_cudnn", "flex", "flash_attn4"]
     calibration.user_path(target).write_text(json.dumps(data))
-    calibration.parse.cache_clear()
+    calibration._parsed.cache_clear()
     attnselect.clear_cache()
     first_calls.forget()
     selection.select_packed(seed, target=target)

@@ -55,6 +55,7 @@ START_UP = (128, 128)
 # between packings: backends/shape_cache.py; a later candidate's packing of it may still fall there, as each
 # candidate takes the next packing: packed shapes are not priced, attnselect.choose.first_calls)
 FIRST_CALL_SIZES = {"bshd": ((1, 1024), (1, 2048), (2, 1536)), "thd": ((4, 512), (8, 1024), (8, 1536))}
+PARTIAL = " (partial: a checkpoint of a run not finished)"  # marks a checkpoint's source: never packaged or read
 HOST_ROUNDS = 5
 HOST_CALLS = 10  # a round's calls of each step
 COMPILING_MS = 1000.0  # a backend whose first call took this much longer at two sizes in a row compiles per shape

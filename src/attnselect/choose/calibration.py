@@ -1,7 +1,8 @@
 """Calibrations: what each installed backend costs on one GPU with one set of library versions, measured.
 
 A calibration (written by ``attnselect calibrate`` on the user's GPU, or shipped as package data per GPU from
-``benchmarks/calibrate.py``: ``attnselect/data/calibration_<arch>.json``) holds, per backend:
+``benchmarks/calibrate.py``: ``attnselect/data/calibration_<arch>_<gpu model>.json``, one file per GPU model, as
+the user's) holds, per backend:
 
 - ``host_us``: the host's time to issue one call (forward, or forward and backward), by layout, padding and phase
   (:func:`host_key`: ``"dense inference"``, ``"thd+pad training"``; packed, on a packing already seen), at a size
@@ -21,11 +22,13 @@ A calibration (written by ``attnselect calibrate`` on the user's GPU, or shipped
 It holds for the GPU and versions it ran on (:func:`fingerprint`): another GPU, another torch, cuDNN, attnselect or
 any backend package version, and it is not used (the rules table orders the candidates, and ``explain`` says why).
 One the user ran (in the cache directory) takes precedence over the packaged one. A file that is not a calibration
-of this format is ignored with one warning.
+of this format is ignored with one warning, and so is a user's calibration made for other versions (an upgrade of
+torch, cuDNN or attnselect); ``explain`` says why in either case.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -42,7 +45,7 @@ from attnselect.version import __version__
 
 log = logging.getLogger("attnselect")
 FORMAT = 2
-PACKAGED = "attnselect/data/calibration_{arch}.json"  # a packaged calibration's source, as warnings name it
+PACKAGED = "attnselect/data/{name}"  # a packaged calibration's source, as warnings name it
 MIN_QUERIES = 16  # fewer queries (decoding) is another kernel regime than the calibrated prefill ladder
 CURVE_KEY = re.compile(r"(dense|thd) ([1-9][0-9]*)/([1-9][0-9]*)(\+pad)? (inference|training)")
 HOST_KEY = re.compile(r"(dense|thd)(\+pad)? (inference|training)")
@@ -110,8 +113,15 @@ COVERS = (
 def user_path(target: Target) -> Path:
     """Where ``attnselect calibrate`` stores a GPU's calibration: one file per GPU model (an H100 and an H200 may
     share a cache directory)."""
-    model = re.sub(r"[^a-z0-9]+", "-", target.name.lower()).strip("-")
-    return cache_dir() / f"calibration_{target.arch}_{model}.json"
+    return cache_dir() / file_name(target.arch, target.name)
+
+
+def file_name(arch: str, gpu: str) -> str:
+    """A calibration's file name, the user's and the packaged one alike: its arch and GPU model, e.g.
+    ``calibration_sm90_nvidia-h200.json`` (GPUs of one arch differ in clocks and memory bandwidth, so each has its
+    own)."""
+    model = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    return f"calibration_{arch}_{model}.json"
 
 
 def for_target(target: Target) -> tuple[dict | None, str]:
@@ -137,17 +147,23 @@ register_cache(_HELD.clear)
 
 def _read_for(target: Target) -> tuple[dict | None, str]:
     found = []
-    for source, text in _texts(target):
-        data = parse(text, source)
+    for source, text, problem, users in _texts(target):
+        data, problem = _parsed(text, source) if text is not None else (None, problem)
         if data is None:
+            found.append(f"{source} was ignored ({problem})")
             continue
         if machine(data["fingerprint"]) != machine(fingerprint(target)):
             found.append(f"{source} is for {_describe(data['fingerprint'])}")
+            if users:  # the user's own calibration, left behind by an upgrade: said once, not only by explain
+                warn_once(f"calibration {source} versions", "attnselect: not using the calibration %s: it was made "
+                          "for %s, this machine has %s (the rules table orders the candidates; `attnselect "
+                          "calibrate` makes one for these versions)", source, _describe(data["fingerprint"]),
+                          _describe(fingerprint(target)))  # fmt: skip
             continue
         return data, source
     if found:
         return None, "; ".join(found) + ": `attnselect calibrate` on this GPU makes one for these versions"
-    return None, f"no calibration for {target.arch}: `attnselect calibrate` on such a GPU makes one"
+    return None, f"no calibration for the {target.name} ({target.arch}): `attnselect calibrate` on it makes one"
 
 
 def machine(fp: dict) -> dict:
@@ -165,39 +181,48 @@ def package_changed(data: dict, distribution: str, target: Target) -> str | None
 
 
 def _texts(target: Target):
-    """(source, text) of the user's calibration, then the packaged one, where present."""
-    arch = target.arch
-    for source, read in ((str(user_path(target)), lambda: user_path(target).read_text()),
-                         (PACKAGED.format(arch=arch), lambda: _packaged(arch))):  # fmt: skip
-        text = _read(source, read)
-        if text is not None:
-            yield source, text
+    """(source, its text or None, why it could not be read, whether it is the user's) of the user's calibration, then
+    the packaged one, where present."""
+    name = file_name(target.arch, target.name)
+    for source, read, users in ((str(user_path(target)), lambda: user_path(target).read_text(), True),
+                                (PACKAGED.format(name=name), lambda: _packaged(name), False)):  # fmt: skip
+        text, problem = _read(source, read)
+        if text is not None or problem is not None:
+            yield source, text, problem, users
 
 
-def packaged(arch: str) -> dict | None:
-    """The calibration packaged for ``arch`` (e.g. ``"sm90"``), or None where none is (or it is not of this format)."""
-    source = PACKAGED.format(arch=arch)
-    text = _read(source, lambda: _packaged(arch))
-    return parse(text, source) if text is not None else None
+def packaged(target: Target) -> dict | None:
+    """A copy of the calibration packaged for ``target``'s GPU model, or None where none is (or it is not of this
+    format)."""
+    name = file_name(target.arch, target.name)
+    text, _ = _read(PACKAGED.format(name=name), lambda: _packaged(name))
+    return copy.deepcopy(parse(text, PACKAGED.format(name=name))) if text is not None else None
 
 
-def _packaged(arch: str) -> str:
-    return resources.files("attnselect").joinpath("data", f"calibration_{arch}.json").read_text()
+def _packaged(name: str) -> str:
+    return resources.files("attnselect").joinpath("data", name).read_text()
 
 
-def _read(source: str, read) -> str | None:
+def _read(source: str, read) -> tuple[str | None, str | None]:
+    """(the file's text, None); (None, None) where there is no file; (None, why) where it cannot be read (one
+    warning)."""
     try:
-        return read()
+        return read(), None
     except FileNotFoundError:
-        return None
+        return None, None
     except (OSError, UnicodeDecodeError) as exc:
         warn_once(f"calibration {source}", "attnselect: ignoring the calibration %s (%s)", source, exc)
-        return None
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def parse(text: str, source: str) -> dict | None:
+    """A calibration from its JSON text, checked against the format; None (one warning per source) otherwise."""
+    return _parsed(text, source)[0]
 
 
 @functools.cache
-def parse(text: str, source: str) -> dict | None:
-    """A calibration from its JSON text, checked against the format; None (one warning per source) otherwise."""
+def _parsed(text: str, source: str) -> tuple[dict | None, str | None]:
+    """:func:`parse`, and what makes the text not a calibration of this format (None where nothing does)."""
     try:
         data = json.loads(text)
         problem = _problem(data)
@@ -205,7 +230,7 @@ def parse(text: str, source: str) -> dict | None:
         problem = f"{type(exc).__name__}: {str(exc)[:200]}"
     if problem:
         warn_once(f"calibration {source}", "attnselect: ignoring the calibration %s (%s)", source, problem)
-        return None
+        return None, problem
     new_packing = data["new_packing_us"]
     missing = [f"{backend} {key}" for backend, times in data["host_us"].items() for key in times
                if key.startswith("thd") and key not in new_packing.get(backend, {})]  # fmt: skip
@@ -214,7 +239,7 @@ def parse(text: str, source: str) -> dict | None:
                   "time for %s: its packed calls are predicted with a seen packing's host times alone", source,
                   ", ".join(missing))  # fmt: skip
         data["new_packing_us"] = {}
-    return data
+    return data, None
 
 
 def _problem(data) -> str | None:
@@ -294,7 +319,8 @@ def _is_point(point) -> bool:
 
 def _describe(fp: dict) -> str:
     packages = ", ".join(f"{d} {v}" for d, v in fp["packages"].items())
-    return f"{fp['name']}, torch {fp['torch']}, cuDNN {fp['cudnn']}" + (f", {packages}" if packages else "")
+    return (f"{fp['name']}, torch {fp['torch']}, cuDNN {fp['cudnn']}" + (f", {packages}" if packages else "")
+            + f", attnselect {fp['attnselect']}")  # fmt: skip
 
 
-register_cache(parse.cache_clear)
+register_cache(_parsed.cache_clear)

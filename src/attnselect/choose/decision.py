@@ -164,21 +164,39 @@ class Decision:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
+        """The decision as JSON values (``explain --json``): what the report prints, its predicted times, measured
+        times and first calls to pay in fields of their own."""
+        costs = calibration.for_target(self.target)[0] if self.predictions is not None else None
+
+        def candidate(v: Verdict) -> dict:
+            c, entry = v.candidate, {**v.candidate.to_dict(), "supported": v.supported, "reasons": list(v.reasons),
+                                     "rank": self.rank_of(v.candidate)}  # fmt: skip
+            predicted = (self.predictions or {}).get(c)
+            if predicted is not None and v.supported:
+                entry["predicted_us"] = {
+                    "total": predicted.total_us, "host": predicted.host_us, "gpu": predicted.gpu_us,
+                    "alone": predicted.alone_us, "new_packing_host": predicted.new_packing_host_us,
+                    "basis": predicted.basis,
+                }  # fmt: skip
+            timed = (self.timings or {}).get(c)
+            if timed is not None:
+                entry["measured_ms"] = {"median": timed.median_ms, "p20": timed.low_ms, "p80": timed.high_ms}
+            due = first_calls.owed(c, costs, self.problem) if costs is not None and v.supported else None
+            if due is not None:  # in this process, now (attnselect.choose.first_calls)
+                entry["first_call_to_pay_ms"] = {"ms": due[0], "for": "its shape" if due[1] else "its configuration"}
+            return entry
+
+        ranked_by = "measured" if self.timings else "predicted time" if self.predictions is not None else "rules table"
         return {
             "problem": self.problem.to_dict(),
             "target": self.target.to_dict(),
             "policy": self.policy,
             "chosen": self.chosen.to_dict(),
             "why": self.why,
-            "candidates": [
-                {
-                    **v.candidate.to_dict(),
-                    "supported": v.supported,
-                    "reasons": list(v.reasons),
-                    "rank": self.rank_of(v.candidate),
-                }
-                for v in self.verdicts
-            ],
+            "ranked_by": ranked_by,
+            "calibration": self.calibration,  # its source, or why none holds
+            "rental": self.rental.describe() if self.rental is not None else None,
+            "candidates": [candidate(v) for v in self.verdicts],
         }
 
 
