@@ -196,6 +196,9 @@ def test_explain_takes_a_given_zero_as_given(capsys):
 def test_bench_names_a_report_it_cannot_read(how, tmp_path, capsys):
     assert main(["bench", "--out", str(tmp_path / "none"), *how]) == 2
     assert "bench: cannot read the report (FileNotFoundError" in capsys.readouterr().err
+    (tmp_path / "junk.json").write_text(json.dumps({"results": [1, 2]}))  # a JSON file, not a bench report
+    assert main(["bench", "--out", str(tmp_path / "junk"), "--render"]) == 2
+    assert "bench: cannot read the report (" in capsys.readouterr().err
 
 
 def test_warmup_makes_the_model_shapes_first_calls(capsys):

@@ -123,11 +123,20 @@ def test_thd_under_compile_needs_max_seqlen():
 
 
 def test_bad_input_fails_while_tracing_with_the_eager_message():
+    """The eager error itself where dynamo may break the graph; under fullgraph dynamo's error, naming it."""
     q, k, v = _dense(grad=False)
-    compiled = torch.compile(lambda q, k, v: attnselect.attention(q, k[..., :8], v, causal=True), fullgraph=True)
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"k\.shape\[-1\]: got 8, expected q's head dim 24"):
-        compiled(q, k, v)
+    for fullgraph, error in ((False, InvalidInputError), (True, Exception)):
+        compiled = torch.compile(lambda q, k, v: attnselect.attention(q, k[..., :8], v, causal=True),
+                                 fullgraph=fullgraph, backend="aot_eager")  # fmt: skip
+        torch._dynamo.reset()
+        with pytest.raises(error, match=r"k\.shape\[-1\]: got 8, expected q's head dim 24"):
+            compiled(q, k, v)
+    for option, value in (("return_lse", "no"), ("pad", 1), ("backend", "nope")):
+        given = {option: value}
+        compiled = torch.compile(lambda q, k, v, g=given: attnselect.attention(q, k, v, **g), backend="aot_eager")
+        torch._dynamo.reset()
+        with pytest.raises(attnselect.AttnSelectError, match=f"^{option}: got {value!r}"):
+            compiled(q, k, v)
 
 
 def test_dropout_backward_replays_the_forward_mask():
@@ -217,26 +226,27 @@ def test_eager_calls_do_not_use_the_ops(monkeypatch):
 
 
 def test_the_trace_time_decision_validates_on_meta_tensors():
-    with pytest.raises(InvalidInputError, match=r"k\.shape\[-1\]: got 8"):
-        ops._decide(
-            ((2, 6, 4, 24), (2, 6, 2, 8), (2, 6, 2, 16)),
-            ("torch.float64",) * 3,
-            ("cpu",) * 3,
-            (None,) * 4,
-            True,
-            "bshd",
-            True,
-            None,
-            0.0,
-            None,
-            None,
-            False,
-            False,
-            False,
-            None,
-            None,
-            None,
-        )
+    """It answers a refusal as text (dynamo would wrap an exception raised inside it), for the traced code to raise."""
+    refused = ops._decide(
+        ((2, 6, 4, 24), (2, 6, 2, 8), (2, 6, 2, 16)),
+        ("torch.float64",) * 3,
+        ("cpu",) * 3,
+        (None,) * 4,
+        True,
+        "bshd",
+        True,
+        None,
+        0.0,
+        None,
+        None,
+        False,
+        False,
+        False,
+        None,
+        None,
+        None,
+    )
+    assert refused.startswith("refused:InvalidInputError:k.shape[-1]: got 8, expected q's head dim 24")
 
 
 @pytest.mark.gpu
@@ -416,7 +426,7 @@ def test_bad_options_fail_under_compile_with_the_eager_message(dynamic, option, 
     compiled = torch.compile(lambda q, k, v: attnselect.attention(q, k, v, **kwargs), dynamic=dynamic, fullgraph=True)
     with pytest.raises(InvalidInputError, match=option):
         attnselect.attention(q, k, v, **kwargs)
-    with pytest.raises(Exception, match=rf"InvalidInputError\W+{option}: got"):  # dynamo wraps it, message and all
+    with pytest.raises(Exception, match=rf"InvalidInputError\W+{option}: got"):  # fullgraph: dynamo's, naming it
         compiled(q, k, v)
 
 

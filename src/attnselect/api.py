@@ -138,7 +138,7 @@ def attention(
     if type(known) is not KnownCall:  # else the same shapes, dtypes, devices and options were validated and decided
         unknown = known
         sibling = unknown.sibling if unknown is not None else None
-        if sibling is not None and cu_seqlens_q.numel() and max_seqlen_q >= 0 and max_seqlen_kv >= 0:
+        if sibling is not None and cu_seqlens_q.numel() and 0 <= max_seqlen_q < 2**31 and 0 <= max_seqlen_kv < 2**31:
             # a packed call known but for its packing's sizes (attnselect.dispatch): its problem at these sizes
             problem = sibling.problem._at_sizes(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_kv)
             packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)

@@ -253,7 +253,7 @@ def cmd_bench(a) -> int:
             report = bench.render(a.out)
         else:
             report = bench.run(a.out, smoke=a.smoke, deadline_s=a.deadline, shard=a.shard, only=tuple(a.only))
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # a report file missing or not a bench report
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a report missing, or not a report
         print(f"bench: cannot read the report ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
     print(

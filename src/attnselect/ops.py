@@ -36,7 +36,7 @@ import torch
 
 from attnselect.choose import first_calls
 from attnselect.choose.selection import select
-from attnselect.errors import InvalidInputError
+from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.execution import kernel_call, run_call
 from attnselect.spec.options import CallOptions, Candidate, Packing
 from attnselect.spec.problem import AttentionProblem, describe_call
@@ -65,6 +65,8 @@ def traced_attention(q, k, v, options: CallOptions):
             f"max_seqlen_q/max_seqlen_kv: got {o.max_seqlen_q}/{o.max_seqlen_kv}, expected both "
             "integers under torch.compile (cu_seqlens cannot be read while tracing)"
         )
+    if not isinstance(o.return_lse, (bool, torch.SymBool)):  # one computed from sizes may be symbolic
+        raise InvalidInputError(f"return_lse: got {o.return_lse!r}, expected True or False")
     # plain Python values for the decision: dynamo keeps numbers and bools symbolic where it can
     scale, causal, return_lse = _constant(o.scale), _flag(o.causal), True if o.return_lse else False
     check_scale(scale)
@@ -91,6 +93,9 @@ def traced_attention(q, k, v, options: CallOptions):
         o.pad,
         o.disable if o.disable is None or isinstance(o.disable, str) else tuple(o.disable),
     )
+    if spec.startswith(_REFUSED):  # raised here, in the traced code: dynamo passes it on as it is (unless fullgraph)
+        name, _, message = spec[len(_REFUSED) :].partition(":")
+        raise _ERRORS[name](message)
     out, lse, _ = torch.ops.attnselect.attention(
         q, k, v, o.cu_seqlens_q, cu_kv, offsets_q, offsets_kv, spec, None if scale is None else float(scale)
     )
@@ -115,6 +120,12 @@ def _flag(x):
     return (True if x else False) if isinstance(x, bool) else x
 
 
+# _decide's answer where the call is refused: dynamo wraps an exception raised inside a constant function in its own
+# InternalTorchDynamoError, so the error travels as text to the traced code, which raises it.
+_REFUSED = "refused:"
+_ERRORS = {error.__name__: error for error in (InvalidInputError, ForcedChoiceError, NoSupportedCandidateError)}
+
+
 @torch.compiler.assume_constant_result
 def _decide(
     shapes,
@@ -135,7 +146,18 @@ def _decide(
     pad,
     disable,
 ) -> str:
-    """Validate and select on meta tensors of the traced shapes; the spec string the op runs."""
+    """Validate and select on meta tensors of the traced shapes; the spec string the op runs, or the error that
+    refuses the call (:data:`_REFUSED`)."""
+    try:
+        return _decided(shapes, dtypes, devices, packed, shared_boundaries, layout, causal, window, dropout_p,
+                        max_seqlen_q, max_seqlen_kv, return_lse, training, deterministic, backend, pad,
+                        disable)  # fmt: skip
+    except (InvalidInputError, ForcedChoiceError, NoSupportedCandidateError) as exc:
+        return f"{_REFUSED}{type(exc).__name__}:{exc}"
+
+
+def _decided(shapes, dtypes, devices, packed, shared_boundaries, layout, causal, window, dropout_p, max_seqlen_q,
+             max_seqlen_kv, return_lse, training, deterministic, backend, pad, disable) -> str:  # fmt: skip
 
     def meta(shape, dtype):
         return torch.empty(shape, dtype=getattr(torch, dtype.replace("torch.", "")), device="meta")

@@ -26,6 +26,8 @@ def test_explain_report_and_failed_explain():
     assert "chosen:  sdpa_flash padded to 24" in report and "sdpa_cudnn" in report
     with pytest.raises(attnselect.ForcedChoiceError, match="runs on cuda only"):
         attnselect.explain(P, target=CPU, backend="sdpa_cudnn")
+    with pytest.raises(attnselect.InvalidInputError, match="^show_all: got 'yes', expected True or False"):
+        attnselect.select(P, target=CPU).report(show_all="yes")
 
 
 def test_why_names_a_forced_pad():

@@ -311,3 +311,16 @@ def test_a_deeply_nested_key_or_a_timing_past_a_float_is_an_entry_ignored_not_a_
     with caplog.at_level("WARNING", logger="attnselect"):
         assert attnselect.select(P, target=Target.current("cpu"), policy="measure").chosen
     assert f"the measured decision for {P.describe()}" in caplog.text and "malformed" in caplog.text
+
+
+def test_a_problem_too_large_to_time_keeps_the_rules_order_and_says_so(caplog):
+    """The measure policy cannot make inputs past the device's memory: the rules order stands, logged, nothing stored
+    (a process with more memory times it)."""
+    huge = AttentionProblem(4096, 65536, 65536, 128, 128, 192, 128, torch.float32)
+    with caplog.at_level("WARNING", logger="attnselect"):
+        decision = attnselect.select(huge, target=Target.current(), policy="measure")
+    rules = attnselect.select(huge, target=Target.current(), policy="rules")
+    assert decision.timings is None and decision.ranked == rules.ranked
+    assert any("cannot make inputs to time" in r.getMessage() and "the rules order stands" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    assert store.lookup(store.entry_key(measure.bucket(huge), "measure", Target.current())) is None

@@ -41,12 +41,19 @@ def test_bad_environment_values_name_the_variable(monkeypatch, variable, value):
         ({"pad": ["always"]}, "pad"),
         ({"backend": ["reference"]}, "backend"),
         ({"disable": [1]}, "disable"),
+        ({"disable": 3}, "disable"),
+        ({"disable": {"flex": 1}}, "disable"),
+        ({"pad": 1}, "pad"),
         ({"policy": 3}, "policy"),
     ],
 )
 def test_control_of_the_wrong_type_names_the_argument(kwargs, name):
+    attnselect.select(P, target=CPU, pad=True)  # memoized: pad=1 == True must not find it
     with pytest.raises(attnselect.InvalidInputError, match=f"^{name}: got"):
         attnselect.select(P, target=CPU, **kwargs)
+    if name != "policy":  # warmup takes the others, and resolves them as select does
+        with pytest.raises(attnselect.InvalidInputError, match=f"^{name}: got"):
+            attnselect.warmup([P], **kwargs)
 
 
 def test_overrides_block_like_sdpa_kernel(monkeypatch):
@@ -69,6 +76,8 @@ def test_overrides_are_checked_on_entry():
     with pytest.raises(attnselect.InvalidInputError, match="disable"):
         with attnselect.overrides(disable=["sdpa_fast"]):
             pass
+    with attnselect.overrides(disable="flex,"):  # a comma-separated string, read as attention(disable=) reads it
+        assert "flex" in attnselect.select(P, target=CPU).overrides.disable
 
 
 def test_overrides_reach_the_attention_fast_path():

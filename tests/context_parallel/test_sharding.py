@@ -63,6 +63,12 @@ def test_thd_halves_find_both_chunks_of_every_sequence_on_the_device():
         (lambda x, cu: shard(x, cp_size=3, rank=0, cu_seqlens=cu), "cu_seqlens: got a tensor, expected None"),
         (lambda x, cu: shard(x[0], cp_size=2, rank=0, layout="thd"), "cu_seqlens: got None"),
         (lambda x, cu: shard(x[0], cp_size=2, rank=0, layout="thd", cu_seqlens=cu), "every sequence length 2"),
+        (lambda x, cu: shard(None, cp_size=2, rank=0, layout="thd", cu_seqlens=cu), "x: got None, expected a (T, H"),
+        (lambda x, cu: shard([1], cp_size=2, rank=0, layout="thd", cu_seqlens=cu), "x: got [1], expected a (T, H"),
+        (
+            lambda x, cu: shard(x[0], cp_size=1, rank=0, layout="thd", cu_seqlens=cu.to("meta")),
+            "cu_seqlens: got tensor(dtype=torch.int32, shape=(3,)) on the meta device, expected",
+        ),
         (lambda x, cu: unshard(x), "shards: got Tensor, expected a list of tensors"),
         (lambda x, cu: unshard([x, x[:, :2]]), "shards[1].shape"),
         (lambda x, cu: unshard([x, x.double()]), "shards[1].dtype: got torch.float64, expected shards[0]'s"),

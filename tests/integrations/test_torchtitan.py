@@ -24,6 +24,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[test]' installs it)")
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention  # noqa: E402
 
+import attnselect
 import attnselect.integrations.torchtitan as titan
 from attnselect.errors import InvalidInputError
 
@@ -226,6 +227,10 @@ def test_a_score_mod_missing_masks_and_context_parallel_shapes_are_refused():
         inner(q, q, q, attention_masks=None)
     with pytest.raises(InvalidInputError, match="context parallelism is not served"):
         inner(q[:, : L // 2], q, q, attention_masks=masks)
+    with pytest.raises(InvalidInputError, match=r"^q_BLNH: got NoneType, expected a 4-D tensor"):
+        inner(None, q, q, attention_masks=masks)
+    with pytest.raises(InvalidInputError, match=r"^v_BLNH: got shape \(\d+, \d+\), expected a 4-D tensor"):
+        inner(q, q, q[0, 0], attention_masks=masks)
 
 
 NOT_DOCUMENTS = {
@@ -277,12 +282,25 @@ def test_out_transform_takes_the_lse_in_inference_and_is_refused_in_training():
         inner(q, q, q, attention_masks=masks, out_transform=lambda out, lse: out)
 
 
+def test_an_sdpa_module_s_is_causal_is_a_bool_or_refused():
+    config = _config("llama3")
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    inner = _inner(titan.apply(_build(config)))[0]
+    q = torch.randn(B, L, 4, 16)
+    assert torch.equal(inner(q, q, q, is_causal=False), attnselect.attention(q, q, q))
+    for junk in ("no", None, 1):
+        with pytest.raises(InvalidInputError, match=f"^is_causal: got {junk!r}, expected True or False"):
+            inner(q, q, q, is_causal=junk)
+
+
 def test_varlen_window_sizes_map_to_attnselect_masks_bottom_right_as_varlen_attn():
-    assert titan._varlen_mask(-1, 0) == ("bottom_right", None)
-    assert titan._varlen_mask(-1, -1) == (False, None)
-    assert titan._varlen_mask(64, 0) == (False, (64, 0))
-    with pytest.raises(InvalidInputError, match="window_size: got"):
-        titan._varlen_mask(4, 4)
+    assert titan._varlen_mask((-1, 0)) == ("bottom_right", None)
+    assert titan._varlen_mask((-1, -1)) == (False, None)
+    assert titan._varlen_mask((64, 0)) == (False, (64, 0))
+    for junk in ((4, 4), None, (1,), ("1", 0), (True, 0)):
+        with pytest.raises(InvalidInputError, match="^window_size: got"):
+            titan._varlen_mask(junk)
 
 
 def test_apply_refuses_a_wrapped_forward_and_a_foreign_subclass_and_keeps_other_attention_modules():

@@ -439,6 +439,12 @@ _CU = torch.tensor([0, 3, 6], dtype=torch.int32)
         (None, dict(sliding_window="4"), r"^sliding_window: got '4', expected None or a positive int"),
         (None, dict(sliding_window=0), r"^sliding_window: got 0"),
         (None, dict(sliding_window=-5), r"^sliding_window: got -5"),
+        (None, dict(is_causal="no"), r"^is_causal: got 'no', expected None"),
+        (
+            None,
+            dict(cu_seq_lens_q=torch.tensor([0, 2**32 + 6]), cu_seq_lens_k=_CU),  # int64: .int() would wrap it to 6
+            r"^cu_seq_lens_q: got boundaries from 0 to 4294967302, expected integers from 0 to 2\*\*31 - 1",
+        ),
     ],
 )
 def test_a_bad_argument_from_the_model_is_refused_by_name(mask, kwargs, message):
@@ -464,6 +470,28 @@ def test_a_4d_mask_call_s_tensors_are_checked_before_sdpa(shapes, dtype, message
     q, k, v = (torch.ones(s, dtype=dtype) for s in shapes)
     with pytest.raises(InvalidInputError, match=message):
         attention_forward(_bare_module(), q, k, v, torch.zeros(1, 1, 6, 6))
+
+
+@pytest.mark.parametrize("mask", [None, torch.ones(1, 6, dtype=torch.bool), torch.zeros(1, 1, 6, 6)])
+@pytest.mark.parametrize(
+    "shapes,message",
+    [
+        (((1, 2, 6, 8), (2, 2, 6, 8), (2, 2, 6, 8)), r"^key/value batch: got 2 and 2, expected the query's 1"),
+        (((1, 2, 6, 8), (1, 2, 6, 8), (1, 2, 5, 8)), r"^value.shape\[2\]: got 5, expected the key's length 6"),
+        (((1, 2, 6, 8), (1, 2, 6, 16), (1, 2, 6, 8)), r"^key.shape\[3\]: got 16, expected the query's head dim 8"),
+        (((1, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8)), r"^query: got shape \(1, 6, 8\), expected a 4-D tensor"),
+    ],
+)
+def test_tensors_that_do_not_fit_together_are_refused_on_every_mask_path(shapes, message, mask):
+    """Before a 4-D mask's SDPA (which would broadcast a batch of one silently) or a padding mask's unpadding (which
+    would index past them)."""
+    from attnselect.integrations.transformers import attention_forward
+
+    q, k, v = (torch.randn(s) for s in shapes)
+    with pytest.raises(InvalidInputError, match=message):
+        attention_forward(_bare_module(), q, k, v, mask)
+    with pytest.raises(InvalidInputError, match=r"^query: got str, expected a 4-D tensor"):
+        attention_forward(_bare_module(), "q", k, v, mask)
 
 
 @pytest.mark.parametrize("name", [None, "", 5])

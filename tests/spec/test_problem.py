@@ -88,12 +88,24 @@ def test_window_from_arguments():
         ("varlen_gaps", "yes", "varlen_gaps: got 'yes', expected True or False"),
         ("tokens", -1, "tokens: got -1, expected an integer >= 0"),
         ("tokens", 4096, "tokens: got 4096, expected 0 unless layout is 'thd'"),
+        ("seqlen_q", 10**160, "expected at most 2**31 - 1 (the kernels index in int32)"),
+        ("batch", 2**31, "batch: got 2147483648, expected at most 2**31 - 1"),
+        ("head_dim_qk", 2**31, "head_dim_qk: got 2147483648, expected at most 2**31 - 1"),
     ],
 )
 def test_bad_fields(field, value, message):
     with pytest.raises(InvalidInputError) as err:
         dataclasses.replace(P, **{field: value})
     assert message in str(err.value)
+
+
+def test_sizes_past_int32_are_refused_at_other_sizes_too():
+    """A packed problem made at new sizes (a loop's new packing, checked alone) and a window are bounded alike."""
+    packed = dataclasses.replace(P, layout="thd")
+    with pytest.raises(InvalidInputError, match=r"^seqlen_q: got 2147483648, expected at most 2\*\*31 - 1"):
+        packed._with(seqlen_q=2**31)
+    with pytest.raises(InvalidInputError, match=r"^window: got \(1099511627776, 0\), expected .* to 2\*\*31 - 1"):
+        dataclasses.replace(P, mask="sliding_window", window=(2**40, 0))
 
 
 def test_a_window_of_bools_is_refused():
@@ -105,6 +117,7 @@ def test_a_window_of_bools_is_refused():
     "d,message",
     [
         ([1, 2], "problem: got list, expected a dict"),
+        ({**P.to_dict(), "dtype": []}, "dtype: got [], expected one of"),
         ({**P.to_dict(), "speed": 3}, "problem: got unknown field(s) ['speed']"),
         ({**P.to_dict(), "dtype": "int8"}, "dtype: got 'int8', expected one of"),
         ({"batch": 1}, "problem: got no ['head_dim_qk'"),

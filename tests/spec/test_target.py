@@ -90,6 +90,11 @@ def test_inconsistent_targets_are_refused(kwargs, message):
         (lambda: Target.from_dict({}), r"^target: got fields \[\], expected 'name'"),
         (lambda: Target.from_dict("abc"), r"^target: got str, expected a dict"),
         (lambda: Target.preset("h200").at_least("cuda_version", "12.0"), r"^name: got 'cuda_version', expected one"),
+        (lambda: Target.preset("h200").at_least("torch_version", 3), r"^version: got 3, expected a version string"),
+        (lambda: Target.from_dict({"name": "x", 1: 2}), r"^target: got fields \['1', 'name'\], expected"),
+        (lambda: Target.from_dict({"name": "x", "packages": "abc"}), r"^packages: got 'abc', expected a dict"),
+        (lambda: Target.from_dict({"name": "x", "packages": [1, 2]}), r"^packages: got \[1, 2\], expected a dict"),
+        (lambda: Target.from_dict({"name": "x", "capability": 9}), r"^capability: got 9, expected a \(major, minor\)"),
     ],
 )
 def test_a_target_s_junk_is_refused_by_name(make, message):

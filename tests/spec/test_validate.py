@@ -28,6 +28,13 @@ CASES = [
     ("mixed dtypes", (q, k.double(), v), {}, r"k\.dtype/v\.dtype"),
     ("int dtype", (q.long(), k, v), {}, r"q\.dtype: got torch\.int64"),
     ("layout", (q, k, v), {"layout": "bsh"}, r"layout: got 'bsh', expected one of"),
+    ("meta tensors", tuple(t.to("meta") for t in (q, k, v)), {}, r"q.device: got meta, expected tensors with data"),
+    (
+        "pad as a number where True was decided",  # 1 == True: the memo must not answer for it
+        (q, k, v),
+        {"__first__": {"pad": True}, "pad": 1},
+        r"pad: got 1",
+    ),
     ("dropout", (q, k, v), {"dropout_p": 1.0}, r"dropout_p: got 1\.0, expected a number in \[0, 1\)"),
     ("dropout as a bool", (q, k, v), {"dropout_p": False}, r"dropout_p: got False, expected a number in \[0, 1\)"),
     ("causal value", (q, k, v), {"causal": "left"}, r"causal: got 'left'"),
@@ -233,6 +240,13 @@ def test_bad_input_names_the_argument(args, kwargs, message, monkeypatch):
     kwargs = dict(kwargs)
     for name, value in kwargs.pop("__env__", {}).items():
         monkeypatch.setenv(name, value)
+    first = kwargs.pop("__first__", None)
+    if first is not None:  # a valid call before, memoized
+        monkeypatch.undo()
+        attnselect.attention(*args, **first)
+        for backend in attnselect.backends.all_backends():
+            for method in ("run", "run_packed"):
+                monkeypatch.setattr(type(backend), method, no_kernel)
     with pytest.raises(AttnSelectError, match=message) as err:
         attnselect.attention(*args, **kwargs)
     assert isinstance(err.value, ValueError)  # InvalidInputError or ForcedChoiceError

@@ -9,6 +9,7 @@ from attnselect.choose import calibration, first_calls, rules
 from attnselect.choose.first_calls import Rental
 from attnselect.choose.predict import PACKING_SHARED_BY, UNHIDDEN
 from attnselect.choose.settings import Overrides
+from attnselect.errors import InvalidInputError
 from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
@@ -99,6 +100,8 @@ class Decision:
     def report(self, *, show_all: bool = False) -> str:
         """The report :func:`attnselect.explain` prints: the supported candidates by rank, then the others, one line
         per reason with the candidates it refuses (``show_all``: one row per candidate, every reason in full)."""
+        if not isinstance(show_all, bool):
+            raise InvalidInputError(f"show_all: got {show_all!r}, expected True or False")
         # a supported candidate can be left out of ranked (measure drops one that failed while it was timed): last
         unranked = len(self.ranked) + 1
         by_rank = sorted((v for v in self.verdicts if v.supported), key=lambda v: self.rank_of(v.candidate) or unranked)

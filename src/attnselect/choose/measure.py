@@ -55,7 +55,10 @@ def measure(
     budget_s = TUNING_BUDGET_S if budget_s is None else budget_s  # read per call: tests and tools may change it
     device = torch.device("cuda" if target.is_cuda else "cpu")
     problem = bucket(problem)
-    inputs = random_inputs(problem, device)
+    try:
+        inputs = random_inputs(problem, device)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError, or a size the allocator refuses
+        raise _Untimeable(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
     results = time_steps(
         {c: candidate_step(c, problem, target, inputs) for c in ranked},
         device,
@@ -129,13 +132,24 @@ def measured(problem: AttentionProblem, target: Target, ranked: tuple[Candidate,
     if not distributed or rank() == 0:
         entry = store.lookup(key)
         if _from_store(entry, ranked, key, problem) is None:
-            entry = _measure_entry(problem, target, ranked)
-            store.remember(key, entry)
+            try:
+                entry = _measure_entry(problem, target, ranked)
+            except _Untimeable as exc:  # nothing stored: a later process, or a smaller size, may time it
+                log.warning("attnselect: cannot make inputs to time %s on %s (%s); the rules order stands",
+                            problem.describe(), target.describe(), exc)  # fmt: skip
+                entry = None
+            else:
+                store.remember(key, entry)
     if distributed:
         entry = broadcast_from_rank_zero(entry)
-        if rank() != 0:
+        if rank() != 0 and entry is not None:
             store.keep(key, entry)  # rank 0 wrote it; every rank finds it later (e.g. under CUDA graph capture)
-    return _from_store(entry, ranked, key, problem)
+    found = _from_store(entry, ranked, key, problem)
+    return found if found is not None else (ranked, None)
+
+
+class _Untimeable(Exception):
+    """The measure policy could not make the problem's inputs on the target (too large for its memory)."""
 
 
 def _measure_entry(problem, target, ranked) -> dict:

@@ -55,7 +55,8 @@ def select(
     env, scoped = settings.environment(), settings.scope()
     if disable is not None and not isinstance(disable, str):
         disable = settings.names(disable, "disable")
-    key = (problem, target, policy, backend, pad, disable, env, settings.cache_dir_key(), scoped)
+    # pad's type too: 1 == True, and a valid pad=True decided before must not answer for pad=1 (resolve refuses it)
+    key = (problem, target, policy, backend, pad, type(pad), disable, env, settings.cache_dir_key(), scoped)
     try:
         decision = _MEMO.get(key)
     except TypeError:  # an unhashable control: resolve() names it
@@ -181,8 +182,8 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     cleared = generation()
     try:
         # the raw ATTNSELECT_* values (settings.environment decodes them): a key, read for every new packing
-        key = (problem.sizeless, target, backend, pad, disable, _no_environment() or _raw_environment(), _cache_dir(),
-               _scope())  # fmt: skip
+        key = (problem.sizeless, target, backend, pad, type(pad), disable, _no_environment() or _raw_environment(),
+               _cache_dir(), _scope())  # fmt: skip
         family = _PACKED.get(key)
     except TypeError:  # an unhashable control: select() names it
         return select(problem, target=target, backend=backend, pad=pad, disable=disable)

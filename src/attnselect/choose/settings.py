@@ -76,7 +76,8 @@ def overrides(*, policy: str | None = None, backend: str | None = None, pad=None
     if isinstance(pad, bool):
         pad = "always" if pad else "never"
     if disable is not None:
-        disable = names([x.strip() for x in disable.split(",")] if isinstance(disable, str) else disable, "disable")
+        disable = names([x.strip() for x in disable.split(",") if x.strip()] if isinstance(disable, str) else disable,
+                        "disable")  # as resolve() reads a comma-separated string  # fmt: skip
     inner = tuple(o if n is None else n for n, o in zip((policy, backend, pad, disable), _SCOPE.get()))
     resolve(policy=inner[0], backend=inner[1], pad=inner[2], disable=inner[3], env=(None,) * len(ENV_VARS))
     token = _SCOPE.set(inner)
@@ -131,7 +132,7 @@ def names(values, argument: str) -> tuple:
         given, values = values, tuple(values)
     except TypeError:
         raise InvalidInputError(f"{argument}: got {values!r}, expected a list of backend names") from None
-    if not all(isinstance(v, str) for v in values):
+    if isinstance(given, dict) or not all(isinstance(v, str) for v in values):  # a dict's keys are not a choice
         raise InvalidInputError(f"{argument}: got {given!r}, expected a list of backend names")
     return tuple(sorted(set(values)))
 
@@ -166,6 +167,8 @@ def resolve(
     disable, source = _pick(disable, env_disable, "disable", "ATTNSELECT_DISABLE")
     if isinstance(disable, str):
         disable = [x.strip() for x in disable.split(",") if x.strip()]
+    elif disable is not None:
+        disable = names(disable, source)
     unknown = sorted(set(disable or ()) - set(known))
     if unknown:
         raise InvalidInputError(f"{source}: got unknown backend(s) {unknown}, expected names from {known}")

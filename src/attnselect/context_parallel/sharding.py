@@ -35,9 +35,11 @@ def shard(
         _check_multiple("x.shape", x.shape[axis], chunks, f"sequence length (axis {axis})")
         pieces = x.chunk(chunks, dim=axis)
         return torch.cat([pieces[rank], pieces[chunks - 1 - rank]], dim=axis), None
+    require(isinstance(x, torch.Tensor), "x", _seen(x), "a (T, H, D) tensor for layout='thd'")
     lengths = _thd_lengths(x, cu_seqlens, "cu_seqlens")
     for length in lengths:
         _check_multiple("cu_seqlens", length, chunks, "every sequence length")
+    require(cu_seqlens.device == x.device, "cu_seqlens.device", cu_seqlens.device, f"x's device {x.device}")
     index = _thd_index(lengths, cp_size, [rank], x.device)[0]
     return x.index_select(0, index), torch.div(cu_seqlens, cp_size, rounding_mode="floor")
 
@@ -77,6 +79,7 @@ def unshard(
     lengths = _thd_lengths(None, cu_seqlens, "cu_seqlens")
     for length in lengths:
         _check_multiple("cu_seqlens", length, chunks, "every sequence length")
+    require(cu_seqlens.device == first.device, "cu_seqlens.device", cu_seqlens.device, f"the shards' {first.device}")
     for i, s in enumerate(shards):
         require(s.dim() == 3 and s.shape[0] * cp_size == sum(lengths), f"shards[{i}].shape", tuple(s.shape),
                 f"(T / {cp_size}, H, D) with T = {sum(lengths)} from cu_seqlens")  # fmt: skip
@@ -111,10 +114,14 @@ def _sequence_axis(x, layout: str, cu_seqlens) -> int:
 
 def _thd_lengths(x, cu_seqlens, name: str) -> list[int]:
     require(
-        isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype == torch.int32 and cu_seqlens.dim() == 1,
+        isinstance(cu_seqlens, torch.Tensor)
+        and cu_seqlens.dtype == torch.int32
+        and cu_seqlens.dim() == 1
+        and not cu_seqlens.is_meta,
         name,
-        _seen(cu_seqlens),
-        "a 1-D torch.int32 tensor of sequence boundaries for layout='thd'",
+        _seen(cu_seqlens)
+        + (" on the meta device" if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.is_meta else ""),
+        "a 1-D torch.int32 tensor of sequence boundaries for layout='thd' (read on the host)",
     )
     bounds = cu_seqlens.tolist()
     require(bounds[:1] == [0] and all(b >= a for a, b in zip(bounds, bounds[1:])), name, bounds[:8],

@@ -41,4 +41,12 @@ def integer_boundaries(value, name: str) -> torch.Tensor:
     ):
         shown = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
         raise InvalidInputError(f"{name}: got {shown}, expected an integer tensor of sequence boundaries")
+    # int32 holds every boundary a kernel indexes; a wider tensor's values are checked where reading them costs no
+    # device sync (on the CPU), so a cast cannot wrap one silently
+    if value.dtype != torch.int32 and value.is_cpu and value.numel():
+        low, high = value.min().item(), value.max().item()
+        if low < 0 or high >= 2**31:
+            raise InvalidInputError(
+                f"{name}: got boundaries from {low} to {high}, expected integers from 0 to 2**31 - 1 (int32)"
+            )
     return value.int()

@@ -45,6 +45,7 @@ import torch
 
 from attnselect import api
 from attnselect.errors import InvalidInputError
+from attnselect.integrations import optional_int
 
 
 def apply(model):
@@ -92,6 +93,10 @@ def _forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, 
              score_mod=None, out_transform=None, **kwargs):  # fmt: skip
     """The inner attention's forward, through attnselect (the arguments of torchtitan's inner attentions)."""
     kind = self.attnselect_kind  # set on the class once (_classes)
+    for name, t in (("q_BLNH", q_BLNH), ("k_BLNH", k_BLNH), ("v_BLNH", v_BLNH)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shown = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidInputError(f"{name}: got {shown}, expected a 4-D tensor (batch, length, heads, head dim)")
     if score_mod is not None:
         raise InvalidInputError(
             "score_mod: got a function, expected None: attnselect runs masks it knows, not arbitrary score mods"
@@ -107,11 +112,12 @@ def _forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, 
     if kind == "sdpa":
         if attention_masks is not None:
             raise InvalidInputError("attention_masks: got a mask, expected None (ScaledDotProductAttention's)")
-        causal = bool(is_causal)
+        if not isinstance(is_causal, bool):
+            raise InvalidInputError(f"is_causal: got {is_causal!r}, expected True or False")
+        causal = is_causal
     elif kind == "varlen":
         packing = _varlen_packing(attention_masks)
-        left, right = self.window_size
-        causal, window = _varlen_mask(left, right)
+        causal, window = _varlen_mask(self.window_size)
     else:
         packing = _flex_packing(attention_masks, q_BLNH)
     batch, length = q_BLNH.shape[:2]
@@ -140,9 +146,16 @@ def _forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, 
     return out if out_transform is None else out_transform(out, lse_BLN)
 
 
-def _varlen_mask(left: int, right: int) -> tuple[bool | str, tuple[int, int] | None]:
+def _varlen_mask(window_size) -> tuple[bool | str, tuple[int, int] | None]:
     """VarlenAttention's window_size as attnselect's mask: (-1, 0) causal, (-1, -1) none, (W, 0) a window, each
     bottom-right aligned as varlen_attn's."""
+    if not (
+        isinstance(window_size, (tuple, list))
+        and len(window_size) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in window_size)
+    ):
+        raise InvalidInputError(f"window_size: got {window_size!r}, expected (-1, 0), (-1, -1) or (W, 0)")
+    left, right = window_size
     if (left, right) == (-1, 0):  # varlen_attn's causal mask is bottom-right aligned (FlashAttention's)
         return "bottom_right", None
     if (left, right) == (-1, -1):
@@ -159,7 +172,8 @@ def _varlen_packing(masks):
         raise InvalidInputError(
             f"attention_masks: got {type(masks).__name__}, expected the VarlenMetadata of model.get_attention_masks"
         )
-    return masks.cu_seq_q, masks.cu_seq_k, int(masks.max_q), int(masks.max_k)
+    return (masks.cu_seq_q, masks.cu_seq_k, optional_int(masks.max_q, "attention_masks.max_q"),
+            optional_int(masks.max_k, "attention_masks.max_k"))  # fmt: skip
 
 
 _PACKING = "_attnselect_packing"  # a BlockMask's documents, worked out once (every layer of a step shares them)

@@ -93,7 +93,10 @@ def attention_forward(
             "position_bias: got a tensor, expected None (an additive position bias, as T5's, is applied by no "
             "attnselect kernel; use attn_implementation='sdpa' or 'eager' for this model)"
         )
+    _check_tensors(query, key, value)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if not isinstance(causal, bool):
+        raise InvalidInputError(f"is_causal: got {causal!r}, expected None (the module's is_causal), True or False")
     options = dict(
         causal="bottom_right" if causal else False,
         dropout_p=dropout,
@@ -135,6 +138,24 @@ def attention_forward(
             f"the {NAME!r} mask function (B, Skv) or a 4-D mask (B or 1, 1 or Hq, Sq or 1, >= Skv)"
         )
     return _unpadded(query, key, value, _kept_tokens(attention_mask, query, key), options), None
+
+
+def _check_tensors(query, key, value) -> None:
+    """transformers' (B, H, S, D) tensors: one batch, keys and values of one length, query and key of one head dim
+    (a few comparisons; attnselect.attention checks the rest, and torch's SDPA under a 4-D mask would broadcast a
+    batch of one silently)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shown = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidInputError(f"{name}: got {shown}, expected a 4-D tensor (batch, heads, sequence, head dim)")
+    if not (query.shape[0] == key.shape[0] == value.shape[0]):
+        raise InvalidInputError(
+            f"key/value batch: got {key.shape[0]} and {value.shape[0]}, expected the query's {query.shape[0]}"
+        )
+    if key.shape[2] != value.shape[2]:
+        raise InvalidInputError(f"value.shape[2]: got {value.shape[2]}, expected the key's length {key.shape[2]}")
+    if key.shape[3] != query.shape[3]:
+        raise InvalidInputError(f"key.shape[3]: got {key.shape[3]}, expected the query's head dim {query.shape[3]}")
 
 
 def _check_mask(mask, query) -> None:

@@ -88,6 +88,9 @@ class Packing(NamedTuple):  # a tuple: built on every packed call, cheaper than 
         return self.offsets_q is not self.cu_seqlens_q or self.offsets_kv is not self.cu_seqlens_kv
 
 
+INT32_MAX = 2**31 - 1  # sizes, lengths and windows: the kernels index in int32 (cu_seqlens are int32)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> 'bfloat16'."""
     return str(dtype).replace("torch.", "")
@@ -130,7 +133,7 @@ def mask_from_arguments(causal: bool | str, window: tuple[int, int] | None) -> t
     require(
         isinstance(window, (tuple, list))
         and len(window) == 2
-        and all(isinstance(x, int) and not isinstance(x, bool) and -1 <= x < 2**31 for x in window),
+        and all(isinstance(x, int) and not isinstance(x, bool) and -1 <= x <= INT32_MAX for x in window),
         "window",
         window,
         "a (left, right) pair of integers from -1 (unbounded) to 2**31 - 1 (the kernels' int32)",

@@ -15,6 +15,7 @@ from attnselect.spec.options import (
     DESCRIBING,
     DTYPE_CHOICES,
     DTYPES,
+    INT32_MAX,
     LAYOUTS,
     MASKS,
     CallOptions,
@@ -84,12 +85,12 @@ class AttentionProblem:
         # one a step).
         for name in ("batch", "seqlen_q", "seqlen_kv", "tokens"):
             value = getattr(self, name)
-            if not (is_integer(value) and value >= 0):
-                require(False, name, repr(value), "an integer >= 0")
+            if not (is_integer(value) and 0 <= value <= INT32_MAX):
+                _size_refused(name, value, 0)
         for name in ("heads_q", "heads_kv", "head_dim_qk", "head_dim_v", "context_parallel_size"):
             value = getattr(self, name)
-            if not (is_integer(value) and value >= 1):
-                require(False, name, repr(value), "an integer >= 1")
+            if not (is_integer(value) and 1 <= value <= INT32_MAX):
+                _size_refused(name, value, 1)
         if self.heads_q % self.heads_kv:
             require(
                 False, "heads_q", f"{self.heads_q} with heads_kv={self.heads_kv}", "a multiple of heads_kv (GQA/MQA)"
@@ -106,8 +107,8 @@ class AttentionProblem:
             object.__setattr__(self, "mask", "sliding_window")
         if self.mask in ("sliding_window", "sliding_window_top_left"):
             w = self.window
-            if not (isinstance(w, tuple) and len(w) == 2 and all(is_integer(x) and x >= -1 for x in w)):
-                require(False, "window", repr(w), "a (left, right) pair of integers >= -1 (-1 = unbounded)")
+            if not (isinstance(w, tuple) and len(w) == 2 and all(is_integer(x) and -1 <= x <= INT32_MAX for x in w)):
+                require(False, "window", repr(w), "a (left, right) pair of integers from -1 (unbounded) to 2**31 - 1")
         elif self.window is not None:
             require(False, "window", repr(self.window), "None unless mask is a sliding window")
         if not (isinstance(self.dropout_p, float) and 0.0 <= self.dropout_p < 1.0):
@@ -124,8 +125,8 @@ class AttentionProblem:
             return dataclasses.replace(self, **changes)
         for name, value in changes.items():
             low = 1 if name in _HEAD_DIMS else 0
-            if not (is_integer(value) and value >= low):
-                require(False, name, repr(value), f"an integer >= {low}")
+            if not (is_integer(value) and low <= value <= INT32_MAX):
+                _size_refused(name, value, low)
         return self._copy(changes, _CACHED if not changes.keys() <= _SIZES else _CACHED_BY_SIZE)
 
     def _at_sizes(self, batch: int, seqlen_q: int, seqlen_kv: int) -> AttentionProblem:
@@ -368,7 +369,8 @@ class AttentionProblem:
         fields = dict(d)
         if "dtype" in fields:
             names = {dtype_name(t): t for t in DTYPES}
-            require(fields["dtype"] in names, "dtype", repr(fields["dtype"]), f"one of {sorted(names)}")
+            require(isinstance(fields["dtype"], str) and fields["dtype"] in names, "dtype", repr(fields["dtype"]),
+                    f"one of {sorted(names)}")  # fmt: skip
             fields["dtype"] = names[fields["dtype"]]
         window = fields.get("window")
         if isinstance(window, list):
@@ -386,7 +388,15 @@ _HEAD_DIMS = frozenset({"head_dim_qk", "head_dim_v"})
 # Sizes that no other field's check reads on a packed problem (its squareness is a varlen fact), and head dims.
 _SIZES = frozenset({"batch", "seqlen_q", "seqlen_kv", "tokens"})
 _CHECKED_ALONE = _SIZES | _HEAD_DIMS
+
+
 # The derived values a problem caches, and those its sizes change (sizeless does not: a copy at other sizes keeps it).
+def _size_refused(name: str, value, low: int) -> None:
+    if is_integer(value) and value > INT32_MAX:
+        require(False, name, repr(value), "at most 2**31 - 1 (the kernels index in int32)")
+    require(False, name, repr(value), f"an integer >= {low}")
+
+
 _CACHED = tuple(name for name, value in vars(AttentionProblem).items() if isinstance(value, functools.cached_property))
 _CACHED_BY_SIZE = tuple(name for name in _CACHED if name != "sizeless")
 

@@ -147,6 +147,8 @@ class Target:
         fields = [f.name for f in dataclasses.fields(self) if f.name.endswith("_version")]
         if not isinstance(name, str) or (name.endswith("_version") and name not in fields):
             raise InvalidInputError(f"name: got {name!r}, expected one of {fields} or a package's distribution name")
+        if not (isinstance(version, str) and _VERSION.fullmatch(version)):
+            raise InvalidInputError(f"version: got {version!r}, expected a version string such as '2.11' or '9.19.0'")
         have = getattr(self, name) if name.endswith("_version") else self.version(name)
         return have is not None and version_tuple(have) >= version_tuple(version)
 
@@ -183,18 +185,21 @@ class Target:
         if not isinstance(d, dict):
             raise InvalidInputError(f"target: got {type(d).__name__}, expected a dict (Target.to_dict())")
         known = {f.name for f in dataclasses.fields(cls)} | set(LEGACY_PACKAGE_FIELDS)
-        unknown = sorted(set(d) - known)
+        unknown = sorted(map(str, set(d) - known))
         if unknown or "name" not in d:
             raise InvalidInputError(
-                f"target: got fields {sorted(d)}, expected 'name' and any of {sorted(known - {'name'})}"
+                f"target: got fields {sorted(map(str, d))}, expected 'name' and any of {sorted(known - {'name'})}"
             )
         fields = dict(d)
-        packages = dict(fields.pop("packages", None) or {})
+        packages = fields.pop("packages", None) or {}
+        if not isinstance(packages, dict):
+            raise InvalidInputError(f"packages: got {packages!r}, expected a dict of distribution name to version")
+        packages = dict(packages)
         for field, distribution in LEGACY_PACKAGE_FIELDS.items():
             if fields.get(field) is not None:
                 packages[distribution] = fields[field]
             fields.pop(field, None)
-        if fields.get("capability") is not None:
+        if isinstance(fields.get("capability"), list):  # JSON's form of the tuple; anything else the constructor names
             fields["capability"] = tuple(fields["capability"])
         return cls(**fields, packages=packages)
 
@@ -238,6 +243,8 @@ class Target:
             raise InvalidInputError(
                 f"device: got {device!r}, expected a torch.device, 'cpu', 'cuda[:N]' or an index ({exc})"
             ) from None
+        if dev.type == "meta":
+            raise InvalidInputError(f"device: got {device!r}, expected a device with data (a meta tensor has none)")
         if dev.type == "cuda" and not _cuda_usable():
             warn_once(
                 f"no cuda for {dev}", "attnselect: Target.current(%r): CUDA is not usable here; the cpu target", device
@@ -247,7 +254,11 @@ class Target:
 
 @functools.cache
 def target_for_device(device: torch.device) -> Target:
-    """The target of the device tensors live on (memoized: cheap on the hot path)."""
+    """The target of the device tensors live on (memoized: cheap on the hot path). Meta tensors, which hold no data,
+    have none: attention() on them is refused before any kernel runs (a kernel's failure there would be recorded
+    as the CPU's); traced calls validate on meta tensors but decide for the traced device (attnselect.ops)."""
+    if device.type == "meta":
+        raise InvalidInputError("q.device: got meta, expected tensors with data (the CPU or a GPU) to run a kernel on")
     if device.type != "cuda" or not _cuda_usable():
         return _cpu_target()
     return _cuda_target(device.index if device.index is not None else _current_cuda_index())

@@ -13,7 +13,7 @@ import torch
 from attnselect.errors import InvalidInputError
 from attnselect.memos import TensorMemo, warn_once
 from attnselect.spec import masks
-from attnselect.spec.options import DTYPES, LAYOUTS, CallOptions, Packing, mask_from_arguments
+from attnselect.spec.options import DTYPES, INT32_MAX, LAYOUTS, CallOptions, Packing, mask_from_arguments
 
 # (batch, seq, heads) positions of each dense layout; thd is (tokens, heads, dim).
 DENSE_AXES = {"bshd": (0, 1, 2), "sbhd": (1, 0, 2), "bhsd": (0, 2, 1)}
@@ -260,6 +260,8 @@ def _packing(q, k, cu_q, cu_kv, max_q, max_kv, offsets_q, offsets_kv, capturing=
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_kv", max_kv)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             _fail(name, _describe(value), "an integer >= 0")
+        if value is not None and value > INT32_MAX:
+            _fail(name, _describe(value), "at most 2**31 - 1 (the kernels index in int32)")
     if same and offsets_kv is offsets_q and k.shape[0] != q.shape[0]:  # shapes alone: no host read
         _fail("k.shape[0]", k.shape[0], f"q's token count {q.shape[0]} (k shares q's cu_seqlens and offsets)")
     if _lengths_unread(cu_q, max_q, max_kv):
