@@ -285,6 +285,7 @@ def cmd_calibrate(a) -> int:
     path = pathlib.Path(a.out) if a.out else calibration.user_path(target)
     _check_writable(path, "--out" if a.out else "ATTNSELECT_CACHE_DIR")  # before minutes of measuring, not after
     partial = path.with_name(f"{path.stem}.partial{path.suffix or '.json'}")
+    partial.unlink(missing_ok=True)  # an earlier run's: not this one's to report
 
     def checkpoint(data: dict) -> None:
         _write_json(partial, {**data, "source": data["source"] + calibrate.PARTIAL})
@@ -292,11 +293,12 @@ def cmd_calibrate(a) -> int:
     try:
         data = calibrate.run(target, attention=attention, quick=a.quick, progress=calibrate.print_progress,
                              checkpoint=checkpoint)  # fmt: skip
-    except (RuntimeError, KeyboardInterrupt) as exc:  # a CUDA error that ends the process's use of the GPU, or ^C
+        _write_json(path, data)
+    except (RuntimeError, OSError, KeyboardInterrupt) as exc:  # a CUDA error that ends the process's use of the GPU,
+        # a write that failed (a full disk), or ^C
         kept = f"; what it measured is in {partial} (a partial calibration: not used)" if partial.exists() else ""
         print(f"attnselect calibrate: stopped ({type(exc).__name__}: {exc}){kept}", file=sys.stderr)
         return 1
-    _write_json(path, data)
     partial.unlink(missing_ok=True)
     clear_cache()
     print(f"calibration of {target.describe()} -> {path}")

@@ -36,7 +36,7 @@ import torch
 
 from attnselect.choose import first_calls
 from attnselect.choose.selection import select
-from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
+from attnselect.errors import InvalidInputError
 from attnselect.execution import kernel_call, run_call
 from attnselect.spec.options import CallOptions, Candidate, Packing
 from attnselect.spec.problem import AttentionProblem, describe_call
@@ -49,32 +49,16 @@ Tensor = torch.Tensor
 def traced_attention(q, k, v, options: CallOptions):
     """:func:`attnselect.attention` while torch.compile traces it (its options as one object; same results)."""
     o = options
-    if o.cp_group is not None:
-        raise InvalidInputError(
-            "cp_group: got a process group under torch.compile, expected None: context-parallel attention runs "
-            "in eager calls only for now"
-        )
-    for name, off in (("softcap", None), ("sinks", None), ("return_max_logit", False)):
-        if getattr(o, name) is not off:
-            raise InvalidInputError(
-                f"{name}: got {getattr(o, name)!r} under torch.compile, expected {off}: softcap, sinks and the max "
-                "logit are served in eager calls only for now"
-            )
-    if o.layout == "thd" and (o.max_seqlen_q is None or o.max_seqlen_kv is None):
-        raise InvalidInputError(
-            f"max_seqlen_q/max_seqlen_kv: got {o.max_seqlen_q}/{o.max_seqlen_kv}, expected both "
-            "integers under torch.compile (cu_seqlens cannot be read while tracing)"
-        )
-    if not isinstance(o.return_lse, (bool, torch.SymBool)):  # one computed from sizes may be symbolic
-        raise InvalidInputError(f"return_lse: got {o.return_lse!r}, expected True or False")
-    # plain Python values for the decision: dynamo keeps numbers and bools symbolic where it can
-    scale, causal, return_lse = _constant(o.scale), _flag(o.causal), True if o.return_lse else False
-    check_scale(scale)
+    # plain Python values for the decision: dynamo keeps numbers and bools symbolic where it can (a value of another
+    # type goes to the decision as it is, whose validation names it, as an eager call's does)
+    scale, causal = _constant(o.scale), _flag(o.causal)
+    return_lse = (True if o.return_lse else False) if isinstance(o.return_lse, (bool, torch.SymBool)) else o.return_lse
     cu_kv, offsets_q, offsets_kv, shared = placement(
         o.cu_seqlens_q, o.cu_seqlens_kv, o.cu_seqlens_q_padded, o.cu_seqlens_kv_padded
     )
     packed = (o.cu_seqlens_q, o.cu_seqlens_kv, o.cu_seqlens_q_padded, o.cu_seqlens_kv_padded)
     spec = _decide(
+        _refusal(o, scale),
         tuple(tuple(map(_constant, t.shape)) for t in (q, k, v)),
         tuple(str(t.dtype) for t in (q, k, v)),
         tuple(str(t.device) for t in (q, k, v)),
@@ -93,13 +77,34 @@ def traced_attention(q, k, v, options: CallOptions):
         o.pad,
         o.disable if o.disable is None or isinstance(o.disable, str) else tuple(o.disable),
     )
-    if spec.startswith(_REFUSED):  # raised here, in the traced code: dynamo passes it on as it is (unless fullgraph)
-        name, _, message = spec[len(_REFUSED) :].partition(":")
-        raise _ERRORS[name](message)
     out, lse, _ = torch.ops.attnselect.attention(
         q, k, v, o.cu_seqlens_q, cu_kv, offsets_q, offsets_kv, spec, None if scale is None else float(scale)
     )
     return (out, lse.detach()) if return_lse else out  # lse is detached, as in eager calls
+
+
+def _refusal(o: CallOptions, scale) -> str | None:
+    """Why a traced call is refused before its decision (what eager calls serve and traced ones do not yet, a bad
+    scale), or None: raised by :func:`_decide`, as every refusal of a traced call is. Dynamo wraps an error raised
+    there in its own, naming it; raised in the traced code, it would break the graph and skip the function for good,
+    so this call would run eagerly where refused, and every later one, silently."""
+    if o.cp_group is not None:
+        return ("cp_group: got a process group under torch.compile, expected None: context-parallel attention runs "
+                "in eager calls only for now")  # fmt: skip
+    for name, off in (("softcap", None), ("sinks", None), ("return_max_logit", False)):
+        value = getattr(o, name)
+        if value is not off:
+            shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
+            return (f"{name}: got {shown} under torch.compile, expected {off}: softcap, sinks and the max logit are "
+                    "served in eager calls only for now")  # fmt: skip
+    if o.layout == "thd" and (o.max_seqlen_q is None or o.max_seqlen_kv is None):
+        return (f"max_seqlen_q/max_seqlen_kv: got {o.max_seqlen_q}/{o.max_seqlen_kv}, expected both integers under "
+                "torch.compile (cu_seqlens cannot be read while tracing)")  # fmt: skip
+    try:
+        check_scale(scale)
+    except InvalidInputError as exc:
+        return str(exc)
+    return None
 
 
 def _constant(x):
@@ -120,14 +125,9 @@ def _flag(x):
     return (True if x else False) if isinstance(x, bool) else x
 
 
-# _decide's answer where the call is refused: dynamo wraps an exception raised inside a constant function in its own
-# InternalTorchDynamoError, so the error travels as text to the traced code, which raises it.
-_REFUSED = "refused:"
-_ERRORS = {error.__name__: error for error in (InvalidInputError, ForcedChoiceError, NoSupportedCandidateError)}
-
-
 @torch.compiler.assume_constant_result
 def _decide(
+    refusal,
     shapes,
     dtypes,
     devices,
@@ -146,18 +146,10 @@ def _decide(
     pad,
     disable,
 ) -> str:
-    """Validate and select on meta tensors of the traced shapes; the spec string the op runs, or the error that
-    refuses the call (:data:`_REFUSED`)."""
-    try:
-        return _decided(shapes, dtypes, devices, packed, shared_boundaries, layout, causal, window, dropout_p,
-                        max_seqlen_q, max_seqlen_kv, return_lse, training, deterministic, backend, pad,
-                        disable)  # fmt: skip
-    except (InvalidInputError, ForcedChoiceError, NoSupportedCandidateError) as exc:
-        return f"{_REFUSED}{type(exc).__name__}:{exc}"
-
-
-def _decided(shapes, dtypes, devices, packed, shared_boundaries, layout, causal, window, dropout_p, max_seqlen_q,
-             max_seqlen_kv, return_lse, training, deterministic, backend, pad, disable) -> str:  # fmt: skip
+    """Validate and select on meta tensors of the traced shapes; the spec string the op runs. ``refusal``: why the
+    traced code refused the call (:func:`_refusal`), raised here."""
+    if refusal is not None:
+        raise InvalidInputError(refusal)
 
     def meta(shape, dtype):
         return torch.empty(shape, dtype=getattr(torch, dtype.replace("torch.", "")), device="meta")
@@ -177,9 +169,9 @@ def _decided(shapes, dtypes, devices, packed, shared_boundaries, layout, causal,
     for name, device in zip(("k", "v"), devices[1:]):
         if device != devices[0]:
             raise InvalidInputError(f"{name}.device: got {device}, expected q's device {devices[0]}")
-    decision = select(
-        problem, target=target_for_device(torch.device(devices[0])), backend=backend, pad=pad, disable=disable
-    )
+    device = torch.device(devices[0])  # a graph traced on meta tensors (no kernel runs) is decided as on the CPU
+    target = target_for_device(device if device.type != "meta" else torch.device("cpu"))
+    decision = select(problem, target=target, backend=backend, pad=pad, disable=disable)
     return json.dumps(
         {"problem": problem.to_dict(), "backend": decision.chosen.backend, "pad_to": decision.chosen.pad_to}
     )

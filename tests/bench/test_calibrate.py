@@ -294,3 +294,31 @@ def test_the_packaged_packed_points_are_keyed_by_the_work_of_the_packings_they_t
     for key, w in points:
         pair = tuple(int(d) for d in key.split()[1].removesuffix("+pad").split("/"))
         assert w in keyed[pair], (key, w)
+
+
+def test_a_calibration_that_cannot_be_written_or_stops_at_once_says_so_without_an_old_partial(on_an_h200, monkeypatch,
+                                                                                             capsys):  # fmt: skip
+    from helpers import CALIBRATED_H200
+
+    path = calibration.user_path(CALIBRATED_H200)
+    partial = path.with_name(path.stem + ".partial.json")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text("{}")  # an earlier run's
+
+    def stopped(target, **kwargs):
+        raise RuntimeError("calibration stopped: at the first size")
+
+    monkeypatch.setattr(calibrate, "run", stopped)
+    assert cli.main(["calibrate"]) == 1
+    err = capsys.readouterr().err
+    assert "stopped (RuntimeError: calibration stopped: at the first size)" in err and "partial" not in err
+    assert not partial.exists()
+    # a run that keeps a checkpoint, then a disk that refuses the calibration's own file
+    monkeypatch.setattr(calibrate, "run", lambda target, **kwargs: kwargs["checkpoint"](sample := {"source": "x"})
+                        or sample)  # fmt: skip
+    real = cli._write_json
+    monkeypatch.setattr(cli, "_write_json", lambda p, data: real(p, data) if p == partial else (_ for _ in ()).throw(
+        OSError(28, "No space left on device")))  # fmt: skip
+    assert cli.main(["calibrate"]) == 1
+    err = capsys.readouterr().err
+    assert "stopped (OSError: [Errno 28] No space left on device)" in err and str(partial) in err

@@ -476,22 +476,30 @@ def test_a_4d_mask_call_s_tensors_are_checked_before_sdpa(shapes, dtype, message
 @pytest.mark.parametrize(
     "shapes,message",
     [
-        (((1, 2, 6, 8), (2, 2, 6, 8), (2, 2, 6, 8)), r"^key/value batch: got 2 and 2, expected the query's 1"),
-        (((1, 2, 6, 8), (1, 2, 6, 8), (1, 2, 5, 8)), r"^value.shape\[2\]: got 5, expected the key's length 6"),
-        (((1, 2, 6, 8), (1, 2, 6, 16), (1, 2, 6, 8)), r"^key.shape\[3\]: got 16, expected the query's head dim 8"),
-        (((1, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8)), r"^query: got shape \(1, 6, 8\), expected a 4-D tensor"),
+        (
+            ((1, 2, 6, 8), (2, 2, 6, 8), (2, 2, 6, 8)),
+            r"^(key/value batch: got 2 and 2, expected the query's 1|k/v batch)",
+        ),
+        (
+            ((1, 2, 6, 8), (1, 2, 6, 8), (1, 2, 5, 8)),
+            r"^(value.shape\[2\]: got 5, expected the key's length 6|v.shape)",
+        ),
+        (((1, 2, 6, 8), (1, 2, 6, 16), (1, 2, 6, 8)), r"^(key.shape\[3\]: got 16, expected the query's|k.shape\[-1\])"),
+        (((1, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8)), r"^(query: got shape \(1, 6, 8\), expected a 4-D tensor|q.shape)"),
     ],
 )
 def test_tensors_that_do_not_fit_together_are_refused_on_every_mask_path(shapes, message, mask):
     """Before a 4-D mask's SDPA (which would broadcast a batch of one silently) or a padding mask's unpadding (which
-    would index past them)."""
+    would index past them) by the integration; without a mask by attnselect.attention."""
     from attnselect.integrations.transformers import attention_forward
 
     q, k, v = (torch.randn(s) for s in shapes)
     with pytest.raises(InvalidInputError, match=message):
         attention_forward(_bare_module(), q, k, v, mask)
-    with pytest.raises(InvalidInputError, match=r"^query: got str, expected a 4-D tensor"):
+    with pytest.raises(InvalidInputError, match=r"^(query|q): got str, expected a"):
         attention_forward(_bare_module(), "q", k, v, mask)
+    with pytest.raises(InvalidInputError, match=r"^query: got str, expected a 4-D tensor"):  # positions read first
+        attention_forward(_bare_module(), "q", k, v, None, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
 
 
 @pytest.mark.parametrize("name", [None, "", 5])

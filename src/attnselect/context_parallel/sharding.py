@@ -39,7 +39,6 @@ def shard(
     lengths = _thd_lengths(x, cu_seqlens, "cu_seqlens")
     for length in lengths:
         _check_multiple("cu_seqlens", length, chunks, "every sequence length")
-    require(cu_seqlens.device == x.device, "cu_seqlens.device", cu_seqlens.device, f"x's device {x.device}")
     index = _thd_index(lengths, cp_size, [rank], x.device)[0]
     return x.index_select(0, index), torch.div(cu_seqlens, cp_size, rounding_mode="floor")
 
@@ -79,7 +78,6 @@ def unshard(
     lengths = _thd_lengths(None, cu_seqlens, "cu_seqlens")
     for length in lengths:
         _check_multiple("cu_seqlens", length, chunks, "every sequence length")
-    require(cu_seqlens.device == first.device, "cu_seqlens.device", cu_seqlens.device, f"the shards' {first.device}")
     for i, s in enumerate(shards):
         require(s.dim() == 3 and s.shape[0] * cp_size == sum(lengths), f"shards[{i}].shape", tuple(s.shape),
                 f"(T / {cp_size}, H, D) with T = {sum(lengths)} from cu_seqlens")  # fmt: skip

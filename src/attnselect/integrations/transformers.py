@@ -93,7 +93,6 @@ def attention_forward(
             "position_bias: got a tensor, expected None (an additive position bias, as T5's, is applied by no "
             "attnselect kernel; use attn_implementation='sdpa' or 'eager' for this model)"
         )
-    _check_tensors(query, key, value)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not isinstance(causal, bool):
         raise InvalidInputError(f"is_causal: got {causal!r}, expected None (the module's is_causal), True or False")
@@ -116,12 +115,13 @@ def attention_forward(
             )
         options["window"] = (window - 1, 0)  # keys in (q - window, q], as transformers' sliding_window_overlay
     if kwargs.get("cu_seq_lens_q") is None and attention_mask is None:
-        kwargs.update(_boundaries_from_positions(query, key, kwargs.get("position_ids")))
+        kwargs.update(_boundaries_from_positions(query, key, value, kwargs.get("position_ids")))
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         return _packed(query, key, value, kwargs, options), None
-    if attention_mask is None:
+    if attention_mask is None:  # attnselect.attention checks the tensors
         out = api.attention(query, key, value, layout="bhsd", **options)
         return out.transpose(1, 2), None
+    _check_tensors(query, key, value)
     _check_mask(attention_mask, query)
     if attention_mask.dim() == 4:
         for name in ("softcap", "s_aux"):  # torch's SDPA, which runs a 4-D mask, applies neither
@@ -143,7 +143,7 @@ def attention_forward(
 def _check_tensors(query, key, value) -> None:
     """transformers' (B, H, S, D) tensors: one batch, keys and values of one length, query and key of one head dim
     (a few comparisons; attnselect.attention checks the rest, and torch's SDPA under a 4-D mask would broadcast a
-    batch of one silently)."""
+    batch of one silently): where the integration reads them itself before attnselect.attention would."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shown = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -259,6 +259,7 @@ def _log_explicit_mask() -> None:
 
 def _packed(query, key, value, kwargs, options):
     """A padding-free batch: (1, H, T, D) tensors with the sequences' boundaries."""
+    _check_tensors(query, key, value)
     if query.shape[0] != 1:
         raise InvalidInputError(f"query.shape[0]: got {query.shape[0]}, expected 1 with cu_seq_lens_q (packed)")
     for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
@@ -282,12 +283,12 @@ def _packed(query, key, value, kwargs, options):
 _last_positions: tuple = (lambda: None, -1, {})  # (weakref to position_ids, its version, what they said)
 
 
-def _boundaries_from_positions(query, key, position_ids) -> dict:
+def _boundaries_from_positions(query, key, value, position_ids) -> dict:
     """A padding-free batch marked only by position_ids restarting at each document (DataCollatorWithFlattening).
 
     As transformers' FlashAttention path: one row of more than one query whose positions do not
     simply count up is packed; its boundaries are where a position does not follow the previous
-    one. Reading that is one host sync, and only for such single-row calls; every layer of a
+    one, and its longest document. Reading them is two host syncs, only for such single-row calls; every layer of a
     forward gets the same position_ids tensor, so it is read once per forward, not once per layer
     (the same tensor object, unchanged since: its version counter). Inference-mode tensors have no
     version counter and traced calls no identity, so those are read every time.
@@ -295,7 +296,10 @@ def _boundaries_from_positions(query, key, position_ids) -> dict:
     global _last_positions
     if position_ids is not None and not isinstance(position_ids, torch.Tensor):
         raise InvalidInputError(f"position_ids: got {type(position_ids).__name__}, expected None or a tensor")
-    if position_ids is None or query.shape[0] != 1 or query.shape[2] < 2 or key.shape[2] != query.shape[2]:
+    if position_ids is None:
+        return {}
+    _check_tensors(query, key, value)
+    if query.shape[0] != 1 or query.shape[2] < 2 or key.shape[2] != query.shape[2]:
         return {}  # not a single packed row (a KV cache, where keys outnumber queries, is never packed)
     remember = not torch.compiler.is_compiling() and not position_ids.is_inference()
     seen, version, found = _last_positions
@@ -307,7 +311,10 @@ def _boundaries_from_positions(query, key, position_ids) -> dict:
     if restarts.numel():
         total = positions.new_tensor([positions.numel()])
         cu = torch.cat([positions.new_zeros(1), restarts, total]).int()
-        found = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+        # the longest document too, read with the restarts (as transformers' prepare_fa_kwargs_from_position_ids):
+        # a packed call given both max lengths reads no boundaries, and under torch.compile needs them
+        longest = int((cu[1:] - cu[:-1]).max())
+        found = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
     if remember:
         _last_positions = (weakref.ref(position_ids), position_ids._version, found)
     return found

@@ -390,13 +390,14 @@ _SIZES = frozenset({"batch", "seqlen_q", "seqlen_kv", "tokens"})
 _CHECKED_ALONE = _SIZES | _HEAD_DIMS
 
 
-# The derived values a problem caches, and those its sizes change (sizeless does not: a copy at other sizes keeps it).
 def _size_refused(name: str, value, low: int) -> None:
+    """Refuse a size, count or head dim ``value`` (not an integer from ``low`` to INT32_MAX), naming ``name``."""
     if is_integer(value) and value > INT32_MAX:
         require(False, name, repr(value), "at most 2**31 - 1 (the kernels index in int32)")
     require(False, name, repr(value), f"an integer >= {low}")
 
 
+# The derived values a problem caches, and those its sizes change (sizeless does not: a copy at other sizes keeps it).
 _CACHED = tuple(name for name, value in vars(AttentionProblem).items() if isinstance(value, functools.cached_property))
 _CACHED_BY_SIZE = tuple(name for name in _CACHED if name != "sizeless")
 

@@ -147,7 +147,7 @@ class Target:
         fields = [f.name for f in dataclasses.fields(self) if f.name.endswith("_version")]
         if not isinstance(name, str) or (name.endswith("_version") and name not in fields):
             raise InvalidInputError(f"name: got {name!r}, expected one of {fields} or a package's distribution name")
-        if not (isinstance(version, str) and _VERSION.fullmatch(version)):
+        if not (isinstance(version, str) and version_tuple(version)):
             raise InvalidInputError(f"version: got {version!r}, expected a version string such as '2.11' or '9.19.0'")
         have = getattr(self, name) if name.endswith("_version") else self.version(name)
         return have is not None and version_tuple(have) >= version_tuple(version)
