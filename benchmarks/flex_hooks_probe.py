@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -103,14 +104,17 @@ def main() -> None:
                     name,
                     subprocess.Popen(command, stdout=out, stderr=err, env=env, start_new_session=True),
                 )
+    def kill_the_unfinished() -> None:  # at the deadline, every process still running, whichever is waited for
+        for _, proc in procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # inductor's compile workers too
+
+    watchdog = threading.Timer(max(0.0, started + a.timeout - time.time()), kill_the_unfinished)
+    watchdog.start()
     rows = []
     for (i, hook), (name, proc) in procs.items():
-        try:
-            proc.wait(timeout=max(0.0, started + a.timeout - time.time()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # inductor's compile workers too
-            proc.wait()
+        proc.wait()
         lines = _lines(logs / f"{name}.out")
         results = [x for x in lines if "status" in x]
         stages = [x for x in lines if "stage" in x]
@@ -125,6 +129,7 @@ def main() -> None:
         row = next(r for r in grid.rows() if r["id"] == i)
         rows.append({"row": row, "hook": hook, **result})
         print(json.dumps(rows[-1]), flush=True)
+    watchdog.cancel()
     meta = {"device": attnselect.Target.current().describe(), "torch": torch.__version__, "date": time.strftime("%F"),
             "processes_at_once": len(procs), "compile_threads": env["TORCHINDUCTOR_COMPILE_THREADS"],
             "backend": a.backend}  # fmt: skip

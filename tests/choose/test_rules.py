@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -302,6 +304,23 @@ def test_small_inference_packs_run_where_the_host_time_is_least_on_hopper(dims, 
     ]
     for problem in unmeasured_or_host_free:
         assert "small pack" not in attnselect.select(problem, target=h200).why, problem.describe()
+
+
+def test_a_pack_of_one_long_document_and_short_ones_is_no_heavier_than_one_sequence_of_its_tokens():
+    """1024 tokens in 5 documents, the longest 856 (one of benchmarks/hot_path.py's new packings): every sequence at
+    the longest would count 5x a 1024-token sequence's work and leave the small-pack table for FA4's 150 us of host
+    time a call on an H100; its work is at most one sequence of its tokens'. Without q's rows (tokens=0) the table
+    cannot know, and the bound is as before."""
+    h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+    pack = AttentionProblem(5, 856, 856, 16, 16, 128, 128, layout="thd", mask="causal", tokens=1024)
+    d = attnselect.select(pack, target=h100)
+    assert d.chosen == Candidate("varlen_fa2") and "small pack" in d.why and "min(B*S_q*S_kv, T^2)" in d.why
+    assert "work H*(d_qk+d_v)*min(B*S_q*S_kv, T^2) 4.3e+09 <= 1.5e+10" in d.why  # 16 * 256 * 1024^2
+    unknown = attnselect.select(dataclasses.replace(pack, tokens=0), target=h100)
+    assert "small pack" not in unknown.why and unknown.chosen == Candidate("flash_attn4")
+    several = attnselect.select(dataclasses.replace(pack, batch=30, seqlen_q=1024, seqlen_kv=1024, tokens=30720),
+                                target=h100)  # fmt: skip
+    assert "small pack" not in several.why  # 30 documents of up to 1024 tokens: the cap leaves it above the bound
 
 
 def test_the_small_pack_bound_sits_where_the_h200_inference_loop_measured_it():

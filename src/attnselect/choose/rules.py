@@ -368,9 +368,17 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
 
 
 def _work(problem: AttentionProblem) -> int:
-    return pack_work(
+    """:func:`pack_work`; a packed call of as many queries as keys in every sequence whose q holds T tokens (rows)
+    does at most one T-token sequence's work (the sum of squared lengths is at most their sum squared), so its
+    work is capped there: a pack of one long document and a few short ones is not taken for several long ones (1024
+    tokens in 5 documents, the longest 856, counted 5x a 1024-token sequence's work without the cap)."""
+    work = pack_work(
         problem.heads_q, problem.head_dim_qk, problem.head_dim_v, problem.batch, problem.seqlen_q, problem.seqlen_kv
     )
+    if problem.layout == "thd" and problem.tokens and problem.square:
+        return min(work, pack_work(problem.heads_q, problem.head_dim_qk, problem.head_dim_v, 1, problem.tokens,
+                                   problem.tokens))  # fmt: skip
+    return work
 
 
 _REFINEMENTS = (
@@ -431,7 +439,8 @@ def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
     bound, reason = _REFINEMENT_REASONS.get(key[-1], (None, ""))
     if bound is None:
         return reason
-    return f"work H*(d_qk+d_v)*B*S_q*S_kv {_work(problem):.2g} <= {bound:.2g}: {reason}"
+    counted = "min(B*S_q*S_kv, T^2)" if problem.layout == "thd" and problem.tokens and problem.square else "B*S_q*S_kv"
+    return f"work H*(d_qk+d_v)*{counted} {_work(problem):.2g} <= {bound:.2g}: {reason}"
 
 
 # Per table key without a refinement: the refined tables it has, with their tests, in _REFINEMENTS' order
