@@ -104,6 +104,7 @@ def main() -> None:
                     name,
                     subprocess.Popen(command, stdout=out, stderr=err, env=env, start_new_session=True),
                 )
+
     def kill_the_unfinished() -> None:  # at the deadline, every process still running, whichever is waited for
         for _, proc in procs.values():
             if proc.poll() is None:
