@@ -375,10 +375,14 @@ def _work(problem: AttentionProblem) -> int:
     work = pack_work(
         problem.heads_q, problem.head_dim_qk, problem.head_dim_v, problem.batch, problem.seqlen_q, problem.seqlen_kv
     )
-    if problem.layout == "thd" and problem.tokens and problem.square:
+    if _capped_at_tokens(problem):
         return min(work, pack_work(problem.heads_q, problem.head_dim_qk, problem.head_dim_v, 1, problem.tokens,
                                    problem.tokens))  # fmt: skip
     return work
+
+
+def _capped_at_tokens(problem: AttentionProblem) -> bool:
+    return problem.layout == "thd" and bool(problem.tokens) and problem.square
 
 
 _REFINEMENTS = (
@@ -439,7 +443,7 @@ def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
     bound, reason = _REFINEMENT_REASONS.get(key[-1], (None, ""))
     if bound is None:
         return reason
-    counted = "min(B*S_q*S_kv, T^2)" if problem.layout == "thd" and problem.tokens and problem.square else "B*S_q*S_kv"
+    counted = "min(B*S_q*S_kv, T^2)" if _capped_at_tokens(problem) else "B*S_q*S_kv"
     return f"work H*(d_qk+d_v)*{counted} {_work(problem):.2g} <= {bound:.2g}: {reason}"
 
 

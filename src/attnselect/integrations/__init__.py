@@ -9,6 +9,7 @@ import numbers
 import torch
 
 from attnselect.errors import InvalidInputError
+from attnselect.spec.options import INT32_MAX
 
 
 def optional_int(value, name: str) -> int | None:
@@ -30,6 +31,15 @@ def optional_int(value, name: str) -> int | None:
     raise InvalidInputError(f"{name}: got {shown}, expected None, an int or a one-element integer tensor")
 
 
+def four_dim_tensors(tensors: dict, axes: str) -> None:
+    """Refuse, by name, any of a framework's ``tensors`` ({name: value}) that is not a 4-D tensor of ``axes`` (e.g.
+    "batch, heads, sequence, head dim"), where the integration reads their shapes before attnselect.attention would."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shown = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidInputError(f"{name}: got {shown}, expected a 4-D tensor ({axes})")
+
+
 def integer_boundaries(value, name: str) -> torch.Tensor:
     """A framework's sequence boundaries ``name`` as attnselect takes them: an integer tensor, as int32 (a float
     or bool tensor, or anything else, is refused by name rather than cast)."""
@@ -45,7 +55,7 @@ def integer_boundaries(value, name: str) -> torch.Tensor:
     # device sync (on the CPU), so a cast cannot wrap one silently
     if value.dtype != torch.int32 and value.is_cpu and value.numel():
         low, high = value.min().item(), value.max().item()
-        if low < 0 or high >= 2**31:
+        if low < 0 or high > INT32_MAX:
             raise InvalidInputError(
                 f"{name}: got boundaries from {low} to {high}, expected integers from 0 to 2**31 - 1 (int32)"
             )

@@ -45,7 +45,7 @@ import torch
 
 from attnselect import api
 from attnselect.errors import InvalidInputError
-from attnselect.integrations import optional_int
+from attnselect.integrations import four_dim_tensors, optional_int
 
 
 def apply(model):
@@ -93,10 +93,7 @@ def _forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, 
              score_mod=None, out_transform=None, **kwargs):  # fmt: skip
     """The inner attention's forward, through attnselect (the arguments of torchtitan's inner attentions)."""
     kind = self.attnselect_kind  # set on the class once (_classes)
-    for name, t in (("q_BLNH", q_BLNH), ("k_BLNH", k_BLNH), ("v_BLNH", v_BLNH)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shown = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise InvalidInputError(f"{name}: got {shown}, expected a 4-D tensor (batch, length, heads, head dim)")
+    four_dim_tensors({"q_BLNH": q_BLNH, "k_BLNH": k_BLNH, "v_BLNH": v_BLNH}, "batch, length, heads, head dim")
     if score_mod is not None:
         raise InvalidInputError(
             "score_mod: got a function, expected None: attnselect runs masks it knows, not arbitrary score mods"

@@ -42,7 +42,7 @@ import torch
 
 from attnselect import api
 from attnselect.errors import InvalidInputError
-from attnselect.integrations import integer_boundaries, optional_int
+from attnselect.integrations import four_dim_tensors, integer_boundaries, optional_int
 from attnselect.spec.validate import check_dropout, check_scale
 
 NAME = "attnselect"
@@ -114,14 +114,16 @@ def attention_forward(
                 "(bidirectional windows are not supported)"
             )
         options["window"] = (window - 1, 0)  # keys in (q - window, q], as transformers' sliding_window_overlay
+    if (attention_mask is not None or kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_q") is not None
+            or kwargs.get("cu_seq_lens_k") is not None):  # fmt: skip
+        _check_tensors(query, key, value)  # read below before attnselect.attention would check them
     if kwargs.get("cu_seq_lens_q") is None and attention_mask is None:
-        kwargs.update(_boundaries_from_positions(query, key, value, kwargs.get("position_ids")))
+        kwargs.update(_boundaries_from_positions(query, key, kwargs.get("position_ids")))
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         return _packed(query, key, value, kwargs, options), None
-    if attention_mask is None:  # attnselect.attention checks the tensors
+    if attention_mask is None:
         out = api.attention(query, key, value, layout="bhsd", **options)
         return out.transpose(1, 2), None
-    _check_tensors(query, key, value)
     _check_mask(attention_mask, query)
     if attention_mask.dim() == 4:
         for name in ("softcap", "s_aux"):  # torch's SDPA, which runs a 4-D mask, applies neither
@@ -143,11 +145,8 @@ def attention_forward(
 def _check_tensors(query, key, value) -> None:
     """transformers' (B, H, S, D) tensors: one batch, keys and values of one length, query and key of one head dim
     (a few comparisons; attnselect.attention checks the rest, and torch's SDPA under a 4-D mask would broadcast a
-    batch of one silently): where the integration reads them itself before attnselect.attention would."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shown = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise InvalidInputError(f"{name}: got {shown}, expected a 4-D tensor (batch, heads, sequence, head dim)")
+    batch of one silently): on the paths where the integration reads them before attnselect.attention would."""
+    four_dim_tensors({"query": query, "key": key, "value": value}, "batch, heads, sequence, head dim")
     if not (query.shape[0] == key.shape[0] == value.shape[0]):
         raise InvalidInputError(
             f"key/value batch: got {key.shape[0]} and {value.shape[0]}, expected the query's {query.shape[0]}"
@@ -259,7 +258,6 @@ def _log_explicit_mask() -> None:
 
 def _packed(query, key, value, kwargs, options):
     """A padding-free batch: (1, H, T, D) tensors with the sequences' boundaries."""
-    _check_tensors(query, key, value)
     if query.shape[0] != 1:
         raise InvalidInputError(f"query.shape[0]: got {query.shape[0]}, expected 1 with cu_seq_lens_q (packed)")
     for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
@@ -283,7 +281,7 @@ def _packed(query, key, value, kwargs, options):
 _last_positions: tuple = (lambda: None, -1, {})  # (weakref to position_ids, its version, what they said)
 
 
-def _boundaries_from_positions(query, key, value, position_ids) -> dict:
+def _boundaries_from_positions(query, key, position_ids) -> dict:
     """A padding-free batch marked only by position_ids restarting at each document (DataCollatorWithFlattening).
 
     As transformers' FlashAttention path: one row of more than one query whose positions do not
@@ -296,10 +294,7 @@ def _boundaries_from_positions(query, key, value, position_ids) -> dict:
     global _last_positions
     if position_ids is not None and not isinstance(position_ids, torch.Tensor):
         raise InvalidInputError(f"position_ids: got {type(position_ids).__name__}, expected None or a tensor")
-    if position_ids is None:
-        return {}
-    _check_tensors(query, key, value)
-    if query.shape[0] != 1 or query.shape[2] < 2 or key.shape[2] != query.shape[2]:
+    if position_ids is None or query.shape[0] != 1 or query.shape[2] < 2 or key.shape[2] != query.shape[2]:
         return {}  # not a single packed row (a KV cache, where keys outnumber queries, is never packed)
     remember = not torch.compiler.is_compiling() and not position_ids.is_inference()
     seen, version, found = _last_positions
