@@ -282,12 +282,15 @@ def test_head_dims_a_kernel_takes_only_rounded_up_run_padded_on_a_fast_kernel(la
         ((192, 128), True, Candidate("flash_attn4")),  # FA4 native matched varlen padded there
     ],
 )
-def test_small_inference_packs_run_where_the_host_time_is_least_on_hopper(dims, fa4, chosen):
+@pytest.mark.parametrize("training", [False, True])
+def test_small_packs_run_where_the_host_time_is_least_on_hopper(dims, fa4, chosen, training):
+    """Inference and training alike: FA4's and the frontend's host time outweigh the GPU time they save (training:
+    the small-pack bound where the H200's calibration crosses over, rules.SMALL_PACK_WORK's comment)."""
     packages = {"nvidia-cudnn-frontend": "1.32.0", **({"flash-attn-4": "4.0.0b36"} if fa4 else {})}
     h200 = Target.preset("h200", packages=packages)
 
     def pack(batch=4, seqlen=400, heads=16, heads_kv=16, head_dims=dims, **options):  # benchmarks/hot_path.py's
-        options = {"layout": "thd", "mask": "causal", **options}
+        options = {"layout": "thd", "mask": "causal", "training": training, **options}
         return AttentionProblem(batch, seqlen, seqlen, heads, heads_kv, *head_dims, **options)
 
     d = attnselect.select(pack(), target=h200)
@@ -321,6 +324,35 @@ def test_a_pack_of_one_long_document_and_short_ones_is_no_heavier_than_one_seque
     several = attnselect.select(dataclasses.replace(pack, batch=30, seqlen_q=1024, seqlen_kv=1024, tokens=30720),
                                 target=h100)  # fmt: skip
     assert "small pack" not in several.why  # 30 documents of up to 1024 tokens: the cap leaves it above the bound
+    trained = attnselect.select(dataclasses.replace(pack, training=True), target=h100)  # FA4 spends 290 us a call
+    assert trained.chosen == Candidate("varlen_fa2") and "small pack" in trained.why
+
+
+@pytest.mark.parametrize("dims", [(128, 128), (64, 64), (192, 128)])
+def test_the_small_pack_bound_in_training_sits_where_the_h200_calibration_crosses_over(dims):
+    """The packaged H200 calibration's predictions, 16 heads, causal packs of equal documents: varlen_fa2 native ahead
+    of FA4 below SMALL_PACK_WORK, FA4 ahead from 1.3x it; 192/128 (no native varlen_fa2) FA4 native ahead of varlen
+    with V padded, that ahead of padded FA4, as the table ranks them."""
+    from attnselect.choose import calibration, predict, rules
+
+    h200 = Target.preset("h200")
+    data = calibration.packaged(h200)
+    for work in (rules.SMALL_PACK_WORK / 8, rules.SMALL_PACK_WORK * 0.85, rules.SMALL_PACK_WORK * 1.3):
+        batch = 4
+        seqlen = round((work / (16 * sum(dims) * batch)) ** 0.5)
+        p = AttentionProblem(batch, seqlen, seqlen, 16, 16, *dims, layout="thd", mask="causal", training=True,
+                             tokens=batch * seqlen)  # fmt: skip
+        served = (
+            (Candidate("varlen_fa2"), Candidate("flash_attn4"))
+            if dims[0] == dims[1]
+            else (Candidate("flash_attn4"), Candidate("varlen_fa2", 192), Candidate("flash_attn4", 192))
+        )
+        us = {(c.backend, c.padded): predict.predict(c, p, data).total_us for c in served}
+        below = rules._work(p) <= rules.SMALL_PACK_WORK
+        if dims[0] == dims[1]:
+            assert (us["varlen_fa2", False] < us["flash_attn4", False]) == below, (dims, work, us)
+        else:
+            assert us["flash_attn4", False] < us["varlen_fa2", True] < us["flash_attn4", True], (dims, work, us)
 
 
 def test_the_small_pack_bound_sits_where_the_h200_inference_loop_measured_it():

@@ -571,28 +571,29 @@ def test_a_new_work_class_that_draws_alike_gets_the_decision_drawn_in_its_size_c
     """A packing of a work class not seen before, in a size class and rules table seen, gets the decision drawn
     there at another work class where its predicted order draws it alike (the same candidates judged first, in the
     same order, its choice ranked alone, no rental): no draw, no new Decision; select chooses the same. Where the
-    order differs, or a rental is drawn, it is drawn anew."""
+    order differs, or a rental is drawn, it is drawn anew. (Its sizes sit in one size class above the small-pack
+    bound: one rules table.)"""
     from attnselect.choose import first_calls, selection
     from attnselect.choose.predict import work_class
 
     target = _calibrated_h200(tmp_path, monkeypatch)
-    first_calls.ran(Candidate("flash_attn4"), _thd_training(4, 800))  # its compile paid: no rental
-    selection.select_packed(_thd_training(4, 800), target=target)
-    drawn = selection.select_packed(_thd_training(4, 900), target=target)
+    first_calls.ran(Candidate("flash_attn4"), _thd_training(4, 1100))  # its compile paid: no rental
+    selection.select_packed(_thd_training(4, 1100), target=target)
+    drawn = selection.select_packed(_thd_training(4, 1200), target=target)
     draws, real = [], first_calls.drawn_rental
     monkeypatch.setattr(first_calls, "drawn_rental", lambda *a: draws.append(1) or real(*a))
-    for batch, seqlen in ((4, 1000), (3, 1100), (5, 900)):
+    for batch, seqlen in ((4, 1300), (3, 1500), (5, 1200)):
         problem = _thd_training(batch, seqlen)
         assert problem.size_class == drawn.problem.size_class and work_class(problem) != work_class(drawn.problem)
         assert selection.select_packed(problem, target=target) is drawn and not draws
         assert attnselect.select(problem, target=target).chosen == drawn.chosen
         draws.clear()  # select draws its own
     first_calls.forget()  # FA4's compile unpaid again: a rental is drawn, at the next class too
-    rented = selection.select_packed(_thd_training(4, 1010), target=target)
+    rented = selection.select_packed(_thd_training(4, 1310), target=target)
     assert rented.rental is not None and draws == [1]
-    assert rented.rental == attnselect.select(_thd_training(4, 1010), target=target).rental
+    assert rented.rental == attnselect.select(_thd_training(4, 1310), target=target).rental
     draws.clear()
-    assert selection.select_packed(_thd_training(4, 880), target=target) is not rented and draws == [1]
+    assert selection.select_packed(_thd_training(4, 1180), target=target) is not rented and draws == [1]
 
 
 def test_a_thread_reads_a_settled_decision_with_its_own_verdicts_while_another_carries_a_new_one(tmp_path, monkeypatch):

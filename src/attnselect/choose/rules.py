@@ -217,6 +217,7 @@ PREFERENCES.update(
 # ranks varlen_fa2 first on all 150.
 # Forward only, the order stays: uncontended, cuDNN led that pack (0.24 ms against 0.39 for flex and varlen); the
 # crossover run, beside another GPU's test suite, had flex ahead on equal short documents, which is unsettled.
+# The "small pack" table below, tested first, takes the causal packs of even less work, FA4's host time in mind.
 SMALL_TRAINING_PACK_WORK = 8e10
 PREFERENCES[("sm90", "training", "thd", "small training pack")] = (
     "flash_attn4",
@@ -229,7 +230,7 @@ PREFERENCES[("sm90", "training", "thd", "small training pack")] = (
     "flex+pad",
     *_PER_SEQUENCE,
 )
-# "small pack" (thd, sm90 inference outside CUDA graph capture, pack work <= SMALL_PACK_WORK; only what was measured:
+# "small pack" (thd, sm90 outside CUDA graph capture, pack work <= SMALL_PACK_WORK; only what was measured:
 # as many queries as keys in every sequence, causal, no grouped heads, head dims up to 192): the cuDNN frontend's and
 # FA4's packed forwards are host-bound there, so torch's packed FlashAttention-2 (varlen_fa2) serves the loop faster.
 # results/h200_thd_inference.md (no FA4) and _fa4.md, measured through varlen_attn, 16 heads, a new packing every
@@ -244,8 +245,15 @@ PREFERENCES[("sm90", "training", "thd", "small training pack")] = (
 # frontend's 287-466 in the same run. Under capture a graph replays without host
 # time: the general order (FA4 where installed, which then compiles on its first call inside the capture if the
 # eager warm-up ran varlen_fa2).
+# In training, the same bound and order: FA4's packed forward+backward spends about 290 us of host time a call. 1024
+# tokens in 1 to 8 documents, 128/128, a new packing a call, on an H100: FA4's flash_attn_varlen_func 290.2 us a call
+# against aten._flash_attention_forward's and backward's 116.4, and attention() 362.8 on FA4 against 156.5 on
+# varlen_fa2 without FA4 (results/h100_new_packing_parts_training_dd924d0_{fa4,nofa4}.md). The H200's calibration
+# (attnselect/data/calibration_sm90_nvidia-h200.json, 16 heads, causal) predicts varlen_fa2 native ahead of FA4 up to
+# a work of 1.3e10 (128/128 and 64/64) and FA4 ahead from 1.7e10 (128/128) and 1.9e10 (64/64); on 192/128 FA4 native
+# ahead of varlen_fa2 with V padded at every work, and that padded varlen ahead of padded FA4 (444 against 852 us).
 SMALL_PACK_WORK = 1.5e10
-PREFERENCES[("sm90", "inference", "thd", "small pack")] = (
+PREFERENCES[("sm90", "inference", "thd", "small pack")] = PREFERENCES[("sm90", "training", "thd", "small pack")] = (
     "varlen_fa2",
     "flash_attn4",
     "varlen_fa2+pad",
@@ -387,10 +395,6 @@ def _capped_at_tokens(problem: AttentionProblem) -> bool:
 
 _REFINEMENTS = (
     (
-        "small training pack",
-        lambda p: p.layout == "thd" and _work(p) <= SMALL_TRAINING_PACK_WORK,
-    ),
-    (
         "small pack",
         lambda p: (
             p.layout == "thd"
@@ -401,6 +405,10 @@ _REFINEMENTS = (
             and max(p.head_dim_qk, p.head_dim_v) <= 192
             and _work(p) <= SMALL_PACK_WORK
         ),
+    ),
+    (
+        "small training pack",
+        lambda p: p.layout == "thd" and _work(p) <= SMALL_TRAINING_PACK_WORK,
     ),
     (
         "wide heads",
