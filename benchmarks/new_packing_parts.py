@@ -123,15 +123,16 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
 
 
 def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool = False, backend=None,
-                paid: bool = False) -> tuple[dict, dict]:  # fmt: skip
+                paid: bool = False, training: bool = False) -> tuple[dict, dict]:  # fmt: skip
     """The replay's host stages (its run left out) for the preset target ``name`` on any machine: meta tensors, the
     target at the packaged calibration's versions (the cuDNN frontend installed, and FlashAttention-4 with ``fa4``),
     the memo seeded by hand as a first call would seed it, a cache directory of its own. ``mla``: the size ladder's
     2048-token packings (lognormal documents, :func:`ladder.packing_lengths`), 192/128, where sizes repeat and work
     classes are new at first, in place of 1024 tokens in 1 to 8 documents at 128/128; ``backend``: forced;
-    ``paid``: FlashAttention-4's compile paid in the process (first_calls.ran). ({stage: per-round microseconds a
-    call}, over the packings not seen before; {CLASSES: per-round median microseconds of select_packed on a packing
-    whose work class and size class the round had not seen before, and on one whose it had, with their counts})."""
+    ``paid``: FlashAttention-4's compile paid in the process (first_calls.ran); ``training``: q, k and v require
+    gradients. ({stage: per-round microseconds a call}, over the packings not seen before; {CLASSES: per-round
+    median microseconds of select_packed on a packing whose work class and size class the round had not seen
+    before, and on one whose it had, with their counts; "calls on <candidate>": per-round counts of the choices})."""
     import tempfile
 
     from attnselect.choose import first_calls
@@ -147,8 +148,9 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
         _stand_ins({"cudnn": ("sdpa_torch",)})
     target = Target.preset(name, packages=packages, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
     tokens, d_qk, d_v = (2048, 192, 128) if mla else (1024, 128, 128)
-    q, k = (torch.empty(tokens, 16, d_qk, device="meta", dtype=torch.bfloat16) for _ in range(2))
-    v = torch.empty(tokens, 16, d_v, device="meta", dtype=torch.bfloat16)
+    q, k = (torch.empty(tokens, 16, d_qk, device="meta", dtype=torch.bfloat16, requires_grad=training)
+            for _ in range(2))  # fmt: skip
+    v = torch.empty(tokens, 16, d_v, device="meta", dtype=torch.bfloat16, requires_grad=training)
     if mla:
         shapes = [(len(lengths) + 1, max(lengths)) for lengths in map(lambda i: packing_lengths(tokens, i),
                                                                        range(1, calls + 2))]  # fmt: skip
@@ -163,7 +165,7 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
         first_calls.forget()
         cu, m = packings[-1]
         first = attnselect.AttentionProblem(cu.numel() - 1, m, m, 16, 16, d_qk, d_v, layout="thd", mask="causal",
-                                            dtype=torch.bfloat16, **rows)  # fmt: skip
+                                            dtype=torch.bfloat16, training=training, **rows)  # fmt: skip
         if paid:
             first_calls.ran(attnselect.Candidate("flash_attn4"), first)
         decision, call = select_packed(first, target=target, backend=backend), kernel_call(first)
@@ -174,7 +176,7 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
         )
         if not self_check.needed(first, decision.chosen, target):  # as attention() keeps the first call's answer
             family.unchecked.add((decision.chosen, first.size_class))
-        times, made = dict.fromkeys(STAGES, 0), 0
+        times, made, chosen = dict.fromkeys(STAGES, 0), 0, {}
         seen, selects = {(work_class(first), first.size_class)}, {CLASSES[0]: [], CLASSES[1]: []}
         for cu, m in packings[:calls]:
             before = times["select_packed"]
@@ -183,6 +185,7 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
                 continue
             made += 1
             problem = replayed[1]
+            chosen[str(replayed[0].chosen)] = chosen.get(str(replayed[0].chosen), 0) + 1
             kind = (work_class(problem), problem.size_class)
             selects[CLASSES[kind not in seen]].append((times["select_packed"] - before) / 1e3)
             seen.add(kind)
@@ -191,6 +194,8 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
         for kind, spent in selects.items():
             by_class.setdefault(kind, []).append(statistics.median(spent) if spent else float("nan"))
             by_class.setdefault(kind + " (calls)", []).append(len(spent))
+        for candidate, count in chosen.items():
+            by_class.setdefault(f"calls on {candidate}", []).append(count)
     first_calls.forget()
     return per_stage, by_class
 
@@ -294,12 +299,13 @@ def main() -> None:
         "src folders, each timed in turn in its own processes (--repeats each, with FA4 and without)",
     )
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--training", action="store_true", help="on the GPU: forward and backward (torch.autograd.grad)")
+    ap.add_argument("--training", action="store_true", help="forward and backward (torch.autograd.grad); with "
+                    "--host-stages: q, k and v require gradients")  # fmt: skip
     a = ap.parse_args()
     if a.host_stages and a.compare:
         return compare(a)
     if a.host_stages:
-        stages, by_class = host_stages(a.host_stages, a.calls, a.rounds, a.fa4, a.mla, a.backend, a.paid)
+        stages, by_class = host_stages(a.host_stages, a.calls, a.rounds, a.fa4, a.mla, a.backend, a.paid, a.training)
         for stage, t in stages.items():
             print(f"| {stage} | {statistics.median(t):.1f} (fastest {min(t):.1f}) |")
         whole = [sum(ts) for ts in zip(*stages.values())]
@@ -308,7 +314,10 @@ def main() -> None:
             print(f"| {kind} | {statistics.median(t):.1f} (fastest {min(t):.1f}) |")
         if a.out:
             Path(a.out + ".json").write_text(
-                json.dumps({"target": a.host_stages, "fa4": a.fa4, "stages": stages, "by_class": by_class}, indent=1)
+                json.dumps(
+                    dict(target=a.host_stages, fa4=a.fa4, training=a.training, stages=stages, by_class=by_class),
+                    indent=1,
+                )
             )
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
