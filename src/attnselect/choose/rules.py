@@ -245,18 +245,32 @@ PREFERENCES[("sm90", "training", "thd", "small training pack")] = (
 # frontend's 287-466 in the same run. Under capture a graph replays without host
 # time: the general order (FA4 where installed, which then compiles on its first call inside the capture if the
 # eager warm-up ran varlen_fa2).
-# In training, the same bound and order: FA4's packed forward+backward spends about 290 us of host time a call. 1024
-# tokens in 1 to 8 documents, 128/128, a new packing a call, on an H100: FA4's flash_attn_varlen_func 290.2 us a call
-# against aten._flash_attention_forward's and backward's 116.4, and attention() 362.8 on FA4 against 156.5 on
-# varlen_fa2 without FA4 (results/h100_new_packing_parts_training_dd924d0_{fa4,nofa4}.md). The H200's calibration
-# (attnselect/data/calibration_sm90_nvidia-h200.json, 16 heads, causal) predicts varlen_fa2 native ahead of FA4 up to
-# a work of 1.3e10 (128/128 and 64/64) and FA4 ahead from 1.7e10 (128/128) and 1.9e10 (64/64); on 192/128 FA4 native
-# ahead of varlen_fa2 with V padded at every work, and that padded varlen ahead of padded FA4 (444 against 852 us).
+# In training, the same bound: FA4's packed forward+backward spends about 290 us of host time a call. 1024 tokens in 1
+# to 8 documents, 128/128, a new packing a call, on an H100: FA4's flash_attn_varlen_func 290.2 us a call against
+# aten._flash_attention_forward's and backward's 116.4, and attention() 362.8 on FA4 against 156.5 on varlen_fa2
+# without FA4 (results/h100_new_packing_parts_training_dd924d0_{fa4,nofa4}.md). On 192/128, V padded for varlen_fa2
+# first too: the H200 ladder's 2048-token packings took 0.777 ms a call on it (0.544 in a stack of 8 layers) against
+# 0.981 (0.851) on FA4 native (results/h200_ladder_packed_9c10af6_fa4.md). The H200's calibration
+# (attnselect/data/calibration_sm90_nvidia-h200.json, 16 heads, causal, host times on new packings) crosses over
+# near the bound: varlen_fa2 native ahead of FA4 up to 1.3e10 (64/64) and 1.7e10 (128/128), varlen_fa2 padded up to
+# 8.4e9 (192/128), within the rules' 15% tie band of FA4 just below the bound, FA4 ahead at twice it
+# (tests/choose/test_rules.py).
 SMALL_PACK_WORK = 1.5e10
-PREFERENCES[("sm90", "inference", "thd", "small pack")] = PREFERENCES[("sm90", "training", "thd", "small pack")] = (
+PREFERENCES[("sm90", "inference", "thd", "small pack")] = (
     "varlen_fa2",
     "flash_attn4",
     "varlen_fa2+pad",
+    "flash_attn4+pad",
+    "cudnn_frontend",
+    "cudnn_frontend+pad",
+    "flex",
+    "flex+pad",
+    *_PER_SEQUENCE,
+)
+PREFERENCES[("sm90", "training", "thd", "small pack")] = (
+    "varlen_fa2",
+    "varlen_fa2+pad",
+    "flash_attn4",
     "flash_attn4+pad",
     "cudnn_frontend",
     "cudnn_frontend+pad",
