@@ -158,6 +158,7 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
         shapes = [(cu.numel(), m) for cu, m in new_packings(tokens, calls + 1, "cpu")]
     packings = [(torch.empty(n, dtype=torch.int32, device="meta"), m) for n, m in shapes]
     per_stage, by_class = {stage: [] for stage in STAGES[:-1]}, {}
+    choices, rounds_done = {}, 0  # {str(candidate): per-round counts of new packings it was chosen for}
     # q's rows, as attention() describes the call (a checkout older than the problem's tokens has no such field)
     rows = {"tokens": tokens} if "tokens" in {f.name for f in dataclasses.fields(attnselect.AttentionProblem)} else {}
     for _ in range(rounds):
@@ -176,7 +177,8 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
         )
         if not self_check.needed(first, decision.chosen, target):  # as attention() keeps the first call's answer
             family.unchecked.add((decision.chosen, first.size_class))
-        times, made, chosen = dict.fromkeys(STAGES, 0), 0, {}
+        times, made = dict.fromkeys(STAGES, 0), 0
+        chosen = {name: 0 for name in choices}  # a candidate chosen in an earlier round and not in this one: 0
         seen, selects = {(work_class(first), first.size_class)}, {CLASSES[0]: [], CLASSES[1]: []}
         for cu, m in packings[:calls]:
             before = times["select_packed"]
@@ -194,9 +196,11 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
         for kind, spent in selects.items():
             by_class.setdefault(kind, []).append(statistics.median(spent) if spent else float("nan"))
             by_class.setdefault(kind + " (calls)", []).append(len(spent))
-        for candidate, count in chosen.items():
-            by_class.setdefault(f"calls on {candidate}", []).append(count)
+        for candidate, count in chosen.items():  # one entry a round: a candidate first chosen now, 0 before
+            choices.setdefault(candidate, [0] * rounds_done).append(count)
+        rounds_done += 1
     first_calls.forget()
+    by_class.update({f"calls on {candidate}": counts for candidate, counts in choices.items()})
     return per_stage, by_class
 
 
@@ -225,7 +229,8 @@ def compare(a) -> None:
     import tempfile
 
     runs, classes = {}, {}
-    flags = " ".join(f for f, on in (("--mla", a.mla), (f"--backend {a.backend}", a.backend), ("--paid", a.paid)) if on)
+    flags = " ".join(f for f, on in (("--mla", a.mla), (f"--backend {a.backend}", a.backend), ("--paid", a.paid),
+                                      ("--training", a.training)) if on)  # fmt: skip
     for fa4 in (True,) if a.backend == "flash_attn4" or a.paid else (False, True):
         for _ in range(a.repeats):
             for side, src in zip(("before", "after"), a.compare):
@@ -233,7 +238,7 @@ def compare(a) -> None:
                 subprocess.run([sys.executable, __file__, "--host-stages", a.host_stages, "--calls", str(a.calls),
                                 "--rounds", str(a.rounds), "--out", str(out), *(["--fa4"] if fa4 else []),
                                 *(["--mla"] if a.mla else []), *(["--backend", a.backend] if a.backend else []),
-                                *(["--paid"] if a.paid else [])],
+                                *(["--paid"] if a.paid else []), *(["--training"] if a.training else [])],
                                env={**os.environ, "PYTHONPATH": src}, check=True, capture_output=True)  # fmt: skip
                 found = json.loads(out.with_suffix(".json").read_text())
                 for stage, t in found["stages"].items():

@@ -249,12 +249,12 @@ PREFERENCES[("sm90", "training", "thd", "small training pack")] = (
 # to 8 documents, 128/128, a new packing a call, on an H100: FA4's flash_attn_varlen_func 290.2 us a call against
 # aten._flash_attention_forward's and backward's 116.4, and attention() 362.8 on FA4 against 156.5 on varlen_fa2
 # without FA4 (results/h100_new_packing_parts_training_dd924d0_{fa4,nofa4}.md). On 192/128, V padded for varlen_fa2
-# first too: the H200 ladder's 2048-token packings took 0.777 ms a call on it (0.544 in a stack of 8 layers) against
-# 0.981 (0.851) on FA4 native (results/h200_ladder_packed_9c10af6_fa4.md). The H200's calibration
-# (attnselect/data/calibration_sm90_nvidia-h200.json, 16 heads, causal, host times on new packings) crosses over
-# near the bound: varlen_fa2 native ahead of FA4 up to 1.3e10 (64/64) and 1.7e10 (128/128), varlen_fa2 padded up to
-# 8.4e9 (192/128), within the rules' 15% tie band of FA4 just below the bound, FA4 ahead at twice it
-# (tests/choose/test_rules.py).
+# first too: on the H200 ladder's 2048-token packings it took 0.777 ms a call (0.544 in a stack of 8 layers), FA4
+# called directly 0.777 (0.715) and FA4 through attnselect 0.981 (0.851) (results/h200_ladder_packed_9c10af6_fa4.md).
+# The H200's calibration (attnselect/data/calibration_sm90_nvidia-h200.json, 16 heads, causal, 4 equal documents,
+# host times on new packings) has varlen_fa2 native ahead of FA4 up to a work of 1.86e10 (64/64 and 128/128) and
+# varlen_fa2 padded up to 1.01e10 (192/128), within the rules' 15% tie band of it up to 1.43e10, FA4 20% ahead at
+# the bound: the one bound for both phases sits between (tests/choose/test_rules.py).
 SMALL_PACK_WORK = 1.5e10
 PREFERENCES[("sm90", "inference", "thd", "small pack")] = (
     "varlen_fa2",
