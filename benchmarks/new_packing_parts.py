@@ -123,11 +123,11 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
 
 
 def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool = False, backend=None,
-                paid: bool = False, training: bool = False) -> tuple[dict, dict]:  # fmt: skip
+                paid: bool = False, training: bool = False, tokens: int = 2048) -> tuple[dict, dict]:  # fmt: skip
     """The replay's host stages (its run left out) for the preset target ``name`` on any machine: meta tensors, the
     target at the packaged calibration's versions (the cuDNN frontend installed, and FlashAttention-4 with ``fa4``),
     the memo seeded by hand as a first call would seed it, a cache directory of its own. ``mla``: the size ladder's
-    2048-token packings (lognormal documents, :func:`ladder.packing_lengths`), 192/128, where sizes repeat and work
+    packings of ``tokens`` (lognormal documents, :func:`ladder.packing_lengths`), 192/128, where sizes repeat and work
     classes are new at first, in place of 1024 tokens in 1 to 8 documents at 128/128; ``backend``: forced;
     ``paid``: FlashAttention-4's compile paid in the process (first_calls.ran); ``training``: q, k and v require
     gradients. ({stage: per-round microseconds a call}, over the packings not seen before; {CLASSES: per-round
@@ -147,7 +147,7 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
     if "cudnn" not in sys.modules and importlib.util.find_spec("cudnn") is None:  # where the rules rank the frontend
         _stand_ins({"cudnn": ("sdpa_torch",)})
     target = Target.preset(name, packages=packages, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
-    tokens, d_qk, d_v = (2048, 192, 128) if mla else (1024, 128, 128)
+    tokens, d_qk, d_v = (tokens, 192, 128) if mla else (1024, 128, 128)
     q, k = (torch.empty(tokens, 16, d_qk, device="meta", dtype=torch.bfloat16, requires_grad=training)
             for _ in range(2))  # fmt: skip
     v = torch.empty(tokens, 16, d_v, device="meta", dtype=torch.bfloat16, requires_grad=training)
@@ -229,7 +229,8 @@ def compare(a) -> None:
     import tempfile
 
     runs, classes = {}, {}
-    flags = " ".join(f for f, on in (("--mla", a.mla), (f"--backend {a.backend}", a.backend), ("--paid", a.paid),
+    flags = " ".join(f for f, on in (("--mla", a.mla), (f"--tokens {a.tokens}", a.mla and a.tokens != 2048),
+                                      (f"--backend {a.backend}", a.backend), ("--paid", a.paid),
                                       ("--training", a.training)) if on)  # fmt: skip
     for fa4 in (True,) if a.backend == "flash_attn4" or a.paid else (False, True):
         for _ in range(a.repeats):
@@ -237,7 +238,8 @@ def compare(a) -> None:
                 out = Path(tempfile.mkdtemp()) / "stages"
                 subprocess.run([sys.executable, __file__, "--host-stages", a.host_stages, "--calls", str(a.calls),
                                 "--rounds", str(a.rounds), "--out", str(out), *(["--fa4"] if fa4 else []),
-                                *(["--mla"] if a.mla else []), *(["--backend", a.backend] if a.backend else []),
+                                *(["--mla", "--tokens", str(a.tokens)] if a.mla else []),
+                                *(["--backend", a.backend] if a.backend else []),
                                 *(["--paid"] if a.paid else []), *(["--training"] if a.training else [])],
                                env={**os.environ, "PYTHONPATH": src}, check=True, capture_output=True)  # fmt: skip
                 found = json.loads(out.with_suffix(".json").read_text())
@@ -293,7 +295,8 @@ def main() -> None:
     ap.add_argument("--host-stages", metavar="TARGET", help="the host stages alone for a preset target (h200), on meta "
                     "tensors: no GPU needed, no kernel run")  # fmt: skip
     ap.add_argument("--fa4", action="store_true", help="with --host-stages: FlashAttention-4 installed on the target")
-    ap.add_argument("--mla", action="store_true", help="with --host-stages: the ladder's 2048-token packings, 192/128")
+    ap.add_argument("--mla", action="store_true", help="with --host-stages: the ladder's packings, 192/128")
+    ap.add_argument("--tokens", type=int, default=2048, help="with --mla: tokens a packing (the ladder's rungs)")
     ap.add_argument("--backend", help="with --host-stages: this backend forced")
     ap.add_argument("--paid", action="store_true", help="with --host-stages: FlashAttention-4's compile paid")
     ap.add_argument(
@@ -310,7 +313,9 @@ def main() -> None:
     if a.host_stages and a.compare:
         return compare(a)
     if a.host_stages:
-        stages, by_class = host_stages(a.host_stages, a.calls, a.rounds, a.fa4, a.mla, a.backend, a.paid, a.training)
+        stages, by_class = host_stages(
+            a.host_stages, a.calls, a.rounds, a.fa4, a.mla, a.backend, a.paid, a.training, a.tokens
+        )
         for stage, t in stages.items():
             print(f"| {stage} | {statistics.median(t):.1f} (fastest {min(t):.1f}) |")
         whole = [sum(ts) for ts in zip(*stages.values())]
@@ -320,7 +325,14 @@ def main() -> None:
         if a.out:
             Path(a.out + ".json").write_text(
                 json.dumps(
-                    dict(target=a.host_stages, fa4=a.fa4, training=a.training, stages=stages, by_class=by_class),
+                    dict(
+                        target=a.host_stages,
+                        fa4=a.fa4,
+                        training=a.training,
+                        tokens=a.tokens if a.mla else 1024,
+                        stages=stages,
+                        by_class=by_class,
+                    ),
                     indent=1,
                 )
             )

@@ -242,6 +242,14 @@ def test_new_packing_host_stages_run_without_a_gpu(tmp_path):
     assert seen + new == 5 and new >= 1  # the first packings' classes are new
 
 
+def test_new_packing_host_stages_take_the_ladders_larger_packings(tmp_path):
+    """--mla --tokens: the size ladder's packings of that many tokens (8192 here), FA4 forced and its compile paid."""
+    _run("benchmarks/new_packing_parts.py", "--host-stages", "h200", "--fa4", "--paid", "--mla", "--tokens", "8192",
+         "--backend", "flash_attn4", "--calls", "4", "--rounds", "1", "--out", str(tmp_path / "stages"))  # fmt: skip
+    report = json.loads((tmp_path / "stages.json").read_text())
+    assert report["tokens"] == 8192 and report["by_class"]["calls on flash_attn4 native"] == [4]
+
+
 @pytest.mark.parametrize("timeout, status", [(120, "passed"), (1, "killed at 1 s")])
 def test_flex_hooks_probe_smoke(tmp_path, timeout, status):
     """Each hook in its own process, counting what it packs (row 15, training, on the reference backend: flex has no
