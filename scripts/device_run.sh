@@ -79,10 +79,10 @@
 #   bash scripts/device_run.sh torchtitan # benchmarks/torchtitan_steps.py (carry .whl: torchtitan; TITAN_ARGS)
 #                                      # -> $OUT/h200_torchtitan_steps[_fa4].{json,md}
 #   bash scripts/device_run.sh buckets # benchmarks/packing_buckets.py (BUCKET_SCHEMES=...) -> $OUT/h200_packing_buckets.*
-#   FlashAttention-4 (scripts/fetch_device_wheels.sh fa4), in three calls back to back on one warm machine (it is
-#   kept about 30 s after a call), each under the 64 MiB carry beside the ~17 MB tree: carry .fa4-stage1 and run
-#   `fa4-stage1` (its files go to /tmp), carry .fa4-stage2 and run `fa4-stage2`, then carry .fa4-stage3 and
-#   .whl-core and run `fa4-stage3 STEP...`, which joins the parts and installs FA4 for the steps after it:
+#   FlashAttention-4 (scripts/fetch_device_wheels.sh fa4), in four calls back to back on one warm machine (it is
+#   kept about 30 s after a call), each under the 64 MiB carry beside the ~27 MB tree: carry .fa4-stage1 and run
+#   `fa4-stage1` (its files go to /tmp), then .fa4-stage2 and .fa4-stage3 alike, then carry .fa4-stage4 and
+#   .whl-core and run `fa4-stage4 STEP...`, which joins the parts and installs FA4 for the steps after it:
 #   bash scripts/device_run.sh fa4-tests    # tests/backends/test_flash_attn4.py and every FA4 case of the GPU tests
 #   bash scripts/device_run.sh fa4-loop     # the training loop's FA4 rows (forced, direct) beside the default and torch's
 #   bash scripts/device_run.sh fa4-compile  # benchmarks/fa4_compile_cost.py           -> $OUT/h200_fa4_compile.*
@@ -115,8 +115,8 @@ grid_rows() {   # the rules grid, resuming this call's rows if an earlier step w
 }
 need_fa4() {
   python3 -c 'import flash_attn.cute' 2>/dev/null && return 0
-  echo "FlashAttention-4 is not installed on this machine: run fa4-stage1, fa4-stage2 and fa4-stage3 (each carrying"
-  echo "its folder, the last .whl-core too) back to back while the machine is warm; a machine given back in between"
+  echo "FlashAttention-4 is not installed on this machine: run fa4-stage1 to fa4-stage4 (each carrying its folder,"
+  echo "the last .whl-core too) back to back while the machine is warm; a machine given back in between"
   echo "has lost the earlier stages' files in $FA4_WHEELS."
   return 1
 }
@@ -354,7 +354,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   buckets)
     timeout 400 python3 benchmarks/packing_buckets.py --out "$OUT/h200_packing_buckets" \
       ${BUCKET_SCHEMES:+--schemes "$BUCKET_SCHEMES"} 2>&1 | grep -v -i warn | grep -v "^|" ;;
-  *) echo "usage: $0 STEP... (tests suite sweep ladder pytest flex-probe flex-hooks calibrate correctness checks self-check-cost grid grid-odd hot-path hot-path-parts small-calls overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-tests fa4-loop fa4-compile fa4-packed-gap fa4-grid fa4-bench)"; exit 2 ;;
+  *) echo "usage: $0 STEP... (tests suite sweep ladder pytest flex-probe flex-hooks calibrate correctness checks self-check-cost grid grid-odd hot-path hot-path-parts small-calls overhead bench bench-short crossover models settle-check noise convergence hf megatron loop buckets fa4-stage1 fa4-stage2 fa4-stage3 fa4-stage4 fa4-tests fa4-loop fa4-compile fa4-packed-gap fa4-grid fa4-bench)"; exit 2 ;;
 esac
 echo "## step $step took $((SECONDS - started)) s"
 done

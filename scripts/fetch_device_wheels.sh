@@ -2,16 +2,16 @@
 # Fetch the cp312 wheels the GPU machine lacks, so GPU runs can be repeated (all folders git-ignored):
 #   bash scripts/fetch_device_wheels.sh          # .whl/: the cuDNN frontend, megatron-core, transformers, torchtitan
 #                                                #   (~48 MB)
-#   bash scripts/fetch_device_wheels.sh fa4      # FlashAttention-4 in three carries that fit the 64 MiB limit
-#                                                #   beside the ~17 MB tree: .fa4-stage1/ (the first 40 MB part of the
-#                                                #   92 MB nvidia-cutlass-dsl-libs-cu13 wheel and a file `parts` saying
-#                                                #   how many), .fa4-stage2/ (the second part), .fa4-stage3/ (the last
+#   bash scripts/fetch_device_wheels.sh fa4      # FlashAttention-4 in four carries that fit the 64 MiB limit
+#                                                #   beside the ~27 MB tree: .fa4-stage1/ to .fa4-stage3/ (30 MB
+#                                                #   parts of the 92 MB nvidia-cutlass-dsl-libs-cu13 wheel; the first
+#                                                #   holds a file `parts` saying how many), .fa4-stage4/ (the last
 #                                                #   part and the small wheels), and .whl-core/ (the cuDNN frontend and
 #                                                #   megatron-core, whose GPU tests pytest -m gpu holds; carried with
-#                                                #   stage 3; apache-tvm-ffi, which the frontend needs too, comes with
-#                                                #   stage 3)
+#                                                #   stage 4; apache-tvm-ffi, which the frontend needs too, comes with
+#                                                #   stage 4)
 # scripts/device_run.sh installs what is carried: `.whl` or `.whl-core` at each call, and FA4 through its steps
-# fa4-stage1, fa4-stage2 and fa4-stage3 (back-to-back calls on one warm machine).
+# fa4-stage1 to fa4-stage4 (back-to-back calls on one warm machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo '/.whl/' >> .git/info/exclude; }
@@ -24,20 +24,22 @@ download() { python3 -m pip download --no-deps --only-binary=:all: --python-vers
 CORE=("nvidia-cudnn-frontend==1.32.0" "apache-tvm-ffi==0.1.15.post2")
 if [ "${1:-}" = fa4 ]; then
   # Tested together on the H200 (torch 2.11, CUDA 13): the attnselect[fa4] extra pins the same versions.
-  rm -rf .fa4-stage1 .fa4-stage2 .fa4-stage3 .whl-core && mkdir -p .fa4-stage1 .fa4-stage2 .fa4-stage3 .whl-core
+  rm -rf .fa4-stage* .whl-core && mkdir -p .whl-core
   tmp=$(mktemp -d)
   download -d "$tmp" "flash-attn-4==4.0.0b36" "nvidia-cutlass-dsl==4.8.1" "nvidia-cutlass-dsl-libs-base==4.8.1" \
     "nvidia-cutlass-dsl-libs-core==4.8.1" "nvidia-cutlass-dsl-libs-cu13==4.8.1" "quack-kernels==0.6.5" \
     "torch-c-dlpack-ext==0.1.5" "apache-tvm-ffi==0.1.15.post2"
   big=$(ls "$tmp"/nvidia_cutlass_dsl_libs_cu13-*.whl)
-  (cd "$tmp" && split -b 40000000 -a 2 "$(basename "$big")" "$(basename "$big").part-")
-  mv "$tmp"/*.part-aa .fa4-stage1/ && mv "$tmp"/*.part-ab .fa4-stage2/ && mv "$tmp"/*.part-ac .fa4-stage3/ && rm "$big"
-  ls "$tmp"/*.part-* >/dev/null 2>&1 && { echo "the wheel split into more than three parts"; exit 1; }
-  echo 3 > .fa4-stage1/parts
-  mv "$tmp"/*.whl .fa4-stage3/   # stage 1 is full: the tree (17 MB) and 40 MB of part
+  (cd "$tmp" && split -b 30000000 -a 2 "$(basename "$big")" "$(basename "$big").part-") && rm "$big"
+  stage=0
+  for part in "$tmp"/*.part-*; do   # one part a stage: 30 MB beside the tree
+    stage=$((stage + 1)); mkdir -p ".fa4-stage$stage" && mv "$part" ".fa4-stage$stage/"
+  done
+  echo "$stage" > .fa4-stage1/parts
+  mv "$tmp"/*.whl ".fa4-stage$stage/"   # the last part is the smallest
   download -d .whl-core "${CORE[0]}" "megatron-core==0.19.2"
   rm -rf "$tmp"
-  du -sh .fa4-stage1 .fa4-stage2 .fa4-stage3 .whl-core
+  du -sh .fa4-stage* .whl-core
   exit 0
 fi
 mkdir -p .whl
