@@ -323,19 +323,9 @@ def main() -> None:
         for kind, t in by_class.items():
             print(f"| {kind} | {statistics.median(t):.1f} (fastest {min(t):.1f}) |")
         if a.out:
-            Path(a.out + ".json").write_text(
-                json.dumps(
-                    dict(
-                        target=a.host_stages,
-                        fa4=a.fa4,
-                        training=a.training,
-                        tokens=a.tokens if a.mla else 1024,
-                        stages=stages,
-                        by_class=by_class,
-                    ),
-                    indent=1,
-                )
-            )
+            tokens = a.tokens if a.mla else 1024
+            report = dict(target=a.host_stages, fa4=a.fa4, training=a.training, tokens=tokens, stages=stages)
+            Path(a.out + ".json").write_text(json.dumps(report | {"by_class": by_class}, indent=1))
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
