@@ -172,6 +172,32 @@ def dense_rows(device: str):
     return problem, chosen, rows
 
 
+def dense_bshd_rows(device: str):
+    """The size ladder's B8 S1k 192/128 causal inference rung as users call it, on bshd tensors (where attnselect ran
+    behind F.sdpa's default on the same cuDNN kernel: results/h100_ladder_small_19f0ef5_nofa4.md): attention()
+    beside F.sdpa's default dispatch and cuDNN's op on the transposed views, its prepared runner and its lookup."""
+    shape = (8, 1024, 16) if device == "cuda" else (1, 2, 8)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = (torch.randn(*shape, d, device=device, dtype=dtype) for d in ((192, 192, 128) if device == "cuda"
+                                                                           else (16, 16, 16)))  # fmt: skip
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
+    chosen = attnselect.select(problem).chosen
+    rows = {f"attnselect.attention ({chosen}, layout=bshd, causal)": lambda: attnselect.attention(q, k, v, causal=True)}
+    rows["F.scaled_dot_product_attention on the transposed views, default dispatch"] = lambda: (
+        F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True).transpose(1, 2)
+    )
+    op = backends.get("sdpa_cudnn").aten_op
+    if op is not None and device == "cuda":
+        rows[f"torch.{op.__name__} on the transposed views"] = lambda: op(
+            *(t.transpose(1, 2) for t in (q, k, v)), None, False, 0.0, True
+        )[0].transpose(1, 2)
+    known = (q, k, v, CallOptions("bshd", True))
+    runner = _prepared_runner(lambda: attnselect.attention(q, k, v, causal=True), known)
+    rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v)
+    rows["attnselect's memo lookup alone (dispatch.recall, no kernel)"] = lambda: dispatch.recall(*known)
+    return problem, chosen, rows
+
+
 def dense_forced_rows(device: str, forced: str):
     """The dense case on bshd tensors with ``backend=forced`` (a FlashAttention package): attnselect beside the
     package's ``flash_attn_func`` called as a user would (``q, k, v`` only) and with the options attnselect passes,
@@ -415,6 +441,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.no_grad():  # as the rows run: the prepared runners are those of inference
         cases = [(*dense_rows(device), a.calls, a.repeats, False)]
+        cases.append((*dense_bshd_rows(device), max(a.calls // 5, 1), a.repeats, False))
         if device == "cuda":
             cases.append((*packed_rows(device), a.packed_calls, a.packed_repeats, False))
             if cases[-1][1].backend != "cudnn_frontend" and attnselect.Target.current().version(

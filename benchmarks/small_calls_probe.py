@@ -3,10 +3,13 @@
     python benchmarks/small_calls_probe.py --out results/h200_small_calls_probe   # a GPU; writes .json and .md
 
 The size ladder's small dense rungs (benchmarks/ladder.py: bshd, 16 heads, causal, bf16, contiguous bshd tensors,
-training a forward and ``torch.autograd.grad``) at B1 S256 192/128, B1 S256 128/128 and B1 S1024 128/128, both
-phases. Rows: attnselect with each SDPA kernel forced (``backend=``), F.sdpa's default dispatch (the kernel it picks
-is reported), F.sdpa inside ``sdpa_kernel`` of each kernel (the kernel with torch's dispatch alone), and ops
-F.sdpa's dispatch reaches (cuDNN's on the transposed views, the mem-efficient kernel's own on the bshd tensors).
+training a forward and ``torch.autograd.grad``) at B1 S256 192/128, B1 S256 128/128, B1 S1024 128/128, B1 S1024
+192/128 and B8 S1024 192/128, both phases. Rows: attnselect with each SDPA kernel forced (``backend=``), F.sdpa's
+default dispatch (the kernel it picks is reported), F.sdpa inside ``sdpa_kernel`` of each kernel (the kernel with
+torch's dispatch alone), ops F.sdpa's dispatch reaches (cuDNN's on the transposed views, the mem-efficient kernel's
+own on the bshd tensors), and ``sdpa_cudnn``'s runner as attnselect prepares it for these calls (no memo lookup),
+calling cuDNN's op (what attnselect runs) and, beside it, calling F.sdpa's default dispatch where that reaches cuDNN
+(the backend without its ``aten_op``): which of the two a repeated call should take.
 Three measures, each row's in the same rounds (``--rounds``, in alternating order): ``host``, the host's time to
 issue a call while the GPU is busy (after a ~1 ms spin, as attnselect.bench.calibrate measures host times for the
 packaged calibration); ``latency``, one call then a sync; ``stack``, ``--layers`` calls then a sync, per call.
@@ -29,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnselect
 
-SHAPES = ((1, 256, 192, 128), (1, 256, 128, 128), (1, 1024, 128, 128))
+SHAPES = ((1, 256, 192, 128), (1, 256, 128, 128), (1, 1024, 128, 128), (1, 1024, 192, 128), (8, 1024, 192, 128))
 KERNELS = {
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
@@ -63,6 +66,26 @@ def rows(q, k, v) -> dict:
     efficient = torch.ops.aten._efficient_attention_forward.default
     out["aten cudnn op"] = cudnn_op
     out["aten efficient op, bshd"] = lambda: efficient(q, k, v, None, None, None, None, None, 0.0, 1, lse)[0]
+    out.update(cudnn_runners(q, k, v))
+    return out
+
+
+def cudnn_runners(q, k, v) -> dict:
+    """``sdpa_cudnn``'s prepared runners for calls like (q, k, v) (attnselect.execution.dense_runner, as attention()
+    memoizes them): through cuDNN's op, and through F.sdpa's default dispatch (the backend without its op)."""
+    from attnselect import backends
+    from attnselect.execution import dense_runner, kernel_call
+
+    (batch, sq, hq, d_qk), (skv, hkv, d_v) = q.shape, v.shape[1:]
+    problem = attnselect.AttentionProblem(
+        batch, sq, skv, hq, hkv, d_qk, d_v, mask="causal", dtype=q.dtype, training=q.requires_grad
+    )
+    backend = backends.get("sdpa_cudnn")
+    dispatching = type("SdpaCudnnDispatched", (type(backend),), {"aten_op": None})()
+    out = {}
+    for name, b in (("sdpa_cudnn runner, op", backend), ("sdpa_cudnn runner, dispatch", dispatching)):
+        run = dense_runner(b, None, "bshd", kernel_call(problem), like=(q, k, v))
+        out[name] = lambda run=run: run(q, k, v)[0]
     return out
 
 

@@ -621,6 +621,9 @@ def test_hot_path_smoke(tmp_path):
     firsts = [next(iter(case["rows"])) for case in cases]
     assert sum(row.endswith("a new packing each call") for row in firsts) == 2
     assert sum(row.endswith("fwd+bwd") for row in firsts) == 1 and "training" in cases[3]["problem"]
+    # the ladder's rung on bshd tensors, beside F.sdpa on their transposed views
+    bshd = next(case for case in cases if "bshd" in case["problem"] and "causal" in case["problem"])
+    assert "F.scaled_dot_product_attention on the transposed views, default dispatch" in bshd["rows"]
 
 
 def test_hot_path_parts_smoke(tmp_path):
