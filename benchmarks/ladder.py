@@ -3,6 +3,7 @@
     python benchmarks/ladder.py --out results/h200_ladder             # a GPU; writes .json and .md, resumable
     python benchmarks/ladder.py --smoke --out /tmp/ladder              # tiny, any device
     python benchmarks/ladder.py --isolate --group --out ...            # a process for each layout, pair and phase
+    python benchmarks/ladder.py --pool A.json B.json --out POOLED       # no run: the goals over parts run apart
 
 Rungs (16 query and 16 K/V heads, causal, bf16; d_qk/d_v 192/128 and 128/128; inference and training, a forward and
 ``torch.autograd.grad``):
@@ -33,7 +34,9 @@ the choice reported after the rounds shows it.
 The report checks the goals (issue "Choose by predicted time"): on every rung and way, attnselect's default at
 least 0.97x as fast as the fastest single-kernel row; over the ladder, its geometric mean at least 1.05x as fast
 as each single-kernel policy's (each over the rung-ways the policy serves, with their count); never more than 3%
-slower than F.sdpa's default dispatch where that serves the call natively (the dense rungs).
+slower than F.sdpa's default dispatch where that serves the call natively (the dense rungs). A ladder run in parts
+(``--only``, one device call each) is judged whole by ``--pool``: the goals over every part's rungs together, on one
+device and library versions, the rungs no part ran named.
 """
 
 from __future__ import annotations
@@ -378,18 +381,7 @@ def markdown(report: dict) -> str:
     skipped = report["meta"].get("not forced", {})
     if skipped:
         lines.append("Not forced: " + "; ".join(f"{b} ({why})" for b, why in skipped.items()) + ".\n")
-    g = report["goals"]
-    lines.append("## Goals\n")
-    for name, goal in g.items():
-        if name.startswith("unmeasured"):
-            lines.append(f"- {name}: {len(goal['rows'])}")
-            lines += [f"  - {r['rung']}, {r['way']}: {r['why']}" for r in goal["rows"]]
-            continue
-        status = "not measured" if goal["met"] is None else "met" if goal["met"] else "**missed**"
-        lines.append(f"- {name}: {status}"
-                     + (f", worst {goal['worst']:.3f}" if goal.get("worst") is not None else ""))  # fmt: skip
-        for policy, v in goal.get("policies", {}).items():
-            lines.append(f"  - {policy}: {v['speed']:.3f} over {v['rungs']} rung-ways")
+    lines += ["## Goals\n", *goal_lines(report["goals"])]
     for entry in report["results"]:
         lines += [f"\n## {entry['rung']}\n", f"chosen: {entry['chosen']}\n"]
         for way, rows in entry["stats"].items():
@@ -406,6 +398,62 @@ def markdown(report: dict) -> str:
             lines.append(f"- {name} left out after one call of {ms:.3f} ms (`--screen`)" if calls == 1 else
                          f"- {name} left out, its least of {calls} calls {ms:.3f} ms (`--screen`)")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def goal_lines(found: dict) -> list[str]:
+    """The report's lines of :func:`goals`' verdicts."""
+    lines = []
+    for name, goal in found.items():
+        if name.startswith("unmeasured"):
+            lines.append(f"- {name}: {len(goal['rows'])}")
+            lines += [f"  - {r['rung']}, {r['way']}: {r['why']}" for r in goal["rows"]]
+            continue
+        status = "not measured" if goal["met"] is None else "met" if goal["met"] else "**missed**"
+        lines.append(f"- {name}: {status}"
+                     + (f", worst {goal['worst']:.3f}" if goal.get("worst") is not None else ""))  # fmt: skip
+        for policy, v in goal.get("policies", {}).items():
+            lines.append(f"  - {policy}: {v['speed']:.3f} over {v['rungs']} rung-ways")
+    return lines
+
+
+def pool(paths: list[str], out: str) -> dict:
+    """The goals over the rungs of the ladders at ``paths`` together (parts of one ladder, each run with ``--only``),
+    written to ``out``.json and .md: the parts' device and library versions must be one, and no rung may be in two
+    parts. The rungs of the ladder that no part ran are listed (the goals hold over the rungs run). The pooled .json
+    holds the goals and the rungs' names; their rows stay in the parts."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    devices = sorted({r["meta"]["device"] for r in reports})
+    if len(devices) != 1:
+        raise SystemExit(f"--pool: parts of one ladder run on one device and library versions, got {devices}")
+    results = [entry for r in reports for entry in r["results"]]
+    names = [entry["rung"] for entry in results]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SystemExit(f"--pool: rungs in more than one part: {twice}")
+    smoke = any(r["meta"].get("smoke") for r in reports)
+    not_run = [rung_name(r) for r in rungs(smoke) if rung_name(r) not in names]
+    report = {"meta": {"device": devices[0], "parts": {p: r["meta"] for p, r in zip(paths, reports)},
+                       "not run": not_run},
+              "rungs": names, "goals": goals(results)}  # fmt: skip
+    lines = [
+        "# Size ladder, its parts pooled\n",
+        f"{devices[0]}. `benchmarks/ladder.py --pool` over {len(paths)} parts run apart (their own reports hold "
+        "each rung's rows and the method), the goals judged over their rungs together:\n",
+        *(
+            f"- `{p}`: {r['meta']['date']}, {r['meta']['rounds']} rounds of {r['meta']['calls']} calls, "
+            f"{len(r['results'])} rungs"
+            for p, r in zip(paths, reports)
+        ),  # fmt: skip
+        "",
+        f"Rungs run: {len(names)} of {len(names) + len(not_run)}"
+        + (f"; not run: {', '.join(not_run)} (the goals hold over the rungs run)." if not_run else "."),
+        "",
+        "## Goals\n",
+        *goal_lines(report["goals"]),
+    ]
+    Path(out + ".json").write_text(json.dumps(report, indent=1))
+    Path(out + ".md").write_text("\n".join(lines) + "\n")
+    return report
 
 
 def readme_table(report: dict, pair: str = "192/128") -> str:
@@ -440,6 +488,7 @@ def readme_table(report: dict, pair: str = "192/128") -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="PREFIX: writes PREFIX.json and PREFIX.md; resumes PREFIX.json")
+    ap.add_argument("--pool", nargs="+", metavar="JSON", help="no run: the goals over these parts' rungs together")
     ap.add_argument("--smoke", action="store_true", help="tiny rungs on any device")
     ap.add_argument("--only", action="append", default=[], help="rungs whose name contains this (repeatable)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -462,6 +511,9 @@ def main() -> None:
                     "phase in one process (their configurations compile, or load, once), a rung whose process "
                     "fails recorded and the rest of its group run on in a new one")  # fmt: skip
     a = ap.parse_args()
+    if a.pool:
+        pool(a.pool, a.out)
+        return
     if a.latency_calls is None:
         a.latency_calls = a.calls * a.layers
     if a.screen and (a.screen < 1 or a.warmup < 1):  # below 1 it would leave out the fastest; without a warm-up

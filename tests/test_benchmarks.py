@@ -550,6 +550,31 @@ def test_ladder_smoke(tmp_path):
     assert "## Goals" in (tmp_path / "ladder.md").read_text()
 
 
+def test_the_ladder_s_parts_are_judged_together_by_pool(tmp_path):
+    """--pool: the goals over parts run apart (--only), as one run over their rungs would judge them; the rungs no
+    part ran are named; parts of two devices, or a rung in two parts, are refused."""
+    args = ("--smoke", "--rounds", "1", "--calls", "1", "--warmup", "1", "--layers", "2")
+    for part, only in (("a", "B1 S16"), ("b", "B2 S8")):
+        _run("benchmarks/ladder.py", *args, "--only", only, "--out", str(tmp_path / part))
+    parts = [tmp_path / f"{part}.json" for part in "ab"]
+    _run("benchmarks/ladder.py", "--pool", *map(str, parts), "--out", str(tmp_path / "pooled"))
+    ladder = _benchmark("ladder")
+    pooled = json.loads((tmp_path / "pooled.json").read_text())
+    results = [e for p in parts for e in json.loads(p.read_text())["results"]]
+    assert pooled["goals"] == json.loads(json.dumps(ladder.goals(results)))
+    assert len(pooled["rungs"]) == 4 and pooled["meta"]["not run"] == ["thd 48 tokens, new packing a step 24/16 "
+                                                                          "inference", "thd 48 tokens, new packing a "
+                                                                          "step 24/16 training"]  # fmt: skip
+    assert "Rungs run: 4 of 6; not run:" in (tmp_path / "pooled.md").read_text()
+    other = json.loads(parts[1].read_text())
+    other["meta"]["device"] = "another GPU"
+    (tmp_path / "c.json").write_text(json.dumps(other))
+    for bad in ([str(parts[0]), str(tmp_path / "c.json")], [str(parts[0])] * 2):
+        found = subprocess.run([sys.executable, "benchmarks/ladder.py", "--pool", *bad, "--out", str(tmp_path / "x")],
+                               cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert found.returncode != 0 and "--pool" in found.stderr
+
+
 def test_ladder_isolated_by_group_runs_every_rung_once(tmp_path):
     """--isolate --group: one process for the rungs of each layout, head-dim pair and phase; every rung's result
     recorded once, as a run in one process records it."""
