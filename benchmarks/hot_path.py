@@ -165,10 +165,7 @@ def dense_rows(device: str):
         rows[f"{module}.flash_attn_func"] = lambda: function(q, k, v)
     if not chosen.padded:
         rows[f"{chosen.backend} backend object, run()"] = lambda: backend.run(q, k, v, call)
-    known = (q, k, v, CallOptions(layout))
-    runner = _prepared_runner(lambda: attnselect.attention(q, k, v, layout=layout), known)
-    rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v)
-    rows["attnselect's memo lookup alone (dispatch.recall, no kernel)"] = lambda: dispatch.recall(*known)
+    rows.update(_dense_lookup_rows(q, k, v, CallOptions(layout)))
     return problem, chosen, rows
 
 
@@ -176,10 +173,9 @@ def dense_bshd_rows(device: str):
     """The size ladder's B8 S1k 192/128 causal inference rung as users call it, on bshd tensors (where attnselect ran
     behind F.sdpa's default on the same cuDNN kernel: results/h100_ladder_small_19f0ef5_nofa4.md): attention()
     beside F.sdpa's default dispatch and cuDNN's op on the transposed views, its prepared runner and its lookup."""
-    shape = (8, 1024, 16) if device == "cuda" else (1, 2, 8)
+    shape, dims = ((8, 1024, 16), (192, 192, 128)) if device == "cuda" else ((1, 2, 8), (16, 16, 16))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    q, k, v = (torch.randn(*shape, d, device=device, dtype=dtype) for d in ((192, 192, 128) if device == "cuda"
-                                                                           else (16, 16, 16)))  # fmt: skip
+    q, k, v = (torch.randn(*shape, d, device=device, dtype=dtype) for d in dims)
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
     chosen = attnselect.select(problem).chosen
     rows = {f"attnselect.attention ({chosen}, layout=bshd, causal)": lambda: attnselect.attention(q, k, v, causal=True)}
@@ -191,11 +187,19 @@ def dense_bshd_rows(device: str):
         rows[f"torch.{op.__name__} on the transposed views"] = lambda: op(
             *(t.transpose(1, 2) for t in (q, k, v)), None, False, 0.0, True
         )[0].transpose(1, 2)
-    known = (q, k, v, CallOptions("bshd", True))
-    runner = _prepared_runner(lambda: attnselect.attention(q, k, v, causal=True), known)
-    rows["attnselect's prepared runner alone (no lookup)"] = lambda: runner(q, k, v)
-    rows["attnselect's memo lookup alone (dispatch.recall, no kernel)"] = lambda: dispatch.recall(*known)
+    rows.update(_dense_lookup_rows(q, k, v, CallOptions("bshd", True)))
     return problem, chosen, rows
+
+
+def _dense_lookup_rows(q, k, v, options: CallOptions) -> dict:
+    """The rows of a dense call's two parts, each alone: the runner attention() prepared for calls like (q, k, v)
+    with ``options``, and its memo lookup."""
+    known = (q, k, v, options)
+    runner = _prepared_runner(lambda: attnselect.attention(q, k, v, **options._asdict()), known)
+    return {
+        "attnselect's prepared runner alone (no lookup)": lambda: runner(q, k, v),
+        "attnselect's memo lookup alone (dispatch.recall, no kernel)": lambda: dispatch.recall(*known),
+    }
 
 
 def dense_forced_rows(device: str, forced: str):
