@@ -20,8 +20,9 @@ references, not kernels a user picks for speed) and flex (it compiles per shape:
 F.scaled_dot_product_attention's default dispatch (dense, on the bshd tensors' transposed views, its output
 transposed back); torch's varlen_attn (packed, V zero-padded to d_qk where d_v is smaller); FlashAttention-4's
 flash_attn_func / flash_attn_varlen_func called directly where installed, and there attnselect's default with FA4
-disabled too (what a machine without FA4 runs), judged against the single-kernel rows without FA4. Each row goes
-through the same packings (made before its clock starts). The default row runs after ``attnselect.warmup`` of the
+disabled too (what a machine without FA4 runs), judged against the single-kernel rows without FA4; and the default
+again, as a last row (``--control``): what two rows of the same calls differ by. Each row goes through the same
+packings (made before its clock starts). The default row runs after ``attnselect.warmup`` of the
 rung's problem (a job that precompiles its kernels; packed, at the bounds of its packings). Rows run interleaved,
 ``--rounds`` rounds of ``--calls`` timed calls (``latency``: ``--latency-calls``, by default as many as the stack's
 steps make; ``stack``: steps) after ``--warmup`` untimed ones, in alternating order; the median and quartiles of the
@@ -34,9 +35,10 @@ the choice reported after the rounds shows it.
 The report checks the goals (issue "Choose by predicted time"): on every rung and way, attnselect's default at
 least 0.97x as fast as the fastest single-kernel row; over the ladder, its geometric mean at least 1.05x as fast
 as each single-kernel policy's (each over the rung-ways the policy serves, with their count); never more than 3%
-slower than F.sdpa's default dispatch where that serves the call natively (the dense rungs). A ladder run in parts
-(``--only``, one device call each) is judged whole by ``--pool``: the goals over every part's rungs together, on one
-device and library versions, the rungs no part ran named.
+slower than F.sdpa's default dispatch where that serves the call natively (the dense rungs); beside them, the noise:
+the default's second row over its first on each rung-way, and which misses are no larger than that. A ladder run in
+parts (``--only``, one device call each) is judged whole by ``--pool``: the goals over every part's rungs together, on
+one device and library versions, the rungs no part ran named.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ DEFAULT, SDPA, VARLEN, FA4 = "attnselect default", "F.sdpa default", "torch varl
 # calibration's other backends hold there, attnselect.choose.calibration.package_changed), beside the same rows
 NO_FA4 = "attnselect default, FA4 disabled"
 DEFAULTS = (DEFAULT, NO_FA4)
+# The default's calls timed as a second row, last in each round's order where the default is first: two rows of the
+# same code, so their ratio is what a row's timing varies by on that rung-way (the noise the goals are judged in)
+AGAIN = "attnselect default, again"
+NOT_SINGLE = (*DEFAULTS, AGAIN)  # rows that are not a single-kernel way
 UNFUSED = ("reference", "sdpa_math")  # references, not kernels a user picks for speed
 # flex compiles per shape (40-56 s a dense compile on the H200: results/h200_flex_probe.md): forced at every rung it
 # would spend the device budget compiling, and attnselect ranks it after every fused kernel that serves the call
@@ -148,7 +154,7 @@ class Inputs:
         return attnselect.AttentionProblem.from_tensors(self.q, self.k, self.v, **packed)
 
 
-def callers(rung: dict, problem, target, device: str) -> dict:
+def callers(rung: dict, problem, target, device: str, control: bool = False) -> dict:
     """{row: fn(inputs, packing) -> out} for one rung; packing is (cu_seqlens, longest) or None (dense)."""
     import attnselect
     from attnselect import backends
@@ -194,6 +200,8 @@ def callers(rung: dict, problem, target, device: str) -> dict:
                                                        max_seqlen_q=p[1], max_seqlen_k=p[1], causal=True))  # fmt: skip
         else:
             rows[FA4] = lambda x, p: _first(dense(x.q, x.k, x.v, causal=True))
+    if control:
+        rows[AGAIN] = rows[DEFAULT]
     return rows
 
 
@@ -338,7 +346,7 @@ def goals(results: list[dict]) -> dict:
             if DEFAULT not in rows:
                 continue
             ours = rows[DEFAULT]["median"]
-            singles = {name: s["median"] for name, s in rows.items() if name not in DEFAULTS}
+            singles = {name: s["median"] for name, s in rows.items() if name not in NOT_SINGLE}
             if NO_FA4 in rows:
                 without = {n: t for n, t in singles.items() if "flash_attn4" not in n and n != FA4}
                 if without:
@@ -373,6 +381,43 @@ def goals(results: list[dict]) -> dict:
     }  # fmt: skip
 
 
+def noise(results: list[dict], found: dict) -> dict | None:
+    """The default's second row (``--control``) over its first on each rung-way, and for each goal of ``found`` (as
+    :func:`goals` gives them) how many of its misses are no larger than that spread on their rung-way (a miss by less
+    than two rows of the same calls differ by); None where no rung has the second row."""
+    spread = {}
+    for entry in results:
+        for way, rows in entry["stats"].items():
+            if DEFAULT in rows and AGAIN in rows:
+                spread[entry["rung"], way] = rows[AGAIN]["median"] / rows[DEFAULT]["median"]
+    if not spread:
+        return None
+    within = {}
+    for name, goal in found.items():
+        misses = [r for r in goal.get("rows", []) if "speed" in r and r["speed"] < 0.97]
+        if misses and not name.startswith("unmeasured"):
+            inside = [r for r in misses if (r["rung"], r["way"]) in spread
+                      and r["speed"] >= min(spread[r["rung"], r["way"]], 1 / spread[r["rung"], r["way"]])]  # fmt: skip
+            within[name] = {"misses": len(misses), "within": len(inside)}
+    rows = [{"rung": rung, "way": way, "again": ratio} for (rung, way), ratio in spread.items()]
+    return {"rows": rows, "least": min(spread.values()), "most": max(spread.values()), "within": within}
+
+
+def noise_lines(found: dict | None) -> list[str]:
+    """The report's lines of :func:`noise`."""
+    if found is None:
+        return []
+    lines = [
+        "\n## Noise\n",
+        f"The default timed again as the last row of each round (the same calls): its median over the first row's "
+        f"{found['least']:.3f} to {found['most']:.3f} over {len(found['rows'])} rung-ways.\n",
+    ]
+    for name, count in found["within"].items():
+        lines.append(f"- {name}: {count['within']} of its {count['misses']} misses no larger than that spread on "
+                     "their rung-way")  # fmt: skip
+    return lines
+
+
 def markdown(report: dict) -> str:
     lines = ["# Size ladder: attnselect's default beside every single-kernel way\n",
              f"{report['meta']['device']}, {report['meta']['date']}. Produced by `benchmarks/ladder.py` (method in its "
@@ -381,7 +426,7 @@ def markdown(report: dict) -> str:
     skipped = report["meta"].get("not forced", {})
     if skipped:
         lines.append("Not forced: " + "; ".join(f"{b} ({why})" for b, why in skipped.items()) + ".\n")
-    lines += ["## Goals\n", *goal_lines(report["goals"])]
+    lines += ["## Goals\n", *goal_lines(report["goals"]), *noise_lines(report.get("noise"))]
     for entry in report["results"]:
         lines += [f"\n## {entry['rung']}\n", f"chosen: {entry['chosen']}\n"]
         for way, rows in entry["stats"].items():
@@ -435,6 +480,7 @@ def pool(paths: list[str], out: str) -> dict:
     report = {"meta": {"device": devices[0], "parts": {p: r["meta"] for p, r in zip(paths, reports)},
                        "not run": not_run},
               "rungs": names, "goals": goals(results)}  # fmt: skip
+    report["noise"] = noise(results, report["goals"])
     lines = [
         "# Size ladder, its parts pooled\n",
         f"{devices[0]}. `benchmarks/ladder.py --pool` over {len(paths)} parts run apart (their own reports hold "
@@ -450,6 +496,7 @@ def pool(paths: list[str], out: str) -> dict:
         "",
         "## Goals\n",
         *goal_lines(report["goals"]),
+        *noise_lines(report["noise"]),
     ]
     Path(out + ".json").write_text(json.dumps(report, indent=1))
     Path(out + ".md").write_text("\n".join(lines) + "\n")
@@ -467,7 +514,7 @@ def readme_table(report: dict, pair: str = "192/128") -> str:
 
     def cell(rows: dict) -> str:
         ours = rows.get(DEFAULT, {}).get("median")
-        singles = {n: s["median"] for n, s in rows.items() if n not in DEFAULTS}
+        singles = {n: s["median"] for n, s in rows.items() if n not in NOT_SINGLE}
         if ours is None or not singles:
             return "-"
         best = min(singles, key=singles.get)
@@ -498,6 +545,8 @@ def main() -> None:
     ap.add_argument("--latency-calls", type=int, help="timed calls a row and round in the latency way (default: "
                     "--calls x --layers, the calls of the stack way's steps: a call alone varies more than a "
                     "step)")  # fmt: skip
+    ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True, help="time the default "
+                    "again as a last row: what two rows of the same calls differ by")  # fmt: skip
     ap.add_argument("--deadline", type=float, help="seconds from now: no rung starts after it (resume later)")
     ap.add_argument("--deadline-at", type=float, help=argparse.SUPPRESS)  # --isolate's: the parent's, in epoch seconds
     ap.add_argument("--screen", type=float, default=0.0, help="leave forced rows slower than this many times the "
@@ -530,7 +579,7 @@ def main() -> None:
     report = json.loads(path.read_text()) if path.exists() else {"results": []}
     report["meta"] = {"device": target.describe(), "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
                       "rounds": a.rounds, "calls": a.calls, "latency_calls": a.latency_calls, "warmup": a.warmup,
-                      "layers": a.layers,
+                      "layers": a.layers, "control": a.control,
                       "screen": a.screen, "not forced": NOT_FORCED}  # fmt: skip
     done = {entry["rung"] for entry in report["results"]}
     heads = SMOKE["heads"] if a.smoke else HEADS
@@ -556,7 +605,7 @@ def main() -> None:
             warmed = attnselect.warmup([warm], device=a.device)
             if _fa4() is not None and a.device == "cuda":
                 warmed += attnselect.warmup([warm], device=a.device, disable="flash_attn4")
-            rows = callers(rung, problem, target, a.device)
+            rows = callers(rung, problem, target, a.device, control=a.control)
             measured = time_rung(rung, rows, inputs, a)
         for default, w in zip(DEFAULTS, warmed):
             if w.error:
@@ -570,6 +619,7 @@ def main() -> None:
                                   "screened": measured["screened"], "peak_gib": peak, "args": args,
                                   "log": sorted(log.items())})  # fmt: skip
         report["goals"] = goals(report["results"])
+        report["noise"] = noise(report["results"], report["goals"])
         _write(path, report)  # after every rung: a later call resumes
         print(
             f"{name}: chosen {chosen}; "
@@ -578,6 +628,7 @@ def main() -> None:
         )
         del inputs, problem, rows, measured  # released before the next rung's peak is reset
     report["goals"] = goals(report["results"])
+    report["noise"] = noise(report["results"], report["goals"])
     _write(path, report)
     Path(a.out + ".md").write_text(markdown(report))
 
@@ -599,6 +650,7 @@ def isolated(a, deadline_at: float | None) -> None:
     passed = ["--out", a.out, "--rounds", str(a.rounds), "--calls", str(a.calls), "--latency-calls",
               str(a.latency_calls), "--warmup", str(a.warmup),
               "--layers", str(a.layers), "--screen", str(a.screen), *(["--smoke"] if a.smoke else []),
+              "--control" if a.control else "--no-control",
               *(["--deadline-at", str(deadline_at)] if deadline_at is not None else [])]  # fmt: skip
 
     def done() -> set:
@@ -642,6 +694,7 @@ def _report(path: Path, out: str) -> None:
         report = json.loads(path.read_text())
         report.setdefault("meta", {"device": "no rung finished", "date": time.strftime("%Y-%m-%d")})
         report["goals"] = goals(report["results"])
+        report["noise"] = noise(report["results"], report["goals"])
         _write(path, report)
         Path(out + ".md").write_text(markdown(report))
 

@@ -548,6 +548,33 @@ def test_ladder_smoke(tmp_path):
     # a call alone varies more than a step: the latency way times as many calls as the stack way's steps make
     assert stats["latency"]["attnselect default"]["n"] == 2 * 2 * 2 and stats["stack"]["attnselect default"]["n"] == 4
     assert "## Goals" in (tmp_path / "ladder.md").read_text()
+    # the control row: the default's calls timed again, last in the round, never counted as a single-kernel way
+    assert stats["latency"]["attnselect default, again"]["n"] == 2 * 2 * 2
+    assert "## Noise" in (tmp_path / "ladder.md").read_text() and report["noise"]["rows"]
+    assert all(r["best"] != "attnselect default, again" for g in report["goals"].values() for r in g.get("rows", [])
+               if "best" in r)  # fmt: skip
+
+
+def test_the_ladder_s_noise_counts_the_misses_no_larger_than_the_default_against_itself():
+    """A miss by less than the default's two rows of the same calls differ by on its rung-way is counted as within
+    the noise (the goal stays missed: the count is beside it)."""
+    ladder = _benchmark("ladder")
+
+    def t(ms):
+        return {"median": ms, "q1": ms, "q3": ms, "n": 1}
+
+    near = {"rung": "a", "errors": {}, "stats": {"latency": {ladder.DEFAULT: t(1.0), ladder.AGAIN: t(0.94),
+                                                             "forced x": t(0.95)}}}  # fmt: skip
+    far = {"rung": "b", "errors": {}, "stats": {"latency": {ladder.DEFAULT: t(1.0), ladder.AGAIN: t(1.01),
+                                                            "forced x": t(0.9)}}}  # fmt: skip
+    found = ladder.goals([near, far])
+    first = "against the fastest single-kernel row (goal >= 0.97 everywhere)"
+    assert not found[first]["met"] and {r["best"] for r in found[first]["rows"]} == {"forced x"}
+    spread = ladder.noise([near, far], found)
+    assert spread["within"][first] == {"misses": 2, "within": 1}
+    assert (spread["least"], spread["most"]) == (0.94, 1.01)
+    assert ladder.noise([far | {"stats": {"latency": {ladder.DEFAULT: t(1.0)}}}], found) is None
+    assert "1 of its 2 misses" in "\n".join(ladder.noise_lines(spread))
 
 
 def test_the_ladder_s_parts_are_judged_together_by_pool(tmp_path):
