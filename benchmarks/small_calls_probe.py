@@ -4,7 +4,7 @@
 
 The size ladder's small dense rungs (benchmarks/ladder.py: bshd, 16 heads, causal, bf16, contiguous bshd tensors,
 training a forward and ``torch.autograd.grad``) at B1 S256 192/128, B1 S256 128/128, B1 S1024 128/128, B1 S1024
-192/128 and B8 S1024 192/128, both phases. Rows: attnselect with each SDPA kernel forced (``backend=``), F.sdpa's
+192/128 and B8 S1024 192/128, both phases (``--shapes``, ``--phases``: others). Rows: attnselect with each SDPA kernel forced (``backend=``), F.sdpa's
 default dispatch (the kernel it picks is reported), F.sdpa inside ``sdpa_kernel`` of each kernel (the kernel with
 torch's dispatch alone), ops F.sdpa's dispatch reaches (cuDNN's on the transposed views, the mem-efficient kernel's
 own on the bshd tensors), and ``sdpa_cudnn``'s runner as attnselect prepares it for these calls (no memo lookup),
@@ -158,12 +158,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--shapes", nargs="+", metavar="BxSxDQKxDV", help="these shapes instead (e.g. 1x4096x192x128)")
+    ap.add_argument("--phases", nargs="+", choices=("inference", "training"), default=["inference", "training"])
     a = ap.parse_args()
+    shapes = [tuple(map(int, s.split("x"))) for s in a.shapes] if a.shapes else SHAPES
     target = attnselect.Target.current()
     report = {"device": target.describe(), "date": time.strftime("%F"), "rounds": a.rounds, "calls": a.calls,
               "layers": a.layers, "shapes": []}  # fmt: skip
-    for batch, seqlen, d_qk, d_v in SHAPES:
-        for training in (False, True):
+    for batch, seqlen, d_qk, d_v in shapes:
+        for training in (phase == "training" for phase in a.phases):
             g = torch.Generator(device="cuda").manual_seed(0)
             q, k, v = (torch.randn(batch, seqlen, HEADS, d, device="cuda", dtype=torch.bfloat16, generator=g)
                        .requires_grad_(training) for d in (d_qk, d_qk, d_v))  # fmt: skip

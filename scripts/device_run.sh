@@ -67,6 +67,7 @@
 #                                      # against F.sdpa's default in training, with each row's CUDA kernels -> $OUT/sdpa_training_gap.*
 #   bash scripts/device_run.sh small-calls # benchmarks/small_calls_probe.py: small dense calls, each SDPA kernel through
 #                                      # attnselect and torch alone: host, latency, stack -> $OUT/h200_small_calls_probe.*
+#                                      # (SMALL_CALLS_ARGS="--shapes 1x4096x192x128 --phases inference", SMALL_CALLS_PART)
 #   bash scripts/device_run.sh first-calls # benchmarks/first_calls_probe.py: each backend's first calls in a fresh
 #                                      # process: start-up, a new configuration, a new size -> $OUT/h200_first_calls_probe.*
 #   bash scripts/device_run.sh new-lengths # benchmarks/new_lengths.py: dense calls of ever new lengths, first
@@ -335,7 +336,8 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
   sdpa-training-gap)   # benchmarks/sdpa_training_gap.py: sdpa_cudnn through attnselect against F.sdpa in training
     timeout 200 python3 benchmarks/sdpa_training_gap.py --out "$OUT/sdpa_training_gap" 2>&1 | grep -v -i warn | tail -60 ;;
   small-calls)   # benchmarks/small_calls_probe.py: small dense calls kernel by kernel (host, latency, stack)
-    timeout 300 python3 benchmarks/small_calls_probe.py --out "$OUT/h200_small_calls_probe" 2>&1 | grep -v -i warn | tail -60 ;;
+    timeout 300 python3 benchmarks/small_calls_probe.py --out "$OUT/h200_small_calls_probe${SMALL_CALLS_PART:+_$SMALL_CALLS_PART}" \
+      ${SMALL_CALLS_ARGS:-} 2>&1 | grep -v -i warn | tail -60 ;;
   first-calls)   # benchmarks/first_calls_probe.py: first calls split into start-up, configuration and size
     timeout 400 python3 benchmarks/first_calls_probe.py --out "$OUT/h200_first_calls_probe" 2>&1 | grep -v -i warn | tail -16 ;;
   new-lengths)   # benchmarks/new_lengths.py: dense calls of ever new lengths, fresh processes (NEW_LENGTHS_ARGS)
