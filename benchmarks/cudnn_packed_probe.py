@@ -10,11 +10,12 @@ size ladder's packings (benchmarks/ladder.py: lognormal documents, 16 heads, bf1
   (``attnselect.backends.reference``), beside torch's packed FlashAttention-2 (V zero-padded where d_v < d_qk, the
   ``varlen_fa2`` way) against the same reference: each error is the largest absolute difference over the
   reference's largest magnitude;
-- **fast**: the GPU time of a call (CUDA events, the median of ``--calls`` after one warm-up), forward alone and
-  forward and backward, on one packing repeated, the cuDNN op against FA2 (padded where it must be);
-- **new packings**: each call's wall time, synchronised, over ``--new`` packings each new: cuDNN builds a graph per
-  key (aten/src/ATen/native/cudnn/MHA.cpp), so what a key holds (sequence count, longest sequence, tokens) shows
-  as the calls that take milliseconds; then the same packings again (every key built).
+- **fast**: a call's time between CUDA events recorded around it (the median of ``--calls`` after one warm-up;
+  host work inside the call that holds back its kernels, as a cuDNN graph build, counts), forward alone and forward
+  and backward, on one packing repeated, the cuDNN op against FA2 (padded where it must be);
+- **new packings**: each call's wall time, synchronised, over ``--new`` packings each new, then the same packings
+  again: a graph cached per key (aten/src/ATen/native/cudnn/MHA.cpp) shows as first calls that take milliseconds and
+  repeated ones that do not; a graph built on every call, as calls that all do.
 
 Writes ``--out``.json and .md.
 """
@@ -214,7 +215,8 @@ def markdown(report: dict) -> str:
                 continue
             cells = " | ".join(f"{r[w]:.2e}" if w in r else "" for w in ("out", "dq", "dk", "dv"))
             lines.append(f"| {entry['pair']} | {entry['phase']} | {name} | {cells} |")
-    lines += ["\n## GPU ms a call, one packing repeated (median)\n", "| pair | phase | tokens | row | ms |",
+    lines += ["\n## ms a call between CUDA events around it, one packing repeated (median; host work that holds back "
+              "the kernels, as a graph build, included)\n", "| pair | phase | tokens | row | ms |",
               "|---|---|---|---|---|"]  # fmt: skip
     for entry in report["speed"]:
         for name, ms in entry["ms"].items():

@@ -21,7 +21,8 @@ F.scaled_dot_product_attention's default dispatch (dense, on the bshd tensors' t
 transposed back); torch's varlen_attn (packed, V zero-padded to d_qk where d_v is smaller); FlashAttention-4's
 flash_attn_func / flash_attn_varlen_func called directly where installed, and there attnselect's default with FA4
 disabled too (what a machine without FA4 runs), judged against the single-kernel rows without FA4; and the default
-again, as a last row (``--control``): what two rows of the same calls differ by. Each row goes through the same
+again, as the last row of the order (``--control``; the rounds alternate the order, so the two take mirrored ends of
+it): what two rows of the same calls differ by. Each row goes through the same
 packings (made before its clock starts). The default row runs after ``attnselect.warmup`` of the
 rung's problem (a job that precompiles its kernels; packed, at the bounds of its packings). Rows run interleaved,
 ``--rounds`` rounds of ``--calls`` timed calls (``latency``: ``--latency-calls``, by default as many as the stack's
@@ -70,8 +71,9 @@ DEFAULT, SDPA, VARLEN, FA4 = "attnselect default", "F.sdpa default", "torch varl
 # calibration's other backends hold there, attnselect.choose.calibration.package_changed), beside the same rows
 NO_FA4 = "attnselect default, FA4 disabled"
 DEFAULTS = (DEFAULT, NO_FA4)
-# The default's calls timed as a second row, last in each round's order where the default is first: two rows of the
-# same code, so their ratio is what a row's timing varies by on that rung-way (the noise the goals are judged in)
+# The default's calls timed as a second row, last in the order where the default is first (the rounds alternate the
+# order: the two take mirrored ends of it): two rows of the same code, so their ratio is what a row's timing varies by
+# on that rung-way (the noise the goals are judged in)
 AGAIN = "attnselect default, again"
 NOT_SINGLE = (*DEFAULTS, AGAIN)  # rows that are not a single-kernel way
 UNFUSED = ("reference", "sdpa_math")  # references, not kernels a user picks for speed
@@ -396,9 +398,9 @@ def noise(results: list[dict], found: dict) -> dict | None:
     for name, goal in found.items():
         misses = [r for r in goal.get("rows", []) if "speed" in r and r["speed"] < 0.97]
         if misses and not name.startswith("unmeasured"):
-            inside = [r for r in misses if (r["rung"], r["way"]) in spread
-                      and r["speed"] >= min(spread[r["rung"], r["way"]], 1 / spread[r["rung"], r["way"]])]  # fmt: skip
-            within[name] = {"misses": len(misses), "within": len(inside)}
+            judged = [r for r in misses if (r["rung"], r["way"]) in spread]
+            inside = [r for r in judged if r["speed"] >= min(ratio := spread[r["rung"], r["way"]], 1 / ratio)]
+            within[name] = {"misses": len(misses), "within": len(inside), "unjudged": len(misses) - len(judged)}
     rows = [{"rung": rung, "way": way, "again": ratio} for (rung, way), ratio in spread.items()]
     return {"rows": rows, "least": min(spread.values()), "most": max(spread.values()), "within": within}
 
@@ -409,12 +411,15 @@ def noise_lines(found: dict | None) -> list[str]:
         return []
     lines = [
         "\n## Noise\n",
-        f"The default timed again as the last row of each round (the same calls): its median over the first row's "
-        f"{found['least']:.3f} to {found['most']:.3f} over {len(found['rows'])} rung-ways.\n",
+        "The default timed again as a second row (the same calls, at the other end of each round's order): its "
+        f"median over the first row's {found['least']:.3f} to {found['most']:.3f} over {len(found['rows'])} "
+        "rung-ways.\n",
     ]
     for name, count in found["within"].items():
+        unjudged = count.get("unjudged", 0)
+        aside = f" ({unjudged} on rung-ways without the second row)" if unjudged else ""
         lines.append(f"- {name}: {count['within']} of its {count['misses']} misses no larger than that spread on "
-                     "their rung-way")  # fmt: skip
+                     f"their rung-way{aside}")  # fmt: skip
     return lines
 
 
@@ -546,7 +551,7 @@ def main() -> None:
                     "--calls x --layers, the calls of the stack way's steps: a call alone varies more than a "
                     "step)")  # fmt: skip
     ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True, help="time the default "
-                    "again as a last row: what two rows of the same calls differ by")  # fmt: skip
+                    "again as the last row of the order: what two rows of the same calls differ by")  # fmt: skip
     ap.add_argument("--deadline", type=float, help="seconds from now: no rung starts after it (resume later)")
     ap.add_argument("--deadline-at", type=float, help=argparse.SUPPRESS)  # --isolate's: the parent's, in epoch seconds
     ap.add_argument("--screen", type=float, default=0.0, help="leave forced rows slower than this many times the "

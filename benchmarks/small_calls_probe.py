@@ -4,12 +4,12 @@
 
 The size ladder's small dense rungs (benchmarks/ladder.py: bshd, 16 heads, causal, bf16, contiguous bshd tensors,
 training a forward and ``torch.autograd.grad``) at B1 S256 192/128, B1 S256 128/128, B1 S1024 128/128, B1 S1024
-192/128 and B8 S1024 192/128, both phases (``--shapes``, ``--phases``: others). Rows: attnselect with each SDPA kernel forced (``backend=``), F.sdpa's
-default dispatch (the kernel it picks is reported), F.sdpa inside ``sdpa_kernel`` of each kernel (the kernel with
-torch's dispatch alone), ops F.sdpa's dispatch reaches (cuDNN's on the transposed views, the mem-efficient kernel's
-own on the bshd tensors), and ``sdpa_cudnn``'s runner as attnselect prepares it for these calls (no memo lookup),
-calling cuDNN's op (what attnselect runs) and, beside it, calling F.sdpa's default dispatch where that reaches cuDNN
-(the backend without its ``aten_op``): which of the two a repeated call should take.
+192/128 and B8 S1024 192/128, both phases (``--shapes``, ``--phases``: others). Rows: attnselect with each SDPA kernel
+forced (``backend=``), F.sdpa's default dispatch (the kernel it picks is reported), F.sdpa inside ``sdpa_kernel`` of
+each kernel (the kernel with torch's dispatch alone), ops F.sdpa's dispatch reaches (cuDNN's on the transposed views,
+the mem-efficient kernel's own on the bshd tensors), and ``sdpa_cudnn``'s runner as attnselect prepares it for these
+calls (no memo lookup), calling cuDNN's op (what attnselect runs) and, beside it, calling F.sdpa's default dispatch
+where that reaches cuDNN (the backend without its ``aten_op``): which of the two a repeated call should take.
 Three measures, each row's in the same rounds (``--rounds``, in alternating order): ``host``, the host's time to
 issue a call while the GPU is busy (after a ~1 ms spin, as attnselect.bench.calibrate measures host times for the
 packaged calibration); ``latency``, one call then a sync; ``stack``, ``--layers`` calls then a sync, per call.

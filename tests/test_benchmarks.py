@@ -548,7 +548,7 @@ def test_ladder_smoke(tmp_path):
     # a call alone varies more than a step: the latency way times as many calls as the stack way's steps make
     assert stats["latency"]["attnselect default"]["n"] == 2 * 2 * 2 and stats["stack"]["attnselect default"]["n"] == 4
     assert "## Goals" in (tmp_path / "ladder.md").read_text()
-    # the control row: the default's calls timed again, last in the round, never counted as a single-kernel way
+    # the control row: the default's calls timed again, last in the order, never counted as a single-kernel way
     assert stats["latency"]["attnselect default, again"]["n"] == 2 * 2 * 2
     assert "## Noise" in (tmp_path / "ladder.md").read_text() and report["noise"]["rows"]
     assert all(r["best"] != "attnselect default, again" for g in report["goals"].values() for r in g.get("rows", [])
@@ -571,10 +571,13 @@ def test_the_ladder_s_noise_counts_the_misses_no_larger_than_the_default_against
     first = "against the fastest single-kernel row (goal >= 0.97 everywhere)"
     assert not found[first]["met"] and {r["best"] for r in found[first]["rows"]} == {"forced x"}
     spread = ladder.noise([near, far], found)
-    assert spread["within"][first] == {"misses": 2, "within": 1}
+    assert spread["within"][first] == {"misses": 2, "within": 1, "unjudged": 0}
     assert (spread["least"], spread["most"]) == (0.94, 1.01)
     assert ladder.noise([far | {"stats": {"latency": {ladder.DEFAULT: t(1.0)}}}], found) is None
     assert "1 of its 2 misses" in "\n".join(ladder.noise_lines(spread))
+    unjudged = ladder.noise([near, far | {"stats": {"latency": {ladder.DEFAULT: t(1.0), "forced x": t(0.9)}}}], found)
+    assert unjudged["within"][first] == {"misses": 2, "within": 1, "unjudged": 1}
+    assert "(1 on rung-ways without the second row)" in "\n".join(ladder.noise_lines(unjudged))
 
 
 def test_the_ladder_s_parts_are_judged_together_by_pool(tmp_path):
