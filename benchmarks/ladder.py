@@ -386,7 +386,8 @@ def goals(results: list[dict]) -> dict:
 def noise(results: list[dict], found: dict) -> dict | None:
     """The default's second row (``--control``) over its first on each rung-way, and for each goal of ``found`` (as
     :func:`goals` gives them) how many of its misses are no larger than that spread on their rung-way (a miss by less
-    than two rows of the same calls differ by); None where no rung has the second row."""
+    than two rows of the same calls differ by; the without-FA4 goal's misses too, against the default's spread, its
+    own row having no second); None where no rung has the second row."""
     spread = {}
     for entry in results:
         for way, rows in entry["stats"].items():
