@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from attnselect.choose.timing import _timed_call
+
 HEADS = 16
 
 
@@ -112,17 +114,11 @@ def check(pair, training, device, tokens) -> dict:
 
 
 def gpu_ms(fn, calls: int) -> float:
+    """The median of ``calls`` calls' ms between CUDA events around each, after one untimed call."""
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    device = torch.device("cuda")
+    return statistics.median(_timed_call(fn, device, wait=True)() for _ in range(calls))
 
 
 def speed(pair, training, device, tokens, calls) -> dict:
