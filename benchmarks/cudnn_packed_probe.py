@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 from pathlib import Path
@@ -33,20 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from attnselect.choose.timing import _timed_call
+from ladder import boundaries, packing_lengths
 
 HEADS = 16
-
-
-def lengths_for(tokens: int, seed: int) -> list[int]:
-    rng, lengths = random.Random(seed), []
-    while sum(lengths) < tokens:
-        lengths.append(min(max(int(rng.lognormvariate(6.5, 1.0)), 16), tokens - sum(lengths)))
-    return lengths
-
-
-def packing(lengths: list[int], device) -> tuple[torch.Tensor, int]:
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    return cu, max(lengths)
 
 
 def cudnn(q, k, v, cu, longest, training: bool):
@@ -99,7 +87,7 @@ def error(got, want) -> float:
 def check(pair, training, device, tokens) -> dict:
     d_qk, d_v = pair
     q, k, v, grad = tensors(tokens, d_qk, d_v, training, device)
-    cu, longest = packing(lengths_for(tokens, 1), device)
+    cu, longest = boundaries(packing_lengths(tokens, 1), device)
     want = reference(q, k, v, cu, grad, training)
     found = {}
     for name, fn in ROWS.items():
@@ -124,7 +112,7 @@ def gpu_ms(fn, calls: int) -> float:
 def speed(pair, training, device, tokens, calls) -> dict:
     d_qk, d_v = pair
     q, k, v, grad = tensors(tokens, d_qk, d_v, training, device)
-    cu, longest = packing(lengths_for(tokens, 1), device)
+    cu, longest = boundaries(packing_lengths(tokens, 1), device)
     found = {}
     for name, fn in ROWS.items():
 
@@ -144,14 +132,14 @@ def new_packings(pair, training, device, tokens, count) -> dict:
     """Wall ms of each call on a new packing, then on the same packings again; and each packing's key parts."""
     d_qk, d_v = pair
     q, k, v, grad = tensors(tokens, d_qk, d_v, training, device)
-    packings = [lengths_for(tokens, 100 + i) for i in range(count)]
+    packings = [packing_lengths(tokens, 100 + i) for i in range(count)]
     found = {"keys": [[len(p), max(p)] for p in packings]}
     for name, fn in ROWS.items():
         for turn in ("first", "again"):
             walls = []
             try:
                 for lengths in packings:
-                    cu, longest = packing(lengths, device)
+                    cu, longest = boundaries(lengths, device)
                     torch.cuda.synchronize()
                     start = time.perf_counter()
                     out = fn(q, k, v, cu, longest, training)

@@ -22,12 +22,11 @@ transposed back); torch's varlen_attn (packed, V zero-padded to d_qk where d_v i
 flash_attn_func / flash_attn_varlen_func called directly where installed, and there attnselect's default with FA4
 disabled too (what a machine without FA4 runs), judged against the single-kernel rows without FA4; and the default
 again, as the last row of the order (``--control``; the rounds alternate the order, so the two take mirrored ends of
-it): what two rows of the same calls differ by. Each row goes through the same
-packings (made before its clock starts). The default row runs after ``attnselect.warmup`` of the
-rung's problem (a job that precompiles its kernels; packed, at the bounds of its packings). Rows run interleaved,
-``--rounds`` rounds of ``--calls`` timed calls (``latency``: ``--latency-calls``, by default as many as the stack's
-steps make; ``stack``: steps) after ``--warmup`` untimed ones, in alternating order; the median and quartiles of the
-per-call ms of every round pooled.
+it): what two rows of the same calls differ by. Each row goes through the same packings (made before its clock
+starts). The default row runs after ``attnselect.warmup`` of the rung's problem (a job that precompiles its kernels;
+packed, at the bounds of its packings). Rows run interleaved, ``--rounds`` rounds of ``--calls`` timed calls
+(``latency``: ``--latency-calls``, by default as many as the stack's steps make; ``stack``: steps) after ``--warmup``
+untimed ones, in alternating order; the median and quartiles of the per-call ms of every round pooled.
 
 Each rung keeps what attnselect logged at INFO while it ran (``log``: every new decision of every row, with the
 reason, fallbacks and rentals, each line with the times it came), so a default row that ran something other than
@@ -105,6 +104,12 @@ def packing_lengths(tokens: int, seed: int) -> list[int]:
     return lengths
 
 
+def boundaries(lengths: list[int], device) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens, longest) of documents of these lengths, back to back, on ``device``."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return cu, max(lengths)
+
+
 class Inputs:
     """A rung's tensors and, packed, its stream of new packings (each a (cu_seqlens, longest) on the device)."""
 
@@ -132,9 +137,7 @@ class Inputs:
         return self.packing_at(turn)
 
     def packing_at(self, turn: int):
-        lengths = packing_lengths(self.rung["tokens"], turn)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=self.device)
-        return cu, max(lengths)
+        return boundaries(packing_lengths(self.rung["tokens"], turn), self.device)
 
     def warm_problem(self, problem):
         """What a job warms up for ``problem``: itself where dense; packed, its tokens in packings as its loader
@@ -383,6 +386,12 @@ def goals(results: list[dict]) -> dict:
     }  # fmt: skip
 
 
+def judged(results: list[dict]) -> dict:
+    """``{"goals": ..., "noise": ...}`` of the rungs measured so far (:func:`goals`, :func:`noise`)."""
+    found = goals(results)
+    return {"goals": found, "noise": noise(results, found)}
+
+
 def noise(results: list[dict], found: dict) -> dict | None:
     """The default's second row (``--control``) over its first on each rung-way, and for each goal of ``found`` (as
     :func:`goals` gives them) how many of its misses are no larger than that spread on their rung-way (a miss by less
@@ -485,8 +494,7 @@ def pool(paths: list[str], out: str) -> dict:
     not_run = [rung_name(r) for r in rungs(smoke) if rung_name(r) not in names]
     report = {"meta": {"device": devices[0], "parts": {p: r["meta"] for p, r in zip(paths, reports)},
                        "not run": not_run},
-              "rungs": names, "goals": goals(results)}  # fmt: skip
-    report["noise"] = noise(results, report["goals"])
+              "rungs": names, **judged(results)}  # fmt: skip
     lines = [
         "# Size ladder, its parts pooled\n",
         f"{devices[0]}. `benchmarks/ladder.py --pool` over {len(paths)} parts run apart (their own reports hold "
@@ -624,8 +632,7 @@ def main() -> None:
         report["results"].append({"rung": name, "chosen": chosen, "stats": stats, "errors": measured["errors"],
                                   "screened": measured["screened"], "peak_gib": peak, "args": args,
                                   "log": sorted(log.items())})  # fmt: skip
-        report["goals"] = goals(report["results"])
-        report["noise"] = noise(report["results"], report["goals"])
+        report.update(judged(report["results"]))
         _write(path, report)  # after every rung: a later call resumes
         print(
             f"{name}: chosen {chosen}; "
@@ -633,8 +640,7 @@ def main() -> None:
             flush=True,
         )
         del inputs, problem, rows, measured  # released before the next rung's peak is reset
-    report["goals"] = goals(report["results"])
-    report["noise"] = noise(report["results"], report["goals"])
+    report.update(judged(report["results"]))
     _write(path, report)
     Path(a.out + ".md").write_text(markdown(report))
 
@@ -699,8 +705,7 @@ def _report(path: Path, out: str) -> None:
     if path.exists():
         report = json.loads(path.read_text())
         report.setdefault("meta", {"device": "no rung finished", "date": time.strftime("%Y-%m-%d")})
-        report["goals"] = goals(report["results"])
-        report["noise"] = noise(report["results"], report["goals"])
+        report.update(judged(report["results"]))
         _write(path, report)
         Path(out + ".md").write_text(markdown(report))
 
