@@ -9,6 +9,7 @@ import torch
 
 import attnselect
 from attnselect import AttentionProblem, Candidate, Target
+from attnselect.choose import predict, rules
 from attnselect.spec.options import CallOptions
 from helpers import MLA, verdict
 
@@ -310,23 +311,51 @@ def test_small_packs_run_where_the_host_time_is_least_on_hopper(dims, fa4, chose
         assert "small pack" not in attnselect.select(problem, target=h200).why, problem.describe()
 
 
-def test_a_pack_of_one_long_document_and_short_ones_is_no_heavier_than_one_sequence_of_its_tokens():
+def test_a_pack_of_one_long_document_and_short_ones_counts_the_work_a_prediction_estimates():
     """1024 tokens in 5 documents, the longest 856 (one of benchmarks/hot_path.py's new packings): every sequence at
     the longest would count 5x a 1024-token sequence's work and leave the small-pack table for FA4's 150 us of host
-    time a call on an H100; its work is at most one sequence of its tokens'. Without q's rows (tokens=0) the table
-    cannot know, and the bound is as before."""
+    time a call on an H100; one at the longest and the other 168 tokens shared by four, as a prediction estimates a
+    pack (predict.other_lengths), count 16 * 256 * (856^2 + 4 * 42^2). Without q's rows (tokens=0) the table cannot
+    know, and every sequence counts at the longest."""
     h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
     pack = AttentionProblem(5, 856, 856, 16, 16, 128, 128, layout="thd", mask="causal", tokens=1024)
     d = attnselect.select(pack, target=h100)
-    assert d.chosen == Candidate("varlen_fa2") and "small pack" in d.why and "min(B*S_q*S_kv, T^2)" in d.why
-    assert "work H*(d_qk+d_v)*min(B*S_q*S_kv, T^2) 4.3e+09 <= 1.5e+10" in d.why  # 16 * 256 * 1024^2
+    assert d.chosen == Candidate("varlen_fa2") and "small pack" in d.why
+    assert "work H*(d_qk+d_v)*(S_q*S_kv + (B-1)*r_q*r_kv, r: the rest of T shared) 3e+09 <= 1.5e+10" in d.why
     unknown = attnselect.select(dataclasses.replace(pack, tokens=0), target=h100)
     assert "small pack" not in unknown.why and unknown.chosen == Candidate("flash_attn4")
     several = attnselect.select(dataclasses.replace(pack, batch=30, seqlen_q=1024, seqlen_kv=1024, tokens=30720),
                                 target=h100)  # fmt: skip
-    assert "small pack" not in several.why  # 30 documents of up to 1024 tokens: the cap leaves it above the bound
+    assert "small pack" not in several.why  # 30 documents of 1024 tokens: above the bound
     trained = attnselect.select(dataclasses.replace(pack, training=True), target=h100)  # FA4 spends 290 us a call
     assert trained.chosen == Candidate("varlen_fa2") and "small pack" in trained.why
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_ladder_pack_of_2048_tokens_runs_on_varlen_on_an_uncalibrated_hopper(training):
+    """2048 tokens in 4 documents, the longest 1200 (a packing of the size ladder's lognormal kind): every sequence at
+    the longest, capped at one 2048-token sequence, counted 1.7e10 and put it on FA4; its estimated work, 6.9e9, keeps
+    it in the small-pack table. On an H100 with FA4, 128/128, the ladder's 2048-token rungs (a new packing a step) ran
+    varlen_fa2 at 0.144 ms a call alone and 0.079 in a stack against 0.178 and 0.102 through attnselect on FA4, and in
+    training at 0.374 and 0.260 against 0.532 and 0.364 (results/h100_ladder_packed_44aaf95_fa4.md)."""
+    h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+    pack = AttentionProblem(4, 1200, 1200, 16, 16, 128, 128, layout="thd", mask="causal", tokens=2048,
+                            training=training)  # fmt: skip
+    assert rules.pack_work(16, 128, 128, 1, 2048, 2048) > rules.SMALL_PACK_WORK  # the cap alone left it out
+    d = attnselect.select(pack, target=h100)
+    assert d.chosen == Candidate("varlen_fa2") and "small pack" in d.why and "6.9e+09 <= 1.5e+10" in d.why
+
+
+@pytest.mark.parametrize("lengths", [(856, 1024), (1200, 2048), (100, 100), (4096, 65536), (300, 1000)])
+def test_the_rules_count_a_pack_as_a_prediction_estimates_it(lengths):
+    """Without a mask every score pair is visible: the rules' work is the prediction's (in its units of 1e6) for the
+    same estimated sequences, one at the longest and the others sharing the rest of q's rows."""
+    longest, tokens = lengths
+    for batch in (1, 2, 5, 40):
+        if tokens > batch * longest or batch > tokens:
+            continue
+        p = AttentionProblem(batch, longest, longest, 16, 16, 192, 128, layout="thd", mask="none", tokens=tokens)
+        assert rules._work(p) == pytest.approx(predict.work(p) * 1e6, rel=1e-9), (batch, lengths)
 
 
 @pytest.mark.parametrize("dims", [(128, 128), (64, 64), (192, 128)])
@@ -335,7 +364,7 @@ def test_the_small_pack_bound_in_training_sits_where_the_h200_calibration_crosse
     eighth of SMALL_PACK_WORK to twice it: the training small-pack table's first candidate (varlen_fa2, V padded on
     192/128) ahead of FA4 below the bound on 64/64 and 128/128, and on 192/128 up to two thirds of it, within the
     rules' tie band up to 0.95 of it (FA4 about 20% ahead at the bound: rules.py's comment); FA4 ahead at twice it."""
-    from attnselect.choose import calibration, predict, rules
+    from attnselect.choose import calibration
 
     data = calibration.packaged(Target.preset("h200"))
     first = Candidate("varlen_fa2") if dims[0] == dims[1] else Candidate("varlen_fa2", 192)
@@ -429,7 +458,6 @@ def test_small_dense_hopper_calls_run_where_the_host_time_is_least(fa4):
 def test_a_refined_table_s_decision_says_why_the_refinement_applies():
     """Every refinement has a reason, and a decision ranked by one names its table, the work its bound compares and
     the reason; a call the general table ranks says none."""
-    from attnselect.choose import rules
 
     assert set(rules._REFINEMENT_REASONS) == {name for name, _ in rules._REFINEMENTS}
     h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
@@ -446,8 +474,6 @@ def _small_ladder_rung_ways(name: str):
     import json
     import pathlib
     import re
-
-    from attnselect.choose import rules
 
     h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
     ladder = pathlib.Path(__file__).parents[2] / "results" / f"{name}.json"
@@ -500,7 +526,6 @@ def test_the_small_dense_call_tables_chose_the_fastest_kernel_on_a_ladder_run_af
 def test_predicted_times_within_the_tie_band_go_by_the_time_alone():
     """Candidates predicted within rules.TIE_BAND of the least (a stack's time, Prediction.total_us) are a tie,
     settled by the time of a call alone (host + GPU); the rest keep their order; drawn lazily, one past the lead."""
-    from attnselect.choose import rules
     from attnselect.choose.predict import Prediction
 
     def p(host, gpu):
@@ -531,7 +556,6 @@ def test_settling_the_lead_judges_no_candidate_predicted_beyond_the_band():
     cannot tie, so settling the lead does not judge it (a new packing judges again every candidate its decision
     judged whose reasons read sizes: the cuDNN frontend's, 7 us a packing on the development VM,
     benchmarks/new_packing_parts.py --host-stages h200)."""
-    from attnselect.choose import rules
     from attnselect.choose.predict import Prediction
 
     a, b, c, d = (Candidate(n) for n in ("varlen_fa2", "cudnn_frontend", "flex", "sdpa_cudnn"))

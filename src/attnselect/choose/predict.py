@@ -122,13 +122,22 @@ def work(problem: AttentionProblem) -> float:
     calibration's seeded packings (results/cpu_packed_work_estimates.md) a causal pack's work is 1.0-1.9x this
     estimate, where batch x the longest's (a pack without ``tokens``) overstates it up to 50x."""
     pairs = visible_pairs(problem.mask, problem.window, problem.seqlen_q, problem.seqlen_kv)
-    sequences = problem.batch
-    if problem.tokens and problem.seqlen_q and sequences > 1:
-        rest = min(max(problem.tokens - problem.seqlen_q, 0) / (sequences - 1), problem.seqlen_q)
-        rest_q, rest_kv = round(rest), round(rest * problem.seqlen_kv / problem.seqlen_q)
-        pairs += (sequences - 1) * visible_pairs(problem.mask, problem.window, rest_q, rest_kv)
-        sequences = 1
-    return sequences * problem.heads_q * pairs * (problem.head_dim_qk + problem.head_dim_v) / 1e6
+    others = other_lengths(problem)
+    if others is None:
+        return problem.batch * problem.heads_q * pairs * (problem.head_dim_qk + problem.head_dim_v) / 1e6
+    pairs += (problem.batch - 1) * visible_pairs(problem.mask, problem.window, *others)
+    return problem.heads_q * pairs * (problem.head_dim_qk + problem.head_dim_v) / 1e6
+
+
+def other_lengths(problem: AttentionProblem) -> tuple[int, int] | None:
+    """The (q, kv) lengths :func:`work` estimates a packed call's sequences other than the longest at: the rest of q's
+    rows (``tokens``) shared evenly, at most the longest; None where it does not know them (no ``tokens``, one
+    sequence, a dense call), and every sequence counts at the longest."""
+    sequences, seqlen_q = problem.batch, problem.seqlen_q
+    if not (problem.tokens and seqlen_q and sequences > 1):
+        return None
+    rest = min(max(problem.tokens - seqlen_q, 0) / (sequences - 1), seqlen_q)
+    return round(rest), round(rest * problem.seqlen_kv / seqlen_q)
 
 
 WORK_STEPS = 8  # work classes per doubling of work

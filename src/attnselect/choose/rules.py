@@ -26,7 +26,7 @@ import torch
 from attnselect.backends.base import all_backends
 from attnselect.backends.base import get as backend_named
 from attnselect.choose import calibration
-from attnselect.choose.predict import Curve, Prediction, curve
+from attnselect.choose.predict import Curve, Prediction, curve, other_lengths
 from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
@@ -208,8 +208,9 @@ PREFERENCES.update(
 # 128..512-token documents, 1.40 against 2.02; results/h200_thd_crossover.md, equal documents of 128 / 256 / 512
 # tokens, 1.02 / 1.42 / 1.44 against 2.04 / 2.00 / 2.25, at 1024 (work 8.6e10) they trade places between runs, and
 # with more work, 16k of 2048-token documents or 32k of 256..1024, cuDNN leads, 2.16 against 3.36 and 2.26 against
-# 3.50). The work bound is H * (d_qk + d_v) * sequences * max_seqlen^2 (the forward's FLOPs with every sequence as
-# long as the longest): 6.7e10 for the 16k pack of 128..512 (51 sequences), 1.7e11 for 2048-token documents. Long
+# 3.50). The work is H * (d_qk + d_v) * the sum of the squared lengths, one sequence at the longest and the others
+# sharing the rest of the tokens (:func:`_work`): 2.7e10 for the 16k pack of 128..512 (51 sequences, the longest 512),
+# about 1.1e11 for the 32k of 256..1024, 1.7e11 for 2048-token documents. Long
 # documents in a small pack are below it too: 1024 tokens in 1 to 8 documents (up to 1000 tokens long), 128/128,
 # training without FA4 on an H100, attention() took 1660.2 us a call where the frontend served 92 of the 150
 # packings (those with a document over 512 tokens, before this table took them) against varlen_attn's 609.5
@@ -390,21 +391,20 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
 
 
 def _work(problem: AttentionProblem) -> int:
-    """:func:`pack_work`; a packed call of as many queries as keys in every sequence whose q holds T tokens (rows)
-    does at most one T-token sequence's work (the sum of squared lengths is at most their sum squared), so its
-    work is capped there: a pack of one long document and a few short ones is not taken for several long ones (1024
-    tokens in 5 documents, the longest 856, counted 5x a 1024-token sequence's work without the cap)."""
-    work = pack_work(
-        problem.heads_q, problem.head_dim_qk, problem.head_dim_v, problem.batch, problem.seqlen_q, problem.seqlen_kv
+    """:func:`pack_work`, a packed call's sequences at the lengths a prediction estimates them at
+    (:func:`attnselect.choose.predict.other_lengths`: one at the longest, the others sharing the rest of q's rows
+    evenly; a causal pack's work is 1.0-1.9x that estimate over the size ladder's and the calibration's seeded packings,
+    results/cpu_packed_work_estimates.md), or every sequence at the longest where q's rows are not known."""
+    others = other_lengths(problem)
+    if others is None:
+        return pack_work(*_dims(problem), problem.batch, problem.seqlen_q, problem.seqlen_kv)
+    return pack_work(*_dims(problem), 1, problem.seqlen_q, problem.seqlen_kv) + pack_work(
+        *_dims(problem), problem.batch - 1, *others
     )
-    if _capped_at_tokens(problem):
-        return min(work, pack_work(problem.heads_q, problem.head_dim_qk, problem.head_dim_v, 1, problem.tokens,
-                                   problem.tokens))  # fmt: skip
-    return work
 
 
-def _capped_at_tokens(problem: AttentionProblem) -> bool:
-    return problem.layout == "thd" and bool(problem.tokens) and problem.square
+def _dims(problem: AttentionProblem) -> tuple[int, int, int]:
+    return problem.heads_q, problem.head_dim_qk, problem.head_dim_v
 
 
 _REFINEMENTS = (
@@ -465,7 +465,7 @@ def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
     bound, reason = _REFINEMENT_REASONS.get(key[-1], (None, ""))
     if bound is None:
         return reason
-    counted = "min(B*S_q*S_kv, T^2)" if _capped_at_tokens(problem) else "B*S_q*S_kv"
+    counted = "B*S_q*S_kv" if other_lengths(problem) is None else "(S_q*S_kv + (B-1)*r_q*r_kv, r: the rest of T shared)"
     return f"work H*(d_qk+d_v)*{counted} {_work(problem):.2g} <= {bound:.2g}: {reason}"
 
 
@@ -477,8 +477,8 @@ _REFINED = {
 
 
 def pack_work(heads_q: int, head_dim_qk: int, head_dim_v: int, sequences: int, seqlen_q: int, seqlen_kv: int) -> int:
-    """A pack's work bound, ``H * (d_qk + d_v) * sequences * max_seqlen_q * max_seqlen_kv``: its forward's FLOPs up to
-    a constant with every sequence as long as the longest (what the refinements' thresholds compare)."""
+    """``H * (d_qk + d_v) * sequences * seqlen_q * seqlen_kv``: the forward's FLOPs, up to a constant, of ``sequences``
+    sequences of these lengths (summed over a call's sequences: what the refinements' thresholds compare, _work)."""
     return heads_q * (head_dim_qk + head_dim_v) * sequences * seqlen_q * seqlen_kv
 
 
