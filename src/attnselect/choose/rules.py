@@ -255,7 +255,10 @@ PREFERENCES[("sm90", "training", "thd", "small training pack")] = (
 # The H200's calibration (attnselect/data/calibration_sm90_nvidia-h200.json, 16 heads, causal, 4 equal documents,
 # host times on new packings) has varlen_fa2 native ahead of FA4 up to a work of 1.86e10 (64/64 and 128/128) and
 # varlen_fa2 padded up to 1.01e10 (192/128), within the rules' 15% tie band of it up to 1.43e10, FA4 20% ahead at
-# the bound: the one bound for both phases sits between (tests/choose/test_rules.py).
+# the bound: the one bound for both phases sits between (tests/choose/test_rules.py). A pack's work is counted as a
+# prediction estimates it (:func:`_work`), which puts most of the size ladder's 2048-token packs under the bound; on an
+# H100 with FA4 those rungs ran faster on varlen_fa2 than on FA4 on 7 of 8 rung-ways, 1.24-1.76x once the rules chose
+# it (results/h100_ladder_packed_44aaf95_fa4.md, results/h100_ladder_packed_e8d4192_fa4.md).
 SMALL_PACK_WORK = 1.5e10
 PREFERENCES[("sm90", "inference", "thd", "small pack")] = (
     "varlen_fa2",
