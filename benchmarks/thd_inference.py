@@ -13,7 +13,7 @@ issues them all first). Median over the timed steps, p20..p80.
 
 Packings: 1k to 32k tokens a step, documents of 128..1024 or 32..256 tokens, 16 heads, d_qk/d_v 192/128 (MLA) and
 128/128, causal, bf16. Each packing's work bound, ``H * (d_qk + d_v) * sequences * max_seqlen^2`` (the rules' pack
-work, :func:`attnselect.choose.rules.pack_work`), is reported beside it.
+work with every sequence at the longest, :func:`attnselect.choose.rules.pack_work`), is reported beside it.
 """
 
 from __future__ import annotations

@@ -208,9 +208,8 @@ PREFERENCES.update(
 # 128..512-token documents, 1.40 against 2.02; results/h200_thd_crossover.md, equal documents of 128 / 256 / 512
 # tokens, 1.02 / 1.42 / 1.44 against 2.04 / 2.00 / 2.25, at 1024 (work 8.6e10) they trade places between runs, and
 # with more work, 16k of 2048-token documents or 32k of 256..1024, cuDNN leads, 2.16 against 3.36 and 2.26 against
-# 3.50). The work is H * (d_qk + d_v) * the sum of the squared lengths, one sequence at the longest and the others
-# sharing the rest of the tokens (:func:`_work`): 2.7e10 for the 16k pack of 128..512 (51 sequences, the longest 512),
-# about 1.1e11 for the 32k of 256..1024, 1.7e11 for 2048-token documents. Long
+# 3.50). The work bound is H * (d_qk + d_v) * sequences * max_seqlen^2 (the forward's FLOPs with every sequence as
+# long as the longest): 6.7e10 for the 16k pack of 128..512 (51 sequences), 1.7e11 for 2048-token documents. Long
 # documents in a small pack are below it too: 1024 tokens in 1 to 8 documents (up to 1000 tokens long), 128/128,
 # training without FA4 on an H100, attention() took 1660.2 us a call where the frontend served 92 of the 150
 # packings (those with a document over 512 tokens, before this table took them) against varlen_attn's 609.5
@@ -235,17 +234,18 @@ PREFERENCES[("sm90", "training", "thd", "small training pack")] = (
 # as many queries as keys in every sequence, causal, no grouped heads, head dims up to 192): the cuDNN frontend's and
 # FA4's packed forwards are host-bound there, so torch's packed FlashAttention-2 (varlen_fa2) serves the loop faster.
 # results/h200_thd_inference.md (no FA4) and _fa4.md, measured through varlen_attn, 16 heads, a new packing every
-# step, 8 calls a step, on the configurations below the bound (1k-4k tokens), wall us a call: the frontend 241-574
+# step, 8 calls a step, on the configurations below the bound counted as every sequence at the longest (1k-4k
+# tokens), wall us a call: the frontend 241-574
 # and FA4 162-317 while their GPU time is 15-65, varlen_attn 128-335 (native on 128/128, V padded on 192/128;
 # 1.6-2.6x the frontend's speed in the run without FA4). FA4 native matches varlen padded on 192/128 (286-317 against
 # 296-322) and trails varlen native on 128/128 (162-181 against 125-140). The frontend leads from 16k tokens on
-# 192/128 and from 32k on 128/128. Below the bound the GPU time given up for varlen is at most 32 us a call (128/128
-# at 1k tokens: 47 against FA4's 16); the bound counts heads, so a 128-head model meets it with an eighth of the
-# tokens. results/h200_thd_inference_aten.md, varlen_fa2 on the op under varlen_attn: on the packs where the default
-# chose it alone (1k-4k tokens of 32..256-token documents, 1k of 128..1024) it takes 82-143 us a call against the
-# frontend's 287-466 in the same run. Under capture a graph replays without host
-# time: the general order (FA4 where installed, which then compiles on its first call inside the capture if the
-# eager warm-up ran varlen_fa2).
+# 192/128 and from 32k on 128/128. Below the bound so counted the GPU time given up for varlen is at most 32 us a
+# call (128/128 at 1k tokens: 47 against FA4's 16); the bound counts heads, so a 128-head model meets it with an
+# eighth of the tokens. results/h200_thd_inference_aten.md, varlen_fa2 on the op under varlen_attn: on the packs
+# where the default chose it alone (1k-4k tokens of 32..256-token documents, 1k of 128..1024) it takes 82-143 us a
+# call against the frontend's 287-466 in the same run. Under capture a graph replays without host time: the general
+# order (FA4 where installed, which then compiles on its first call inside the capture if the eager warm-up ran
+# varlen_fa2).
 # In training, the same bound: FA4's packed forward+backward spends about 290 us of host time a call. 1024 tokens in 1
 # to 8 documents, 128/128, a new packing a call, on an H100: FA4's flash_attn_varlen_func 290.2 us a call against
 # aten._flash_attention_forward's and backward's 116.4, and attention() 362.8 on FA4 against 156.5 on varlen_fa2
@@ -255,11 +255,18 @@ PREFERENCES[("sm90", "training", "thd", "small training pack")] = (
 # The H200's calibration (attnselect/data/calibration_sm90_nvidia-h200.json, 16 heads, causal, 4 equal documents,
 # host times on new packings) has varlen_fa2 native ahead of FA4 up to a work of 1.86e10 (64/64 and 128/128) and
 # varlen_fa2 padded up to 1.01e10 (192/128), within the rules' 15% tie band of it up to 1.43e10, FA4 20% ahead at
-# the bound: the one bound for both phases sits between (tests/choose/test_rules.py). A pack's work is counted as a
-# prediction estimates it (:func:`_work`), which puts most of the size ladder's 2048-token packs under the bound; on an
-# H100 with FA4 those rungs ran faster on varlen_fa2 than on FA4 on 7 of 8 rung-ways, 1.24-1.76x once the rules chose
-# it (results/h100_ladder_packed_44aaf95_fa4.md, results/h100_ladder_packed_e8d4192_fa4.md).
+# the bound: the one bound for both phases sits between (tests/choose/test_rules.py).
+# A pack of up to SMALL_PACK_HEAD_TOKENS query rows x heads (8k tokens at 16 heads) has its work counted as a
+# prediction estimates it (:func:`_pack_estimate`), not as every sequence at the longest: a few long documents and
+# many short ones are not taken for many long ones. Replayed through the rules, the estimate moves 9 of the
+# configurations of results/h200_thd_inference*.json (2k-8k tokens) to varlen_fa2, each faster there by wall time,
+# the GPU time given up up to 76 us a call; the size ladder's 2048-token packs too, where on an H100 with FA4 the
+# rungs ran 1.25-1.76x faster once on varlen_fa2 (results/h100_ladder_packed2048_44aaf95_fa4.md against
+# results/h100_ladder_packed_e8d4192_fa4.md, one machine). At 16k tokens of 32..256-token documents it would move
+# those too, and there varlen_fa2 with V padded took 0.86x the frontend's speed (192/128, no FA4): larger packs keep
+# the count above (tests/choose/test_rules.py replays both).
 SMALL_PACK_WORK = 1.5e10
+SMALL_PACK_HEAD_TOKENS = 8192 * 16
 PREFERENCES[("sm90", "inference", "thd", "small pack")] = (
     "varlen_fa2",
     "flash_attn4",
@@ -394,20 +401,39 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
 
 
 def _work(problem: AttentionProblem) -> int:
-    """:func:`pack_work`, a packed call's sequences at the lengths a prediction estimates them at
-    (:func:`attnselect.choose.predict.other_lengths`: one at the longest, the others sharing the rest of q's rows
-    evenly; a causal pack's work is 1.0-1.9x that estimate over the size ladder's and the calibration's seeded packings,
-    results/cpu_packed_work_estimates.md), or every sequence at the longest where q's rows are not known."""
-    others = other_lengths(problem)
-    if others is None:
-        return pack_work(*_dims(problem), problem.batch, problem.seqlen_q, problem.seqlen_kv)
-    return pack_work(*_dims(problem), 1, problem.seqlen_q, problem.seqlen_kv) + pack_work(
-        *_dims(problem), problem.batch - 1, *others
+    """:func:`pack_work`; a packed call of as many queries as keys in every sequence whose q holds T tokens (rows)
+    does at most one T-token sequence's work (the sum of squared lengths is at most their sum squared), so its
+    work is capped there: a pack of one long document and a few short ones is not taken for several long ones (1024
+    tokens in 5 documents, the longest 856, counted 5x a 1024-token sequence's work without the cap)."""
+    work = pack_work(
+        problem.heads_q, problem.head_dim_qk, problem.head_dim_v, problem.batch, problem.seqlen_q, problem.seqlen_kv
     )
+    if _capped_at_tokens(problem):
+        return min(work, pack_work(problem.heads_q, problem.head_dim_qk, problem.head_dim_v, 1, problem.tokens,
+                                   problem.tokens))  # fmt: skip
+    return work
 
 
-def _dims(problem: AttentionProblem) -> tuple[int, int, int]:
-    return problem.heads_q, problem.head_dim_qk, problem.head_dim_v
+def _capped_at_tokens(problem: AttentionProblem) -> bool:
+    return problem.layout == "thd" and bool(problem.tokens) and problem.square
+
+
+def _pack_estimate(problem: AttentionProblem) -> int:
+    """The "small pack" test's work: a pack of at most :data:`SMALL_PACK_HEAD_TOKENS` query rows x heads counted as a
+    prediction estimates it (:func:`attnselect.choose.predict.other_lengths`: one sequence at the longest lengths, the
+    others sharing the rest of q's rows evenly; a causal pack's exact work is 1.0-1.9x that over the size ladder's and
+    the calibration's seeded packings, results/cpu_packed_work_estimates.md), the longest no longer than q's rows (a
+    max_seqlen passed as a loose bound, as TransformerEngine's fixed one, is not a sequence that long); else, and where
+    q's rows are not known, :func:`_work`."""
+    if not _estimated(problem):
+        return _work(problem)
+    heads, dims, tokens = problem.heads_q, (problem.head_dim_qk, problem.head_dim_v), problem.tokens
+    longest = pack_work(heads, *dims, 1, min(problem.seqlen_q, tokens), min(problem.seqlen_kv, tokens))
+    return longest + pack_work(heads, *dims, problem.batch - 1, *other_lengths(problem))
+
+
+def _estimated(problem: AttentionProblem) -> bool:
+    return other_lengths(problem) is not None and problem.tokens * problem.heads_q <= SMALL_PACK_HEAD_TOKENS
 
 
 _REFINEMENTS = (
@@ -420,7 +446,7 @@ _REFINEMENTS = (
             and p.mask in ("causal", "causal_bottom_right")
             and p.heads_q == p.heads_kv
             and max(p.head_dim_qk, p.head_dim_v) <= 192
-            and _work(p) <= SMALL_PACK_WORK
+            and _pack_estimate(p) <= SMALL_PACK_WORK
         ),
     ),
     (
@@ -468,8 +494,12 @@ def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
     bound, reason = _REFINEMENT_REASONS.get(key[-1], (None, ""))
     if bound is None:
         return reason
-    counted = "B*S_q*S_kv" if other_lengths(problem) is None else "(S_q*S_kv + (B-1)*r_q*r_kv, r: the rest of T shared)"
-    return f"work H*(d_qk+d_v)*{counted} {_work(problem):.2g} <= {bound:.2g}: {reason}"
+    if key[-1] == "small pack" and _estimated(problem):
+        counted, work = "(S_q*S_kv + (B-1)*r_q*r_kv, r: the rest of T shared)", _pack_estimate(problem)
+    else:
+        counted = "min(B*S_q*S_kv, T^2)" if _capped_at_tokens(problem) else "B*S_q*S_kv"
+        work = _work(problem)
+    return f"work H*(d_qk+d_v)*{counted} {work:.2g} <= {bound:.2g}: {reason}"
 
 
 # Per table key without a refinement: the refined tables it has, with their tests, in _REFINEMENTS' order
@@ -481,7 +511,7 @@ _REFINED = {
 
 def pack_work(heads_q: int, head_dim_qk: int, head_dim_v: int, sequences: int, seqlen_q: int, seqlen_kv: int) -> int:
     """``H * (d_qk + d_v) * sequences * seqlen_q * seqlen_kv``: the forward's FLOPs, up to a constant, of ``sequences``
-    sequences of these lengths (summed over a call's sequences: what the refinements' thresholds compare, _work)."""
+    sequences of these lengths (what the refinements' thresholds compare: :func:`_work`, :func:`_pack_estimate`)."""
     return heads_q * (head_dim_qk + head_dim_v) * sequences * seqlen_q * seqlen_kv
 
 
