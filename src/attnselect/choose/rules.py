@@ -425,15 +425,17 @@ def _pack_estimate(problem: AttentionProblem) -> int:
     the calibration's seeded packings, results/cpu_packed_work_estimates.md), the longest no longer than q's rows (a
     max_seqlen passed as a loose bound, as TransformerEngine's fixed one, is not a sequence that long); else, and where
     q's rows are not known, :func:`_work`."""
-    if not _estimated(problem):
+    others = _estimated_lengths(problem)
+    if others is None:
         return _work(problem)
     heads, dims, tokens = problem.heads_q, (problem.head_dim_qk, problem.head_dim_v), problem.tokens
     longest = pack_work(heads, *dims, 1, min(problem.seqlen_q, tokens), min(problem.seqlen_kv, tokens))
-    return longest + pack_work(heads, *dims, problem.batch - 1, *other_lengths(problem))
+    return longest + pack_work(heads, *dims, problem.batch - 1, *others)
 
 
-def _estimated(problem: AttentionProblem) -> bool:
-    return other_lengths(problem) is not None and problem.tokens * problem.heads_q <= SMALL_PACK_HEAD_TOKENS
+def _estimated_lengths(problem: AttentionProblem) -> tuple[int, int] | None:
+    """:func:`attnselect.choose.predict.other_lengths` for a pack :func:`_pack_estimate` estimates, else None."""
+    return other_lengths(problem) if problem.tokens * problem.heads_q <= SMALL_PACK_HEAD_TOKENS else None
 
 
 _REFINEMENTS = (
@@ -494,7 +496,7 @@ def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
     bound, reason = _REFINEMENT_REASONS.get(key[-1], (None, ""))
     if bound is None:
         return reason
-    if key[-1] == "small pack" and _estimated(problem):
+    if key[-1] == "small pack" and _estimated_lengths(problem) is not None:
         counted, work = "(S_q*S_kv + (B-1)*r_q*r_kv, r: the rest of T shared)", _pack_estimate(problem)
     else:
         counted = "min(B*S_q*S_kv, T^2)" if _capped_at_tokens(problem) else "B*S_q*S_kv"
