@@ -263,8 +263,8 @@ PREFERENCES[("sm90", "training", "thd", "small training pack")] = (
 # the GPU time given up up to 76 us a call; the size ladder's 2048-token packs too, where on an H100 with FA4 the
 # rungs ran 1.25-1.76x faster once on varlen_fa2 (results/h100_ladder_packed2048_44aaf95_fa4.md against
 # results/h100_ladder_packed_e8d4192_fa4.md, one machine). At 16k tokens of 32..256-token documents it would move
-# those too, and there varlen_fa2 with V padded took 0.86x the frontend's speed (192/128, no FA4): larger packs keep
-# the count above (tests/choose/test_rules.py replays both).
+# those too, and there varlen_fa2 with V padded took 0.86x the frontend's speed (192/128, no FA4; native on 128/128
+# it was 1.33x): larger packs keep the count above (tests/choose/test_rules.py replays both).
 SMALL_PACK_WORK = 1.5e10
 SMALL_PACK_HEAD_TOKENS = 8192 * 16
 PREFERENCES[("sm90", "inference", "thd", "small pack")] = (
@@ -404,7 +404,7 @@ def _work(problem: AttentionProblem) -> int:
     """:func:`pack_work`; a packed call of as many queries as keys in every sequence whose q holds T tokens (rows)
     does at most one T-token sequence's work (the sum of squared lengths is at most their sum squared), so its
     work is capped there: a pack of one long document and a few short ones is not taken for several long ones (1024
-    tokens in 5 documents, the longest 856, counted 5x a 1024-token sequence's work without the cap)."""
+    tokens in 5 documents, the longest 856, counted 3.5x a 1024-token sequence's work without the cap)."""
     work = pack_work(
         problem.heads_q, problem.head_dim_qk, problem.head_dim_v, problem.batch, problem.seqlen_q, problem.seqlen_kv
     )
@@ -419,18 +419,18 @@ def _capped_at_tokens(problem: AttentionProblem) -> bool:
 
 
 def _pack_estimate(problem: AttentionProblem) -> int:
-    """The "small pack" test's work: a pack of at most :data:`SMALL_PACK_HEAD_TOKENS` query rows x heads counted as a
-    prediction estimates it (:func:`attnselect.choose.predict.other_lengths`: one sequence at the longest lengths, the
-    others sharing the rest of q's rows evenly; a causal pack's exact work is 1.0-1.9x that over the size ladder's and
-    the calibration's seeded packings, results/cpu_packed_work_estimates.md), the longest no longer than q's rows (a
-    max_seqlen passed as a loose bound, as TransformerEngine's fixed one, is not a sequence that long); else, and where
-    q's rows are not known, :func:`_work`."""
+    """The "small pack" test's work: for a pack of at most :data:`SMALL_PACK_HEAD_TOKENS` query rows x heads, the least
+    of :func:`_work` and the count a prediction estimates (:func:`attnselect.choose.predict.other_lengths`: one
+    sequence at the longest lengths, the others sharing the rest of q's rows evenly; a causal pack's exact work is
+    1.0-1.9x that over the size ladder's and the calibration's seeded packings, results/cpu_packed_work_estimates.md);
+    else, and where q's rows are not known, :func:`_work`."""
     others = _estimated_lengths(problem)
+    work = _work(problem)
     if others is None:
-        return _work(problem)
-    heads, dims, tokens = problem.heads_q, (problem.head_dim_qk, problem.head_dim_v), problem.tokens
-    longest = pack_work(heads, *dims, 1, min(problem.seqlen_q, tokens), min(problem.seqlen_kv, tokens))
-    return longest + pack_work(heads, *dims, problem.batch - 1, *others)
+        return work
+    heads, dims = problem.heads_q, (problem.head_dim_qk, problem.head_dim_v)
+    estimate = pack_work(heads, *dims, 1, problem.seqlen_q, problem.seqlen_kv)
+    return min(work, estimate + pack_work(heads, *dims, problem.batch - 1, *others))
 
 
 def _estimated_lengths(problem: AttentionProblem) -> tuple[int, int] | None:
@@ -497,7 +497,8 @@ def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
     if bound is None:
         return reason
     if key[-1] == "small pack" and _estimated_lengths(problem) is not None:
-        counted, work = "(S_q*S_kv + (B-1)*r_q*r_kv, r: the rest of T shared)", _pack_estimate(problem)
+        counted = "min(B*S_q*S_kv, T^2, S_q*S_kv + (B-1)*r_q*r_kv: r the rest of T shared)"
+        work = _pack_estimate(problem)
     else:
         counted = "min(B*S_q*S_kv, T^2)" if _capped_at_tokens(problem) else "B*S_q*S_kv"
         work = _work(problem)
