@@ -408,9 +408,9 @@ def noise(results: list[dict], found: dict) -> dict | None:
     for name, goal in found.items():
         misses = [r for r in goal.get("rows", []) if "speed" in r and r["speed"] < 0.97]
         if misses and not name.startswith("unmeasured"):
-            judged = [r for r in misses if (r["rung"], r["way"]) in spread]
-            inside = [r for r in judged if r["speed"] >= min(ratio := spread[r["rung"], r["way"]], 1 / ratio)]
-            within[name] = {"misses": len(misses), "within": len(inside), "unjudged": len(misses) - len(judged)}
+            spread_known = [r for r in misses if (r["rung"], r["way"]) in spread]
+            inside = [r for r in spread_known if r["speed"] >= min(ratio := spread[r["rung"], r["way"]], 1 / ratio)]
+            within[name] = {"misses": len(misses), "within": len(inside), "unjudged": len(misses) - len(spread_known)}
     rows = [{"rung": rung, "way": way, "again": ratio} for (rung, way), ratio in spread.items()]
     return {"rows": rows, "least": min(spread.values()), "most": max(spread.values()), "within": within}
 

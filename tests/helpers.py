@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import pathlib
+import sys
+
 import torch
 
 import attnselect
@@ -182,3 +186,13 @@ def calibration_sample(target: Target = CALIBRATED_H200, **changes) -> dict:
     }
     data.update(changes)
     return data
+
+
+def benchmark_module(name: str):
+    """A module of benchmarks/ (they import one another by bare name)."""
+    benchmarks = str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(benchmarks)

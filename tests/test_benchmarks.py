@@ -15,17 +15,12 @@ import pytest
 import torch
 
 from attnselect.spec.problem import AttentionProblem
+from helpers import benchmark_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _benchmark(name: str):
-    """A module of benchmarks/ (they import one another by bare name)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+_benchmark = benchmark_module
 
 
 def _run(*args):

@@ -11,7 +11,7 @@ import attnselect
 from attnselect import AttentionProblem, Candidate, Target
 from attnselect.choose import predict, rules
 from attnselect.spec.options import CallOptions
-from helpers import MLA, verdict
+from helpers import MLA, benchmark_module, verdict
 
 
 @pytest.mark.parametrize("preset", ["h100", "h200"])
@@ -422,18 +422,12 @@ def test_the_small_pack_bound_sits_where_the_h200_inference_loop_measured_it():
     at most 76 us of GPU time a call; the 16k-token packs of 32..256-token documents stay out of it (there varlen_fa2
     with V padded took 0.86x the frontend's speed, 192/128 without FA4); above 1e11 the frontend led varlen_attn."""
     import collections
-    import importlib
     import json
     import pathlib
     import random
-    import sys
 
     root = pathlib.Path(__file__).parents[2]
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        thd_inference = importlib.import_module("thd_inference")
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
+    thd_inference = benchmark_module("thd_inference")
     taken = above = 0
     for name, fa4 in (("h200_thd_inference.json", False), ("h200_thd_inference_fa4.json", True)):
         report = json.loads((root / "results" / name).read_text())
