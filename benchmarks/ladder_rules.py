@@ -12,10 +12,13 @@ row's at that rung and way (1.0: it picked the fastest). Rules:
 
 - ``max``: the least ``max(host, GPU)`` (a stack overlapping the host's work with the GPU's whole);
 - ``sum``: the least ``host + GPU`` (a call alone waits for both);
+- ``alone``: the least ``Prediction.alone_us`` (``sum`` less, in training, the backward's host time the forward's
+  GPU time hides: ``attnselect.choose.predict.Curve.forward``);
 - ``stack``: the least ``Prediction.total_us`` (what attnselect ranks by: ``max`` and part of the shorter,
   ``attnselect.choose.predict.UNHIDDEN``);
-- ``max, sum within B`` and ``stack, sum within B``: among the candidates whose ``max`` (``stack``) is within B (a
-  fraction) of the least, the least ``sum`` (attnselect settles ties so: ``stack`` within ``rules.TIE_BAND``);
+- ``max, sum within B``, ``stack, sum within B`` and ``stack, alone within B``: among the candidates whose ``max``
+  (``stack``) is within B (a fraction) of the least, the least ``sum`` (``alone``); attnselect settles ties so:
+  ``stack`` within ``rules.TIE_BAND``, by ``alone``;
 - ``one choice in hindsight``: the candidate whose worse way scores best, chosen from the measured times (no rule
   can do better with one choice for both ways: where it scores below 0.97 in either way, the ladder's goal of 0.97x
   the fastest row on every rung-way is out of reach of any choice that does not know how the call is waited on).
@@ -23,8 +26,9 @@ row's at that rung and way (1.0: it picked the fastest). Rules:
 Each rule is scored per way and on both (a rung's worse way; the tables count rungs). Packed rungs are left out:
 their choice is made per packing, and the ladder times each row over many packings. Also how well the predictions
 fit the forced rows' times: the median and root mean square of log(measured / predicted), alone against host + GPU
-and in a stack against ``max(host, GPU)`` and ``max + b * min`` (the overlap of a stack's host and GPU work being
-partial), over every row and over those where neither time is twice the other. Writes ``--out``.json (every pick)
+and ``alone`` (over every row and the training rows) and in a stack against ``max(host, GPU)`` and
+``max + b * min`` (the overlap of a stack's host and GPU work being partial), over every row and over those where
+neither time is twice the other. Writes ``--out``.json (every pick)
 and .md (per rule and way: the geometric mean of the scores, the worst, and how many rungs are within 3% of the
 fastest; the fit). Several ladders are pooled, each judged with FlashAttention-4 installed or not as it ran.
 """
@@ -64,18 +68,19 @@ def predictions(rung: dict, target) -> dict:
 
 RANKED_BY = {
     "max": lambda p: max(p.host_us, p.gpu_us),
-    "sum": lambda p: p.alone_us,
+    "sum": lambda p: p.host_us + p.gpu_us,
+    "alone": lambda p: p.alone_us,
     "stack": lambda p: p.total_us,
 }
 
 
-def pick(rule: str, band: float, predicted: dict) -> str:
+def pick(rule: str, band: float, predicted: dict, settle: str = "sum") -> str:
     """``rule`` (a key of :data:`RANKED_BY`) picks among ``predicted``; with a ``band``, the candidates within it of
-    the least go by the sum."""
+    the least go by ``settle`` (a key of :data:`RANKED_BY`)."""
     by = RANKED_BY[rule]
     least = min(by(p) for p in predicted.values())
     near = [c for c, p in predicted.items() if by(p) <= least * (1 + band)]
-    return min(near, key=lambda c: predicted[c].alone_us if band else by(predicted[c]))
+    return min(near, key=lambda c: RANKED_BY[settle](predicted[c]) if band else by(predicted[c]))
 
 
 HINDSIGHT = "one choice in hindsight"
@@ -109,11 +114,13 @@ def main() -> None:
     from new_packing_parts import FA4_STAND_IN, _stand_ins
 
     rungs = {ladder_script.rung_name(r): r for r in ladder_script.rungs(False)}
-    rules_ = [("max", 0.0), ("sum", 0.0), ("stack", 0.0), ("max", TIE_BAND)] + [("stack", b) for b in BANDS]
-    rules_.append((HINDSIGHT, 0.0))
+    rules_ = [("max", 0.0, ""), ("sum", 0.0, ""), ("alone", 0.0, ""), ("stack", 0.0, ""), ("max", TIE_BAND, "sum")]
+    rules_ += [("stack", b, settle) for b in BANDS for settle in ("sum", "alone")] + [(HINDSIGHT, 0.0, "")]
     ways = (*ladder_script.WAYS, "both")
-    picks, scores = [], {(rule, band, way): [] for rule, band in rules_ for way in ways}
-    fit = {"latency, host + GPU": []} | {f"stack, max + {b:g} min": [] for b in OVERLAPS}
+    picks, scores = [], {(*rule, way): [] for rule in rules_ for way in ways}
+    fit = {"latency, host + GPU": [], "latency, alone": [], "latency, host + GPU, training rows": [],
+           "latency, alone, training rows": []}  # fmt: skip
+    fit |= {f"stack, max + {b:g} min": [] for b in OVERLAPS}
     fit |= {f"stack, max + {b:g} min, neither time twice the other": [] for b in OVERLAPS}
     devices = []
     for path in a.ladders:
@@ -137,7 +144,11 @@ def main() -> None:
             if len(served) < 2:
                 continue
             for c, p in served.items():
-                fit["latency, host + GPU"].append(math.log(measured["latency"][c] * 1e3 / p.alone_us))
+                for name, predicted_us in (("host + GPU", p.host_us + p.gpu_us), ("alone", p.alone_us)):
+                    error = math.log(measured["latency"][c] * 1e3 / predicted_us)
+                    fit[f"latency, {name}"].append(error)
+                    if rung["phase"] == "training":
+                        fit[f"latency, {name}, training rows"].append(error)
                 for b in OVERLAPS:
                     stacked = max(p.host_us, p.gpu_us) + b * min(p.host_us, p.gpu_us)
                     error = math.log(measured["stack"][c] * 1e3 / stacked)
@@ -145,17 +156,17 @@ def main() -> None:
                     if max(p.host_us, p.gpu_us) < 2 * min(p.host_us, p.gpu_us):  # where the overlap matters most
                         fit[f"stack, max + {b:g} min, neither time twice the other"].append(error)
             fastest = {way: min(times[c] for c in served) for way, times in measured.items()}
-            for rule, band in rules_:
-                chosen = hindsight(measured, served) if rule == HINDSIGHT else pick(rule, band, served)
+            for rule, band, settle in rules_:
+                chosen = hindsight(measured, served) if rule == HINDSIGHT else pick(rule, band, served, settle)
                 both = 1.0
                 for way, times in measured.items():
                     score = fastest[way] / times[chosen]
                     both = min(both, score)
-                    scores[(rule, band, way)].append(score)
+                    scores[(rule, band, settle, way)].append(score)
                     picks.append({"ladder": path, "rung": entry["rung"], "way": way, "rule": rule, "band": band,
-                                  "chosen": chosen, "ms": times[chosen], "fastest_ms": fastest[way],
-                                  "score": score})  # fmt: skip
-                scores[(rule, band, "both")].append(both)
+                                  "settled_by": settle, "chosen": chosen, "ms": times[chosen],
+                                  "fastest_ms": fastest[way], "score": score})  # fmt: skip
+                scores[(rule, band, settle, "both")].append(both)
     lines = [
         "# How predicted host and GPU times combine, judged on size ladders' forced rows\n",
         f"`benchmarks/ladder_rules.py {' '.join(a.ladders)}`, {time.strftime('%F')}, on {os.cpu_count()} CPU cores "
@@ -169,10 +180,10 @@ def main() -> None:
         "| rule | way | geometric mean | worst | within 3% of the fastest |",
         "|---|---|---|---|---|",
     ]
-    for (rule, band, way), found in scores.items():
+    for (rule, band, settle, way), found in scores.items():
         if not found:
             continue
-        name = f"{rule}, sum within {band:.0%}" if band else rule
+        name = f"{rule}, {settle} within {band:.0%}" if band else rule
         good = sum(s >= 0.97 for s in found)
         lines.append(f"| {name} | {way} | {geometric_mean(found):.3f} | {min(found):.3f} | {good} of {len(found)} |")
     lines += [

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -694,11 +693,14 @@ def test_torchtitan_steps_smoke(tmp_path):
 
 
 def test_the_readme_performance_table_is_the_ladder_s():
-    """README.md's size-ladder table is benchmarks/ladder.py's readme_table of the committed run, line for line."""
-    spec = importlib.util.spec_from_file_location("ladder", ROOT / "benchmarks" / "ladder.py")
-    ladder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ladder)
-    report = json.loads((ROOT / "results" / "h200_ladder_20c9c6a_fa4.json").read_text())
+    """README.md's size-ladder table is benchmarks/ladder.py's readme_table of the committed run (its four parts,
+    every rung once, in the ladder's order), line for line."""
+    ladder = _benchmark("ladder")
+    parts = [json.loads((ROOT / "results" / f"h200_ladder_{part}_94ce3f9_fa4.json").read_text())["results"]
+             for part in ("small", "medium", "packed", "large")]  # fmt: skip
+    order = [ladder.rung_name(r) for r in ladder.rungs(False)]
+    report = {"results": sorted((entry for part in parts for entry in part), key=lambda e: order.index(e["rung"]))}
+    assert [e["rung"] for e in report["results"]] == order
     table = "\n".join("  " + line for line in ladder.readme_table(report).splitlines())
     assert table in (ROOT / "README.md").read_text()
     assert table.count("\n") == 1 + sum(" 192/128 " in e["rung"] for e in report["results"])
@@ -724,18 +726,20 @@ def test_ladder_rules_scores_each_rule_s_picks_on_committed_ladders(tmp_path):
     picks = json.loads((tmp_path / "rules.json").read_text())["picks"]
     assert picks and all(0 < p["score"] <= 1 and p["fastest_ms"] <= p["ms"] for p in picks)
     assert {p["ladder"] for p in picks} == set(ladders)
-    rules = {(p["rule"], p["band"]) for p in picks}
-    assert {("max", 0.0), ("sum", 0.0), ("stack", 0.0), ("stack", TIE_BAND), ("one choice in hindsight", 0.0)} <= rules
-    per_rule = {rule: sum(1 for p in picks if (p["rule"], p["band"]) == rule) for rule in rules}
+    rules = {(p["rule"], p["band"], p["settled_by"]) for p in picks}
+    assert {("max", 0.0, ""), ("sum", 0.0, ""), ("alone", 0.0, ""), ("stack", 0.0, ""), ("stack", TIE_BAND, "sum"),
+            ("stack", TIE_BAND, "alone"), ("one choice in hindsight", 0.0, "")} <= rules  # fmt: skip
+    per_rule = {rule: sum(1 for p in picks if (p["rule"], p["band"], p["settled_by"]) == rule) for rule in rules}
     assert len(set(per_rule.values())) == 1  # every rule scored on the same rung-ways
     worse = {}
     for p in picks:
-        key = (p["ladder"], p["rung"], p["rule"], p["band"])
+        key = (p["ladder"], p["rung"], p["rule"], p["band"], p["settled_by"])
         worse[key] = min(worse.get(key, 1.0), p["score"])
-    for (ladder, rung, _, _), score in worse.items():
-        assert worse[(ladder, rung, "one choice in hindsight", 0.0)] >= score
+    for (ladder, rung, *_), score in worse.items():
+        assert worse[(ladder, rung, "one choice in hindsight", 0.0, "")] >= score
     text = (tmp_path / "rules.md").read_text()
-    assert "| stack, sum within 15% | both |" in text and "| stack, max + 0.25 min |" in text
+    assert "| stack, sum within 15% | both |" in text and "| stack, alone within 15% | both |" in text
+    assert "| stack, max + 0.25 min |" in text and "| latency, alone, training rows |" in text
 
 
 def test_first_calls_probe_splits_start_up_configuration_and_size():

@@ -111,6 +111,57 @@ def test_a_candidate_s_curve_predicts_at_every_size_what_its_problem_at_that_siz
             assert curve is None or curve.at_class(predict.work_class(problem)) == expected
 
 
+def _with_forward(data: dict) -> dict:
+    """``data`` with sdpa_cudnn's dense 192/128 inference curve: its training calls' forward share."""
+    data["gpu"]["sdpa_cudnn"]["dense 192/128 inference"] = [[10.0, 6.0], [1e4, 300.0]]
+    return data
+
+
+def test_a_training_call_alone_hides_its_backward_s_host_time_behind_its_forward_s_gpu_time():
+    """Alone, a training call issues its backward while its forward runs: it waits for the forward's host time, the
+    longer of the forward's GPU time and the backward's host time, then the backward's GPU time (predict.Curve
+    .forward: training's host time less inference's, the inference curve at the same work)."""
+    data = _with_forward(sample())
+    c = Candidate("sdpa_cudnn")
+    backward_host = 60.0 - 25.0
+    for seqlen in (64, 700, 5000, 40000):
+        problem = AttentionProblem(1, seqlen, seqlen, 16, 16, 192, 128, mask="causal", training=True,
+                                   dtype=torch.bfloat16)  # fmt: skip
+        at = predict.class_work(predict.work_class(problem))
+        forward_gpu = predict._along(data["gpu"]["sdpa_cudnn"]["dense 192/128 inference"], at)
+        got = predict.predict(c, problem, data)
+        assert got.hidden_us == pytest.approx(min(backward_host, forward_gpu))
+        assert got.alone_us == pytest.approx(25.0 + max(forward_gpu, backward_host) + got.gpu_us - forward_gpu)
+        assert got.total_us == predict.predict(c, problem, sample()).total_us  # a stack's time: unchanged
+        inference = predict.predict(c, dataclasses.replace(problem, training=False), data)
+        assert inference.hidden_us == 0.0 and inference.alone_us == inference.host_us + inference.gpu_us
+    problem = AttentionProblem(1, 5000, 5000, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    assert predict.predict(c, problem, data).hidden_us == backward_host  # the forward's GPU time is the longer
+    # nothing to hide by without the inference curve (flash_attn4 here) or host time, or in a captured call
+    assert predict.predict(Candidate("flash_attn4"), problem, data).hidden_us == 0.0
+    no_host = _with_forward(sample())
+    del no_host["host_us"]["sdpa_cudnn"]["dense inference"]
+    assert predict.predict(c, problem, no_host).hidden_us == 0.0
+    captured = predict.predict(c, dataclasses.replace(problem, cuda_graph_capture=True), data)
+    assert captured.hidden_us == 0.0 and captured.alone_us == captured.gpu_us
+
+
+def test_a_tie_goes_to_the_candidate_whose_backward_host_time_its_forward_hides():
+    """rules.settled: two candidates within the tie band, the one with the more host time faster alone once its
+    backward's host time hides behind its forward's GPU time (the H200 ladders' B1 S8k 192/128 training: FA4 against
+    sdpa_cudnn, results/cpu_ladder_rules_hidden.md)."""
+    from attnselect.choose import rules
+
+    a, b = Candidate("flash_attn4"), Candidate("sdpa_cudnn")
+    lean = predict.Prediction(342.0, 2588.8, "test", None, 0.0)
+    predicted = {a: predict.Prediction(576.5, 2448.0, "test", None, 0.0), b: lean}
+    assert predicted[a].total_us < lean.total_us and predicted[a].alone_us > lean.alone_us
+    assert list(rules.settled([a, b], predicted)) == [b, a]  # by host + GPU: sdpa_cudnn
+    hiding = predict.Prediction(576.5, 2448.0, "test", None, 482.0)
+    predicted = {a: hiding, b: dataclasses.replace(lean, hidden_us=307.4)}
+    assert list(rules.settled([a, b], predicted)) == [a, b]
+
+
 def test_a_prediction_is_the_longer_of_host_and_gpu_and_a_quarter_of_the_shorter():
     """In a stack of layers the shorter of host and GPU time hides behind the longer but for predict.UNHIDDEN of it;
     alone, a call waits for both."""
@@ -328,3 +379,46 @@ def test_a_packed_call_s_host_time_is_spread_over_the_calls_that_share_its_packi
 def test_a_calibration_without_packed_curves_leaves_packed_calls_to_the_table(calibrated):
     decision = attnselect.select(PACKED, target=H200)
     assert decision.predictions is None and "has no curve for flash_attn4" in decision.calibration
+
+
+def test_the_packaged_calibration_ranks_the_ladder_s_long_mla_training_calls_as_they_ran(tmp_path, monkeypatch):
+    """On the H200 ladder at 94ce3f9, B1 S8k and S16k 192/128 training ran faster on FA4 than on sdpa_cudnn both alone
+    and in a stack; predicted within the tie band, the time alone settles them on FA4 once its backward's host time
+    hides behind its forward's GPU time (by host + GPU, sdpa_cudnn: what the ladder's default ran)."""
+    import json
+    import pathlib
+
+    from attnselect.choose import first_calls, rules
+
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))  # the packaged calibration
+    calibration._parsed.cache_clear()
+    attnselect.clear_cache()
+    packaged = Target.preset("h200", packages={"flash-attn-4": "4.0.0b36", "nvidia-cudnn-frontend": "1.32.0"},
+                             torch_version="2.11.0+cu130")  # fmt: skip
+    results = pathlib.Path(__file__).parents[2] / "results"
+    parts = (json.loads((results / f"h200_ladder_{name}_94ce3f9_fa4.json").read_text()) for name in ("medium", "large"))
+    rungs = {entry["rung"]: entry for part in parts for entry in part["results"]}
+    for seqlen in (8192, 16384):
+        stats = rungs[f"bshd B1 S{seqlen} 192/128 training"]["stats"]
+        for way in ("latency", "stack"):
+            assert stats[way]["forced flash_attn4 native"]["median"] < stats[way]["forced sdpa_cudnn native"]["median"]
+        problem = AttentionProblem(1, seqlen, seqlen, 16, 16, 192, 128, mask="causal", training=True,
+                                   dtype=torch.bfloat16)  # fmt: skip
+        for c in attnselect.select(problem, target=packaged).ranked:  # the ladder's warm-up paid every compile
+            first_calls.ran(c, problem)
+        decision = attnselect.select(problem, target=packaged)
+        assert decision.chosen == Candidate("flash_attn4"), decision.why
+        fa4, cudnn = (decision.predictions[Candidate(b)] for b in ("flash_attn4", "sdpa_cudnn"))
+        assert cudnn.total_us <= fa4.total_us * (1 + rules.TIE_BAND)  # a tie, settled alone
+        assert fa4.alone_us < cudnn.alone_us and fa4.host_us + fa4.gpu_us > cudnn.host_us + cudnn.gpu_us
+    # B1 S4k: FA4 the lower in a stack, sdpa_cudnn alone (its rows there: sdpa_cudnn ahead alone, FA4 in a stack); the
+    # tie's reason says what the forward's GPU time hides
+    problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    for c in attnselect.select(problem, target=packaged).ranked:
+        first_calls.ran(c, problem)
+    decision = attnselect.select(problem, target=packaged)
+    hidden = decision.predictions[decision.chosen].hidden_us
+    assert decision.chosen == Candidate("sdpa_cudnn") and hidden > 0
+    assert f"hiding {hidden:.1f} us of its backward's host time" in decision.why
+    first_calls.forget()
+    attnselect.clear_cache()

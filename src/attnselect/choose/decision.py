@@ -59,6 +59,11 @@ class Decision:
                 else f"its predicted time, {mine}, is within {rules.TIE_BAND:.0%} of the lowest of {among}, "
                 f"{lowest}'s {timed[lowest].total_us:.1f} us, and alone, host and GPU in turn, it takes the least of "
                 f"those: {mine.alone_us:.1f} us"
+                + (
+                    f" (its forward's GPU time hiding {mine.hidden_us:.1f} us of its backward's host time)"
+                    if mine.hidden_us
+                    else ""
+                )
             )
         if self.timings:
             timed = {c: t for c, t in self.timings.items() if t is not None}

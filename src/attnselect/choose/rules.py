@@ -608,11 +608,14 @@ def order(
     return key
 
 
-# Predicted times within this fraction of the least are a tie, settled by the call's time alone (host + GPU): a stack
-# of layers overlaps the host's work with the GPU's (the time candidates rank by), a call alone waits for both. On the
-# size ladders' dense rungs, five runs pooled, the picks' speed in a rung's worse way had a geometric mean of 0.965
-# with the band against 0.961 without it and 0.957 by the time alone (benchmarks/ladder_rules.py:
-# results/cpu_ladder_rules_all.md; on 11 of the 84 rungs no one choice came within 3% of the fastest in both ways).
+# Predicted times within this fraction of the least are a tie, settled by the call's time alone (predict.Prediction
+# .alone_us: host + GPU, less in training what the forward's GPU time hides of the backward's host time): a stack of
+# layers overlaps the host's work with the GPU's (the time candidates rank by), a call alone waits for both. On the
+# H200 size ladders' dense rungs, thirteen runs pooled (benchmarks/ladder_rules.py: results/cpu_ladder_rules_hidden.md,
+# 160 rungs), the picks' speed in a rung's worse way had a geometric mean of 0.974 with the band, 133 rungs within 3%
+# of the fastest in both ways, against 0.970 and 131 without it and 0.970 and 125 settling by host + GPU (its 8 rungs
+# of difference: B1 S8k and S16k 192/128 training, where FA4 led sdpa_cudnn both ways by 3-12%); one choice in
+# hindsight: 0.984 and 139.
 TIE_BAND = 0.15
 
 
