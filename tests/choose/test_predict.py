@@ -146,6 +146,42 @@ def test_a_training_call_alone_hides_its_backward_s_host_time_behind_its_forward
     assert captured.hidden_us == 0.0 and captured.alone_us == captured.gpu_us
 
 
+def test_the_hidden_backward_host_time_reads_the_curve_s_own_dims_and_padding_and_dense_calls_alone():
+    """Curve.forward: a padded candidate's inference host time and curve are the padded ones; a call predicted on
+    the nearest calibrated dims reads the inference curve of those dims; the hidden time is at most the GPU time and
+    none where inference's host time is the longer; a packed call alone keeps host + GPU (the ladders scored dense
+    rungs only: results/cpu_ladder_rules_hidden.md)."""
+    data = _with_forward(sample())
+    data["host_us"]["sdpa_cudnn"]["dense+pad inference"] = 70.0
+    data["gpu"]["sdpa_cudnn"]["dense 192/128+pad inference"] = [[10.0, 9.0], [1e4, 5000.0]]
+    long = AttentionProblem(1, 5000, 5000, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
+    padded = predict.predict(Candidate("sdpa_cudnn", 192), long, data)
+    assert padded.hidden_us == pytest.approx(80.0 - 70.0)  # the padded host times, not the native ones (35)
+    short = dataclasses.replace(long, seqlen_q=64, seqlen_kv=64)
+    at = predict.class_work(predict.work_class(short))
+    padded_short = predict.predict(Candidate("sdpa_cudnn", 192), short, data)
+    assert padded_short.hidden_us == pytest.approx(min(10.0, predict._along([[10.0, 9.0], [1e4, 5000.0]], at)))
+    # 128/128 is not calibrated: its curve and forward are the nearest dims', 192/128
+    other_dims = predict.predict(Candidate("sdpa_cudnn"), dataclasses.replace(long, head_dim_qk=128), data)
+    assert "nearest" in other_dims.basis and other_dims.hidden_us == 35.0
+    # the forward's GPU time above the whole call's (a made-up inference curve) hides no more than the call's GPU time
+    slow = _with_forward(sample())
+    slow["host_us"]["sdpa_cudnn"]["dense inference"] = 0.0
+    slow["gpu"]["sdpa_cudnn"]["dense 192/128 inference"] = [[10.0, 1e6], [1e4, 1e7]]
+    bounded = predict.predict(Candidate("sdpa_cudnn"), short, slow)
+    assert bounded.hidden_us == bounded.gpu_us < 60.0
+    inverted = _with_forward(sample())
+    inverted["host_us"]["sdpa_cudnn"]["dense inference"] = 90.0  # above training's 60
+    assert predict.predict(Candidate("sdpa_cudnn"), long, inverted).hidden_us == 0.0
+    packed_data = _with_forward(sample())
+    packed_data["host_us"]["sdpa_cudnn"].update({"thd training": 60.0, "thd inference": 25.0})
+    packed_data["gpu"]["sdpa_cudnn"].update({"thd 192/128 training": [[10.0, 20.0], [1e4, 1000.0]],
+                                             "thd 192/128 inference": [[10.0, 6.0], [1e4, 300.0]]})  # fmt: skip
+    packed = predict.predict(Candidate("sdpa_cudnn"), dataclasses.replace(_packed([3000, 1000, 1000]), training=True),
+                             packed_data)  # fmt: skip
+    assert packed is not None and packed.hidden_us == 0.0 and packed.alone_us == packed.host_us + packed.gpu_us
+
+
 def test_a_tie_goes_to_the_candidate_whose_backward_host_time_its_forward_hides():
     """rules.settled: two candidates within the tie band, the one with the more host time faster alone once its
     backward's host time hides behind its forward's GPU time (the H200 ladders' B1 S8k 192/128 training: FA4 against
@@ -248,7 +284,7 @@ def test_explain_json_holds_each_candidates_predicted_time_and_its_parts(calibra
     assert predicted.host_us == 60.0  # the sample's host time (the report's row shows it too)
     assert row["predicted_us"] == {
         "total": predicted.total_us, "host": predicted.host_us, "gpu": predicted.gpu_us, "alone": predicted.alone_us,
-        "new_packing_host": None, "basis": predicted.basis,
+        "hidden": predicted.hidden_us, "new_packing_host": None, "basis": predicted.basis,
     }  # fmt: skip
     refused = [c for c in data["candidates"] if not c["supported"]]
     assert refused and all("predicted_us" not in c for c in refused)
@@ -385,7 +421,6 @@ def test_the_packaged_calibration_ranks_the_ladder_s_long_mla_training_calls_as_
     """On the H200 ladder at 94ce3f9, B1 S8k and S16k 192/128 training ran faster on FA4 than on sdpa_cudnn both alone
     and in a stack; predicted within the tie band, the time alone settles them on FA4 once its backward's host time
     hides behind its forward's GPU time (by host + GPU, sdpa_cudnn: what the ladder's default ran)."""
-    import json
     import pathlib
 
     from attnselect.choose import first_calls, rules
@@ -398,27 +433,32 @@ def test_the_packaged_calibration_ranks_the_ladder_s_long_mla_training_calls_as_
     results = pathlib.Path(__file__).parents[2] / "results"
     parts = (json.loads((results / f"h200_ladder_{name}_94ce3f9_fa4.json").read_text()) for name in ("medium", "large"))
     rungs = {entry["rung"]: entry for part in parts for entry in part["results"]}
-    for seqlen in (8192, 16384):
-        stats = rungs[f"bshd B1 S{seqlen} 192/128 training"]["stats"]
-        for way in ("latency", "stack"):
-            assert stats[way]["forced flash_attn4 native"]["median"] < stats[way]["forced sdpa_cudnn native"]["median"]
+
+    def warm(seqlen: int):  # the ladder's warm-up paid every compile
         problem = AttentionProblem(1, seqlen, seqlen, 16, 16, 192, 128, mask="causal", training=True,
                                    dtype=torch.bfloat16)  # fmt: skip
-        for c in attnselect.select(problem, target=packaged).ranked:  # the ladder's warm-up paid every compile
+        for c in attnselect.select(problem, target=packaged).ranked:
             first_calls.ran(c, problem)
-        decision = attnselect.select(problem, target=packaged)
-        assert decision.chosen == Candidate("flash_attn4"), decision.why
-        fa4, cudnn = (decision.predictions[Candidate(b)] for b in ("flash_attn4", "sdpa_cudnn"))
-        assert cudnn.total_us <= fa4.total_us * (1 + rules.TIE_BAND)  # a tie, settled alone
-        assert fa4.alone_us < cudnn.alone_us and fa4.host_us + fa4.gpu_us > cudnn.host_us + cudnn.gpu_us
-    # B1 S4k: FA4 the lower in a stack, sdpa_cudnn alone (its rows there: sdpa_cudnn ahead alone, FA4 in a stack); the
-    # tie's reason says what the forward's GPU time hides
-    problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
-    for c in attnselect.select(problem, target=packaged).ranked:
-        first_calls.ran(c, problem)
-    decision = attnselect.select(problem, target=packaged)
-    hidden = decision.predictions[decision.chosen].hidden_us
-    assert decision.chosen == Candidate("sdpa_cudnn") and hidden > 0
-    assert f"hiding {hidden:.1f} us of its backward's host time" in decision.why
-    first_calls.forget()
-    attnselect.clear_cache()
+        return attnselect.select(problem, target=packaged)
+
+    try:
+        for seqlen in (8192, 16384):
+            stats = rungs[f"bshd B1 S{seqlen} 192/128 training"]["stats"]
+            for way in ("latency", "stack"):
+                forced = stats[way]
+                assert forced["forced flash_attn4 native"]["median"] < forced["forced sdpa_cudnn native"]["median"]
+            decision = warm(seqlen)
+            assert decision.chosen == Candidate("flash_attn4"), decision.why
+            fa4, cudnn = (decision.predictions[Candidate(b)] for b in ("flash_attn4", "sdpa_cudnn"))
+            assert cudnn.total_us <= fa4.total_us * (1 + rules.TIE_BAND)  # a tie, settled alone
+            assert fa4.alone_us < cudnn.alone_us and fa4.host_us + fa4.gpu_us > cudnn.host_us + cudnn.gpu_us
+        # B1 S4k: FA4 the lower in a stack, sdpa_cudnn alone (its rows there: sdpa_cudnn ahead alone, FA4 in a
+        # stack); the tie's reason says what the forward's GPU time hides
+        decision = warm(4096)
+        hidden = decision.predictions[decision.chosen].hidden_us
+        assert decision.chosen == Candidate("sdpa_cudnn") and hidden > 0
+        assert f"hiding {hidden:.1f} us of its backward's host time" in decision.why
+    finally:
+        first_calls.forget()
+        calibration._parsed.cache_clear()
+        attnselect.clear_cache()

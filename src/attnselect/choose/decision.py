@@ -183,7 +183,8 @@ class Decision:
             if predicted is not None and v.supported:
                 entry["predicted_us"] = {
                     "total": predicted.total_us, "host": predicted.host_us, "gpu": predicted.gpu_us,
-                    "alone": predicted.alone_us, "new_packing_host": predicted.new_packing_host_us,
+                    "alone": predicted.alone_us, "hidden": predicted.hidden_us,
+                    "new_packing_host": predicted.new_packing_host_us,
                     "basis": predicted.basis,
                 }  # fmt: skip
             timed = (self.timings or {}).get(c)

@@ -15,7 +15,7 @@ packing already seen.
 
 The two combine as a stack of layers runs them (:data:`UNHIDDEN`): a model issues its layers' calls back to back, so
 while the GPU runs one call the host issues the next, and a step takes the longer of the two and part of the shorter.
-A call alone, synchronised, takes their sum (packed, with a new packing's host time), less, in training, the
+A call alone, synchronised, takes their sum (packed, with a new packing's host time), less, in dense training, the
 backward's host time its forward's GPU time hides (:attr:`Curve.forward`).
 """
 
@@ -53,7 +53,7 @@ class Prediction:
     basis: str  # the curve it comes from, e.g. "dense 192/128 training" or "... (nearest calibrated dims)"
     # packed: the host time of a new packing's call, where calibrated (a call alone on a new packing waits for it)
     new_packing_host_us: float | None = None
-    # training: the backward's host time that a call alone hides behind its forward's GPU time (:data:`Curve.forward`)
+    # training: the backward's host time that a call alone hides behind its forward's GPU time (:attr:`Curve.forward`)
     hidden_us: float = 0.0
     # a call's time in a stack of layers, where the host's work overlaps the GPU's but for UNHIDDEN of the shorter:
     # what candidates rank by
@@ -167,12 +167,13 @@ class Curve(NamedTuple):
     points: list
     basis: str
     new_packing_host_us: float | None = None
-    # training: (the backward's host time, the forward's GPU curve), where the calibration has the same candidate's
-    # inference curve and host time. A call alone issues its backward while its forward runs on the GPU (autograd does
-    # not wait for it), so it waits for the forward's host time, the longer of the forward's GPU time and the
-    # backward's host time, then the backward's GPU time. Over the H200 size ladders' forced dense training rows
-    # (benchmarks/ladder_rules.py, results/cpu_ladder_rules_hidden.md) log(measured / predicted) alone had a median of
-    # +0.049 and a root mean square of 0.174 so, against -0.065 and 0.191 for host + GPU.
+    # dense training: (the backward's host time, the forward's GPU curve), where the calibration has the same
+    # candidate's inference curve and host time. A call alone issues its backward while its forward runs on the GPU
+    # (autograd does not wait for it), so it waits for the forward's host time, the longer of the forward's GPU time
+    # and the backward's host time, then the backward's GPU time. Over the H200 size ladders' forced dense training
+    # rows (benchmarks/ladder_rules.py, results/cpu_ladder_rules_hidden.md) log(measured / predicted) alone had a
+    # median of +0.049 and a root mean square of 0.174 so, against -0.065 and 0.191 for host + GPU. Packed calls keep
+    # host + GPU: no packed rung was scored.
     forward: tuple[float, list] | None = None
 
     def at(self, problem: AttentionProblem) -> Prediction:
@@ -209,7 +210,7 @@ def curve(candidate: Candidate, problem: AttentionProblem, calibration: dict) ->
         return None
     if problem.cuda_graph_capture:  # a captured call is replayed from the graph: no host time to issue it
         return Curve(0.0, curves[key], basis)
-    forward = _forward(candidate, problem, calibration, key, float(host)) if problem.training else None
+    forward = _forward(candidate, problem, calibration, curves, key, float(host)) if problem.layout != "thd" else None
     new = calibration.get("new_packing_us", {}).get(candidate.backend, {}).get(kind)
     if problem.layout != "thd" or new is None:
         return Curve(float(host), curves[key], basis, None, forward)
@@ -217,13 +218,17 @@ def curve(candidate: Candidate, problem: AttentionProblem, calibration: dict) ->
     return Curve(float(host) + (new - float(host)) / PACKING_SHARED_BY, curves[key], basis, new, forward)
 
 
-def _forward(candidate: Candidate, problem: AttentionProblem, calibration: dict, key: str, host: float):
-    """:attr:`Curve.forward` of a training curve ``key`` (its dims, padding and layout) and host time: the backward's
-    host time (training's less inference's) and the inference curve at the same dims; None where either is not
-    calibrated."""
+def _forward(
+    candidate: Candidate, problem: AttentionProblem, calibration: dict, curves: dict, key: str, host: float
+) -> tuple[float, list] | None:
+    """:attr:`Curve.forward` of ``problem``'s call on the curve ``key`` of ``curves`` (the backend's) with this host
+    time: for a training call, the backward's host time (training's less inference's) and the inference curve at the
+    curve's dims and padding; None for an inference call, and where either is not calibrated."""
+    if not problem.training:
+        return None
     forward_host = calibration["host_us"][candidate.backend].get(host_key(problem.layout, candidate.padded, False))
     layout, d_qk, d_v = CURVE_KEY.fullmatch(key).group(1, 2, 3)
-    points = calibration["gpu"][candidate.backend].get(curve_key(layout, int(d_qk), int(d_v), candidate.padded, False))
+    points = curves.get(curve_key(layout, int(d_qk), int(d_v), candidate.padded, False))
     if forward_host is None or points is None:
         return None
     return max(host - float(forward_host), 0.0), points
