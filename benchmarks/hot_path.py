@@ -172,11 +172,15 @@ def dense_rows(device: str):
 def dense_bshd_rows(device: str):
     """The size ladder's B8 S1k 192/128 causal inference rung as users call it, on bshd tensors (where attnselect ran
     behind F.sdpa's default on the same cuDNN kernel: results/h100_ladder_small_19f0ef5_nofa4.md): attention()
-    beside F.sdpa's default dispatch and cuDNN's op on the transposed views, its prepared runner and its lookup."""
+    beside F.sdpa's default dispatch and cuDNN's op on the transposed views, its prepared runner and its lookup. After
+    ``attnselect.warmup`` of the problem, as the ladder's default runs: in a fresh process the first calls would rent
+    a kernel that compiles nothing while the ranked one's compile is not yet paid (attnselect.choose.first_calls; on
+    the H200 a row without it timed the cuDNN frontend: results/h200_hot_path_94ce3f9_fa4.md)."""
     shape, dims = ((8, 1024, 16), (192, 192, 128)) if device == "cuda" else ((1, 2, 8), (16, 16, 16))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v = (torch.randn(*shape, d, device=device, dtype=dtype) for d in dims)
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
+    attnselect.warmup([problem], device=device)
     chosen = attnselect.select(problem).chosen
     rows = {f"attnselect.attention ({chosen}, layout=bshd, causal)": lambda: attnselect.attention(q, k, v, causal=True)}
     rows["F.scaled_dot_product_attention on the transposed views, default dispatch"] = lambda: (
