@@ -74,7 +74,7 @@ RANKED_BY = {
 }
 
 
-def pick(rule: str, band: float, predicted: dict, settle: str = "sum") -> str:
+def pick(rule: str, band: float, predicted: dict, settle: str) -> str:
     """``rule`` (a key of :data:`RANKED_BY`) picks among ``predicted``; with a ``band``, the candidates within it of
     the least go by ``settle`` (a key of :data:`RANKED_BY`)."""
     by = RANKED_BY[rule]

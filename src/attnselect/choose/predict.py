@@ -53,7 +53,7 @@ class Prediction:
     basis: str  # the curve it comes from, e.g. "dense 192/128 training" or "... (nearest calibrated dims)"
     # packed: the host time of a new packing's call, where calibrated (a call alone on a new packing waits for it)
     new_packing_host_us: float | None = None
-    # training: the backward's host time that a call alone hides behind its forward's GPU time (:attr:`Curve.forward`)
+    # dense training: the backward's host time a call alone hides behind its forward's GPU time (:attr:`Curve.forward`)
     hidden_us: float = 0.0
     # a call's time in a stack of layers, where the host's work overlaps the GPU's but for UNHIDDEN of the shorter:
     # what candidates rank by
@@ -210,7 +210,7 @@ def curve(candidate: Candidate, problem: AttentionProblem, calibration: dict) ->
         return None
     if problem.cuda_graph_capture:  # a captured call is replayed from the graph: no host time to issue it
         return Curve(0.0, curves[key], basis)
-    forward = _forward(candidate, problem, calibration, curves, key, float(host)) if problem.layout != "thd" else None
+    forward = _forward(candidate, problem, calibration, curves, key, float(host))
     new = calibration.get("new_packing_us", {}).get(candidate.backend, {}).get(kind)
     if problem.layout != "thd" or new is None:
         return Curve(float(host), curves[key], basis, None, forward)
@@ -222,9 +222,9 @@ def _forward(
     candidate: Candidate, problem: AttentionProblem, calibration: dict, curves: dict, key: str, host: float
 ) -> tuple[float, list] | None:
     """:attr:`Curve.forward` of ``problem``'s call on the curve ``key`` of ``curves`` (the backend's) with this host
-    time: for a training call, the backward's host time (training's less inference's) and the inference curve at the
-    curve's dims and padding; None for an inference call, and where either is not calibrated."""
-    if not problem.training:
+    time: for a dense training call, the backward's host time (training's less inference's) and the inference curve at
+    the curve's dims and padding; None for other calls, and where either is not calibrated."""
+    if not problem.training or problem.layout == "thd":
         return None
     forward_host = calibration["host_us"][candidate.backend].get(host_key(problem.layout, candidate.padded, False))
     layout, d_qk, d_v = CURVE_KEY.fullmatch(key).group(1, 2, 3)
