@@ -4,6 +4,7 @@
     python benchmarks/ladder.py --smoke --out /tmp/ladder              # tiny, any device
     python benchmarks/ladder.py --isolate --group --out ...            # a process for each layout, pair and phase
     python benchmarks/ladder.py --pool A.json B.json --out POOLED       # no run: the goals over parts run apart
+    python benchmarks/ladder.py --dense 1,2048,128,128 --only S2048 --out ...  # a dense shape off the ladder (a probe)
 
 Rungs (16 query and 16 K/V heads, causal, bf16; d_qk/d_v 192/128 and 128/128; inference and training, a forward and
 ``torch.autograd.grad``):
@@ -81,14 +82,28 @@ UNFUSED = ("reference", "sdpa_math")  # references, not kernels a user picks for
 NOT_FORCED = {**{b: "an unfused reference" for b in UNFUSED}, "flex": "compiles per shape (results/h200_flex_probe.md)"}
 
 
-def rungs(smoke: bool) -> list[dict]:
+def rungs(smoke: bool, off_ladder: tuple = ()) -> list[dict]:
+    """The ladder's rungs, then ``off_ladder``'s: dense shapes (batch, seqlen, d_qk, d_v) off the ladder, in both
+    phases (``--dense``: a probe of choices the ladder's rungs do not show)."""
     pairs, dense, packed = (SMOKE["pairs"], SMOKE["dense"], SMOKE["packed"]) if smoke else (PAIRS, DENSE, PACKED)
     out = []
     for phase in ("inference", "training"):
         for d_qk, d_v in pairs:
             out += [dict(layout="bshd", batch=b, seqlen=s, d_qk=d_qk, d_v=d_v, phase=phase) for b, s in dense]
             out += [dict(layout="thd", tokens=t, d_qk=d_qk, d_v=d_v, phase=phase) for t in packed]
+    for phase in ("inference", "training"):
+        out += [
+            dict(layout="bshd", batch=b, seqlen=s, d_qk=d_qk, d_v=d_v, phase=phase) for b, s, d_qk, d_v in off_ladder
+        ]
     return out
+
+
+def dense_shape(text: str) -> tuple[int, int, int, int]:
+    """``--dense``'s "B,S,DQK,DV" as (batch, seqlen, d_qk, d_v)."""
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected B,S,DQK,DV (four positive integers), got {text!r}")
+    return tuple(int(p) for p in parts)
 
 
 def rung_name(r: dict) -> str:
@@ -568,6 +583,9 @@ def main() -> None:
     ap.add_argument("--rung-timeout", type=float, default=600.0, help="seconds a rung may take (--isolate: a "
                     "process gets this for each rung it runs)")  # fmt: skip
     ap.add_argument("--rung", action="append", default=[], help="run these rungs alone (exact names; repeatable)")
+    ap.add_argument("--dense", action="append", default=[], type=dense_shape, metavar="B,S,DQK,DV",
+                    help="a dense shape off the ladder, as rungs of both phases after the ladder's (repeatable; "
+                    "--only picks)")  # fmt: skip
     ap.add_argument("--isolate", action="store_true", help="each rung in a process of its own (what one rung leaves "
                     "allocated, or a broken CUDA context, cannot reach the next)")  # fmt: skip
     ap.add_argument("--group", action="store_true", help="with --isolate: the rungs of one layout, head-dim pair and "
@@ -594,11 +612,12 @@ def main() -> None:
     report["meta"] = {"device": target.describe(), "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
                       "rounds": a.rounds, "calls": a.calls, "latency_calls": a.latency_calls, "warmup": a.warmup,
                       "layers": a.layers, "control": a.control,
-                      "screen": a.screen, "not forced": NOT_FORCED}  # fmt: skip
+                      "screen": a.screen, "not forced": NOT_FORCED,
+                      **({"dense off the ladder": [list(shape) for shape in a.dense]} if a.dense else {})}  # fmt: skip
     done = {entry["rung"] for entry in report["results"]}
     heads = SMOKE["heads"] if a.smoke else HEADS
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
-    for rung in rungs(a.smoke):
+    for rung in rungs(a.smoke, tuple(a.dense)):
         name = rung_name(rung)
         if name in done or (a.only and not any(o in name for o in a.only)) or (a.rung and name not in a.rung):
             continue
@@ -663,13 +682,14 @@ def isolated(a, deadline_at: float | None) -> None:
               str(a.latency_calls), "--warmup", str(a.warmup),
               "--layers", str(a.layers), "--screen", str(a.screen), *(["--smoke"] if a.smoke else []),
               "--control" if a.control else "--no-control",
+              *(arg for shape in a.dense for arg in ("--dense", ",".join(map(str, shape)))),
               *(["--deadline-at", str(deadline_at)] if deadline_at is not None else [])]  # fmt: skip
 
     def done() -> set:
         return {e["rung"] for e in json.loads(path.read_text())["results"]} if path.exists() else set()
 
     groups: dict[tuple, list[str]] = {}
-    for rung in rungs(a.smoke):
+    for rung in rungs(a.smoke, tuple(a.dense)):
         name = rung_name(rung)
         if (not a.only or any(o in name for o in a.only)) and (not a.rung or name in a.rung):
             key = (rung["layout"], rung["d_qk"], rung["d_v"], rung["phase"]) if a.group else (name,)

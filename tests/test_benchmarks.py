@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -610,6 +611,23 @@ def test_ladder_isolated_by_group_runs_every_rung_once(tmp_path):
     assert sorted(names) == sorted(set(names)) and len(names) == 6
     assert all(e["chosen"] and not e["errors"] for e in report["results"])
     assert "## Goals" in (tmp_path / "ladder.md").read_text()
+
+
+def test_the_ladder_runs_dense_shapes_off_the_ladder_in_isolated_processes(tmp_path):
+    """--dense B,S,DQK,DV: that shape's rungs, both phases, after the ladder's; --isolate passes it to each process
+    and the report keeps the shapes; a malformed shape is refused by name."""
+    ladder = _benchmark("ladder")
+    names = [ladder.rung_name(r) for r in ladder.rungs(False, ((1, 2048, 128, 128),))]
+    assert names[-2:] == ["bshd B1 S2048 128/128 inference", "bshd B1 S2048 128/128 training"]
+    assert names[:-2] == [ladder.rung_name(r) for r in ladder.rungs(False)]
+    with pytest.raises(argparse.ArgumentTypeError, match="B,S,DQK,DV"):
+        ladder.dense_shape("1,2048,128")
+    out = str(tmp_path / "ladder")
+    args = ("--smoke", "--rounds", "1", "--calls", "1", "--warmup", "1", "--layers", "2", "--out", out)
+    _run("benchmarks/ladder.py", *args, "--isolate", "--dense", "1,48,16,8", "--only", "B1 S48 16/8")
+    report = json.loads((tmp_path / "ladder.json").read_text())
+    assert [e["rung"] for e in report["results"]] == ["bshd B1 S48 16/8 inference", "bshd B1 S48 16/8 training"]
+    assert report["meta"]["dense off the ladder"] == [[1, 48, 16, 8]]
 
 
 def test_the_ladder_s_goals_are_missed_while_a_rung_way_has_no_default_times():
