@@ -21,7 +21,12 @@ row's at that rung and way (1.0: it picked the fastest). Rules:
   ``stack`` within ``rules.TIE_BAND``, by ``alone``;
 - ``one choice in hindsight``: the candidate whose worse way scores best, chosen from the measured times (no rule
   can do better with one choice for both ways: where it scores below 0.97 in either way, the ladder's goal of 0.97x
-  the fastest row on every rung-way is out of reach of any choice that does not know how the call is waited on).
+  the fastest row on every rung-way is out of reach of any choice that does not know how the call is waited on);
+- ``as run``: the candidate the ladder's default chose as it ran (its rung's ``chosen``: the rules table's order
+  where the GPU had no calibration of its own, as on an H100), scored by its forced row like the others.
+
+Ladders of another GPU than the H200 (an H100's) are judged with the H200's calibration all the same: how well
+another GPU model's calibration of the same arch would rank that GPU's calls, against the order it ran by.
 
 Each rule is scored per way and on both (a rung's worse way; the tables count rungs). Packed rungs are left out:
 their choice is made per packing, and the ladder times each row over many packings. Also how well the predictions
@@ -84,6 +89,7 @@ def pick(rule: str, band: float, predicted: dict, settle: str) -> str:
 
 
 HINDSIGHT = "one choice in hindsight"
+AS_RUN = "as run"  # the ladder's default's own choice (its rung's ``chosen``), scored by its forced row alike
 OVERLAPS = (0.0, 0.25, 0.5)  # b in a stack's max(host, GPU) + b * min(host, GPU)
 
 
@@ -116,6 +122,7 @@ def main() -> None:
     rungs = {ladder_script.rung_name(r): r for r in ladder_script.rungs(False)}
     rules_ = [("max", 0.0, ""), ("sum", 0.0, ""), ("alone", 0.0, ""), ("stack", 0.0, ""), ("max", TIE_BAND, "sum")]
     rules_ += [("stack", b, settle) for b in BANDS for settle in ("sum", "alone")] + [(HINDSIGHT, 0.0, "")]
+    rules_ += [(AS_RUN, 0.0, "")]
     ways = (*ladder_script.WAYS, "both")
     picks, scores = [], {(*rule, way): [] for rule in rules_ for way in ways}
     fit = {"latency, host + GPU": [], "latency, alone": [], "latency, host + GPU, training rows": [],
@@ -157,7 +164,11 @@ def main() -> None:
                         fit[f"stack, max + {b:g} min, neither time twice the other"].append(error)
             fastest = {way: min(times[c] for c in served) for way, times in measured.items()}
             for rule, band, settle in rules_:
-                chosen = hindsight(measured, served) if rule == HINDSIGHT else pick(rule, band, served, settle)
+                chosen = (entry["chosen"] if rule == AS_RUN
+                          else hindsight(measured, served) if rule == HINDSIGHT
+                          else pick(rule, band, served, settle))  # fmt: skip
+                if chosen not in served:  # as run: a candidate the ladder did not force at both ways
+                    continue
                 both = 1.0
                 for way, times in measured.items():
                     score = fastest[way] / times[chosen]

@@ -736,7 +736,8 @@ def test_the_grid_restarts_a_worker_on_a_sticky_cuda_error_and_not_on_a_transien
 def test_ladder_rules_scores_each_rule_s_picks_on_committed_ladders(tmp_path):
     """benchmarks/ladder_rules.py on two committed ladders: every dense rung-way scored for every rule, each score
     the fastest forced row's time over the pick's; the max, sum and stack rules (attnselect's ranking, with its tie
-    band) there; one choice in hindsight at least as good in its worse way as every rule's on every rung."""
+    band) there; one choice in hindsight at least as good in its worse way as every rule's on every rung; "as run"
+    the ladder's own default's choice."""
     from attnselect.choose.rules import TIE_BAND
 
     ladders = ("results/h200_ladder_20c9c6a_fa4.json", "results/h200_ladder.json")
@@ -748,7 +749,12 @@ def test_ladder_rules_scores_each_rule_s_picks_on_committed_ladders(tmp_path):
     assert {("max", 0.0, ""), ("sum", 0.0, ""), ("alone", 0.0, ""), ("stack", 0.0, ""), ("stack", TIE_BAND, "sum"),
             ("stack", TIE_BAND, "alone"), ("one choice in hindsight", 0.0, "")} <= rules  # fmt: skip
     per_rule = {rule: sum(1 for p in picks if (p["rule"], p["band"], p["settled_by"]) == rule) for rule in rules}
-    assert len(set(per_rule.values())) == 1  # every rule scored on the same rung-ways
+    as_run = per_rule.pop(("as run", 0.0, ""))  # where the default's own choice was forced both ways
+    assert len(set(per_rule.values())) == 1 and 0 < as_run <= min(per_rule.values())  # the rules on the same ones
+    chosen = {
+        (path, e["rung"]): e["chosen"] for path in ladders for e in json.loads((ROOT / path).read_text())["results"]
+    }
+    assert all(p["chosen"] == chosen[(p["ladder"], p["rung"])] for p in picks if p["rule"] == "as run")
     worse = {}
     for p in picks:
         key = (p["ladder"], p["rung"], p["rule"], p["band"], p["settled_by"])
