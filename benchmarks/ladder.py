@@ -82,26 +82,37 @@ UNFUSED = ("reference", "sdpa_math")  # references, not kernels a user picks for
 NOT_FORCED = {**{b: "an unfused reference" for b in UNFUSED}, "flex": "compiles per shape (results/h200_flex_probe.md)"}
 
 
-def rungs(smoke: bool, off_ladder: tuple = ()) -> list[dict]:
-    """The ladder's rungs, then ``off_ladder``'s: dense shapes (batch, seqlen, d_qk, d_v) off the ladder, in both
-    phases (``--dense``: a probe of choices the ladder's rungs do not show)."""
+Shape = tuple[int, int, int, int]  # a dense shape off the ladder: (batch, seqlen, d_qk, d_v)
+
+
+def rungs(smoke: bool, off_ladder: tuple[Shape, ...] = ()) -> list[dict]:
+    """The ladder's rungs, then ``off_ladder``'s: dense shapes off the ladder, in both phases (``--dense``: a probe of
+    choices the ladder's rungs do not show), each rung once (a shape on the ladder, or given twice, adds none)."""
     pairs, dense, packed = (SMOKE["pairs"], SMOKE["dense"], SMOKE["packed"]) if smoke else (PAIRS, DENSE, PACKED)
     out = []
     for phase in ("inference", "training"):
         for d_qk, d_v in pairs:
             out += [dict(layout="bshd", batch=b, seqlen=s, d_qk=d_qk, d_v=d_v, phase=phase) for b, s in dense]
             out += [dict(layout="thd", tokens=t, d_qk=d_qk, d_v=d_v, phase=phase) for t in packed]
+    names = {rung_name(r) for r in out}
     for phase in ("inference", "training"):
-        out += [
-            dict(layout="bshd", batch=b, seqlen=s, d_qk=d_qk, d_v=d_v, phase=phase) for b, s, d_qk, d_v in off_ladder
-        ]
+        for b, s, d_qk, d_v in off_ladder:
+            rung = dict(layout="bshd", batch=b, seqlen=s, d_qk=d_qk, d_v=d_v, phase=phase)
+            if rung_name(rung) not in names:
+                names.add(rung_name(rung))
+                out.append(rung)
     return out
 
 
-def dense_shape(text: str) -> tuple[int, int, int, int]:
+def off_ladder_shapes(report: dict) -> tuple[Shape, ...]:
+    """The ``--dense`` shapes a ladder's report ran (its meta's ``dense off the ladder``)."""
+    return tuple(tuple(shape) for shape in report.get("meta", {}).get("dense off the ladder", ()))
+
+
+def dense_shape(text: str) -> Shape:
     """``--dense``'s "B,S,DQK,DV" as (batch, seqlen, d_qk, d_v)."""
     parts = text.split(",")
-    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+    if len(parts) != 4 or not all(p.strip().isdecimal() and p.strip().isascii() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"expected B,S,DQK,DV (four positive integers), got {text!r}")
     return tuple(int(p) for p in parts)
 
@@ -506,9 +517,12 @@ def pool(paths: list[str], out: str) -> dict:
     if twice:
         raise SystemExit(f"--pool: rungs in more than one part: {twice}")
     smoke = any(r["meta"].get("smoke") for r in reports)
+    ladder = {rung_name(r) for r in rungs(smoke)}
     not_run = [rung_name(r) for r in rungs(smoke) if rung_name(r) not in names]
+    probes = [n for n in names if n not in ladder]  # --dense rungs: the goals are the ladder's
+    results, names = [e for e in results if e["rung"] in ladder], [n for n in names if n in ladder]
     report = {"meta": {"device": devices[0], "parts": {p: r["meta"] for p, r in zip(paths, reports)},
-                       "not run": not_run},
+                       "not run": not_run, "off the ladder": probes},
               "rungs": names, **judged(results)}  # fmt: skip
     lines = [
         "# Size ladder, its parts pooled\n",
@@ -521,7 +535,8 @@ def pool(paths: list[str], out: str) -> dict:
         ),  # fmt: skip
         "",
         f"Rungs run: {len(names)} of {len(names) + len(not_run)}"
-        + (f"; not run: {', '.join(not_run)} (the goals hold over the rungs run)." if not_run else "."),
+        + (f"; not run: {', '.join(not_run)} (the goals hold over the rungs run)." if not_run else ".")
+        + (f" Off the ladder, left out of the goals: {', '.join(probes)}." if probes else ""),
         "",
         "## Goals\n",
         *goal_lines(report["goals"]),
@@ -609,11 +624,13 @@ def main() -> None:
     target = attnselect.Target.current(a.device)
     path = Path(a.out + ".json")
     report = json.loads(path.read_text()) if path.exists() else {"results": []}
+    # the shapes off the ladder of the rungs run so far, a resume's own added
+    shapes = list(dict.fromkeys((*off_ladder_shapes(report), *a.dense)))
     report["meta"] = {"device": target.describe(), "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
                       "rounds": a.rounds, "calls": a.calls, "latency_calls": a.latency_calls, "warmup": a.warmup,
                       "layers": a.layers, "control": a.control,
                       "screen": a.screen, "not forced": NOT_FORCED,
-                      **({"dense off the ladder": [list(shape) for shape in a.dense]} if a.dense else {})}  # fmt: skip
+                      **({"dense off the ladder": [list(shape) for shape in shapes]} if shapes else {})}  # fmt: skip
     done = {entry["rung"] for entry in report["results"]}
     heads = SMOKE["heads"] if a.smoke else HEADS
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
@@ -651,6 +668,7 @@ def main() -> None:
         report["results"].append({"rung": name, "chosen": chosen, "stats": stats, "errors": measured["errors"],
                                   "screened": measured["screened"], "peak_gib": peak, "args": args,
                                   "log": sorted(log.items())})  # fmt: skip
+        done.add(name)
         report.update(judged(report["results"]))
         _write(path, report)  # after every rung: a later call resumes
         print(

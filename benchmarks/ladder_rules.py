@@ -119,7 +119,6 @@ def main() -> None:
     from attnselect.spec.target import Target
     from new_packing_parts import FA4_STAND_IN, _stand_ins
 
-    rungs = {ladder_script.rung_name(r): r for r in ladder_script.rungs(False)}
     rules_ = [("max", 0.0, ""), ("sum", 0.0, ""), ("alone", 0.0, ""), ("stack", 0.0, ""), ("max", TIE_BAND, "sum")]
     rules_ += [("stack", b, settle) for b in BANDS for settle in ("sum", "alone")] + [(HINDSIGHT, 0.0, "")]
     rules_ += [(AS_RUN, 0.0, "")]
@@ -140,6 +139,8 @@ def main() -> None:
         devices.append(f"{Path(path).name}: {report['meta']['device']}, {report['meta']['rounds']} rounds of "
                        f"{report['meta']['calls']} calls")  # fmt: skip
         target = Target.preset("h200", packages=packages, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
+        shapes = ladder_script.off_ladder_shapes(report)  # its --dense rungs too
+        rungs = {ladder_script.rung_name(r): r for r in ladder_script.rungs(False, shapes)}
         for entry in report["results"]:
             rung = rungs.get(entry["rung"])
             if rung is None or rung["layout"] != "bshd":
@@ -167,7 +168,7 @@ def main() -> None:
                 chosen = (entry["chosen"] if rule == AS_RUN
                           else hindsight(measured, served) if rule == HINDSIGHT
                           else pick(rule, band, served, settle))  # fmt: skip
-                if chosen not in served:  # as run: a candidate the ladder did not force at both ways
+                if chosen not in served:  # as run: a rung that failed (no choice), or a choice not forced both ways
                     continue
                 both = 1.0
                 for way, times in measured.items():

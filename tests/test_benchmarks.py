@@ -617,7 +617,9 @@ def test_the_ladder_runs_dense_shapes_off_the_ladder_in_isolated_processes(tmp_p
     """--dense B,S,DQK,DV: that shape's rungs, both phases, after the ladder's; --isolate passes it to each process
     and the report keeps the shapes; a malformed shape is refused by name."""
     ladder = _benchmark("ladder")
-    names = [ladder.rung_name(r) for r in ladder.rungs(False, ((1, 2048, 128, 128),))]
+    # a shape on the ladder, or given twice, adds no rung
+    names = [ladder.rung_name(r) for r in ladder.rungs(False, ((1, 2048, 128, 128), (1, 1024, 128, 128),
+                                                                  (1, 2048, 128, 128)))]  # fmt: skip
     assert names[-2:] == ["bshd B1 S2048 128/128 inference", "bshd B1 S2048 128/128 training"]
     assert names[:-2] == [ladder.rung_name(r) for r in ladder.rungs(False)]
     with pytest.raises(argparse.ArgumentTypeError, match="B,S,DQK,DV"):
@@ -628,6 +630,8 @@ def test_the_ladder_runs_dense_shapes_off_the_ladder_in_isolated_processes(tmp_p
     report = json.loads((tmp_path / "ladder.json").read_text())
     assert [e["rung"] for e in report["results"]] == ["bshd B1 S48 16/8 inference", "bshd B1 S48 16/8 training"]
     assert report["meta"]["dense off the ladder"] == [[1, 48, 16, 8]]
+    pooled = ladder.pool([out + ".json"], str(tmp_path / "pooled"))  # the goals are the ladder's: probes apart
+    assert pooled["meta"]["off the ladder"] == [e["rung"] for e in report["results"]] and pooled["rungs"] == []
 
 
 def test_the_ladder_s_goals_are_missed_while_a_rung_way_has_no_default_times():
@@ -754,7 +758,12 @@ def test_ladder_rules_scores_each_rule_s_picks_on_committed_ladders(tmp_path):
     chosen = {
         (path, e["rung"]): e["chosen"] for path in ladders for e in json.loads((ROOT / path).read_text())["results"]
     }
-    assert all(p["chosen"] == chosen[(p["ladder"], p["rung"])] for p in picks if p["rule"] == "as run")
+    stats = {
+        (path, e["rung"]): e["stats"] for path in ladders for e in json.loads((ROOT / path).read_text())["results"]
+    }
+    for p in picks:  # every pick scored by its forced row's median, the ladder's own choice too
+        assert p["ms"] == stats[(p["ladder"], p["rung"])][p["way"]][f"forced {p['chosen']}"]["median"]
+        assert p["rule"] != "as run" or p["chosen"] == chosen[(p["ladder"], p["rung"])]
     worse = {}
     for p in picks:
         key = (p["ladder"], p["rung"], p["rule"], p["band"], p["settled_by"])
