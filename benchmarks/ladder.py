@@ -94,14 +94,14 @@ def rungs(smoke: bool, off_ladder: tuple[Shape, ...] = ()) -> list[dict]:
         for d_qk, d_v in pairs:
             out += [dict(layout="bshd", batch=b, seqlen=s, d_qk=d_qk, d_v=d_v, phase=phase) for b, s in dense]
             out += [dict(layout="thd", tokens=t, d_qk=d_qk, d_v=d_v, phase=phase) for t in packed]
-    names = {rung_name(r) for r in out}
     for phase in ("inference", "training"):
-        for b, s, d_qk, d_v in off_ladder:
-            rung = dict(layout="bshd", batch=b, seqlen=s, d_qk=d_qk, d_v=d_v, phase=phase)
-            if rung_name(rung) not in names:
-                names.add(rung_name(rung))
-                out.append(rung)
-    return out
+        out += [
+            dict(layout="bshd", batch=b, seqlen=s, d_qk=d_qk, d_v=d_v, phase=phase) for b, s, d_qk, d_v in off_ladder
+        ]
+    once: dict[str, dict] = {}  # each rung once, where it first came
+    for rung in out:
+        once.setdefault(rung_name(rung), rung)
+    return list(once.values())
 
 
 def off_ladder_shapes(report: dict) -> tuple[Shape, ...]:
@@ -517,8 +517,8 @@ def pool(paths: list[str], out: str) -> dict:
     if twice:
         raise SystemExit(f"--pool: rungs in more than one part: {twice}")
     smoke = any(r["meta"].get("smoke") for r in reports)
-    ladder = {rung_name(r) for r in rungs(smoke)}
-    not_run = [rung_name(r) for r in rungs(smoke) if rung_name(r) not in names]
+    ladder = [rung_name(r) for r in rungs(smoke)]
+    not_run = [n for n in ladder if n not in names]
     probes = [n for n in names if n not in ladder]  # --dense rungs: the goals are the ladder's
     results, names = [e for e in results if e["rung"] in ladder], [n for n in names if n in ladder]
     report = {"meta": {"device": devices[0], "parts": {p: r["meta"] for p, r in zip(paths, reports)},
