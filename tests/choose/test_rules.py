@@ -502,11 +502,49 @@ def test_small_dense_hopper_calls_run_where_the_host_time_is_least(fa4):
         assert "call" not in attnselect.select(problem, target=h100).why, problem.describe()
 
 
+def test_a_family_s_table_chooser_gives_table_for_s_table_at_every_size():
+    """rules.table_chooser runs the refinements' size-free tests once for a problem and its copies at other sizes (a
+    packed loop's family): each such test answers alike at every size, and the chooser gives table_for's table at
+    each, on both sides of every refinement's bound."""
+    import itertools
+
+    sizes = [(1, 64, 64, 64), (3, 512, 512, 1024), (8, 1024, 1024, 4096), (2, 2048, 1024, 2048), (1, 4096, 4096, 0),
+             (16, 8192, 8192, 65536), (1, 65536, 65536, 65536), (4, 1024, 512, 3000)]  # fmt: skip
+    shapes = [
+        dict(layout="thd", mask="causal"), dict(layout="thd", mask="none"), dict(layout="bshd", mask="causal"),
+        dict(layout="bshd", mask="none"), dict(layout="thd", mask="causal", cuda_graph_capture=True),
+        dict(layout="bshd", mask="causal_bottom_right", dtype=torch.float32),
+    ]  # fmt: skip
+    dims = [(192, 128), (128, 128), (64, 64), (576, 512), (256, 256)]
+    targets = [Target.preset(name) for name in ("h100", "h200", "a100", "b200")]
+    seen = set()  # the refinements that ranked a problem here (None: none did)
+    for shape, (d_qk, d_v), training, heads_kv in itertools.product(shapes, dims, (False, True), (16, 2)):
+        first = AttentionProblem(1, 128, 128, 16, heads_kv, d_qk, d_v, training=training,
+                                 **{"dtype": torch.bfloat16, **shape})  # fmt: skip
+        at_sizes = []
+        for batch, seqlen_q, seqlen_kv, tokens in sizes:
+            if shape["layout"] != "thd":
+                tokens = 0
+            at_sizes.append(
+                dataclasses.replace(first, batch=batch, seqlen_q=seqlen_q, seqlen_kv=seqlen_kv, tokens=tokens)
+            )
+        for _, fits, _ in rules._REFINEMENTS:
+            assert len({fits(problem) for problem in at_sizes}) == 1, first.describe()
+        for target in targets:
+            table_at = rules.table_chooser(first, target)
+            for problem in at_sizes:
+                key, table = rules.table_for(problem, target)
+                assert table_at(problem) == (key, table), (problem.describe(), target.arch)
+                seen.add(key[-1] if key[-1] in rules._REFINEMENT_REASONS else None)
+    # the sizes above cross every refinement's bound
+    assert seen == {name for name, *_ in rules._REFINEMENTS} | {None}
+
+
 def test_a_refined_table_s_decision_says_why_the_refinement_applies():
     """Every refinement has a reason, and a decision ranked by one names its table, the work its bound compares and
     the reason; a call the general table ranks says none."""
 
-    assert set(rules._REFINEMENT_REASONS) == {name for name, _ in rules._REFINEMENTS}
+    assert set(rules._REFINEMENT_REASONS) == {name for name, *_ in rules._REFINEMENTS}
     h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
     small = AttentionProblem(1, 1024, 1024, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16)
     why = attnselect.select(small, target=h100).why

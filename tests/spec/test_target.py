@@ -157,3 +157,25 @@ def test_import_targets_and_selection_work_without_cuda(mode, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["sdpa_cudnn native", "chosen:  sdpa_flash padded to 192", "(1, 6, 2, 16)"]
+
+
+def test_a_target_hashes_as_its_fields_whatever_copy_or_pickle_made_it(tmp_path):
+    """Its hash is worked out once and kept, and left out of a pickle: one loaded in a process of other string
+    hashes finds its equal there."""
+    import dataclasses
+    import pickle
+
+    h200 = Target.preset("h200", packages={"flash-attn-4": "4.0.0b36"})
+    hash(h200)
+    other = dataclasses.replace(h200, cudnn_version="9.10.0")
+    assert hash(other) != hash(h200) and {h200: 1}.get(other) is None
+    assert {dataclasses.replace(h200): 1}.get(pickle.loads(pickle.dumps(h200))) == 1
+    (tmp_path / "t.pkl").write_bytes(pickle.dumps(h200))
+    code = (
+        "import pickle, sys, attnselect; t = pickle.load(open(sys.argv[1], 'rb')); "
+        "fresh = attnselect.Target.preset('h200', packages={'flash-attn-4': '4.0.0b36'}); "
+        "assert {fresh: 1}.get(t) == 1 and hash(t) == hash(fresh)"
+    )
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / "t.pkl")], env=env, check=True)

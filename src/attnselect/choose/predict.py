@@ -43,7 +43,7 @@ UNHIDDEN = 0.25
 PACKING_SHARED_BY = 8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Prediction:
     """A candidate's predicted host and GPU times for a call, and how they combine (worked out once: rankings read
     them many times a draw)."""
@@ -62,11 +62,27 @@ class Prediction:
     # time: what settles a tie (attnselect.choose.rules.settled)
     alone_us: float = field(init=False, compare=False, repr=False)
 
-    def __post_init__(self) -> None:
-        longer, shorter = max(self.host_us, self.gpu_us), min(self.host_us, self.gpu_us)
-        object.__setattr__(self, "total_us", longer + UNHIDDEN * shorter)
-        alone_host = self.host_us if self.new_packing_host_us is None else self.new_packing_host_us
-        object.__setattr__(self, "alone_us", alone_host + self.gpu_us - self.hidden_us)
+    def __init__(
+        self,
+        host_us: float,
+        gpu_us: float,
+        basis: str,
+        new_packing_host_us: float | None = None,
+        hidden_us: float = 0.0,
+    ) -> None:
+        longer, shorter = (host_us, gpu_us) if host_us >= gpu_us else (gpu_us, host_us)
+        alone_host = host_us if new_packing_host_us is None else new_packing_host_us
+        # the fields in one write (a frozen dataclass's own __init__ sets each one through object.__setattr__: a
+        # microsecond a prediction, and a new packing's ranking makes one for each candidate)
+        self.__dict__.update(
+            host_us=host_us,
+            gpu_us=gpu_us,
+            basis=basis,
+            new_packing_host_us=new_packing_host_us,
+            hidden_us=hidden_us,
+            total_us=longer + UNHIDDEN * shorter,
+            alone_us=alone_host + gpu_us - hidden_us,
+        )
 
     def __str__(self) -> str:
         first = "" if self.new_packing_host_us is None else f", a new packing's call {self.new_packing_host_us:.1f}"

@@ -391,13 +391,33 @@ def arch_family(target: Target) -> str:
 def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]:
     """The key of the table that ranks ``problem`` on ``target`` and its (backend, padded) entries, best first: the
     first refinement (in :data:`_REFINEMENTS`' order) that has a table for this family and phase and applies."""
-    key = (arch_family(target), "training" if problem.training else "inference")
-    if problem.layout == "thd":
-        key += ("thd",)
-    for refined, applies in _REFINED.get(key, ()):  # each test run only where its table exists (a packed call: every
-        if applies(problem):  # packing)
+    key = _base_key(problem, target)
+    for refined, fits, fits_sizes in _REFINED.get(key, ()):  # each test run only where its table exists
+        if fits(problem) and fits_sizes(problem):
             return refined, TABLES[refined]
     return key, TABLES[key]
+
+
+def table_chooser(problem: AttentionProblem, target: Target) -> Callable[[AttentionProblem], tuple]:
+    """:func:`table_for` of the problems that differ from ``problem`` in their sizes alone (batch, sequence lengths,
+    tokens: a packed loop's new packings), on ``target``: the refinements' tests that read no size run once, here."""
+    key = _base_key(problem, target)
+    sized = tuple((refined, TABLES[refined], fits_sizes) for refined, fits, fits_sizes in _REFINED.get(key, ())
+                  if fits(problem))  # fmt: skip
+    unrefined = key, TABLES[key]
+
+    def table_at(problem: AttentionProblem) -> tuple:
+        for refined, entries, fits_sizes in sized:
+            if fits_sizes(problem):
+                return refined, entries
+        return unrefined
+
+    return table_at
+
+
+def _base_key(problem: AttentionProblem, target: Target) -> tuple[str, ...]:
+    key = (arch_family(target), "training" if problem.training else "inference")
+    return key + ("thd",) if problem.layout == "thd" else key
 
 
 def _work(problem: AttentionProblem) -> int:
@@ -424,13 +444,13 @@ def _pack_estimate(problem: AttentionProblem) -> int:
     sequence at the longest lengths, the others sharing the rest of q's rows evenly; a causal pack's exact work is
     1.0-1.9x that over the size ladder's and the calibration's seeded packings, results/cpu_packed_work_estimates.md);
     else, and where q's rows are not known, :func:`_work`."""
-    others = _estimated_lengths(problem)
     work = _work(problem)
+    others = _estimated_lengths(problem)
     if others is None:
         return work
-    heads, dims = problem.heads_q, (problem.head_dim_qk, problem.head_dim_v)
-    estimate = pack_work(heads, *dims, 1, problem.seqlen_q, problem.seqlen_kv)
-    return min(work, estimate + pack_work(heads, *dims, problem.batch - 1, *others))
+    # pack_work of the longest sequence plus that of the others (pack_work is linear in the pairs), in one product
+    pairs = problem.seqlen_q * problem.seqlen_kv + (problem.batch - 1) * others[0] * others[1]
+    return min(work, problem.heads_q * (problem.head_dim_qk + problem.head_dim_v) * pairs)
 
 
 def _estimated_lengths(problem: AttentionProblem) -> tuple[int, int] | None:
@@ -438,44 +458,49 @@ def _estimated_lengths(problem: AttentionProblem) -> tuple[int, int] | None:
     return other_lengths(problem) if problem.tokens * problem.heads_q <= SMALL_PACK_HEAD_TOKENS else None
 
 
+def _small_dense_call(p: AttentionProblem, masks: tuple[str, ...] = ("causal", "causal_bottom_right")) -> bool:
+    """What the "tiny call", "small call" and "medium call" tables were measured on, their sizes aside
+    (:func:`_prefill_within`)."""
+    return (
+        p.layout != "thd"
+        and not p.cuda_graph_capture
+        and p.dtype in (torch.bfloat16, torch.float16)
+        and p.mask in masks
+        and p.heads_q == p.heads_kv
+        and all(64 <= d <= 192 and d % 8 == 0 for d in (p.head_dim_qk, p.head_dim_v))
+    )
+
+
+def _prefill_within(p: AttentionProblem, bound: float) -> bool:
+    """As many queries as keys (prefill; decode against a long cache is bound by its memory), at most ``bound`` work."""
+    return p.square and _work(p) <= bound
+
+
+# Each refinement: (its name, a test that reads no size of the problem, a test of its sizes: batch, sequence lengths,
+# tokens), so a packed loop's family runs the first once (:func:`table_chooser`).
 _REFINEMENTS = (
     (
         "small pack",
         lambda p: (
             p.layout == "thd"
             and not p.cuda_graph_capture
-            and p.square
+            and p.square  # packed: whether every sequence has as many keys (a field, not a size)
             and p.mask in ("causal", "causal_bottom_right")
             and p.heads_q == p.heads_kv
             and max(p.head_dim_qk, p.head_dim_v) <= 192
-            and _pack_estimate(p) <= SMALL_PACK_WORK
         ),
+        lambda p: _pack_estimate(p) <= SMALL_PACK_WORK,
     ),
-    (
-        "small training pack",
-        lambda p: p.layout == "thd" and _work(p) <= SMALL_TRAINING_PACK_WORK,
-    ),
+    ("small training pack", lambda p: p.layout == "thd", lambda p: _work(p) <= SMALL_TRAINING_PACK_WORK),
     (
         "wide heads",
-        lambda p: max(p.head_dim_qk, p.head_dim_v) > 256 and p.seqlen_q == p.seqlen_kv >= WIDE_PREFILL,
+        lambda p: max(p.head_dim_qk, p.head_dim_v) > 256,
+        lambda p: p.seqlen_q == p.seqlen_kv >= WIDE_PREFILL,
     ),
-    ("tiny call", lambda p: _small_dense_call(p, TINY_CALL_MASKS) and _work(p) <= TINY_CALL_WORK),
-    ("small call", lambda p: _small_dense_call(p) and _work(p) <= SMALL_CALL_WORK),
-    ("medium call", lambda p: _small_dense_call(p) and _work(p) <= MEDIUM_CALL_WORK),
+    ("tiny call", lambda p: _small_dense_call(p, TINY_CALL_MASKS), lambda p: _prefill_within(p, TINY_CALL_WORK)),
+    ("small call", _small_dense_call, lambda p: _prefill_within(p, SMALL_CALL_WORK)),
+    ("medium call", _small_dense_call, lambda p: _prefill_within(p, MEDIUM_CALL_WORK)),
 )
-
-
-def _small_dense_call(p: AttentionProblem, masks: tuple[str, ...] = ("causal", "causal_bottom_right")) -> bool:
-    """What the "tiny call", "small call" and "medium call" tables were measured on, their work bounds aside."""
-    return (
-        p.layout != "thd"
-        and not p.cuda_graph_capture
-        and p.square  # as many queries as keys: prefill; decode against a long cache is bound by its memory
-        and p.dtype in (torch.bfloat16, torch.float16)
-        and p.mask in masks
-        and p.heads_q == p.heads_kv
-        and all(64 <= d <= 192 and d % 8 == 0 for d in (p.head_dim_qk, p.head_dim_v))
-    )
 
 
 _HOST_BOUND = "the host time of FA4's and the cuDNN frontend's Python interfaces outweighs the GPU time they save"
@@ -507,8 +532,10 @@ def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
 
 # Per table key without a refinement: the refined tables it has, with their tests, in _REFINEMENTS' order
 _REFINED = {
-    base: tuple((base + (name,), applies) for name, applies in _REFINEMENTS if base + (name,) in TABLES)
-    for base in {key[:-1] for key in TABLES if key[-1] in dict(_REFINEMENTS)}
+    base: tuple(
+        (base + (name,), fits, fits_sizes) for name, fits, fits_sizes in _REFINEMENTS if base + (name,) in TABLES
+    )
+    for base in {key[:-1] for key in TABLES if key[-1] in {name for name, *_ in _REFINEMENTS}}
 }
 
 

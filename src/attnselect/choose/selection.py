@@ -91,7 +91,8 @@ class _Family:
     """What :func:`select_packed` keeps for a packed problem without its sizes, under one set of controls; the memos
     of its predictions and rankings are keyed by this object."""
 
-    __slots__ = ("last", "by_table", "allowed", "runs", "calibrated", "places", "failed", "drawn", "calibration")
+    __slots__ = ("last", "by_table", "allowed", "runs", "calibrated", "places", "failed", "drawn", "calibration",
+                 "table_at")  # fmt: skip
 
     def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
@@ -114,6 +115,7 @@ class _Family:
         # measures calls of this kind (calibration.covers_kind): the same for the family's life (its key holds the
         # target and the cache directory; a clear of the caches drops it)
         self.calibration = (*calibration.for_target(target), calibration.covers_kind(held_for))
+        self.table_at = rules.table_chooser(held_for, target)  # rules.table_for at the family's every size
 
     def calibrated_by(self, problem: AttentionProblem, target: Target, found: dict) -> _Calibrated:
         """What predicts the family's calls under the calibration ``found``, made on first use (and again under
@@ -206,7 +208,7 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     else:
         family.last = decision, problem
     if made is not None and made.policy == "rules" and made.predictions is None:  # ranked by the table (_carried)
-        table_key, table = rules.table_for(problem, target)
+        table_key, table = family.table_at(problem)
         family.by_table[table_key] = (
             made,
             _standing_checks(made, problem, target, table, family.failed_at(problem, target)),
@@ -265,7 +267,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     if predicted is not None and any(serves(c) for c in ranking.unranked):  # the table ranks the call (predictions)
         predicted = None
     if not predicted or not any(predicted.values()):  # the table ranks it: the decision last made under its table
-        standing = family.by_table.get(rules.table_for(problem, target)[0])
+        standing = family.by_table.get(family.table_at(problem)[0])
         return standing[0] if standing is not None and _still_stands(standing[1], failed, serves) else None
     ordered = rules.settled(ranking.ordered, predicted, serves)  # as rules.rank orders them
     paid = first_calls.paid_state()  # what drawn_rental reads of this process
@@ -357,7 +359,7 @@ register_cache(_RANKINGS.clear)
 
 def _ranking(family: _Family, problem: AttentionProblem, target: Target, found: dict) -> _Ranking:
     cleared = generation()
-    work, table = work_class(problem), rules.table_for(problem, target)[0]
+    work, table = work_class(problem), family.table_at(problem)[0]
     at = (family, work, problem.size_class, table)
     ranking = _RANKINGS.get(at)
     if ranking is None or ranking.found is not found:  # made under another calibration (a cache directory changed)

@@ -128,6 +128,21 @@ class Target:
         if self.device_type == "cpu" and cc is not None:
             raise InvalidInputError(f"capability: got {cc!r}, expected None for a cpu target")
 
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        """The hash of the fields (what dataclass would hash), worked out once: a packed loop's memo keys hold the
+        target and are hashed on every new packing. A pickle leaves it out (:meth:`__getstate__`): str hashes differ
+        between processes."""
+        return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_hash", None)
+        return state
+
     @property
     def is_cuda(self) -> bool:
         return self.device_type == "cuda"
