@@ -26,7 +26,8 @@ row's at that rung and way (1.0: it picked the fastest). Rules:
   where the GPU had no calibration of its own, as on an H100), scored by its forced row like the others.
 
 Ladders of another GPU than the H200 (an H100's) are judged with the H200's calibration all the same: how well
-another GPU model's calibration of the same arch would rank that GPU's calls, against the order it ran by.
+another GPU model's calibration of the same arch would rank that GPU's calls, against the order it ran by; with
+``--calibration FILE`` (a calibration of that GPU, ``benchmarks/calibrate.py``'s), by that one instead.
 
 Each rule is scored per way and on both (a rung's worse way; the tables count rungs). Packed rungs are left out:
 their choice is made per packing, and the ladder times each row over many packings. Also how well the predictions
@@ -41,6 +42,7 @@ fastest; the fit). Several ladders are pooled, each judged with FlashAttention-4
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -112,8 +114,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("ladders", nargs="+", help="size ladders' .json (benchmarks/ladder.py), pooled")
     ap.add_argument("--out", help="write .json and .md here")
+    ap.add_argument("--calibration", help="a calibration .json (benchmarks/calibrate.py) to predict by, in place of "
+                    "the packaged H200's: the target takes its GPU's name")  # fmt: skip
     a = ap.parse_args()
     os.environ["ATTNSELECT_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnselect-ladder-rules-")  # the packaged one
+    calibrated = json.loads(Path(a.calibration).read_text()) if a.calibration else None
     sys.path.insert(0, str(Path(__file__).parent))
     import ladder as ladder_script
     from attnselect.spec.target import Target
@@ -139,6 +144,11 @@ def main() -> None:
         devices.append(f"{Path(path).name}: {report['meta']['device']}, {report['meta']['rounds']} rounds of "
                        f"{report['meta']['calls']} calls")  # fmt: skip
         target = Target.preset("h200", packages=packages, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
+        if calibrated is not None:  # the user's calibration of that GPU model, in this run's cache directory
+            from attnselect.choose import calibration
+
+            target = dataclasses.replace(target, name=calibrated["fingerprint"]["name"])
+            calibration.user_path(target).write_text(json.dumps(calibrated))
         shapes = ladder_script.off_ladder_shapes(report)  # its --dense rungs too
         rungs = {ladder_script.rung_name(r): r for r in ladder_script.rungs(False, shapes)}
         for entry in report["results"]:
@@ -179,10 +189,11 @@ def main() -> None:
                                   "settled_by": settle, "chosen": chosen, "ms": times[chosen],
                                   "fastest_ms": fastest[way], "score": score})  # fmt: skip
                 scores[(rule, band, settle, "both")].append(both)
+    source = a.calibration or "the packaged H200 calibration"
     lines = [
         "# How predicted host and GPU times combine, judged on size ladders' forced rows\n",
         f"`benchmarks/ladder_rules.py {' '.join(a.ladders)}`, {time.strftime('%F')}, on {os.cpu_count()} CPU cores "
-        "(nothing runs): the packaged calibration's predictions for the H200 at each ladder's library versions, each "
+        f"(nothing runs): {source}'s predictions at each ladder's library versions, each "
         "rule's pick among the candidates the ladder forced at each dense rung, scored by the fastest forced row's "
         "measured time over the pick's (1.0: the fastest; medians of each ladder's rounds); `both`: a rung's worse "
         "way. Ladders:",

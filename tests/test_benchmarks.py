@@ -327,6 +327,34 @@ def test_calibrate_packages_a_whole_gpu_calibration_only(tmp_path, monkeypatch):
     assert json.loads((data / "calibration_sm90_nvidia-h200.json").read_text()) == whole
 
 
+def test_calibrate_merge_keeps_each_kind_s_least_host_time(tmp_path, monkeypatch):
+    """Parts timed apart time a kind each at their first pair's size, on a host whose load varies: the merge keeps
+    each kind's least host time (a busy host only adds time), whichever part it came from, and every kind a single
+    part timed."""
+    tool = _benchmark("calibrate")
+    whole = json.loads((ROOT / "src" / "attnselect" / "data" / "calibration_sm90_nvidia-h200.json").read_text())
+    first = {**whole, "host_us": {"sdpa_cudnn": {"dense inference": 36.6, "dense training": 308.6},
+                                  "flash_attn4": {"dense inference": 102.0}},
+             "new_packing_us": {"varlen_fa2": {"thd inference": 54.9}}}  # fmt: skip
+    second = {**whole, "host_us": {"sdpa_cudnn": {"dense inference": 62.2, "dense training": 241.0},
+                                   "sdpa_flash": {"dense inference": 24.0}},
+              "new_packing_us": {"varlen_fa2": {"thd inference": 103.9, "thd training": 258.4}}}  # fmt: skip
+    for name, part in (("a", first), ("b", second)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(part))
+    for order in (("a", "b"), ("b", "a")):
+        argv = ["calibrate.py", "--merge", *(str(tmp_path / f"{name}.json") for name in order), "--out",
+                str(tmp_path / "m")]  # fmt: skip
+        monkeypatch.setattr(sys, "argv", argv)
+        tool.main()
+        merged = json.loads((tmp_path / "m.json").read_text())
+        assert merged["host_us"] == {
+            "sdpa_cudnn": {"dense inference": 36.6, "dense training": 241.0},
+            "flash_attn4": {"dense inference": 102.0},
+            "sdpa_flash": {"dense inference": 24.0},
+        }
+        assert merged["new_packing_us"] == {"varlen_fa2": {"thd inference": 54.9, "thd training": 258.4}}
+
+
 def test_calibrate_first_calls_again_keeps_the_costs_of_backends_not_measured_here(tmp_path, monkeypatch):
     """--first-calls-from on a machine without one of the calibrated backends (FA4 not installed) measures the others
     again and keeps that one's costs: dropped, its first call would look free."""
@@ -773,6 +801,27 @@ def test_ladder_rules_scores_each_rule_s_picks_on_committed_ladders(tmp_path):
     text = (tmp_path / "rules.md").read_text()
     assert "| stack, sum within 15% | both |" in text and "| stack, alone within 15% | both |" in text
     assert "| stack, max + 0.25 min |" in text and "| latency, alone, training rows |" in text
+
+
+def test_ladder_rules_predicts_by_a_calibration_given(tmp_path):
+    """--calibration: the rules pick by that calibration's predictions (its GPU's, for the ladder's target), not by the
+    packaged H200's: an H100 ladder judged by the H100's calibration, and by a copy whose sdpa_flash host times are made
+    a hundred times dearer, which no rule's pick (but hindsight's and the ladder's own) is then on a rung where
+    another candidate is forced."""
+    ladders = ("results/h100_ladder_small_82917ac_fa4.json",)
+    _run("benchmarks/ladder_rules.py", *ladders, "--calibration", "results/h100_calibration.json", "--out",
+         str(tmp_path / "own"))  # fmt: skip
+    assert "results/h100_calibration.json's predictions" in (tmp_path / "own.md").read_text()
+    own = json.loads((tmp_path / "own.json").read_text())["picks"]
+    assert any(p["chosen"] == "sdpa_flash native" and p["rule"] == "sum" for p in own)
+    data = json.loads((ROOT / "results" / "h100_calibration.json").read_text())
+    data["host_us"]["sdpa_flash"] = {kind: us * 100 for kind, us in data["host_us"]["sdpa_flash"].items()}
+    (tmp_path / "dear_calibration.json").write_text(json.dumps(data))
+    _run("benchmarks/ladder_rules.py", *ladders, "--calibration", str(tmp_path / "dear_calibration.json"), "--out",
+         str(tmp_path / "dear"))  # fmt: skip
+    dear = json.loads((tmp_path / "dear.json").read_text())["picks"]
+    assert not any(p["chosen"] == "sdpa_flash native" for p in dear
+                   if p["rule"] not in ("one choice in hindsight", "as run"))  # fmt: skip
 
 
 def test_first_calls_probe_splits_start_up_configuration_and_size():
