@@ -70,15 +70,6 @@ def report(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _merged_host(into: dict, times: dict) -> None:
-    """A part's host times of one backend (per kind of call) into ``into``, the least kept per kind: each part times
-    a kind at its first pair's smallest size, and a busy host only adds time (the rule ``_host_us`` applies to its
-    rounds, timeit's). Two parts run apart on one H100 timed the same kinds 0.61 to 2.37 times apart
-    (results/h100_calibration_part_a.md, results/h100_calibration_part_b.md)."""
-    for kind, us in times.items():
-        into[kind] = min(us, into.get(kind, us))
-
-
 def _merged_costs(into: dict, costs: dict) -> None:
     """``costs`` (a part's ``first_call_ms`` or ``new_size_ms``) into ``into``, the dearer kept per key."""
     for backend, ms in costs.items():
@@ -117,10 +108,9 @@ def main() -> None:
         for marker, says in (("--quick", " (merged with a --quick part)"), (calibrate.PARTIAL, calibrate.PARTIAL)):
             if any(marker in part["source"] for part in parts) and marker not in data["source"]:
                 data["source"] += says  # what a part was not, the whole is not: --package refuses it
+        for name in ("host_us", "new_packing_us"):  # each kind's least over the parts that timed it
+            data[name] = calibrate.least_times(*(part.get(name, {}) for part in parts))
         for part in parts:
-            for name in ("host_us", "new_packing_us"):  # each kind's least over the parts that timed it
-                for backend, times in part.get(name, {}).items():
-                    _merged_host(data[name].setdefault(backend, {}), times)
             for backend, curves in part["gpu"].items():
                 data["gpu"].setdefault(backend, {}).update(curves)
             for name in ("first_call_ms", "new_size_ms"):

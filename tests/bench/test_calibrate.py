@@ -35,7 +35,8 @@ def test_a_quick_calibration_on_the_cpu_is_one_the_rules_can_read():
         attention=attnselect.attention, quick=True, progress=lambda done, total, what: seen.append((done, total))
     )
     assert calibration._problem(data) is None and data["fingerprint"]["name"] == "cpu"
-    assert seen[0] == (0, 2) and seen[-1] == (2, 2)  # dense, then packed (which nothing packs on the CPU in training)
+    # first calls (dense, packed), then the ladder: dense, packed (nothing packs on the CPU in training), host again
+    assert seen[0] == (0, 2) and seen[-1] == (3, 3)
     curves = data["gpu"]["sdpa_flash"]
     assert set(curves) == {"dense 192/128+pad training"} and "flex" in data["skipped"]
     assert all(len(points) == 2 and points[0][0] < points[1][0] for points in curves.values())
@@ -322,3 +323,31 @@ def test_a_calibration_that_cannot_be_written_or_stops_at_once_says_so_without_a
     assert cli.main(["calibrate"]) == 1
     err = capsys.readouterr().err
     assert "stopped (OSError: [Errno 28] No space left on device)" in err and str(partial) in err
+
+
+def test_host_times_are_taken_again_after_the_ladder_and_each_kind_s_least_kept(monkeypatch):
+    """The ladder times a kind's host time once, at the first job that has it; run() takes every kind's again once the
+    ladder is done (host_times) and keeps the least of the two, packed calls on a new packing too."""
+    monkeypatch.setattr(calibrate, "SKIPPED", ("reference", "sdpa_math"))  # flex packs on the CPU (inference)
+    monkeypatch.setattr(calibrate, "LADDER", ((1, 16),))
+    monkeypatch.setattr(calibrate, "PACKED_LADDER", ((2, 16),))
+    again = []
+    measure_again = calibrate.host_times
+
+    def host_times(*args, **kwargs):
+        again.append(True)
+        return measure_again(*args, **kwargs)
+
+    def host_us(steps, device):  # the ladder's pass 10 us a call; the pass after it 5 for flex, 20 for the others
+        return {key: (5.0 if key.backend == "flex" else 20.0) if again else 10.0 for key in steps}
+
+    monkeypatch.setattr(calibrate, "host_times", host_times)
+    monkeypatch.setattr(calibrate, "_host_us", host_us)
+    monkeypatch.setattr(calibrate, "_new_packing_us", host_us)
+    data = calibrate.run(attention=attnselect.attention, pairs=((24, 16),))
+    assert again and calibration._problem(data) is None
+    for name in ("host_us", "new_packing_us"):
+        assert data[name]["flex"] and set(data[name]["flex"].values()) == {5.0}
+        others = {us for backend, times in data[name].items() if backend != "flex" for us in times.values()}
+        assert others <= {10.0}
+    assert data["host_us"]["sdpa_flash"]
