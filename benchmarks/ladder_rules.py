@@ -121,8 +121,17 @@ def main() -> None:
     calibrated = json.loads(Path(a.calibration).read_text()) if a.calibration else None
     sys.path.insert(0, str(Path(__file__).parent))
     import ladder as ladder_script
+    from attnselect.choose import calibration
     from attnselect.spec.target import Target
     from new_packing_parts import FA4_STAND_IN, _stand_ins
+
+    machine = {}  # the machine --calibration ran on, as a target's fields
+    if calibrated is not None:
+        fp = calibrated["fingerprint"]
+        machine = dict(name=fp["name"], capability=tuple(fp["capability"]), torch_version=fp["torch"],
+                       cudnn_version=fp["cudnn"])  # fmt: skip
+        # the user's calibration of its GPU model, in this run's cache directory
+        calibration.user_path(Target(**machine)).write_text(json.dumps(calibrated))
 
     rules_ = [("max", 0.0, ""), ("sum", 0.0, ""), ("alone", 0.0, ""), ("stack", 0.0, ""), ("max", TIE_BAND, "sum")]
     rules_ += [("stack", b, settle) for b in BANDS for settle in ("sum", "alone")] + [(HINDSIGHT, 0.0, "")]
@@ -144,11 +153,11 @@ def main() -> None:
         devices.append(f"{Path(path).name}: {report['meta']['device']}, {report['meta']['rounds']} rounds of "
                        f"{report['meta']['calls']} calls")  # fmt: skip
         target = Target.preset("h200", packages=packages, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
-        if calibrated is not None:  # the user's calibration of that GPU model, in this run's cache directory
-            from attnselect.choose import calibration
-
-            target = dataclasses.replace(target, name=calibrated["fingerprint"]["name"])
-            calibration.user_path(target).write_text(json.dumps(calibrated))
+        if calibrated is not None:  # the machine it ran on, with the ladder's packages
+            target = dataclasses.replace(target, **machine)
+            found, why = calibration.for_target(target)
+            if found is None:
+                raise SystemExit(f"--calibration {a.calibration} does not hold: {why}")
         shapes = ladder_script.off_ladder_shapes(report)  # its --dense rungs too
         rungs = {ladder_script.rung_name(r): r for r in ladder_script.rungs(False, shapes)}
         for entry in report["results"]:

@@ -808,20 +808,30 @@ def test_ladder_rules_predicts_by_a_calibration_given(tmp_path):
     packaged H200's: an H100 ladder judged by the H100's calibration, and by a copy whose sdpa_flash host times are made
     a hundred times dearer, which no rule's pick (but hindsight's and the ladder's own) is then on a rung where
     another candidate is forced."""
+    from attnselect.choose import calibration
+
     ladders = ("results/h100_ladder_small_82917ac_fa4.json",)
-    _run("benchmarks/ladder_rules.py", *ladders, "--calibration", "results/h100_calibration.json", "--out",
+    data = json.loads((ROOT / "results" / "h100_calibration.json").read_text())
+    data["fingerprint"]["attnselect"] = calibration._version()  # it holds for this version of attnselect too
+    (tmp_path / "own_calibration.json").write_text(json.dumps(data))
+    _run("benchmarks/ladder_rules.py", *ladders, "--calibration", str(tmp_path / "own_calibration.json"), "--out",
          str(tmp_path / "own"))  # fmt: skip
-    assert "results/h100_calibration.json's predictions" in (tmp_path / "own.md").read_text()
+    assert "own_calibration.json's predictions" in (tmp_path / "own.md").read_text()
     own = json.loads((tmp_path / "own.json").read_text())["picks"]
     assert any(p["chosen"] == "sdpa_flash native" and p["rule"] == "sum" for p in own)
-    data = json.loads((ROOT / "results" / "h100_calibration.json").read_text())
     data["host_us"]["sdpa_flash"] = {kind: us * 100 for kind, us in data["host_us"]["sdpa_flash"].items()}
     (tmp_path / "dear_calibration.json").write_text(json.dumps(data))
     _run("benchmarks/ladder_rules.py", *ladders, "--calibration", str(tmp_path / "dear_calibration.json"), "--out",
          str(tmp_path / "dear"))  # fmt: skip
     dear = json.loads((tmp_path / "dear.json").read_text())["picks"]
-    assert not any(p["chosen"] == "sdpa_flash native" for p in dear
-                   if p["rule"] not in ("one choice in hindsight", "as run"))  # fmt: skip
+    judged = [p for p in dear if p["rule"] not in ("one choice in hindsight", "as run")]
+    assert {(p["rung"], p["way"]) for p in judged} == {(p["rung"], p["way"]) for p in own if p["rule"] == "sum"}
+    assert not any(p["chosen"] == "sdpa_flash native" for p in judged)
+    data["fingerprint"]["attnselect"] = "0.0.1"  # made by another attnselect: refused, not scored with the H200's
+    (tmp_path / "other_calibration.json").write_text(json.dumps(data))
+    with pytest.raises(subprocess.CalledProcessError):
+        _run("benchmarks/ladder_rules.py", *ladders, "--calibration", str(tmp_path / "other_calibration.json"),
+             "--out", str(tmp_path / "other"))  # fmt: skip
 
 
 def test_first_calls_probe_splits_start_up_configuration_and_size():

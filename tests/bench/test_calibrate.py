@@ -325,29 +325,49 @@ def test_a_calibration_that_cannot_be_written_or_stops_at_once_says_so_without_a
     assert "stopped (OSError: [Errno 28] No space left on device)" in err and str(partial) in err
 
 
-def test_host_times_are_taken_again_after_the_ladder_and_each_kind_s_least_kept(monkeypatch):
+def test_host_times_are_taken_again_after_the_ladder_at_its_pairs_and_each_kind_s_least_kept(monkeypatch):
     """The ladder times a kind's host time once, at the first job that has it; run() takes every kind's again once the
-    ladder is done (host_times) and keeps the least of the two, packed calls on a new packing too."""
+    ladder is done (host_times, at the run's first pair native and its first pair of unequal dims padded) and keeps
+    the least of the two, packed calls on a new packing too; a second pass that fails leaves the ladder's."""
     monkeypatch.setattr(calibrate, "SKIPPED", ("reference", "sdpa_math"))  # flex packs on the CPU (inference)
     monkeypatch.setattr(calibrate, "LADDER", ((1, 16),))
     monkeypatch.setattr(calibrate, "PACKED_LADDER", ((2, 16),))
-    again = []
+    again, shapes = [], set()
     measure_again = calibrate.host_times
 
     def host_times(*args, **kwargs):
-        again.append(True)
+        again.append(kwargs)
         return measure_again(*args, **kwargs)
 
-    def host_us(steps, device):  # the ladder's pass 10 us a call; the pass after it 5 for flex, 20 for the others
-        return {key: (5.0 if key.backend == "flex" else 20.0) if again else 10.0 for key in steps}
+    def host_us(steps, device):  # the ladder's pass 10 us a call; the pass after it 5 padded, 20 native
+        return {key: (5.0 if key.padded else 20.0) if again else 10.0 for key in steps}
 
+    step = calibrate.attention_step
+
+    def attention_step(attention, candidate, problem, *args, **kwargs):
+        if again:
+            shapes.add((problem.head_dim_qk, problem.head_dim_v, candidate.padded))
+        return step(attention, candidate, problem, *args, **kwargs)
+
+    attention = attnselect.attention
+    monkeypatch.setattr(calibrate, "attention_step", attention_step)
     monkeypatch.setattr(calibrate, "host_times", host_times)
     monkeypatch.setattr(calibrate, "_host_us", host_us)
     monkeypatch.setattr(calibrate, "_new_packing_us", host_us)
-    data = calibrate.run(attention=attnselect.attention, pairs=((24, 16),))
-    assert again and calibration._problem(data) is None
+    data = calibrate.run(attention=attention, pairs=((24, 16), (32, 32)))
+    assert calibration._problem(data) is None
+    assert again == [{"attention": attention, "native": (24, 16), "padded": (24, 16)}]
+    assert shapes == {(24, 16, False), (24, 16, True)}  # the pair the ladder timed first
     for name in ("host_us", "new_packing_us"):
-        assert data[name]["flex"] and set(data[name]["flex"].values()) == {5.0}
-        others = {us for backend, times in data[name].items() if backend != "flex" for us in times.values()}
-        assert others <= {10.0}
-    assert data["host_us"]["sdpa_flash"]
+        times = {(backend, kind): us for backend, kinds in data[name].items() for kind, us in kinds.items()}
+        assert {us for (_, kind), us in times.items() if "+pad" in kind} == {5.0}  # the second pass's, less
+        assert {us for (_, kind), us in times.items() if "+pad" not in kind} == {10.0}  # the ladder's, less
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(calibrate, "host_times", failing)
+    again.clear()  # the ladder's pass again: 10 us
+    data = calibrate.run(attention=attnselect.attention, pairs=((24, 16),))
+    assert calibration._problem(data) is None
+    assert {us for kinds in data["host_us"].values() for us in kinds.values()} == {10.0}

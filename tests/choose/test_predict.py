@@ -462,3 +462,24 @@ def test_the_packaged_calibration_ranks_the_ladder_s_long_mla_training_calls_as_
         first_calls.forget()
         calibration._parsed.cache_clear()
         attnselect.clear_cache()
+
+
+def test_a_prediction_s_init_takes_its_init_fields_and_works_out_the_others():
+    """Prediction's own __init__ (its fields in one write) takes the dataclass's init fields, in their order and with
+    their defaults, so dataclasses.replace and copies keep working; total_us and alone_us are worked out, as a
+    replace works them out again."""
+    import inspect
+
+    fields = [f for f in dataclasses.fields(predict.Prediction) if f.init]
+    parameters = list(inspect.signature(predict.Prediction.__init__).parameters.values())[1:]
+    assert [p.name for p in parameters] == [f.name for f in fields]
+    assert [p.default for p in parameters] == [
+        inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default for f in fields
+    ]
+    assert {f.name for f in dataclasses.fields(predict.Prediction) if not f.init} == {"total_us", "alone_us"}
+    p = predict.Prediction(30.0, 50.0, "test", 80.0, 5.0)
+    assert (p.total_us, p.alone_us) == (50.0 + predict.UNHIDDEN * 30.0, 80.0 + 50.0 - 5.0)
+    q = dataclasses.replace(p, gpu_us=10.0)
+    assert (q.total_us, q.alone_us) == (30.0 + predict.UNHIDDEN * 10.0, 80.0 + 10.0 - 5.0) and q != p
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.host_us = 1.0

@@ -505,7 +505,7 @@ def test_small_dense_hopper_calls_run_where_the_host_time_is_least(fa4):
 def test_a_family_s_table_chooser_gives_table_for_s_table_at_every_size():
     """rules.table_chooser runs the refinements' size-free tests once for a problem and its copies at other sizes (a
     packed loop's family): each such test answers alike at every size, and the chooser gives table_for's table at
-    each, on both sides of every refinement's bound."""
+    each; the sizes take problems into every refined table and into none."""
     import itertools
 
     sizes = [(1, 64, 64, 64), (3, 512, 512, 1024), (8, 1024, 1024, 4096), (2, 2048, 1024, 2048), (1, 4096, 4096, 0),
@@ -536,7 +536,7 @@ def test_a_family_s_table_chooser_gives_table_for_s_table_at_every_size():
                 key, table = rules.table_for(problem, target)
                 assert table_at(problem) == (key, table), (problem.describe(), target.arch)
                 seen.add(key[-1] if key[-1] in rules._REFINEMENT_REASONS else None)
-    # the sizes above cross every refinement's bound
+    # every refined table, and the unrefined ones, ranked some problem here
     assert seen == {name for name, *_ in rules._REFINEMENTS} | {None}
 
 

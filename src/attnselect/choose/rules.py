@@ -398,7 +398,9 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
     return key, TABLES[key]
 
 
-def table_chooser(problem: AttentionProblem, target: Target) -> Callable[[AttentionProblem], tuple]:
+def table_chooser(
+    problem: AttentionProblem, target: Target
+) -> Callable[[AttentionProblem], tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]]:
     """:func:`table_for` of the problems that differ from ``problem`` in their sizes alone (batch, sequence lengths,
     tokens: a packed loop's new packings), on ``target``: the refinements' tests that read no size run once, here."""
     key = _base_key(problem, target)
@@ -406,9 +408,9 @@ def table_chooser(problem: AttentionProblem, target: Target) -> Callable[[Attent
                   if fits(problem))  # fmt: skip
     unrefined = key, TABLES[key]
 
-    def table_at(problem: AttentionProblem) -> tuple:
+    def table_at(at_sizes: AttentionProblem) -> tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]:
         for refined, entries, fits_sizes in sized:
-            if fits_sizes(problem):
+            if fits_sizes(at_sizes):
                 return refined, entries
         return unrefined
 
@@ -444,13 +446,13 @@ def _pack_estimate(problem: AttentionProblem) -> int:
     sequence at the longest lengths, the others sharing the rest of q's rows evenly; a causal pack's exact work is
     1.0-1.9x that over the size ladder's and the calibration's seeded packings, results/cpu_packed_work_estimates.md);
     else, and where q's rows are not known, :func:`_work`."""
-    work = _work(problem)
     others = _estimated_lengths(problem)
+    work = _work(problem)
     if others is None:
         return work
-    # pack_work of the longest sequence plus that of the others (pack_work is linear in the pairs), in one product
-    pairs = problem.seqlen_q * problem.seqlen_kv + (problem.batch - 1) * others[0] * others[1]
-    return min(work, problem.heads_q * (problem.head_dim_qk + problem.head_dim_v) * pairs)
+    heads, dims = problem.heads_q, (problem.head_dim_qk, problem.head_dim_v)
+    estimate = pack_work(heads, *dims, 1, problem.seqlen_q, problem.seqlen_kv)
+    return min(work, estimate + pack_work(heads, *dims, problem.batch - 1, *others))
 
 
 def _estimated_lengths(problem: AttentionProblem) -> tuple[int, int] | None:
