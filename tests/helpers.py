@@ -196,3 +196,21 @@ def benchmark_module(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.remove(benchmarks)
+
+
+def pickled_equal_elsewhere(value, fresh: str, tmp_path) -> None:
+    """Assert that ``value``, pickled and loaded in processes of other string hashes (PYTHONHASHSEED 1 and 2), equals
+    and hashes as ``fresh`` (an expression over ``attnselect``) made there: a cached hash must not travel."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    (tmp_path / "value.pkl").write_bytes(pickle.dumps(value))
+    code = (
+        "import pickle, sys, attnselect; value = pickle.load(open(sys.argv[1], 'rb')); "
+        f"fresh = {fresh}; assert {{fresh: 1}}.get(value) == 1 and hash(value) == hash(fresh)"
+    )
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / "value.pkl")], env=env, check=True)

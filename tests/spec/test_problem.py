@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from attnselect import AttentionProblem, InvalidInputError
+from helpers import pickled_equal_elsewhere
 
 P = AttentionProblem(batch=2, seqlen_q=128, seqlen_kv=128, heads_q=16, heads_kv=4, head_dim_qk=192, head_dim_v=128)
 
@@ -219,19 +220,7 @@ def test_a_problem_hashes_as_its_fields_whatever_copy_or_pickle_made_it():
 
 
 def test_a_pickled_problem_finds_its_equal_in_a_process_with_other_string_hashes(tmp_path):
-    import os
-    import pickle
-    import subprocess
-    import sys
-
     p = AttentionProblem(2, 64, 64, 4, 4, 192, 128, layout="thd", mask="causal")
     hash(p)
-    (tmp_path / "p.pkl").write_bytes(pickle.dumps(p))
-    code = (
-        "import pickle, sys, attnselect; p = pickle.load(open(sys.argv[1], 'rb')); "
-        "fresh = attnselect.AttentionProblem(2, 64, 64, 4, 4, 192, 128, layout='thd', mask='causal'); "
-        "assert {fresh: 1}.get(p) == 1 and hash(p) == hash(fresh)"
-    )
-    for seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        subprocess.run([sys.executable, "-c", code, str(tmp_path / "p.pkl")], env=env, check=True)
+    fresh = "attnselect.AttentionProblem(2, 64, 64, 4, 4, 192, 128, layout='thd', mask='causal')"
+    pickled_equal_elsewhere(p, fresh, tmp_path)
