@@ -54,8 +54,8 @@ from hot_path import new_packings, profile, write_report
 
 # select_packed apart on a new packing of a work class (and size class) new in the round and of one seen
 CLASSES = ("select_packed, a work class seen", "select_packed, a new work class")
-STAGES = ("recall", "problem at the new sizes", "select_packed", "packed_runner", "self_check.needed", "remember",
-          "run")  # fmt: skip
+STAGES = ("recall", "problem at the new sizes", "its class's call", "select_packed", "packed_runner",
+          "self_check.needed", "remember", "run")  # fmt: skip
 
 FA4_STAND_IN = {"flash_attn.cute": ("flash_attn_varlen_func", "flash_attn_func")}  # what FA4's runners bind
 
@@ -74,6 +74,11 @@ MIRRORED = (
     "if family is not None and not (answered or checking) and self_check.has_work(problem):",
     "family.unchecked.add((decision.chosen, problem.size_class))",
     "else known.runner(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv)",
+    "stands = unknown.family.standing(problem)",
+    "held = unknown.family.classes.get(stands[0]) if stands is not None else None",
+    "if held is not None and held[0] is stands[1]:",
+    "known = held[1]._replace(problem=problem)",
+    "_keep_class(family, problem, decision, known, (target, backend, pad, disable))",
 )
 
 
@@ -93,31 +98,43 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
         return None
     sibling = unknown.sibling
     problem = sibling.problem._at_sizes(cu.numel() - 1, m, m)
-    packing = Packing(cu, cu, m, m, cu, cu)
     target = target or sibling.target
     t2 = clock()
-    decision = select_packed(problem, target=target, backend=backend)
+    stands = unknown.family.standing(problem) if unknown.family.standing is not None else None
+    held = unknown.family.classes.get(stands[0]) if stands is not None else None
     t3 = clock()
-    again = sibling.chosen == decision.chosen and sibling.runner is not None
-    chosen = backends.get(decision.chosen.backend)
-    if again:
-        runner = getattr(sibling.runner, "unrented", sibling.runner)
+    if held is not None and held[0] is stands[1]:  # a class decided before: its call at these sizes
+        decision = stands[1]
+        known = held[1]._replace(problem=problem)
+        t4 = t5 = t6 = clock()
+        unknown.remember(known)
+        t7 = clock()
     else:
-        runner = packed_runner(chosen, decision.chosen.pad_to, sibling.call, like=(q, k, v, packing))
-    t4 = clock()
-    unchecked = unknown.family.unchecked
-    answered = bool(unchecked) and (decision.chosen, problem.size_class) in unchecked
-    checking = not answered and self_check.needed(problem, decision.chosen, target)
-    t5 = clock()
-    family = unknown.remember(KnownCall(problem, decision.chosen, target, sibling.call, backend is not None, runner))
-    if not (answered or checking) and self_check.has_work(problem):
-        family.unchecked.add((decision.chosen, problem.size_class))
-    t6 = clock()
-    if checking and q.device.type == "meta":  # no run, so no self-check: taken as passed, as attention()'s first call
-        self_check._PASSED.add((target, decision.chosen, problem.signature))  # of a signature passes it
-    out = runner(q, k, v, cu, m, m) if q.device.type != "meta" else None
-    t7 = clock()
-    for name, a, b in zip(STAGES, (t0, t1, t2, t3, t4, t5, t6), (t1, t2, t3, t4, t5, t6, t7)):
+        packing = Packing(cu, cu, m, m, cu, cu)
+        decision = select_packed(problem, target=target, backend=backend)
+        t4 = clock()
+        again = sibling.chosen == decision.chosen and sibling.runner is not None
+        chosen = backends.get(decision.chosen.backend)
+        if again:
+            runner = getattr(sibling.runner, "unrented", sibling.runner)
+        else:
+            runner = packed_runner(chosen, decision.chosen.pad_to, sibling.call, like=(q, k, v, packing))
+        t5 = clock()
+        unchecked = unknown.family.unchecked
+        answered = bool(unchecked) and (decision.chosen, problem.size_class) in unchecked
+        checking = not answered and self_check.needed(problem, decision.chosen, target)
+        t6 = clock()
+        known = KnownCall(problem, decision.chosen, target, sibling.call, backend is not None, runner)
+        family = unknown.remember(known)
+        if not (answered or checking) and self_check.has_work(problem):
+            family.unchecked.add((decision.chosen, problem.size_class))
+        api._keep_class(family, problem, decision, known, (target, backend, None, None))
+        t7 = clock()
+        if checking and q.device.type == "meta":  # no run, so no self-check: taken as passed, as attention()'s first
+            self_check._PASSED.add((target, decision.chosen, problem.signature))  # call of a signature passes it
+    out = known.runner(q, k, v, cu, m, m) if q.device.type != "meta" else None
+    t8 = clock()
+    for name, a, b in zip(STAGES, (t0, t1, t2, t3, t4, t5, t6, t7), (t1, t2, t3, t4, t5, t6, t7, t8)):
         times[name] += b - a
     return decision, problem, out
 
@@ -236,7 +253,10 @@ def compare(a) -> None:
         for _ in range(a.repeats):
             for side, src in zip(("before", "after"), a.compare):
                 out = Path(tempfile.mkdtemp()) / "stages"
-                subprocess.run([sys.executable, __file__, "--host-stages", a.host_stages, "--calls", str(a.calls),
+                # each side's own replay where its checkout has one (the replay mirrors its attention())
+                script = Path(src).parent / "benchmarks" / Path(__file__).name
+                script = str(script if script.exists() else __file__)
+                subprocess.run([sys.executable, script, "--host-stages", a.host_stages, "--calls", str(a.calls),
                                 "--rounds", str(a.rounds), "--out", str(out), *(["--fa4"] if fa4 else []),
                                 *(["--mla", "--tokens", str(a.tokens)] if a.mla else []),
                                 *(["--backend", a.backend] if a.backend else []),
@@ -264,10 +284,10 @@ def compare(a) -> None:
     for fa4, sides in runs.items():
         lines += ["", f"## {'cuDNN frontend and FlashAttention-4' if fa4 == 'True' else 'cuDNN frontend'} installed",
                   "", "| stage | before | after |", "|---|---|---|"]  # fmt: skip
-        for stage in sides["before"]:
-            b, f = sides["before"][stage], sides["after"][stage]
-            lines.append(f"| {stage} | {statistics.median(b):.1f} ({min(b):.1f}) | {statistics.median(f):.1f} "
-                         f"({min(f):.1f}) |")  # fmt: skip
+        for stage in dict.fromkeys([*sides["before"], *sides["after"]]):  # a stage one side's replay lacks: n/a
+            cells = [sides[side].get(stage) for side in ("before", "after")]
+            cells = [f"{statistics.median(t):.1f} ({min(t):.1f})" if t else "n/a" for t in cells]
+            lines.append(f"| {stage} | {cells[0]} | {cells[1]} |")
         whole = {side: [sum(ts) for ts in zip(*sides[side].values())] for side in sides}
         lines.append(f"| all but the run | {statistics.median(whole['before']):.1f} ({min(whole['before']):.1f}) | "
                      f"{statistics.median(whole['after']):.1f} ({min(whole['after']):.1f}) |")  # fmt: skip

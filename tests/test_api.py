@@ -580,6 +580,42 @@ def test_a_packed_family_asks_for_a_self_check_once_per_size_class(meta_cudnn_h2
     assert asked == [1000, 3000] and len(dispatch.known_calls()) == 6
 
 
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_a_new_packing_of_a_class_decided_before_is_that_class_s_call(meta_cudnn_h200, monkeypatch, calibrated):
+    """A packed family's new packing in a class (work class, size class, rules table) whose decision stands
+    (selection.standing_decisions) is the call attention() made in that class, at its own sizes: not selected again,
+    its runner and choice; a class not seen, and one whose paid compiles changed, are selected."""
+    from attnselect.choose import first_calls
+    from attnselect.spec.target import Target
+
+    if calibrated:  # the packaged H200 calibration holds: ranked by predicted time
+        h200 = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"}, torch_version="2.11.0+cu130",
+                             cudnn_version="9.19.0")  # fmt: skip
+        monkeypatch.setattr(api, "target_for_device", lambda device: h200)
+    selected, select_packed = [], api.select_packed
+    monkeypatch.setattr(api, "select_packed", lambda p, **kw: selected.append(p.seqlen_q) or select_packed(p, **kw))
+    q = torch.empty(4096, 16, 128, dtype=torch.bfloat16, device="meta")
+
+    def call(longest: int) -> dispatch.KnownCall:
+        cu = torch.empty(5, dtype=torch.int32, device="meta")
+        attnselect.attention(q, q, q, layout="thd", causal=True, cu_seqlens_q=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)  # fmt: skip
+        return dispatch.known_calls()[-1]
+
+    calls = [call(longest) for longest in (1000, 1001, 1002, 1003, 3000, 3001)]
+    assert selected == [1000, 1001, 3000]  # the family's first call; then a class carried, once each
+    assert [c.problem.seqlen_q for c in calls] == [1000, 1001, 1002, 1003, 3000, 3001]
+    assert calls[2].runner is calls[3].runner is calls[1].runner and calls[3].chosen == calls[1].chosen
+    assert calls[3].problem == calls[1].problem._with(seqlen_q=1003, seqlen_kv=1003)
+    try:
+        first_calls.ran(attnselect.Candidate("flash_attn4"), calls[0].problem)  # a compile paid since
+        call(1004)
+        call(1005)
+    finally:
+        first_calls.forget()
+    assert selected == [1000, 1001, 3000, 1004]
+
+
 def test_a_new_packing_asks_for_its_self_check_where_its_sibling_had_nothing_to_check(meta_cudnn_h200, monkeypatch):
     """A sibling with no scores (max_seqlen 0) needed no self-check for want of work: a new packing at the same
     signature (size class 0 holds 0 to 3 scores) that has work asks again."""

@@ -26,7 +26,7 @@ from attnselect import backends, self_check
 from attnselect.choose import first_calls, settings
 from attnselect.choose.distributed import is_distributed
 from attnselect.choose.failures import mark_failed
-from attnselect.choose.selection import select, select_packed
+from attnselect.choose.selection import select, select_packed, standing_decisions
 from attnselect.choose.settings import strict
 from attnselect.choose.timing import random_inputs
 from attnselect.context_parallel.call import attention as context_parallel_attention
@@ -141,49 +141,62 @@ def attention(
         if sibling is not None and cu_seqlens_q.numel() and 0 <= max_seqlen_q < 2**31 and 0 <= max_seqlen_kv < 2**31:
             # a packed call known but for its packing's sizes (attnselect.dispatch): its problem at these sizes
             problem = sibling.problem._at_sizes(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_kv)
-            packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
             target = sibling.target  # the same device
         else:
             problem, packing = describe_call(q, k, v, CallOptions._make(options))
             sibling, target = None, target_for_device(q.device)
-        decision = (
-            select(problem, target=target, backend=backend, pad=pad, disable=disable)
-            if packing is None
-            else select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)
-        )
-        call = sibling.call if sibling is not None else kernel_call(problem, scale, softcap)  # not the sizes'
-        chosen = backends.get(decision.chosen.backend)
-        # the sibling's choice again: its packed runner reads each packing's boundaries and sizes
-        again = sibling is not None and sibling.chosen == decision.chosen and sibling.runner is not None
-        if layout != "thd":
-            runner = dense_runner(
-                chosen, decision.chosen.pad_to, layout, call, like=(q, k, v) if unknown is not None else None
+        # a new packing of a class whose decision stands (selection.standing_decisions): that class's call
+        stands = held = None
+        if sibling is not None and unknown.family.standing is not None:
+            stands = unknown.family.standing(problem)
+            held = unknown.family.classes.get(stands[0]) if stands is not None else None
+        if held is not None and held[0] is stands[1]:
+            known = held[1]._replace(problem=problem)
+            unknown.remember(known)
+        else:
+            if sibling is not None:  # its packing, as its sibling's was validated
+                packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
+            decision = (
+                select(problem, target=target, backend=backend, pad=pad, disable=disable)
+                if packing is None
+                else select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)
             )
-        elif not (again or chosen.packs_thd(target)):
-            runner = None
-        elif again:  # the sibling's runner, without its rental's counting (a rental is counted per decision)
-            runner = getattr(sibling.runner, "unrented", sibling.runner)
-        elif unknown is not None:  # later calls are like this one: the runner takes their boundaries and sizes
-            runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing))
-        else:  # this call alone, on its validated packing
-            runner = _on_packing(packed_runner(chosen, decision.chosen.pad_to, call), packing)
-        if decision.rental and decision.rental.calls and runner is not None:  # a compile to pay later (first_calls)
-            runner = _renting(runner, decision.rental, problem)
-        # what compiles is tracked (a configuration is the call at any size: its sibling's ran), whatever ranked it:
-        # a call the rules table ranks (a decode step's few queries) compiles what a calibrated one may rent around
-        compiled = not again
-        # reads ATTNSELECT_SELF_CHECK (in the memo's key): before memoizing. A packed family's problem at any sizes has
-        # one signature per size class: where its choice needed no check at that class, it needs none (a check passed
-        # since only makes the answer no)
-        unchecked = unknown.family.unchecked if unknown is not None and unknown.family is not None else ()
-        answered = bool(unchecked) and (decision.chosen, problem.size_class) in unchecked
-        checking = not answered and self_check.needed(problem, decision.chosen, target)
-        collective = checking and decision.overrides.policy == "measure" and is_distributed()
-        known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
-        if unknown is not None:
-            family = unknown.remember(known)
-            if family is not None and not (answered or checking) and self_check.has_work(problem):
-                family.unchecked.add((decision.chosen, problem.size_class))
+            call = sibling.call if sibling is not None else kernel_call(problem, scale, softcap)  # not the sizes'
+            chosen = backends.get(decision.chosen.backend)
+            # the sibling's choice again: its packed runner reads each packing's boundaries and sizes
+            again = sibling is not None and sibling.chosen == decision.chosen and sibling.runner is not None
+            if layout != "thd":
+                runner = dense_runner(
+                    chosen, decision.chosen.pad_to, layout, call, like=(q, k, v) if unknown is not None else None
+                )
+            elif not (again or chosen.packs_thd(target)):
+                runner = None
+            elif again:  # the sibling's runner, without its rental's counting (a rental is counted per decision)
+                runner = getattr(sibling.runner, "unrented", sibling.runner)
+            elif unknown is not None:  # later calls are like this one: the runner takes their boundaries and sizes
+                runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing))
+            else:  # this call alone, on its validated packing
+                runner = _on_packing(packed_runner(chosen, decision.chosen.pad_to, call), packing)
+            if decision.rental and decision.rental.calls and runner is not None:  # a compile to pay later, first_calls
+                runner = _renting(runner, decision.rental, problem)
+            # what compiles is tracked (a configuration is the call at any size: its sibling's ran), whatever ranked
+            # it: a call the rules table ranks (a decode step's few queries) compiles what a calibrated one may rent
+            # around
+            compiled = not again
+            # reads ATTNSELECT_SELF_CHECK (in the memo's key): before memoizing. A packed family's problem at any sizes
+            # has one signature per size class: where its choice needed no check at that class, it needs none (a check
+            # passed since only makes the answer no)
+            unchecked = unknown.family.unchecked if unknown is not None and unknown.family is not None else ()
+            answered = bool(unchecked) and (decision.chosen, problem.size_class) in unchecked
+            checking = not answered and self_check.needed(problem, decision.chosen, target)
+            collective = checking and decision.overrides.policy == "measure" and is_distributed()
+            known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
+            if unknown is not None:
+                family = unknown.remember(known)
+                if family is not None and not (answered or checking) and self_check.has_work(problem):
+                    family.unchecked.add((decision.chosen, problem.size_class))
+                if family is not None:
+                    _keep_class(family, problem, decision, known, (target, backend, pad, disable))
     try:
         if known.runner is None:  # thd sequence by sequence
             if packing is None:  # a known packed call, whose problem follows from its key (attnselect.dispatch)
@@ -223,6 +236,23 @@ def attention(
 _CONTROL_FLOW = tuple(
     t for t in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if isinstance(t, type)
 )
+
+
+def _keep_class(family, problem: AttentionProblem, decision, known: KnownCall, selecting: tuple) -> None:
+    """Keep ``known``, the call made of ``decision`` for ``problem``, as what a new packing of ``family`` (a
+    :class:`attnselect.dispatch` family of packed calls) gets at ``problem``'s class while the selection's decision
+    there stands and is this one (``selecting``: the target and controls it was selected under), where it runs a
+    prepared runner and its choice needs no self-check at that size class (attention() answered it for the class)."""
+    if known.runner is None or (decision.chosen, problem.size_class) not in family.unchecked:
+        return
+    if family.standing is None:
+        target, backend, pad, disable = selecting
+        family.standing = standing_decisions(problem, target=target, backend=backend, pad=pad, disable=disable)
+        if family.standing is None:
+            return
+    holds = family.standing(problem)
+    if holds is not None and holds[1] is decision:
+        family.classes[holds[0]] = decision, known
 
 
 def _renting(run, rental: first_calls.Rental, problem: AttentionProblem):

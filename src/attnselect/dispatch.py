@@ -67,13 +67,20 @@ class _Family:
     """The packed calls that differ only in their packing's sizes: ``last``, the one decided last (the sibling of a
     new packing), and ``unchecked``, the (candidate, size class) pairs whose calls need no self-check (attention()
     keeps them: one problem at every size has one signature per size class); the calls themselves are in ``_SIZED``
-    under ``(family, sizes)`` (identity-hashed: no hash of the call's state on a new packing)."""
+    under ``(family, sizes)`` (identity-hashed: no hash of the call's state on a new packing).
 
-    __slots__ = ("last", "unchecked")
+    ``standing``: where the selection keeps a family for these calls, its ``standing_at(problem) -> (class,
+    decision) | None`` (:func:`attnselect.choose.selection.standing_decisions`), and ``classes``, per class, the
+    decision that stood there and the call attention() made of it: a new packing whose class still stands on that
+    decision is that call at its own sizes (attention() keeps both)."""
+
+    __slots__ = ("last", "unchecked", "standing", "classes")
 
     def __init__(self, last: KnownCall):
         self.last = last
         self.unchecked: set[tuple] = set()
+        self.standing: Callable | None = None
+        self.classes: dict[tuple, tuple] = {}
 
 
 class _Entry(NamedTuple):

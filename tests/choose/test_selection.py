@@ -843,3 +843,128 @@ def test_a_new_work_class_whose_order_brings_the_next_candidate_within_the_tie_b
     fresh = attnselect.select(large, target=target)
     assert fresh.chosen == Candidate("cudnn_frontend")  # within the band, and shorter alone
     assert selection.select_packed(large, target=target).chosen == fresh.chosen
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_a_packed_class_s_standing_decision_is_what_select_packed_returns_there(tmp_path, monkeypatch, calibrated):
+    """Where a packed family's class (selection._Family.classify) has a standing decision, it is the decision
+    select_packed returns at any packing of that class, as the paid compiles, failures and cache clears change; a
+    decision that rents is never standing; a decision the rules table makes anew ends its table's standing ones."""
+    import random
+
+    from attnselect.choose import first_calls
+    from attnselect.choose.failures import mark_failed
+    from attnselect.choose.selection import select_packed, standing_decisions
+
+    target = _calibrated_h200(tmp_path, monkeypatch) if calibrated else Target.preset("h100")
+    rng, stood, rented, seen = random.Random(1), 0, 0, set()
+    base = _thd_training(18, 4096)
+    assert standing_decisions(base, target=target) is None  # no family yet
+    try:
+        for step in range(600):
+            if step == 200:
+                first_calls.ran(Candidate("flash_attn4"), base)
+            if step == 350:
+                mark_failed(base, target, Candidate("cudnn_frontend"), RuntimeError("broken"))
+            if step == 450:
+                attnselect.clear_cache()
+            sizes = (rng.choice([1, 2, 3, 5, 18, 60]), rng.randrange(8, 20000))
+            if sizes in seen:
+                continue
+            seen.add(sizes)
+            problem = _thd_training(*sizes)
+            standing = standing_decisions(problem, target=target)
+            held = standing(problem) if standing is not None else None
+            decision = select_packed(problem, target=target)
+            rented += decision.rental is not None
+            if held is not None:
+                stood += 1
+                assert held[1] is decision and decision.rental is None, problem.describe()
+    finally:
+        first_calls.forget()
+    assert stood > 150  # of 600 packings, one in 3 or 4 falls in a class decided before (a loop's: most)
+    assert rented > 0 if calibrated else rented == 0  # FA4's compile rented around until paid
+
+
+def test_a_packed_family_s_class_is_what_carrying_a_decision_reads_of_its_sizes():
+    """_Family.classify: whether the calibration ranks the call (its queries), its work class where it does, its
+    size class and its rules table, as the problem-level functions give them, at every size."""
+    from attnselect.choose import calibration, predict, rules, selection
+
+    for target in (Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"}), Target.preset("a100")):
+        for d_qk, d_v, training, mask in itertools.product((192, 128), (128,), (False, True), ("causal", "none")):
+            first = AttentionProblem(4, 512, 512, 16, 16, d_qk, d_v, layout="thd", mask=mask, training=training,
+                                     dtype=torch.bfloat16, tokens=4096)  # fmt: skip
+            family = selection._Family(selection.select(first, target=target), first, (), target)
+            for batch, longest, tokens in itertools.product((1, 2, 7, 40), (1, 15, 16, 300, 4096), (0, 4096, 65536)):
+                problem = first._with(batch=batch, seqlen_q=longest, seqlen_kv=longest, tokens=tokens)
+                ranked = longest >= calibration.MIN_QUERIES
+                expected = (ranked, predict.work_class(problem) if ranked else None, problem.size_class,
+                            rules.table_for(problem, target)[0])  # fmt: skip
+                assert family.classify(problem) == expected, problem.describe()
+                assert family.classify(problem) == expected  # asked again: the same
+
+
+def test_a_class_stands_on_its_decision_while_its_sized_verdicts_and_paid_compiles_hold():
+    """selection._stand keeps a decision carried to a class unless it rents; a packing of the class gets it where the
+    paid compiles are as they were and the verdicts that read sizes judge alike at its sizes."""
+    from attnselect.choose import first_calls, selection
+    from attnselect.choose.first_calls import Rental
+    from attnselect.spec.options import Verdict
+
+    h200 = Target.preset("h200")
+    problem = _thd_training(4, 512)
+    decision = selection.select(problem, target=h200)
+    family = selection._Family(decision, problem, (), h200)
+    key, paid = family.classify(problem), first_calls.paid_state()
+    selection._stand(family, key, dataclasses.replace(decision, rental=object.__new__(Rental)), paid)
+    assert family.standing == {}
+    alike = problem._with(seqlen_q=513, seqlen_kv=513)  # the same class
+    selection._stand(family, key, decision, paid)
+    assert family.standing_at(alike) == (key, decision)
+    assert family.standing_at(problem._with(batch=400)) is None  # another class
+    own = decision.verdicts[0]
+    selection._stand(family, key, decision, paid, sized=(own,))  # judged alike at the new sizes: stands
+    assert family.standing_at(alike) == (key, decision)
+    selection._stand(family, key, decision, paid, sized=(Verdict(own.candidate, ("refused at other sizes",)),))
+    assert family.standing_at(alike) is None
+    selection._stand(family, key, decision, paid)
+    try:
+        first_calls.ran(Candidate("flash_attn4"), problem)  # a compile paid since: select_packed draws again
+        assert family.standing_at(alike) is None
+    finally:
+        first_calls.forget()
+
+
+def test_a_packing_the_rules_table_ranks_under_a_calibration_does_not_stand(tmp_path, monkeypatch):
+    """Where a candidate the calibration cannot rank serves, the table ranks the call: whether one serves reads the
+    packing's sizes, so no class stands on the table's decision there."""
+    import json
+
+    from attnselect.choose import calibration, selection
+
+    target = _calibrated_h200(tmp_path, monkeypatch)
+    data = json.loads(calibration.user_path(target).read_text())
+    data["skipped"].remove("flex")  # flex serves these calls and has no curve: unranked
+    calibration.user_path(target).write_text(json.dumps(data))
+    calibration._parsed.cache_clear()
+    attnselect.clear_cache()
+    for seqlen in (4096, 4097, 4098):
+        decision = selection.select_packed(_thd_training(18, seqlen), target=target)
+        assert decision.predictions is None  # the table ranked it
+    family = next(iter(selection._PACKED.values()))
+    assert family.calibrated.unranked == (Candidate("flex"),) and family.standing == {}
+
+
+def test_a_decision_the_rules_table_makes_anew_ends_the_standing_ones():
+    """Ranked by the rules table, a class stands on its table's last decision; a decision made anew (a table new to
+    the family, or one whose last decision no longer stands) leaves no class standing on an older one."""
+    from attnselect.choose import selection
+
+    h100 = Target.preset("h100")
+    for batch, seqlen in ((18, 4096), (18, 4097), (18, 4098)):  # one table, one class
+        selection.select_packed(_thd_training(batch, seqlen), target=h100)
+    standing = selection.standing_decisions(_thd_training(18, 4099), target=h100)
+    assert standing(_thd_training(18, 4099)) is not None
+    selection.select_packed(_thd_training(2, 100), target=h100)  # the small-pack table: made there
+    assert standing(_thd_training(18, 4099)) is None

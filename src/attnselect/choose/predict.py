@@ -141,11 +141,18 @@ def work(problem: AttentionProblem) -> float:
     rest of the tokens evenly: the least the pairs can be, given the longest. Over the size ladder's and the
     calibration's seeded packings (results/cpu_packed_work_estimates.md) a causal pack's work is 1.0-1.9x this
     estimate, where batch x the longest's (a pack without ``tokens``) overstates it up to 50x."""
-    pairs = visible_pairs(problem.mask, problem.window, problem.seqlen_q, problem.seqlen_kv)
-    others = other_lengths(problem)
+    return work_at(problem, problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+
+
+def work_at(problem: AttentionProblem, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> float:
+    """:func:`work` of ``problem`` at these sizes (its other fields as they are)."""
+    mask, window = problem.mask, problem.window
+    pairs = visible_pairs(mask, window, seqlen_q, seqlen_kv)
+    others = rest_lengths(sequences, seqlen_q, seqlen_kv, tokens)
     if others is None:
-        return problem.batch * problem.heads_q * pairs * (problem.head_dim_qk + problem.head_dim_v) / 1e6
-    pairs += (problem.batch - 1) * visible_pairs(problem.mask, problem.window, *others)
+        pairs *= sequences
+    else:
+        pairs += (sequences - 1) * visible_pairs(mask, window, *others)
     return problem.heads_q * pairs * (problem.head_dim_qk + problem.head_dim_v) / 1e6
 
 
@@ -153,11 +160,17 @@ def other_lengths(problem: AttentionProblem) -> tuple[int, int] | None:
     """The (q, kv) lengths :func:`work` estimates a packed call's sequences other than the longest at: the rest of q's
     rows (``tokens``) shared evenly, at most the longest; None where it does not know them (no ``tokens``, one
     sequence, a dense call), and every sequence counts at the longest."""
-    sequences, seqlen_q = problem.batch, problem.seqlen_q
-    if not (problem.tokens and seqlen_q and sequences > 1):
+    return rest_lengths(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+
+
+def rest_lengths(sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> tuple[int, int] | None:
+    """:func:`other_lengths` at these sizes."""
+    if not (tokens and seqlen_q and sequences > 1):
         return None
-    rest = min(max(problem.tokens - seqlen_q, 0) / (sequences - 1), seqlen_q)
-    return round(rest), round(rest * problem.seqlen_kv / seqlen_q)
+    rest = (tokens - seqlen_q) / (sequences - 1) if tokens > seqlen_q else 0  # at least 0, at most the longest
+    if rest > seqlen_q:
+        rest = seqlen_q
+    return round(rest), round(rest * seqlen_kv / seqlen_q)
 
 
 WORK_STEPS = 8  # work classes per doubling of work
@@ -166,7 +179,12 @@ NO_WORK = -(2**31)  # the class of a call with no work (below every other)
 
 def work_class(problem: AttentionProblem) -> int:
     """The class of the call's :func:`work`: ``round(WORK_STEPS * log2(work))`` (work 0 is the lowest class)."""
-    at = work(problem)
+    return work_class_at(problem, problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+
+
+def work_class_at(problem: AttentionProblem, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> int:
+    """:func:`work_class` of ``problem`` at these sizes (its other fields as they are)."""
+    at = work_at(problem, sequences, seqlen_q, seqlen_kv, tokens)
     return round(WORK_STEPS * math.log2(at)) if at > 0 else NO_WORK
 
 

@@ -26,7 +26,7 @@ import torch
 from attnselect.backends.base import all_backends
 from attnselect.backends.base import get as backend_named
 from attnselect.choose import calibration
-from attnselect.choose.predict import Curve, Prediction, curve, other_lengths
+from attnselect.choose.predict import Curve, Prediction, curve, other_lengths, rest_lengths
 from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
@@ -393,24 +393,25 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
     first refinement (in :data:`_REFINEMENTS`' order) that has a table for this family and phase and applies."""
     key = _base_key(problem, target)
     for refined, fits, fits_sizes in _REFINED.get(key, ()):  # each test run only where its table exists
-        if fits(problem) and fits_sizes(problem):
+        if fits(problem) and fits_sizes(problem, problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens):
             return refined, TABLES[refined]
     return key, TABLES[key]
 
 
 def table_chooser(
     problem: AttentionProblem, target: Target
-) -> Callable[[AttentionProblem], tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]]:
-    """:func:`table_for` of the problems that differ from ``problem`` in their sizes alone (batch, sequence lengths,
-    tokens: a packed loop's new packings), on ``target``: the refinements' tests that read no size run once, here."""
+) -> Callable[[int, int, int, int], tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]]:
+    """``table_at(sequences, seqlen_q, seqlen_kv, tokens)``: :func:`table_for` of the problem that differs from
+    ``problem`` in those sizes alone (batch, sequence lengths, q's rows: a packed loop's new packings), on ``target``:
+    the refinements' tests that read no size run once, here."""
     key = _base_key(problem, target)
     sized = tuple((refined, TABLES[refined], fits_sizes) for refined, fits, fits_sizes in _REFINED.get(key, ())
                   if fits(problem))  # fmt: skip
     unrefined = key, TABLES[key]
 
-    def table_at(at_sizes: AttentionProblem) -> tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]:
+    def table_at(sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int):
         for refined, entries, fits_sizes in sized:
-            if fits_sizes(at_sizes):
+            if fits_sizes(problem, sequences, seqlen_q, seqlen_kv, tokens):
                 return refined, entries
         return unrefined
 
@@ -427,12 +428,15 @@ def _work(problem: AttentionProblem) -> int:
     does at most one T-token sequence's work (the sum of squared lengths is at most their sum squared), so its
     work is capped there: a pack of one long document and a few short ones is not taken for several long ones (1024
     tokens in 5 documents, the longest 856, counted 3.5x a 1024-token sequence's work without the cap)."""
-    work = pack_work(
-        problem.heads_q, problem.head_dim_qk, problem.head_dim_v, problem.batch, problem.seqlen_q, problem.seqlen_kv
-    )
-    if _capped_at_tokens(problem):
-        return min(work, pack_work(problem.heads_q, problem.head_dim_qk, problem.head_dim_v, 1, problem.tokens,
-                                   problem.tokens))  # fmt: skip
+    return _work_at(problem, problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+
+
+def _work_at(p: AttentionProblem, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> int:
+    """:func:`_work` of ``p`` at these sizes (its other fields as they are)."""
+    width = p.heads_q * (p.head_dim_qk + p.head_dim_v)  # pack_work's factors but the lengths'
+    work = width * sequences * seqlen_q * seqlen_kv
+    if tokens and p.layout == "thd" and p.varlen_seqlens_match:  # _capped_at_tokens
+        return min(work, width * tokens * tokens)
     return work
 
 
@@ -446,13 +450,19 @@ def _pack_estimate(problem: AttentionProblem) -> int:
     sequence at the longest lengths, the others sharing the rest of q's rows evenly; a causal pack's exact work is
     1.0-1.9x that over the size ladder's and the calibration's seeded packings, results/cpu_packed_work_estimates.md);
     else, and where q's rows are not known, :func:`_work`."""
-    others = _estimated_lengths(problem)
-    work = _work(problem)
+    return _pack_estimate_at(problem, problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+
+
+def _pack_estimate_at(p: AttentionProblem, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> int:
+    """:func:`_pack_estimate` of ``p`` at these sizes (its other fields as they are)."""
+    work = _work_at(p, sequences, seqlen_q, seqlen_kv, tokens)
+    others = (
+        rest_lengths(sequences, seqlen_q, seqlen_kv, tokens) if tokens * p.heads_q <= SMALL_PACK_HEAD_TOKENS else None
+    )
     if others is None:
         return work
-    heads, dims = problem.heads_q, (problem.head_dim_qk, problem.head_dim_v)
-    estimate = pack_work(heads, *dims, 1, problem.seqlen_q, problem.seqlen_kv)
-    return min(work, estimate + pack_work(heads, *dims, problem.batch - 1, *others))
+    estimate = seqlen_q * seqlen_kv + (sequences - 1) * others[0] * others[1]  # pack_work's sequences and lengths
+    return min(work, p.heads_q * (p.head_dim_qk + p.head_dim_v) * estimate)
 
 
 def _estimated_lengths(problem: AttentionProblem) -> tuple[int, int] | None:
@@ -473,13 +483,17 @@ def _small_dense_call(p: AttentionProblem, masks: tuple[str, ...] = ("causal", "
     )
 
 
-def _prefill_within(p: AttentionProblem, bound: float) -> bool:
-    """As many queries as keys (prefill; decode against a long cache is bound by its memory), at most ``bound`` work."""
-    return p.square and _work(p) <= bound
+def _prefill_within(
+    p: AttentionProblem, bound: float, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int
+) -> bool:
+    """A dense call of ``p`` at these sizes: as many queries as keys (prefill; decode against a long cache is bound by
+    its memory), at most ``bound`` work."""
+    return seqlen_q == seqlen_kv and _work_at(p, sequences, seqlen_q, seqlen_kv, tokens) <= bound
 
 
-# Each refinement: (its name, a test that reads no size of the problem, a test of its sizes: batch, sequence lengths,
-# tokens), so a packed loop's family runs the first once (:func:`table_chooser`).
+# Each refinement: (its name, a test that reads no size of the problem, a test of the problem at sizes given apart:
+# ``(problem, sequences, seqlen_q, seqlen_kv, tokens)``, reading no size of the problem), so a packed loop's family runs
+# the first once and the second on each packing's sizes alone (:func:`table_chooser`).
 _REFINEMENTS = (
     (
         "small pack",
@@ -491,17 +505,25 @@ _REFINEMENTS = (
             and p.heads_q == p.heads_kv
             and max(p.head_dim_qk, p.head_dim_v) <= 192
         ),
-        lambda p: _pack_estimate(p) <= SMALL_PACK_WORK,
+        lambda p, *sizes: _pack_estimate_at(p, *sizes) <= SMALL_PACK_WORK,
     ),
-    ("small training pack", lambda p: p.layout == "thd", lambda p: _work(p) <= SMALL_TRAINING_PACK_WORK),
+    (
+        "small training pack",
+        lambda p: p.layout == "thd",
+        lambda p, *sizes: _work_at(p, *sizes) <= SMALL_TRAINING_PACK_WORK,
+    ),
     (
         "wide heads",
         lambda p: max(p.head_dim_qk, p.head_dim_v) > 256,
-        lambda p: p.seqlen_q == p.seqlen_kv >= WIDE_PREFILL,
+        lambda p, sequences, seqlen_q, seqlen_kv, tokens: seqlen_q == seqlen_kv >= WIDE_PREFILL,
     ),
-    ("tiny call", lambda p: _small_dense_call(p, TINY_CALL_MASKS), lambda p: _prefill_within(p, TINY_CALL_WORK)),
-    ("small call", _small_dense_call, lambda p: _prefill_within(p, SMALL_CALL_WORK)),
-    ("medium call", _small_dense_call, lambda p: _prefill_within(p, MEDIUM_CALL_WORK)),
+    (
+        "tiny call",
+        lambda p: _small_dense_call(p, TINY_CALL_MASKS),
+        lambda p, *sizes: _prefill_within(p, TINY_CALL_WORK, *sizes),
+    ),
+    ("small call", _small_dense_call, lambda p, *sizes: _prefill_within(p, SMALL_CALL_WORK, *sizes)),
+    ("medium call", _small_dense_call, lambda p, *sizes: _prefill_within(p, MEDIUM_CALL_WORK, *sizes)),
 )
 
 

@@ -14,7 +14,7 @@ from attnselect.choose.candidates import candidate_reasons, judge, override_reas
 from attnselect.choose.decision import Decision, no_candidate_message
 from attnselect.choose.distributed import is_distributed
 from attnselect.choose.failures import eager_signature, failures
-from attnselect.choose.predict import work_class
+from attnselect.choose.predict import work_class_at
 from attnselect.choose.settings import MEMO_SIZE
 from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.memos import generation, register_cache
@@ -92,7 +92,7 @@ class _Family:
     of its predictions and rankings are keyed by this object."""
 
     __slots__ = ("last", "by_table", "allowed", "runs", "calibrated", "places", "failed", "drawn", "calibration",
-                 "table_at")  # fmt: skip
+                 "table_at", "standing", "classified", "target")  # fmt: skip
 
     def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
@@ -115,7 +115,46 @@ class _Family:
         # measures calls of this kind (calibration.covers_kind): the same for the family's life (its key holds the
         # target and the cache directory; a clear of the caches drops it)
         self.calibration = (*calibration.for_target(target), calibration.covers_kind(held_for))
-        self.table_at = rules.table_chooser(held_for, target)  # rules.table_for at the family's every size
+        self.table_at = rules.table_chooser(held_for, target)  # rules.table_for at the family's every size, by sizes
+        # per class (classify): the decision _carried returned there where it rents nothing, with the paid compiles
+        # it was carried at (first_calls.paid_state) and what of it reads a packing's sizes (its verdicts that do, or
+        # the rules table's standing checks): a packing of the class gets it while those hold (standing_at)
+        self.standing: dict[tuple, tuple[Decision, int, tuple, tuple]] = {}
+        self.target = target
+        self.classified: tuple = (None, None)  # the problem classified last, and its class: a call asks more than once
+
+    def classify(self, problem: AttentionProblem) -> tuple:
+        """What :func:`_carried` reads of a packing's sizes: whether the calibration ranks it (the queries it needs:
+        ``found`` and ``covered`` are the family's), its work class (where it does), its size class and its rules
+        table."""
+        last, key = self.classified
+        if problem is last:
+            return key
+        sizes = problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens
+        ranked = sizes[1] >= calibration.MIN_QUERIES
+        work = work_class_at(problem, *sizes) if ranked else None
+        key = ranked, work, problem.size_class, self.table_at(*sizes)[0]
+        self.classified = problem, key
+        return key
+
+    def standing_at(self, problem: AttentionProblem) -> tuple[tuple, Decision] | None:
+        """(its class, the decision) where :func:`select_packed` would return a decision carried to ``problem``'s class
+        before (the paid compiles as they were, its verdicts that read sizes judged alike at ``problem``'s, the rules
+        table's decision still standing there), without the rest of select_packed's work; None where only
+        select_packed can tell. A clear of the caches (a failure, a rental's end) drops the family."""
+        key = self.classify(problem)
+        held = self.standing.get(key)
+        if held is None or held[1] != first_calls.paid_state():
+            return None
+        decision, _, sized, checks = held
+        if sized or checks:
+            target = self.target
+            failed = self.failed_at(problem, target)
+            if not _judged_alike(sized, problem, target, failed) or not _still_stands(
+                checks, failed, lambda c: not _reasons(c, problem, target, failed)
+            ):
+                return None
+        return key, decision
 
     def calibrated_by(self, problem: AttentionProblem, target: Target, found: dict) -> _Calibrated:
         """What predicts the family's calls under the calibration ``found``, made on first use (and again under
@@ -183,9 +222,7 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
         return select(problem, target=target, backend=backend, pad=pad, disable=disable)
     cleared = generation()
     try:
-        # the raw ATTNSELECT_* values (settings.environment decodes them): a key, read for every new packing
-        key = (problem.sizeless, target, backend, pad, type(pad), disable, _no_environment() or _raw_environment(),
-               _cache_dir(), _scope())  # fmt: skip
+        key = _family_key(problem, target, backend, pad, disable)
         family = _PACKED.get(key)
     except TypeError:  # an unhashable control: select() names it
         return select(problem, target=target, backend=backend, pad=pad, disable=disable)
@@ -208,12 +245,31 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     else:
         family.last = decision, problem
     if made is not None and made.policy == "rules" and made.predictions is None:  # ranked by the table (_carried)
-        table_key, table = family.table_at(problem)
+        table_key, table = family.table_at(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
         family.by_table[table_key] = (
             made,
             _standing_checks(made, problem, target, table, family.failed_at(problem, target)),
         )
+        family.standing.clear()  # a class that carried the table's last decision carries this one from now on
     return decision
+
+
+def _family_key(problem: AttentionProblem, target: Target, backend, pad, disable) -> tuple:
+    # the raw ATTNSELECT_* values (settings.environment decodes them): a key, read for every new packing
+    return (problem.sizeless, target, backend, pad, type(pad), disable, _no_environment() or _raw_environment(),
+            _cache_dir(), _scope())  # fmt: skip
+
+
+def standing_decisions(problem: AttentionProblem, *, target: Target, backend=None, pad=None, disable=None):
+    """``standing_at(problem) -> (class, decision) | None`` for the packed loop of ``problem`` (made by
+    :func:`select_packed`) under these controls and the present settings: :meth:`_Family.standing_at` of its family,
+    which a caller that keeps those (attnselect.attention's memo of a family of packed calls) asks at a new packing
+    before :func:`select_packed`; None where select_packed keeps no family for it."""
+    try:
+        family = _PACKED.get(_family_key(problem, target, backend, pad, disable))
+    except TypeError:
+        return None
+    return family.standing_at if family is not None else None
 
 
 def _same_sizes(problem: AttentionProblem, other: AttentionProblem) -> bool:
@@ -242,19 +298,17 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     its sizes (the same candidates judged alike, ranking and rental), that one is returned, describing its own
     sizes."""
     found, source, covered = family.calibration
+    key = family.classify(problem)
     ranking = None
-    if found is not None and covered and problem.seqlen_q >= calibration.MIN_QUERIES:  # not calibration.outside
-        ranking = _ranking(family, problem, target, found)
+    if found is not None and covered and key[0]:  # not calibration.outside
+        ranking = _ranking(family, key, problem, target, found)
     failed = ranking.failed if ranking is not None else family.failed_at(problem, target)
     held = ranking.decided if ranking is not None else None  # one tuple: a thread reads a decision with its facts
     if held is None and ranking is not None:  # a work class new to its size class and table
         held = _drawn_alike(family.drawn.get(ranking.group), ranking)
-    if (
-        held is not None
-        and held[2] == first_calls.paid_state()
-        and all(_reasons(v.candidate, problem, target, failed) == v.reasons for v in held[1])
-    ):
+    if held is not None and held[2] == first_calls.paid_state() and _judged_alike(held[1], problem, target, failed):
         ranking.decided = held
+        _stand(family, key, held[0], held[2], sized=held[1])
         return held[0]  # its candidates judged alike, in the same order, at the same prices: the same draw (logged)
     judged: dict[Candidate, tuple[str, ...]] = {}  # as judge() refuses them
 
@@ -267,8 +321,12 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     if predicted is not None and any(serves(c) for c in ranking.unranked):  # the table ranks the call (predictions)
         predicted = None
     if not predicted or not any(predicted.values()):  # the table ranks it: the decision last made under its table
-        standing = family.by_table.get(family.table_at(problem)[0])
-        return standing[0] if standing is not None and _still_stands(standing[1], failed, serves) else None
+        standing = family.by_table.get(key[3])
+        if standing is None or not _still_stands(standing[1], failed, serves):
+            return None
+        if ranking is None:  # else whether the table ranks it read the unranked candidates' verdicts at these sizes
+            _stand(family, key, standing[0], first_calls.paid_state(), checks=standing[1])
+        return standing[0]
     ordered = rules.settled(ranking.ordered, predicted, serves)  # as rules.rank orders them
     paid = first_calls.paid_state()  # what drawn_rental reads of this process
     if earlier.overrides.backend is not None:  # a forced backend is never rented out (_decide)
@@ -297,10 +355,27 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last
             debug.log_decision(decision)
     ranking.decided = decision, sized, paid
+    _stand(family, key, decision, paid, sized=sized)
     # a choice that settled a tie read the predicted times (rules.settled): not carried to another work class
     tie = rules.tied(decision.ranked[0], (c for c, reasons in judged.items() if not reasons), predicted)
     family.drawn[ranking.group] = decision, sized, paid, ranking.found, tie
     return decision
+
+
+def _stand(
+    family: _Family, key: tuple, decision: Decision, paid: int, *, sized: tuple = (), checks: tuple = ()
+) -> None:
+    """Keep ``decision``, carried to a packing of the class ``key`` at the paid compiles ``paid``, as what a packing of
+    that class gets while they hold (:meth:`_Family.standing_at`), with what of it a packing's sizes can change:
+    ``sized``, its verdicts that read them, judged alike again; ``checks``, the rules table's standing checks
+    (:func:`_standing_checks`), passed again. Not a decision that rents (a rental is settled by sizes)."""
+    if decision.rental is None:
+        family.standing[key] = decision, paid, sized, checks
+
+
+def _judged_alike(verdicts: tuple, problem: AttentionProblem, target: Target, failed: dict) -> bool:
+    """Whether each of ``verdicts`` judges its candidate alike at ``problem`` (whose failures are ``failed``)."""
+    return all(_reasons(v.candidate, problem, target, failed) == v.reasons for v in verdicts)
 
 
 def _drawn_alike(drawn: tuple | None, ranking: _Ranking) -> tuple[Decision, tuple[Verdict, ...], int] | None:
@@ -357,10 +432,11 @@ _RANKINGS: OrderedDict[tuple, _Ranking] = OrderedDict()
 register_cache(_RANKINGS.clear)
 
 
-def _ranking(family: _Family, problem: AttentionProblem, target: Target, found: dict) -> _Ranking:
+def _ranking(family: _Family, key: tuple, problem: AttentionProblem, target: Target, found: dict) -> _Ranking:
+    """The ranking of ``problem``, of the class ``key`` (:meth:`_Family.classify`), made where new."""
     cleared = generation()
-    work, table = work_class(problem), family.table_at(problem)[0]
-    at = (family, work, problem.size_class, table)
+    _, work, size_class, table = key
+    at = (family, work, size_class, table)
     ranking = _RANKINGS.get(at)
     if ranking is None or ranking.found is not found:  # made under another calibration (a cache directory changed)
         calibrated = family.calibrated_by(problem, target, found)
