@@ -77,7 +77,7 @@ MIRRORED = (
     "stands = unknown.family.standing(problem)",
     "held = unknown.family.classes.get(stands[0]) if stands is not None else None",
     "if held is not None and held[0] is stands[1]:",
-    "known = held[1]._replace(problem=problem)",
+    "known = KnownCall(problem, *held[1][1:])",
     "_keep_class(family, problem, decision, known, (target, backend, pad, disable))",
 )
 
@@ -105,7 +105,7 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
     t3 = clock()
     if held is not None and held[0] is stands[1]:  # a class decided before: its call at these sizes
         decision = stands[1]
-        known = held[1]._replace(problem=problem)
+        known = KnownCall(problem, *held[1][1:])
         t4 = t5 = t6 = clock()
         unknown.remember(known)
         t7 = clock()

@@ -151,7 +151,7 @@ def attention(
             stands = unknown.family.standing(problem)
             held = unknown.family.classes.get(stands[0]) if stands is not None else None
         if held is not None and held[0] is stands[1]:
-            known = held[1]._replace(problem=problem)
+            known = KnownCall(problem, *held[1][1:])  # (not _replace: a generic method, several times slower)
             unknown.remember(known)
         else:
             if sibling is not None:  # its packing, as its sibling's was validated
