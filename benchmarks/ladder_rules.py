@@ -156,8 +156,9 @@ def main() -> None:
         if calibrated is not None:  # the machine it ran on, with the ladder's packages
             target = dataclasses.replace(target, **machine)
             found, why = calibration.for_target(target)
-            if found is None:
-                raise SystemExit(f"--calibration {a.calibration} does not hold: {why}")
+            if found is None or why != str(calibration.user_path(target)):  # not a packaged one in its place
+                held = why if found is None else f"{why} holds in its place"
+                raise SystemExit(f"--calibration {a.calibration} does not hold: {held}")
         shapes = ladder_script.off_ladder_shapes(report)  # its --dense rungs too
         rungs = {ladder_script.rung_name(r): r for r in ladder_script.rungs(False, shapes)}
         for entry in report["results"]:
