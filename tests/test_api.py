@@ -614,6 +614,11 @@ def test_a_new_packing_of_a_class_decided_before_is_that_class_s_call(meta_cudnn
     finally:
         first_calls.forget()
     assert selected == [1000, 1001, 3000, 1004]
+    family = next(entry.family for entry in dispatch._CALLS.values() if entry.family is not None)
+    assert len(family.classes) == 2  # 1000's class (kept again at 1004) and 3000's
+    monkeypatch.setattr(api, "MEMO_SIZE", 2)  # bounded: past its size the classes start again
+    call(2000), call(2001)
+    assert len(family.classes) == 1
 
 
 def test_a_new_packing_asks_for_its_self_check_where_its_sibling_had_nothing_to_check(meta_cudnn_h200, monkeypatch):

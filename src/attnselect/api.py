@@ -27,7 +27,7 @@ from attnselect.choose import first_calls, settings
 from attnselect.choose.distributed import is_distributed
 from attnselect.choose.failures import mark_failed
 from attnselect.choose.selection import select, select_packed, standing_decisions
-from attnselect.choose.settings import strict
+from attnselect.choose.settings import MEMO_SIZE, strict
 from attnselect.choose.timing import random_inputs
 from attnselect.context_parallel.call import attention as context_parallel_attention
 from attnselect.context_parallel.call import group_size
@@ -252,6 +252,8 @@ def _keep_class(family, problem: AttentionProblem, decision, known: KnownCall, s
             return
     holds = family.standing(problem)
     if holds is not None and holds[1] is decision:
+        if len(family.classes) >= MEMO_SIZE and holds[0] not in family.classes:  # bounded as the selection's classes
+            family.classes.clear()
         family.classes[holds[0]] = decision, known
 
 

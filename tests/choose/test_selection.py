@@ -905,7 +905,7 @@ def test_a_packed_family_s_class_is_what_carrying_a_decision_reads_of_its_sizes(
                 assert family.classify(problem) == expected  # asked again: the same
 
 
-def test_a_class_stands_on_its_decision_while_its_sized_verdicts_and_paid_compiles_hold():
+def test_a_class_stands_on_its_decision_while_its_sized_verdicts_and_paid_compiles_hold(monkeypatch):
     """selection._stand keeps a decision carried to a class unless it rents; a packing of the class gets it where the
     paid compiles are as they were and the verdicts that read sizes judge alike at its sizes."""
     from attnselect.choose import first_calls, selection
@@ -928,6 +928,11 @@ def test_a_class_stands_on_its_decision_while_its_sized_verdicts_and_paid_compil
     assert family.standing_at(alike) == (key, decision)
     selection._stand(family, key, decision, paid, sized=(Verdict(own.candidate, ("refused at other sizes",)),))
     assert family.standing_at(alike) is None
+    selection._stand(family, key, decision, paid)
+    monkeypatch.setattr(selection, "MEMO_SIZE", 2)  # bounded: past its size the classes start again
+    selection._stand(family, ("another",), decision, paid)
+    selection._stand(family, ("a third",), decision, paid)
+    assert list(family.standing) == [("a third",)]
     selection._stand(family, key, decision, paid)
     try:
         first_calls.ran(Candidate("flash_attn4"), problem)  # a compile paid since: select_packed draws again

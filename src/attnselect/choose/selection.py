@@ -370,6 +370,8 @@ def _stand(
     ``sized``, its verdicts that read them, judged alike again; ``checks``, the rules table's standing checks
     (:func:`_standing_checks`), passed again. Not a decision that rents (a rental is settled by sizes)."""
     if decision.rental is None:
+        if len(family.standing) >= MEMO_SIZE and key not in family.standing:  # bounded: a family of that many classes
+            family.standing.clear()  # starts again
         family.standing[key] = decision, paid, sized, checks
 
 
