@@ -77,8 +77,8 @@ MIRRORED = (
     "stands = unknown.family.standing(problem)",
     "held = unknown.family.classes.get(stands[0]) if stands is not None else None",
     "if held is not None and held[0] is stands[1]:",
-    "known = KnownCall(problem, *held[1][1:])",
-    "_keep_class(family, problem, decision, known, (target, backend, pad, disable))",
+    "known = KnownCall(problem, made.chosen, made.target, made.call, made.forced, made.runner)",
+    "_keep_class(family, problem, decision, known, target=target, backend=backend, pad=pad, disable=disable)",
 )
 
 
@@ -105,7 +105,8 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
     t3 = clock()
     if held is not None and held[0] is stands[1]:  # a class decided before: its call at these sizes
         decision = stands[1]
-        known = KnownCall(problem, *held[1][1:])
+        made = held[1]
+        known = KnownCall(problem, made.chosen, made.target, made.call, made.forced, made.runner)
         t4 = t5 = t6 = clock()
         unknown.remember(known)
         t7 = clock()
@@ -128,7 +129,7 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
         family = unknown.remember(known)
         if not (answered or checking) and self_check.has_work(problem):
             family.unchecked.add((decision.chosen, problem.size_class))
-        api._keep_class(family, problem, decision, known, (target, backend, None, None))
+        api._keep_class(family, problem, decision, known, target=target, backend=backend, pad=None, disable=None)
         t7 = clock()
         if checking and q.device.type == "meta":  # no run, so no self-check: taken as passed, as attention()'s first
             self_check._PASSED.add((target, decision.chosen, problem.signature))  # call of a signature passes it

@@ -621,6 +621,26 @@ def test_a_new_packing_of_a_class_decided_before_is_that_class_s_call(meta_cudnn
     assert len(family.classes) == 1
 
 
+def test_a_class_whose_choice_was_self_checked_is_not_reused(meta_cudnn_h200, monkeypatch):
+    """A class's call is kept for new packings only where its choice needs no self-check at that size class: where
+    the call checked it (or could not, say for want of a reference), each new packing of the class asks again."""
+    from attnselect.spec.target import Target
+
+    h200 = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"}, torch_version="2.11.0+cu130",
+                         cudnn_version="9.19.0")  # fmt: skip
+    monkeypatch.setattr(api, "target_for_device", lambda device: h200)
+    monkeypatch.setattr(api.self_check, "needed", lambda *a: True)
+    monkeypatch.setattr(api.self_check, "check", lambda *a, **kw: None)  # checked and passed, not kept as passed
+    selected, select_packed = [], api.select_packed
+    monkeypatch.setattr(api, "select_packed", lambda p, **kw: selected.append(p.seqlen_q) or select_packed(p, **kw))
+    q = torch.empty(4096, 16, 128, dtype=torch.bfloat16, device="meta")
+    for longest in (1000, 1001, 1002, 1003):
+        cu = torch.empty(5, dtype=torch.int32, device="meta")
+        attnselect.attention(q, q, q, layout="thd", causal=True, cu_seqlens_q=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)  # fmt: skip
+    assert selected == [1000, 1001, 1002, 1003]
+
+
 def test_a_new_packing_asks_for_its_self_check_where_its_sibling_had_nothing_to_check(meta_cudnn_h200, monkeypatch):
     """A sibling with no scores (max_seqlen 0) needed no self-check for want of work: a new packing at the same
     signature (size class 0 holds 0 to 3 scores) that has work asks again."""

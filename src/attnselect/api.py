@@ -151,7 +151,8 @@ def attention(
             stands = unknown.family.standing(problem)
             held = unknown.family.classes.get(stands[0]) if stands is not None else None
         if held is not None and held[0] is stands[1]:
-            known = KnownCall(problem, *held[1][1:])  # (not _replace: a generic method, several times slower)
+            made = held[1]  # the class's call: this one but for its problem
+            known = KnownCall(problem, made.chosen, made.target, made.call, made.forced, made.runner)
             unknown.remember(known)
         else:
             if sibling is not None:  # its packing, as its sibling's was validated
@@ -195,8 +196,7 @@ def attention(
                 family = unknown.remember(known)
                 if family is not None and not (answered or checking) and self_check.has_work(problem):
                     family.unchecked.add((decision.chosen, problem.size_class))
-                if family is not None:
-                    _keep_class(family, problem, decision, known, (target, backend, pad, disable))
+                _keep_class(family, problem, decision, known, target=target, backend=backend, pad=pad, disable=disable)
     try:
         if known.runner is None:  # thd sequence by sequence
             if packing is None:  # a known packed call, whose problem follows from its key (attnselect.dispatch)
@@ -238,19 +238,18 @@ _CONTROL_FLOW = tuple(
 )
 
 
-def _keep_class(family, problem: AttentionProblem, decision, known: KnownCall, selecting: tuple) -> None:
+def _keep_class(
+    family, problem: AttentionProblem, decision, known: KnownCall, *, target, backend, pad, disable
+) -> None:
     """Keep ``known``, the call made of ``decision`` for ``problem``, as what a new packing of ``family`` (a
     :class:`attnselect.dispatch` family of packed calls) gets at ``problem``'s class while the selection's decision
-    there stands and is this one (``selecting``: the target and controls it was selected under), where it runs a
-    prepared runner and its choice needs no self-check at that size class (attention() answered it for the class)."""
-    if known.runner is None or (decision.chosen, problem.size_class) not in family.unchecked:
-        return
-    if family.standing is None:
-        target, backend, pad, disable = selecting
-        family.standing = standing_decisions(problem, target=target, backend=backend, pad=pad, disable=disable)
-        if family.standing is None:
-            return
-    holds = family.standing(problem)
+    there (under this target and these controls) stands and is this one, where it runs a prepared runner and its
+    choice needs no self-check at that size class (attention() answered it for the class). The family asks the
+    selection's family of its calls as select_packed keeps it now (a new one where the memo dropped the last)."""
+    if family is None or known.runner is None or (decision.chosen, problem.size_class) not in family.unchecked:
+        return  # a dense call's (no family), or one its class's packings cannot share
+    family.standing = standing_decisions(problem, target=target, backend=backend, pad=pad, disable=disable)
+    holds = family.standing(problem) if family.standing is not None else None
     if holds is not None and holds[1] is decision:
         if len(family.classes) >= MEMO_SIZE and holds[0] not in family.classes:  # bounded as the selection's classes
             family.classes.clear()

@@ -886,23 +886,68 @@ def test_a_packed_class_s_standing_decision_is_what_select_packed_returns_there(
     assert rented > 0 if calibrated else rented == 0  # FA4's compile rented around until paid
 
 
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_packings_of_standing_classes_choose_what_select_chooses(tmp_path, monkeypatch, calibrated):
+    """As attention() asks: a packing whose class stands takes its decision and select_packed is not called; every
+    other one is selected. Each choice is what a fresh select chooses at its sizes, as the paid compiles, failures and
+    cache clears change."""
+    import random
+
+    from attnselect.choose import first_calls
+    from attnselect.choose.failures import mark_failed
+    from attnselect.choose.selection import select_packed, standing_decisions
+
+    target = _calibrated_h200(tmp_path, monkeypatch) if calibrated else Target.preset("h100")
+    rng, stood, seen = random.Random(2), 0, set()
+    base = _thd_training(18, 4096)
+    try:
+        for step in range(500):
+            if step == 150:
+                first_calls.ran(Candidate("flash_attn4"), base)
+            if step == 300:
+                mark_failed(base, target, Candidate("cudnn_frontend"), RuntimeError("broken"))
+            if step == 400:
+                attnselect.clear_cache()
+            sizes = (rng.choice([1, 2, 3, 18]), rng.randrange(8, 9000))
+            if sizes in seen:
+                continue
+            seen.add(sizes)
+            problem = _thd_training(*sizes)
+            standing = standing_decisions(problem, target=target)
+            held = standing(problem) if standing is not None else None
+            stood += held is not None
+            decision = held[1] if held is not None else select_packed(problem, target=target)
+            fresh = attnselect.select(problem, target=target)
+            assert decision.chosen == fresh.chosen and decision.rental == fresh.rental, problem.describe()
+    finally:
+        first_calls.forget()
+    assert stood > 100
+
+
 def test_a_packed_family_s_class_is_what_carrying_a_decision_reads_of_its_sizes():
-    """_Family.classify: whether the calibration ranks the call (its queries), its work class where it does, its
-    size class and its rules table, as the problem-level functions give them, at every size."""
+    """_Family.classify: whether the family's calibration ranks the call (one covers it, at enough queries), its work
+    class where it does, its size class and its rules table, as the problem-level functions give them, at every
+    size; on a target a calibration holds for (the H200 at the packaged one's versions) and on one none does."""
     from attnselect.choose import calibration, predict, rules, selection
 
-    for target in (Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"}), Target.preset("a100")):
+    calibrated = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"}, torch_version="2.11.0+cu130",
+                               cudnn_version="9.19.0")  # fmt: skip
+    ranks = set()
+    for target in (calibrated, Target.preset("a100")):
         for d_qk, d_v, training, mask in itertools.product((192, 128), (128,), (False, True), ("causal", "none")):
             first = AttentionProblem(4, 512, 512, 16, 16, d_qk, d_v, layout="thd", mask=mask, training=training,
                                      dtype=torch.bfloat16, tokens=4096)  # fmt: skip
             family = selection._Family(selection.select(first, target=target), first, (), target)
             for batch, longest, tokens in itertools.product((1, 2, 7, 40), (1, 15, 16, 300, 4096), (0, 4096, 65536)):
                 problem = first._with(batch=batch, seqlen_q=longest, seqlen_kv=longest, tokens=tokens)
-                ranked = longest >= calibration.MIN_QUERIES
+                holds = calibration.for_target(target)[0] is not None
+                ranked = holds and calibration.outside(problem) is None
                 expected = (ranked, predict.work_class(problem) if ranked else None, problem.size_class,
                             rules.table_for(problem, target)[0])  # fmt: skip
                 assert family.classify(problem) == expected, problem.describe()
                 assert family.classify(problem) == expected  # asked again: the same
+                ranks.add((target.name, ranked))
+    assert ranks == {(calibrated.name, True), (calibrated.name, False), ("NVIDIA A100", False)}
 
 
 def test_a_class_stands_on_its_decision_while_its_sized_verdicts_and_paid_compiles_hold(monkeypatch):
@@ -917,23 +962,35 @@ def test_a_class_stands_on_its_decision_while_its_sized_verdicts_and_paid_compil
     decision = selection.select(problem, target=h200)
     family = selection._Family(decision, problem, (), h200)
     key, paid = family.classify(problem), first_calls.paid_state()
-    selection._stand(family, key, dataclasses.replace(decision, rental=object.__new__(Rental)), paid)
+    entry = family.by_table[key[3]] = (decision, ())  # the rules table's decision there, as select_packed keeps it
+    selection._stand(family, key, dataclasses.replace(decision, rental=object.__new__(Rental)), paid, witness=entry)
     assert family.standing == {}
     alike = problem._with(seqlen_q=513, seqlen_kv=513)  # the same class
-    selection._stand(family, key, decision, paid)
+    selection._stand(family, key, decision, paid, witness=entry)
     assert family.standing_at(alike) == (key, decision)
     assert family.standing_at(problem._with(batch=400)) is None  # another class
     own = decision.verdicts[0]
-    selection._stand(family, key, decision, paid, sized=(own,))  # judged alike at the new sizes: stands
+    selection._stand(family, key, decision, paid, sized=(own,), witness=entry)  # judged alike at the new sizes
     assert family.standing_at(alike) == (key, decision)
-    selection._stand(family, key, decision, paid, sized=(Verdict(own.candidate, ("refused at other sizes",)),))
+    refused = Verdict(own.candidate, ("refused at other sizes",))
+    selection._stand(family, key, decision, paid, sized=(refused,), witness=entry)
     assert family.standing_at(alike) is None
-    selection._stand(family, key, decision, paid)
+    check = (decision.chosen, True, True, False)  # the table's standing check of its choice, read at each size
+    entry = family.by_table[key[3]] = (decision, (check,))
+    selection._stand(family, key, decision, paid, checks=entry[1], witness=entry)
+    assert family.standing_at(alike) == (key, decision)
+    reasons = selection._reasons
+    monkeypatch.setattr(
+        selection, "_reasons", lambda c, p, *a: ("too long",) if p.seqlen_q == 513 else reasons(c, p, *a)
+    )
+    assert family.standing_at(alike) is None  # the choice does not serve there: select_packed decides again
+    monkeypatch.setattr(selection, "_reasons", reasons)
+    selection._stand(family, key, decision, paid, witness=entry)
     monkeypatch.setattr(selection, "MEMO_SIZE", 2)  # bounded: past its size the classes start again
-    selection._stand(family, ("another",), decision, paid)
-    selection._stand(family, ("a third",), decision, paid)
+    selection._stand(family, ("another",), decision, paid, witness=entry)
+    selection._stand(family, ("a third",), decision, paid, witness=entry)
     assert list(family.standing) == [("a third",)]
-    selection._stand(family, key, decision, paid)
+    selection._stand(family, key, decision, paid, witness=entry)
     try:
         first_calls.ran(Candidate("flash_attn4"), problem)  # a compile paid since: select_packed draws again
         assert family.standing_at(alike) is None
@@ -961,15 +1018,47 @@ def test_a_packing_the_rules_table_ranks_under_a_calibration_does_not_stand(tmp_
     assert family.calibrated.unranked == (Candidate("flex"),) and family.standing == {}
 
 
-def test_a_decision_the_rules_table_makes_anew_ends_the_standing_ones():
-    """Ranked by the rules table, a class stands on its table's last decision; a decision made anew (a table new to
-    the family, or one whose last decision no longer stands) leaves no class standing on an older one."""
-    from attnselect.choose import selection
+def test_a_later_draw_where_a_class_was_carried_from_ends_its_standing(tmp_path, monkeypatch):
+    """A class stands on the decision carried from its ranking's draw (calibrated) or its table's decision (the rules
+    table) while that is what select_packed reads there: a later draw or table decision (another thread's, say)
+    ends it, as does the ranking or the family leaving their bounded memos; a decision under another table leaves
+    it standing, as select_packed would carry it still."""
+    from attnselect.choose import first_calls, selection
 
-    h100 = Target.preset("h100")
-    for batch, seqlen in ((18, 4096), (18, 4097), (18, 4098)):  # one table, one class
-        selection.select_packed(_thd_training(batch, seqlen), target=h100)
-    standing = selection.standing_decisions(_thd_training(18, 4099), target=h100)
-    assert standing(_thd_training(18, 4099)) is not None
+    h100 = Target.preset("h100")  # no calibration holds: the rules table ranks
+    for seqlen in (4096, 4097, 4098):  # one table, one class
+        selection.select_packed(_thd_training(18, seqlen), target=h100)
+    probe = _thd_training(18, 4099)
+    standing = selection.standing_decisions(probe, target=h100)
+    family = standing.__self__
+    key, decision = standing(probe)
     selection.select_packed(_thd_training(2, 100), target=h100)  # the small-pack table: made there
-    assert standing(_thd_training(18, 4099)) is None
+    assert standing(probe) == (key, decision)
+    entry = family.by_table[key[3]]
+    family.by_table[key[3]] = (decision, entry[1])  # the same decision, decided again: another entry
+    assert standing(probe) is None
+    family.by_table[key[3]] = entry
+    assert standing(probe) == (key, decision)
+    monkeypatch.setattr(selection, "MEMO_SIZE", 1)  # the family leaves the memo: select_packed keeps a new one
+    selection.select_packed(dataclasses.replace(probe, head_dim_qk=192), target=h100)
+    assert standing(probe) is None
+
+    target = _calibrated_h200(tmp_path, monkeypatch)
+    monkeypatch.setattr(selection, "MEMO_SIZE", 4096)
+    try:
+        first_calls.ran(Candidate("flash_attn4"), probe)  # paid: nothing rents
+        for seqlen in (4096, 4097, 4098):
+            selection.select_packed(_thd_training(18, seqlen), target=target)
+        standing = selection.standing_decisions(probe, target=target)
+        key, decision = standing(probe)
+        ranking = next(r for r in selection._RANKINGS.values() if r.decided and r.decided[0] is decision)
+        drawn = ranking.decided
+        ranking.decided = (*drawn[:2], drawn[2])  # drawn again alike: another draw
+        assert standing(probe) is None
+        ranking.decided = drawn
+        assert standing(probe) == (key, decision)
+        monkeypatch.setattr(selection, "MEMO_SIZE", 1)  # the ranking leaves the memo: select_packed draws anew there
+        selection.select_packed(_thd_training(60, 300), target=target)
+        assert ranking.decided is None and standing(probe) is None
+    finally:
+        first_calls.forget()

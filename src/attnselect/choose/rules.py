@@ -26,7 +26,7 @@ import torch
 from attnselect.backends.base import all_backends
 from attnselect.backends.base import get as backend_named
 from attnselect.choose import calibration
-from attnselect.choose.predict import Curve, Prediction, curve, other_lengths, rest_lengths
+from attnselect.choose.predict import Curve, Prediction, curve, rest_lengths
 from attnselect.spec.options import Candidate, Verdict
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
@@ -433,15 +433,17 @@ def _work(problem: AttentionProblem) -> int:
 
 def _work_at(p: AttentionProblem, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> int:
     """:func:`_work` of ``p`` at these sizes (its other fields as they are)."""
-    width = p.heads_q * (p.head_dim_qk + p.head_dim_v)  # pack_work's factors but the lengths'
-    work = width * sequences * seqlen_q * seqlen_kv
-    if tokens and p.layout == "thd" and p.varlen_seqlens_match:  # _capped_at_tokens
-        return min(work, width * tokens * tokens)
+    heads, d_qk, d_v = p.heads_q, p.head_dim_qk, p.head_dim_v
+    work = pack_work(heads, d_qk, d_v, sequences, seqlen_q, seqlen_kv)
+    if _capped_at_tokens(p, tokens):
+        return min(work, pack_work(heads, d_qk, d_v, 1, tokens, tokens))
     return work
 
 
-def _capped_at_tokens(problem: AttentionProblem) -> bool:
-    return problem.layout == "thd" and bool(problem.tokens) and problem.square
+def _capped_at_tokens(p: AttentionProblem, tokens: int) -> bool:
+    """A packed call of ``tokens`` q rows whose every sequence has as many queries as keys (a field of a packed
+    problem, not a size)."""
+    return p.layout == "thd" and bool(tokens) and p.varlen_seqlens_match
 
 
 def _pack_estimate(problem: AttentionProblem) -> int:
@@ -456,18 +458,24 @@ def _pack_estimate(problem: AttentionProblem) -> int:
 def _pack_estimate_at(p: AttentionProblem, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> int:
     """:func:`_pack_estimate` of ``p`` at these sizes (its other fields as they are)."""
     work = _work_at(p, sequences, seqlen_q, seqlen_kv, tokens)
-    others = (
-        rest_lengths(sequences, seqlen_q, seqlen_kv, tokens) if tokens * p.heads_q <= SMALL_PACK_HEAD_TOKENS else None
-    )
+    others = _estimated_lengths_at(p, sequences, seqlen_q, seqlen_kv, tokens)
     if others is None:
         return work
-    estimate = seqlen_q * seqlen_kv + (sequences - 1) * others[0] * others[1]  # pack_work's sequences and lengths
-    return min(work, p.heads_q * (p.head_dim_qk + p.head_dim_v) * estimate)
+    heads, d_qk, d_v = p.heads_q, p.head_dim_qk, p.head_dim_v
+    estimate = pack_work(heads, d_qk, d_v, 1, seqlen_q, seqlen_kv)
+    return min(work, estimate + pack_work(heads, d_qk, d_v, sequences - 1, *others))
 
 
 def _estimated_lengths(problem: AttentionProblem) -> tuple[int, int] | None:
     """:func:`attnselect.choose.predict.other_lengths` for a pack :func:`_pack_estimate` estimates, else None."""
-    return other_lengths(problem) if problem.tokens * problem.heads_q <= SMALL_PACK_HEAD_TOKENS else None
+    return _estimated_lengths_at(problem, problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+
+
+def _estimated_lengths_at(p: AttentionProblem, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int):
+    """:func:`_estimated_lengths` of ``p`` at these sizes."""
+    return (
+        rest_lengths(sequences, seqlen_q, seqlen_kv, tokens) if tokens * p.heads_q <= SMALL_PACK_HEAD_TOKENS else None
+    )
 
 
 def _small_dense_call(p: AttentionProblem, masks: tuple[str, ...] = ("causal", "causal_bottom_right")) -> bool:
@@ -549,7 +557,7 @@ def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
         counted = "min(B*S_q*S_kv, T^2, S_q*S_kv + (B-1)*r_q*r_kv: r the rest of T shared)"
         work = _pack_estimate(problem)
     else:
-        counted = "min(B*S_q*S_kv, T^2)" if _capped_at_tokens(problem) else "B*S_q*S_kv"
+        counted = "min(B*S_q*S_kv, T^2)" if _capped_at_tokens(problem, problem.tokens) else "B*S_q*S_kv"
         work = _work(problem)
     return f"work H*(d_qk+d_v)*{counted} {work:.2g} <= {bound:.2g}: {reason}"
 

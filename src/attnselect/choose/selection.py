@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 
@@ -92,7 +93,7 @@ class _Family:
     of its predictions and rankings are keyed by this object."""
 
     __slots__ = ("last", "by_table", "allowed", "runs", "calibrated", "places", "failed", "drawn", "calibration",
-                 "table_at", "standing", "classified", "target")  # fmt: skip
+                 "table_at", "standing", "classified", "target", "ranks")  # fmt: skip
 
     def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
@@ -115,23 +116,23 @@ class _Family:
         # measures calls of this kind (calibration.covers_kind): the same for the family's life (its key holds the
         # target and the cache directory; a clear of the caches drops it)
         self.calibration = (*calibration.for_target(target), calibration.covers_kind(held_for))
+        self.ranks = self.calibration[0] is not None and self.calibration[2]  # a calibration ranks its calls
         self.table_at = rules.table_chooser(held_for, target)  # rules.table_for at the family's every size, by sizes
-        # per class (classify): the decision _carried returned there where it rents nothing, with the paid compiles
-        # it was carried at (first_calls.paid_state) and what of it reads a packing's sizes (its verdicts that do, or
-        # the rules table's standing checks): a packing of the class gets it while those hold (standing_at)
-        self.standing: dict[tuple, tuple[Decision, int, tuple, tuple]] = {}
+        # per class (classify): the decision _carried returned there where it rents nothing (_Standing): a packing of
+        # the class gets it while it holds (standing_at)
+        self.standing: dict[tuple, _Standing] = {}
         self.target = target
         self.classified: tuple = (None, None)  # the problem classified last, and its class: a call asks more than once
 
     def classify(self, problem: AttentionProblem) -> tuple:
-        """What :func:`_carried` reads of a packing's sizes: whether the calibration ranks it (the queries it needs:
-        ``found`` and ``covered`` are the family's), its work class (where it does), its size class and its rules
-        table."""
+        """What :func:`_carried` reads of a packing's sizes: whether the family's calibration ranks it (where one
+        covers the family's calls: at enough queries, :data:`calibration.MIN_QUERIES`), its work class (where it
+        does), its size class and its rules table."""
         last, key = self.classified
         if problem is last:
             return key
         sizes = problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens
-        ranked = sizes[1] >= calibration.MIN_QUERIES
+        ranked = self.ranks and sizes[1] >= calibration.MIN_QUERIES
         work = work_class_at(problem, *sizes) if ranked else None
         key = ranked, work, problem.size_class, self.table_at(*sizes)[0]
         self.classified = problem, key
@@ -144,17 +145,19 @@ class _Family:
         select_packed can tell. A clear of the caches (a failure, a rental's end) drops the family."""
         key = self.classify(problem)
         held = self.standing.get(key)
-        if held is None or held[1] != first_calls.paid_state():
+        if held is None or held.paid != first_calls.paid_state():
             return None
-        decision, _, sized, checks = held
-        if sized or checks:
+        # what select_packed reads there is what the decision was carried from (no later draw replaced it)
+        if (held.ranking.decided if held.ranking is not None else self.by_table.get(key[3])) is not held.witness:
+            return None
+        if held.sized or held.checks:
             target = self.target
             failed = self.failed_at(problem, target)
-            if not _judged_alike(sized, problem, target, failed) or not _still_stands(
-                checks, failed, lambda c: not _reasons(c, problem, target, failed)
+            if not _judged_alike(held.sized, problem, target, failed) or not _still_stands(
+                held.checks, failed, lambda c: not _reasons(c, problem, target, failed)
             ):
                 return None
-        return key, decision
+        return key, held.decision
 
     def calibrated_by(self, problem: AttentionProblem, target: Target, found: dict) -> _Calibrated:
         """What predicts the family's calls under the calibration ``found``, made on first use (and again under
@@ -241,7 +244,9 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
             v.candidate for v in decision.verdicts if not override_reasons(decision.overrides, v.candidate, problem)
         )
         family = _Family(decision, problem, allowed, target)
-        _remember(_PACKED, key, family, cleared)
+        dropped = _remember(_PACKED, key, family, cleared)
+        if dropped is not None:  # its classes no longer stand: select_packed keeps a new family for its calls
+            dropped.standing.clear()
     else:
         family.last = decision, problem
     if made is not None and made.policy == "rules" and made.predictions is None:  # ranked by the table (_carried)
@@ -250,7 +255,6 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
             made,
             _standing_checks(made, problem, target, table, family.failed_at(problem, target)),
         )
-        family.standing.clear()  # a class that carried the table's last decision carries this one from now on
     return decision
 
 
@@ -282,14 +286,14 @@ def _same_sizes(problem: AttentionProblem, other: AttentionProblem) -> bool:
     )
 
 
-def _remember(memo: OrderedDict, key, value, cleared: int) -> None:
-    """``memo[key] = value``, the oldest entry past MEMO_SIZE dropped; dropped again where a clear began after
-    ``cleared`` (caches.generation() before the value was worked out)."""
+def _remember(memo: OrderedDict, key, value, cleared: int):
+    """``memo[key] = value``, the oldest entry past MEMO_SIZE dropped (and returned; else None); dropped again where a
+    clear began after ``cleared`` (caches.generation() before the value was worked out)."""
     memo[key] = value
-    if len(memo) > MEMO_SIZE:
-        memo.popitem(last=False)
+    dropped = memo.popitem(last=False)[1] if len(memo) > MEMO_SIZE else None
     if generation() != cleared:
         memo.pop(key, None)
+    return dropped
 
 
 def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, target: Target) -> Decision | None:
@@ -300,7 +304,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     found, source, covered = family.calibration
     key = family.classify(problem)
     ranking = None
-    if found is not None and covered and key[0]:  # not calibration.outside
+    if key[0]:  # a calibration ranks it: not calibration.outside
         ranking = _ranking(family, key, problem, target, found)
     failed = ranking.failed if ranking is not None else family.failed_at(problem, target)
     held = ranking.decided if ranking is not None else None  # one tuple: a thread reads a decision with its facts
@@ -308,7 +312,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         held = _drawn_alike(family.drawn.get(ranking.group), ranking)
     if held is not None and held[2] == first_calls.paid_state() and _judged_alike(held[1], problem, target, failed):
         ranking.decided = held
-        _stand(family, key, held[0], held[2], sized=held[1])
+        _stand(family, key, held[0], held[2], sized=held[1], ranking=ranking, witness=held)
         return held[0]  # its candidates judged alike, in the same order, at the same prices: the same draw (logged)
     judged: dict[Candidate, tuple[str, ...]] = {}  # as judge() refuses them
 
@@ -325,7 +329,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         if standing is None or not _still_stands(standing[1], failed, serves):
             return None
         if ranking is None:  # else whether the table ranks it read the unranked candidates' verdicts at these sizes
-            _stand(family, key, standing[0], first_calls.paid_state(), checks=standing[1])
+            _stand(family, key, standing[0], first_calls.paid_state(), checks=standing[1], witness=standing)
         return standing[0]
     ordered = rules.settled(ranking.ordered, predicted, serves)  # as rules.rank orders them
     paid = first_calls.paid_state()  # what drawn_rental reads of this process
@@ -354,25 +358,36 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         sized = tuple(v for v in decision.verdicts if not _judged_alike_at_every_size(v, problem, target, failed))
         if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last
             debug.log_decision(decision)
-    ranking.decided = decision, sized, paid
-    _stand(family, key, decision, paid, sized=sized)
+    decided = ranking.decided = decision, sized, paid
+    _stand(family, key, decision, paid, sized=sized, ranking=ranking, witness=decided)
     # a choice that settled a tie read the predicted times (rules.settled): not carried to another work class
     tie = rules.tied(decision.ranked[0], (c for c, reasons in judged.items() if not reasons), predicted)
     family.drawn[ranking.group] = decision, sized, paid, ranking.found, tie
     return decision
 
 
-def _stand(
-    family: _Family, key: tuple, decision: Decision, paid: int, *, sized: tuple = (), checks: tuple = ()
-) -> None:
-    """Keep ``decision``, carried to a packing of the class ``key`` at the paid compiles ``paid``, as what a packing of
-    that class gets while they hold (:meth:`_Family.standing_at`), with what of it a packing's sizes can change:
-    ``sized``, its verdicts that read them, judged alike again; ``checks``, the rules table's standing checks
-    (:func:`_standing_checks`), passed again. Not a decision that rents (a rental is settled by sizes)."""
+class _Standing(NamedTuple):
+    """A decision carried to a class of a packed family, as :meth:`_Family.standing_at` gives it again."""
+
+    decision: Decision
+    paid: int  # first_calls.paid_state() it was carried at
+    sized: tuple  # its verdicts that read a packing's sizes, judged alike again
+    checks: tuple  # the rules table's standing checks it was carried under (_standing_checks), passed again
+    ranking: _Ranking | None  # the calibrated ranking it was carried from; None: the rules table's decision
+    witness: tuple  # that ranking's ``decided``, or the family's by_table entry, then: a later draw replaces it
+
+
+def _stand(family: _Family, key: tuple, decision: Decision, paid: int, *, sized: tuple = (), checks: tuple = (),
+           ranking: _Ranking | None = None, witness: tuple) -> None:  # fmt: skip
+    """Keep ``decision``, carried to a packing of the class ``key`` at the paid compiles ``paid`` from ``witness`` (what
+    ``ranking`` had decided, or the rules table's by_table entry), as what a packing of that class gets while those
+    hold (:meth:`_Family.standing_at`), with what of it a packing's sizes can change: ``sized``, its verdicts that read
+    them, judged alike again; ``checks``, the rules table's standing checks (:func:`_standing_checks`), passed again.
+    Not a decision that rents (a rental is settled by sizes)."""
     if decision.rental is None:
         if len(family.standing) >= MEMO_SIZE and key not in family.standing:  # bounded: a family of that many classes
             family.standing.clear()  # starts again
-        family.standing[key] = decision, paid, sized, checks
+        family.standing[key] = _Standing(decision, paid, sized, checks, ranking, witness)
 
 
 def _judged_alike(verdicts: tuple, problem: AttentionProblem, target: Target, failed: dict) -> bool:
@@ -452,7 +467,9 @@ def _ranking(family: _Family, key: tuple, problem: AttentionProblem, target: Tar
             tail = calibrated.tails[table] = tuple(sorted(calibrated.untimed, key=by))
         ordered = (*sorted(calibrated.timed, key=by), *tail)
         ranking = _Ranking(ordered, predicted, calibrated.unranked, family.failed_at(problem, target), found, at[2:])
-        _remember(_RANKINGS, at, ranking, cleared)
+        dropped = _remember(_RANKINGS, at, ranking, cleared)
+        if dropped is not None:  # no class stands on what it decided: select_packed draws a new one there
+            dropped.decided = None
     return ranking
 
 
