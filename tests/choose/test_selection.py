@@ -846,10 +846,13 @@ def test_a_new_work_class_whose_order_brings_the_next_candidate_within_the_tie_b
 
 
 @pytest.mark.parametrize("calibrated", [False, True])
-def test_a_packed_class_s_standing_decision_is_what_select_packed_returns_there(tmp_path, monkeypatch, calibrated):
-    """Where a packed family's class (selection._Family.classify) has a standing decision, it is the decision
-    select_packed returns at any packing of that class, as the paid compiles, failures and cache clears change; a
-    decision that rents is never standing; a decision the rules table makes anew ends its table's standing ones."""
+@pytest.mark.parametrize("asked", ["as attention() asks", "select_packed at every packing"])
+def test_a_packed_class_s_standing_decision_is_what_select_packed_returns_there(tmp_path, monkeypatch, calibrated,
+                                                                                asked):  # fmt: skip
+    """Over random new packings of one family, as the paid compiles, failures and cache clears change: where a class
+    (selection._Family.classify) has a standing decision, it rents nothing and is the decision select_packed returns
+    there; asked as attention() asks (select_packed only where no class stands), each choice and rental is what a
+    fresh select makes at those sizes."""
     import random
 
     from attnselect.choose import first_calls
@@ -875,53 +878,19 @@ def test_a_packed_class_s_standing_decision_is_what_select_packed_returns_there(
             problem = _thd_training(*sizes)
             standing = standing_decisions(problem, target=target)
             held = standing(problem) if standing is not None else None
+            stood += held is not None
+            if held is not None and asked == "as attention() asks":
+                decision = held[1]
+                fresh = attnselect.select(problem, target=target)
+                assert decision.chosen == fresh.chosen and decision.rental == fresh.rental, problem.describe()
+                continue
             decision = select_packed(problem, target=target)
             rented += decision.rental is not None
-            if held is not None:
-                stood += 1
-                assert held[1] is decision and decision.rental is None, problem.describe()
+            assert held is None or (held[1] is decision and decision.rental is None), problem.describe()
     finally:
         first_calls.forget()
     assert stood > 150  # of 600 packings, one in 3 or 4 falls in a class decided before (a loop's: most)
     assert rented > 0 if calibrated else rented == 0  # FA4's compile rented around until paid
-
-
-@pytest.mark.parametrize("calibrated", [False, True])
-def test_packings_of_standing_classes_choose_what_select_chooses(tmp_path, monkeypatch, calibrated):
-    """As attention() asks: a packing whose class stands takes its decision and select_packed is not called; every
-    other one is selected. Each choice is what a fresh select chooses at its sizes, as the paid compiles, failures and
-    cache clears change."""
-    import random
-
-    from attnselect.choose import first_calls
-    from attnselect.choose.failures import mark_failed
-    from attnselect.choose.selection import select_packed, standing_decisions
-
-    target = _calibrated_h200(tmp_path, monkeypatch) if calibrated else Target.preset("h100")
-    rng, stood, seen = random.Random(2), 0, set()
-    base = _thd_training(18, 4096)
-    try:
-        for step in range(500):
-            if step == 150:
-                first_calls.ran(Candidate("flash_attn4"), base)
-            if step == 300:
-                mark_failed(base, target, Candidate("cudnn_frontend"), RuntimeError("broken"))
-            if step == 400:
-                attnselect.clear_cache()
-            sizes = (rng.choice([1, 2, 3, 18]), rng.randrange(8, 9000))
-            if sizes in seen:
-                continue
-            seen.add(sizes)
-            problem = _thd_training(*sizes)
-            standing = standing_decisions(problem, target=target)
-            held = standing(problem) if standing is not None else None
-            stood += held is not None
-            decision = held[1] if held is not None else select_packed(problem, target=target)
-            fresh = attnselect.select(problem, target=target)
-            assert decision.chosen == fresh.chosen and decision.rental == fresh.rental, problem.describe()
-    finally:
-        first_calls.forget()
-    assert stood > 100
 
 
 def test_a_packed_family_s_class_is_what_carrying_a_decision_reads_of_its_sizes():
