@@ -315,7 +315,7 @@ def test_a_pack_of_one_long_document_and_short_ones_counts_the_work_a_prediction
     """1024 tokens in 5 documents, the longest 856 (one of benchmarks/hot_path.py's new packings): every sequence at
     the longest would count 3.5x a 1024-token sequence's work and leave the small-pack table for FA4's 150 us of host
     time a call on an H100; one at the longest and the other 168 tokens shared by four, as a prediction estimates a
-    pack (predict.other_lengths), count 16 * 256 * (856^2 + 4 * 42^2). Without q's rows (tokens=0) the table cannot
+    pack (predict.rest_lengths), count 16 * 256 * (856^2 + 4 * 42^2). Without q's rows (tokens=0) the table cannot
     know, and every sequence counts at the longest."""
     h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
     pack = AttentionProblem(5, 856, 856, 16, 16, 128, 128, layout="thd", mask="causal", tokens=1024)

@@ -156,15 +156,11 @@ def work_at(problem: AttentionProblem, sequences: int, seqlen_q: int, seqlen_kv:
     return problem.heads_q * pairs * (problem.head_dim_qk + problem.head_dim_v) / 1e6
 
 
-def other_lengths(problem: AttentionProblem) -> tuple[int, int] | None:
-    """The (q, kv) lengths :func:`work` estimates a packed call's sequences other than the longest at: the rest of q's
-    rows (``tokens``) shared evenly, at most the longest; None where it does not know them (no ``tokens``, one
-    sequence, a dense call), and every sequence counts at the longest."""
-    return rest_lengths(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
-
-
 def rest_lengths(sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> tuple[int, int] | None:
-    """:func:`other_lengths` at these sizes."""
+    """The (q, kv) lengths :func:`work` estimates a packed call's sequences other than the longest at, given its
+    sequence count, longest lengths and q's rows (``tokens``): the rest of the rows shared evenly, at most the
+    longest; None where it does not know them (no ``tokens``, one sequence, a dense call), and every sequence counts
+    at the longest."""
     if not (tokens and seqlen_q and sequences > 1):
         return None
     rest = (tokens - seqlen_q) / (sequences - 1) if tokens > seqlen_q else 0  # at least 0, at most the longest

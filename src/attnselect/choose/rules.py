@@ -448,7 +448,7 @@ def _capped_at_tokens(p: AttentionProblem, tokens: int) -> bool:
 
 def _pack_estimate(problem: AttentionProblem) -> int:
     """The "small pack" test's work: for a pack of at most :data:`SMALL_PACK_HEAD_TOKENS` query rows x heads, the least
-    of :func:`_work` and the count a prediction estimates (:func:`attnselect.choose.predict.other_lengths`: one
+    of :func:`_work` and the count a prediction estimates (:func:`attnselect.choose.predict.rest_lengths`: one
     sequence at the longest lengths, the others sharing the rest of q's rows evenly; a causal pack's exact work is
     1.0-1.9x that over the size ladder's and the calibration's seeded packings, results/cpu_packed_work_estimates.md);
     else, and where q's rows are not known, :func:`_work`."""
@@ -467,7 +467,7 @@ def _pack_estimate_at(p: AttentionProblem, sequences: int, seqlen_q: int, seqlen
 
 
 def _estimated_lengths(problem: AttentionProblem) -> tuple[int, int] | None:
-    """:func:`attnselect.choose.predict.other_lengths` for a pack :func:`_pack_estimate` estimates, else None."""
+    """:func:`attnselect.choose.predict.rest_lengths` for a pack :func:`_pack_estimate` estimates, else None."""
     return _estimated_lengths_at(problem, problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
 
 

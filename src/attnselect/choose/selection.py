@@ -301,7 +301,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     where only :func:`select` can tell. Where the decision last carried with the same ranking is this one but for
     its sizes (the same candidates judged alike, ranking and rental), that one is returned, describing its own
     sizes."""
-    found, source, covered = family.calibration
+    found, source, _ = family.calibration  # whether it covers the call: in key[0] (_Family.ranks)
     key = family.classify(problem)
     ranking = None
     if key[0]:  # a calibration ranks it: not calibration.outside
