@@ -13,9 +13,10 @@ per-call mean over ``--calls`` calls, each on a packing not seen before:
   where the choice is ``varlen_fa2``, the package's ``flash_attn_varlen_func`` for FlashAttention packages); torch's
   ``varlen_attn``;
 - the stages of attention()'s path, replayed in its order on the same state (each call remembered as attention()
-  remembers it): the memo lookup (``dispatch.recall``: a miss with a sibling), the problem at the new sizes, the
-  packed selection (``select_packed``), the runner (``packed_runner``), the self-check's question
-  (``self_check.needed``), the memo's entry (``Unknown.remember``) and the run.
+  remembers it): the memo lookup (``dispatch.recall``: a miss with a sibling), apart from the call of the packing's
+  class it makes where that class stands (``dispatch._class_call``: the call is then known), else the problem at the
+  new sizes, the packed selection (``select_packed``), the runner (``packed_runner``), the self-check's question
+  (``self_check.needed``) and the memo's entry (``Unknown.remember``); then the run.
 
 ``--host-stages h200`` times the replay's host stages alone (its run left out) on meta tensors for a preset target at
 the packaged calibration's versions: no GPU needed, so a change to the host path can be compared on any machine
@@ -54,7 +55,7 @@ from hot_path import new_packings, profile, write_report
 
 # select_packed apart on a new packing of a work class (and size class) new in the round and of one seen
 CLASSES = ("select_packed, a work class seen", "select_packed, a new work class")
-STAGES = ("recall", "problem at the new sizes", "its class's call", "select_packed", "packed_runner",
+STAGES = ("recall", "its class's call", "problem at the new sizes", "select_packed", "packed_runner",
           "self_check.needed", "remember", "run")  # fmt: skip
 
 FA4_STAND_IN = {"flash_attn.cute": ("flash_attn_varlen_func", "flash_attn_func")}  # what FA4's runners bind
@@ -74,10 +75,6 @@ MIRRORED = (
     "if family is not None and not (answered or checking) and self_check.has_work(problem):",
     "family.unchecked.add((decision.chosen, problem.size_class))",
     "else known.runner(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv)",
-    "stands = unknown.family.standing(problem)",
-    "held = unknown.family.classes.get(stands[0]) if stands is not None else None",
-    "if held is not None and held[0] is stands[1]:",
-    "known = KnownCall(problem, made.chosen, made.target, made.call, made.forced, made.runner)",
     "_keep_class(family, problem, decision, known, target=target, backend=backend, pad=pad, disable=disable)",
 )
 
@@ -87,57 +84,79 @@ def options_of(cu, m, backend=None) -> tuple:
 
 
 def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
-    """attention()'s sibling branch on one new packing, each stage's nanoseconds added to ``times``; with a ``target``
-    (meta tensors: :func:`host_stages`) for that target, its run left out; ``backend``: forced. A packing whose sizes
-    were seen before is known: nothing is added."""
-    clock = time.perf_counter_ns
+    """attention()'s path on one new packing, each stage's nanoseconds added to ``times``; with a ``target`` (meta
+    tensors: :func:`host_stages`) for that target, its run left out; ``backend``: forced. (The candidate chosen, the
+    call's problem, the run's result), or None where the packing's sizes were seen before (known: nothing is added).
+    A new packing of a class that stands is known by recall: its class's call (dispatch._class_call) is timed apart
+    from the rest of recall."""
+    sizes = (cu.numel(), m, m)
+    if any(key[1] == sizes for key in dispatch._SIZED):  # one family: the sizes say whether the packing is known
+        return None
+    _time_class_calls()
+    clock, within = time.perf_counter_ns, _CLASS_CALLS[1]
+    within[0] = 0
     t0 = clock()
     unknown = dispatch.recall(q, k, v, options_of(cu, m, backend))
     t1 = clock()
-    if type(unknown) is KnownCall:
-        return None
-    sibling = unknown.sibling
-    problem = sibling.problem._at_sizes(cu.numel() - 1, m, m)
-    target = target or sibling.target
-    t2 = clock()
-    stands = unknown.family.standing(problem) if unknown.family.standing is not None else None
-    held = unknown.family.classes.get(stands[0]) if stands is not None else None
-    t3 = clock()
-    if held is not None and held[0] is stands[1]:  # a class decided before: its call at these sizes
-        decision = stands[1]
-        made = held[1]
-        known = KnownCall(problem, made.chosen, made.target, made.call, made.forced, made.runner)
-        t4 = t5 = t6 = clock()
-        unknown.remember(known)
-        t7 = clock()
+    spent = {"recall": t1 - t0 - within[0], "its class's call": within[0]}
+    if type(unknown) is KnownCall:  # a class decided before: its call at these sizes
+        known = unknown
+        chosen, problem = known.chosen, known.problem
     else:
+        sibling = unknown.sibling
+        problem = sibling.problem._at_sizes(cu.numel() - 1, m, m)
+        target = target or sibling.target
+        t2 = clock()
         packing = Packing(cu, cu, m, m, cu, cu)
         decision = select_packed(problem, target=target, backend=backend)
-        t4 = clock()
+        t3 = clock()
         again = sibling.chosen == decision.chosen and sibling.runner is not None
-        chosen = backends.get(decision.chosen.backend)
+        backend_of = backends.get(decision.chosen.backend)
         if again:
             runner = getattr(sibling.runner, "unrented", sibling.runner)
         else:
-            runner = packed_runner(chosen, decision.chosen.pad_to, sibling.call, like=(q, k, v, packing))
-        t5 = clock()
+            runner = packed_runner(backend_of, decision.chosen.pad_to, sibling.call, like=(q, k, v, packing))
+        t4 = clock()
         unchecked = unknown.family.unchecked
         answered = bool(unchecked) and (decision.chosen, problem.size_class) in unchecked
         checking = not answered and self_check.needed(problem, decision.chosen, target)
-        t6 = clock()
+        t5 = clock()
         known = KnownCall(problem, decision.chosen, target, sibling.call, backend is not None, runner)
         family = unknown.remember(known)
         if not (answered or checking) and self_check.has_work(problem):
             family.unchecked.add((decision.chosen, problem.size_class))
         api._keep_class(family, problem, decision, known, target=target, backend=backend, pad=None, disable=None)
-        t7 = clock()
+        t6 = clock()
+        chosen = decision.chosen
         if checking and q.device.type == "meta":  # no run, so no self-check: taken as passed, as attention()'s first
             self_check._PASSED.add((target, decision.chosen, problem.signature))  # call of a signature passes it
+        spent.update({"problem at the new sizes": t2 - t1, "select_packed": t3 - t2, "packed_runner": t4 - t3,
+                      "self_check.needed": t5 - t4, "remember": t6 - t5})  # fmt: skip
+    t7 = clock()
     out = known.runner(q, k, v, cu, m, m) if q.device.type != "meta" else None
-    t8 = clock()
-    for name, a, b in zip(STAGES, (t0, t1, t2, t3, t4, t5, t6, t7), (t1, t2, t3, t4, t5, t6, t7, t8)):
-        times[name] += b - a
-    return decision, problem, out
+    spent["run"] = clock() - t7
+    for name, ns in spent.items():
+        times[name] += ns
+    return chosen, problem, out
+
+
+def _time_class_calls() -> None:
+    """Wrap dispatch._class_call (what recall calls for a new packing of a class that stands) so that the replay
+    reads its nanoseconds apart (:data:`_CLASS_CALLS`): once per process."""
+    if _CLASS_CALLS[0] is not None:
+        return
+    call, spent, clock = dispatch._class_call, _CLASS_CALLS[1], time.perf_counter_ns
+
+    def timed(family, sizes):
+        start = clock()
+        known = call(family, sizes)
+        spent[0] += clock() - start
+        return known
+
+    _CLASS_CALLS[0] = dispatch._class_call = timed
+
+
+_CLASS_CALLS = [None, [0]]  # the wrapper, once installed, and the nanoseconds of the last call's class call
 
 
 def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool = False, backend=None,
@@ -205,7 +224,7 @@ def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool
                 continue
             made += 1
             problem = replayed[1]
-            chosen[str(replayed[0].chosen)] = chosen.get(str(replayed[0].chosen), 0) + 1
+            chosen[str(replayed[0])] = chosen.get(str(replayed[0]), 0) + 1
             kind = (work_class(problem), problem.size_class)
             selects[CLASSES[kind not in seen]].append((times["select_packed"] - before) / 1e3)
             seen.add(kind)
@@ -386,11 +405,11 @@ def main() -> None:
         raise SystemExit("api.attention's sibling branch changed: update replay() and MIRRORED")
     if memoized:  # the replay makes what attention() makes
         cu, m = next(turn)
-        decision, problem, (out, *_) = replay(q, k, v, cu, m, dict.fromkeys(STAGES, 0))
+        made, problem, (out, *_) = replay(q, k, v, cu, m, dict.fromkeys(STAGES, 0))
         attnselect.clear_cache()  # attention() on that packing validates and decides afresh
         expected = attention(cu, m)
         known = dispatch.known_calls()[-1]
-        if (problem, decision.chosen) != (known.problem, known.chosen) or not torch.equal(out, expected):
+        if (problem, made) != (known.problem, known.chosen) or not torch.equal(out, expected):
             raise SystemExit("the replay's problem, choice or result differ from attention()'s")
         attention(*next(turn))  # a sibling again
     per_row = {name: [] for name in rows}

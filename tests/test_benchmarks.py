@@ -231,7 +231,7 @@ def test_new_packing_host_stages_run_without_a_gpu(tmp_path):
          str(tmp_path / "stages"))  # fmt: skip
     report = json.loads((tmp_path / "stages.json").read_text())
     stages, by_class = report["stages"], report["by_class"]
-    assert set(stages) == {"recall", "problem at the new sizes", "its class's call", "select_packed", "packed_runner",
+    assert set(stages) == {"recall", "its class's call", "problem at the new sizes", "select_packed", "packed_runner",
                            "self_check.needed", "remember"} and all(len(t) == 1 for t in stages.values())  # fmt: skip
     seen, new = (by_class[f"select_packed, {kind} (calls)"][0] for kind in ("a work class seen", "a new work class"))
     assert seen + new == 5 and new >= 1  # the first packings' classes are new

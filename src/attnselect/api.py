@@ -145,58 +145,48 @@ def attention(
         else:
             problem, packing = describe_call(q, k, v, CallOptions._make(options))
             sibling, target = None, target_for_device(q.device)
-        # a new packing of a class whose decision stands (selection.standing_decisions): that class's call
-        stands = held = None
-        if sibling is not None and unknown.family.standing is not None:
-            stands = unknown.family.standing(problem)
-            held = unknown.family.classes.get(stands[0]) if stands is not None else None
-        if held is not None and held[0] is stands[1]:
-            made = held[1]  # the class's call: this one but for its problem
-            known = KnownCall(problem, made.chosen, made.target, made.call, made.forced, made.runner)
-            unknown.remember(known)
-        else:
-            if sibling is not None:  # its packing, as its sibling's was validated
-                packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
-            decision = (
-                select(problem, target=target, backend=backend, pad=pad, disable=disable)
-                if packing is None
-                else select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)
+        if sibling is not None:  # its packing, as its sibling's was validated
+            packing = Packing(cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_q)
+        decision = (
+            select(problem, target=target, backend=backend, pad=pad, disable=disable)
+            if packing is None
+            else select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)
+        )
+        call = sibling.call if sibling is not None else kernel_call(problem, scale, softcap)  # not the sizes'
+        chosen = backends.get(decision.chosen.backend)
+        # the sibling's choice again: its packed runner reads each packing's boundaries and sizes
+        again = sibling is not None and sibling.chosen == decision.chosen and sibling.runner is not None
+        if layout != "thd":
+            runner = dense_runner(
+                chosen, decision.chosen.pad_to, layout, call, like=(q, k, v) if unknown is not None else None
             )
-            call = sibling.call if sibling is not None else kernel_call(problem, scale, softcap)  # not the sizes'
-            chosen = backends.get(decision.chosen.backend)
-            # the sibling's choice again: its packed runner reads each packing's boundaries and sizes
-            again = sibling is not None and sibling.chosen == decision.chosen and sibling.runner is not None
-            if layout != "thd":
-                runner = dense_runner(
-                    chosen, decision.chosen.pad_to, layout, call, like=(q, k, v) if unknown is not None else None
-                )
-            elif not (again or chosen.packs_thd(target)):
-                runner = None
-            elif again:  # the sibling's runner, without its rental's counting (a rental is counted per decision)
-                runner = getattr(sibling.runner, "unrented", sibling.runner)
-            elif unknown is not None:  # later calls are like this one: the runner takes their boundaries and sizes
-                runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing))
-            else:  # this call alone, on its validated packing
-                runner = _on_packing(packed_runner(chosen, decision.chosen.pad_to, call), packing)
-            if decision.rental and decision.rental.calls and runner is not None:  # a compile to pay later, first_calls
-                runner = _renting(runner, decision.rental, problem)
-            # what compiles is tracked (a configuration is the call at any size: its sibling's ran), whatever ranked
-            # it: a call the rules table ranks (a decode step's few queries) compiles what a calibrated one may rent
-            # around
-            compiled = not again
-            # reads ATTNSELECT_SELF_CHECK (in the memo's key): before memoizing. A packed family's problem at any sizes
-            # has one signature per size class: where its choice needed no check at that class, it needs none (a check
-            # passed since only makes the answer no)
-            unchecked = unknown.family.unchecked if unknown is not None and unknown.family is not None else ()
-            answered = bool(unchecked) and (decision.chosen, problem.size_class) in unchecked
-            checking = not answered and self_check.needed(problem, decision.chosen, target)
-            collective = checking and decision.overrides.policy == "measure" and is_distributed()
-            known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
-            if unknown is not None:
-                family = unknown.remember(known)
-                if family is not None and not (answered or checking) and self_check.has_work(problem):
-                    family.unchecked.add((decision.chosen, problem.size_class))
-                _keep_class(family, problem, decision, known, target=target, backend=backend, pad=pad, disable=disable)
+        elif not (again or chosen.packs_thd(target)):
+            runner = None
+        elif again:  # the sibling's runner, without its rental's counting (a rental is counted per decision)
+            runner = getattr(sibling.runner, "unrented", sibling.runner)
+        elif unknown is not None:  # later calls are like this one: the runner takes their boundaries and sizes
+            runner = packed_runner(chosen, decision.chosen.pad_to, call, like=(q, k, v, packing))
+        else:  # this call alone, on its validated packing
+            runner = _on_packing(packed_runner(chosen, decision.chosen.pad_to, call), packing)
+        if decision.rental and decision.rental.calls and runner is not None:  # a compile to pay later, first_calls
+            runner = _renting(runner, decision.rental, problem)
+        # what compiles is tracked (a configuration is the call at any size: its sibling's ran), whatever ranked
+        # it: a call the rules table ranks (a decode step's few queries) compiles what a calibrated one may rent
+        # around
+        compiled = not again
+        # reads ATTNSELECT_SELF_CHECK (in the memo's key): before memoizing. A packed family's problem at any sizes
+        # has one signature per size class: where its choice needed no check at that class, it needs none (a check
+        # passed since only makes the answer no)
+        unchecked = unknown.family.unchecked if unknown is not None and unknown.family is not None else ()
+        answered = bool(unchecked) and (decision.chosen, problem.size_class) in unchecked
+        checking = not answered and self_check.needed(problem, decision.chosen, target)
+        collective = checking and decision.overrides.policy == "measure" and is_distributed()
+        known = KnownCall(problem, decision.chosen, target, call, decision.overrides.backend is not None, runner)
+        if unknown is not None:
+            family = unknown.remember(known)
+            if family is not None and not (answered or checking) and self_check.has_work(problem):
+                family.unchecked.add((decision.chosen, problem.size_class))
+            _keep_class(family, problem, decision, known, target=target, backend=backend, pad=pad, disable=disable)
     try:
         if known.runner is None:  # thd sequence by sequence
             if packing is None:  # a known packed call, whose problem follows from its key (attnselect.dispatch)

@@ -72,7 +72,7 @@ class _Family:
     ``standing``: where the selection keeps a family for these calls, its ``standing_at(problem) -> (class,
     decision) | None`` (:func:`attnselect.choose.selection.standing_decisions`), and ``classes``, per class, the
     decision that stood there and the call attention() made of it: a new packing whose class still stands on that
-    decision is that call at its own sizes (attention() keeps both)."""
+    decision is that call at its own sizes, known without a decision (:func:`_class_call`; attention() keeps both)."""
 
     __slots__ = ("last", "unchecked", "standing", "classes")
 
@@ -309,8 +309,36 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
 
 
 def _in_family(family: _Family, state, tensors, capturing, sizes: tuple, key: tuple | None) -> KnownCall | Unknown:
-    """The packed call of ``family`` at ``sizes``: known, or to decide from the family's sibling."""
+    """The packed call of ``family`` at ``sizes``: known, the call of its class (:func:`_class_call`), or to decide
+    from the family's sibling."""
     known = _SIZED.get((family, sizes))
     if known is not None:
         return known
+    if family.standing is not None:
+        known = _class_call(family, sizes)
+        if known is not None:
+            return known
     return Unknown(state, tensors, capturing, key, generation(), sizes, family)
+
+
+def _class_call(family: _Family, sizes: tuple) -> KnownCall | None:
+    """A new packing of ``family`` at ``sizes`` (the boundaries' length and both max_seqlen, integers) whose class
+    stands on the decision that the call kept for that class was made of (``family.standing``, ``family.classes``):
+    that call at these sizes, kept as the call at these sizes; None where a decision must be made (sizes a
+    validation must name, a class not kept or no longer standing)."""
+    boundaries, max_q, max_kv = sizes
+    if not (boundaries and 0 <= max_q < 2**31 and 0 <= max_kv < 2**31):  # else validation names them
+        return None
+    cleared = generation()
+    problem = family.last.problem._at_sizes(boundaries - 1, max_q, max_kv)  # the sibling's, validated, at these sizes
+    stands = family.standing(problem)
+    held = family.classes.get(stands[0]) if stands is not None else None
+    if held is None or held[0] is not stands[1]:
+        return None
+    made = held[1]
+    known = KnownCall(problem, made.chosen, made.target, made.call, made.forced, made.runner)
+    family.last = known
+    _keep(_SIZED, (family, sizes), known)
+    if generation() != cleared:  # the memo was cleared meanwhile: the family is gone with what it stood on
+        _SIZED.pop((family, sizes), None)
+    return known

@@ -504,9 +504,9 @@ def test_small_dense_hopper_calls_run_where_the_host_time_is_least(fa4):
 
 def test_a_family_s_table_chooser_gives_table_for_s_table_at_every_size():
     """rules.table_chooser runs the refinements' size-free tests once for a problem and its copies at other sizes (a
-    packed loop's family): each such test answers alike at every size, each size test reads the sizes given apart
-    only, and the chooser gives table_for's table at each; the sizes take problems into every refined table and into
-    none."""
+    packed loop's family): each such test answers alike at every size, each size test made of a problem reads the
+    sizes given apart only, and the chooser gives table_for's table at each; the sizes take problems into every
+    refined table and into none."""
     import itertools
 
     sizes = [(1, 64, 64, 64), (3, 512, 512, 1024), (8, 1024, 1024, 4096), (2, 2048, 1024, 2048), (1, 4096, 4096, 0),
@@ -529,11 +529,11 @@ def test_a_family_s_table_chooser_gives_table_for_s_table_at_every_size():
             at_sizes.append(
                 dataclasses.replace(first, batch=batch, seqlen_q=seqlen_q, seqlen_kv=seqlen_kv, tokens=tokens)
             )
-        for _, fits, fits_sizes in rules._REFINEMENTS:
+        for _, fits, fits_at in rules._REFINEMENTS:
             assert len({fits(problem) for problem in at_sizes}) == 1, first.describe()
-            for problem in at_sizes:  # the sizes given apart are the ones read
+            for problem in at_sizes:  # the sizes given apart are the ones read, not those of the problem it was made of
                 given = problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens
-                assert fits_sizes(first, *given) == fits_sizes(problem, *given), problem.describe()
+                assert fits_at(first)(*given) == fits_at(problem)(*given), problem.describe()
         for target in targets:
             table_at = rules.table_chooser(first, target)
             for problem in at_sizes:

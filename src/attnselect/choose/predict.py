@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -141,19 +142,25 @@ def work(problem: AttentionProblem) -> float:
     rest of the tokens evenly: the least the pairs can be, given the longest. Over the size ladder's and the
     calibration's seeded packings (results/cpu_packed_work_estimates.md) a causal pack's work is 1.0-1.9x this
     estimate, where batch x the longest's (a pack without ``tokens``) overstates it up to 50x."""
-    return work_at(problem, problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+    return work_counter(problem)(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
 
 
-def work_at(problem: AttentionProblem, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> float:
-    """:func:`work` of ``problem`` at these sizes (its other fields as they are)."""
+def work_counter(problem: AttentionProblem) -> Callable[[int, int, int, int], float]:
+    """``work_at(sequences, seqlen_q, seqlen_kv, tokens)``: :func:`work` of ``problem`` at these sizes, its other
+    fields as they are, read once here (a packed loop's family counts each new packing's work with one)."""
     mask, window = problem.mask, problem.window
-    pairs = visible_pairs(mask, window, seqlen_q, seqlen_kv)
-    others = rest_lengths(sequences, seqlen_q, seqlen_kv, tokens)
-    if others is None:
-        pairs *= sequences
-    else:
-        pairs += (sequences - 1) * visible_pairs(mask, window, *others)
-    return problem.heads_q * pairs * (problem.head_dim_qk + problem.head_dim_v) / 1e6
+    per_pair = problem.heads_q * (problem.head_dim_qk + problem.head_dim_v)
+
+    def work_at(sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> float:
+        pairs = visible_pairs(mask, window, seqlen_q, seqlen_kv)
+        others = rest_lengths(sequences, seqlen_q, seqlen_kv, tokens)
+        if others is None:
+            pairs *= sequences
+        else:
+            pairs += (sequences - 1) * visible_pairs(mask, window, *others)
+        return per_pair * pairs / 1e6
+
+    return work_at
 
 
 def rest_lengths(sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> tuple[int, int] | None:
@@ -175,13 +182,19 @@ NO_WORK = -(2**31)  # the class of a call with no work (below every other)
 
 def work_class(problem: AttentionProblem) -> int:
     """The class of the call's :func:`work`: ``round(WORK_STEPS * log2(work))`` (work 0 is the lowest class)."""
-    return work_class_at(problem, problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+    return work_classes(problem)(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
 
 
-def work_class_at(problem: AttentionProblem, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> int:
-    """:func:`work_class` of ``problem`` at these sizes (its other fields as they are)."""
-    at = work_at(problem, sequences, seqlen_q, seqlen_kv, tokens)
-    return round(WORK_STEPS * math.log2(at)) if at > 0 else NO_WORK
+def work_classes(problem: AttentionProblem) -> Callable[[int, int, int, int], int]:
+    """``work_class_at(sequences, seqlen_q, seqlen_kv, tokens)``: :func:`work_class` of ``problem`` at these sizes
+    (:func:`work_counter`)."""
+    work_at = work_counter(problem)
+
+    def work_class_at(sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> int:
+        at = work_at(sequences, seqlen_q, seqlen_kv, tokens)
+        return round(WORK_STEPS * math.log2(at)) if at > 0 else NO_WORK
+
+    return work_class_at
 
 
 def class_work(work_class: int) -> float:

@@ -392,8 +392,8 @@ def table_for(problem: AttentionProblem, target: Target) -> tuple[tuple[str, ...
     """The key of the table that ranks ``problem`` on ``target`` and its (backend, padded) entries, best first: the
     first refinement (in :data:`_REFINEMENTS`' order) that has a table for this family and phase and applies."""
     key = _base_key(problem, target)
-    for refined, fits, fits_sizes in _REFINED.get(key, ()):  # each test run only where its table exists
-        if fits(problem) and fits_sizes(problem, problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens):
+    for refined, fits, fits_at in _REFINED.get(key, ()):  # each test run only where its table exists
+        if fits(problem) and fits_at(problem)(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens):
             return refined, TABLES[refined]
     return key, TABLES[key]
 
@@ -403,15 +403,16 @@ def table_chooser(
 ) -> Callable[[int, int, int, int], tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]]:
     """``table_at(sequences, seqlen_q, seqlen_kv, tokens)``: :func:`table_for` of the problem that differs from
     ``problem`` in those sizes alone (batch, sequence lengths, q's rows: a packed loop's new packings), on ``target``:
-    the refinements' tests that read no size run once, here."""
+    the refinements' tests that read no size run once, here, and their size tests read the problem's other fields
+    here too."""
     key = _base_key(problem, target)
-    sized = tuple((refined, TABLES[refined], fits_sizes) for refined, fits, fits_sizes in _REFINED.get(key, ())
+    sized = tuple((refined, TABLES[refined], fits_at(problem)) for refined, fits, fits_at in _REFINED.get(key, ())
                   if fits(problem))  # fmt: skip
     unrefined = key, TABLES[key]
 
     def table_at(sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int):
         for refined, entries, fits_sizes in sized:
-            if fits_sizes(problem, sequences, seqlen_q, seqlen_kv, tokens):
+            if fits_sizes(sequences, seqlen_q, seqlen_kv, tokens):
                 return refined, entries
         return unrefined
 
@@ -428,22 +429,28 @@ def _work(problem: AttentionProblem) -> int:
     does at most one T-token sequence's work (the sum of squared lengths is at most their sum squared), so its
     work is capped there: a pack of one long document and a few short ones is not taken for several long ones (1024
     tokens in 5 documents, the longest 856, counted 3.5x a 1024-token sequence's work without the cap)."""
-    return _work_at(problem, problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+    return _work_counter(problem)(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
 
 
-def _work_at(p: AttentionProblem, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> int:
-    """:func:`_work` of ``p`` at these sizes (its other fields as they are)."""
-    heads, d_qk, d_v = p.heads_q, p.head_dim_qk, p.head_dim_v
-    work = pack_work(heads, d_qk, d_v, sequences, seqlen_q, seqlen_kv)
-    if _capped_at_tokens(p, tokens):
-        return min(work, pack_work(heads, d_qk, d_v, 1, tokens, tokens))
-    return work
+def _work_counter(p: AttentionProblem) -> Callable[[int, int, int, int], int]:
+    """``work_at(sequences, seqlen_q, seqlen_kv, tokens)``: :func:`_work` of ``p`` at these sizes, its other fields
+    (H * (d_qk + d_v), :func:`pack_work`'s factor, and whether q's rows cap the work) read once here."""
+    per_pair = pack_work(p.heads_q, p.head_dim_qk, p.head_dim_v, 1, 1, 1)
+    capped = _capped_at_tokens(p)
+
+    def work_at(sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> int:
+        work = per_pair * sequences * seqlen_q * seqlen_kv
+        if capped and tokens:
+            return min(work, per_pair * tokens * tokens)
+        return work
+
+    return work_at
 
 
-def _capped_at_tokens(p: AttentionProblem, tokens: int) -> bool:
-    """A packed call of ``tokens`` q rows whose every sequence has as many queries as keys (a field of a packed
-    problem, not a size)."""
-    return p.layout == "thd" and bool(tokens) and p.varlen_seqlens_match
+def _capped_at_tokens(p: AttentionProblem) -> bool:
+    """A packed call whose every sequence has as many queries as keys (a field of a packed problem, not a size): its
+    work is capped at its q rows' (:func:`_work`), where it knows them."""
+    return p.layout == "thd" and p.varlen_seqlens_match
 
 
 def _pack_estimate(problem: AttentionProblem) -> int:
@@ -452,30 +459,34 @@ def _pack_estimate(problem: AttentionProblem) -> int:
     sequence at the longest lengths, the others sharing the rest of q's rows evenly; a causal pack's exact work is
     1.0-1.9x that over the size ladder's and the calibration's seeded packings, results/cpu_packed_work_estimates.md);
     else, and where q's rows are not known, :func:`_work`."""
-    return _pack_estimate_at(problem, problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+    return _pack_estimator(problem)(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
 
 
-def _pack_estimate_at(p: AttentionProblem, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> int:
-    """:func:`_pack_estimate` of ``p`` at these sizes (its other fields as they are)."""
-    work = _work_at(p, sequences, seqlen_q, seqlen_kv, tokens)
-    others = _estimated_lengths_at(p, sequences, seqlen_q, seqlen_kv, tokens)
-    if others is None:
-        return work
-    heads, d_qk, d_v = p.heads_q, p.head_dim_qk, p.head_dim_v
-    estimate = pack_work(heads, d_qk, d_v, 1, seqlen_q, seqlen_kv)
-    return min(work, estimate + pack_work(heads, d_qk, d_v, sequences - 1, *others))
+def _pack_estimator(p: AttentionProblem) -> Callable[[int, int, int, int], int]:
+    """``estimate_at(sequences, seqlen_q, seqlen_kv, tokens)``: :func:`_pack_estimate` of ``p`` at these sizes, its
+    other fields read once here."""
+    work_at = _work_counter(p)
+    per_pair, heads = pack_work(p.heads_q, p.head_dim_qk, p.head_dim_v, 1, 1, 1), p.heads_q
+
+    def estimate_at(sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> int:
+        work = work_at(sequences, seqlen_q, seqlen_kv, tokens)
+        others = _estimated_lengths_at(heads, sequences, seqlen_q, seqlen_kv, tokens)
+        if others is None:
+            return work
+        return min(work, per_pair * (seqlen_q * seqlen_kv + (sequences - 1) * others[0] * others[1]))
+
+    return estimate_at
 
 
 def _estimated_lengths(problem: AttentionProblem) -> tuple[int, int] | None:
     """:func:`attnselect.choose.predict.rest_lengths` for a pack :func:`_pack_estimate` estimates, else None."""
-    return _estimated_lengths_at(problem, problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+    p = problem
+    return _estimated_lengths_at(p.heads_q, p.batch, p.seqlen_q, p.seqlen_kv, p.tokens)
 
 
-def _estimated_lengths_at(p: AttentionProblem, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int):
-    """:func:`_estimated_lengths` of ``p`` at these sizes."""
-    return (
-        rest_lengths(sequences, seqlen_q, seqlen_kv, tokens) if tokens * p.heads_q <= SMALL_PACK_HEAD_TOKENS else None
-    )
+def _estimated_lengths_at(heads: int, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int):
+    """:func:`_estimated_lengths` of a pack of ``heads`` query heads at these sizes."""
+    return rest_lengths(sequences, seqlen_q, seqlen_kv, tokens) if tokens * heads <= SMALL_PACK_HEAD_TOKENS else None
 
 
 def _small_dense_call(p: AttentionProblem, masks: tuple[str, ...] = ("causal", "causal_bottom_right")) -> bool:
@@ -491,17 +502,24 @@ def _small_dense_call(p: AttentionProblem, masks: tuple[str, ...] = ("causal", "
     )
 
 
-def _prefill_within(
-    p: AttentionProblem, bound: float, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int
-) -> bool:
-    """A dense call of ``p`` at these sizes: as many queries as keys (prefill; decode against a long cache is bound by
-    its memory), at most ``bound`` work."""
-    return seqlen_q == seqlen_kv and _work_at(p, sequences, seqlen_q, seqlen_kv, tokens) <= bound
+def _prefill_within(p: AttentionProblem, bound: float) -> Callable[[int, int, int, int], bool]:
+    """``within(sequences, seqlen_q, seqlen_kv, tokens)``: a dense call of ``p`` at these sizes has as many queries as
+    keys (prefill; decode against a long cache is bound by its memory) and at most ``bound`` work."""
+    work_at = _work_counter(p)
+    return lambda sequences, seqlen_q, seqlen_kv, tokens: (
+        seqlen_q == seqlen_kv and work_at(sequences, seqlen_q, seqlen_kv, tokens) <= bound
+    )
 
 
-# Each refinement: (its name, a test that reads no size of the problem, a test of the problem at sizes given apart:
-# ``(problem, sequences, seqlen_q, seqlen_kv, tokens)``, reading no size of the problem), so a packed loop's family runs
-# the first once and the second on each packing's sizes alone (:func:`table_chooser`).
+def _at_most(count: Callable[[int, int, int, int], int], bound: float) -> Callable[[int, int, int, int], bool]:
+    """``within(sequences, seqlen_q, seqlen_kv, tokens)``: ``count`` at these sizes is at most ``bound``."""
+    return lambda sequences, seqlen_q, seqlen_kv, tokens: count(sequences, seqlen_q, seqlen_kv, tokens) <= bound
+
+
+# Each refinement: (its name, a test that reads no size of the problem, and ``fits_at(problem)``: the test of the
+# problem at sizes given apart, ``within(sequences, seqlen_q, seqlen_kv, tokens)``, reading none of the problem's own
+# sizes), so a packed loop's family runs the first and makes the second once, then runs it on each packing's sizes
+# alone (:func:`table_chooser`).
 _REFINEMENTS = (
     (
         "small pack",
@@ -513,25 +531,25 @@ _REFINEMENTS = (
             and p.heads_q == p.heads_kv
             and max(p.head_dim_qk, p.head_dim_v) <= 192
         ),
-        lambda p, *sizes: _pack_estimate_at(p, *sizes) <= SMALL_PACK_WORK,
+        lambda p: _at_most(_pack_estimator(p), SMALL_PACK_WORK),
     ),
     (
         "small training pack",
         lambda p: p.layout == "thd",
-        lambda p, *sizes: _work_at(p, *sizes) <= SMALL_TRAINING_PACK_WORK,
+        lambda p: _at_most(_work_counter(p), SMALL_TRAINING_PACK_WORK),
     ),
     (
         "wide heads",
         lambda p: max(p.head_dim_qk, p.head_dim_v) > 256,
-        lambda p, sequences, seqlen_q, seqlen_kv, tokens: seqlen_q == seqlen_kv >= WIDE_PREFILL,
+        lambda p: lambda sequences, seqlen_q, seqlen_kv, tokens: seqlen_q == seqlen_kv >= WIDE_PREFILL,
     ),
     (
         "tiny call",
         lambda p: _small_dense_call(p, TINY_CALL_MASKS),
-        lambda p, *sizes: _prefill_within(p, TINY_CALL_WORK, *sizes),
+        lambda p: _prefill_within(p, TINY_CALL_WORK),
     ),
-    ("small call", _small_dense_call, lambda p, *sizes: _prefill_within(p, SMALL_CALL_WORK, *sizes)),
-    ("medium call", _small_dense_call, lambda p, *sizes: _prefill_within(p, MEDIUM_CALL_WORK, *sizes)),
+    ("small call", _small_dense_call, lambda p: _prefill_within(p, SMALL_CALL_WORK)),
+    ("medium call", _small_dense_call, lambda p: _prefill_within(p, MEDIUM_CALL_WORK)),
 )
 
 
@@ -557,16 +575,14 @@ def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
         counted = "min(B*S_q*S_kv, T^2, S_q*S_kv + (B-1)*r_q*r_kv: r the rest of T shared)"
         work = _pack_estimate(problem)
     else:
-        counted = "min(B*S_q*S_kv, T^2)" if _capped_at_tokens(problem, problem.tokens) else "B*S_q*S_kv"
+        counted = "min(B*S_q*S_kv, T^2)" if _capped_at_tokens(problem) and problem.tokens else "B*S_q*S_kv"
         work = _work(problem)
     return f"work H*(d_qk+d_v)*{counted} {work:.2g} <= {bound:.2g}: {reason}"
 
 
 # Per table key without a refinement: the refined tables it has, with their tests, in _REFINEMENTS' order
 _REFINED = {
-    base: tuple(
-        (base + (name,), fits, fits_sizes) for name, fits, fits_sizes in _REFINEMENTS if base + (name,) in TABLES
-    )
+    base: tuple((base + (name,), fits, fits_at) for name, fits, fits_at in _REFINEMENTS if base + (name,) in TABLES)
     for base in {key[:-1] for key in TABLES if key[-1] in {name for name, *_ in _REFINEMENTS}}
 }
 

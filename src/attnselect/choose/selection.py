@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -15,12 +16,12 @@ from attnselect.choose.candidates import candidate_reasons, judge, override_reas
 from attnselect.choose.decision import Decision, no_candidate_message
 from attnselect.choose.distributed import is_distributed
 from attnselect.choose.failures import eager_signature, failures
-from attnselect.choose.predict import work_class_at
+from attnselect.choose.predict import work_classes
 from attnselect.choose.settings import MEMO_SIZE
 from attnselect.errors import ForcedChoiceError, InvalidInputError, NoSupportedCandidateError
 from attnselect.memos import generation, register_cache
 from attnselect.spec.options import Candidate, Verdict
-from attnselect.spec.problem import AttentionProblem
+from attnselect.spec.problem import AttentionProblem, size_class_of
 from attnselect.spec.target import Target
 
 _MEMO: OrderedDict[tuple, Decision] = OrderedDict()
@@ -93,7 +94,7 @@ class _Family:
     of its predictions and rankings are keyed by this object."""
 
     __slots__ = ("last", "by_table", "allowed", "runs", "calibrated", "places", "failed", "drawn", "calibration",
-                 "table_at", "standing", "classified", "target", "ranks")  # fmt: skip
+                 "table_at", "standing", "class_at", "target", "ranks")  # fmt: skip
 
     def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
@@ -122,28 +123,20 @@ class _Family:
         # the class gets it while it holds (standing_at)
         self.standing: dict[tuple, _Standing] = {}
         self.target = target
-        self.classified: tuple = (None, None)  # the problem classified last, and its class: a call asks more than once
+        self.class_at = _class_finder(held_for, self.ranks, self.table_at)  # classify, by sizes
 
     def classify(self, problem: AttentionProblem) -> tuple:
         """What :func:`_carried` reads of a packing's sizes: whether the family's calibration ranks it (where one
         covers the family's calls: at enough queries, :data:`calibration.MIN_QUERIES`), its work class (where it
         does), its size class and its rules table."""
-        last, key = self.classified
-        if problem is last:
-            return key
-        sizes = problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens
-        ranked = self.ranks and sizes[1] >= calibration.MIN_QUERIES
-        work = work_class_at(problem, *sizes) if ranked else None
-        key = ranked, work, problem.size_class, self.table_at(*sizes)[0]
-        self.classified = problem, key
-        return key
+        return self.class_at(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
 
     def standing_at(self, problem: AttentionProblem) -> tuple[tuple, Decision] | None:
         """(its class, the decision) where :func:`select_packed` would return a decision carried to ``problem``'s class
         before (the paid compiles as they were, its verdicts that read sizes judged alike at ``problem``'s, the rules
         table's decision still standing there), without the rest of select_packed's work; None where only
         select_packed can tell. A clear of the caches (a failure, a rental's end) drops the family."""
-        key = self.classify(problem)
+        key = self.class_at(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)  # classify
         held = self.standing.get(key)
         if held is None or held.paid != first_calls.paid_state():
             return None
@@ -174,6 +167,26 @@ class _Family:
         if failed is None:
             failed = self.failed[key] = _failed(problem, target)
         return failed
+
+
+def _class_finder(problem: AttentionProblem, ranks: bool, table_at) -> Callable[[int, int, int, int], tuple]:
+    """``class_at(sequences, seqlen_q, seqlen_kv, tokens)``: :meth:`_Family.classify` of the problem that differs from
+    ``problem`` in those sizes alone, for a family whose calibration ``ranks`` its calls and whose rules tables
+    ``table_at`` gives (:func:`rules.table_chooser`); the problem's other fields are read once, here."""
+    work_class_at, heads, least = work_classes(problem), problem.heads_q, calibration.MIN_QUERIES
+
+    def class_at(sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> tuple:
+        size = size_class_of(sequences * heads * seqlen_q * seqlen_kv)
+        if ranks and seqlen_q >= least:
+            return (
+                True,
+                work_class_at(sequences, seqlen_q, seqlen_kv, tokens),
+                size,
+                table_at(sequences, seqlen_q, seqlen_kv, tokens)[0],
+            )
+        return False, None, size, table_at(sequences, seqlen_q, seqlen_kv, tokens)[0]
+
+    return class_at
 
 
 class _Calibrated:

@@ -271,8 +271,7 @@ class AttentionProblem:
         """The problem's size as a power of 4 of its score count, batch x Hq x Sq x Skv (thd: sequences x the longest
         lengths): kernels pick tiles, splits and schedules by size, and FlashAttention-4 4.0.0b36's sm90 backward at
         128/64 was right at B2 H16 S640 and wrong at B2 H16 S1024 in one process (results/h200_correctness_grid.md)."""
-        scores = self.batch * self.heads_q * self.seqlen_q * self.seqlen_kv
-        return (scores.bit_length() - 1) // 2 if scores else 0
+        return size_class_of(self.batch * self.heads_q * self.seqlen_q * self.seqlen_kv)
 
     @functools.cached_property
     def signature(self) -> tuple:
@@ -395,6 +394,11 @@ def _size_refused(name: str, value, low: int) -> None:
     if is_integer(value) and value > INT32_MAX:
         require(False, name, repr(value), "at most 2**31 - 1 (the kernels index in int32)")
     require(False, name, repr(value), f"an integer >= {low}")
+
+
+def size_class_of(scores: int) -> int:
+    """:attr:`AttentionProblem.size_class` of a call of ``scores`` scores (batch x Hq x Sq x Skv)."""
+    return (scores.bit_length() - 1) // 2 if scores else 0
 
 
 # The derived values a problem caches, and those its sizes change (sizeless does not: a copy at other sizes keeps it).
