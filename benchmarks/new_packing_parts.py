@@ -63,6 +63,7 @@ FA4_STAND_IN = {"flash_attn.cute": ("flash_attn_varlen_func", "flash_attn_func")
 
 # What the replay copies from api.attention's sibling branch, as written there.
 MIRRORED = (
+    "problem = unknown.problem  # where recall asked for its class's call (dispatch._class_call)",
     "problem = sibling.problem._at_sizes(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_kv)",
     "select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)",
     "again = sibling is not None and sibling.chosen == decision.chosen and sibling.runner is not None",
@@ -104,7 +105,9 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
         chosen, problem = known.chosen, known.problem
     else:
         sibling = unknown.sibling
-        problem = sibling.problem._at_sizes(cu.numel() - 1, m, m)
+        problem = unknown.problem
+        if problem is None:
+            problem = sibling.problem._at_sizes(cu.numel() - 1, m, m)
         target = target or sibling.target
         t2 = clock()
         packing = Packing(cu, cu, m, m, cu, cu)
@@ -147,9 +150,9 @@ def _time_class_calls() -> None:
         return
     call, spent, clock = dispatch._class_call, _CLASS_CALLS[1], time.perf_counter_ns
 
-    def timed(family, sizes):
+    def timed(*args):
         start = clock()
-        known = call(family, sizes)
+        known = call(*args)
         spent[0] += clock() - start
         return known
 

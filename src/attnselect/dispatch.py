@@ -108,6 +108,7 @@ class Unknown(NamedTuple):
     sizes: tuple | None = None  # a packed call's (sequence count, max_seqlen_q, max_seqlen_kv)
     family: _Family | None = None  # a packed call's, where its family was decided before (then recent)
     boundaries: int = -1  # where the packing's boundaries are in ``tensors`` (a packed call's, of a new family)
+    problem: AttentionProblem | None = None  # a packed call's at its sizes, where recall asked for its class's call
 
     @property
     def sibling(self) -> KnownCall | None:
@@ -314,23 +315,23 @@ def _in_family(family: _Family, state, tensors, capturing, sizes: tuple, key: tu
     known = _SIZED.get((family, sizes))
     if known is not None:
         return known
+    problem = None
     if family.standing is not None:
-        known = _class_call(family, sizes)
-        if known is not None:
-            return known
-    return Unknown(state, tensors, capturing, key, generation(), sizes, family)
+        boundaries, max_q, max_kv = sizes
+        if boundaries and 0 <= max_q < 2**31 and 0 <= max_kv < 2**31:  # else validation names them
+            problem = family.last.problem._at_sizes(boundaries - 1, max_q, max_kv)  # the sibling's, validated
+            known = _class_call(family, sizes, problem)
+            if known is not None:
+                return known
+    return Unknown(state, tensors, capturing, key, generation(), sizes, family, problem=problem)
 
 
-def _class_call(family: _Family, sizes: tuple) -> KnownCall | None:
-    """A new packing of ``family`` at ``sizes`` (the boundaries' length and both max_seqlen, integers) whose class
-    stands on the decision that the call kept for that class was made of (``family.standing``, ``family.classes``):
-    that call at these sizes, kept as the call at these sizes; None where a decision must be made (sizes a
-    validation must name, a class not kept or no longer standing)."""
-    boundaries, max_q, max_kv = sizes
-    if not (boundaries and 0 <= max_q < 2**31 and 0 <= max_kv < 2**31):  # else validation names them
-        return None
+def _class_call(family: _Family, sizes: tuple, problem: AttentionProblem) -> KnownCall | None:
+    """A new packing of ``family`` at ``sizes`` (the boundaries' length and both max_seqlen), whose problem is
+    ``problem``, in a class that stands on the decision the call kept for that class was made of
+    (``family.standing``, ``family.classes``): that call at these sizes, kept as the call at these sizes; None where a
+    decision must be made (a class not kept or no longer standing)."""
     cleared = generation()
-    problem = family.last.problem._at_sizes(boundaries - 1, max_q, max_kv)  # the sibling's, validated, at these sizes
     stands = family.standing(problem)
     held = family.classes.get(stands[0]) if stands is not None else None
     if held is None or held[0] is not stands[1]:

@@ -94,7 +94,7 @@ class _Family:
     of its predictions and rankings are keyed by this object."""
 
     __slots__ = ("last", "by_table", "allowed", "runs", "calibrated", "places", "failed", "drawn", "calibration",
-                 "table_at", "standing", "class_at", "target", "ranks")  # fmt: skip
+                 "table_at", "standing", "class_at", "classified", "target", "ranks")  # fmt: skip
 
     def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
@@ -124,19 +124,25 @@ class _Family:
         self.standing: dict[tuple, _Standing] = {}
         self.target = target
         self.class_at = _class_finder(held_for, self.ranks, self.table_at)  # classify, by sizes
+        self.classified: tuple = (None, None)  # the problem classified last, and its class: a call asks more than once
 
     def classify(self, problem: AttentionProblem) -> tuple:
         """What :func:`_carried` reads of a packing's sizes: whether the family's calibration ranks it (where one
         covers the family's calls: at enough queries, :data:`calibration.MIN_QUERIES`), its work class (where it
         does), its size class and its rules table."""
-        return self.class_at(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+        last, key = self.classified
+        if problem is last:
+            return key
+        key = self.class_at(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+        self.classified = problem, key
+        return key
 
     def standing_at(self, problem: AttentionProblem) -> tuple[tuple, Decision] | None:
         """(its class, the decision) where :func:`select_packed` would return a decision carried to ``problem``'s class
         before (the paid compiles as they were, its verdicts that read sizes judged alike at ``problem``'s, the rules
         table's decision still standing there), without the rest of select_packed's work; None where only
         select_packed can tell. A clear of the caches (a failure, a rental's end) drops the family."""
-        key = self.class_at(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)  # classify
+        key = self.classify(problem)
         held = self.standing.get(key)
         if held is None or held.paid != first_calls.paid_state():
             return None
