@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # A new packing's first call, this tree against another checkout carried in .whl-before (its src and benchmarks),
-# alternated ROUNDS times (default 2), training then inference, on the device machine after FA4's stages where it is
+# alternated ROUNDS times (default 2), training then inference (PHASES="training" for one), on the device machine after FA4's stages where it is
 # to be installed: bash scripts/new_packing_ab.sh -> $OUT/new_packing_ab.tar (each run's .json and .md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 rows='attention\(\)|aten|varlen_attn|recall|problem at|its class|select_packed \||packed_runner|self_check|remember|run \||backward|all stages'
-for phase in training inference; do
+for phase in ${PHASES:-training inference}; do
   args=$([ "$phase" = training ] && echo --training)
   for i in $(seq 1 "${ROUNDS:-2}"); do
     for side in after before; do
