@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A new packing's first call, this tree against another checkout carried in .whl-before (its src and benchmarks),
-# alternated ROUNDS times (default 2), training then inference (PHASES="training" for one), on the device machine after FA4's stages where it is
-# to be installed: bash scripts/new_packing_ab.sh -> $OUT/new_packing_ab.tar (each run's .json and .md).
+# alternated ROUNDS times (default 2), training then inference (PHASES="training": one of them), on the device machine
+# after FA4's stages where it is to be installed: bash scripts/new_packing_ab.sh -> $OUT/new_packing_ab.tar (each
+# run's .json and .md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
