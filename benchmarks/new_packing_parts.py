@@ -50,6 +50,7 @@ from attnselect.choose.selection import select_packed
 from attnselect.dispatch import KnownCall
 from attnselect.execution import kernel_call, packed_runner
 from attnselect.spec.options import CallOptions, Packing
+from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 from hot_path import new_packings, profile, write_report
 
@@ -95,11 +96,12 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
         return None
     _time_class_calls()
     clock, within = time.perf_counter_ns, _CLASS_CALLS[1]
-    within[0] = 0
+    within[:] = [0, 0]
     t0 = clock()
     unknown = dispatch.recall(q, k, v, options_of(cu, m, backend))
     t1 = clock()
-    spent = {"recall": t1 - t0 - within[0], "its class's call": within[0]}
+    # recall apart from its class call and the problem it makes for it (dispatch._in_family)
+    spent = {"recall": t1 - t0 - within[0] - within[1], "its class's call": within[0]}
     if type(unknown) is KnownCall:  # a class decided before: its call at these sizes
         known = unknown
         chosen, problem = known.chosen, known.problem
@@ -133,8 +135,9 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
         chosen = decision.chosen
         if checking and q.device.type == "meta":  # no run, so no self-check: taken as passed, as attention()'s first
             self_check._PASSED.add((target, decision.chosen, problem.signature))  # call of a signature passes it
-        spent.update({"problem at the new sizes": t2 - t1, "select_packed": t3 - t2, "packed_runner": t4 - t3,
-                      "self_check.needed": t5 - t4, "remember": t6 - t5})  # fmt: skip
+        spent.update({"select_packed": t3 - t2, "packed_runner": t4 - t3, "self_check.needed": t5 - t4,
+                      "remember": t6 - t5})  # fmt: skip
+    spent["problem at the new sizes"] = within[1]  # made in recall (dispatch._in_family), or above
     t7 = clock()
     out = known.runner(q, k, v, cu, m, m) if q.device.type != "meta" else None
     spent["run"] = clock() - t7
@@ -144,11 +147,17 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
 
 
 def _time_class_calls() -> None:
-    """Wrap dispatch._class_call (what recall calls for a new packing of a class that stands) so that the replay
-    reads its nanoseconds apart (:data:`_CLASS_CALLS`): once per process."""
+    """Wrap dispatch._class_call (what recall calls for a new packing of a class that stands) and
+    AttentionProblem._at_sizes (the problem at the new sizes, made in recall where the family asks for its class) so
+    that the replay reads their nanoseconds apart (:data:`_CLASS_CALLS`): once per process."""
     if _CLASS_CALLS[0] is not None:
         return
-    call, spent, clock = dispatch._class_call, _CLASS_CALLS[1], time.perf_counter_ns
+    call, at_sizes, spent, clock = (
+        dispatch._class_call,
+        AttentionProblem._at_sizes,
+        _CLASS_CALLS[1],
+        time.perf_counter_ns,
+    )
 
     def timed(*args):
         start = clock()
@@ -156,10 +165,18 @@ def _time_class_calls() -> None:
         spent[0] += clock() - start
         return known
 
+    def timed_at_sizes(*args):
+        start = clock()
+        problem = at_sizes(*args)
+        spent[1] += clock() - start
+        return problem
+
     _CLASS_CALLS[0] = dispatch._class_call = timed
+    AttentionProblem._at_sizes = timed_at_sizes
 
 
-_CLASS_CALLS = [None, [0]]  # the wrapper, once installed, and the nanoseconds of the last call's class call
+# the class call's wrapper, once installed, and the last call's nanoseconds in its class call and its problem
+_CLASS_CALLS = [None, [0, 0]]
 
 
 def host_stages(name: str, calls: int, rounds: int, fa4: bool = False, mla: bool = False, backend=None,

@@ -9,6 +9,7 @@ import attnselect
 from attnselect import dispatch
 from attnselect.dispatch import KnownCall, Unknown
 from attnselect.spec.options import CallOptions
+from attnselect.spec.problem import describe_call
 
 
 def _qkv(dtype=torch.float64):
@@ -309,6 +310,86 @@ def test_a_new_packing_shares_its_sibling_s_guard_and_is_told_apart_by_its_bound
     assert type(dispatch.recall(*_packed(count=3, longest=7))) is Unknown
     q, k, v, options = _packed(count=5, longest=7)
     assert type(dispatch.recall(q.half(), k, v, options)) is Unknown  # the shared guard still checks the rest
+
+
+def _standing_family(standing=None, decision=None):
+    """A packed family (:func:`_packed`'s) whose first call is kept for one class, "class", on ``decision`` (a new
+    one by default), and whose ``standing`` is the one given (by default: every packing's class stands on that
+    decision). (The family, its first call, the decision.)"""
+    q, k, v, options = _packed()
+    problem, _ = describe_call(q, k, v, options)
+    made = KnownCall(problem, "its choice", "its target", "its call", False, "its runner")
+    family = dispatch.recall(q, k, v, options).remember(made)
+    decision = decision or object()
+    family.classes["class"] = (decision, made)
+    family.standing = standing or (lambda problem: ("class", decision))
+    return family, made, decision
+
+
+def test_a_new_packing_of_a_standing_class_is_that_class_s_call_at_its_sizes():
+    """dispatch._class_call: known without a decision, the class's call at the new sizes (then the family's last
+    call, and the call at those sizes); not where the class stands on another decision, or on none."""
+    family, made, decision = _standing_family()
+    known = dispatch.recall(*_packed(count=5, longest=9))
+    assert type(known) is KnownCall and known.problem == made.problem._at_sizes(5, 9, 9)
+    assert known[1:] == made[1:] and family.last is known
+    assert dispatch.recall(*_packed(count=5, longest=9)) is known
+    assert type(dispatch.recall(*_packed(count=6, longest=9))) is KnownCall
+    for standing in (lambda problem: ("class", object()), lambda problem: None, lambda problem: ("another", decision)):
+        family.standing = standing
+        unknown = dispatch.recall(*_packed(count=7, longest=9))
+        assert type(unknown) is Unknown and unknown.problem == made.problem._at_sizes(7, 9, 9)
+        assert unknown.sibling is family.last
+
+
+def test_a_new_packing_whose_sizes_validation_must_name_is_not_a_class_s_call():
+    """A boundaries count or max_seqlen out of range is not classified (validation names it): not known, no problem
+    made, standing not asked; and attention() refuses it."""
+    asked = []
+    family, made, decision = _standing_family(lambda problem: asked.append(problem) or ("class", decision))
+    for count, longest in ((5, -9), (5, 2**31)):
+        unknown = dispatch.recall(*_packed(count=count, longest=longest))
+        assert type(unknown) is Unknown and unknown.problem is None and unknown.sibling is not None
+    assert asked == []
+    q, k, v, options = _packed(count=5, longest=-9)
+    with pytest.raises(attnselect.InvalidInputError, match="max_seqlen_q"):
+        attnselect.attention(q, k, v, **options._asdict())
+
+
+@pytest.mark.parametrize("recent", [True, False])
+def test_a_standing_that_raises_raises_from_the_lookup(monkeypatch, recent):
+    """An error asking whether a class stands reaches the caller, whether the family was found among the recent
+    calls or by its key (not taken for a call the memo cannot describe)."""
+
+    def broken(problem):
+        raise RuntimeError("standing broke")
+
+    _standing_family(broken)
+    if not recent:
+        dispatch._set_recent([])
+    with pytest.raises(RuntimeError, match="standing broke"):
+        dispatch.recall(*_packed(count=5, longest=9))
+
+
+@pytest.mark.parametrize("stands", [True, False])
+def test_a_memo_cleared_while_a_class_is_asked_keeps_nothing_of_it(stands):
+    """A clear of the caches while the family asks whether a class stands: a class's call made then is not kept at
+    its sizes, and a call to decide is one whose decision is not kept (Unknown.generation is from before)."""
+    decision = object()
+
+    def clearing(problem):
+        attnselect.clear_cache()
+        return ("class", decision) if stands else None
+
+    family, made, _ = _standing_family(clearing, decision)
+    found = dispatch.recall(*_packed(count=5, longest=9))
+    assert all(sizes != (6, 9, 9) for _, sizes in dispatch._SIZED)
+    if stands:
+        assert type(found) is KnownCall and found.problem == made.problem._at_sizes(5, 9, 9)
+    else:
+        assert type(found) is Unknown
+        found.remember(KnownCall(found.problem, "another", None, None, False, None))
+        assert dispatch.known_calls() == []
 
 
 def test_a_family_outlives_more_new_packings_than_the_memo_holds(monkeypatch):

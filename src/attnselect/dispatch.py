@@ -15,9 +15,10 @@ capture. A change to the backend registry clears the memo (:func:`attnselect.bac
 A packed call is known in two steps, as a plan and its runs (FlashInfer's plan/run): its family, everything above
 but its packing's sizes (the sequence count and both max_seqlen), which the tensors' guard leaves free (the
 boundaries' length), then the sizes within the family. A training loop's new packing every step is found as a family
-at once, without a key, and is decided from its sibling, the call of the family decided last (:class:`Unknown`).
-The calls at each size are bounded apart from the families (``MEMO_SIZE`` each), so a loop of many steps keeps its
-families whatever its packings.
+at once, without a key. Where its class (what the selection reads of its sizes) stands on the decision of a call
+kept for that class, it is that call at its sizes (:func:`_class_call`); else it is decided from its sibling, the
+call of the family decided last (:class:`Unknown`). The calls at each size are bounded apart from the families
+(``MEMO_SIZE`` each), so a loop of many steps keeps its families whatever its packings.
 
 Calls the key cannot describe are not known and take the slow path, which validates them: values that compare
 equal to a valid one of another type (``1 == True``, ``True == 1.0``), lists and iterators, nested tensors, padded
@@ -227,9 +228,10 @@ _STRIDE = operator.methodcaller("stride")
 
 
 def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
-    """The call's :class:`KnownCall` if it was decided before; else :class:`Unknown`, or None where the memo cannot
-    know it (see the module docstring). ``options``: a :class:`~attnselect.spec.options.CallOptions`, or a plain
-    tuple of its fields (attention() builds its object only off this path)."""
+    """The call's :class:`KnownCall` if it was decided before, or if it is a new packing of a class that stands
+    (:func:`_class_call`); else :class:`Unknown`, or None where the memo cannot know it (see the module docstring).
+    ``options``: a :class:`~attnselect.spec.options.CallOptions`, or a plain tuple of its fields (attention() builds
+    its object only off this path)."""
     (
         layout, causal, window, scale, dropout_p, cu_q, cu_kv, max_q, max_kv, cu_q_padded, cu_kv_padded, return_lse,
         softcap, sinks, return_max_logit, _, backend, pad, disable,
@@ -279,6 +281,7 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
             tensors += (cu_q,) if sinks is None else (cu_q, sinks)
         elif sinks is not None:
             tensors += (sinks,)
+        recent = None  # a recent call's (known, family, capturing): a family's calls are asked outside this try
         for entry_state, guard, entry_offsets, capturing, known, family in _RECENT:
             if (
                 entry_state == state
@@ -286,19 +289,24 @@ def recall(q, k, v, options: tuple) -> KnownCall | Unknown | None:
                 and entry_offsets == offsets
                 and (capturing is None or capturing is (raw_stream(-1) != 0 and stream_capturing()))  # None: not CUDA
             ):
-                return known if family is None else _in_family(family, state, tensors, capturing, sizes, None)
-        capturing = stream_capturing() if q.is_cuda else None
-        shapes = tuple(map(_SHAPE, tensors))
-        if sizes is not None:  # the key of the family: the boundaries' length left out (they follow q, k and v)
-            boundaries = len(tensors) - (1 if sinks is None else 2)
-            shapes = shapes[:boundaries] + (None,) + shapes[boundaries + 1 :]
-        key = (
-            state, capturing, _autocast(), tuple(map(type, tensors)), shapes, tuple(map(_STRIDE, tensors)),
-            tuple(map(_DTYPE, tensors)), tuple(map(_DEVICE, tensors)), tuple(map(_REQUIRES_GRAD, tensors)), offsets,
-        )  # fmt: skip
-        entry = _CALLS.get(key)
+                recent = known, family, capturing
+                break
+        if recent is None:
+            capturing = stream_capturing() if q.is_cuda else None
+            shapes = tuple(map(_SHAPE, tensors))
+            if sizes is not None:  # the key of the family: the boundaries' length left out (they follow q, k and v)
+                boundaries = len(tensors) - (1 if sinks is None else 2)
+                shapes = shapes[:boundaries] + (None,) + shapes[boundaries + 1 :]
+            key = (
+                state, capturing, _autocast(), tuple(map(type, tensors)), shapes, tuple(map(_STRIDE, tensors)),
+                tuple(map(_DTYPE, tensors)), tuple(map(_DEVICE, tensors)), tuple(map(_REQUIRES_GRAD, tensors)), offsets,
+            )  # fmt: skip
+            entry = _CALLS.get(key)
     except Exception:  # not tensors, an unhashable or incomparable option...: the slow path validates and names it
         return None
+    if recent is not None:
+        known, family, capturing = recent
+        return known if family is None else _in_family(family, state, tensors, capturing, sizes, None)
     if entry is None:
         if sizes is None:
             return Unknown(state, tensors, capturing, key, generation())
@@ -315,24 +323,24 @@ def _in_family(family: _Family, state, tensors, capturing, sizes: tuple, key: tu
     known = _SIZED.get((family, sizes))
     if known is not None:
         return known
-    problem = None
-    if family.standing is not None:
+    problem, cleared, standing = None, generation(), family.standing  # read once: attention() rebinds it
+    if standing is not None:
         boundaries, max_q, max_kv = sizes
         if boundaries and 0 <= max_q < 2**31 and 0 <= max_kv < 2**31:  # else validation names them
             problem = family.last.problem._at_sizes(boundaries - 1, max_q, max_kv)  # the sibling's, validated
-            known = _class_call(family, sizes, problem)
+            known = _class_call(family, sizes, problem, standing, cleared)
             if known is not None:
                 return known
-    return Unknown(state, tensors, capturing, key, generation(), sizes, family, problem=problem)
+    return Unknown(state, tensors, capturing, key, cleared, sizes, family, problem=problem)
 
 
-def _class_call(family: _Family, sizes: tuple, problem: AttentionProblem) -> KnownCall | None:
+def _class_call(family: _Family, sizes: tuple, problem: AttentionProblem, standing, cleared: int) -> KnownCall | None:
     """A new packing of ``family`` at ``sizes`` (the boundaries' length and both max_seqlen), whose problem is
-    ``problem``, in a class that stands on the decision the call kept for that class was made of
-    (``family.standing``, ``family.classes``): that call at these sizes, kept as the call at these sizes; None where a
-    decision must be made (a class not kept or no longer standing)."""
-    cleared = generation()
-    stands = family.standing(problem)
+    ``problem``, in a class that stands (``standing``, the family's as read once) on the decision the call kept for
+    that class was made of (``family.classes``): that call at these sizes, kept as the call at these sizes unless the
+    memo was cleared since ``cleared`` (:func:`attnselect.memos.generation`); None where a decision must be made (a
+    class not kept or no longer standing)."""
+    stands = standing(problem)
     held = family.classes.get(stands[0]) if stands is not None else None
     if held is None or held[0] is not stands[1]:
         return None

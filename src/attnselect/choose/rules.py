@@ -411,8 +411,8 @@ def table_chooser(
     unrefined = key, TABLES[key]
 
     def table_at(sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int):
-        for refined, entries, fits_sizes in sized:
-            if fits_sizes(sequences, seqlen_q, seqlen_kv, tokens):
+        for refined, entries, within in sized:
+            if within(sequences, seqlen_q, seqlen_kv, tokens):
                 return refined, entries
         return unrefined
 

@@ -286,7 +286,7 @@ def _family_key(problem: AttentionProblem, target: Target, backend, pad, disable
 def standing_decisions(problem: AttentionProblem, *, target: Target, backend=None, pad=None, disable=None):
     """``standing_at(problem) -> (class, decision) | None`` for the packed loop of ``problem`` (made by
     :func:`select_packed`) under these controls and the present settings: :meth:`_Family.standing_at` of its family,
-    which a caller that keeps those (attnselect.attention's memo of a family of packed calls) asks at a new packing
+    which a caller that keeps those (attnselect.dispatch's memo of a family of packed calls) asks at a new packing
     before :func:`select_packed`; None where select_packed keeps no family for it."""
     try:
         family = _PACKED.get(_family_key(problem, target, backend, pad, disable))
@@ -320,7 +320,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     where only :func:`select` can tell. Where the decision last carried with the same ranking is this one but for
     its sizes (the same candidates judged alike, ranking and rental), that one is returned, describing its own
     sizes."""
-    found, source, _ = family.calibration  # whether it covers the call: in key[0] (_Family.ranks)
+    found, source, _ = family.calibration  # whether it covers the call: in key[0] (_Family.ranks, classify)
     key = family.classify(problem)
     ranking = None
     if key[0]:  # a calibration ranks it: not calibration.outside
