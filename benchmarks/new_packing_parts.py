@@ -91,9 +91,6 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
     call's problem, the run's result), or None where the packing's sizes were seen before (known: nothing is added).
     A new packing of a class that stands is known by recall: its class's call (dispatch._class_call) is timed apart
     from the rest of recall."""
-    sizes = (cu.numel(), m, m)
-    if any(key[1] == sizes for key in dispatch._SIZED):  # one family: the sizes say whether the packing is known
-        return None
     _time_class_calls()
     clock, within = time.perf_counter_ns, _CLASS_CALLS[1]
     within[:] = [0, 0]
@@ -102,6 +99,8 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
     t1 = clock()
     # recall apart from its class call and the problem it makes for it (dispatch._in_family)
     spent = {"recall": t1 - t0 - within[0] - within[1], "its class's call": within[0]}
+    if type(unknown) is KnownCall and not within[0]:  # known at these sizes: no class call asked
+        return None
     if type(unknown) is KnownCall:  # a class decided before: its call at these sizes
         known = unknown
         chosen, problem = known.chosen, known.problem
