@@ -64,8 +64,7 @@ FA4_STAND_IN = {"flash_attn.cute": ("flash_attn_varlen_func", "flash_attn_func")
 
 # What the replay copies from api.attention's sibling branch, as written there.
 MIRRORED = (
-    "problem = unknown.problem  # where recall asked for its class's call (dispatch._class_call)",
-    "problem = sibling.problem._at_sizes(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_kv)",
+    "problem = unknown.sized_problem(sibling) if sibling is not None else None",
     "select_packed(problem, target=target, backend=backend, pad=pad, disable=disable)",
     "again = sibling is not None and sibling.chosen == decision.chosen and sibling.runner is not None",
     'runner = getattr(sibling.runner, "unrented", sibling.runner)',
@@ -106,9 +105,7 @@ def replay(q, k, v, cu, m, times: dict, target=None, backend=None):
         chosen, problem = known.chosen, known.problem
     else:
         sibling = unknown.sibling
-        problem = unknown.problem
-        if problem is None:
-            problem = sibling.problem._at_sizes(cu.numel() - 1, m, m)
+        problem = unknown.sized_problem(sibling)
         target = target or sibling.target
         t2 = clock()
         packing = Packing(cu, cu, m, m, cu, cu)

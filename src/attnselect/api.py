@@ -138,11 +138,9 @@ def attention(
     if type(known) is not KnownCall:  # else the same shapes, dtypes, devices and options were validated and decided
         unknown = known
         sibling = unknown.sibling if unknown is not None else None
-        if sibling is not None and cu_seqlens_q.numel() and 0 <= max_seqlen_q < 2**31 and 0 <= max_seqlen_kv < 2**31:
-            # a packed call known but for its packing's sizes (attnselect.dispatch): its problem at these sizes
-            problem = unknown.problem  # where recall asked for its class's call (dispatch._class_call)
-            if problem is None:
-                problem = sibling.problem._at_sizes(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_kv)
+        # a packed call known but for its packing's sizes (attnselect.dispatch): its problem at these sizes
+        problem = unknown.sized_problem(sibling) if sibling is not None else None
+        if problem is not None:
             target = sibling.target  # the same device
         else:
             problem, packing = describe_call(q, k, v, CallOptions._make(options))

@@ -115,6 +115,11 @@ class Unknown(NamedTuple):
     def sibling(self) -> KnownCall | None:
         return self.family.last if self.family is not None else None
 
+    def sized_problem(self, sibling: KnownCall) -> AttentionProblem | None:
+        """A packed call's problem, ``sibling``'s (its :attr:`sibling`, read once) at the call's sizes: the one recall
+        made where it asked for the call's class, else made now; None where validation must name the sizes."""
+        return self.problem if self.problem is not None else _problem_at(sibling, self.sizes)
+
     def remember(self, known: KnownCall) -> _Family | None:
         """Keep ``known`` as this call's decision; returns the packed family it joined (None for a dense call)."""
         family, entry = self.family, None
@@ -325,13 +330,21 @@ def _in_family(family: _Family, state, tensors, capturing, sizes: tuple, key: tu
         return known
     problem, cleared, standing = None, generation(), family.standing  # read once: attention() rebinds it
     if standing is not None:
-        boundaries, max_q, max_kv = sizes
-        if boundaries and 0 <= max_q < 2**31 and 0 <= max_kv < 2**31:  # else validation names them
-            problem = family.last.problem._at_sizes(boundaries - 1, max_q, max_kv)  # the sibling's, validated
+        problem = _problem_at(family.last, sizes)
+        if problem is not None:
             known = _class_call(family, sizes, problem, standing, cleared)
             if known is not None:
                 return known
     return Unknown(state, tensors, capturing, key, cleared, sizes, family, problem=problem)
+
+
+def _problem_at(sibling: KnownCall, sizes: tuple) -> AttentionProblem | None:
+    """``sibling``'s problem, validated, at a new packing's ``sizes`` (the boundaries' length and both max_seqlen, as
+    recall reads them); None where validation must name them (no boundaries, a max_seqlen out of range)."""
+    boundaries, max_q, max_kv = sizes
+    if boundaries and 0 <= max_q < 2**31 and 0 <= max_kv < 2**31:
+        return sibling.problem._at_sizes(boundaries - 1, max_q, max_kv)
+    return None
 
 
 def _class_call(family: _Family, sizes: tuple, problem: AttentionProblem, standing, cleared: int) -> KnownCall | None:
