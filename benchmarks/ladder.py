@@ -288,8 +288,11 @@ def _sync(device: str) -> None:
 
 
 def time_rung(rung: dict, rows: dict, x: Inputs, a) -> dict:
-    """{way: {row: [ms per call of each timed call or step]}}, rows interleaved, in alternating order."""
+    """{"times": {way: {row: [ms per call of each timed call or step]}}, "by_round": {way: {row: [each round's
+    median]}}, ...}, rows interleaved, in alternating order (a row's rounds apart show whether its spread is a round's,
+    as where the host slowed for a while, or every call's)."""
     times = {way: {row: [] for row in rows} for way in WAYS}
+    by_round = {way: {row: [] for row in rows} for way in WAYS}
     errors = {}
 
     def failed(name, exc):  # a row that cannot run the rung is reported, not fatal; its timings are dropped
@@ -325,9 +328,13 @@ def time_rung(rung: dict, rows: dict, x: Inputs, a) -> dict:
                             _call(fn, x, packing)
                         _sync(a.device)
                         times["stack"][name].append((time.perf_counter() - start) * 1e3 / a.layers)
+                    for way, calls in (("latency", a.latency_calls), ("stack", a.calls)):
+                        if calls > 0:
+                            by_round[way][name].append(statistics.median(times[way][name][-calls:]))
                 except Exception as exc:
                     failed(name, exc)
-    return {"times": times, "errors": errors, "screened": screened}
+    by_round = {way: {row: r for row, r in rounds.items() if times[way][row]} for way, rounds in by_round.items()}
+    return {"times": times, "by_round": by_round, "errors": errors, "screened": screened}
 
 
 SCREEN_CALLS = 3  # a row's screen is the least of these: one-off costs (a self-check at a new size class, a graph
@@ -666,7 +673,8 @@ def main() -> None:
         args = {k: getattr(a, k) for k in ("rounds", "calls", "latency_calls", "warmup", "layers", "screen")}
         args["screen_calls"] = SCREEN_CALLS
         report["results"].append({"rung": name, "chosen": chosen, "stats": stats, "errors": measured["errors"],
-                                  "screened": measured["screened"], "peak_gib": peak, "args": args,
+                                  "screened": measured["screened"], "by_round": measured["by_round"],
+                                  "peak_gib": peak, "args": args,
                                   "log": sorted(log.items())})  # fmt: skip
         done.add(name)
         report.update(judged(report["results"]))

@@ -570,6 +570,10 @@ def test_ladder_smoke(tmp_path):
     assert "F.sdpa default" in stats["latency"]
     # a call alone varies more than a step: the latency way times as many calls as the stack way's steps make
     assert stats["latency"]["attnselect default"]["n"] == 2 * 2 * 2 and stats["stack"]["attnselect default"]["n"] == 4
+    # each round's median apart (a spread a round's, or every call's)
+    by_round = report["results"][0]["by_round"]
+    assert {len(r) for way in by_round.values() for r in way.values()} == {2}
+    assert set(by_round["latency"]) == set(stats["latency"])
     assert "## Goals" in (tmp_path / "ladder.md").read_text()
     # the control row: the default's calls timed again, last in the order, never counted as a single-kernel way
     assert stats["latency"]["attnselect default, again"]["n"] == 2 * 2 * 2
