@@ -420,9 +420,10 @@ def goals(results: list[dict]) -> dict:
 
 
 def judged(results: list[dict]) -> dict:
-    """``{"goals": ..., "noise": ...}`` of the rungs measured so far (:func:`goals`, :func:`noise`)."""
+    """``{"goals": ..., "noise": ..., "paired": ...}`` of the rungs measured so far (:func:`goals`, :func:`noise`,
+    :func:`paired`)."""
     found = goals(results)
-    return {"goals": found, "noise": noise(results, found)}
+    return {"goals": found, "noise": noise(results, found), "paired": paired(results)}
 
 
 def noise(results: list[dict], found: dict) -> dict | None:
@@ -446,6 +447,59 @@ def noise(results: list[dict], found: dict) -> dict | None:
             within[name] = {"misses": len(misses), "within": len(inside), "unjudged": len(misses) - len(spread_known)}
     rows = [{"rung": rung, "way": way, "again": ratio} for (rung, way), ratio in spread.items()]
     return {"rows": rows, "least": min(spread.values()), "most": max(spread.values()), "within": within}
+
+
+def paired(results: list[dict]) -> dict | None:
+    """The goals against rows of one machine's moment: on each rung-way, each row's median in a round over the
+    default's in that round (rows interleaved, so both met the same state of the host and GPU), the median of those
+    ratios over the rounds; the fastest single-kernel row by it, F.sdpa's default and the default's second row so.
+    None where no rung kept its rounds (``by_round``: rungs run before it was kept)."""
+    rows, sdpa, again = [], [], []
+    for entry in results:
+        for way, by_row in entry.get("by_round", {}).items():
+            ours = by_row.get(DEFAULT)
+            if not ours:
+                continue
+            singles = {n: _paired_speed(by_row[n], ours) for n in by_row if n not in NOT_SINGLE}
+            singles = {n: v for n, v in singles.items() if v is not None}
+            if singles:
+                best = min(singles, key=singles.get)
+                rows.append({"rung": entry["rung"], "way": way, "best": best, "speed": singles[best]})
+            if SDPA in by_row and _paired_speed(by_row[SDPA], ours) is not None:
+                sdpa.append({"rung": entry["rung"], "way": way, "speed": _paired_speed(by_row[SDPA], ours)})
+            if AGAIN in by_row and _paired_speed(by_row[AGAIN], ours) is not None:
+                again.append({"rung": entry["rung"], "way": way, "again": _paired_speed(by_row[AGAIN], ours)})
+    if not rows:
+        return None
+    return {"against the fastest single-kernel row": rows, "against F.sdpa's default dispatch": sdpa, "again": again}
+
+
+def _paired_speed(theirs: list[float], ours: list[float]) -> float | None:
+    """The median over the rounds of a row's median over the default's; None where the row has not every round."""
+    return statistics.median(t / o for t, o in zip(theirs, ours)) if len(theirs) == len(ours) else None
+
+
+def paired_lines(found: dict | None) -> list[str]:
+    """The report's lines of :func:`paired`."""
+    if found is None:
+        return []
+    lines = ["\n## Paired by round\n",
+             "Each row's median in a round over the default's in the same round, the median over the rounds (the goals "
+             "above pool every call of a row instead):\n"]  # fmt: skip
+    for name in ("against the fastest single-kernel row", "against F.sdpa's default dispatch"):
+        rows = found[name]
+        if rows:
+            met = sum(r["speed"] >= 0.97 for r in rows)
+            worst = min(rows, key=lambda r: r["speed"])
+            lines.append(f"- {name}: at least 0.97 on {met} of {len(rows)} rung-ways, worst {worst['speed']:.3f} "
+                         f"({worst['rung']}, {worst['way']})")  # fmt: skip
+    if found["again"]:
+        spread = [r["again"] for r in found["again"]]
+        lines.append(f"- the default's second row over its first: {min(spread):.3f} to {max(spread):.3f} over "
+                     f"{len(spread)} rung-ways")  # fmt: skip
+    misses = [r for r in found["against the fastest single-kernel row"] if r["speed"] < 0.97]
+    lines += [f"  - {r['rung']}, {r['way']}: {r['speed']:.3f} against {r['best']}" for r in misses]
+    return lines
 
 
 def noise_lines(found: dict | None) -> list[str]:
@@ -474,7 +528,12 @@ def markdown(report: dict) -> str:
     skipped = report["meta"].get("not forced", {})
     if skipped:
         lines.append("Not forced: " + "; ".join(f"{b} ({why})" for b, why in skipped.items()) + ".\n")
-    lines += ["## Goals\n", *goal_lines(report["goals"]), *noise_lines(report.get("noise"))]
+    lines += [
+        "## Goals\n",
+        *goal_lines(report["goals"]),
+        *noise_lines(report.get("noise")),
+        *paired_lines(report.get("paired")),
+    ]
     for entry in report["results"]:
         lines += [f"\n## {entry['rung']}\n", f"chosen: {entry['chosen']}\n"]
         for way, rows in entry["stats"].items():
@@ -548,6 +607,7 @@ def pool(paths: list[str], out: str) -> dict:
         "## Goals\n",
         *goal_lines(report["goals"]),
         *noise_lines(report["noise"]),
+        *paired_lines(report["paired"]),
     ]
     Path(out + ".json").write_text(json.dumps(report, indent=1))
     Path(out + ".md").write_text("\n".join(lines) + "\n")

@@ -607,6 +607,32 @@ def test_the_ladder_s_noise_counts_the_misses_no_larger_than_the_default_against
     assert "(1 on rung-ways without the second row)" in "\n".join(ladder.noise_lines(unjudged))
 
 
+def test_the_ladder_pairs_each_row_with_the_default_round_by_round():
+    """A row as fast as the default in every round is at 1.0 paired, whatever the rounds' drift that spreads both
+    rows' pooled calls; the fastest single-kernel row and F.sdpa's default are judged so; rungs without rounds
+    (run before they were kept) give None."""
+    ladder = _benchmark("ladder")
+    drift = [1.0, 1.5, 1.0, 1.5, 1.0]  # the host slowed in two rounds, every row with it
+    by_round = {"latency": {
+        ladder.DEFAULT: drift, ladder.AGAIN: [d * 1.01 for d in drift], "forced x": drift,
+        "forced y": [d * 0.9 if i == 1 else d * 1.2 for i, d in enumerate(drift)],
+        ladder.SDPA: [d * 0.96 for d in drift],
+        "forced z": [1.0],  # a row with fewer rounds (it failed) is not paired
+    }}  # fmt: skip
+    found = ladder.paired([{"rung": "a", "by_round": by_round}, {"rung": "old"}])
+    best = found["against the fastest single-kernel row"]  # F.sdpa's default is a single-kernel way too
+    assert best == [{"rung": "a", "way": "latency", "best": ladder.SDPA, "speed": 0.96}]
+    assert found["against F.sdpa's default dispatch"][0]["speed"] == 0.96
+    assert found["again"][0]["again"] == 1.01
+    lines = "\n".join(ladder.paired_lines(found))
+    assert lines.count("at least 0.97 on 0 of 1 rung-ways, worst 0.960") == 2 and "0.960 against F.sdpa" in lines
+    del by_round["latency"][ladder.SDPA]  # then forced x, as fast as the default every round; y faster in one only
+    assert ladder.paired([{"rung": "a", "by_round": by_round}])["against the fastest single-kernel row"] == [
+        {"rung": "a", "way": "latency", "best": "forced x", "speed": 1.0}
+    ]
+    assert ladder.paired([{"rung": "old", "stats": {}}]) is None and ladder.paired_lines(None) == []
+
+
 def test_the_ladder_s_parts_are_judged_together_by_pool(tmp_path):
     """--pool: the goals over parts run apart (--only), as one run over their rungs would judge them; the rungs no
     part ran are named; parts of two devices, or a rung in two parts, are refused."""
