@@ -13,21 +13,26 @@ Rungs (16 query and 16 K/V heads, causal, bf16; d_qk/d_v 192/128 and 128/128; in
 - packed (thd): 2k, 8k, 16k and 64k tokens a step in documents of lognormal lengths (seeded), a new packing every
   step, both max_seqlen given.
 
-Each rung is timed two ways: ``latency``, one call then a sync (a call alone waits for host and GPU), and ``stack``,
-a step of ``--layers`` calls then one sync (a stack of layers overlaps the host's work with the GPU's; packed: the
-step's packing is new, its layers share it), per call. Rows: attnselect's default; every candidate explain lists as
-supported, forced (a single-kernel policy: backend= and pad=), except the reference and sdpa_math (unfused
-references, not kernels a user picks for speed) and flex (it compiles per shape: :data:`NOT_FORCED`);
-F.scaled_dot_product_attention's default dispatch (dense, on the bshd tensors' transposed views, its output
-transposed back); torch's varlen_attn (packed, V zero-padded to d_qk where d_v is smaller); FlashAttention-4's
-flash_attn_func / flash_attn_varlen_func called directly where installed, and there attnselect's default with FA4
-disabled too (what a machine without FA4 runs), judged against the single-kernel rows without FA4; and the default
-again, as the last row of the order (``--control``; the rounds alternate the order, so the two take mirrored ends of
-it): what two rows of the same calls differ by. Each row goes through the same packings (made before its clock
-starts). The default row runs after ``attnselect.warmup`` of the rung's problem (a job that precompiles its kernels;
-packed, at the bounds of its packings). Rows run interleaved, ``--rounds`` rounds of ``--calls`` timed calls
-(``latency``: ``--latency-calls``, by default as many as the stack's steps make; ``stack``: steps) after ``--warmup``
-untimed ones, in alternating order; the median and quartiles of the per-call ms of every round pooled.
+Each rung is timed two ways: ``latency``, one call then a sync (a call alone waits for host and GPU), and ``stack``, a
+step of ``--layers`` calls then one sync (a stack of layers overlaps the host's work with the GPU's; packed: the step's
+packing is new, its layers share it), per call. Rows: attnselect's default; every candidate explain lists as supported,
+forced (a single-kernel policy: backend= and pad=), except the reference and sdpa_math (unfused references, not kernels
+a user picks for speed) and flex (it compiles per shape: :data:`NOT_FORCED`); F.scaled_dot_product_attention's default
+dispatch (dense, on the bshd tensors' transposed views, its output transposed back); torch's varlen_attn (packed, V
+zero-padded to d_qk where d_v is smaller); FlashAttention-4's flash_attn_func / flash_attn_varlen_func called directly
+where installed, and there attnselect's default with FA4 disabled too (what a machine without FA4 runs), judged against
+the single-kernel rows without FA4; and the default again (``--control``): what two rows of the same calls differ by
+(its calls give the default scale explicitly, so that they keep attnselect's memo entries of their own: packed, the
+first row's calls would otherwise have made its new packings' sizes known, results/h200_ladder_probe_a2ec25d_fa4.md).
+Each row goes through the same packings (made before its clock starts). The default row runs after ``attnselect.warmup``
+of the rung's problem (a job that precompiles its kernels; packed, at the bounds of its packings). Rows run interleaved,
+``--rounds`` rounds of ``--calls`` timed calls (``latency``: ``--latency-calls``, by default as many as the stack's
+steps make; ``stack``: steps) after ``--warmup`` untimed ones, each row's block in a round after ``--round-warmup``
+untimed calls, in an order shuffled per round (``--order``: a row's time depends on the row before it; on the H200, FA4
+called directly ran a stack of B1 S16k training calls 5% slower after the row without FA4 than after the default's
+second row, where the order alternated, results/h200_ladder_probe2_a2ec25d_fa4.md); the median and quartiles of the
+per-call ms of every round pooled, and each round's median (``by_round``: the goals judged paired, round by round,
+beside the pooled ones).
 
 Each rung keeps what attnselect logged at INFO while it ran (``log``: every new decision of every row, with the
 reason, fallbacks and rentals, each line with the times it came), so a default row that ran something other than
@@ -71,9 +76,8 @@ DEFAULT, SDPA, VARLEN, FA4 = "attnselect default", "F.sdpa default", "torch varl
 # calibration's other backends hold there, attnselect.choose.calibration.package_changed), beside the same rows
 NO_FA4 = "attnselect default, FA4 disabled"
 DEFAULTS = (DEFAULT, NO_FA4)
-# The default's calls timed as a second row, last in the order where the default is first (the rounds alternate the
-# order: the two take mirrored ends of it): two rows of the same code, so their ratio is what a row's timing varies by
-# on that rung-way (the noise the goals are judged in)
+# The default's calls timed as a second row, on memo entries of its own (callers): two rows of the same code, so their
+# ratio is what a row's timing varies by on that rung-way (the noise the goals are judged in)
 AGAIN = "attnselect default, again"
 NOT_SINGLE = (*DEFAULTS, AGAIN)  # rows that are not a single-kernel way
 UNFUSED = ("reference", "sdpa_math")  # references, not kernels a user picks for speed
@@ -231,8 +235,8 @@ def callers(rung: dict, problem, target, device: str, control: bool = False) -> 
                                                        max_seqlen_q=p[1], max_seqlen_k=p[1], causal=True))  # fmt: skip
         else:
             rows[FA4] = lambda x, p: _first(dense(x.q, x.k, x.v, causal=True))
-    if control:
-        rows[AGAIN] = rows[DEFAULT]
+    if control:  # the default scale given: the same calls, on memo entries of their own
+        rows[AGAIN] = through_attnselect(scale=problem.head_dim_qk**-0.5)
     return rows
 
 
@@ -289,8 +293,8 @@ def _sync(device: str) -> None:
 
 def time_rung(rung: dict, rows: dict, x: Inputs, a) -> dict:
     """{"times": {way: {row: [ms per call of each timed call or step]}}, "by_round": {way: {row: [each round's
-    median]}}, ...}, rows interleaved, in alternating order (a row's rounds apart show whether its spread is a round's,
-    as where the host slowed for a while, or every call's)."""
+    median]}}, ...}, rows interleaved in each round's order (:func:`round_order`; a row's rounds apart show whether
+    its spread is a round's, as where the host slowed for a while, or every call's)."""
     times = {way: {row: [] for row in rows} for way in WAYS}
     by_round = {way: {row: [] for row in rows} for way in WAYS}
     errors = {}
@@ -311,8 +315,11 @@ def time_rung(rung: dict, rows: dict, x: Inputs, a) -> dict:
         screened = screen(rows, x, a, errors)
         for r in range(a.rounds):
             live = [(name, fn) for name, fn in rows.items() if name not in errors and name not in screened]
-            for name, fn in live if r % 2 == 0 else reversed(live):
+            for name, fn in round_order(live, r, a.order):
                 try:
+                    for _ in range(a.round_warmup):  # untimed: what the row before left is not this row's
+                        _call(fn, x, x.packing(name))
+                    _sync(a.device)
                     for _ in range(a.latency_calls):  # latency: one call, then a sync
                         packing = x.packing(name)  # made before the clock starts (a data loader's work)
                         _sync(a.device)
@@ -335,6 +342,17 @@ def time_rung(rung: dict, rows: dict, x: Inputs, a) -> dict:
                     failed(name, exc)
     by_round = {way: {row: r for row, r in rounds.items() if times[way][row]} for way, rounds in by_round.items()}
     return {"times": times, "by_round": by_round, "errors": errors, "screened": screened}
+
+
+def round_order(rows: list, r: int, order: str) -> list:
+    """The rows in round ``r``'s order: ``alternate``, as listed in even rounds and reversed in odd ones (the default's
+    second row takes the other end); ``shuffle``, a random order seeded by the round (each row's neighbours change
+    from round to round: what a row leaves to the next one spreads over the rows, not on a fixed neighbour)."""
+    if order == "alternate":
+        return rows if r % 2 == 0 else rows[::-1]
+    shuffled = list(rows)
+    random.Random(r).shuffle(shuffled)
+    return shuffled
 
 
 SCREEN_CALLS = 3  # a row's screen is the least of these: one-off costs (a self-check at a new size class, a graph
@@ -508,7 +526,7 @@ def noise_lines(found: dict | None) -> list[str]:
         return []
     lines = [
         "\n## Noise\n",
-        "The default timed again as a second row (the same calls, at the other end of each round's order): its "
+        "The default timed again as a second row (the same calls, on memo entries of their own): its "
         f"median over the first row's {found['least']:.3f} to {found['most']:.3f} over {len(found['rows'])} "
         "rung-ways.\n",
     ]
@@ -652,12 +670,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=10, help="timed calls (latency) and steps (stack) a row and round")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--round-warmup", type=int, default=1, help="untimed calls before each row's block in a round")
+    ap.add_argument("--order", choices=("shuffle", "alternate"), default="shuffle", help="the rows' order in a round: "
+                    "random, seeded by the round, or as listed and reversed in turn")  # fmt: skip
     ap.add_argument("--layers", type=int, default=8, help="calls a step in the stack way")
     ap.add_argument("--latency-calls", type=int, help="timed calls a row and round in the latency way (default: "
                     "--calls x --layers, the calls of the stack way's steps: a call alone varies more than a "
                     "step)")  # fmt: skip
     ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True, help="time the default "
-                    "again as the last row of the order: what two rows of the same calls differ by")  # fmt: skip
+                    "again as a row of its own: what two rows of the same calls differ by")  # fmt: skip
     ap.add_argument("--deadline", type=float, help="seconds from now: no rung starts after it (resume later)")
     ap.add_argument("--deadline-at", type=float, help=argparse.SUPPRESS)  # --isolate's: the parent's, in epoch seconds
     ap.add_argument("--screen", type=float, default=0.0, help="leave forced rows slower than this many times the "
@@ -695,6 +716,7 @@ def main() -> None:
     shapes = list(dict.fromkeys((*off_ladder_shapes(report), *a.dense)))
     report["meta"] = {"device": target.describe(), "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
                       "rounds": a.rounds, "calls": a.calls, "latency_calls": a.latency_calls, "warmup": a.warmup,
+                      "round_warmup": a.round_warmup, "order": a.order,
                       "layers": a.layers, "control": a.control,
                       "screen": a.screen, "not forced": NOT_FORCED,
                       **({"dense off the ladder": [list(shape) for shape in shapes]} if shapes else {})}  # fmt: skip
@@ -730,7 +752,8 @@ def main() -> None:
         chosen = str(attnselect.select(problem, target=target).chosen)
         stats = {way: {row: _stats(t) for row, t in by_row.items() if t} for way, by_row in measured["times"].items()}
         peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
-        args = {k: getattr(a, k) for k in ("rounds", "calls", "latency_calls", "warmup", "layers", "screen")}
+        args = {k: getattr(a, k) for k in ("rounds", "calls", "latency_calls", "warmup", "round_warmup", "order",
+                                           "layers", "screen")}  # fmt: skip
         args["screen_calls"] = SCREEN_CALLS
         report["results"].append({"rung": name, "chosen": chosen, "stats": stats, "errors": measured["errors"],
                                   "screened": measured["screened"], "by_round": measured["by_round"],
@@ -765,7 +788,8 @@ def isolated(a, deadline_at: float | None) -> None:
     process."""
     path = Path(a.out + ".json")
     passed = ["--out", a.out, "--rounds", str(a.rounds), "--calls", str(a.calls), "--latency-calls",
-              str(a.latency_calls), "--warmup", str(a.warmup),
+              str(a.latency_calls), "--warmup", str(a.warmup), "--round-warmup", str(a.round_warmup),
+              "--order", a.order,
               "--layers", str(a.layers), "--screen", str(a.screen), *(["--smoke"] if a.smoke else []),
               "--control" if a.control else "--no-control",
               *(arg for shape in a.dense for arg in ("--dense", ",".join(map(str, shape)))),

@@ -573,6 +573,7 @@ def test_ladder_smoke(tmp_path):
     # each round's median apart (a spread a round's, or every call's)
     by_round = report["results"][0]["by_round"]
     assert {len(r) for way in by_round.values() for r in way.values()} == {2}
+    assert (report["meta"]["order"], report["meta"]["round_warmup"]) == ("shuffle", 1)
     assert set(by_round["latency"]) == set(stats["latency"])
     assert "## Goals" in (tmp_path / "ladder.md").read_text()
     # the control row: the default's calls timed again, last in the order, never counted as a single-kernel way
@@ -631,6 +632,35 @@ def test_the_ladder_pairs_each_row_with_the_default_round_by_round():
         {"rung": "a", "way": "latency", "best": "forced x", "speed": 1.0}
     ]
     assert ladder.paired([{"rung": "old", "stats": {}}]) is None and ladder.paired_lines(None) == []
+
+
+def test_the_ladder_s_rounds_shuffle_their_rows_reproducibly_or_alternate():
+    ladder = _benchmark("ladder")
+    rows = list("abcdefgh")
+    orders = [ladder.round_order(rows, r, "shuffle") for r in range(6)]
+    assert all(sorted(o) == rows for o in orders) and orders == [
+        ladder.round_order(rows, r, "shuffle") for r in range(6)
+    ]
+    assert len({tuple(o) for o in orders}) > 1 and rows == list("abcdefgh")  # the rounds differ; the list is not moved
+    assert ladder.round_order(rows, 0, "alternate") == rows and ladder.round_order(rows, 1, "alternate") == rows[::-1]
+
+
+def test_the_ladder_s_second_default_row_keeps_memo_entries_of_its_own():
+    """The default's second row must not find what the first row's calls made known (packed on the GPU, the sizes of
+    its new packings: they would be known packings): it gives the default scale, so its calls have memo entries of
+    their own (here a dense rung's, on the CPU, where packed calls are not memoized), and the same result."""
+    import attnselect
+    from attnselect import dispatch
+
+    ladder = _benchmark("ladder")
+    rung = next(r for r in ladder.rungs(smoke=True) if r["layout"] == "bshd" and r["phase"] == "inference")
+    x = ladder.Inputs(rung, "cpu", ladder.SMOKE["heads"], torch.float32)
+    rows = ladder.callers(rung, x.problem(), attnselect.Target.current("cpu"), "cpu", control=True)
+    attnselect.clear_cache()
+    first = rows[ladder.DEFAULT](x, None)
+    assert len(dispatch._CALLS) == 1
+    again = rows[ladder.AGAIN](x, None)
+    assert len(dispatch._CALLS) == 2 and torch.equal(first, again)
 
 
 def test_the_ladder_s_parts_are_judged_together_by_pool(tmp_path):
