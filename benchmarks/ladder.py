@@ -23,16 +23,17 @@ zero-padded to d_qk where d_v is smaller); FlashAttention-4's flash_attn_func / 
 where installed, and there attnselect's default with FA4 disabled too (what a machine without FA4 runs), judged against
 the single-kernel rows without FA4; and the default again (``--control``): what two rows of the same calls differ by
 (its calls give the default scale explicitly, so that they keep attnselect's memo entries of their own: packed, the
-first row's calls would otherwise have made its new packings' sizes known, results/h200_ladder_probe_a2ec25d_fa4.md).
-Each row goes through the same packings (made before its clock starts). The default row runs after ``attnselect.warmup``
-of the rung's problem (a job that precompiles its kernels; packed, at the bounds of its packings). Rows run interleaved,
-``--rounds`` rounds of ``--calls`` timed calls (``latency``: ``--latency-calls``, by default as many as the stack's
-steps make; ``stack``: steps) after ``--warmup`` untimed ones, each row's block in a round after ``--round-warmup``
-untimed calls, in an order shuffled per round (``--order``: a row's time depends on the row before it; on the H200, FA4
-called directly ran a stack of B1 S16k training calls 5% slower after the row without FA4 than after the default's
-second row, where the order alternated, results/h200_ladder_probe2_a2ec25d_fa4.md); the median and quartiles of the
-per-call ms of every round pooled, and each round's median (``by_round``: the goals judged paired, round by round,
-beside the pooled ones).
+first row's calls would otherwise have made its new packings' sizes known, results/h200_ladder_probe_a2ec25d_fa4.json,
+its rounds). Each row goes through the same packings (made before its clock starts). The default row runs after
+``attnselect.warmup`` of the rung's problem (a job that precompiles its kernels; packed, at the bounds of its packings).
+Rows run interleaved, ``--rounds`` rounds of ``--calls`` timed calls (``latency``: ``--latency-calls``, by default as
+many as the stack's steps make; ``stack``: steps) after ``--warmup`` untimed ones, each row's block in a round after
+``--round-warmup`` untimed calls, in an order shuffled per round (``--order``: a row's time depends on the row before
+it; on the H200, FA4 called directly ran a stack of B1 S16k training calls about 5% slower after the row without FA4
+than after the default's second row, where the order alternated (its place in the round may count too),
+results/h200_ladder_probe2_a2ec25d_fa4.json, its rounds); the median and quartiles of the per-call ms of every round
+pooled, and each round's median (``by_round``: the first and third goals judged paired, round by round, beside the
+pooled ones).
 
 Each rung keeps what attnselect logged at INFO while it ran (``log``: every new decision of every row, with the
 reason, fallbacks and rentals, each line with the times it came), so a default row that ran something other than
@@ -235,8 +236,8 @@ def callers(rung: dict, problem, target, device: str, control: bool = False) -> 
                                                        max_seqlen_q=p[1], max_seqlen_k=p[1], causal=True))  # fmt: skip
         else:
             rows[FA4] = lambda x, p: _first(dense(x.q, x.k, x.v, causal=True))
-    if control:  # the default scale given: the same calls, on memo entries of their own
-        rows[AGAIN] = through_attnselect(scale=problem.head_dim_qk**-0.5)
+    if control:  # the default scale given (the same value to the bit): the same calls, on memo entries of their own
+        rows[AGAIN] = through_attnselect(scale=problem.default_scale)
     return rows
 
 
@@ -315,7 +316,7 @@ def time_rung(rung: dict, rows: dict, x: Inputs, a) -> dict:
         screened = screen(rows, x, a, errors)
         for r in range(a.rounds):
             live = [(name, fn) for name, fn in rows.items() if name not in errors and name not in screened]
-            for name, fn in round_order(live, r, a.order):
+            for name, fn in round_order(live, f"{rung_name(rung)}/{r}", a.order, r % 2):
                 try:
                     for _ in range(a.round_warmup):  # untimed: what the row before left is not this row's
                         _call(fn, x, x.packing(name))
@@ -340,18 +341,19 @@ def time_rung(rung: dict, rows: dict, x: Inputs, a) -> dict:
                             by_round[way][name].append(statistics.median(times[way][name][-calls:]))
                 except Exception as exc:
                     failed(name, exc)
-    by_round = {way: {row: r for row, r in rounds.items() if times[way][row]} for way, rounds in by_round.items()}
+    by_round = {way: {row: medians for row, medians in rounds.items() if times[way][row]}
+                for way, rounds in by_round.items()}  # fmt: skip
     return {"times": times, "by_round": by_round, "errors": errors, "screened": screened}
 
 
-def round_order(rows: list, r: int, order: str) -> list:
-    """The rows in round ``r``'s order: ``alternate``, as listed in even rounds and reversed in odd ones (the default's
-    second row takes the other end); ``shuffle``, a random order seeded by the round (each row's neighbours change
-    from round to round: what a row leaves to the next one spreads over the rows, not on a fixed neighbour)."""
+def round_order(rows: list, seed: str, order: str, odd: bool) -> list:
+    """The rows in a round's order: ``alternate``, as listed, reversed in ``odd`` rounds; ``shuffle``, a random order
+    seeded by ``seed`` (the rung and the round: each row's neighbours change from round to round and rung to rung, so
+    what a row leaves to the next one spreads over the rows, not on a fixed neighbour)."""
     if order == "alternate":
-        return rows if r % 2 == 0 else rows[::-1]
+        return rows[::-1] if odd else rows
     shuffled = list(rows)
-    random.Random(r).shuffle(shuffled)
+    random.Random(seed).shuffle(shuffled)
     return shuffled
 
 
@@ -478,7 +480,7 @@ def paired(results: list[dict]) -> dict | None:
             ours = by_row.get(DEFAULT)
             if not ours:
                 continue
-            singles = {n: _paired_speed(by_row[n], ours) for n in by_row if n not in NOT_SINGLE}
+            singles = {name: _paired_speed(by_row[name], ours) for name in by_row if name not in NOT_SINGLE}
             singles = {n: v for n, v in singles.items() if v is not None}
             if singles:
                 best = min(singles, key=singles.get)
@@ -516,7 +518,9 @@ def paired_lines(found: dict | None) -> list[str]:
         lines.append(f"- the default's second row over its first: {min(spread):.3f} to {max(spread):.3f} over "
                      f"{len(spread)} rung-ways")  # fmt: skip
     misses = [r for r in found["against the fastest single-kernel row"] if r["speed"] < 0.97]
-    lines += [f"  - {r['rung']}, {r['way']}: {r['speed']:.3f} against {r['best']}" for r in misses]
+    if misses:
+        lines.append("\nThe rung-ways below 0.97 against the fastest single-kernel row, paired:\n")
+        lines += [f"- {r['rung']}, {r['way']}: {r['speed']:.3f} against {r['best']}" for r in misses]
     return lines
 
 

@@ -576,7 +576,7 @@ def test_ladder_smoke(tmp_path):
     assert (report["meta"]["order"], report["meta"]["round_warmup"]) == ("shuffle", 1)
     assert set(by_round["latency"]) == set(stats["latency"])
     assert "## Goals" in (tmp_path / "ladder.md").read_text()
-    # the control row: the default's calls timed again, last in the order, never counted as a single-kernel way
+    # the control row: the default's calls timed again, never counted as a single-kernel way
     assert stats["latency"]["attnselect default, again"]["n"] == 2 * 2 * 2
     assert "## Noise" in (tmp_path / "ladder.md").read_text() and report["noise"]["rows"]
     assert all(r["best"] != "attnselect default, again" for g in report["goals"].values() for r in g.get("rows", [])
@@ -637,12 +637,13 @@ def test_the_ladder_pairs_each_row_with_the_default_round_by_round():
 def test_the_ladder_s_rounds_shuffle_their_rows_reproducibly_or_alternate():
     ladder = _benchmark("ladder")
     rows = list("abcdefgh")
-    orders = [ladder.round_order(rows, r, "shuffle") for r in range(6)]
-    assert all(sorted(o) == rows for o in orders) and orders == [
-        ladder.round_order(rows, r, "shuffle") for r in range(6)
-    ]
-    assert len({tuple(o) for o in orders}) > 1 and rows == list("abcdefgh")  # the rounds differ; the list is not moved
-    assert ladder.round_order(rows, 0, "alternate") == rows and ladder.round_order(rows, 1, "alternate") == rows[::-1]
+    orders = [ladder.round_order(rows, f"rung/{r}", "shuffle", r % 2) for r in range(6)]
+    assert all(sorted(o) == rows for o in orders) and rows == list("abcdefgh")  # a permutation; the list not moved
+    assert orders == [ladder.round_order(rows, f"rung/{r}", "shuffle", r % 2) for r in range(6)]  # reproducible
+    assert len({tuple(o) for o in orders}) > 1  # the rounds differ, and so do the rungs
+    assert ladder.round_order(rows, "rung/0", "shuffle", False) != ladder.round_order(rows, "other/0", "shuffle", False)
+    assert ladder.round_order(rows, "x", "alternate", False) == rows
+    assert ladder.round_order(rows, "x", "alternate", True) == rows[::-1]
 
 
 def test_the_ladder_s_second_default_row_keeps_memo_entries_of_its_own():
@@ -661,6 +662,9 @@ def test_the_ladder_s_second_default_row_keeps_memo_entries_of_its_own():
     assert len(dispatch._CALLS) == 1
     again = rows[ladder.AGAIN](x, None)
     assert len(dispatch._CALLS) == 2 and torch.equal(first, again)
+    # the same kernel call to the bit: the scale given is the one attnselect works out (SDPA passes none then)
+    first_call, again_call = (entry.known.call for entry in dispatch._CALLS.values())
+    assert first_call == again_call
 
 
 def test_the_ladder_s_parts_are_judged_together_by_pool(tmp_path):
