@@ -32,8 +32,7 @@ many as the stack's steps make; ``stack``: steps) after ``--warmup`` untimed one
 it; on the H200, FA4 called directly ran a stack of B1 S16k training calls about 5% slower after the row without FA4
 than after the default's second row, where the order alternated (its place in the round may count too),
 results/h200_ladder_probe2_a2ec25d_fa4.json, its rounds); the median and quartiles of the per-call ms of every round
-pooled, and each round's median (``by_round``: the first and third goals judged paired, round by round, beside the
-pooled ones).
+pooled, and each round's median (``by_round``: the goals judged paired, round by round, beside the pooled ones).
 
 Each rung keeps what attnselect logged at INFO while it ran (``log``: every new decision of every row, with the
 reason, fallbacks and rentals, each line with the times it came), so a default row that ran something other than
@@ -472,26 +471,42 @@ def noise(results: list[dict], found: dict) -> dict | None:
 def paired(results: list[dict]) -> dict | None:
     """The goals against rows of one machine's moment: on each rung-way, each row's median in a round over the
     default's in that round (rows interleaved, so both met the same state of the host and GPU), the median of those
-    ratios over the rounds; the fastest single-kernel row by it, F.sdpa's default and the default's second row so.
-    None where no rung kept its rounds (``by_round``: rungs run before it was kept)."""
-    rows, sdpa, again = [], [], []
+    ratios over the rounds; the fastest single-kernel row by it, F.sdpa's default, each policy's geometric mean, the
+    default without FA4 against the fastest row without FA4, and the default's second row so. None where no rung kept
+    its rounds (``by_round``: rungs run before it was kept; ``unjudged`` counts those among rungs that did)."""
+    rows, sdpa, no_fa4, again, policies, unjudged = [], [], [], [], {}, 0
     for entry in results:
+        if entry.get("stats") and not entry.get("by_round"):
+            unjudged += 1
         for way, by_row in entry.get("by_round", {}).items():
             ours = by_row.get(DEFAULT)
             if not ours:
                 continue
             singles = {name: _paired_speed(by_row[name], ours) for name in by_row if name not in NOT_SINGLE}
-            singles = {n: v for n, v in singles.items() if v is not None}
+            singles = {name: speed for name, speed in singles.items() if speed is not None}
             if singles:
                 best = min(singles, key=singles.get)
                 rows.append({"rung": entry["rung"], "way": way, "best": best, "speed": singles[best]})
+            for name, speed in singles.items():
+                if name.startswith("forced "):
+                    policies.setdefault(name.removeprefix("forced "), []).append(speed)
+            if by_row.get(NO_FA4):
+                without = {name: _paired_speed(by_row[name], by_row[NO_FA4]) for name in by_row
+                           if name not in NOT_SINGLE and "flash_attn4" not in name and name != FA4}  # fmt: skip
+                without = {name: speed for name, speed in without.items() if speed is not None}
+                if without:
+                    best = min(without, key=without.get)
+                    no_fa4.append({"rung": entry["rung"], "way": way, "best": best, "speed": without[best]})
             if SDPA in by_row and _paired_speed(by_row[SDPA], ours) is not None:
                 sdpa.append({"rung": entry["rung"], "way": way, "speed": _paired_speed(by_row[SDPA], ours)})
             if AGAIN in by_row and _paired_speed(by_row[AGAIN], ours) is not None:
                 again.append({"rung": entry["rung"], "way": way, "again": _paired_speed(by_row[AGAIN], ours)})
     if not rows:
         return None
-    return {"against the fastest single-kernel row": rows, "against F.sdpa's default dispatch": sdpa, "again": again}
+    geo = {p: {"speed": math.exp(statistics.fmean(map(math.log, r))), "rungs": len(r)} for p, r in policies.items()}
+    return {"against the fastest single-kernel row": rows, "against F.sdpa's default dispatch": sdpa,
+            "without FA4: its default against the fastest single-kernel row without FA4": no_fa4,
+            "policies": geo, "again": again, "unjudged": unjudged}  # fmt: skip
 
 
 def _paired_speed(theirs: list[float], ours: list[float]) -> float | None:
@@ -506,13 +521,23 @@ def paired_lines(found: dict | None) -> list[str]:
     lines = ["\n## Paired by round\n",
              "Each row's median in a round over the default's in the same round, the median over the rounds (the goals "
              "above pool every call of a row instead):\n"]  # fmt: skip
-    for name in ("against the fastest single-kernel row", "against F.sdpa's default dispatch"):
-        rows = found[name]
+    if found.get("unjudged"):
+        lines.append(f"({found['unjudged']} rungs kept no rounds and are left out here.)\n")
+    for name in ("against the fastest single-kernel row", "against F.sdpa's default dispatch",
+                 "without FA4: its default against the fastest single-kernel row without FA4"):  # fmt: skip
+        rows = found.get(name)
         if rows:
             met = sum(r["speed"] >= 0.97 for r in rows)
             worst = min(rows, key=lambda r: r["speed"])
             lines.append(f"- {name}: at least 0.97 on {met} of {len(rows)} rung-ways, worst {worst['speed']:.3f} "
                          f"({worst['rung']}, {worst['way']})")  # fmt: skip
+    below = {policy: g for policy, g in found.get("policies", {}).items() if g["speed"] < 1.05}
+    if found.get("policies"):
+        lines.append(
+            f"- geometric mean at least 1.05 against {len(found['policies']) - len(below)} of "
+            f"{len(found['policies'])} single-kernel policies"
+            + "".join(f"; {policy} {g['speed']:.3f} over {g['rungs']} rung-ways" for policy, g in below.items())
+        )
     if found["again"]:
         spread = [r["again"] for r in found["again"]]
         lines.append(f"- the default's second row over its first: {min(spread):.3f} to {max(spread):.3f} over "

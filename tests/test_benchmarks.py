@@ -632,6 +632,23 @@ def test_the_ladder_pairs_each_row_with_the_default_round_by_round():
         {"rung": "a", "way": "latency", "best": "forced x", "speed": 1.0}
     ]
     assert ladder.paired([{"rung": "old", "stats": {}}]) is None and ladder.paired_lines(None) == []
+    # each policy's geometric mean paired (forced y: 1.2 in four rounds of five), a rung without rounds counted apart
+    found = ladder.paired([{"rung": "a", "by_round": by_round}, {"rung": "old", "stats": {"latency": {}}}])
+    assert found["policies"]["x"] == {"speed": 1.0, "rungs": 1} and found["policies"]["y"]["speed"] == 1.2
+    assert found["unjudged"] == 1
+    lines = "\n".join(ladder.paired_lines(found))
+    assert (
+        "(1 rungs kept no rounds" in lines and "at least 1.05 against 1 of 2 single-kernel policies; x 1.000" in lines
+    )
+    # without FA4: its own default against the rows without FA4, FA4's rows left out
+    by_round["latency"] |= {
+        ladder.NO_FA4: [d * 1.1 for d in drift],
+        "forced flash_attn4 native": [d * 0.5 for d in drift],
+    }
+    without = ladder.paired([{"rung": "a", "by_round": by_round}])[
+        "without FA4: its default against the fastest single-kernel row without FA4"
+    ]
+    assert [(r["best"], round(r["speed"], 6)) for r in without] == [("forced x", round(1 / 1.1, 6))]
 
 
 def test_the_ladder_s_rounds_shuffle_their_rows_reproducibly_or_alternate():
