@@ -571,7 +571,9 @@ def markdown(report: dict) -> str:
     lines = ["# Size ladder: attnselect's default beside every single-kernel way\n",
              f"{report['meta']['device']}, {report['meta']['date']}. Produced by `benchmarks/ladder.py` (method in its "
              "docstring): per call ms, median (quartiles) of every timed call or step pooled over the rounds; "
-             "`speed` is the row's median over attnselect's default (above 1: the default is faster).\n"]  # fmt: skip
+             "`speed` is the row's median over attnselect's default (above 1: the default is faster); `paired`, "
+             "where the rounds were kept, the median over the rounds of the row's median over the default's in "
+             "each.\n"]  # fmt: skip
     skipped = report["meta"].get("not forced", {})
     if skipped:
         lines.append("Not forced: " + "; ".join(f"{b} ({why})" for b, why in skipped.items()) + ".\n")
@@ -584,11 +586,19 @@ def markdown(report: dict) -> str:
     for entry in report["results"]:
         lines += [f"\n## {entry['rung']}\n", f"chosen: {entry['chosen']}\n"]
         for way, rows in entry["stats"].items():
-            lines += [f"{way}:\n", "| row | ms a call | speed |", "|---|---|---|"]
+            rounds = entry.get("by_round", {}).get(way, {})
+            ours_by_round = rounds.get(DEFAULT)
+            head, rule = ("| row | ms a call | speed | paired |", "|---|---|---|---|") if ours_by_round else (
+                "| row | ms a call | speed |", "|---|---|---|")  # fmt: skip
+            lines += [f"{way}:\n", head, rule]
             ours = rows.get(DEFAULT, {}).get("median")
             for name, s in sorted(rows.items(), key=lambda kv: kv[1]["median"]):
                 speed = f"{s['median'] / ours:.3f}" if ours else ""
-                lines.append(f"| {name} | {s['median']:.4f} ({s['q1']:.4f}..{s['q3']:.4f}) | {speed} |")
+                row = f"| {name} | {s['median']:.4f} ({s['q1']:.4f}..{s['q3']:.4f}) | {speed} |"
+                if ours_by_round:
+                    by_pair = _paired_speed(rounds[name], ours_by_round) if name in rounds else None
+                    row += f" {by_pair:.3f} |" if by_pair is not None else " |"
+                lines.append(row)
             lines.append("")
         for name, error in entry["errors"].items():
             lines.append(f"- {name} could not run: {error}")

@@ -574,6 +574,7 @@ def test_ladder_smoke(tmp_path):
     by_round = report["results"][0]["by_round"]
     assert {len(r) for way in by_round.values() for r in way.values()} == {2}
     assert (report["meta"]["order"], report["meta"]["round_warmup"]) == ("shuffle", 1)
+    assert "| row | ms a call | speed | paired |" in (tmp_path / "ladder.md").read_text()
     assert set(by_round["latency"]) == set(stats["latency"])
     assert "## Goals" in (tmp_path / "ladder.md").read_text()
     # the control row: the default's calls timed again, never counted as a single-kernel way
