@@ -402,25 +402,17 @@ def goals(results: list[dict]) -> dict:
                     unmeasured.append({"rung": entry["rung"], "way": way, "row": default, "why": why})
             if DEFAULT not in rows:
                 continue
-            ours = rows[DEFAULT]["median"]
-            singles = {name: s["median"] for name, s in rows.items() if name not in NOT_SINGLE}
-            if NO_FA4 in rows:
-                without = {n: t for n, t in singles.items() if "flash_attn4" not in n and n != FA4}
-                if without:
-                    best_name = min(without, key=without.get)
-                    no_fa4.append({"rung": entry["rung"], "way": way, "best": best_name,
-                                   "speed": without[best_name] / rows[NO_FA4]["median"]})  # fmt: skip
-            if singles:
-                best_name = min(singles, key=singles.get)
-                ratio = singles[best_name] / ours
-                per_row.append({"rung": entry["rung"], "way": way, "best": best_name, "speed": ratio})
-                worst = ratio if worst is None else min(worst, ratio)
-            for name, t in singles.items():
-                if name.startswith("forced "):
-                    policies.setdefault(name.removeprefix("forced "), []).append(t / ours)
-            if SDPA in rows:
-                sdpa.append({"rung": entry["rung"], "way": way, "speed": rows[SDPA]["median"] / ours})
-    geo = {p: {"speed": math.exp(statistics.fmean(map(math.log, r))), "rungs": len(r)} for p, r in policies.items()}
+            found = _way_verdicts(entry["rung"], way, rows, _pooled_speed)
+            if "best" in found:
+                per_row.append(found["best"])
+                worst = found["best"]["speed"] if worst is None else min(worst, found["best"]["speed"])
+            if "no_fa4" in found:
+                no_fa4.append(found["no_fa4"])
+            if "sdpa" in found:
+                sdpa.append({"rung": entry["rung"], "way": way, "speed": found["sdpa"]})
+            for policy, speed in found["policies"].items():
+                policies.setdefault(policy, []).append(speed)
+    geo = _geometric(policies)
     whole = not unmeasured  # a rung-way whose default has no times cannot be shown to meet a goal
     return {
         "against the fastest single-kernel row (goal >= 0.97 everywhere)": {
@@ -436,6 +428,48 @@ def goals(results: list[dict]) -> dict:
         **({"unmeasured: rung-ways without the default's times (every goal missed while any)": {
             "met": False, "rows": unmeasured}} if unmeasured else {}),
     }  # fmt: skip
+
+
+def _way_verdicts(rung: str, way: str, rows: dict, ratio) -> dict:
+    """One rung-way's ``rows`` as the goals read them, ``ratio(row's, base's)`` being a row's time over another's
+    (None where it is not known): ``best``, the fastest single-kernel row against the default; ``no_fa4``, the fastest
+    without FA4 against the default without it (where that row ran); ``sdpa``, F.sdpa's default; ``again``, the
+    default's second row; ``policies``, each forced row's, by backend and padding."""
+
+    def speed(name, base):
+        return ratio(rows[name], rows[base])
+
+    singles = {name: speed(name, DEFAULT) for name in rows if name not in NOT_SINGLE}
+    singles = {name: over for name, over in singles.items() if over is not None}
+    found: dict = {"policies": {n.removeprefix("forced "): r for n, r in singles.items() if n.startswith("forced ")}}
+    if singles:
+        best = min(singles, key=singles.get)
+        found["best"] = {"rung": rung, "way": way, "best": best, "speed": singles[best]}
+    if NO_FA4 in rows:
+        without = {name: speed(name, NO_FA4) for name in singles if "flash_attn4" not in name and name != FA4}
+        without = {name: over for name, over in without.items() if over is not None}
+        if without:
+            best = min(without, key=without.get)
+            found["no_fa4"] = {"rung": rung, "way": way, "best": best, "speed": without[best]}
+    for key, row in (("sdpa", SDPA), ("again", AGAIN)):
+        if row in rows and (over := speed(row, DEFAULT)) is not None:
+            found[key] = over
+    return found
+
+
+def _pooled_speed(theirs: dict, ours: dict) -> float:
+    """A row's median over another's, every timed call pooled."""
+    return theirs["median"] / ours["median"]
+
+
+def _paired_speed(theirs: list[float], ours: list[float]) -> float | None:
+    """The median over the rounds of a row's median over the default's; None where the row has not every round."""
+    return statistics.median(t / o for t, o in zip(theirs, ours)) if len(theirs) == len(ours) else None
+
+
+def _geometric(policies: dict[str, list[float]]) -> dict:
+    """{policy: its geometric mean speed and the rung-ways it is over}."""
+    return {p: {"speed": math.exp(statistics.fmean(map(math.log, r))), "rungs": len(r)} for p, r in policies.items()}
 
 
 def judged(results: list[dict]) -> dict:
@@ -479,39 +513,25 @@ def paired(results: list[dict]) -> dict | None:
         if entry.get("stats") and not entry.get("by_round"):
             unjudged += 1
         for way, by_row in entry.get("by_round", {}).items():
-            ours = by_row.get(DEFAULT)
-            if not ours:
+            if not by_row.get(DEFAULT):
                 continue
-            singles = {name: _paired_speed(by_row[name], ours) for name in by_row if name not in NOT_SINGLE}
-            singles = {name: speed for name, speed in singles.items() if speed is not None}
-            if singles:
-                best = min(singles, key=singles.get)
-                rows.append({"rung": entry["rung"], "way": way, "best": best, "speed": singles[best]})
-            for name, speed in singles.items():
-                if name.startswith("forced "):
-                    policies.setdefault(name.removeprefix("forced "), []).append(speed)
-            if by_row.get(NO_FA4):
-                without = {name: _paired_speed(by_row[name], by_row[NO_FA4]) for name in by_row
-                           if name not in NOT_SINGLE and "flash_attn4" not in name and name != FA4}  # fmt: skip
-                without = {name: speed for name, speed in without.items() if speed is not None}
-                if without:
-                    best = min(without, key=without.get)
-                    no_fa4.append({"rung": entry["rung"], "way": way, "best": best, "speed": without[best]})
-            if SDPA in by_row and _paired_speed(by_row[SDPA], ours) is not None:
-                sdpa.append({"rung": entry["rung"], "way": way, "speed": _paired_speed(by_row[SDPA], ours)})
-            if AGAIN in by_row and _paired_speed(by_row[AGAIN], ours) is not None:
-                again.append({"rung": entry["rung"], "way": way, "again": _paired_speed(by_row[AGAIN], ours)})
+            found = _way_verdicts(entry["rung"], way, by_row, _paired_speed)
+            if "best" in found:
+                rows.append(found["best"])
+            if "no_fa4" in found:
+                no_fa4.append(found["no_fa4"])
+            if "sdpa" in found:
+                sdpa.append({"rung": entry["rung"], "way": way, "speed": found["sdpa"]})
+            if "again" in found:
+                again.append({"rung": entry["rung"], "way": way, "again": found["again"]})
+            for policy, speed in found["policies"].items():
+                policies.setdefault(policy, []).append(speed)
     if not rows:
         return None
-    geo = {p: {"speed": math.exp(statistics.fmean(map(math.log, r))), "rungs": len(r)} for p, r in policies.items()}
+    geo = _geometric(policies)
     return {"against the fastest single-kernel row": rows, "against F.sdpa's default dispatch": sdpa,
             "without FA4: its default against the fastest single-kernel row without FA4": no_fa4,
             "policies": geo, "again": again, "unjudged": unjudged}  # fmt: skip
-
-
-def _paired_speed(theirs: list[float], ours: list[float]) -> float | None:
-    """The median over the rounds of a row's median over the default's; None where the row has not every round."""
-    return statistics.median(t / o for t, o in zip(theirs, ours)) if len(theirs) == len(ours) else None
 
 
 def paired_lines(found: dict | None) -> list[str]:

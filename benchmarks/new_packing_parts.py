@@ -148,27 +148,21 @@ def _time_class_calls() -> None:
     that the replay reads their nanoseconds apart (:data:`_CLASS_CALLS`): once per process."""
     if _CLASS_CALLS[0] is not None:
         return
-    call, at_sizes, spent, clock = (
-        dispatch._class_call,
-        AttentionProblem._at_sizes,
-        _CLASS_CALLS[1],
-        time.perf_counter_ns,
-    )
+    _CLASS_CALLS[0] = dispatch._class_call = _timed(dispatch._class_call, 0)
+    AttentionProblem._at_sizes = _timed(AttentionProblem._at_sizes, 1)
+
+
+def _timed(function, slot: int):
+    """``function``, its nanoseconds added to ``_CLASS_CALLS[1][slot]``."""
+    spent, clock = _CLASS_CALLS[1], time.perf_counter_ns
 
     def timed(*args):
         start = clock()
-        known = call(*args)
-        spent[0] += clock() - start
-        return known
+        result = function(*args)
+        spent[slot] += clock() - start
+        return result
 
-    def timed_at_sizes(*args):
-        start = clock()
-        problem = at_sizes(*args)
-        spent[1] += clock() - start
-        return problem
-
-    _CLASS_CALLS[0] = dispatch._class_call = timed
-    AttentionProblem._at_sizes = timed_at_sizes
+    return timed
 
 
 # the class call's wrapper, once installed, and the last call's nanoseconds in its class call and its problem
