@@ -119,6 +119,8 @@ def test_the_cpu_has_no_calibration():
         json.dumps(sample(host_us={"sdpa_cudnn": {"dense training": 10**400}})),
         "[" * 100_000,
         json.dumps(sample(skipped="flex")),
+        json.dumps(sample(host="a fast one")),
+        json.dumps(sample(host={"cpu": 3})),
     ],
 )
 def test_a_corrupt_or_foreign_file_is_ignored_with_one_warning(user_file, content, caplog):
@@ -264,3 +266,31 @@ def test_the_documented_format_names_every_field_of_the_packaged_calibration():
     assert packaged is not None and f"(format {calibration.FORMAT};" in described
     for field in [*packaged, *packaged["fingerprint"], "new_packing_us"]:
         assert f"`{field}`" in described, field
+
+
+def test_explain_says_where_the_packaged_calibration_s_host_times_were_measured():
+    """Hosts of one GPU model differ in host time (docs/limits.md): a ranking by the packaged calibration says its host
+    times are another machine's, and how to measure this one's."""
+    h200 = Target.preset("h200", torch_version="2.11.0+cu130", cudnn_version="9.19.0")  # the packaged file's
+    problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16)
+    report = attnselect.explain(problem, target=h200)
+    assert "calibration attnselect/data/calibration_sm90_nvidia-h200.json" in report
+    line = next(line for line in report.splitlines() if line.startswith("host:    times as"))
+    assert "packaged calibration" in line and "the machine that made it" in line and "attnselect calibrate" in line
+
+
+def test_explain_names_another_cpu_a_user_calibration_was_measured_on(user_file):
+    problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16, training=True)
+    for recorded, said in ((None, False), (calibration.host_of(), False), ("Another CPU 9000", True)):
+        user_file.write_text(json.dumps(sample(**({"host": {"cpu": recorded}} if recorded else {}))))
+        memos.clear_cache()
+        report = attnselect.explain(problem, target=H200)
+        assert f"calibration {user_file}" in report
+        assert ("host:    times as measured on Another CPU 9000; this machine's CPU is" in report) is said
+
+
+def test_a_calibration_records_the_cpu_its_host_times_were_measured_on():
+    from attnselect.bench import calibrate
+
+    data = calibrate._result(H200, False, {}, {}, {}, {})
+    assert data["host"] == {"cpu": calibration.host_of()} and calibration.host_of()

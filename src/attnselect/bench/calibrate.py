@@ -214,6 +214,7 @@ def _result(target: Target, quick: bool, host: dict, new_packing: dict, gpu: dic
         "device": target.describe(),
         "date": time.strftime("%Y-%m-%d"),
         "source": "attnselect calibrate" + (" --quick" if quick else ""),
+        "host": {"cpu": calibration.host_of()},
         "host_us": host,
         "new_packing_us": new_packing,
         "gpu": {b: {k: _increasing(points) for k, points in curves.items()} for b, curves in gpu.items()},
@@ -407,7 +408,7 @@ def host_times(
                 new_packing.setdefault(c.backend, {})[key] = round(issued, 2)
     if progress:
         progress(len(jobs), len(jobs), "done")
-    return dict(data, host_us=host, new_packing_us=new_packing)
+    return dict(data, host={"cpu": calibration.host_of()}, host_us=host, new_packing_us=new_packing)
 
 
 def _host_us(steps: dict, device) -> dict:

@@ -8,6 +8,8 @@ the user's) holds, per backend:
   (:func:`host_key`: ``"dense inference"``, ``"thd+pad training"``; packed, on a packing already seen), at a size
   where the GPU waits for the host; ``new_packing_us`` likewise for packed calls on a new packing each call (its
   runner's per-packing work and, at sizes not seen, its decision), where measured for every packed backend;
+  ``host``: the CPU they were measured on (:func:`host_of`; not recorded before 2026-12-07), which ``explain``
+  names where it is not this machine's (:func:`host_note`);
 - ``gpu``: the GPU's time of a call over a ladder of work sizes, by candidate key
   (:func:`curve_key`: layout, the call's head dims, ``+pad`` for the padded candidate, phase), as [work, us] points
   (:func:`attnselect.choose.predict.work`; format 2 estimates a packed call's from its tokens, format 1 took every
@@ -33,6 +35,7 @@ import functools
 import json
 import logging
 import math
+import platform
 import re
 from importlib import resources
 from pathlib import Path
@@ -64,6 +67,38 @@ def fingerprint(target: Target) -> dict:
         "packages": {distribution: version for distribution, version in sorted(target.packages) if version},
         "attnselect": _version(),  # its host times include attnselect's own work per call
     }
+
+
+def host_of() -> str:
+    """This machine's CPU model, as a calibration records where its host times were measured (they differ between
+    hosts of one GPU model: docs/limits.md): /proc/cpuinfo's model name, else what :mod:`platform` says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                name, _, value = line.partition(":")
+                if name.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def host_note(data: dict, source: str) -> str | None:
+    """What ``explain`` says of a calibration's host times where they were not measured on this machine: the
+    packaged calibrations' (the host that made them), a user's made on another CPU model (a cache directory shared
+    between machines). Hosts of one GPU model differ: the packaged H200 calibration puts FA4's host time at 94.6 us,
+    and on another H200 host FA4 ran host-bound calls at about twice that (docs/limits.md), enough to turn a choice
+    at sizes where the host bounds the call. None where they were measured here."""
+    recorded = data.get("host", {}).get("cpu")
+    if source.startswith(PACKAGED.format(name="")):
+        where = f"on {recorded}" if recorded else "on the machine that made it"
+        return (f"times as the packaged calibration measured them, {where}; hosts of one GPU model differ "
+                "(docs/limits.md): `attnselect calibrate` measures this one's")  # fmt: skip
+    here = host_of()
+    if recorded and recorded != here:
+        return (f"times as measured on {recorded}; this machine's CPU is {here}: `attnselect calibrate` measures "
+                "this one's")  # fmt: skip
+    return None
 
 
 def _version() -> str:
@@ -258,6 +293,9 @@ def _problem(data) -> str | None:
         return "skipped is not a list of backend names"
     if not isinstance(fp["packages"], dict):
         return "its fingerprint's packages are not a dict"
+    machine_host = data.setdefault("host", {})  # where its host times were measured (older files: not recorded)
+    if not (isinstance(machine_host, dict) and all(isinstance(v, str) for v in machine_host.values())):
+        return "host is not a dict of strings (the CPU its host times were measured on)"
     host, gpu = data.get("host_us"), data.get("gpu")
     for name in ("first_call_ms", "new_size_ms"):
         costs = data.setdefault(name, {})

@@ -112,7 +112,7 @@ class Decision:
         by_rank = sorted((v for v in self.verdicts if v.supported), key=lambda v: self.rank_of(v.candidate) or unranked)
         refused = [v for v in self.verdicts if not v.supported]
         predicted = self.predictions is not None
-        costs = calibration.for_target(self.target)[0] if predicted else None
+        found = costs = calibration.for_target(self.target)[0] if predicted else None
         if costs is None or (costs.get("first_call_ms"), costs.get("new_size_ms")) == ({}, {}):
             costs = None  # nothing priced: no column for it
         columns_named = ("predicted us (host, GPU)",) * predicted + ("first call to pay",) * (costs is not None)
@@ -141,6 +141,9 @@ class Decision:
                 f"ranked:  by predicted time in a stack of layers, the longer of host and GPU and "
                 f"{UNHIDDEN:.0%} of the shorter (calibration {self.calibration})"
             )
+            note = calibration.host_note(found, self.calibration) if found is not None else None
+            if note:
+                lines.append(f"host:    {note}")
             new_packing = {c: p.new_packing_host_us for c, p in self.predictions.items()
                            if p is not None and p.new_packing_host_us is not None}  # fmt: skip
             if new_packing:  # attnselect.choose.predict.curve
