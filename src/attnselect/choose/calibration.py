@@ -69,6 +69,7 @@ def fingerprint(target: Target) -> dict:
     }
 
 
+@functools.cache
 def host_of() -> str:
     """This machine's CPU model, as a calibration records where its host times were measured (they differ between
     hosts of one GPU model: docs/limits.md): /proc/cpuinfo's model name, else what :mod:`platform` says."""
