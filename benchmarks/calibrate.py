@@ -104,6 +104,8 @@ def main() -> None:
                 raise SystemExit(f"{name}: {calibration._problem(part)}")
         if any(p["fingerprint"] != parts[0]["fingerprint"] for p in parts):
             raise SystemExit("the parts ran on different machines or versions")
+        if any(p["host"] != parts[0]["host"] for p in parts):  # each host time the least over the parts: one host's
+            raise SystemExit("the parts' host times were measured on different hosts (or not recorded in some)")
         data = dict(parts[0], host_us={}, new_packing_us={}, gpu={}, first_call_ms={}, new_size_ms={})
         for marker, says in (("--quick", " (merged with a --quick part)"), (calibrate.PARTIAL, calibrate.PARTIAL)):
             if any(marker in part["source"] for part in parts) and marker not in data["source"]:

@@ -353,6 +353,14 @@ def test_calibrate_merge_keeps_each_kind_s_least_host_time(tmp_path, monkeypatch
             "sdpa_flash": {"dense inference": 24.0},
         }
         assert merged["new_packing_us"] == {"varlen_fa2": {"thd inference": 54.9, "thd training": 258.4}}
+        assert merged["host"] == {}  # neither part recorded its CPU
+    # each kind's least host time is one host's only where every part ran on it
+    for name, host in (("a", {"cpu": "CPU A"}), ("b", {"cpu": "CPU B"})):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**(first if name == "a" else second), "host": host}))
+    monkeypatch.setattr(sys, "argv", ["calibrate.py", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                                      "--out", str(tmp_path / "m")])  # fmt: skip
+    with pytest.raises(SystemExit, match="different hosts"):
+        tool.main()
 
 
 def test_calibrate_first_calls_again_keeps_the_costs_of_backends_not_measured_here(tmp_path, monkeypatch):

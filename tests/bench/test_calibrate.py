@@ -176,6 +176,14 @@ def test_host_times_are_measured_again_through_attention_on_the_machine_that_cal
     assert again["host_us"].keys() == data["host_us"].keys() and again["gpu"] == data["gpu"]
     assert all(us < 1e9 for times in again["host_us"].values() for us in times.values())
     assert {(c["backend"], c["pad"]) for c in calls} == {("sdpa_flash", True)}  # as attention() runs it, forced
+    # the CPU its host times were measured on: this one, where it measured them all or they were this one's before
+    here = calibration.host_of()
+    assert data["host"] == again["host"] == {"cpu": here}
+    assert calibrate.host_times(dict(stale, host={"cpu": "Old CPU"}), attention=attention)["host"] == {"cpu": here}
+    kept = dict(stale, host={"cpu": "Old CPU"}, host_us={**stale["host_us"], "flash_attn4": {"dense training": 5.0}})
+    mixed = calibrate.host_times(kept, attention=attention)
+    assert mixed["host_us"]["flash_attn4"] == {"dense training": 5.0}  # not installed here: kept
+    assert mixed["host"] == {"cpu": f"{here}; times not measured again: Old CPU"}
     elsewhere = dict(data, fingerprint=dict(data["fingerprint"], torch="2.0.0"))
     with pytest.raises(ValueError, match="the calibration ran on"):
         calibrate.host_times(elsewhere, attention=attention)

@@ -275,8 +275,24 @@ def test_explain_says_where_the_packaged_calibration_s_host_times_were_measured(
     problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16)
     report = attnselect.explain(problem, target=h200)
     assert "calibration attnselect/data/calibration_sm90_nvidia-h200.json" in report
-    line = next(line for line in report.splitlines() if line.startswith("host:    times as"))
+    line = next(line for line in report.splitlines() if line.startswith("origin:  host times as"))
     assert "packaged calibration" in line and "the machine that made it" in line and "attnselect calibrate" in line
+    assert attnselect.select(problem, target=h200).to_dict()["calibration_host"] == line.removeprefix("origin:  ")
+
+
+def test_explain_names_the_cpu_a_packaged_calibration_recorded(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))  # no user calibration
+    packaged = json.loads(calibration._packaged("calibration_sm90_nvidia-h200.json"))
+    recorded = json.dumps({**packaged, "host": {"cpu": calibration.host_of()}})  # this machine's CPU, even so
+    monkeypatch.setattr(calibration, "_packaged", lambda name: recorded)
+    calibration._parsed.cache_clear()
+    memos.clear_cache()
+    h200 = Target.preset("h200", torch_version="2.11.0+cu130", cudnn_version="9.19.0")
+    problem = AttentionProblem(1, 4096, 4096, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16)
+    report = attnselect.explain(problem, target=h200)
+    calibration._parsed.cache_clear()
+    memos.clear_cache()
+    assert f"origin:  host times as the packaged calibration measured them, on {calibration.host_of()};" in report
 
 
 def test_explain_names_another_cpu_a_user_calibration_was_measured_on(user_file):
@@ -286,7 +302,8 @@ def test_explain_names_another_cpu_a_user_calibration_was_measured_on(user_file)
         memos.clear_cache()
         report = attnselect.explain(problem, target=H200)
         assert f"calibration {user_file}" in report
-        assert ("host:    times as measured on Another CPU 9000; this machine's CPU is" in report) is said
+        assert ("origin:  host times as measured on Another CPU 9000; this machine's CPU is" in report) is said
+        assert ("origin:" in report) is said
 
 
 def test_a_calibration_records_the_cpu_its_host_times_were_measured_on():
@@ -294,3 +311,26 @@ def test_a_calibration_records_the_cpu_its_host_times_were_measured_on():
 
     data = calibrate._result(H200, False, {}, {}, {}, {})
     assert data["host"] == {"cpu": calibration.host_of()} and calibration.host_of()
+
+
+@pytest.mark.parametrize(
+    "cpuinfo, expected",
+    [
+        ("processor\t: 0\nmodel name\t: AMD EPYC 9654\nprocessor\t: 1\nmodel name\t: AMD EPYC 9654\n", "AMD EPYC 9654"),
+        ("processor\t: 0\nCPU implementer\t: 0x41\nCPU part\t: 0xd4f\n", "{machine} implementer 0x41 part 0xd4f"),
+        (None, "{processor}"),
+    ],
+)
+def test_the_cpu_is_named_by_its_model_or_its_arm_part(monkeypatch, cpuinfo, expected):
+    import io
+    import platform
+
+    def fake_open(path, *args, **kwargs):
+        assert path == "/proc/cpuinfo"
+        if cpuinfo is None:
+            raise FileNotFoundError(path)
+        return io.StringIO(cpuinfo)
+
+    monkeypatch.setattr(calibration, "open", fake_open, raising=False)
+    named = calibration.host_of.__wrapped__()
+    assert named == expected.format(machine=platform.machine(), processor=platform.processor() or platform.machine())

@@ -380,6 +380,7 @@ def host_times(
     dtype = torch.bfloat16 if target.is_cuda else torch.float32
     host = {backend: dict(times) for backend, times in data["host_us"].items()}
     new_packing = {backend: dict(times) for backend, times in data.get("new_packing_us", {}).items()}
+    again: set[tuple[str, str]] = set()  # the (backend, host key) measured again here
     jobs = [(layout, is_padded, training) for layout in ("bshd", "thd") for is_padded in (False, True)
             for training in (False, True) if not (is_padded and padded is None)
             and any(calibration.host_key(layout, is_padded, training) in times for times in host.values())]  # fmt: skip
@@ -401,6 +402,7 @@ def host_times(
             steps[c] = attention_step(attention, c, problem, inputs, device)
         for c, issued in _host_us(steps, device).items():
             host[c.backend][key] = round(issued, 2)
+            again.add((c.backend, key))
         if layout == "thd":
             for c, issued in _new_packing_us(
                 _new_packing_steps(attention, steps, problem, inputs, device), device
@@ -408,7 +410,17 @@ def host_times(
                 new_packing.setdefault(c.backend, {})[key] = round(issued, 2)
     if progress:
         progress(len(jobs), len(jobs), "done")
-    return dict(data, host={"cpu": calibration.host_of()}, host_us=host, new_packing_us=new_packing)
+    return dict(data, host=_measured_on(data.get("host", {}), host, again), host_us=host, new_packing_us=new_packing)
+
+
+def _measured_on(before: dict, host: dict, again: set) -> dict:
+    """A calibration's ``host`` once :func:`host_times` has measured the ``again`` pairs of ``host`` (its host times)
+    here: this CPU where it measured every one or the earlier ones were this CPU's too, else both (the times it kept
+    were another host's, or one not recorded)."""
+    here, earlier = calibration.host_of(), before.get("cpu")
+    if earlier == here or all((backend, key) in again for backend, times in host.items() for key in times):
+        return {"cpu": here}
+    return {"cpu": f"{here}; times not measured again: {earlier or 'a host not recorded'}"}
 
 
 def _host_us(steps: dict, device) -> dict:

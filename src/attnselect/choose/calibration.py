@@ -8,8 +8,8 @@ the user's) holds, per backend:
   (:func:`host_key`: ``"dense inference"``, ``"thd+pad training"``; packed, on a packing already seen), at a size
   where the GPU waits for the host; ``new_packing_us`` likewise for packed calls on a new packing each call (its
   runner's per-packing work and, at sizes not seen, its decision), where measured for every packed backend;
-  ``host``: the CPU they were measured on (:func:`host_of`; not recorded before 2026-12-07), which ``explain``
-  names where it is not this machine's (:func:`host_note`);
+  ``host``: ``cpu``, the CPU they were measured on (:func:`host_of`; not recorded before 2026-12-07), which
+  ``explain`` names where it may not be this machine's (:func:`host_note`);
 - ``gpu``: the GPU's time of a call over a ladder of work sizes, by candidate key
   (:func:`curve_key`: layout, the call's head dims, ``+pad`` for the padded candidate, phase), as [work, us] points
   (:func:`attnselect.choose.predict.work`; format 2 estimates a packed call's from its tokens, format 1 took every
@@ -72,33 +72,44 @@ def fingerprint(target: Target) -> dict:
 @functools.cache
 def host_of() -> str:
     """This machine's CPU model, as a calibration records where its host times were measured (they differ between
-    hosts of one GPU model: docs/limits.md): /proc/cpuinfo's model name, else what :mod:`platform` says."""
+    hosts of one GPU model: docs/limits.md): /proc/cpuinfo's model name (x86), else its implementer and part (Arm),
+    else what :mod:`platform` says."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
             for line in info:
                 name, _, value = line.partition(":")
-                if name.strip() == "model name" and value.strip():
-                    return value.strip()
+                fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
+    if fields.get("model name"):
+        return fields["model name"]
+    if fields.get("CPU implementer") and fields.get("CPU part"):
+        return f"{platform.machine()} implementer {fields['CPU implementer']} part {fields['CPU part']}"
     return platform.processor() or platform.machine() or "unknown"
 
 
-def host_note(data: dict, source: str) -> str | None:
-    """What ``explain`` says of a calibration's host times where they were not measured on this machine: the
-    packaged calibrations' (the host that made them), a user's made on another CPU model (a cache directory shared
-    between machines). Hosts of one GPU model differ: the packaged H200 calibration puts FA4's host time at 94.6 us,
-    and on another H200 host FA4 ran host-bound calls at about twice that (docs/limits.md), enough to turn a choice
-    at sizes where the host bounds the call. None where they were measured here."""
+def is_packaged(source: str, target: Target) -> bool:
+    """Whether ``source`` (:func:`for_target`'s) is the calibration packaged for ``target``'s GPU model."""
+    return source == PACKAGED.format(name=file_name(target.arch, target.name))
+
+
+def host_note(data: dict, source: str, target: Target) -> str | None:
+    """What ``explain`` says of the host times of ``data``, the calibration from ``source`` that ranks ``target``'s
+    calls, where they may not be this machine's: the packaged calibration's (measured on the machine that made it),
+    and a user's recorded on another CPU model (a cache directory shared between machines). Hosts of one GPU model
+    differ: the packaged H200 calibration puts FA4's host time at 94.6 us, and on another H200 host FA4 ran
+    host-bound calls at about twice that (docs/limits.md), enough to turn a choice where the host bounds the call.
+    None where they were recorded on this CPU model (or not recorded, in a user's own)."""
     recorded = data.get("host", {}).get("cpu")
-    if source.startswith(PACKAGED.format(name="")):
+    if is_packaged(source, target):
         where = f"on {recorded}" if recorded else "on the machine that made it"
-        return (f"times as the packaged calibration measured them, {where}; hosts of one GPU model differ "
+        return (f"host times as the packaged calibration measured them, {where}; hosts of one GPU model differ "
                 "(docs/limits.md): `attnselect calibrate` measures this one's")  # fmt: skip
     here = host_of()
     if recorded and recorded != here:
-        return (f"times as measured on {recorded}; this machine's CPU is {here}: `attnselect calibrate` measures "
-                "this one's")  # fmt: skip
+        return (f"host times as measured on {recorded}; this machine's CPU is {here}: `attnselect calibrate` "
+                "measures this one's")  # fmt: skip
     return None
 
 

@@ -112,7 +112,8 @@ class Decision:
         by_rank = sorted((v for v in self.verdicts if v.supported), key=lambda v: self.rank_of(v.candidate) or unranked)
         refused = [v for v in self.verdicts if not v.supported]
         predicted = self.predictions is not None
-        found = costs = calibration.for_target(self.target)[0] if predicted else None
+        found, source = calibration.for_target(self.target) if predicted else (None, "")
+        costs = found
         if costs is None or (costs.get("first_call_ms"), costs.get("new_size_ms")) == ({}, {}):
             costs = None  # nothing priced: no column for it
         columns_named = ("predicted us (host, GPU)",) * predicted + ("first call to pay",) * (costs is not None)
@@ -141,9 +142,9 @@ class Decision:
                 f"ranked:  by predicted time in a stack of layers, the longer of host and GPU and "
                 f"{UNHIDDEN:.0%} of the shorter (calibration {self.calibration})"
             )
-            note = calibration.host_note(found, self.calibration) if found is not None else None
+            note = self._host_note(found, source)
             if note:
-                lines.append(f"host:    {note}")
+                lines.append(f"origin:  {note}")
             new_packing = {c: p.new_packing_host_us for c, p in self.predictions.items()
                            if p is not None and p.new_packing_host_us is not None}  # fmt: skip
             if new_packing:  # attnselect.choose.predict.curve
@@ -174,6 +175,13 @@ class Decision:
         lines += ["", f"chosen:  {self.chosen}", f"why:     {self.why}"]
         return "\n".join(lines)
 
+    def _host_note(self, found: dict | None, source: str) -> str | None:
+        """:func:`calibration.host_note` of the calibration that ranked this decision, where ``found`` (read from
+        ``source`` now) is still that one: a decision kept across a new calibration says nothing of the new one's."""
+        if found is None or source != self.calibration:
+            return None
+        return calibration.host_note(found, source, self.target)
+
     def to_dict(self) -> dict:
         """The decision as JSON values (``explain --json``): what the report prints, its predicted times, measured
         times and first calls to pay in fields of their own."""
@@ -199,6 +207,7 @@ class Decision:
             return entry
 
         ranked_by = "measured" if self.timings else "predicted time" if self.predictions is not None else "rules table"
+        origin = self._host_note(*calibration.for_target(self.target)) if ranked_by == "predicted time" else None
         return {
             "problem": self.problem.to_dict(),
             "target": self.target.to_dict(),
@@ -207,6 +216,7 @@ class Decision:
             "why": self.why,
             "ranked_by": ranked_by,
             "calibration": self.calibration,  # its source, or why none holds
+            "calibration_host": origin,  # explain's origin: line
             "rental": self.rental.describe() if self.rental is not None else None,
             "candidates": [candidate(v) for v in self.verdicts],
         }
