@@ -943,3 +943,21 @@ def test_new_lengths_draws_the_same_lengths_every_run():
     drawn = new_lengths.lengths(200, 100)
     assert drawn == new_lengths.lengths(200, 100) and len(set(drawn)) <= 100
     assert all(256 <= n <= 4096 and n % 16 == 0 for n in drawn)
+
+
+def test_self_check_probe_takes_a_slice_s_gradient_errors_apart_on_the_cpu(tmp_path):
+    """benchmarks/self_check_probe.py on the CPU: the longest sequence first, then the others, each with its judgement
+    and the parts of its dq and dk errors; a one-token causal sequence has no gradient to get wrong."""
+    _run("benchmarks/self_check_probe.py", "--device", "cpu", "--lengths", "24,1,2", "--slices", "3",
+         "--out", str(tmp_path / "probe"))  # fmt: skip
+    report = json.loads((tmp_path / "probe.json").read_text())
+    assert report["meta"]["lengths"] == [24, 1, 2] and [r["length"] for r in report["rows"]] == [24, 1, 2]
+    parts = {"exact", "read back (exact out rounded)", "read back (own out)", "naive", "rounding", "max |exact|"}
+    for row in report["rows"]:
+        assert row["passed"] == all(e <= row["judged"]["bounds"][n] for n, e in row["judged"]["errors"].items())
+        for name in ("dq", "dk"):
+            assert set(row[name]) == parts and all(value >= 0 for value in row[name].values())
+            judged = min(row[name]["exact"], row[name]["read back (exact out rounded)"])  # either reference
+            assert row["judged"]["errors"][name] == pytest.approx(judged)
+    one = report["rows"][1]
+    assert one["dq"]["exact"] == 0.0 and one["dq"]["max |exact|"] == 0.0

@@ -1,0 +1,97 @@
+"""Why right kernels fail the self-check's gradient bound in packed training: slices' dq and dk errors taken apart on
+the GPU (an H100 at 9cbe6e3 failed six kernels alike at thd 128/128 causal bf16 training on a packing of 114
+sequences, results/h100_self_check_short_sequences_9cbe6e3.md).
+
+    python benchmarks/self_check_probe.py [--lengths 1886,2,1,...] [--slices 8] [--backend varlen_fa2] [--out OUT]
+
+For a packing of ``--lengths`` (16 heads, 128/128, causal, bf16, training; randn inputs and output gradient; default
+one of 1886 tokens and 113 of one or two, like the ladder's 2048-token packing of 114 sequences that failed),
+``--backend`` forced through attention() (the self-check off) runs forward and backward, and ``--slices`` sequences
+(the longest, then the first ones; query head 0, one per K/V head) are judged as the self-check judges them
+(attnselect.correctness.compare), with each gradient error's parts: against the exact float32 gradients, against the
+read-back reference (the exact output rounded), against a read-back of the kernel's own output, the naive bf16
+reference's error and the rounding term. ``--device cpu`` runs it on the CPU (the backend attention() picks there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+import attnselect
+from attnselect import correctness
+from attnselect.spec.options import KernelCall
+
+DEFAULT_LENGTHS = [1886] + [1] * 64 + [2] * 49  # 2048 tokens in 114 sequences, like the packing that failed
+
+
+def probe(lengths: list[int], *, slices: int, backend: str | None, device: str, heads: int = 16, d: int = 128) -> list:
+    """One row per judged sequence (see the module docstring)."""
+    total = sum(lengths)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(total, heads, d, device=device, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+               for _ in range(3))  # fmt: skip
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    longest = max(lengths)
+    out = attnselect.attention(q, k, v, layout="thd", cu_seqlens_q=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+                               causal=True, backend=backend)  # fmt: skip
+    dout = torch.randn(out.shape, device=device, dtype=torch.bfloat16, generator=g)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    call = KernelCall(mask="causal", window=None, scale=d**-0.5, dropout_p=0.0, return_lse=False)
+    judged = [lengths.index(longest)] + [i for i in range(len(lengths)) if lengths[i] != longest][: slices - 1]
+    rows = []
+    for at in judged:
+        rows_of = slice(int(cu[at]), int(cu[at + 1]))
+        sq, sk, sv, sdo = (t[rows_of, :1].detach() for t in (q, k, v, dout))
+        got = {"out": out[rows_of, :1].detach(), "dq": dq[rows_of, :1], "dk": dk[rows_of, :1], "dv": dv[rows_of, :1]}
+        judgement = correctness.compare(sq, sk, sv, sdo, call, got)
+        b = [t.unsqueeze(0) for t in (sq, sk, sv, sdo)]
+        exact = dict(zip(("out", "lse", "dq", "dk", "dv"), correctness.reference(*b, call, torch.float32)))
+        naive = dict(zip(("out", "lse", "dq", "dk", "dv"), correctness.reference(*b, call, torch.bfloat16)))
+        rounded = correctness._read_back_reference(*b, call, exact, torch.float32)
+        # the read-back of the kernel's own output: D = rowsum(dO * O) on the O it returned
+        shift = -(b[3].float() * (got["out"].unsqueeze(0).float() - exact["out"])).sum(-1).transpose(1, 2)
+        moved = correctness.reference(b[0], b[1], b[2], torch.zeros_like(b[3]), call, torch.float32, dlse=shift)
+        own = {n: exact[n] + change for n, change in zip(("dq", "dk"), moved[2:4])}
+        row = {"sequence": at, "length": lengths[at], "passed": judgement.passed, "judged": judgement.to_dict()}
+        for n in ("dq", "dk"):
+            value = got[n].unsqueeze(0).float()
+            row[n] = {
+                "exact": (value - exact[n]).abs().max().item(),
+                "read back (exact out rounded)": (value - rounded[n]).abs().max().item(),
+                "read back (own out)": (value - own[n]).abs().max().item(),
+                "naive": (naive[n].float() - exact[n]).abs().max().item(),
+                "rounding": 2 * (exact[n].to(torch.bfloat16).float() - exact[n]).abs().max().item(),
+                "max |exact|": exact[n].abs().max().item(),
+            }
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--lengths", help="comma-separated sequence lengths (default: 1886, then 64 of one token and 49 of two)"
+    )
+    ap.add_argument("--slices", type=int, default=8)
+    ap.add_argument("--backend", help="forced (default on CUDA: varlen_fa2; on the CPU: attention()'s choice)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    lengths = [int(x) for x in a.lengths.split(",")] if a.lengths else DEFAULT_LENGTHS
+    backend = a.backend or ("varlen_fa2" if a.device == "cuda" else None)
+    os.environ["ATTNSELECT_SELF_CHECK"] = "0"  # the probe judges; a failed check would stop a forced call
+    rows = probe(lengths, slices=a.slices, backend=backend, device=a.device)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if a.out:
+        meta = {"device": attnselect.Target.current().describe(), "lengths": lengths, "backend": backend}
+        with open(a.out + ".json", "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
