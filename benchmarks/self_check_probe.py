@@ -8,9 +8,10 @@ For a packing of ``--lengths`` (16 heads, 128/128, causal, bf16, training; randn
 one of 1886 tokens and 113 of one or two, like the ladder's 2048-token packing of 114 sequences that failed),
 ``--backend`` forced through attention() (the self-check off) runs forward and backward, and ``--slices`` sequences
 (the longest, then the first ones; query head 0, one per K/V head) are judged as the self-check judges them
-(attnselect.correctness.compare), with each gradient error's parts: against the exact float32 gradients, against the
-read-back reference (the exact output rounded), against a read-back of the kernel's own output, the naive bf16
-reference's error and the rounding term. ``--device cpu`` runs it on the CPU (the backend attention() picks there).
+(attnselect.correctness.compare), with each gradient error's parts: against the exact float32 gradients, against a
+read-back of the exact output rounded (correctness criterion 2), against a read-back of the kernel's own output
+(criterion 3), the naive bf16 reference's error and the rounding term. ``--device cpu`` runs it on the CPU (the
+backend attention() picks there).
 """
 
 from __future__ import annotations
