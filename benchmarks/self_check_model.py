@@ -62,9 +62,10 @@ class _Rounded(torch.autograd.Function):
 def naive_on_gpu(q, k, v, dout) -> dict:
     """attnselect.correctness.reference in bf16 as a GPU computes it: each op rounded, products in float32."""
     qf, kf, vf = (t.float()[:, 0].requires_grad_(True) for t in (q, k, v))
-    s = _Rounded.apply(_Rounded.apply(qf * CAUSAL.scale) @ kf.T)
+    qq, kk, vv = (_Rounded.apply(t) for t in (qf, kf, vf))  # bf16 leaves: their gradients rounded too
+    s = _Rounded.apply(_Rounded.apply(qq * CAUSAL.scale) @ kk.T)
     s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
-    out = _Rounded.apply(_Rounded.apply(torch.softmax(s, -1)) @ vf)
+    out = _Rounded.apply(_Rounded.apply(torch.softmax(s, -1)) @ vv)
     out.backward(dout.float()[:, 0])
     return {"dq": qf.grad[:, None], "dk": kf.grad[:, None]}
 

@@ -197,3 +197,20 @@ def test_a_batch_of_slices_is_judged_as_each_slice_alone():
     alone = correctness.compare(*slices[0], call, gots[0])
     assert batch[0].errors == alone.errors and batch[0].bounds == alone.bounds and batch[0].passed
     assert batch[1].failures == ["dk"] and batch[2] is None
+
+
+def test_compare_reads_back_the_output_it_judges_unless_told_another(monkeypatch):
+    """compare's read-back reference reads the kernel's output as given (criterion 3), or the one ``returned`` names
+    (the self-check's second run, whose backward gave the gradients)."""
+    q, k, v, dout = _slice_inputs(sq=8, skv=8, h=2, dqk=16, dv=16, seed=1)
+    got = _kernel(q, k, v, dout, _CAUSAL)
+    seen = []
+    real = correctness._read_back_reference
+    monkeypatch.setattr(
+        correctness, "_read_back_reference", lambda *a, **kw: seen.append(kw["returned"]) or real(*a, **kw)
+    )
+    correctness.compare(q, k, v, dout, _CAUSAL, got)
+    other = got["out"] + 1
+    batch = [t.unsqueeze(0) for t in (q, k, v, dout)]
+    correctness.compare_batch(*batch, _CAUSAL, {n: t.unsqueeze(0) for n, t in got.items()}, returned=other[None])
+    assert torch.equal(seen[0][0], got["out"]) and torch.equal(seen[1][0], other)

@@ -477,3 +477,29 @@ def test_a_batch_out_of_memory_is_judged_slice_by_slice(wrong, monkeypatch):
     q, k, v = dense_inputs(b=4, sq=12, skv=12, hq=4, hkv=4, dqk=16, dv=8, dtype=torch.float32)
     with pytest.raises(WrongResultError, match="dq"):
         attnselect.attention(q, k, v, backend=wrong.name)
+
+
+def test_the_read_back_reads_the_output_of_the_run_that_gave_the_gradients(monkeypatch):
+    """The gradients come from a second run of the call, whose backward read that run's output: the read-back
+    reference reads it (attnselect.correctness criterion 3), whatever the first run returned."""
+    from attnselect.execution import kernel_call
+
+    q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
+
+    def run(q, k, v):
+        bhsd = (t.transpose(1, 2) for t in (q, k, v))
+        return torch.nn.functional.scaled_dot_product_attention(*bhsd, is_causal=True).transpose(1, 2), None
+
+    seen = []
+    real = correctness._read_back_reference
+    monkeypatch.setattr(
+        correctness, "_read_back_reference", lambda *a, **kw: seen.append(kw["returned"]) or real(*a, **kw)
+    )
+    first = (run(q, k, v)[0].detach() + 0.5, None)  # a first run's output unlike the second's
+    slices = self_check.check_slices(problem, None)
+    judged = self_check.judge(problem, kernel_call(problem), first, q, k, v, None, slices, run)
+    assert judged.failures == ["out"] and len(seen) == 1
+    again = run(q, k, v)[0].detach()
+    piece = slices[0]
+    assert torch.equal(seen[0][0], correctness.rows(again, "bshd", piece, piece.q_heads))

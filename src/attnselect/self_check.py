@@ -120,7 +120,7 @@ def judge(problem, call: KernelCall, result, q, k, v, packing: Packing | None, s
     # Packed detached: a saved output packed as itself holds its own graph in a cycle that gc cannot break, and a
     # graph left without a backward (an lse) stayed alive: 8.5 GiB a check at 8k tokens on the H200.
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
-        grads, dout, dlse = {}, None, None
+        grads, dout, dlse, again = {}, None, None, None
         if problem.training:
             try:
                 leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
@@ -139,10 +139,12 @@ def judge(problem, call: KernelCall, result, q, k, v, packing: Packing | None, s
                 if is_transient(exc):
                     raise ReferenceFailed(f"the check ran out of memory ({type(exc).__name__}: {exc})") from exc
                 raise
-        return _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse)
+        # the gradients' backward read the rerun's output back (correctness._read_back_reference), not the first run's
+        read_back = again.detach() if again is not None else None
+        return _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse, read_back)
 
 
-def _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse) -> correctness.Judgement:
+def _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse, read_back=None) -> correctness.Judgement:
     """The worst judgement over the slices whose references could be computed; :class:`ReferenceFailed` where none
     could (a slice whose naive reference overflows, say, leaves the others to judge). Slices of equal lengths are
     judged together, as many at once as :data:`BATCH_ELEMENTS` allows."""
@@ -152,7 +154,7 @@ def _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse) -> 
         batch = batches.pop(0)
         try:
             found = correctness.judge_slices(
-                problem.layout, batch, call, result[0], result[1], grads, q, k, v, dout, dlse
+                problem.layout, batch, call, result[0], result[1], grads, q, k, v, dout, dlse, read_back=read_back
             )
         except Exception as exc:
             if len(batch) > 1 and is_transient(exc):  # out of memory: one slice at a time fits where a batch did not
