@@ -484,12 +484,14 @@ def test_the_read_back_reads_the_output_of_the_run_that_gave_the_gradients(monke
     reference reads it (attnselect.correctness criterion 3), whatever the first run returned."""
     from attnselect.execution import kernel_call
 
-    q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q = torch.randn(1, 8, 4, 16, dtype=torch.bfloat16, requires_grad=True)  # grouped heads: the slice's query heads
+    k, v = (torch.randn(1, 8, 2, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
 
     def run(q, k, v):
         bhsd = (t.transpose(1, 2) for t in (q, k, v))
-        return torch.nn.functional.scaled_dot_product_attention(*bhsd, is_causal=True).transpose(1, 2), None
+        out = torch.nn.functional.scaled_dot_product_attention(*bhsd, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2), None
 
     seen = []
     real = correctness._read_back_reference
