@@ -113,9 +113,8 @@ class Decision:
         refused = [v for v in self.verdicts if not v.supported]
         predicted = self.predictions is not None
         found, source = calibration.for_target(self.target) if predicted else (None, "")
-        costs = found
-        if costs is None or (costs.get("first_call_ms"), costs.get("new_size_ms")) == ({}, {}):
-            costs = None  # nothing priced: no column for it
+        # nothing priced: no column for it
+        costs = found if found is not None and (found["first_call_ms"], found["new_size_ms"]) != ({}, {}) else None
         columns_named = ("predicted us (host, GPU)",) * predicted + ("first call to pay",) * (costs is not None)
         rows = [("backend", "padded to", "supported", "rank", *columns_named, "reasons")]
         for verdict in by_rank + (refused if show_all else []):
