@@ -946,12 +946,15 @@ def test_new_lengths_draws_the_same_lengths_every_run():
 
 
 def test_self_check_probe_takes_a_slice_s_gradient_errors_apart_on_the_cpu(tmp_path):
-    """benchmarks/self_check_probe.py on the CPU: the longest sequence first, then the others, each with its judgement
-    and the parts of its dq and dk errors; a one-token causal sequence has no gradient to get wrong."""
-    _run("benchmarks/self_check_probe.py", "--device", "cpu", "--lengths", "24,1,2", "--slices", "3",
-         "--out", str(tmp_path / "probe"))  # fmt: skip
+    """benchmarks/self_check_probe.py on the CPU: the self-check's slices (the longest sequence's last head first, then
+    sequence i with head i), each with its judgement, the parts of its dq and dk errors and criterion 2's verdict; a
+    one-token causal sequence has no gradient to get wrong."""
+    _run("benchmarks/self_check_probe.py", "--device", "cpu", "--lengths", "24,1,2", "--out", str(tmp_path / "probe"))
     report = json.loads((tmp_path / "probe.json").read_text())
-    assert report["meta"]["lengths"] == [24, 1, 2] and [r["length"] for r in report["rows"]] == [24, 1, 2]
+    assert report["meta"]["lengths"] == [24, 1, 2]
+    assert [(r["sequence"], r["head"]) for r in report["rows"][:4]] == [(0, 15), (0, 0), (1, 1), (2, 2)]
+    assert report["meta"]["failed"] == {"criterion 2": sum(not r["criterion 2 passed"] for r in report["rows"]),
+                                        "criterion 3": sum(not r["passed"] for r in report["rows"])}  # fmt: skip
     parts = {"exact", "read back (exact out rounded)", "read back (own out)", "naive", "rounding", "max |exact|"}
     for row in report["rows"]:
         assert row["passed"] == all(e <= row["judged"]["bounds"][n] for n, e in row["judged"]["errors"].items())
@@ -959,8 +962,8 @@ def test_self_check_probe_takes_a_slice_s_gradient_errors_apart_on_the_cpu(tmp_p
             assert set(row[name]) == parts and all(value >= 0 for value in row[name].values())
             judged = min(row[name]["exact"], row[name]["read back (own out)"])  # either reference (criterion 3)
             assert row["judged"]["errors"][name] == pytest.approx(judged)
-    one = report["rows"][1]
-    assert one["dq"]["exact"] == 0.0 and one["dq"]["max |exact|"] == 0.0
+    one = report["rows"][2]
+    assert one["length"] == 1 and one["dq"]["max |exact|"] == 0.0 and one["dq"]["exact"] < 1e-6
 
 
 def test_self_check_model_fails_a_fused_kernel_under_criterion_2_alone(tmp_path):
