@@ -79,6 +79,8 @@
 #                                      # host time included (THD_TIMEOUT seconds, default 400) -> $OUT/h200_thd_inference.*
 #   bash scripts/device_run.sh torchtitan # benchmarks/torchtitan_steps.py (carry .whl: torchtitan; TITAN_ARGS)
 #                                      # -> $OUT/h200_torchtitan_steps[_fa4].{json,md}
+#   bash scripts/device_run.sh pack-crossover # benchmarks/pack_crossover.py: varlen_fa2 against the cuDNN frontend,
+#                                      # packing by packing, equal head dims   -> $OUT/h200_pack_crossover.*
 #   bash scripts/device_run.sh buckets # benchmarks/packing_buckets.py (BUCKET_SCHEMES=...) -> $OUT/h200_packing_buckets.*
 #   FlashAttention-4 (scripts/fetch_device_wheels.sh fa4), in four calls back to back on one warm machine (it is
 #   kept about 30 s after a call), each under the 64 MiB carry beside the ~27 MB tree: carry .fa4-stage1 and run
@@ -314,6 +316,11 @@ case "$step" in
 max_seqlen given;attnselect default, FA4 disabled;flash_attn4 native;FA4 flash_attn_varlen_func, called directly;\
 cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
       | grep -v -i warn | tail -40 ;;
+  pack-crossover)   # benchmarks/pack_crossover.py: varlen_fa2 against the cuDNN frontend packing by packing
+    # (CROSSOVER_ARGS adds arguments, CROSSOVER_PART names the output) -> $OUT/h200_pack_crossover[_part].*
+    timeout ${CROSSOVER_TIMEOUT:-500} python3 benchmarks/pack_crossover.py ${CROSSOVER_ARGS:-} \
+      --out "$OUT/h200_pack_crossover${CROSSOVER_PART:+_$CROSSOVER_PART}" 2>&1 | grep -v -i warn | cut -c1-200 | tail -8
+    grep -A9 "^| count | way" "$OUT/h200_pack_crossover${CROSSOVER_PART:+_$CROSSOVER_PART}.md" ;;
   fa4-packed-gap)   # benchmarks/fa4_packed_gap.py: attnselect's packed FA4 calls against FA4 called directly
     need_fa4 || exit 1
     timeout 300 python3 benchmarks/fa4_packed_gap.py ${GAP_ARGS:-} --out "$OUT/h200_fa4_packed_gap${GAP_PART:+_$GAP_PART}" \

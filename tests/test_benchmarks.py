@@ -966,6 +966,29 @@ def test_self_check_probe_takes_a_slice_s_gradient_errors_apart_on_the_cpu(tmp_p
     assert one["length"] == 1 and one["dq"]["max |exact|"] == 0.0 and one["dq"]["exact"] < 1e-6
 
 
+def test_pack_crossover_times_each_packing_and_finds_the_bound_that_loses_least(tmp_path):
+    """benchmarks/pack_crossover.py on the CPU (two sdpa kernels): every packing timed both ways in both phases with
+    its three work counts, and each count's best bound loses no more than sending every packing to either kernel."""
+    _run("benchmarks/pack_crossover.py", "--device", "cpu", "--smoke", "--out", str(tmp_path / "crossover"))
+    report = json.loads((tmp_path / "crossover.json").read_text())
+    rows = report["rows"]
+    assert {r["phase"] for r in rows} == {"training", "inference"} and len(rows) == 6
+    for r in rows:
+        assert r["exact"] <= r["estimate"] * 2 and r["estimate"] <= r["count"] and r["tokens"] == 256
+        assert set(r["ms"]) == {f"{b} {w}" for b in ("sdpa_math", "sdpa_flash") for w in ("stack", "latency")}
+    crossover = _benchmark("pack_crossover")
+    for count in crossover.COUNTS:
+        bound = crossover.best_bound(rows, count, ("stack",), "sdpa_math", "sdpa_flash")
+        lost = crossover.scored(rows, crossover.at_most(count, bound), "sdpa_math", "sdpa_flash")["stack"]["lost"]
+        for every in (lambda r: True, lambda r: False):
+            assert 0 <= lost <= crossover.scored(rows, every, "sdpa_math", "sdpa_flash")["stack"]["lost"]
+    made_up = [{"count": c, "ms": {"a stack": a, "b stack": b, "a latency": a, "b latency": b}}
+               for c, a, b in ((1, 1.0, 2.0), (2, 1.0, 3.0), (3, 5.0, 2.0))]  # fmt: skip
+    assert crossover.best_bound(made_up, "count", ("stack", "latency"), "a", "b") == 2
+    assert crossover.scored(made_up, lambda r: True, "a", "b")["stack"] == {"lost": 3.0, "best": 4.0, "worst": 2.5}
+    assert "| attnselect's tables (estimate <= " in (tmp_path / "crossover.md").read_text()
+
+
 def test_self_check_model_fails_a_fused_kernel_under_criterion_2_alone(tmp_path):
     """benchmarks/self_check_model.py: with a GPU's naive reference, two-token slices of a fused kernel that rounds its
     numerators fail the bound where the read-back reference reads the exact output rounded, and none fail where it

@@ -378,15 +378,42 @@ def test_loose_kv_lengths_never_take_a_pack_out_of_the_small_pack_table():
 
 
 def test_the_small_training_pack_counts_every_sequence_at_the_longest():
-    """8192 tokens in 8 documents, the longest 2048, training without FA4: every sequence at the longest counts 1.4e11,
-    above SMALL_TRAINING_PACK_WORK, and the general table's frontend serves it; the estimate (3.9e10) is the "small
-    pack" test's alone (at 16k tokens the frontend led varlen_fa2 in training on the H100 ladder with FA4 disabled:
-    results/h100_ladder_packed_44aaf95_fa4.md)."""
+    """8192 tokens in 8 documents, the longest 2048, 192/128 training without FA4: every sequence at the longest counts
+    1.4e11 (x 320/256), above SMALL_TRAINING_PACK_WORK, and the general table's frontend serves it; the estimate is
+    the "small pack" test's (at 16k tokens the frontend led varlen_fa2 in training on the H100 ladder with FA4
+    disabled: results/h100_ladder_packed_44aaf95_fa4.md) and, with equal head dims, the "medium equal-dims pack"
+    test's."""
     h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0"})
-    p = AttentionProblem(8, 2048, 2048, 16, 16, 128, 128, layout="thd", mask="causal", tokens=8192, training=True)
+    p = AttentionProblem(8, 2048, 2048, 16, 16, 192, 128, layout="thd", mask="causal", tokens=8192, training=True)
     assert rules._work(p) > rules.SMALL_TRAINING_PACK_WORK > rules._pack_estimate(p) > rules.SMALL_PACK_WORK
     d = attnselect.select(p, target=h100)
-    assert "small" not in d.why and d.chosen == Candidate("cudnn_frontend")
+    assert "small" not in d.why and "medium" not in d.why and d.chosen == Candidate("cudnn_frontend")
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_medium_packs_of_equal_head_dims_run_varlen_before_the_frontend_on_hopper(training):
+    """results/h100_pack_crossover_21436be.md: with equal head dims, varlen_fa2 (unpadded) leads the cuDNN frontend
+    until the pack's estimated work reaches MEDIUM_EQUAL_PACK_WORK of the phase (8e10 training, 5e10 inference); the
+    ladder's 8192-token packing of 10 documents (the longest 1504) goes to varlen_fa2, 8 documents of 2048 (16k
+    tokens) to the frontend; FA4 stays first, and what the crossover did not measure keeps the general order."""
+    h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0"})
+
+    def pack(sequences=10, longest=1504, tokens=8192, heads_kv=16, dims=(128, 128), **options):
+        options = {"layout": "thd", "mask": "causal", "training": training, "tokens": tokens, **options}
+        return AttentionProblem(sequences, longest, longest, 16, heads_kv, *dims, **options)
+
+    d = attnselect.select(pack(), target=h100)
+    assert d.chosen == Candidate("varlen_fa2") and "medium equal-dims pack" in d.why
+    assert "<= 8e+10" in d.why if training else "<= 5e+10" in d.why
+    assert rules._pack_estimate(pack(), None) < rules.MEDIUM_EQUAL_PACK_WORK[training] < rules._work(pack())
+    large = pack(sequences=8, longest=2048, tokens=16384)
+    assert rules._pack_estimate(large, None) > rules.MEDIUM_EQUAL_PACK_WORK[training]
+    assert attnselect.select(large, target=h100).chosen == Candidate("cudnn_frontend")
+    with_fa4 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
+    assert attnselect.select(pack(), target=with_fa4).chosen == Candidate("flash_attn4")
+    for unmeasured in (pack(dims=(192, 128)), pack(dims=(256, 256)), pack(heads_kv=4), pack(mask="none"),
+                       pack(cuda_graph_capture=True)):  # fmt: skip
+        assert "medium equal-dims pack" not in attnselect.select(unmeasured, target=h100).why, unmeasured.describe()
 
 
 @pytest.mark.parametrize("dims", [(128, 128), (64, 64), (192, 128)])

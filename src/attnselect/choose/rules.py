@@ -289,6 +289,26 @@ PREFERENCES[("sm90", "training", "thd", "small pack")] = (
     "flex+pad",
     *_PER_SEQUENCE,
 )
+# "medium equal-dims pack" (thd, sm90 outside CUDA graph capture, causal, no grouped heads, d_qk == d_v <= 128, the
+# pack's work estimated as the "small pack" test estimates it, at any size: one sequence at the longest, the rest of
+# q's rows shared evenly): with equal head dims varlen_fa2 runs unpadded, and until the pack's GPU work hides the cuDNN
+# frontend's host time it is the faster. results/h100_pack_crossover_21436be.md (an H100, 128/128, 16 heads, the size
+# ladder's packings of 4k to 24k tokens and packs of equal documents, each kernel forced, packing by packing): of the
+# three counts of a pack's work the host knows or could know, the estimate parts the two kernels best, nearly as well
+# as the exact work; its bound that loses least over both ways (a stack of 8 layers and a call alone) is 8.12e10 in
+# training and 5.03e10 in inference. Against each packing's faster kernel, in a stack and alone, the tables lost 1.5%
+# and 12.3% in training and 2.6% and 9.3% in inference with the small-pack refinements alone, and lose 1.2% and 2.6%,
+# 0.7% and 3.7% with this one (its bounds rounded: 8e10, 5e10). The size ladder agrees where
+# the two kernels are far apart: at 8192 tokens, training, varlen_fa2 took 1.1548 ms a call alone and 0.9731 in a stack
+# against the frontend's 1.9831 and 1.5795 (results/h100_ladder_packed_128_training_50926a7_fa4.md). FA4 stays first
+# (it led those rungs where installed); under capture a graph replays without host time, and the general order stands.
+MEDIUM_EQUAL_PACK_WORK = {True: 8e10, False: 5e10}  # training: its bound; inference: its bound
+PREFERENCES[("sm90", "training", "thd", "medium equal-dims pack")] = PREFERENCES[
+    ("sm90", "training", "thd", "small training pack")
+]
+PREFERENCES[("sm90", "inference", "thd", "medium equal-dims pack")] = PREFERENCES[
+    ("sm90", "training", "thd", "small training pack")
+]
 # "wide heads" (a head dim above 256: absorbed MLA, 576/512 with one key/value head), sm90 prefill (as many queries as
 # keys, >= 1024 of them): results/h200_bench.md, B*S = 16k, 128 query heads, causal: sdpa_efficient 21.5 / 71.7 / 301
 # ms at 1k / 4k / 16k against the cuDNN frontend's 28.7 / 105 / 427 ms (2026-11-30). Decode (one query against a long
@@ -453,24 +473,26 @@ def _capped_at_tokens(p: AttentionProblem) -> bool:
     return p.layout == "thd" and p.varlen_seqlens_match
 
 
-def _pack_estimate(problem: AttentionProblem) -> int:
-    """The "small pack" test's work: for a pack of at most :data:`SMALL_PACK_HEAD_TOKENS` query rows x heads, the least
+def _pack_estimate(problem: AttentionProblem, head_tokens: int | None = SMALL_PACK_HEAD_TOKENS) -> int:
+    """The "small pack" test's work: for a pack of at most ``head_tokens`` query rows x heads, the least
     of :func:`_work` and the count a prediction estimates (:func:`attnselect.choose.predict.rest_lengths`: one
     sequence at the longest lengths, the others sharing the rest of q's rows evenly; a causal pack's exact work is
     1.0-1.9x that over the size ladder's and the calibration's seeded packings, results/cpu_packed_work_estimates.md);
-    else, and where q's rows are not known, :func:`_work`."""
-    return _pack_estimator(problem)(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
+    else, and where q's rows are not known, :func:`_work` (the "medium equal-dims pack" test's: any pack estimated)."""
+    return _pack_estimator(problem, head_tokens)(problem.batch, problem.seqlen_q, problem.seqlen_kv, problem.tokens)
 
 
-def _pack_estimator(p: AttentionProblem) -> Callable[[int, int, int, int], int]:
+def _pack_estimator(
+    p: AttentionProblem, head_tokens: int | None = SMALL_PACK_HEAD_TOKENS
+) -> Callable[[int, int, int, int], int]:
     """``estimate_at(sequences, seqlen_q, seqlen_kv, tokens)``: :func:`_pack_estimate` of ``p`` at these sizes, its
-    other fields read once here."""
+    other fields read once here; ``head_tokens``: the most query rows x heads a pack is estimated at (None: any)."""
     work_at = _work_counter(p)
     per_pair, heads = pack_work(p.heads_q, p.head_dim_qk, p.head_dim_v, 1, 1, 1), p.heads_q
 
     def estimate_at(sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int) -> int:
         work = work_at(sequences, seqlen_q, seqlen_kv, tokens)
-        others = _estimated_lengths_at(heads, sequences, seqlen_q, seqlen_kv, tokens)
+        others = _estimated_lengths_at(heads, sequences, seqlen_q, seqlen_kv, tokens, head_tokens)
         if others is None:
             return work
         return min(work, per_pair * (seqlen_q * seqlen_kv + (sequences - 1) * others[0] * others[1]))
@@ -478,15 +500,21 @@ def _pack_estimator(p: AttentionProblem) -> Callable[[int, int, int, int], int]:
     return estimate_at
 
 
-def _estimated_lengths(problem: AttentionProblem) -> tuple[int, int] | None:
-    """:func:`attnselect.choose.predict.rest_lengths` for a pack :func:`_pack_estimate` estimates, else None."""
+def _estimated_lengths(
+    problem: AttentionProblem, head_tokens: int | None = SMALL_PACK_HEAD_TOKENS
+) -> tuple[int, int] | None:
+    """:func:`attnselect.choose.predict.rest_lengths` for a pack :func:`_pack_estimator` estimates, else None."""
     p = problem
-    return _estimated_lengths_at(p.heads_q, p.batch, p.seqlen_q, p.seqlen_kv, p.tokens)
+    return _estimated_lengths_at(p.heads_q, p.batch, p.seqlen_q, p.seqlen_kv, p.tokens, head_tokens)
 
 
-def _estimated_lengths_at(heads: int, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int):
+def _estimated_lengths_at(
+    heads: int, sequences: int, seqlen_q: int, seqlen_kv: int, tokens: int, head_tokens: int | None
+) -> tuple[int, int] | None:
     """:func:`_estimated_lengths` of a pack of ``heads`` query heads at these sizes."""
-    return rest_lengths(sequences, seqlen_q, seqlen_kv, tokens) if tokens * heads <= SMALL_PACK_HEAD_TOKENS else None
+    if head_tokens is not None and tokens * heads > head_tokens:
+        return None
+    return rest_lengths(sequences, seqlen_q, seqlen_kv, tokens)
 
 
 def _small_dense_call(p: AttentionProblem, masks: tuple[str, ...] = ("causal", "causal_bottom_right")) -> bool:
@@ -539,6 +567,17 @@ _REFINEMENTS = (
         lambda p: _at_most(_work_counter(p), SMALL_TRAINING_PACK_WORK),
     ),
     (
+        "medium equal-dims pack",
+        lambda p: (
+            p.layout == "thd"
+            and not p.cuda_graph_capture
+            and p.mask in ("causal", "causal_bottom_right")
+            and p.heads_q == p.heads_kv
+            and p.head_dim_qk == p.head_dim_v <= 128
+        ),
+        lambda p: _at_most(_pack_estimator(p, head_tokens=None), MEDIUM_EQUAL_PACK_WORK[p.training]),
+    ),
+    (
         "wide heads",
         lambda p: max(p.head_dim_qk, p.head_dim_v) > 256,
         lambda p: lambda sequences, seqlen_q, seqlen_kv, tokens: seqlen_q == seqlen_kv >= WIDE_PREFILL,
@@ -558,6 +597,11 @@ _HOST_BOUND = "the host time of FA4's and the cuDNN frontend's Python interfaces
 _REFINEMENT_REASONS = {
     "small training pack": (SMALL_TRAINING_PACK_WORK, "the cuDNN frontend's host time outweighs the pack's GPU work"),
     "small pack": (SMALL_PACK_WORK, _HOST_BOUND),
+    "medium equal-dims pack": (
+        MEDIUM_EQUAL_PACK_WORK,
+        "with equal head dims varlen_fa2 runs unpadded, and the pack's GPU work does not yet hide the cuDNN frontend's "
+        "host time",
+    ),
     "wide heads": (None, "head dims above 256 in prefill, where sdpa_efficient measured fastest"),
     "tiny call": (TINY_CALL_WORK, _HOST_BOUND),
     "small call": (SMALL_CALL_WORK, _HOST_BOUND),
@@ -571,9 +615,12 @@ def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
     bound, reason = _REFINEMENT_REASONS.get(key[-1], (None, ""))
     if bound is None:
         return reason
-    if key[-1] == "small pack" and _estimated_lengths(problem) is not None:
+    if isinstance(bound, dict):  # a bound per phase
+        bound = bound[problem.training]
+    head_tokens = {"small pack": SMALL_PACK_HEAD_TOKENS, "medium equal-dims pack": None}.get(key[-1], 0)
+    if head_tokens != 0 and _estimated_lengths(problem, head_tokens) is not None:
         counted = "min(B*S_q*S_kv, T^2, S_q*S_kv + (B-1)*r_q*r_kv: r the rest of T shared)"
-        work = _pack_estimate(problem)
+        work = _pack_estimate(problem, head_tokens)
     else:
         counted = "min(B*S_q*S_kv, T^2)" if _capped_at_tokens(problem) and problem.tokens else "B*S_q*S_kv"
         work = _work(problem)
