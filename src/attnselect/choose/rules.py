@@ -298,7 +298,10 @@ PREFERENCES[("sm90", "training", "thd", "small pack")] = (
 # as the exact work; its bound that loses least over both ways (a stack of 8 layers and a call alone) is 8.12e10 in
 # training and 5.03e10 in inference. Against each packing's faster kernel, in a stack and alone, the tables lost 1.5%
 # and 12.3% in training and 2.6% and 9.3% in inference with the small-pack refinements alone, and lose 1.2% and 2.6%,
-# 0.7% and 3.7% with this one (its bounds rounded: 8e10, 5e10). The size ladder agrees where
+# 0.7% and 3.7% with this one (its bounds rounded: 8e10, 5e10). On another H100
+# (results/h100_pack_crossover_128_52052c5.md) the small-pack refinements alone lost 2.0% and 13.3%, 10.7% and 15.7%,
+# this one 1.5% and 2.7%, 4.0% and 9.0%; at 64/64 there (results/h100_pack_crossover_64_52052c5.md) 5.8% and 36.2%,
+# 2.5% and 18.7% against 2.0% and 6.0%, 4.1% and 5.2%. The size ladder agrees where
 # the two kernels are far apart: at 8192 tokens, training, varlen_fa2 took 1.1548 ms a call alone and 0.9731 in a stack
 # against the frontend's 1.9831 and 1.5795 (results/h100_ladder_packed_128_training_50926a7_fa4.md). FA4 stays first
 # (it led those rungs where installed); under capture a graph replays without host time, and the general order stands.
