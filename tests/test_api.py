@@ -144,6 +144,32 @@ def test_out_of_memory_is_not_recorded_for_later_processes(monkeypatch, caplog):
     assert attnselect.select(problem).chosen == attnselect.Candidate("sdpa_flash", 24)  # tried again
 
 
+def test_an_error_of_a_capture_broken_before_is_raised_and_not_recorded(monkeypatch, caplog):
+    """CUDA fails every operation of a graph capture after an earlier error there ("operation failed due to a previous
+    error during capture"): the candidate that meets it did not fail, so nothing is recorded, and no fallback is
+    tried (each would fail alike); the error goes to the caller with a note saying so."""
+    from attnselect.backends.sdpa_flash import SdpaFlash
+    from attnselect.choose import failures
+
+    def runner(self, call, *, repeated=False, like=None):
+        def run(q, k, v):
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+        return run
+
+    monkeypatch.setattr(SdpaFlash, "runner", runner)
+    monkeypatch.setattr(failures, "_FAILED", {})
+    q, k, v = _inputs()
+    with caplog.at_level("WARNING", logger="attnselect"), pytest.raises(RuntimeError, match="previous error") as info:
+        attnselect.attention(q, k, v, causal=True)
+    assert any("did not fail here: an earlier error invalidated this CUDA graph capture" in n
+               for n in info.value.__notes__)  # fmt: skip
+    assert not caplog.records and failures._FAILED == {}
+    _as_a_new_process(monkeypatch)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
+    assert attnselect.select(problem).chosen == attnselect.Candidate("sdpa_flash", 24)
+
+
 def test_failures_of_several_processes_on_one_problem_add_up(monkeypatch):
     from attnselect.choose import failures
 

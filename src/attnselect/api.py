@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 from attnselect import backends, self_check
 from attnselect.choose import first_calls, settings
 from attnselect.choose.distributed import is_distributed
-from attnselect.choose.failures import mark_failed
+from attnselect.choose.failures import broke_capture_before, mark_failed
 from attnselect.choose.selection import select, select_packed, standing_decisions
 from attnselect.choose.settings import MEMO_SIZE, strict
 from attnselect.choose.timing import random_inputs
@@ -207,6 +207,12 @@ def attention(
     except Exception as exc:  # a kernel that fails at run time or gives a wrong result: fall back unless told not to
         wrong = isinstance(exc, self_check.WrongResultError)
         if (isinstance(exc, AttnSelectError) and not wrong) or isinstance(exc, _CONTROL_FLOW):
+            raise
+        if broke_capture_before(exc):  # no candidate can run in this capture now: raise, recording nothing
+            exc.add_note(
+                f"attnselect: {known.chosen} did not fail here: an earlier error invalidated this CUDA graph capture "
+                "(a warning above names the kernel that failed, which this process skips now); capture again"
+            )
             raise
         # A rank alone cannot choose again where choosing is collective (measure under torch.distributed).
         falls_back = not (known.forced or strict() or (wrong and collective))

@@ -23,6 +23,7 @@ P = AttentionProblem(1, 8, 8, 2, 2, 16, 16, dtype=torch.float32)
         RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
         RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
         RuntimeError("cudnnHandle Create failed cudaStreamCreateWithFlags(&ctx->streamPool[0][i], 0x01)"),
+        RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED"),  # inside a graph capture
         MemoryError(),
         InterruptedError("interrupted system call"),
         AssertionError("all unwrapped values must be FakeTensor, int, or SymInt, got [<class 'torch.Tensor'>]"),
@@ -73,3 +74,13 @@ def test_a_wrong_result_judged_by_an_earlier_criterion_is_checked_again(caplog):
         recorded = failures.failures(P, target)
     assert set(recorded) == {Candidate("sdpa_math"), Candidate("sdpa_efficient")}
     assert caplog.text.count("judged by an earlier correctness criterion") == 2
+
+
+def test_only_cuda_s_invalidated_capture_error_is_taken_for_an_earlier_one():
+    assert failures.broke_capture_before(
+        RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    )
+    assert not failures.broke_capture_before(
+        RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    )
+    assert not failures.broke_capture_before(RuntimeError("no kernel image is available"))
