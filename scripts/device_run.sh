@@ -320,7 +320,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
     # (CROSSOVER_ARGS adds arguments, CROSSOVER_PART names the output) -> $OUT/h200_pack_crossover[_part].*
     timeout ${CROSSOVER_TIMEOUT:-500} python3 benchmarks/pack_crossover.py ${CROSSOVER_ARGS:-} \
       --out "$OUT/h200_pack_crossover${CROSSOVER_PART:+_$CROSSOVER_PART}" 2>&1 | grep -v -i warn | cut -c1-200 | tail -8
-    grep -A9 "^| count | way" "$OUT/h200_pack_crossover${CROSSOVER_PART:+_$CROSSOVER_PART}.md" ;;
+    grep -A8 "^| policy" "$OUT/h200_pack_crossover${CROSSOVER_PART:+_$CROSSOVER_PART}.md" ;;
   fa4-packed-gap)   # benchmarks/fa4_packed_gap.py: attnselect's packed FA4 calls against FA4 called directly
     need_fa4 || exit 1
     timeout 300 python3 benchmarks/fa4_packed_gap.py ${GAP_ARGS:-} --out "$OUT/h200_fa4_packed_gap${GAP_PART:+_$GAP_PART}" \

@@ -989,6 +989,24 @@ def test_pack_crossover_times_each_packing_and_finds_the_bound_that_loses_least(
     assert "| attnselect's tables (estimate <= " in (tmp_path / "crossover.md").read_text()
 
 
+def test_pack_crossover_counts_a_pack_s_work_as_the_rules_do():
+    """benchmarks/pack_crossover.py's count and estimate are attnselect.choose.rules' _work and _pack_estimate (any
+    size) of the pack as a call describes it, on the size ladder's packings; its exact work is at least the
+    estimate."""
+    crossover, ladder = _benchmark("pack_crossover"), _benchmark("ladder")
+    from attnselect import AttentionProblem
+    from attnselect.choose import rules
+
+    for tokens in (4096, 16384, 24576):
+        for seed in range(1, 9):
+            lengths = ladder.packing_lengths(tokens, seed)
+            found = crossover.works(lengths, crossover.HEADS * 256)
+            p = AttentionProblem(len(lengths), max(lengths), max(lengths), crossover.HEADS, crossover.HEADS, 128, 128,
+                                 layout="thd", mask="causal", tokens=tokens)  # fmt: skip
+            assert (found["count"], found["estimate"]) == (rules._work(p), rules._pack_estimate(p, None))
+            assert found["estimate"] <= found["exact"] <= found["count"]
+
+
 def test_self_check_model_fails_a_fused_kernel_under_criterion_2_alone(tmp_path):
     """benchmarks/self_check_model.py: with a GPU's naive reference, two-token slices of a fused kernel that rounds its
     numerators fail the bound where the read-back reference reads the exact output rounded, and none fail where it

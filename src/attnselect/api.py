@@ -209,10 +209,12 @@ def attention(
         if (isinstance(exc, AttnSelectError) and not wrong) or isinstance(exc, _CONTROL_FLOW):
             raise
         if broke_capture_before(exc):  # no candidate can run in this capture now: raise, recording nothing
-            exc.add_note(
-                f"attnselect: {known.chosen} did not fail here: an earlier error invalidated this CUDA graph capture "
-                "(a warning above names the kernel that failed, which this process skips now); capture again"
-            )
+            note = (f"attnselect: {known.chosen} did not fail on {known.problem.describe()}: an earlier error "
+                    "invalidated this CUDA graph capture (where a kernel attnselect chose raised it, a warning above "
+                    "names it, and this process skips it now); capture again")  # fmt: skip
+            log.warning(note)
+            if hasattr(exc, "add_note"):  # Python 3.11 and later
+                exc.add_note(note)
             raise
         # A rank alone cannot choose again where choosing is collective (measure under torch.distributed).
         falls_back = not (known.forced or strict() or (wrong and collective))

@@ -300,8 +300,8 @@ def _read_back_reference(
     (0.00522 against 0.00378, results/h100_self_check_short_sequences_9cbe6e3.md), likely because their output is not
     the exact one rounded: the forward rounds the softmax's numerators to the inputs' dtype before multiplying them by
     V (the matrix units take 16-bit operands), and the backward reads that output back (a model on the CPU,
-    results/cpu_self_check_model.md; on that packing on an H100, five kernels' worst slice at 0.869 to 1.095 of the
-    bound read back so, 0.193 to 0.456 reading back their own output, results/h100_self_check_probe_50926a7.md).
+    results/cpu_self_check_model.md; on that packing on an H100, four kernels' worst slice at 0.962 to 1.095 of the
+    bound read back so, none above 0.456 reading back their own output, results/h100_self_check_probe_50926a7.md).
     The cost: dq and dk no longer catch an output error that
     the out check lets through (within twice the naive error); a backward's own error still fails them."""
     out = exact["out"]

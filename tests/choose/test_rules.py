@@ -411,8 +411,10 @@ def test_medium_packs_of_equal_head_dims_run_varlen_before_the_frontend_on_hoppe
     assert attnselect.select(large, target=h100).chosen == Candidate("cudnn_frontend")
     with_fa4 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"})
     assert attnselect.select(pack(), target=with_fa4).chosen == Candidate("flash_attn4")
+    decode = AttentionProblem(8, 1, 4096, 16, 16, 128, 128, layout="thd", mask="causal_bottom_right",
+                              training=training, varlen_seqlens_match=False)  # fmt: skip
     for unmeasured in (pack(dims=(192, 128)), pack(dims=(256, 256)), pack(heads_kv=4), pack(mask="none"),
-                       pack(cuda_graph_capture=True)):  # fmt: skip
+                       pack(cuda_graph_capture=True), pack(dropout_p=0.1), decode):  # fmt: skip
         assert "medium equal-dims pack" not in attnselect.select(unmeasured, target=h100).why, unmeasured.describe()
 
 

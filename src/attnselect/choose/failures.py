@@ -168,10 +168,12 @@ _MEMORY_SIGNS = (
 
 
 def broke_capture_before(error: BaseException) -> bool:
-    """Whether ``error`` is CUDA's for a graph capture that an earlier error invalidated
-    (cudaErrorStreamCaptureInvalidated: "operation failed due to a previous error during capture"): every later
-    operation in that capture fails so, whatever the kernel, so it is not the candidate's failure."""
-    return "previous error during capture" in str(error).lower()
+    """Whether ``error`` is CUDA's for a graph capture that an earlier error invalidated (the runtime's
+    cudaErrorStreamCaptureInvalidated, "operation failed due to a previous error during capture"; the driver's
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, as cuda-python names it): every later operation in that capture fails so,
+    whatever the kernel, so it is not the candidate's failure."""
+    text = str(error).lower()
+    return "previous error during capture" in text or "stream_capture_invalidated" in text
 
 
 # torch.compile's state in a process, not the kernel: torch 2.11's packed flex training, compiled after another

@@ -289,7 +289,8 @@ PREFERENCES[("sm90", "training", "thd", "small pack")] = (
     "flex+pad",
     *_PER_SEQUENCE,
 )
-# "medium equal-dims pack" (thd, sm90 outside CUDA graph capture, causal, no grouped heads, d_qk == d_v <= 128, the
+# "medium equal-dims pack" (thd, sm90 outside CUDA graph capture, as many queries as keys in every sequence, causal,
+# no dropout, no grouped heads, d_qk == d_v <= 128, the
 # pack's work estimated as the "small pack" test estimates it, at any size: one sequence at the longest, the rest of
 # q's rows shared evenly): with equal head dims varlen_fa2 runs unpadded, and until the pack's GPU work hides the cuDNN
 # frontend's host time it is the faster. results/h100_pack_crossover_21436be.md (an H100, 128/128, 16 heads, the size
@@ -301,11 +302,12 @@ PREFERENCES[("sm90", "training", "thd", "small pack")] = (
 # 0.7% and 3.7% with this one (its bounds rounded: 8e10, 5e10). On another H100
 # (results/h100_pack_crossover_128_52052c5.md) the small-pack refinements alone lost 2.0% and 13.3%, 10.7% and 15.7%,
 # this one 1.5% and 2.7%, 4.0% and 9.0%; at 64/64 there (results/h100_pack_crossover_64_52052c5.md) 5.8% and 36.2%,
-# 2.5% and 18.7% against 2.0% and 6.0%, 4.1% and 5.2%. The size ladder agrees where
+# 2.5% and 18.7% against 2.0% and 6.0%, 4.1% and 5.2% (the bounds were fitted on those packings: the later runs drew
+# the same seeds, so they test the machine and the head dim, not the packings). The size ladder agrees where
 # the two kernels are far apart: at 8192 tokens, training, varlen_fa2 took 1.1548 ms a call alone and 0.9731 in a stack
 # against the frontend's 1.9831 and 1.5795 (results/h100_ladder_packed_128_training_50926a7_fa4.md). FA4 stays first
 # (it led those rungs where installed); under capture a graph replays without host time, and the general order stands.
-MEDIUM_EQUAL_PACK_WORK = {True: 8e10, False: 5e10}  # training: its bound; inference: its bound
+MEDIUM_EQUAL_PACK_WORK = {True: 8e10, False: 5e10}  # keyed by AttentionProblem.training
 PREFERENCES[("sm90", "training", "thd", "medium equal-dims pack")] = PREFERENCES[
     ("sm90", "training", "thd", "small training pack")
 ]
@@ -574,6 +576,8 @@ _REFINEMENTS = (
         lambda p: (
             p.layout == "thd"
             and not p.cuda_graph_capture
+            and p.square  # packed: every sequence has as many keys as queries (decode and chunked prefill: unmeasured)
+            and p.dropout_p == 0.0
             and p.mask in ("causal", "causal_bottom_right")
             and p.heads_q == p.heads_kv
             and p.head_dim_qk == p.head_dim_v <= 128
@@ -612,6 +616,11 @@ _REFINEMENT_REASONS = {
 }
 
 
+# The refinements whose bound compares a pack's estimated work (:func:`_pack_estimate`), with the most query rows x
+# heads they estimate a pack at (None: any)
+_ESTIMATED_UP_TO = {"small pack": SMALL_PACK_HEAD_TOKENS, "medium equal-dims pack": None}
+
+
 def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
     """Why the refined table ``key`` (:func:`table_for`'s) ranks ``problem``, with the work its bound compares; empty
     for a table without a refinement."""
@@ -620,8 +629,9 @@ def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
         return reason
     if isinstance(bound, dict):  # a bound per phase
         bound = bound[problem.training]
-    head_tokens = {"small pack": SMALL_PACK_HEAD_TOKENS, "medium equal-dims pack": None}.get(key[-1], 0)
-    if head_tokens != 0 and _estimated_lengths(problem, head_tokens) is not None:
+    estimated = key[-1] in _ESTIMATED_UP_TO
+    head_tokens = _ESTIMATED_UP_TO.get(key[-1])
+    if estimated and _estimated_lengths(problem, head_tokens) is not None:
         counted = "min(B*S_q*S_kv, T^2, S_q*S_kv + (B-1)*r_q*r_kv: r the rest of T shared)"
         work = _pack_estimate(problem, head_tokens)
     else:
