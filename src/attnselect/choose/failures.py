@@ -29,13 +29,20 @@ _FAILED_VALUE = json.dumps(FAILED_AT_RUN_TIME)  # as it appears in their keys
 def failures(problem: AttentionProblem, target: Target) -> dict:
     """{candidate: error} of the candidates that failed at run time for ``problem`` on ``target``: in this
     process, or recorded in the decision cache by an earlier one on the same target fingerprint (not under
-    torch.distributed, where ranks could read different cache files and then disagree)."""
-    failed = _FAILED.get((eager_signature(problem), target), {})
+    torch.distributed, where ranks could read different cache files and then disagree). A captured or compiled
+    call's are its own signature's and its eager call's (:func:`eager_signature`): what failed in the eager warm-up
+    is refused in the graph, and what failed in a graph alone is not refused to eager calls."""
+    eager = problem.eager
+    failed = _FAILED.get((problem.signature, target), {})
+    if eager is not problem:
+        failed = {**_FAILED.get((eager.signature, target), {}), **failed}
     recorded = _recorded_failures()
     if not recorded or is_distributed():
         return failed
     key = _entry_key(problem, target)
-    earlier = recorded.get(key)
+    earlier = recorded.get(key) or {}
+    if eager is not problem:
+        earlier = {**recorded.get(_entry_key(eager, target), {}), **earlier}
     if not earlier:
         return failed
     fresh = [c for c in earlier if c not in failed]
@@ -92,7 +99,7 @@ def mark_failed(
     cache under the target fingerprint, so later processes on the same GPU and library versions skip the
     candidate too (the fingerprint changes with any version, which retries it)."""
     text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-    _FAILED.setdefault((eager_signature(problem), target), {})[candidate] = text
+    _FAILED.setdefault((problem.signature, target), {})[candidate] = text
     transient = is_transient(error)
     if not transient:
         judged = {"criterion": error.criterion} if getattr(error, "criterion", None) is not None else {}
@@ -123,8 +130,8 @@ def _is_failure_key(key: str) -> bool:
 
 
 def eager_signature(problem: AttentionProblem) -> tuple:
-    """The signature failures are kept under: the call's, as if made eagerly, so what failed in an eager call (the
-    warm-up before a CUDA graph capture, say) is refused inside a compiled graph and under capture too."""
+    """The call's signature as if made eagerly: what a graph's call shares with the eager calls before it (the
+    packaged evidence of wrong kernels, first calls; :func:`failures` reads a graph's failures and its eager call's)."""
     return problem.eager.signature
 
 
@@ -132,7 +139,7 @@ def _entry_key(problem: AttentionProblem, target: Target) -> str:
     """The decision cache's key of a problem signature's failures on a target fingerprint."""
     return json.dumps(
         {
-            "signature": list(eager_signature(problem)),
+            "signature": list(problem.signature),
             "policy": FAILED_AT_RUN_TIME,
             "target": store.fingerprint(target),
         },
