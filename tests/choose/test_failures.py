@@ -87,20 +87,22 @@ def test_only_cuda_s_invalidated_capture_error_is_taken_for_an_earlier_one():
     assert not failures.broke_capture_before(RuntimeError("no kernel image is available"))
 
 
-@pytest.mark.parametrize("graph", [{"cuda_graph_capture": True}, {"compiled_graph": True}])
-def test_a_failure_in_a_graph_is_refused_there_and_an_eager_one_everywhere(graph):
-    """An eager call's failure (the warm-up before a capture) is refused in the graph too; one met in a graph alone (a
-    capture's allocation, say) is refused to that graph's calls and not to eager ones, in this process and later."""
+def test_a_failure_under_capture_is_refused_there_and_an_eager_one_everywhere():
+    """An eager call's failure (the warm-up before a capture) is refused under capture too; one met under capture
+    alone is refused to captured calls and not to eager ones, in this process and later (an out-of-memory one, kept
+    in this process alone, too)."""
     import dataclasses
 
     target = attnselect.Target.current()
-    captured = dataclasses.replace(P, **graph)
+    captured = dataclasses.replace(P, cuda_graph_capture=True)
     in_graph, eager = Candidate("sdpa_math"), Candidate("sdpa_efficient")
+    transient = Candidate("sdpa_flash")
     failures.mark_failed(captured, target, in_graph, RuntimeError("operation not permitted when stream is capturing"))
     failures.mark_failed(P, target, eager, RuntimeError("no kernel image is available"))
-    for later in (False, True):  # this process, then a later one reading the decision cache
-        if later:
-            failures._FAILED.clear()
-            failures._RECORDED = None
-        assert set(failures.failures(captured, target)) == {in_graph, eager}
-        assert set(failures.failures(P, target)) == {eager}
+    failures.mark_failed(P, target, transient, RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert set(failures.failures(captured, target)) == {in_graph, eager, transient}
+    assert set(failures.failures(P, target)) == {eager, transient}
+    failures._FAILED.clear()  # a later process reads the decision cache
+    failures._RECORDED = None
+    assert set(failures.failures(captured, target)) == {in_graph, eager}
+    assert set(failures.failures(P, target)) == {eager}
