@@ -40,7 +40,6 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import attnselect  # noqa: E402
-from attnselect.choose.predict import rest_lengths  # noqa: E402
 from ladder import boundaries, packing_lengths  # noqa: E402
 
 HEADS = 16
@@ -48,15 +47,16 @@ LAYERS = 8
 COUNTS = ("count", "estimate", "exact")
 
 
-def works(lengths: list[int], per_pair: int) -> dict:
-    """The pack's three work counts (see the module docstring)."""
-    sequences, longest, tokens = len(lengths), max(lengths), sum(lengths)
-    count = per_pair * min(sequences * longest * longest, tokens * tokens)
-    rest = rest_lengths(sequences, longest, longest, tokens)
-    estimate = (
-        count if rest is None else min(count, per_pair * (longest * longest + (sequences - 1) * rest[0] * rest[1]))
-    )
-    return {"count": count, "estimate": estimate, "exact": per_pair * sum(n * n for n in lengths)}
+def works(lengths: list[int], dims: tuple[int, int]) -> dict:
+    """The pack's three work counts (see the module docstring): the rules' own count and estimate of the pack as a
+    call describes it (attnselect.choose.rules), and its exact work."""
+    from attnselect.choose import rules
+
+    longest = max(lengths)
+    problem = attnselect.AttentionProblem(len(lengths), longest, longest, HEADS, HEADS, *dims, layout="thd",
+                                          mask="causal", tokens=sum(lengths))  # fmt: skip
+    return {"count": rules._work(problem), "estimate": rules._pack_estimate(problem, None),
+            "exact": rules.pack_work(HEADS, *dims, 1, 1, 1) * sum(n * n for n in lengths)}  # fmt: skip
 
 
 def packs(
@@ -103,7 +103,6 @@ def timed(layer: Layer, backend: str, layers: int, sync) -> float:
 
 def measure(args) -> list[dict]:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    per_pair = HEADS * (args.dims[0] + args.dims[1])
     rows = []
     for training in (True, False):
         for kind, lengths in packs(args.tokens, args.packings, args.equal, args.equal_tokens, args.seed_from):
@@ -116,7 +115,7 @@ def measure(args) -> list[dict]:
                     times[(backend, "stack")].append(timed(layer, backend, LAYERS, sync))
                     times[(backend, "latency")].append(timed(layer, backend, 1, sync))
             row = {"phase": "training" if training else "inference", "kind": kind, "tokens": sum(lengths),
-                   "sequences": len(lengths), "longest": max(lengths), **works(lengths, per_pair),
+                   "sequences": len(lengths), "longest": max(lengths), **works(lengths, tuple(args.dims)),
                    "ms": {f"{b} {way}": statistics.median(v) for (b, way), v in times.items()}}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)

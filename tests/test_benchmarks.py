@@ -1000,7 +1000,7 @@ def test_pack_crossover_counts_a_pack_s_work_as_the_rules_do():
     for tokens in (4096, 16384, 24576):
         for seed in range(1, 9):
             lengths = ladder.packing_lengths(tokens, seed)
-            found = crossover.works(lengths, crossover.HEADS * 256)
+            found = crossover.works(lengths, (128, 128))
             p = AttentionProblem(len(lengths), max(lengths), max(lengths), crossover.HEADS, crossover.HEADS, 128, 128,
                                  layout="thd", mask="causal", tokens=tokens)  # fmt: skip
             assert (found["count"], found["estimate"]) == (rules._work(p), rules._pack_estimate(p, None))

@@ -32,17 +32,13 @@ def failures(problem: AttentionProblem, target: Target) -> dict:
     torch.distributed, where ranks could read different cache files and then disagree). A captured or compiled
     call's are its own signature's and its eager call's (:func:`eager_signature`): what failed in the eager warm-up
     is refused in the graph, and what failed in a graph alone is not refused to eager calls."""
-    eager = problem.eager
-    failed = _FAILED.get((problem.signature, target), {})
-    if eager is not problem:
-        failed = {**_FAILED.get((eager.signature, target), {}), **failed}
+    shared = (problem,) if problem.eager is problem else (problem.eager, problem)  # the graph's own last: it wins
+    failed = {c: e for p in shared for c, e in _FAILED.get((p.signature, target), {}).items()}
     recorded = _recorded_failures()
     if not recorded or is_distributed():
         return failed
     key = _entry_key(problem, target)
-    earlier = recorded.get(key) or {}
-    if eager is not problem:
-        earlier = {**recorded.get(_entry_key(eager, target), {}), **earlier}
+    earlier = {c: e for p in shared for c, e in recorded.get(_entry_key(p, target), {}).items()}
     if not earlier:
         return failed
     fresh = [c for c in earlier if c not in failed]

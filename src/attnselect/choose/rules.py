@@ -290,9 +290,9 @@ PREFERENCES[("sm90", "training", "thd", "small pack")] = (
     *_PER_SEQUENCE,
 )
 # "medium equal-dims pack" (thd, sm90 outside CUDA graph capture, as many queries as keys in every sequence, causal,
-# no dropout, no grouped heads, d_qk == d_v <= 128, the
-# pack's work estimated as the "small pack" test estimates it, at any size: one sequence at the longest, the rest of
-# q's rows shared evenly): with equal head dims varlen_fa2 runs unpadded, and until the pack's GPU work hides the cuDNN
+# no dropout, no grouped heads, d_qk == d_v <= 128, the pack's work estimated as the "small pack" test estimates it,
+# at any size: one sequence at the longest, the rest of q's rows shared evenly): with equal head dims varlen_fa2 runs
+# unpadded, and until the pack's GPU work hides the cuDNN
 # frontend's host time it is the faster. results/h100_pack_crossover_21436be.md (an H100, 128/128, 16 heads, the size
 # ladder's packings of 4k to 24k tokens and packs of equal documents, each kernel forced, packing by packing): of the
 # three counts of a pack's work the host knows or could know, the estimate parts the two kernels best, nearly as well
@@ -308,12 +308,10 @@ PREFERENCES[("sm90", "training", "thd", "small pack")] = (
 # against the frontend's 1.9831 and 1.5795 (results/h100_ladder_packed_128_training_50926a7_fa4.md). FA4 stays first
 # (it led those rungs where installed); under capture a graph replays without host time, and the general order stands.
 MEDIUM_EQUAL_PACK_WORK = {True: 8e10, False: 5e10}  # keyed by AttentionProblem.training
-PREFERENCES[("sm90", "training", "thd", "medium equal-dims pack")] = PREFERENCES[
-    ("sm90", "training", "thd", "small training pack")
-]
-PREFERENCES[("sm90", "inference", "thd", "medium equal-dims pack")] = PREFERENCES[
-    ("sm90", "training", "thd", "small training pack")
-]
+for _phase in ("training", "inference"):
+    PREFERENCES[("sm90", _phase, "thd", "medium equal-dims pack")] = PREFERENCES[
+        ("sm90", "training", "thd", "small training pack")
+    ]
 # "wide heads" (a head dim above 256: absorbed MLA, 576/512 with one key/value head), sm90 prefill (as many queries as
 # keys, >= 1024 of them): results/h200_bench.md, B*S = 16k, 128 query heads, causal: sdpa_efficient 21.5 / 71.7 / 301
 # ms at 1k / 4k / 16k against the cuDNN frontend's 28.7 / 105 / 427 ms (2026-11-30). Decode (one query against a long
@@ -549,6 +547,11 @@ def _at_most(count: Callable[[int, int, int, int], int], bound: float) -> Callab
     return lambda sequences, seqlen_q, seqlen_kv, tokens: count(sequences, seqlen_q, seqlen_kv, tokens) <= bound
 
 
+# The refinements whose bound compares a pack's estimated work (:func:`_pack_estimate`), with the most query rows x
+# heads they estimate a pack at (None: any)
+_ESTIMATED_UP_TO = {"small pack": SMALL_PACK_HEAD_TOKENS, "medium equal-dims pack": None}
+
+
 # Each refinement: (its name, a test that reads no size of the problem, and ``fits_at(problem)``: the test of the
 # problem at sizes given apart, ``within(sequences, seqlen_q, seqlen_kv, tokens)``, reading none of the problem's own
 # sizes), so a packed loop's family runs the first and makes the second once, then runs it on each packing's sizes
@@ -564,7 +567,7 @@ _REFINEMENTS = (
             and p.heads_q == p.heads_kv
             and max(p.head_dim_qk, p.head_dim_v) <= 192
         ),
-        lambda p: _at_most(_pack_estimator(p), SMALL_PACK_WORK),
+        lambda p: _at_most(_pack_estimator(p, _ESTIMATED_UP_TO["small pack"]), SMALL_PACK_WORK),
     ),
     (
         "small training pack",
@@ -582,7 +585,9 @@ _REFINEMENTS = (
             and p.heads_q == p.heads_kv
             and p.head_dim_qk == p.head_dim_v <= 128
         ),
-        lambda p: _at_most(_pack_estimator(p, head_tokens=None), MEDIUM_EQUAL_PACK_WORK[p.training]),
+        lambda p: _at_most(
+            _pack_estimator(p, _ESTIMATED_UP_TO["medium equal-dims pack"]), MEDIUM_EQUAL_PACK_WORK[p.training]
+        ),
     ),
     (
         "wide heads",
@@ -616,11 +621,6 @@ _REFINEMENT_REASONS = {
 }
 
 
-# The refinements whose bound compares a pack's estimated work (:func:`_pack_estimate`), with the most query rows x
-# heads they estimate a pack at (None: any)
-_ESTIMATED_UP_TO = {"small pack": SMALL_PACK_HEAD_TOKENS, "medium equal-dims pack": None}
-
-
 def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
     """Why the refined table ``key`` (:func:`table_for`'s) ranks ``problem``, with the work its bound compares; empty
     for a table without a refinement."""
@@ -629,9 +629,8 @@ def refinement_reason(key: tuple[str, ...], problem: AttentionProblem) -> str:
         return reason
     if isinstance(bound, dict):  # a bound per phase
         bound = bound[problem.training]
-    estimated = key[-1] in _ESTIMATED_UP_TO
     head_tokens = _ESTIMATED_UP_TO.get(key[-1])
-    if estimated and _estimated_lengths(problem, head_tokens) is not None:
+    if key[-1] in _ESTIMATED_UP_TO and _estimated_lengths(problem, head_tokens) is not None:
         counted = "min(B*S_q*S_kv, T^2, S_q*S_kv + (B-1)*r_q*r_kv: r the rest of T shared)"
         work = _pack_estimate(problem, head_tokens)
     else:
