@@ -83,9 +83,10 @@
 #                                      # packing by packing, equal head dims   -> $OUT/h200_pack_crossover.*
 #   bash scripts/device_run.sh buckets # benchmarks/packing_buckets.py (BUCKET_SCHEMES=...) -> $OUT/h200_packing_buckets.*
 #   FlashAttention-4 (scripts/fetch_device_wheels.sh fa4), in four calls back to back on one warm machine (it is
-#   kept about 30 s after a call), each under the 64 MiB carry beside the ~27 MB tree: carry .fa4-stage1 and run
-#   `fa4-stage1` (its files go to /tmp), then .fa4-stage2 and .fa4-stage3 alike, then carry .fa4-stage4 and
-#   .whl-core and run `fa4-stage4 STEP...`, which joins the parts and installs FA4 for the steps after it:
+#   kept about 30 s after a call), each under the 64 MiB carry beside the ~37 MiB tree: carry .fa4-stage1 and run
+#   `fa4-stage1` (its files go to /tmp), then .fa4-stage2 and .fa4-stage3 alike, then carry .fa4-stage4 and run
+#   `fa4-stage4 STEP...`, which joins the parts and installs FA4 for the steps after it (.whl-core, the cuDNN
+#   frontend, no longer fits beside stage 4: carry it from the next call on):
 #   bash scripts/device_run.sh fa4-tests    # tests/backends/test_flash_attn4.py and every FA4 case of the GPU tests
 #   bash scripts/device_run.sh fa4-loop     # the training loop's FA4 rows (forced, direct) beside the default and torch's
 #   bash scripts/device_run.sh fa4-compile  # benchmarks/fa4_compile_cost.py           -> $OUT/h200_fa4_compile.*
@@ -118,8 +119,8 @@ grid_rows() {   # the rules grid, resuming this call's rows if an earlier step w
 }
 need_fa4() {
   python3 -c 'import flash_attn.cute' 2>/dev/null && return 0
-  echo "FlashAttention-4 is not installed on this machine: run fa4-stage1 to fa4-stage4 (each carrying its folder,"
-  echo "the last .whl-core too) back to back while the machine is warm; a machine given back in between"
+  echo "FlashAttention-4 is not installed on this machine: run fa4-stage1 to fa4-stage4 (each carrying its folder)"
+  echo "back to back while the machine is warm; a machine given back in between"
   echo "has lost the earlier stages' files in $FA4_WHEELS."
   return 1
 }

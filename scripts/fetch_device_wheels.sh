@@ -3,13 +3,13 @@
 #   bash scripts/fetch_device_wheels.sh          # .whl/: the cuDNN frontend, megatron-core, transformers, torchtitan
 #                                                #   (~48 MB)
 #   bash scripts/fetch_device_wheels.sh fa4      # FlashAttention-4 in four carries that fit the 64 MiB limit
-#                                                #   beside the ~27 MB tree: .fa4-stage1/ to .fa4-stage3/ (30 MB
-#                                                #   parts of the 92 MB nvidia-cutlass-dsl-libs-cu13 wheel; the first
-#                                                #   holds a file `parts` saying how many), .fa4-stage4/ (the last
-#                                                #   part and the small wheels), and .whl-core/ (the cuDNN frontend and
-#                                                #   megatron-core, whose GPU tests pytest -m gpu holds; carried with
-#                                                #   stage 4; apache-tvm-ffi, which the frontend needs too, comes with
-#                                                #   stage 4)
+#                                                #   beside the ~37 MiB tree (counted in disk blocks): .fa4-stage1/ to
+#                                                #   .fa4-stage3/ (25 MB parts of the 92 MB nvidia-cutlass-dsl-libs-cu13
+#                                                #   wheel; the first holds a file `parts` saying how many), .fa4-stage4/
+#                                                #   (the last part and the small wheels), and .whl-core/ (the cuDNN
+#                                                #   frontend and megatron-core, whose GPU tests pytest -m gpu holds;
+#                                                #   carried by the calls after stage 4; apache-tvm-ffi, which the
+#                                                #   frontend needs too, comes with stage 4)
 # scripts/device_run.sh installs what is carried: `.whl` or `.whl-core` at each call, and FA4 through its steps
 # fa4-stage1 to fa4-stage4 (back-to-back calls on one warm machine).
 set -euo pipefail
@@ -30,9 +30,9 @@ if [ "${1:-}" = fa4 ]; then
     "nvidia-cutlass-dsl-libs-core==4.8.1" "nvidia-cutlass-dsl-libs-cu13==4.8.1" "quack-kernels==0.6.5" \
     "torch-c-dlpack-ext==0.1.5" "apache-tvm-ffi==0.1.15.post2"
   big=$(ls "$tmp"/nvidia_cutlass_dsl_libs_cu13-*.whl)
-  (cd "$tmp" && split -b 30000000 -a 2 "$(basename "$big")" "$(basename "$big").part-") && rm "$big"
+  (cd "$tmp" && split -b 25000000 -a 2 "$(basename "$big")" "$(basename "$big").part-") && rm "$big"
   stage=0
-  for part in "$tmp"/*.part-*; do   # one part a stage: 30 MB beside the tree
+  for part in "$tmp"/*.part-*; do   # one part a stage: 25 MB beside the tree
     stage=$((stage + 1)); mkdir -p ".fa4-stage$stage" && mv "$part" ".fa4-stage$stage/"
   done
   echo "$stage" > .fa4-stage1/parts

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from attnselect import correctness
@@ -214,3 +217,10 @@ def test_compare_reads_back_the_output_it_judges_unless_told_another(monkeypatch
     batch = [t.unsqueeze(0) for t in (q, k, v, dout)]
     correctness.compare_batch(*batch, _CAUSAL, {n: t.unsqueeze(0) for n, t in got.items()}, returned=other[None])
     assert torch.equal(seen[0][0], got["out"]) and torch.equal(seen[1][0], other)
+
+
+def test_excess_is_the_largest_multiple_of_a_bound_and_infinite_for_values_that_are_not_finite():
+    assert correctness.Judgement({"out": 1e-3, "dq": 6e-3}, {"out": 2e-3, "dq": 2e-3}).excess == pytest.approx(3.0)
+    assert correctness.Judgement({"out": float("nan"), "dq": 0.0}, {"out": 1e-3, "dq": 1e-3}).excess == math.inf
+    assert correctness.Judgement({"out": 1e-9}, {"out": 0.0}).excess == math.inf
+    assert correctness.Judgement({}, {}).excess == 0.0

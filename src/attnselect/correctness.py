@@ -200,6 +200,13 @@ class Judgement:
     def passed(self) -> bool:
         return not self.failures
 
+    @property
+    def excess(self) -> float:
+        """The largest multiple of its bound that a value's error reached (inf for an error that is not finite, or
+        past a bound of 0)."""
+        ratios = (_ratio(err, self.bounds[name]) for name, err in self.errors.items())
+        return max((r if r == r else math.inf for r in ratios), default=0.0)  # NaN: not finite
+
     def describe(self) -> str:
         return ", ".join(
             f"{name} max error {err:.3g} (bound {self.bounds[name]:.3g})" for name, err in self.errors.items()

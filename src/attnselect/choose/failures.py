@@ -91,12 +91,14 @@ def mark_failed(
 ) -> None:
     """Record a run-time failure (one warning) and forget decisions, so the next call re-selects without it.
 
-    Failures that may pass (out of memory) stay in this process; others are also recorded in the decision
-    cache under the target fingerprint, so later processes on the same GPU and library versions skip the
-    candidate too (the fingerprint changes with any version, which retries it)."""
+    Failures that may pass (out of memory) and results just past the self-check's bound (not ``error.lasting``:
+    attnselect.self_check.CLEARLY_WRONG) stay in this process; others are also recorded in the decision cache under
+    the target fingerprint, so later processes on the same GPU and library versions skip the candidate too (the
+    fingerprint changes with any version, which retries it)."""
     text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
     _FAILED.setdefault((problem.signature, target), {})[candidate] = text
-    transient = is_transient(error)
+    near = getattr(error, "lasting", True) is False
+    transient = near or is_transient(error)
     if not transient:
         judged = {"criterion": error.criterion} if getattr(error, "criterion", None) is not None else {}
         store.remember(
@@ -104,13 +106,18 @@ def mark_failed(
             {"failed": [{"candidate": candidate.to_dict(), "error": text, **judged}]},
             combine=_with_earlier,
         )
+    kept = (
+        "for this process only: just past its bound, a later process checks it again" if near
+        else "for this process only: it may pass" if transient
+        else "recorded in the decision cache for this target"
+    )  # fmt: skip
     debug.LOGGER.warning(
         "attnselect: %s failed on %s (%s); %s (%s)",
         candidate,
         problem.describe(),
         text,
         "falling back to the next candidate; ATTNSELECT_STRICT=1 raises instead" if falls_back else "raising it",
-        "for this process only: it may pass" if transient else "recorded in the decision cache for this target",
+        kept,
     )
     memos.clear_cache()
 
