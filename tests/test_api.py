@@ -690,3 +690,39 @@ def test_zero_dimensional_boundaries_get_the_library_s_error():
     with pytest.raises(attnselect.InvalidInputError, match="cu_seqlens_q"):
         attnselect.attention(q, q, q, layout="thd", causal=True, cu_seqlens_q=torch.empty((), dtype=torch.int32,
                              device="meta"), max_seqlen_q=7, max_seqlen_kv=7)  # fmt: skip
+
+
+def test_a_renting_class_s_call_counts_towards_the_price_until_it_is_paid(meta_cudnn_h200, monkeypatch):
+    """A class whose decision rents (FA4 predicted faster, its compile unpaid: varlen_fa2 runs meanwhile) stands too:
+    a new packing of it is that class's call, not selected again, and each of its calls counts towards the price
+    (first_calls.rent); the call that pays it clears the decisions, so the next packing is selected again."""
+    from attnselect.choose import first_calls
+    from attnselect.spec.target import Target
+
+    h200 = Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0", "flash-attn-4": "4.0.0b36"},
+                         torch_version="2.11.0+cu130", cudnn_version="9.19.0")  # fmt: skip
+    monkeypatch.setattr(api, "target_for_device", lambda device: h200)
+    selected, select_packed = [], api.select_packed
+    monkeypatch.setattr(api, "select_packed", lambda p, **kw: selected.append(p.seqlen_q) or select_packed(p, **kw))
+    counted, rent = [], first_calls.rent
+    monkeypatch.setattr(first_calls, "rent", lambda rental, key: counted.append(rental) or rent(rental, key))
+    q = torch.empty(4096, 16, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+
+    def call(longest: int) -> dispatch.KnownCall:
+        cu = torch.empty(5, dtype=torch.int32, device="meta")
+        attnselect.attention(q, q, q, layout="thd", causal=True, cu_seqlens_q=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)  # fmt: skip
+        return dispatch.known_calls()[-1] if dispatch.known_calls() else None
+
+    try:
+        calls = [call(longest) for longest in (3000, 3001, 3002, 3003, 3004)]
+        assert calls[1].problem.training and selected == [3000, 3001]  # the family's first call; the class carried
+        rental = select_packed(calls[-1].problem, target=h200).rental
+        assert rental is not None and rental.deferred == attnselect.Candidate("flash_attn4")
+        assert [c.chosen for c in calls] == [rental.chosen] * 5 and len(counted) == 5  # each call counted
+        assert calls[2].runner is calls[3].runner is calls[4].runner  # the class's call
+        monkeypatch.setattr(first_calls, "rent", lambda rental, key: True)  # this call's rent reaches the price
+        call(3005)
+        assert dispatch.known_calls() == []  # the decisions cleared: the next packing is selected again
+    finally:
+        first_calls.forget()

@@ -119,7 +119,7 @@ class _Family:
         self.calibration = (*calibration.for_target(target), calibration.covers_kind(held_for))
         self.ranks = self.calibration[0] is not None and self.calibration[2]  # a calibration ranks its calls
         self.table_at = rules.table_chooser(held_for, target)  # rules.table_for at the family's every size, by sizes
-        # per class (classify): the decision _carried returned there where it rents nothing (_Standing): a packing of
+        # per class (classify): the decision _carried returned there (_Standing): a packing of
         # the class gets it while it holds (standing_at)
         self.standing: dict[tuple, _Standing] = {}
         self.target = target
@@ -402,11 +402,12 @@ def _stand(family: _Family, key: tuple, decision: Decision, paid: int, *, sized:
     ``ranking`` had decided, or the rules table's by_table entry), as what a packing of that class gets while those
     hold (:meth:`_Family.standing_at`), with what of it a packing's sizes can change: ``sized``, its verdicts that read
     them, judged alike again; ``checks``, the rules table's standing checks (:func:`_standing_checks`), passed again.
-    Not a decision that rents (a rental is settled by sizes)."""
-    if decision.rental is None:
-        if len(family.standing) >= MEMO_SIZE and key not in family.standing:  # bounded: a family of that many classes
-            family.standing.clear()  # starts again
-        family.standing[key] = _Standing(decision, paid, sized, checks, ranking, witness)
+    A decision that rents stands too: a packed rental reads the paid compiles alone, not the sizes
+    (:func:`attnselect.choose.first_calls.paid_state`), and the call kept for the class counts its calls towards the
+    price (attnselect.api._renting), whose end clears the caches, the family with them."""
+    if len(family.standing) >= MEMO_SIZE and key not in family.standing:  # bounded: a family of that many classes
+        family.standing.clear()  # starts again
+    family.standing[key] = _Standing(decision, paid, sized, checks, ranking, witness)
 
 
 def _judged_alike(verdicts: tuple, problem: AttentionProblem, target: Target, failed: dict) -> bool:
