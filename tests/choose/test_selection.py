@@ -340,6 +340,33 @@ def test_predicted_packed_decisions_at_new_sizes_judge_no_candidate_again(tmp_pa
     assert "carried from" in carried.why and "supported candidates" not in carried.why
 
 
+def test_a_draw_at_a_new_work_class_judges_again_only_the_verdicts_that_read_sizes(tmp_path, monkeypatch):
+    """A packed family's verdicts that read no size (selection._judged_alike_at_every_size) are judged once per size
+    class: draws at its new work classes judge again only the others, and choose what select chooses there."""
+    from attnselect.choose import selection
+    from attnselect.spec.options import Verdict
+
+    target = _calibrated_h200(tmp_path, monkeypatch)
+    judged, reasons = [], selection._reasons
+    monkeypatch.setattr(selection, "_reasons", lambda c, p, *a: judged.append(c) or reasons(c, p, *a))
+    first = _thd_training(18, 4000)
+    selection.select_packed(first, target=target)  # select's own judgement
+    del judged[:]
+    draws = 0
+    for tokens in range(4200, 60000, 700):  # one size class, ever more work: new work classes
+        problem = dataclasses.replace(first, tokens=tokens)
+        assert problem.size_class == first.size_class
+        before = len(judged)
+        decision = selection.select_packed(problem, target=target)
+        draws += len(judged) > before
+        fresh = attnselect.select(problem, target=target)
+        assert (decision.chosen, decision.rental) == (fresh.chosen, fresh.rental), problem.describe()
+    sizeless = {c for c in judged if selection._judged_alike_at_every_size(Verdict(c, reasons(c, first, target, {})),
+                                                                           first, target, {})}  # fmt: skip
+    assert draws > 3 and sizeless and all(judged.count(c) == 1 for c in sizeless)
+    assert any(judged.count(c) > 1 for c in set(judged) - sizeless)  # those that read sizes: at each draw
+
+
 def test_a_packed_call_of_other_tokens_at_the_same_sizes_is_predicted_at_its_own_work(tmp_path, monkeypatch):
     """The family's key (the problem at size 0) is shared by q's every row count: a call of the same sequences and
     longest lengths in more tokens has more work, and is decided at it, not handed the last call's decision."""

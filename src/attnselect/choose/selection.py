@@ -94,7 +94,7 @@ class _Family:
     of its predictions and rankings are keyed by this object."""
 
     __slots__ = ("last", "by_table", "allowed", "runs", "calibrated", "places", "failed", "drawn", "calibration",
-                 "table_at", "standing", "class_at", "classified", "target", "ranks")  # fmt: skip
+                 "table_at", "standing", "class_at", "classified", "target", "ranks", "sizeless")  # fmt: skip
 
     def __init__(self, decision: Decision, held_for: AttentionProblem, allowed: tuple[Candidate, ...], target: Target):
         self.last = decision, held_for  # one tuple, swapped whole: a thread reads a decision with its sizes
@@ -110,6 +110,9 @@ class _Family:
         # per (size class, torch.distributed on): _failed (a signature reads no other size; failures recorded by
         # earlier processes are not read under torch.distributed, which a job may start after its first calls)
         self.failed: dict[tuple, dict] = {}
+        # per failures of a size class (id of a self.failed value, kept beside it): {candidate: its reasons} where its
+        # verdict reads no size (_judged_alike_at_every_size), so a draw at a new work class judges it once per class
+        self.sizeless: dict[int, tuple[dict, dict]] = {}
         # per (size class, rules table): the decision last drawn there at any work class, as ranking.decided holds
         # it, with the calibration it was drawn under and whether it settled a tie (_drawn_alike)
         self.drawn: dict[tuple, tuple] = {}
@@ -334,10 +337,15 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         _stand(family, key, held[0], held[2], sized=held[1], ranking=ranking, witness=held)
         return held[0]  # its candidates judged alike, in the same order, at the same prices: the same draw (logged)
     judged: dict[Candidate, tuple[str, ...]] = {}  # as judge() refuses them
+    sizeless = family.sizeless.get(id(failed))
+    if sizeless is None or sizeless[0] is not failed:
+        sizeless = family.sizeless[id(failed)] = (failed, {})
+    alike = sizeless[1]  # verdicts judged at another size of this class that read no size
 
     def serves(c: Candidate) -> bool:
         if c not in judged:
-            judged[c] = _reasons(c, problem, target, failed)
+            reasons = alike.get(c)
+            judged[c] = reasons if reasons is not None else _reasons(c, problem, target, failed)
         return not judged[c]
 
     predicted = ranking.predicted if ranking is not None else None
@@ -374,7 +382,11 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
             rental, earlier.carried_from or earlier.problem,
         )  # fmt: skip
         # the verdicts a packing's sizes can change
-        sized = tuple(v for v in decision.verdicts if not _judged_alike_at_every_size(v, problem, target, failed))
+        sized = tuple(
+            v for v in decision.verdicts
+            if v.candidate not in alike and not _judged_alike_at_every_size(v, problem, target, failed)
+        )  # fmt: skip
+        alike.update((v.candidate, v.reasons) for v in decision.verdicts if v not in sized)
         if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last
             debug.log_decision(decision)
     decided = ranking.decided = decision, sized, paid
