@@ -223,4 +223,5 @@ def test_excess_is_the_largest_multiple_of_a_bound_and_infinite_for_values_that_
     assert correctness.Judgement({"out": 1e-3, "dq": 6e-3}, {"out": 2e-3, "dq": 2e-3}).excess == pytest.approx(3.0)
     assert correctness.Judgement({"out": float("nan"), "dq": 0.0}, {"out": 1e-3, "dq": 1e-3}).excess == math.inf
     assert correctness.Judgement({"out": 1e-9}, {"out": 0.0}).excess == math.inf
+    assert correctness.Judgement({"out": float("nan")}, {"out": 0.0}).excess == math.inf
     assert correctness.Judgement({}, {}).excess == 0.0

@@ -535,3 +535,18 @@ def test_a_result_just_past_its_bound_is_refused_in_this_process_only(excess, la
     monkeypatch.setattr(failures, "_RECORDED", None)  # a later process: what the decision cache holds
     attnselect.clear_cache()
     assert (attnselect.select(problem).chosen != first) is lasting
+
+
+def test_a_slice_just_past_its_bound_does_not_stop_the_check_before_a_clearly_wrong_one(monkeypatch):
+    """How wrong a result is (whether it is recorded for later processes) is judged over every slice where the first
+    failures are just past their bound: a slice further on may be clearly wrong (FA4's 128/64 gradients were wrong in
+    one pair of a call)."""
+    q, k, v = dense_inputs(dtype=torch.float32, requires_grad=False)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v)
+    by_length = [correctness.slice_of(4, 4, 0, lengths=(n, n)) for n in (5, 6, 7)]  # three batches: unequal lengths
+    found = iter([1.2, 300.0, 0.5])
+    monkeypatch.setattr(correctness, "judge_slices",
+                        lambda layout, batch, *a, **kw: [correctness.Judgement({"dq": next(found) * 1e-3}, {"dq": 1e-3})
+                                                         for _ in batch])  # fmt: skip
+    judgement = self_check._judge_slices(problem, None, (None, None), q, k, v, None, {}, by_length, None)
+    assert judgement.excess == pytest.approx(300.0) and next(found) == 0.5  # the third was not judged: no need

@@ -204,8 +204,10 @@ class Judgement:
     def excess(self) -> float:
         """The largest multiple of its bound that a value's error reached (inf for an error that is not finite, or
         past a bound of 0)."""
-        ratios = (_ratio(err, self.bounds[name]) for name, err in self.errors.items())
-        return max((r if r == r else math.inf for r in ratios), default=0.0)  # NaN: not finite
+        ratios = (
+            _ratio(err, self.bounds[name]) if math.isfinite(err) else math.inf for name, err in self.errors.items()
+        )
+        return max((r if r == r else math.inf for r in ratios), default=0.0)  # a NaN bound: no bound
 
     def describe(self) -> str:
         return ", ".join(

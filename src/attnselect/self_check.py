@@ -181,8 +181,8 @@ def _judge_slices(problem, call, result, q, k, v, dout, grads, slices, dlse, rea
                 failed = failed or "ValueError: the naive reference is not finite: no bound to judge by"
                 continue
             judgement = one if judgement is None else judgement.worse(one)
-        if judgement is not None and not judgement.passed:  # wrong: no need to look further
-            break
+        if judgement is not None and judgement.excess >= CLEARLY_WRONG:  # clearly wrong: no need to look further
+            break  # (one just past its bound reads on: a slice further on may be clearly wrong)
     if judgement is None:
         raise ReferenceFailed(failed)
     return judgement

@@ -341,8 +341,9 @@ def test_predicted_packed_decisions_at_new_sizes_judge_no_candidate_again(tmp_pa
 
 
 def test_a_draw_at_a_new_work_class_judges_again_only_the_verdicts_that_read_sizes(tmp_path, monkeypatch):
-    """A packed family's verdicts that read no size (selection._judged_alike_at_every_size) are judged once per size
-    class: draws at its new work classes judge again only the others, and choose what select chooses there."""
+    """A candidate that serves a packed family by a verdict that reads no size (selection._judged_alike_at_every_size)
+    is judged once per size class: draws at its new work classes judge again only the others (a refusal too: its
+    reasons may name the sizes), and choose what select chooses there."""
     from attnselect.choose import selection
     from attnselect.spec.options import Verdict
 
@@ -361,10 +362,39 @@ def test_a_draw_at_a_new_work_class_judges_again_only_the_verdicts_that_read_siz
         draws += len(judged) > before
         fresh = attnselect.select(problem, target=target)
         assert (decision.chosen, decision.rental) == (fresh.chosen, fresh.rental), problem.describe()
-    sizeless = {c for c in judged if selection._judged_alike_at_every_size(Verdict(c, reasons(c, first, target, {})),
-                                                                           first, target, {})}  # fmt: skip
+    verdicts = {c: Verdict(c, reasons(c, first, target, {})) for c in judged}
+    alike = selection._judged_alike_at_every_size
+    sizeless = {c for c, v in verdicts.items() if v.supported and alike(v, first, target, {})}
     assert draws > 3 and sizeless and all(judged.count(c) == 1 for c in sizeless)
     assert any(judged.count(c) > 1 for c in set(judged) - sizeless)  # those that read sizes: at each draw
+
+
+def test_a_candidate_that_failed_at_one_size_class_serves_the_draws_of_another_alone(tmp_path, monkeypatch):
+    """What a family's draws keep of a verdict that reads no size is kept per size class (its failures): a candidate
+    that failed at run time at one size class is refused at new work classes there and still serves at another's,
+    as a fresh select decides."""
+    from attnselect.choose import first_calls, selection
+    from attnselect.choose.failures import mark_failed
+
+    target = _calibrated_h200(tmp_path, monkeypatch)
+    failing, other = _thd_training(18, 4000), _thd_training(18, 12000)
+    assert failing.size_class != other.size_class
+    chosen = Candidate("flash_attn4")  # it serves by a verdict that reads no size
+    first_calls.ran(chosen, failing)  # its compile paid: chosen where it is the fastest
+    mark_failed(failing, target, chosen, RuntimeError("broken"))
+    served = set()
+    try:
+        for tokens in range(4200, 40000, 1400):  # new work classes, the other size class's first
+            for base in (other, failing):
+                problem = dataclasses.replace(base, tokens=tokens + base.seqlen_q)
+                decision = selection.select_packed(problem, target=target)
+                fresh = attnselect.select(problem, target=target)
+                assert (decision.chosen, decision.rental) == (fresh.chosen, fresh.rental), problem.describe()
+                assert base is other or decision.chosen != chosen
+                served.add(decision.chosen == chosen)
+    finally:
+        first_calls.forget()
+    assert served == {True, False}
 
 
 def test_a_packed_call_of_other_tokens_at_the_same_sizes_is_predicted_at_its_own_work(tmp_path, monkeypatch):

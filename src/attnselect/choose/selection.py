@@ -110,8 +110,9 @@ class _Family:
         # per (size class, torch.distributed on): _failed (a signature reads no other size; failures recorded by
         # earlier processes are not read under torch.distributed, which a job may start after its first calls)
         self.failed: dict[tuple, dict] = {}
-        # per failures of a size class (id of a self.failed value, kept beside it): {candidate: its reasons} where its
-        # verdict reads no size (_judged_alike_at_every_size), so a draw at a new work class judges it once per class
+        # per failures of a size class (id of a self.failed value, kept beside it): {candidate: ()} where it serves and
+        # its verdict reads no size (_judged_alike_at_every_size), so a draw at a new work class judges it once per
+        # class (a refusal is judged again: its reasons may name the sizes)
         self.sizeless: dict[int, tuple[dict, dict]] = {}
         # per (size class, rules table): the decision last drawn there at any work class, as ranking.decided holds
         # it, with the calibration it was drawn under and whether it settled a tie (_drawn_alike)
@@ -340,7 +341,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     sizeless = family.sizeless.get(id(failed))
     if sizeless is None or sizeless[0] is not failed:
         sizeless = family.sizeless[id(failed)] = (failed, {})
-    alike = sizeless[1]  # verdicts judged at another size of this class that read no size
+    alike = sizeless[1]  # candidates that served at another size of this class, by verdicts that read no size
 
     def serves(c: Candidate) -> bool:
         if c not in judged:
@@ -386,7 +387,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
             v for v in decision.verdicts
             if v.candidate not in alike and not _judged_alike_at_every_size(v, problem, target, failed)
         )  # fmt: skip
-        alike.update((v.candidate, v.reasons) for v in decision.verdicts if v not in sized)
+        alike.update((v.candidate, ()) for v in decision.verdicts if v.supported and v not in sized)
         if decision.chosen != earlier.chosen or decision.rental != earlier.rental:  # another choice than the last
             debug.log_decision(decision)
     decided = ranking.decided = decision, sized, paid
