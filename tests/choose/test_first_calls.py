@@ -892,3 +892,26 @@ def test_a_memoized_decision_is_the_one_a_fresh_selection_makes_through_random_p
             if first_calls.rent(decision.rental, first_calls.rent_key(decision.rental, problem)):
                 attnselect.clear_cache()
         assert _memoized(problem, target) == _fresh(problem, target), (step, problem.describe())
+
+
+def test_a_captured_call_the_table_ranks_keeps_what_its_eager_warm_up_ran(monkeypatch):
+    """Where the rules table ranks a captured call (no calibration holds: an H100), the candidates that have run the
+    call eagerly in this process come first, as a calibrated captured call keeps its warm-up's (a first call would
+    build inside the capture: sdpa_cudnn's cuDNN graph build failed there on an H100); explain says so. Nothing run
+    yet: the table's order."""
+    from attnselect.spec.target import Target
+
+    h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0"}, torch_version="2.11.0+cu130",
+                         cudnn_version="9.19.0")  # fmt: skip
+    eager = AttentionProblem(2, 256, 256, 8, 8, 192, 128, mask="causal", dtype=torch.bfloat16)
+    captured = dataclasses.replace(eager, cuda_graph_capture=True)
+    table = attnselect.select(captured, target=h100)
+    warmed = attnselect.select(eager, target=h100).chosen
+    assert table.chosen != warmed and table.predictions is None  # the tables differ: host-bound eagerly, not captured
+    first_calls.ran(warmed, eager)
+    attnselect.clear_cache()
+    kept = attnselect.select(captured, target=h100)
+    assert kept.chosen == warmed and set(kept.ranked) == set(table.ranked)
+    assert "a captured call keeps what its warm-up ran" in kept.why and str(table.chosen) in kept.why
+    other = dataclasses.replace(captured, seqlen_q=300, seqlen_kv=300)  # another shape: not run there
+    assert attnselect.select(other, target=h100).chosen == table.chosen

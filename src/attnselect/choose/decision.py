@@ -65,6 +65,14 @@ class Decision:
                     else ""
                 )
             )
+        if self.problem.cuda_graph_capture and not self.predictions and not self.timings:
+            first = rules.rank(self.verdicts, self.problem, self.target)
+            if first and first[0] != self.chosen:  # first_calls.ran_first
+                because = (
+                    f"it ran this call eagerly in this process and {first[0]}, first in the {self.policy} table for "
+                    f"{' '.join(key)}, has not: a captured call keeps what its warm-up ran (a first call would build "
+                    "or compile inside the capture)"
+                )
         if self.timings:
             timed = {c: t for c, t in self.timings.items() if t is not None}
             fastest = min(timed, key=lambda c: timed[c].median_ms)

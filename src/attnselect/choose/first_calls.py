@@ -193,6 +193,21 @@ def _towards(
     return Rental(other, deferred, calls, ms, lost, shape, own_ms, own_shape, drawn_owed, at, costs)
 
 
+def ran_first(ranked: tuple[Candidate, ...], problem: AttentionProblem) -> tuple[Candidate, ...]:
+    """``ranked`` with the candidates that have run ``problem``'s configuration in this process (a dense call's shape
+    too) first, each part in its order: what a captured call that the rules table ranks keeps, as a calibrated one
+    keeps the candidate its eager warm-up ran (:func:`drawn_rental`). A first call inside a capture builds or compiles
+    there, and cuDNN's graph build cannot: sdpa_cudnn's first call of a shape under capture raised
+    CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED and invalidated the capture on an H100, where the eager
+    warm-up had run sdpa_efficient (results/h100_pytest_api_captured_alone_cc0895f.txt)."""
+    configuration = _configuration(problem)
+    shape = None if problem.layout == "thd" else _shape(problem)
+    warm = tuple(
+        c for c in ranked if (c, configuration) in _RAN and (shape is None or _paid((c, configuration, shape)))
+    )
+    return (*warm, *(c for c in ranked if c not in warm)) if warm else ranked
+
+
 def owed(candidate: Candidate, costs: dict, problem: AttentionProblem) -> tuple[float, bool] | None:
     """What ``candidate`` would pay on its first call of ``problem`` in this process by ``costs`` (a calibration's
     ``first_call_ms`` and ``new_size_ms``), ms, and whether for the shape; None where nothing is left to pay, or

@@ -303,7 +303,9 @@ PREFERENCES[("sm90", "training", "thd", "small pack")] = (
 # (results/h100_pack_crossover_128_52052c5.md) the small-pack refinements alone lost 2.0% and 13.3%, 10.7% and 15.7%,
 # this one 1.5% and 2.7%, 4.0% and 9.0%; at 64/64 there (results/h100_pack_crossover_64_52052c5.md) 5.8% and 36.2%,
 # 2.5% and 18.7% against 2.0% and 6.0%, 4.1% and 5.2% (the bounds were fitted on those packings: the later runs drew
-# the same seeds, so they test the machine and the head dim, not the packings). The size ladder agrees where
+# the same seeds, so they test the machine and the head dim, not the packings). On packings drawn apart (seeds from 101,
+# results/h100_pack_crossover_128_seeds101_cc0895f.md) this one lost 0.7% and 9.3%, 1.3% and 10.7%: alone, more than
+# fitted, and still under a third of the small-pack refinements' loss. The size ladder agrees where
 # the two kernels are far apart: at 8192 tokens, training, varlen_fa2 took 1.1548 ms a call alone and 0.9731 in a stack
 # against the frontend's 1.9831 and 1.5795 (results/h100_ladder_packed_128_training_50926a7_fa4.md). FA4 stays first
 # (it led those rungs where installed); under capture a graph replays without host time, and the general order stands.

@@ -594,6 +594,8 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
         ranked, timings = measure.measured(problem, target, ranked)
     elif predicted is not None and overrides.backend is None:  # a compile to pay first (attnselect.choose.first_calls)
         rental = first_calls.rental(ranked, predicted, costs, problem)
+    elif problem.cuda_graph_capture and overrides.backend is None:  # the table ranks it: what the warm-up ran first
+        ranked = first_calls.ran_first(ranked, problem)
     return Decision(
         problem, target, overrides.policy, overrides, rental.chosen if rental else ranked[0], ranked, verdicts,
         timings, predicted, calibration, rental,
