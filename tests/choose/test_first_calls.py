@@ -915,3 +915,50 @@ def test_a_captured_call_the_table_ranks_keeps_what_its_eager_warm_up_ran(monkey
     assert "a captured call keeps what its warm-up ran" in kept.why and str(table.chosen) in kept.why
     other = dataclasses.replace(captured, seqlen_q=300, seqlen_kv=300)  # another shape: not run there
     assert attnselect.select(other, target=h100).chosen == table.chosen
+
+
+H100_TABLES = dict(torch_version="2.11.0+cu130", cudnn_version="9.19.0")  # no calibration holds: the tables rank
+
+
+def test_what_a_captured_call_keeps_leaves_eager_calls_alone_and_is_said_only_where_it_moved_the_choice():
+    from attnselect.spec.target import Target
+
+    h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0"}, **H100_TABLES)
+    eager = AttentionProblem(2, 256, 256, 8, 8, 192, 128, mask="causal", dtype=torch.bfloat16)
+    captured = dataclasses.replace(eager, cuda_graph_capture=True)
+    eager_first, table_first = (attnselect.select(p, target=h100).chosen for p in (eager, captured))
+    first_calls.ran(table_first, eager)  # the capture table's first has run the call: nothing to move
+    assert attnselect.select(eager, target=h100).chosen == eager_first  # no cache cleared: the run is noticed
+    kept = attnselect.select(captured, target=h100)
+    assert kept.chosen == table_first and "keeps what its warm-up ran" not in kept.why
+
+
+def test_a_captured_decision_made_before_the_warm_up_is_made_again_once_it_ran():
+    """explain() of the captured call before the warm-up memoizes its decision: the warm-up's run (as attention()
+    records it, no cache cleared) makes the captured call decide again."""
+    from attnselect.spec.target import Target
+
+    h100 = Target.preset("h100", packages={"nvidia-cudnn-frontend": "1.32.0"}, **H100_TABLES)
+    eager = AttentionProblem(2, 256, 256, 8, 8, 192, 128, mask="causal", dtype=torch.bfloat16)
+    captured = dataclasses.replace(eager, cuda_graph_capture=True)
+    before = attnselect.select(captured, target=h100).chosen
+    warmed = attnselect.select(eager, target=h100).chosen
+    assert before != warmed
+    first_calls.ran(warmed, eager)
+    assert attnselect.select(captured, target=h100).chosen == warmed
+
+
+def test_a_captured_packed_family_keeps_what_its_warm_up_ran_at_every_packing():
+    from attnselect.choose.selection import select_packed
+    from attnselect.spec.target import Target
+
+    h100 = Target.preset("h100", packages={"flash-attn": "2.8.3", "flash-attn-4": "4.0.0b36"}, **H100_TABLES)
+    eager = AttentionProblem(4, 100, 100, 8, 8, 128, 128, layout="thd", mask="causal", tokens=160,
+                             dtype=torch.bfloat16)  # fmt: skip
+    captured = dataclasses.replace(eager, cuda_graph_capture=True)
+    warmed = select_packed(eager, target=h100).chosen
+    assert select_packed(captured, target=h100).chosen != warmed  # the capture table's first, before the warm-up ran
+    first_calls.ran(warmed, eager)
+    assert select_packed(captured, target=h100).chosen == warmed
+    other = dataclasses.replace(captured, batch=3, seqlen_q=90, seqlen_kv=90, tokens=150)  # a new packing
+    assert select_packed(other, target=h100).chosen == warmed

@@ -3,7 +3,7 @@ prints, and the message when no candidate serves."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from attnselect.choose import calibration, first_calls, rules
 from attnselect.choose.first_calls import Rental
@@ -33,6 +33,8 @@ class Decision:
     # select_packed's decision at other sizes that this one was carried from: ranked and verdicts hold only the
     # candidates judged until the choice settled (explain and select judge them all)
     carried_from: AttentionProblem | None = None
+    # first_calls.state() where first_calls.ran_first ordered it (a captured call the table ranks); None otherwise
+    ran_at: tuple | None = field(default=None, compare=False)
 
     @property
     def why(self) -> str:
@@ -65,13 +67,15 @@ class Decision:
                     else ""
                 )
             )
-        if self.problem.cuda_graph_capture and not self.predictions and not self.timings:
+        kept = False  # first_calls.ran_first put a candidate that has run the call before the table's first
+        if self.ran_at is not None:
             first = rules.rank(self.verdicts, self.problem, self.target)
-            if first and first[0] != self.chosen:  # first_calls.ran_first
+            kept = bool(first) and first[0] != self.chosen
+            if kept:
                 because = (
-                    f"it ran this call eagerly in this process and {first[0]}, first in the {self.policy} table for "
-                    f"{' '.join(key)}, has not: a captured call keeps what its warm-up ran (a first call would build "
-                    "or compile inside the capture)"
+                    f"it has run this call (its configuration) in this process and {first[0]}, first in the "
+                    f"{self.policy} table for {' '.join(key)}, has not: a captured call keeps what its warm-up ran (a "
+                    "first call would build or compile inside the capture)"
                 )
         if self.timings:
             timed = {c: t for c, t in self.timings.items() if t is not None}
@@ -91,7 +95,7 @@ class Decision:
             return f"running {self.chosen.backend}, {how}, because {because}"
         if self.overrides.pad != "auto" and self.problem.pad_target is not None:
             because += f"; the caller set pad={self.overrides.pad!r}"
-        elif self.rental is not None:  # the rental says why this candidate, padded or not, runs meanwhile
+        elif self.rental is not None or kept:  # the rental, or the warm-up, says why this candidate runs
             pass
         elif self.chosen.padded:
             because += (

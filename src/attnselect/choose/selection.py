@@ -65,6 +65,8 @@ def select(
         decision, key = None, None
     if decision is not None and decision.rental is not None and first_calls.settled(decision.rental, problem):
         decision = None  # what it rented around has been paid since (a forced call, warmup, another size's choice)
+    elif decision is not None and decision.ran_at is not None and _ran_changed(decision):
+        decision = None  # a captured call the table ranks: a candidate has run it since (first_calls.ran_first)
     if decision is None:
         # Settings read only on some paths fail on every call alike: before anything is decided or memoized.
         debug.debug_level()
@@ -255,7 +257,9 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     decision = made = None
     if family is not None:
         earlier, held_for = family.last
-        settled = earlier.rental is not None and first_calls.settled(earlier.rental, problem)
+        settled = (earlier.rental is not None and first_calls.settled(earlier.rental, problem)) or (
+            earlier.ran_at is not None and _ran_changed(earlier)
+        )
         if _same_sizes(problem, held_for) and not settled:  # the key holds every other field
             decision = earlier
         elif earlier.policy == "rules":
@@ -354,7 +358,11 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         predicted = None
     if not predicted or not any(predicted.values()):  # the table ranks it: the decision last made under its table
         standing = family.by_table.get(key[3])
-        if standing is None or not _still_stands(standing[1], failed, serves):
+        if (
+            standing is None
+            or not _still_stands(standing[1], failed, serves)
+            or (standing[0].ran_at is not None and _ran_changed(standing[0]))
+        ):
             return None
         if ranking is None:  # else whether the table ranks it read the unranked candidates' verdicts at these sizes
             _stand(family, key, standing[0], first_calls.paid_state(), checks=standing[1], witness=standing)
@@ -588,15 +596,23 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
     if not ranked:
         error = ForcedChoiceError if overrides.backend or overrides.pad != "auto" else NoSupportedCandidateError
         raise error(no_candidate_message(problem, target, verdicts, overrides))
-    timings, rental = None, None
+    timings, rental, ran_at = None, None, None
     # Under torch.distributed every rank enters the measurement (and its broadcast), whatever it has left.
     if overrides.policy == "measure" and (len(ranked) > 1 or is_distributed()):
         ranked, timings = measure.measured(problem, target, ranked)
     elif predicted is not None and overrides.backend is None:  # a compile to pay first (attnselect.choose.first_calls)
         rental = first_calls.rental(ranked, predicted, costs, problem)
-    elif problem.cuda_graph_capture and overrides.backend is None:  # the table ranks it: what the warm-up ran first
+    if problem.cuda_graph_capture and overrides.backend is None and predicted is None and timings is None:
+        ran_at = first_calls.state()  # the table ranks it (no measurement either): what the warm-up ran first
         ranked = first_calls.ran_first(ranked, problem)
     return Decision(
         problem, target, overrides.policy, overrides, rental.chosen if rental else ranked[0], ranked, verdicts,
-        timings, predicted, calibration, rental,
+        timings, predicted, calibration, rental, ran_at=ran_at,
     )  # fmt: skip
+
+
+def _ran_changed(decision: Decision) -> bool:
+    """Whether what first_calls.ran_first read for ``decision`` may have changed: the configurations run (packed), and
+    the shapes too (dense)."""
+    now = first_calls.state()
+    return now[0] != decision.ran_at[0] or (decision.problem.layout != "thd" and now[1] != decision.ran_at[1])
