@@ -195,8 +195,8 @@ def _towards(
 
 def ran_first(ranked: tuple[Candidate, ...], problem: AttentionProblem) -> tuple[Candidate, ...]:
     """``ranked`` with the candidates that have run ``problem``'s configuration in this process (a dense call's shape
-    too) first, each part in its order: what a captured call that the rules table ranks keeps, as a calibrated one
-    keeps the candidate its eager warm-up ran (:func:`drawn_rental`). A first call inside a capture builds or compiles
+    too) first, each part in its order: what a captured call that the rules table ranks keeps (a calibrated one rents
+    around a candidate that has not run: :func:`drawn_rental`). A first call inside a capture builds or compiles
     there, and cuDNN's graph build cannot: sdpa_cudnn's first call of a shape under capture raised
     CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED and invalidated the capture on an H100, where the eager
     warm-up had run sdpa_efficient (results/h100_pytest_api_captured_alone_cc0895f.txt)."""
