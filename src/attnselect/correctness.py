@@ -204,10 +204,12 @@ class Judgement:
     def excess(self) -> float:
         """The largest multiple of its bound that a value's error reached (inf for an error that is not finite, or
         past a bound of 0)."""
-        ratios = (
-            _ratio(err, self.bounds[name]) if math.isfinite(err) else math.inf for name, err in self.errors.items()
-        )
-        return max((r if r == r else math.inf for r in ratios), default=0.0)  # a NaN bound: no bound
+        bounds = self.bounds  # a NaN bound is no bound
+        return max(
+            (_ratio(err, bounds[n]) if math.isfinite(err) and bounds[n] == bounds[n] else math.inf
+             for n, err in self.errors.items()),
+            default=0.0,
+        )  # fmt: skip
 
     def describe(self) -> str:
         return ", ".join(

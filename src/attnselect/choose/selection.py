@@ -63,10 +63,8 @@ def select(
         decision = _MEMO.get(key)
     except TypeError:  # an unhashable control: resolve() names it
         decision, key = None, None
-    if decision is not None and decision.rental is not None and first_calls.settled(decision.rental, problem):
-        decision = None  # what it rented around has been paid since (a forced call, warmup, another size's choice)
-    elif decision is not None and decision.ran_at is not None and _ran_changed(decision):
-        decision = None  # a captured call the table ranks: a candidate has run it since (first_calls.ran_first)
+    if decision is not None and _outdated(decision, problem):
+        decision = None
     if decision is None:
         # Settings read only on some paths fail on every call alike: before anything is decided or memoized.
         debug.debug_level()
@@ -112,10 +110,10 @@ class _Family:
         # per (size class, torch.distributed on): _failed (a signature reads no other size; failures recorded by
         # earlier processes are not read under torch.distributed, which a job may start after its first calls)
         self.failed: dict[tuple, dict] = {}
-        # per failures of a size class (id of a self.failed value, kept beside it): {candidate: ()} where it serves and
-        # its verdict reads no size (_judged_alike_at_every_size), so a draw at a new work class judges it once per
-        # class (a refusal is judged again: its reasons may name the sizes)
-        self.sizeless: dict[int, tuple[dict, dict]] = {}
+        # per key of self.failed: {candidate: ()} where it serves by a verdict that reads no size
+        # (_judged_alike_at_every_size), so a draw at a new work class judges it once per size class (a refusal is
+        # judged again: its reasons may name the sizes)
+        self.sizeless: dict[tuple, dict] = {}
         # per (size class, rules table): the decision last drawn there at any work class, as ranking.decided holds
         # it, with the calibration it was drawn under and whether it settled a tie (_drawn_alike)
         self.drawn: dict[tuple, tuple] = {}
@@ -178,6 +176,7 @@ class _Family:
         failed = self.failed.get(key)
         if failed is None:
             failed = self.failed[key] = _failed(problem, target)
+            self.sizeless[key] = {}  # what it judged alike at every size read these failures
         return failed
 
 
@@ -257,10 +256,7 @@ def select_packed(problem: AttentionProblem, *, target: Target, backend=None, pa
     decision = made = None
     if family is not None:
         earlier, held_for = family.last
-        settled = (earlier.rental is not None and first_calls.settled(earlier.rental, problem)) or (
-            earlier.ran_at is not None and _ran_changed(earlier)
-        )
-        if _same_sizes(problem, held_for) and not settled:  # the key holds every other field
+        if _same_sizes(problem, held_for) and not _outdated(earlier, problem):  # the key holds every other field
             decision = earlier
         elif earlier.policy == "rules":
             decision = _carried(family, earlier, problem, target)
@@ -342,10 +338,10 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         _stand(family, key, held[0], held[2], sized=held[1], ranking=ranking, witness=held)
         return held[0]  # its candidates judged alike, in the same order, at the same prices: the same draw (logged)
     judged: dict[Candidate, tuple[str, ...]] = {}  # as judge() refuses them
-    sizeless = family.sizeless.get(id(failed))
-    if sizeless is None or sizeless[0] is not failed:
-        sizeless = family.sizeless[id(failed)] = (failed, {})
-    alike = sizeless[1]  # candidates that served at another size of this class, by verdicts that read no size
+    # candidates that served at another size of this class, by verdicts that read no size (under these failures: a
+    # ranking made before torch.distributed started holds the others)
+    at = (problem.size_class, is_distributed())
+    alike = family.sizeless[at] if family.failed.get(at) is failed else {}
 
     def serves(c: Candidate) -> bool:
         if c not in judged:
@@ -358,11 +354,7 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
         predicted = None
     if not predicted or not any(predicted.values()):  # the table ranks it: the decision last made under its table
         standing = family.by_table.get(key[3])
-        if (
-            standing is None
-            or not _still_stands(standing[1], failed, serves)
-            or (standing[0].ran_at is not None and _ran_changed(standing[0]))
-        ):
+        if standing is None or not _still_stands(standing[1], failed, serves) or _outdated(standing[0], problem):
             return None
         if ranking is None:  # else whether the table ranks it read the unranked candidates' verdicts at these sizes
             _stand(family, key, standing[0], first_calls.paid_state(), checks=standing[1], witness=standing)
@@ -611,8 +603,13 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
     )  # fmt: skip
 
 
-def _ran_changed(decision: Decision) -> bool:
-    """Whether what first_calls.ran_first read for ``decision`` may have changed: the configurations run (packed), and
-    the shapes too (dense)."""
+def _outdated(decision: Decision, problem: AttentionProblem) -> bool:
+    """Whether a memoized ``decision`` for ``problem`` is to be made again: what it rented around has been paid since
+    (a forced call, warmup, another size's choice), or, for a captured call the table ranks, a candidate may have run
+    the call since (what first_calls.ran_first read: the configurations run and, dense, the shapes)."""
+    if decision.rental is not None:
+        return first_calls.settled(decision.rental, problem)
+    if decision.ran_at is None:
+        return False
     now = first_calls.state()
     return now[0] != decision.ran_at[0] or (decision.problem.layout != "thd" and now[1] != decision.ran_at[1])
