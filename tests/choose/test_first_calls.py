@@ -962,3 +962,31 @@ def test_a_captured_packed_family_keeps_what_its_warm_up_ran_at_every_packing():
     assert select_packed(captured, target=h100).chosen == warmed
     other = dataclasses.replace(captured, batch=3, seqlen_q=90, seqlen_kv=90, tokens=150)  # a new packing
     assert select_packed(other, target=h100).chosen == warmed
+
+
+def test_a_captured_call_the_calibration_ranks_keeps_what_its_eager_warm_up_ran():
+    """On the packaged H200 calibration a captured 192/128 B2 S1024 inference call, its eager warm-up run, kept the
+    fastest candidate with nothing to compile (sdpa_flash padded to 192), one its warm-up had not run and the
+    self-check had not checked, while the rental's text said its warm-up ran it: now the candidate the warm-up ran
+    comes first, by prediction as by the table, dense and packed, and explain says so."""
+    from attnselect.choose.selection import select_packed
+
+    h200 = _packaged_h200()
+    eager = AttentionProblem(2, 1024, 1024, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16)
+    captured = dataclasses.replace(eager, cuda_graph_capture=True)
+    before = attnselect.select(captured, target=h200)
+    assert before.predictions is not None and before.rental.calls == 0  # nothing has run: no warm-up's to keep
+    assert "as its eager warm-up ran" not in before.why and "which has no such first call to pay" in before.why
+    warmed = attnselect.select(eager, target=h200).chosen
+    assert warmed != before.chosen
+    first_calls.ran(warmed, eager)  # as attention() records its eager call: no cache cleared
+    kept = attnselect.select(captured, target=h200)
+    assert kept.chosen == warmed and kept.rental is None
+    assert "a captured call keeps what its warm-up ran" in kept.why and "predicted fastest" in kept.why
+    packed = AttentionProblem(4, 700, 700, 16, 16, 192, 128, layout="thd", mask="causal", tokens=2048,
+                              training=True, dtype=torch.bfloat16)  # fmt: skip
+    taken = select_packed(packed, target=h200).chosen
+    first_calls.ran(taken, packed)
+    for batch, length in ((4, 700), (3, 900)):  # the warm-up's packing, then a new one
+        sizes = dict(batch=batch, seqlen_q=length, seqlen_kv=length, cuda_graph_capture=True)
+        assert select_packed(dataclasses.replace(packed, **sizes), target=h200).chosen == taken

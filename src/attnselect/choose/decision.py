@@ -33,7 +33,7 @@ class Decision:
     # select_packed's decision at other sizes that this one was carried from: ranked and verdicts hold only the
     # candidates judged until the choice settled (explain and select judge them all)
     carried_from: AttentionProblem | None = None
-    # first_calls.state() where first_calls.ran_first ordered it (a captured call the table ranks); None otherwise
+    # first_calls.state() where first_calls.ran_first ordered it (a captured call); None otherwise
     ran_at: tuple | None = field(default=None, compare=False)
 
     @property
@@ -67,15 +67,20 @@ class Decision:
                     else ""
                 )
             )
-        kept = False  # first_calls.ran_first put a candidate that has run the call before the table's first
+        kept = False  # first_calls.ran_first put a candidate that has run the call before the ranking's first
         if self.ran_at is not None:
-            first = rules.rank(self.verdicts, self.problem, self.target)
+            first = rules.rank(self.verdicts, self.problem, self.target, self.predictions)
             kept = bool(first) and first[0] != self.chosen
             if kept:
+                ranks = (
+                    f"predicted fastest (calibration {self.calibration})"
+                    if self.predictions and self.predictions.get(first[0]) is not None
+                    else f"first in the {self.policy} table for {' '.join(key)}"
+                )
                 because = (
-                    f"it has run this call (its configuration) in this process and {first[0]}, first in the "
-                    f"{self.policy} table for {' '.join(key)}, has not: a captured call keeps what its warm-up ran (a "
-                    "first call would build or compile inside the capture)"
+                    f"it has run this call (its configuration) in this process and {first[0]}, {ranks}, has not: a "
+                    "captured call keeps what its warm-up ran (a first call would build or compile inside the "
+                    "capture, where the self-check does not look)"
                 )
         if self.timings:
             timed = {c: t for c, t in self.timings.items() if t is not None}

@@ -108,8 +108,8 @@ class Rental:
             head += f"every candidate has a first call to pay, {self.chosen}'s the least (about {least}): "
         if not self.calls:
             return head + (
-                f"this captured or compiled call keeps {self.chosen}, as its eager warm-up ran (warmup() runs "
-                f"{self.deferred} first)"
+                f"this captured or compiled call keeps {self.chosen}, which has no such first call to pay, for the "
+                f"graph's life ({self.deferred}'s would compile inside the graph, unchecked; warmup() runs it first)"
             )
         return head + (
             f"{self.chosen} runs until that much time is lost, {self.calls} calls, then {self.deferred} (rent until "
@@ -125,9 +125,10 @@ def rental(ranked: tuple[Candidate, ...], predicted: dict, costs: dict, problem:
     """The rental where ``ranked[0]`` (ranked by ``predicted`` time) has a first call still to pay for ``problem``
     in this process (``costs``: a calibration's ``first_call_ms`` and ``new_size_ms``) and a candidate with none
     serves, or, where every calibrated one has a price, a candidate with a lower price than its; None otherwise
-    (choose ``ranked[0]``). A captured or compiled call whose fastest candidate is unpaid keeps
-    the candidate its eager warm-up ran (``calls`` 0): it would otherwise compile inside the capture, unchecked
-    (attnselect.self_check checks eager calls)."""
+    (choose ``ranked[0]``). A captured or compiled call whose fastest candidate has not run keeps the fastest with
+    nothing to pay (``calls`` 0): the fastest would otherwise compile inside the graph, unchecked
+    (attnselect.self_check checks eager calls); a captured call's ranking has what its eager warm-up ran first
+    (:func:`ran_first`)."""
     return drawn_rental(iter(ranked), predicted, costs, problem)[1]
 
 
@@ -195,9 +196,10 @@ def _towards(
 
 def ran_first(ranked: tuple[Candidate, ...], problem: AttentionProblem) -> tuple[Candidate, ...]:
     """``ranked`` with the candidates that have run ``problem``'s configuration in this process (a dense call's shape
-    too) first, each part in its order: what a captured call that the rules table ranks keeps (a calibrated one rents
-    around a candidate that has not run: :func:`drawn_rental`). A first call inside a capture builds or compiles
-    there, and cuDNN's graph build cannot: sdpa_cudnn's first call of a shape under capture raised
+    too) first, each part in its order: what a captured call keeps, ranked by the rules table or by predicted time
+    (where none has run, a calibrated one rents around a candidate with a first call to pay: :func:`drawn_rental`).
+    A first call inside a capture builds or compiles there, unchecked by the self-check (which checks eager calls),
+    and cuDNN's graph build cannot: sdpa_cudnn's first call of a shape under capture raised
     CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED and invalidated the capture on an H100, where the eager
     warm-up had run sdpa_efficient (results/h100_pytest_api_captured_alone_cc0895f.txt)."""
     configuration = _configuration(problem)

@@ -326,6 +326,8 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     sizes."""
     found, source, _ = family.calibration  # whether it covers the call: in key[0] (_Family.ranks, classify)
     key = family.classify(problem)
+    if key[0] and problem.cuda_graph_capture:  # select() puts what its eager warm-up ran first (_decide)
+        return None
     ranking = None
     if key[0]:  # a calibration ranks it: not calibration.outside
         ranking = _ranking(family, key, problem, target, found)
@@ -592,11 +594,12 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
     # Under torch.distributed every rank enters the measurement (and its broadcast), whatever it has left.
     if overrides.policy == "measure" and (len(ranked) > 1 or is_distributed()):
         ranked, timings = measure.measured(problem, target, ranked)
-    elif predicted is not None and overrides.backend is None:  # a compile to pay first (attnselect.choose.first_calls)
-        rental = first_calls.rental(ranked, predicted, costs, problem)
-    if problem.cuda_graph_capture and overrides.backend is None and predicted is None and timings is None:
-        ran_at = first_calls.state()  # the table ranks it (no measurement either): what the warm-up ran first
-        ranked = first_calls.ran_first(ranked, problem)
+    elif overrides.backend is None:
+        if problem.cuda_graph_capture:  # what its eager warm-up ran first, by the table or the calibration
+            ran_at = first_calls.state()
+            ranked = first_calls.ran_first(ranked, problem)
+        if predicted is not None:  # a compile to pay first (attnselect.choose.first_calls)
+            rental = first_calls.rental(ranked, predicted, costs, problem)
     return Decision(
         problem, target, overrides.policy, overrides, rental.chosen if rental else ranked[0], ranked, verdicts,
         timings, predicted, calibration, rental, ran_at=ran_at,
@@ -605,10 +608,10 @@ def _decide(problem: AttentionProblem, target: Target, overrides: settings.Overr
 
 def _outdated(decision: Decision, problem: AttentionProblem) -> bool:
     """Whether a memoized ``decision`` for ``problem`` is to be made again: what it rented around has been paid since
-    (a forced call, warmup, another size's choice), or, for a captured call the table ranks, a candidate may have run
-    the call since (what first_calls.ran_first read: the configurations run and, dense, the shapes)."""
-    if decision.rental is not None:
-        return first_calls.settled(decision.rental, problem)
+    (a forced call, warmup, another size's choice), or, for a captured call, a candidate may have run the call since
+    (what first_calls.ran_first read: the configurations run and, dense, the shapes)."""
+    if decision.rental is not None and first_calls.settled(decision.rental, problem):
+        return True
     if decision.ran_at is None:
         return False
     now = first_calls.state()
