@@ -990,3 +990,55 @@ def test_a_captured_call_the_calibration_ranks_keeps_what_its_eager_warm_up_ran(
     for batch, length in ((4, 700), (3, 900)):  # the warm-up's packing, then a new one
         sizes = dict(batch=batch, seqlen_q=length, seqlen_kv=length, cuda_graph_capture=True)
         assert select_packed(dataclasses.replace(packed, **sizes), target=h200).chosen == taken
+
+
+def test_a_draw_whose_first_none_could_rent_around_draws_no_other():
+    """Where every candidate that may still serve has a price no lower than the first's (none free), the first is
+    kept with no rental whichever of them serve, so drawing on (judging each) is skipped; a cheaper or a free one
+    in the pool draws on, as the whole ranking would. Prices as the packaged H200's, MLA packed training without
+    FA4."""
+    from attnselect.choose.predict import Prediction
+
+    padded, frontend = Candidate("varlen_fa2", 192), Candidate("cudnn_frontend")
+    predicted = {padded: Prediction(1.0, 3000.0, "test"), frontend: Prediction(1.0, 4000.0, "test")}
+    packed = LARGE._with(layout="thd")
+    costs = {"first_call_ms": {"cudnn_frontend": 2718.0, "varlen_fa2": 71.8}}
+    drawn = []
+
+    def ranking():
+        for c in (padded, frontend):
+            drawn.append(c)
+            yield c
+
+    assert first_calls.drawn_rental(ranking(), predicted, costs, packed, pool=(frontend,)) == ((padded,), None)
+    assert drawn == [padded]
+    assert first_calls.drawn_rental(iter((padded, frontend)), predicted, costs, packed) == ((padded, frontend), None)
+    cheaper = {"first_call_ms": {"cudnn_frontend": 60.0, "varlen_fa2": 71.8}}
+    free = {"first_call_ms": {"varlen_fa2": 71.8}}
+    for prices in (cheaper, free):
+        ranked, rental = first_calls.drawn_rental(iter((padded, frontend)), predicted, prices, packed, pool=(frontend,))
+        assert ranked == (padded, frontend) and (rental.chosen, rental.deferred) == (frontend, padded)
+    captured = packed._with(cuda_graph_capture=True)  # keeps the fastest where all have a price: the cheaper reads not
+    assert first_calls.drawn_rental(iter((padded, frontend)), predicted, cheaper, captured, pool=(frontend,)) == (
+        (padded,), None)  # fmt: skip
+
+
+def test_a_packed_family_whose_choice_none_could_rent_around_judges_only_up_to_it():
+    """The packaged H200 without FA4, MLA packed training at the ladder's 2048 tokens: varlen_fa2 padded to 192 is
+    predicted fastest and has the least price of all, so a new packing judges the candidates up to it only (it judged
+    every candidate before: 110.8 us of host time a new packing on the development VM, 19.6 after); the choice is
+    select()'s."""
+    from attnselect.choose.selection import select_packed
+
+    h200 = attnselect.Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"}, **H100_TABLES)
+    calibration.user_path(h200).unlink(missing_ok=True)
+    calibration._parsed.cache_clear()
+    packed = AttentionProblem(4, 700, 700, 16, 16, 192, 128, layout="thd", mask="causal", tokens=2048,
+                              training=True, dtype=torch.bfloat16)  # fmt: skip
+    select_packed(packed, target=h200)
+    for batch, length in ((3, 900), (6, 500), (9, 400)):
+        other = dataclasses.replace(packed, batch=batch, seqlen_q=length, seqlen_kv=length)
+        decision = select_packed(other, target=h200)
+        assert decision.ranked == (Candidate("varlen_fa2", 192),) and decision.rental is None
+        assert len(decision.verdicts) < len(attnselect.select(other, target=h200).verdicts)
+        assert attnselect.select(other, target=h200).chosen == decision.chosen

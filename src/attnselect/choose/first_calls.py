@@ -39,7 +39,7 @@ rebuilds per packing after those that do not).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from attnselect.choose import calibration
@@ -133,10 +133,13 @@ def rental(ranked: tuple[Candidate, ...], predicted: dict, costs: dict, problem:
 
 
 def drawn_rental(
-    ranking: Iterator[Candidate], predicted: dict, costs: dict, problem: AttentionProblem
-) -> tuple[tuple[Candidate, ...], Rental | None]:
+    ranking: Iterator[Candidate], predicted: dict, costs: dict, problem: AttentionProblem,
+    pool: Iterable[Candidate] | None = None,
+) -> tuple[tuple[Candidate, ...], Rental | None]:  # fmt: skip
     """:func:`rental` of the ranking ``ranking`` yields, drawing from it only as far as the rental needs: the
-    candidates drawn (the ranking's head) and the rental."""
+    candidates drawn (the ranking's head) and the rental. ``pool``, where known: the candidates the ranking may yield
+    after its first (read once that one is drawn); where none of them could make a rental out of the first
+    (:func:`_none_rents`), no other is drawn (drawing judges a candidate)."""
     best = next(ranking, None)
     if best is None:
         return (), None
@@ -144,6 +147,8 @@ def drawn_rental(
     keys: list = []  # the configuration and the shape, worked out on first use: most candidates build nothing
     owing = _owed(best, costs, problem, keys)
     if owing is None or predicted.get(best) is None:
+        return (best,), None
+    if pool is not None and _none_rents(best, owing, pool, predicted, costs, problem, keys):
         return (best,), None
     drawn, owes = [best], {best: owing}
     for other in ranking:
@@ -161,6 +166,26 @@ def drawn_rental(
     if cheapest is best:
         return tuple(drawn), None
     return tuple(drawn), _towards(cheapest, drawn, owes, predicted, problem, costs, at, own=owes[cheapest])
+
+
+def _none_rents(
+    best: Candidate, owing: tuple, pool: Iterable[Candidate], predicted: dict, costs: dict, problem: AttentionProblem,
+    keys: list,
+) -> bool:  # fmt: skip
+    """Whether :func:`drawn_rental` keeps ``best`` (which owes ``owing``) with no rental, whichever of ``pool`` serve:
+    none of them has nothing to pay (it would run meanwhile) and, but for a captured or compiled call (which keeps
+    the fastest where all have a price), none has a lower price than ``best`` (the least price is paid first; ties go
+    to the faster). Prices read no size. On the H200 without FA4, in MLA packed training every candidate has one,
+    ``varlen_fa2`` padded the least (71.8 ms against the cuDNN frontend's 2976.1, results/h200_calibration.md), and
+    where it is also predicted fastest (the ladder's 2048-token packings) no other candidate need be judged."""
+    graph = problem.cuda_graph_capture or problem.compiled_graph
+    for c in pool:
+        if c == best or predicted.get(c) is None:  # one without a prediction neither rents nor is rented towards
+            continue
+        owes = _owed(c, costs, problem, keys)
+        if owes is None or (not graph and owes[0] < owing[0]):
+            return False
+    return True
 
 
 def _towards(

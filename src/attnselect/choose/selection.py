@@ -366,7 +366,9 @@ def _carried(family: _Family, earlier: Decision, problem: AttentionProblem, targ
     if earlier.overrides.backend is not None:  # a forced backend is never rented out (_decide)
         ranked, rental = tuple(itertools.islice(ordered, 1)), None
     else:
-        ranked, rental = first_calls.drawn_rental(ordered, predicted, found, problem)
+        # those not refused so far may still serve (those ranked before the first that serves were judged, and refused)
+        pool = (c for c in ranking.ordered if not judged.get(c))
+        ranked, rental = first_calls.drawn_rental(ordered, predicted, found, problem, pool)
     if not ranked or predicted[ranked[0]] is None:  # nothing it serves is calibrated: select() says why
         return None
     decision, sized = held[:2] if held is not None else (None, ())
