@@ -1026,8 +1026,8 @@ def test_a_draw_whose_first_none_could_rent_around_draws_no_other():
 def test_a_packed_family_whose_choice_none_could_rent_around_judges_only_up_to_it():
     """The packaged H200 without FA4, MLA packed training at the ladder's 2048 tokens: varlen_fa2 padded to 192 is
     predicted fastest and has the least price of all, so a new packing judges the candidates up to it only (it judged
-    every candidate before: 110.8 us of host time a new packing on the development VM, 19.6 after); the choice is
-    select()'s."""
+    every candidate before: 105.5 us of host time a new packing on the development VM against 19.4,
+    results/cpu_new_packing_none_rents_2048_training.md); the choice is select()'s."""
     from attnselect.choose.selection import select_packed
 
     h200 = attnselect.Target.preset("h200", packages={"nvidia-cudnn-frontend": "1.32.0"}, **H100_TABLES)
