@@ -435,9 +435,9 @@ def test_warmup_reports_a_call_that_fails_and_refuses_what_it_cannot_make():
         attnselect.warmup([problem], backend="no_such_backend")
     with pytest.raises(attnselect.InvalidInputError, match=r"problems\[1\]: got str"):
         attnselect.warmup([problem, "deepseek"])
-    captured = dataclasses.replace(problem, cuda_graph_capture=True)
-    with pytest.raises(attnselect.InvalidInputError, match=r"problems\[0\].cuda_graph_capture: got True"):
-        attnselect.warmup([captured])
+    compiled = dataclasses.replace(problem, compiled_graph=True)
+    with pytest.raises(attnselect.InvalidInputError, match=r"problems\[0\].compiled_graph: got True"):
+        attnselect.warmup([compiled])
 
 
 @pytest.mark.parametrize(

@@ -211,6 +211,8 @@ def test_warmup_makes_the_model_shapes_first_calls(capsys):
     assert "failed: thd" in capsys.readouterr().err
     assert main([*args, "--backend", "no_such_backend"]) == 2  # the library's error, before any call
     assert main([*args, "--tokens", "24"]) == 0 and "2 seqs in 24 tokens" in capsys.readouterr().out
+    dense = ["warmup", "--model", "llama-3-70b", "--seqlen", "16", "--dtype", "fp32", "--cuda-graph"]
+    assert main(dense) == 0 and capsys.readouterr().out.count("under CUDA graph capture:") == 2
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ from attnselect.dispatch import KnownCall, forget_dense, recall
 from attnselect.errors import AttnSelectError, InvalidInputError
 from attnselect.execution import TIMING_SOFTCAP, apply_sinks, dense_runner, kernel_call, packed_runner, run_call
 from attnselect.memos import clear_cache
-from attnselect.spec.options import CallOptions, Packing
+from attnselect.spec.options import CallOptions, Candidate, Packing
 from attnselect.spec.problem import AttentionProblem, describe_call
 from attnselect.spec.target import Target, target_for_device
 
@@ -337,7 +337,10 @@ def warmup(
     its first call is made here too, so the job's calls run on it from the start. A packed problem (``thd``: at most
     ``batch`` sequences of at most ``seqlen_q`` tokens, in ``tokens`` where it holds them) is called on packings
     whose longest sequence spans that range, and each candidate they choose makes its first call (a packed job's
-    choice follows each packing's work); ``chosen`` names the first packing's. A call that raises is reported,
+    choice follows each packing's work); ``chosen`` names the first packing's. A problem with
+    ``cuda_graph_capture=True`` is warmed as its job warms a graph, eagerly, and the candidate its capture ranks first
+    (which leaves out host time) makes its first call here too, forced, so that the capture runs it (a captured call
+    keeps what has run eagerly); ``chosen`` names the capture's choice. A call that raises is reported,
     not raised: the job's own call would raise or fall back the same way. ``progress(done, total, text)`` is
     called after each problem."""
     if isinstance(problems, AttentionProblem) or not isinstance(problems, Iterable):
@@ -351,13 +354,11 @@ def warmup(
     for i, problem in enumerate(problems):
         if not isinstance(problem, AttentionProblem):
             raise InvalidInputError(f"problems[{i}]: got {type(problem).__name__}, expected an AttentionProblem")
-        for name, expected in (
-            ("context_parallel_size", 1), ("cuda_graph_capture", False), ("compiled_graph", False), ("fp8", False),
-        ):  # fmt: skip
+        for name, expected in (("context_parallel_size", 1), ("compiled_graph", False), ("fp8", False)):
             if getattr(problem, name) != expected:
                 raise InvalidInputError(
                     f"problems[{i}].{name}: got {getattr(problem, name)!r}, expected {expected!r}: warm-up makes "
-                    "plain eager calls (a captured or compiled call's eager warm-up is the one made here)"
+                    "plain eager calls (a compiled call's eager warm-up is the one made here)"
                 )
         _check_warmable(problem, f"problems[{i}]")
     settings.resolve(backend=backend, pad=pad, disable=disable)  # a bad control is the caller's error, raised now
@@ -411,11 +412,12 @@ def _warm_device(device) -> torch.device:
 
 def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> WarmedUp:
     target = target_for_device(device)  # the device warmed up, not the machine's default one
+    captured, problem = problem, dataclasses.replace(problem, cuda_graph_capture=False)  # its calls are eager
     started = time.perf_counter()
     try:  # its inputs too: a problem too large for the device is reported, as its call would be
         q, k, v, grad_out, packings = random_inputs(problem, device)
     except Exception as exc:
-        return WarmedUp(problem, "", time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:300])
+        return WarmedUp(captured, "", time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:300])
     kwargs = call_arguments(problem, device)
     if packings is not None:
         p = packings()
@@ -428,11 +430,13 @@ def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> Wa
             described = AttentionProblem.from_tensors(q, k, v, **kwargs)
             unlike = _unlike(described, problem)
             if unlike:  # not the job's call: warming it would pay another problem's first call
-                return WarmedUp(problem, "", 0.0, f"warm-up could not make this problem's call: {unlike}")
+                return WarmedUp(captured, "", 0.0, f"warm-up could not make this problem's call: {unlike}")
             _warm_call(described, select(described, target=target, **controls), q, k, v, grad_out, kwargs, controls,
                        device)  # fmt: skip
             chosen = select(described, target=target, **controls).chosen
             warmed = {chosen}
+            if captured.cuda_graph_capture:
+                chosen = _warm_capture(described, target, q, k, v, grad_out, kwargs, controls, device)
             for p in packings.spanning() if packings is not None else ():
                 # a packed job's choice follows each packing's work (attnselect.choose.predict.work): the first
                 # calls of what packings of this size choose, from short sequences to the longest, are made here too
@@ -443,10 +447,30 @@ def _warm(problem: AttentionProblem, device: torch.device, controls: dict) -> Wa
                 if decision.ranked[0] not in warmed:  # the fastest, paid below where it has a first call to pay
                     _warm_call(other, decision, q, k, v, grad_out, kwargs, controls, device)
                     warmed.add(decision.ranked[0])
+                if captured.cuda_graph_capture:
+                    _warm_capture(other, target, q, k, v, grad_out, kwargs, controls, device)
         except Exception as exc:  # reported: the job's call would meet the same
-            return WarmedUp(problem, "", time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:300])
+            return WarmedUp(captured, "", time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:300])
         seconds = time.perf_counter() - started
-    return WarmedUp(problem, str(chosen), seconds, None)
+    return WarmedUp(captured, str(chosen), seconds, None)
+
+
+def _warm_capture(
+    described: AttentionProblem, target: Target, q, k, v, grad_out, kwargs: dict, controls: dict, device
+) -> Candidate:
+    """For a call a CUDA graph will capture (``described``, made eagerly): the candidate its capture's ranking puts
+    first (by prediction, or by the rules table, which leave out the host time a replay does not spend), called
+    eagerly now where the capture would not choose it, forced, so that the capture keeps it (a captured call runs
+    first what has run the call eagerly: first_calls.ran_first) and its first call builds, compiles and is checked
+    here, not inside the capture. Returns what the capture then chooses."""
+    graph = dataclasses.replace(described, cuda_graph_capture=True)
+    decision = select(graph, target=target, **controls)
+    first = decision.first_ranked
+    if first is not None and first != decision.chosen and decision.policy == "rules" and not decision.overrides.backend:
+        forced = {**controls, "backend": first.backend, "pad": first.padded}
+        _call(q, k, v, grad_out, kwargs, forced, described.training, device)
+        decision = select(graph, target=target, **controls)
+    return decision.chosen
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -228,7 +229,7 @@ def cmd_tune(a) -> int:
 
 def cmd_warmup(a) -> int:
     """Make each (model, seqlen, phase) problem's first call now: decisions, self-checks and kernel compiles."""
-    problems = model_problems(a)
+    problems = [dataclasses.replace(p, cuda_graph_capture=a.cuda_graph) for p in model_problems(a)]
     settings.resolve(backend=a.backend)  # a bad --backend is named before anything is warmed
     print(f"warming up {len(problems)} problems on {Target.current().describe()}", flush=True)
 
@@ -395,6 +396,8 @@ def main(argv=None) -> int:
     warm.add_argument("--backend", help="force a backend, as the job does (default: ATTNSELECT_BACKEND)")
     warm.add_argument("--tokens", type=int, default=0, help="thd: a packing's tokens, q's rows (default: half of "
                       "--batch x --seqlen)")  # fmt: skip
+    warm.add_argument("--cuda-graph", action="store_true", help="the job captures these calls into CUDA graphs: "
+                      "the kernel the capture ranks first makes its first call too, so the graphs run it")  # fmt: skip
     a = parser.parse_args(argv)
     try:
         return {

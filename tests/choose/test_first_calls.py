@@ -1042,3 +1042,58 @@ def test_a_packed_family_whose_choice_none_could_rent_around_judges_only_up_to_i
         assert decision.ranked == (Candidate("varlen_fa2", 192),) and decision.rental is None
         assert len(decision.verdicts) < len(attnselect.select(other, target=h200).verdicts)
         assert attnselect.select(other, target=h200).chosen == decision.chosen
+
+
+def test_warmup_of_a_captured_problem_runs_the_capture_s_first_so_the_graph_keeps_it(monkeypatch):
+    """Eagerly sdpa_math is predicted fastest, captured (no host time) sdpa_flash: a job's eager warm-up runs
+    sdpa_math, and the capture keeps it. warmup() of the captured problem makes sdpa_flash's first call too, forced,
+    so the capture runs it; a compiled problem is still refused."""
+    from attnselect.choose import rules
+    from attnselect.choose.predict import Prediction
+
+    flash, math_ = Candidate("sdpa_flash"), Candidate("sdpa_math")
+
+    def predictions(verdicts, problem, target):
+        found = {v.candidate: None for v in verdicts if v.supported}
+        times = {flash: 10.0, math_: 20.0} if problem.cuda_graph_capture else {flash: 20.0, math_: 10.0}
+        found.update({c: Prediction(1.0, us, "test") for c, us in times.items() if c in found})
+        return found, "test", {}
+
+    monkeypatch.setattr(rules, "predictions", predictions)
+    attnselect.clear_cache()
+    eager = AttentionProblem(1, 8, 8, 2, 2, 16, 16, torch.float32, mask="causal")
+    captured = dataclasses.replace(eager, cuda_graph_capture=True)
+    (warmed,) = attnselect.warmup([eager], device="cpu")
+    assert warmed.chosen == "sdpa_math native" and attnselect.select(captured).chosen == math_
+    assert "warmup() of the captured problem runs it first" in attnselect.select(captured).why
+    first_calls.forget()
+    attnselect.clear_cache()
+    ran, real = [], first_calls.ran
+    monkeypatch.setattr(first_calls, "ran", lambda c, p: ran.append(c) or real(c, p))
+    (warmed,) = attnselect.warmup([captured], device="cpu")
+    assert warmed.error is None and warmed.problem == captured and warmed.chosen == "sdpa_flash native"
+    assert ran == [math_, flash] and attnselect.select(captured).chosen == flash
+    assert attnselect.select(eager).chosen == math_  # the eager calls keep theirs
+
+
+def test_a_captured_packed_call_the_calibration_ranks_keeps_what_ran_at_a_new_packing():
+    """A calibrated captured packed family, FA4 run eagerly and varlen_fa2 (free, its curves scaled to be the fastest)
+    not: every packing keeps FA4, as select() decides, not the free candidate a carried draw would take."""
+    from attnselect.choose.selection import select_packed
+
+    h200 = _packaged_h200()
+    data = calibration.packaged(h200)
+    for kind, points in data["gpu"]["varlen_fa2"].items():
+        if kind.startswith("thd"):
+            data["gpu"]["varlen_fa2"][kind] = [[x, y * 0.3] for x, y in points]
+    calibration.user_path(h200).write_text(json.dumps(data))
+    calibration._parsed.cache_clear()
+    attnselect.clear_cache()
+    eager = AttentionProblem(4, 700, 700, 16, 16, 128, 128, layout="thd", mask="causal", tokens=2048,
+                             dtype=torch.bfloat16)  # fmt: skip
+    first_calls.ran(FA4, eager)
+    assert select_packed(eager, target=h200).chosen == Candidate("varlen_fa2")  # eagerly the free, fastest one
+    captured = dataclasses.replace(eager, cuda_graph_capture=True)
+    for batch, length in ((4, 700), (3, 900), (6, 500)):
+        problem = dataclasses.replace(captured, batch=batch, seqlen_q=length, seqlen_kv=length)
+        assert select_packed(problem, target=h200).chosen == FA4 == attnselect.select(problem, target=h200).chosen

@@ -1089,3 +1089,81 @@ def test_a_later_draw_where_a_class_was_carried_from_ends_its_standing(tmp_path,
         assert ranking.decided is None and standing(probe) is None
     finally:
         first_calls.forget()
+
+
+def test_a_packed_family_draws_as_select_does_under_random_prices_curves_failures_and_runs():
+    """select_packed (its carried, drawn-alike and standing decisions, the draw stopping where none could rent around
+    its first) chooses and rents as a fresh select() does, packing after packing, on the packaged H200 calibration
+    with its packed first-call prices drawn at random (ties and free ones among them), curves scaled, failures
+    recorded, candidates run or disabled, captured or compiled calls among them. Seeded."""
+    import copy
+    import json
+    import logging
+    import random
+
+    from attnselect.choose import calibration, failures, first_calls, selection
+
+    packages = (
+        {"flash-attn-4": "4.0.0b36", "nvidia-cudnn-frontend": "1.32.0", "flash-attn": "2.8.3"},
+        {"nvidia-cudnn-frontend": "1.32.0"},
+        {"flash-attn-4": "4.0.0b36", "nvidia-cudnn-frontend": "1.32.0"},
+    )
+    targets = [Target.preset("h200", packages=p, torch_version="2.11.0+cu130", cudnn_version="9.19.0")
+               for p in packages]  # fmt: skip
+    base = calibration.packaged(targets[0])
+    prices = [0.0, 20.0, 60.0, 71.795, 200.0, 200.0, 2717.0, 9437.0]
+    runnable = [Candidate("varlen_fa2"), Candidate("varlen_fa2", 192), Candidate("cudnn_frontend"),
+                Candidate("flash_attn4"), Candidate("cudnn_frontend", 192), Candidate("flash_attn4", 192)]  # fmt: skip
+    logging.disable(logging.WARNING)
+    compared = 0
+    try:
+        for trial in range(40):
+            rng = random.Random(trial)
+            target, data = rng.choice(targets), copy.deepcopy(base)
+            for costs in data["first_call_ms"].values():
+                for kind in [k for k in costs if k.startswith("thd")]:
+                    costs[kind] = rng.choice(prices)
+            for backend in ("varlen_fa2", "cudnn_frontend", "flash_attn4"):
+                if rng.random() < 0.5:
+                    f = rng.choice([0.3, 0.9, 1.0, 1.1])
+                    for kind, points in data["gpu"].get(backend, {}).items():
+                        if kind.startswith("thd"):
+                            data["gpu"][backend][kind] = [[x, y * f] for x, y in points]
+            calibration.user_path(target).write_text(json.dumps(data))
+            calibration._parsed.cache_clear()
+            attnselect.clear_cache()
+            first_calls.forget()
+            dims, training = rng.choice([(192, 128), (128, 128), (64, 64)]), rng.random() < 0.6
+            graph = rng.choice([{}, {}, {"compiled_graph": True}, {"cuda_graph_capture": True}])
+            disable = rng.choice([None, "flash_attn4", "cudnn_frontend", "varlen_fa2"])
+
+            def pack(b: int, s: int, rng=rng, dims=dims, training=training, graph=graph) -> AttentionProblem:
+                return AttentionProblem(b, s, s, 16, 16, *dims, layout="thd", mask="causal", training=training,
+                                        tokens=max(b, int(b * s * rng.uniform(0.5, 1.0))), dtype=torch.bfloat16,
+                                        **graph)  # fmt: skip
+
+            sizes = [1, 2, 3, 4, 6, 9, 13], [256, 400, 700, 900, 1024, 1500, 2048, 4096]
+            for _ in range(rng.choice([0, 0, 1])):
+                failures.mark_failed(pack(*map(rng.choice, sizes)), target, rng.choice(runnable),
+                                     MemoryError("out of memory"), falls_back=True)  # fmt: skip
+            for _ in range(12):
+                problem = pack(*map(rng.choice, sizes))
+                if rng.random() < 0.15:
+                    first_calls.ran(rng.choice(runnable), dataclasses.replace(problem, cuda_graph_capture=False))
+                try:
+                    carried = selection.select_packed(problem, target=target, disable=disable)
+                except attnselect.NoSupportedCandidateError:
+                    continue
+                fresh = selection._decide(problem, target, carried.overrides)
+                assert (carried.chosen, carried.rental) == (fresh.chosen, fresh.rental), (trial, problem.describe())
+                assert carried.ranked == fresh.ranked[: len(carried.ranked)], (trial, problem.describe())
+                standing = selection.standing_decisions(problem, target=target, disable=disable)
+                held = standing(problem) if standing else None
+                assert held is None or (held[1].chosen, held[1].rental) == (fresh.chosen, fresh.rental), trial
+                compared += 1
+    finally:
+        logging.disable(logging.NOTSET)
+        calibration._parsed.cache_clear()
+        attnselect.clear_cache()
+        first_calls.forget()
+    assert compared > 300

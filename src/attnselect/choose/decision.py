@@ -67,21 +67,19 @@ class Decision:
                     else ""
                 )
             )
-        kept = False  # first_calls.ran_first put a candidate that has run the call before the ranking's first
-        if self.ran_at is not None:
-            first = rules.rank(self.verdicts, self.problem, self.target, self.predictions)
-            kept = bool(first) and first[0] != self.chosen
-            if kept:
-                ranks = (
-                    f"predicted fastest (calibration {self.calibration})"
-                    if self.predictions and self.predictions.get(first[0]) is not None
-                    else f"first in the {self.policy} table for {' '.join(key)}"
-                )
-                because = (
-                    f"it has run this call (its configuration) in this process and {first[0]}, {ranks}, has not: a "
-                    "captured call keeps what its warm-up ran (a first call would build or compile inside the "
-                    "capture, where the self-check does not look)"
-                )
+        first = self.first_ranked
+        kept = first is not None and first != self.chosen and self.ran_at is not None  # first_calls.ran_first moved it
+        if kept:
+            ranks = (
+                f"predicted fastest (calibration {self.calibration})"
+                if self.predictions and self.predictions.get(first) is not None
+                else f"first in the {self.policy} table for {' '.join(key)}"
+            )
+            because = (
+                f"it has run this call (its configuration) in this process and {first}, {ranks}, has not: a "
+                "captured call keeps what its warm-up ran (a first call would build or compile inside the capture, "
+                "where the self-check does not look; warmup() of the captured problem runs it first)"
+            )
         if self.timings:
             timed = {c: t for c, t in self.timings.items() if t is not None}
             fastest = min(timed, key=lambda c: timed[c].median_ms)
@@ -115,6 +113,15 @@ class Decision:
                 else "; no padded candidate is supported"
             )
         return f"running {self.chosen.backend}, {how}, because {because}"
+
+    @property
+    def first_ranked(self) -> Candidate | None:
+        """The candidate the ranking puts first (by prediction or by the table), before a captured call's
+        first_calls.ran_first put what has run the call ahead of it (``ranked[0]`` where nothing moved)."""
+        if self.ran_at is None:
+            return self.ranked[0] if self.ranked else None
+        first = rules.rank(self.verdicts, self.problem, self.target, self.predictions)
+        return first[0] if first else None
 
     def rank_of(self, candidate: Candidate) -> int | None:
         return self.ranked.index(candidate) + 1 if candidate in self.ranked else None

@@ -109,7 +109,8 @@ class Rental:
         if not self.calls:
             return head + (
                 f"this captured or compiled call keeps {self.chosen}, which has no such first call to pay, for the "
-                f"graph's life ({self.deferred}'s would compile inside the graph, unchecked; warmup() runs it first)"
+                f"graph's life ({self.deferred}'s would compile inside the graph, unchecked; warmup() of the captured "
+                "problem runs it first)"
             )
         return head + (
             f"{self.chosen} runs until that much time is lost, {self.calls} calls, then {self.deferred} (rent until "

@@ -437,7 +437,9 @@ def _drawn_alike(drawn: tuple | None, ranking: _Ranking) -> tuple[Decision, tupl
     verdicts and paid state, as ``ranking.decided`` holds it), where ``ranking`` draws it alike at the same verdicts
     and prices: drawn under the same calibration, it ranked its choice alone, rents nothing and settled no tie, so the
     draw read the order only, not the predicted times (attnselect.choose.first_calls.drawn_rental: no compile priced,
-    or no other candidate served; attnselect.choose.rules.settled); and the candidates it judged are those
+    no other candidate served, or none left could rent around the choice, which reads the prices and which
+    candidates are predicted, the same at every work class; attnselect.choose.rules.settled); and the candidates it
+    judged are those
     ``ranking`` judges first, in that order (those the calibration cannot rank, then its order up to the choice and
     any refused after it), and the next in ``ranking``'s order is predicted beyond the tie band of the choice's time
     there. None otherwise. Returned, it describes its own sizes and predictions, as a decision
