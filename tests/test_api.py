@@ -283,6 +283,37 @@ def test_a_captured_cuda_graph_replays_like_a_float64_reference(layout, backend)
 
 
 @pytest.mark.gpu
+def test_warmup_of_a_captured_problem_makes_the_graph_run_the_capture_s_first_candidate():
+    """warmup() of the captured call runs the candidate its capture ranks first eagerly (its build outside the
+    capture: sdpa_cudnn's build inside one failed on an H100), so the graph runs it and replays like a float64
+    reference; a job's eager warm-up alone would leave the graph on the eager choice."""
+    from helpers import rel_err
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    (q, k, v), kwargs = _capture_inputs("bshd")
+    for t in (q, k, v):
+        t.normal_(generator=g)
+    captured = dataclasses.replace(attnselect.AttentionProblem.from_tensors(q, k, v, **kwargs), cuda_graph_capture=True)
+    (warmed,) = attnselect.warmup([captured])
+    first = attnselect.select(captured).first_ranked
+    assert warmed.error is None and warmed.chosen == str(first) == str(attnselect.select(captured).chosen)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attnselect.attention(q, k, v, **kwargs)  # the job's own eager warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attnselect.attention(q, k, v, **kwargs)
+    assert dispatch.known_calls()[-1].chosen == first
+    for t in (q, k, v):
+        t.normal_(generator=g)
+    graph.replay()
+    reference = attnselect.attention(q.double(), k.double(), v.double(), backend="reference", **kwargs)
+    assert rel_err(out, reference) < 2e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "layout,backend",
     [("bshd", "flex"), ("bshd", "cudnn_frontend"), ("thd", "cudnn_frontend"), ("thd", "flex"), ("thd", "sdpa_cudnn")],
