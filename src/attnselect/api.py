@@ -460,17 +460,25 @@ def _warm_capture(
 ) -> Candidate:
     """For a call a CUDA graph will capture (``described``, made eagerly): the candidate its capture's ranking puts
     first (by prediction, or by the rules table, which leave out the host time a replay does not spend), called
-    eagerly now where the capture would not choose it, forced, so that the capture keeps it (a captured call runs
-    first what has run the call eagerly: first_calls.ran_first) and its first call builds, compiles and is checked
-    here, not inside the capture. Returns what the capture then chooses."""
+    eagerly now where it has not run the call, forced, so that the capture keeps it (a captured call runs first what
+    has run the call eagerly: first_calls.ran_first) and its first call builds, compiles and is checked here, not
+    inside the capture. Where that call fails, the failure is recorded and warned of, as the job's call would record
+    it, and the capture falls back. Returns what the capture then chooses."""
     graph = dataclasses.replace(described, cuda_graph_capture=True)
     decision = select(graph, target=target, **controls)
     first = decision.first_ranked
-    if first is not None and first != decision.chosen and decision.policy == "rules" and not decision.overrides.backend:
-        forced = {**controls, "backend": first.backend, "pad": first.padded}
-        _call(q, k, v, grad_out, kwargs, forced, described.training, device)
-        decision = select(graph, target=target, **controls)
-    return decision.chosen
+    if first is None or decision.policy != "rules" or decision.overrides.backend or first_calls.has_run(first, graph):
+        return decision.chosen
+    try:
+        _call(q, k, v, grad_out, kwargs, {**controls, "backend": first.backend, "pad": first.padded},
+              described.training, device)  # fmt: skip
+    except Exception as exc:  # a forced call does not fall back: the capture does, from what is recorded here
+        wrong = isinstance(exc, self_check.WrongResultError)  # recorded where the self-check found it
+        if (isinstance(exc, AttnSelectError) and not wrong) or isinstance(exc, _CONTROL_FLOW):
+            raise
+        if not wrong:
+            mark_failed(described, target, first, exc)
+    return select(graph, target=target, **controls).chosen
 
 
 @contextlib.contextmanager

@@ -1047,7 +1047,7 @@ def test_a_packed_family_whose_choice_none_could_rent_around_judges_only_up_to_i
 def test_warmup_of_a_captured_problem_runs_the_capture_s_first_so_the_graph_keeps_it(monkeypatch):
     """Eagerly sdpa_math is predicted fastest, captured (no host time) sdpa_flash: a job's eager warm-up runs
     sdpa_math, and the capture keeps it. warmup() of the captured problem makes sdpa_flash's first call too, forced,
-    so the capture runs it; a compiled problem is still refused."""
+    so the capture runs it."""
     from attnselect.choose import rules
     from attnselect.choose.predict import Prediction
 
@@ -1097,3 +1097,67 @@ def test_a_captured_packed_call_the_calibration_ranks_keeps_what_ran_at_a_new_pa
     for batch, length in ((4, 700), (3, 900), (6, 500)):
         problem = dataclasses.replace(captured, batch=batch, seqlen_q=length, seqlen_kv=length)
         assert select_packed(problem, target=h200).chosen == FA4 == attnselect.select(problem, target=h200).chosen
+
+
+def _captured_first_on_cpu(monkeypatch, eager_times: dict, captured_times: dict) -> None:
+    """Predictions on the CPU that differ under capture: ``captured_times`` there, ``eager_times`` eagerly."""
+    from attnselect.choose import rules
+    from attnselect.choose.predict import Prediction
+
+    def predictions(verdicts, problem, target):
+        found = {v.candidate: None for v in verdicts if v.supported}
+        times = captured_times if problem.cuda_graph_capture else eager_times
+        found.update({c: Prediction(1.0, us, "test") for c, us in times.items() if c in found})
+        return found, "test", {}
+
+    monkeypatch.setattr(rules, "predictions", predictions)
+    attnselect.clear_cache()
+
+
+def test_warmup_of_a_captured_problem_runs_the_capture_s_first_where_it_has_not_run_though_it_is_the_choice(
+    monkeypatch,
+):
+    """The eager choice (flex here) is refused under capture, so the capture's choice is its first, sdpa_flash, which
+    no call has run: warm-up makes its first call, outside the capture."""
+    from attnselect import backends
+
+    flex, flash, math_ = Candidate("flex"), Candidate("sdpa_flash"), Candidate("sdpa_math")
+    _captured_first_on_cpu(monkeypatch, {flex: 5.0, flash: 20.0, math_: 10.0}, {flash: 10.0, math_: 20.0})
+    kind = type(backends.get("flex"))
+    reasons, refused = kind.not_supported_reasons, ["not verified under capture (a test's)"]
+    monkeypatch.setattr(  # the class's: the instance keeps none
+        kind, "not_supported_reasons",
+        lambda self, p, t: reasons(self, p, t) + (refused if p.cuda_graph_capture else []),
+    )  # fmt: skip
+    eager = AttentionProblem(1, 8, 8, 2, 2, 16, 16, torch.float32, mask="causal")
+    captured = dataclasses.replace(eager, cuda_graph_capture=True)
+    assert attnselect.select(eager).chosen == flex and attnselect.select(captured).chosen == flash
+    ran, real = [], first_calls.ran
+    monkeypatch.setattr(first_calls, "ran", lambda c, p: ran.append(c) or real(c, p))
+    (warmed,) = attnselect.warmup([captured], device="cpu")
+    assert warmed.error is None and warmed.chosen == "sdpa_flash native" and ran == [flex, flash]
+    assert first_calls.has_run(flash, captured)
+
+
+def test_warmup_of_a_captured_problem_records_its_first_s_failure_and_the_capture_falls_back(monkeypatch, caplog):
+    """The capture's first fails on its forced warm-up call: recorded and warned of, as the job's call would be; the
+    warm-up reports the capture's choice after it, not an error."""
+    from attnselect import backends
+
+    flash, math_ = Candidate("sdpa_flash"), Candidate("sdpa_math")
+    _captured_first_on_cpu(monkeypatch, {flash: 20.0, math_: 10.0}, {flash: 10.0, math_: 20.0})
+
+    def runner(self, call, **kwargs):
+        def fails(q, k, v):
+            raise RuntimeError("sdpa_flash: a test's kernel failure")
+
+        return fails
+
+    monkeypatch.setattr(type(backends.get("sdpa_flash")), "runner", runner)  # the class's: the instance keeps none
+    captured = AttentionProblem(1, 8, 8, 2, 2, 16, 16, torch.float32, mask="causal", cuda_graph_capture=True)
+    with caplog.at_level("WARNING", logger="attnselect"):
+        (warmed,) = attnselect.warmup([captured], device="cpu")
+    assert warmed.error is None and warmed.chosen == "sdpa_math native"
+    assert "sdpa_flash native failed" in caplog.text and "a test's kernel failure" in caplog.text
+    (refusal,) = [v for v in attnselect.select(captured).verdicts if v.candidate == flash]
+    assert not refusal.supported

@@ -230,10 +230,18 @@ def ran_first(ranked: tuple[Candidate, ...], problem: AttentionProblem) -> tuple
     warm-up had run sdpa_efficient (results/h100_pytest_api_captured_alone_cc0895f.txt)."""
     configuration = _configuration(problem)
     shape = None if problem.layout == "thd" else _shape(problem)
-    warm = tuple(
-        c for c in ranked if (c, configuration) in _RAN and (shape is None or _paid((c, configuration, shape)))
-    )
+    warm = tuple(c for c in ranked if _has_run(c, configuration, shape))
     return (*warm, *(c for c in ranked if c not in warm)) if warm else ranked
+
+
+def has_run(candidate: Candidate, problem: AttentionProblem) -> bool:
+    """Whether ``candidate`` has run ``problem``'s configuration in this process (a dense call's shape too): what
+    :func:`ran_first` puts first."""
+    return _has_run(candidate, _configuration(problem), None if problem.layout == "thd" else _shape(problem))
+
+
+def _has_run(candidate: Candidate, configuration: tuple, shape: tuple | None) -> bool:
+    return (candidate, configuration) in _RAN and (shape is None or _paid((candidate, configuration, shape)))
 
 
 def owed(candidate: Candidate, costs: dict, problem: AttentionProblem) -> tuple[float, bool] | None:
