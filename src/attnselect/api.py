@@ -205,9 +205,9 @@ def attention(
         if sinks is not None:
             result = (*apply_sinks(result[0], result[1], sinks, layout), *result[2:])
     except Exception as exc:  # a kernel that fails at run time or gives a wrong result: fall back unless told not to
-        wrong = isinstance(exc, self_check.WrongResultError)
-        if (isinstance(exc, AttnSelectError) and not wrong) or isinstance(exc, _CONTROL_FLOW):
+        if not _kernel_failure(exc):
             raise
+        wrong = isinstance(exc, self_check.WrongResultError)
         if broke_capture_before(exc):  # no candidate can run in this capture now: raise, recording nothing
             note = (f"attnselect: {known.chosen} did not fail on {known.problem.describe()}: an earlier error "
                     "invalidated this CUDA graph capture (where a kernel attnselect chose raised it, a warning above "
@@ -234,6 +234,13 @@ def attention(
 _CONTROL_FLOW = tuple(
     t for t in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if isinstance(t, type)
 )
+
+
+def _kernel_failure(exc: Exception) -> bool:
+    """Whether ``exc``, raised by a call, is its kernel's failure (a run-time error or a wrong result), which a call
+    not forced falls back from, not attnselect's own error about the call or activation checkpointing's control flow."""
+    wrong = isinstance(exc, self_check.WrongResultError)
+    return not ((isinstance(exc, AttnSelectError) and not wrong) or isinstance(exc, _CONTROL_FLOW))
 
 
 def _keep_class(
@@ -473,10 +480,9 @@ def _warm_capture(
         _call(q, k, v, grad_out, kwargs, {**controls, "backend": first.backend, "pad": first.padded},
               described.training, device)  # fmt: skip
     except Exception as exc:  # a forced call does not fall back: the capture does, from what is recorded here
-        wrong = isinstance(exc, self_check.WrongResultError)  # recorded where the self-check found it
-        if (isinstance(exc, AttnSelectError) and not wrong) or isinstance(exc, _CONTROL_FLOW):
+        if not _kernel_failure(exc):
             raise
-        if not wrong:
+        if not isinstance(exc, self_check.WrongResultError):  # a wrong result is recorded where it was found
             mark_failed(described, target, first, exc)
     return select(graph, target=target, **controls).chosen
 
