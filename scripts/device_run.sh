@@ -90,6 +90,8 @@
 #   bash scripts/device_run.sh fa4-tests    # tests/backends/test_flash_attn4.py and every FA4 case of the GPU tests
 #   bash scripts/device_run.sh fa4-loop     # the training loop's FA4 rows (forced, direct) beside the default and torch's
 #   bash scripts/device_run.sh fa4-compile  # benchmarks/fa4_compile_cost.py           -> $OUT/h200_fa4_compile.*
+#   bash scripts/device_run.sh fa4-replay   # benchmarks/fa4_forward_replay.py: FA4's dense forward replayed against
+#                                      # its flash_attn_func, bit for bit and timed -> $OUT/h200_fa4_forward_replay.*
 #   bash scripts/device_run.sh fa4-packed-gap # benchmarks/fa4_packed_gap.py: packed FA4 through attnselect and direct
 #                                      # (GAP_ARGS="--tokens 8192 --training", GAP_PART=name) -> $OUT/h200_fa4_packed_gap*
 #   bash scripts/device_run.sh fa4-grid     # the rules grid's FA4 section (FA4 rows only) -> $OUT/h200_rules_grid.jsonl
@@ -326,6 +328,10 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
     need_fa4 || exit 1
     timeout 300 python3 benchmarks/fa4_packed_gap.py ${GAP_ARGS:-} --out "$OUT/h200_fa4_packed_gap${GAP_PART:+_$GAP_PART}" \
       2>&1 | grep -v -i warn | tail -45 ;;
+  fa4-replay)   # benchmarks/fa4_forward_replay.py: FA4's dense forward replayed against its flash_attn_func
+    need_fa4 || exit 1
+    timeout ${REPLAY_TIMEOUT:-400} python3 benchmarks/fa4_forward_replay.py --out "$OUT/h200_fa4_forward_replay" 2>&1 \
+      | grep -v -i warn | grep -E "^#|^\||recorded" | cut -c1-200 ;;
   fa4-compile)
     need_fa4 || exit 1
     timeout 400 python3 benchmarks/fa4_compile_cost.py --out "$OUT/h200_fa4_compile" 2>&1 | grep -v -i warn | tail -12 ;;

@@ -71,6 +71,49 @@ def test_gqa_mla_training_is_refused_and_runs_padded():
 
 
 @pytest.mark.parametrize(
+    "shape,return_lse",
+    [
+        (dict(b=1, sq=256, skv=256, hq=16, hkv=16, dqk=192, dv=128), False),
+        (dict(b=2, sq=1024, skv=1024, hq=16, hkv=16, dqk=192, dv=128), True),
+        (dict(b=1, sq=300, skv=300, hq=16, hkv=4, dqk=128, dv=128), False),  # GQA, a length off the tiles
+    ],
+)
+def test_a_dense_inference_call_replays_fa4s_compiled_forward_bit_for_bit(shape, return_lse, monkeypatch):
+    """The installed FA4's forward is recorded (attnselect.backends.flash_attn4_replay: its kernel alone ran, on q, k
+    and v) and later calls of the shape, on other data, equal flash_attn_func's bit for bit, and float64's."""
+    import flash_attn.cute as fa4
+
+    from attnselect.backends import flash_attn4_replay
+    from attnselect.execution import kernel_call
+
+    recorded, record = [], flash_attn4_replay.record
+
+    def watched(*args):
+        result = record(*args)
+        recorded.append(result[1])
+        return result
+
+    monkeypatch.setattr(flash_attn4_replay, "record", watched)
+    q, k, v = dense_inputs(**shape, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True, return_lse=return_lse)
+    run = get("flash_attn4").runner(kernel_call(problem))
+    with torch.no_grad():
+        run(q, k, v)
+        assert len(recorded) == 1 and recorded[0] is not None
+        for seed in range(2):
+            torch.manual_seed(seed)
+            q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
+            out, lse = run(q2, k2, v2)
+            direct = fa4.flash_attn_func(q2, k2, v2, softmax_scale=problem.default_scale, causal=True,
+                                         return_lse=return_lse)  # fmt: skip
+            assert torch.equal(out, direct[0])
+            assert (lse is None) == (not return_lse) and (lse is None or torch.equal(lse, direct[1].float()))
+            ref = attnselect.attention(q2.double(), k2.double(), v2.double(), causal=True, backend="reference")
+            assert rel_err(out, ref) < 2e-2
+    assert len(recorded) == 1
+
+
+@pytest.mark.parametrize(
     "kwargs,lengths",
     [
         (dict(causal=True), ([0, 1, 37, 256, 5, 130, 64], None)),

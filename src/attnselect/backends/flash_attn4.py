@@ -14,6 +14,9 @@ import logging
 import os
 import sys
 
+import torch
+
+from attnselect.backends import flash_attn4_replay
 from attnselect.backends._flash_attn import FlashAttnPackageBackend
 from attnselect.backends.base import HALF, Surface
 from attnselect.backends.shape_cache import ShapeCache
@@ -102,6 +105,26 @@ class FlashAttn4(FlashAttnPackageBackend):
                 + (f"; padding to {p.pad_target} serves it" if p.pad_target in SM90_BACKWARD_HEAD_DIMS else "")
             )
         return r
+
+    def runner(self, call, *, repeated: bool = False, like: tuple | None = None):
+        """FA4's ``flash_attn_func`` with ``call`` bound; a dense call that needs no gradient replays the compiled
+        forward the first call of its shapes ran (attnselect.backends.flash_attn4_replay: FA4's Python interface
+        costs more host time than its kernel at small sizes)."""
+        run = super().runner(call, repeated=repeated, like=like)
+        if call.mask == "sliding_window" or call.softcap:  # a window's edges read the lengths; softcap a score_mod
+            return run
+        module = self._module()
+        replays = flash_attn4_replay.replays(module, module.flash_attn_func, self._options(call, 1, 1))
+        if replays is None:
+            return run
+        lse, grad_enabled = self._lse, torch.is_grad_enabled
+
+        def replayed(q, k, v):
+            if grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                return run(q, k, v)
+            return lse(call, replays(q, k, v))
+
+        return replayed
 
     def _module(self):
         if self.module not in sys.modules:

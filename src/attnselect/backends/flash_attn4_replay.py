@@ -1,0 +1,188 @@
+"""FlashAttention-4's compiled dense forward called again without its Python interface.
+
+FA4's ``flash_attn_func`` works out, in Python, on every call, what its compiled kernel is called with: the
+compile key, tile sizes, scheduling and split choices, the output's allocation (flash_attn/cute/interface.py,
+``_flash_attn_fwd``, about 800 lines). That costs more host time than the kernel takes at small and medium sizes.
+For a dense call that needs no gradient, every one of those choices follows from what the key here holds (the
+tensors' shapes, strides, dtype and device, and the runner's options: FA4 reads no tensor's values on that path),
+so one call of each key is made through ``flash_attn_func`` and recorded: the compiled kernel it called and the
+arguments it called it with. Later calls of the key allocate the output (and the log-sum-exp) as that call did and
+call the same kernel with the same arguments, their own tensors in place of the recorded ones.
+
+A call is recorded only where it can be replayed alike: the kernel was called once and nothing else FA4 compiles
+ran (no split-KV combine, no scheduler metadata), the kernel's tensors were q, k and v themselves (FA4 copied
+none: pointers aligned, last dim contiguous), the output and log-sum-exp it wrote are those returned, and no other
+argument is a tensor. Otherwise the key keeps calling ``flash_attn_func``. A replayed call checks its tensors'
+pointers are aligned as FA4 requires (it copies unaligned ones: cute_dsl_utils.maybe_contiguous). Only the FA4
+version this was read from and tested on is replayed (:data:`VERSIONS`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import sys
+import threading
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger("attnselect")
+
+# The flash-attn-4 versions whose interface.py this follows (the compiled kernel's arguments: q, k, v, out, lse,
+# then scalars; its compile caches as attributes named compile_cache), tested on the GPU (tests/backends).
+VERSIONS = frozenset({"4.0.0b36"})
+KEYS_KEPT = 64  # recorded keys per runner (a server's lengths are many: the oldest is recorded again)
+ALIGN_BYTES = 16  # interface.py: maybe_contiguous(q, k, v) copies a tensor whose pointer is not 16-byte aligned
+_RECORDING = threading.Lock()  # one recording at a time: it swaps FA4's compile caches for the call
+
+
+class Recorded:
+    """A recorded call: the compiled kernel, its arguments (q, k, v, out and lse left as None), and the output's
+    and log-sum-exp's shapes and dtypes (None: no log-sum-exp)."""
+
+    __slots__ = ("kernel", "arguments", "out", "lse")
+
+    def __init__(self, kernel: Callable, arguments: list, out: tuple, lse: tuple | None):
+        self.kernel, self.arguments, self.out, self.lse = kernel, arguments, out, lse
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = torch.empty(self.out[0], dtype=self.out[1], device=q.device)
+        lse = torch.empty(self.lse[0], dtype=self.lse[1], device=q.device) if self.lse is not None else None
+        arguments = self.arguments.copy()
+        arguments[:5] = q, k, v, out, lse
+        self.kernel(*arguments)
+        return out, lse
+
+
+class _Proxy:
+    """One of FA4's compile caches while a call is recorded: every access passes through; those of the recording
+    thread are noted (which cache, and the compiled kernels called with their arguments)."""
+
+    def __init__(self, name: str, cache, notes: list, thread: int):
+        self.name, self.cache, self.notes, self.thread = name, cache, notes, thread
+
+    def __contains__(self, key) -> bool:
+        return key in self.cache
+
+    def __setitem__(self, key, value) -> None:
+        self.cache[key] = value
+
+    def __getitem__(self, key):
+        kernel = self.cache[key]
+        if threading.get_ident() != self.thread:
+            return kernel
+        name, notes = self.name, self.notes
+
+        def noted(*arguments):
+            notes.append((name, kernel, list(arguments)))
+            return kernel(*arguments)
+
+        return noted
+
+    def __getattr__(self, attribute):  # clear() and the like
+        return getattr(self.cache, attribute)
+
+
+def record(interface, call: Callable[[], tuple], q, k, v) -> tuple[tuple, Recorded | None]:
+    """Make ``call`` (``flash_attn_func`` on ``q``, ``k``, ``v``, FA4's ``interface`` module) with its compile caches
+    watched: its result and the :class:`Recorded` call that replays it, or None where it cannot be replayed alike."""
+    caches = {
+        name: function
+        for name, function in vars(interface).items()
+        if callable(function) and hasattr(function, "compile_cache")
+    }
+    notes: list = []
+    with _RECORDING:
+        kept = {name: function.compile_cache for name, function in caches.items()}
+        try:
+            for name, function in caches.items():
+                function.compile_cache = _Proxy(name, kept[name], notes, threading.get_ident())
+            result = call()
+        finally:
+            for name, function in caches.items():
+                function.compile_cache = kept[name]
+    return result, _recorded(notes, result, q, k, v)
+
+
+def _recorded(notes: list, result, q, k, v) -> Recorded | None:
+    """The :class:`Recorded` call of ``notes`` (what a recorded call ran), where it replays alike."""
+    out, lse = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
+    if len(notes) != 1 or notes[0][0] != "_flash_attn_fwd":
+        return None
+    _, kernel, arguments = notes[0]
+    if len(arguments) < 5 or not all(_same(a, t) for a, t in zip(arguments[:3], (q, k, v))):
+        return None
+    if not _same(arguments[3], out) or not out.is_contiguous():
+        return None
+    if lse is not None and not (_same(arguments[4], lse) and lse.is_contiguous()):
+        return None
+    if lse is None and arguments[4] is not None:
+        return None
+    if any(_holds_tensor(a) for a in arguments[5:]):
+        return None
+    arguments[:5] = (None,) * 5
+    return Recorded(kernel, arguments, (tuple(out.shape), out.dtype),
+                    (tuple(lse.shape), lse.dtype) if lse is not None else None)  # fmt: skip
+
+
+def _same(argument, tensor: torch.Tensor) -> bool:
+    """Whether ``argument`` is ``tensor``'s memory as ``tensor`` lays it out (FA4 passes a detached view)."""
+    return (
+        isinstance(argument, torch.Tensor)
+        and argument.data_ptr() == tensor.data_ptr()
+        and argument.shape == tensor.shape
+        and argument.stride() == tensor.stride()
+        and argument.dtype == tensor.dtype
+    )
+
+
+def _holds_tensor(argument) -> bool:
+    if isinstance(argument, torch.Tensor):
+        return True
+    if isinstance(argument, (tuple, list)):
+        return any(_holds_tensor(a) for a in argument)
+    return False
+
+
+class ForwardReplays:
+    """A runner's replays of FA4's dense forward, per key: ``replays(q, k, v)`` is ``function(q, k, v, **options)``
+    (FA4's ``flash_attn_func``), replayed (:class:`Recorded`) where a call of the same key was recorded."""
+
+    def __init__(self, interface, function: Callable, options: dict):
+        self.interface, self.function, self.options = interface, function, options
+        self.kept: dict[tuple, Recorded | None] = {}  # None: recorded, not replayable; calls flash_attn_func
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device)
+        recorded = self.kept.get(key, False)
+        if recorded and not (q.data_ptr() % ALIGN_BYTES or k.data_ptr() % ALIGN_BYTES or v.data_ptr() % ALIGN_BYTES):
+            return recorded(q, k, v)
+        if recorded is not False:  # not replayable, or this call's pointers are not aligned
+            return self.function(q, k, v, **self.options)
+        result, recorded = record(self.interface, lambda: self.function(q, k, v, **self.options), q, k, v)
+        if recorded is None:
+            log.debug("attnselect: FlashAttention-4's forward at %s is not replayed (%s)", tuple(q.shape),
+                      "it ran more than its kernel, or copied or returned other tensors")  # fmt: skip
+        if len(self.kept) >= KEYS_KEPT:
+            self.kept.pop(next(iter(self.kept)), None)
+        self.kept[key] = recorded
+        return result
+
+
+def replays(module, function: Callable, options: dict) -> ForwardReplays | None:
+    """:class:`ForwardReplays` of ``function`` (``module``'s ``flash_attn_func``) with ``options``, or None where the
+    installed FA4 is not a version this follows, or its interface module is not where it was."""
+    interface = sys.modules.get(f"{module.__name__}.interface")
+    if _installed_version() not in VERSIONS or interface is None or not hasattr(interface, "_flash_attn_fwd"):
+        return None
+    return ForwardReplays(interface, function, options)
+
+
+@functools.cache
+def _installed_version() -> str | None:
+    try:
+        return importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,214 @@
+"""FlashAttention-4's dense forward replayed without its Python interface (attnselect.backends.flash_attn4_replay),
+against a stand-in of FA4's interface as 4.0.0b36 lays it out: flash_attn_func prepares the call in Python, looks its
+compiled kernel up in ``_flash_attn_fwd.compile_cache`` and calls it with (q, k, v, out, lse, scalars...). The GPU
+test against the real package is in tests/backends/test_flash_attn4.py."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+
+import pytest
+import torch
+
+import attnselect
+from attnselect import backends
+from attnselect.backends import flash_attn4_replay
+from attnselect.execution import kernel_call
+from helpers import dense_inputs, rel_err
+
+
+def _kernel(q, k, v, out, lse, scale, causal, window_left, aux):
+    """The stand-in's compiled kernel: attention of (B, S, H, D) tensors into ``out`` (and ``lse``, (B, H, S))."""
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    if causal:
+        sq, skv = q.shape[1], k.shape[1]
+        allowed = torch.arange(skv).unsqueeze(0) <= torch.arange(sq).unsqueeze(1) + skv - sq
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    out.copy_(torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), v.float()))
+    if lse is not None:
+        lse.copy_(torch.logsumexp(scores, -1))
+
+
+class StandIn:
+    """A stand-in of FA4's flash_attn.cute and its interface module, counting its Python preparations."""
+
+    def __init__(self, split: bool = False, copies: bool = False, extra_tensor: bool = False):
+        self.prepared = 0
+        self.split, self.copies, self.extra_tensor = split, copies, extra_tensor
+        interface = types.ModuleType("flash_attn.cute.interface")
+
+        def _flash_attn_fwd(q, k, v, softmax_scale, causal, return_lse):
+            self.prepared += 1
+            if self.copies or q.data_ptr() % 16:  # maybe_contiguous
+                q = q.clone()
+            key = (q.dtype, q.shape[-1], v.shape[-1], causal, return_lse)
+            if key not in _flash_attn_fwd.compile_cache:
+                _flash_attn_fwd.compile_cache[key] = _kernel
+            out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype)
+            lse = torch.empty(q.shape[0], q.shape[2], q.shape[1]) if return_lse else None
+            aux = torch.zeros(1) if self.extra_tensor else None
+            _flash_attn_fwd.compile_cache[key](q.detach(), k.detach(), v.detach(), out, lse, softmax_scale, causal,
+                                               None, aux)  # fmt: skip
+            if self.split:
+                _combine.compile_cache.get("combine")
+                _combine.compile_cache["combine"](out)
+            return out, lse
+
+        def _combine(out):
+            pass
+
+        _flash_attn_fwd.compile_cache = {}
+        _combine.compile_cache = {"combine": lambda out: None}
+        interface._flash_attn_fwd, interface._combine = _flash_attn_fwd, _combine
+        cute = types.ModuleType("flash_attn.cute")
+
+        def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), deterministic=False,
+                            softcap=0.0, return_lse=False):  # fmt: skip
+            assert window_size == (None, None) and softcap == 0.0
+            return _flash_attn_fwd(q, k, v, softmax_scale, causal, return_lse)
+
+        cute.flash_attn_func, cute.interface = flash_attn_func, interface
+        self.cute, self.interface = cute, interface
+
+    def install(self, monkeypatch, version="4.0.0b36"):
+        monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+        monkeypatch.setitem(sys.modules, "flash_attn.cute", self.cute)
+        monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", self.interface)
+        monkeypatch.setattr(flash_attn4_replay, "_installed_version", lambda: version)
+        return self
+
+
+def _runner(q, k, v, **kwargs):
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, **kwargs)
+    return backends.get("flash_attn4").runner(kernel_call(problem))
+
+
+@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(return_lse=True), dict(causal=True, return_lse=True)])
+def test_a_call_of_known_shapes_replays_the_recorded_kernel_without_the_interface(monkeypatch, kwargs):
+    stand_in = StandIn().install(monkeypatch)
+    q, k, v = dense_inputs(sq=24, skv=24, hq=4, hkv=2, dqk=24, dv=16, requires_grad=False)
+    run = _runner(q, k, v, **kwargs)
+    first = run(q, k, v)
+    assert stand_in.prepared == 1
+    for _ in range(3):
+        q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
+        out, lse = run(q2, k2, v2)
+        expected = stand_in.cute.flash_attn_func(q2, k2, v2, softmax_scale=q.shape[-1] ** -0.5,
+                                                 causal=kwargs.get("causal", False), return_lse=True)  # fmt: skip
+        assert torch.equal(out, expected[0])
+        assert (lse is None) == (not kwargs.get("return_lse"))
+        if lse is not None:
+            assert torch.equal(lse, expected[1])
+    assert stand_in.prepared == 1 + 3  # the replays prepared nothing: the three counted are the expected ones
+    assert first[0].shape == out.shape
+
+
+def test_a_replay_is_recorded_per_shape(monkeypatch):
+    stand_in = StandIn().install(monkeypatch)
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    run = _runner(q, k, v, causal=True)
+    run(q, k, v)
+    longer = dense_inputs(sq=32, skv=32, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    out = run(*longer)[0]
+    assert stand_in.prepared == 2 and out.shape == (2, 32, 2, 16)
+    run(*longer)
+    assert stand_in.prepared == 2
+
+
+@pytest.mark.parametrize(
+    "stand_in",
+    [dict(split=True), dict(copies=True), dict(extra_tensor=True)],
+    ids=["another kernel ran", "FA4 copied q", "another tensor argument"],
+)
+def test_a_call_that_ran_more_than_its_kernel_or_on_other_tensors_keeps_the_interface(monkeypatch, stand_in):
+    stand_in = StandIn(**stand_in).install(monkeypatch)
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    run = _runner(q, k, v, causal=True)
+    for _ in range(3):
+        run(q, k, v)
+    assert stand_in.prepared == 3
+
+
+def test_an_unaligned_pointer_goes_through_the_interface(monkeypatch):
+    stand_in = StandIn().install(monkeypatch)
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    run = _runner(q, k, v, causal=True)
+    run(q, k, v)
+    storage = torch.randn(q.numel() + 1)
+    shifted = storage[1:].view_as(q)  # 4 bytes past an aligned pointer, same shape and strides
+    assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
+    out = run(shifted, k, v)[0]
+    assert stand_in.prepared == 2  # FA4 copies it (maybe_contiguous)
+    ref = _runner(q, k, v, causal=True)
+    assert rel_err(out, ref(shifted.clone(), k, v)[0]) == 0
+
+
+def test_a_call_that_needs_gradients_goes_through_the_interface(monkeypatch):
+    stand_in = StandIn().install(monkeypatch)
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=True)
+    run = _runner(q, k, v, causal=True)
+    for _ in range(2):
+        run(q, k, v)
+    assert stand_in.prepared == 2
+    with torch.no_grad():  # no gradient taken: replayed
+        for _ in range(2):
+            run(q, k, v)
+    assert stand_in.prepared == 3
+
+
+@pytest.mark.parametrize("version", ["4.0.0b35", None])
+def test_another_fa4_version_is_not_replayed(monkeypatch, version):
+    stand_in = StandIn().install(monkeypatch, version=version)
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    run = _runner(q, k, v, causal=True)
+    for _ in range(2):
+        run(q, k, v)
+    assert stand_in.prepared == 2
+
+
+def test_a_window_or_softcap_is_not_replayed(monkeypatch):
+    StandIn().install(monkeypatch)
+    asked = []
+    monkeypatch.setattr(flash_attn4_replay, "replays", lambda *args: asked.append(args))
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    base = backends.get("flash_attn4")
+    base.runner(kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, window=(4, 0))))
+    base.runner(kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v), softcap=30.0))
+    assert not asked  # a window's edges read the lengths; softcap becomes a score_mod
+    base.runner(kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)))
+    assert len(asked) == 1
+
+
+def test_recording_restores_the_compile_caches_and_notes_the_recording_thread_only(monkeypatch):
+    stand_in = StandIn().install(monkeypatch)
+    caches = (stand_in.interface._flash_attn_fwd.compile_cache, stand_in.interface._combine.compile_cache)
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    other: list = []
+
+    def call():
+        # another thread's FA4 call meanwhile runs through the watched caches, unnoted
+        fa4 = stand_in.cute.flash_attn_func
+        thread = threading.Thread(target=lambda: other.append(fa4(q, k, v, softmax_scale=1.0)))
+        thread.start()
+        thread.join()
+        return stand_in.cute.flash_attn_func(q, k, v, softmax_scale=1.0)
+
+    result, recorded = flash_attn4_replay.record(stand_in.interface, call, q, k, v)
+    assert recorded is not None and len(other) == 1
+    assert (stand_in.interface._flash_attn_fwd.compile_cache, stand_in.interface._combine.compile_cache) == caches
+    assert torch.equal(recorded(q, k, v)[0], result[0])
+
+
+def test_a_runner_keeps_a_bounded_number_of_shapes(monkeypatch):
+    StandIn().install(monkeypatch)
+    monkeypatch.setattr(flash_attn4_replay, "KEYS_KEPT", 3)
+    q, k, v = dense_inputs(sq=8, skv=8, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    replays = flash_attn4_replay.replays(sys.modules["flash_attn.cute"], sys.modules["flash_attn.cute"].flash_attn_func,
+                                         dict(softmax_scale=0.25, causal=True, return_lse=False))  # fmt: skip
+    for s in range(8, 14):
+        replays(*dense_inputs(sq=s, skv=s, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False))
+    assert len(replays.kept) == 3
