@@ -99,6 +99,7 @@ def test_a_dense_inference_call_replays_fa4s_compiled_forward_bit_for_bit(shape,
     run = get("flash_attn4").runner(kernel_call(problem))
     with torch.no_grad():
         run(q, k, v)
+        run(q, k, v)  # the shape's second call: recorded
         assert len(recorded) == 1 and recorded[0] is not None
         for seed in range(2):
             torch.manual_seed(seed)
@@ -125,6 +126,48 @@ def test_packed_matches_float64(kwargs, lengths):
     (q, k, v), cu_q, cu_kv = thd_inputs(*lengths, hq=8, hkv=8, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
     assert get("flash_attn4").packs_thd(Target.current())
     _compare(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kwargs)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_packed_inference_call_replays_fa4s_compiled_forward_bit_for_bit(return_lse, monkeypatch):
+    """A packing of the recorded one's sequence count and longest lengths, other boundaries and data, replays FA4's
+    forward on its own boundaries: flash_attn_varlen_func's result bit for bit, and float64's."""
+    import flash_attn.cute as fa4
+
+    from attnselect.backends import flash_attn4_replay
+    from attnselect.execution import kernel_call
+    from attnselect.spec.options import Packing
+
+    recorded, record = [], flash_attn4_replay.record
+
+    def watched(*args):
+        result = record(*args)
+        recorded.append(result[1])
+        return result
+
+    monkeypatch.setattr(flash_attn4_replay, "record", watched)
+    (q, k, v), cu, _ = thd_inputs([37, 256, 5, 130], hq=16, hkv=16, dqk=192, dv=128, dtype=torch.bfloat16,
+                                  device="cuda", requires_grad=False)  # fmt: skip
+    problem = attnselect.AttentionProblem(4, 256, 256, 16, 16, 192, 128, layout="thd", mask="causal",
+                                          return_lse=return_lse, dtype=torch.bfloat16, tokens=q.shape[0])  # fmt: skip
+    run = get("flash_attn4").packed_runner(kernel_call(problem))
+    with torch.no_grad():
+        for _ in range(2):
+            run(q, k, v, Packing(cu, cu, 256, 256, cu, cu))
+        assert len(recorded) == 1 and recorded[0] is not None
+        other = torch.tensor([0, 130, 135, 391, 428], dtype=torch.int32, device="cuda")  # same count and longest
+        q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
+        out, lse = run(q2, k2, v2, Packing(other, other, 256, 256, other, other))
+        direct = fa4.flash_attn_varlen_func(q2, k2, v2, cu_seqlens_q=other, cu_seqlens_k=other, max_seqlen_q=256,
+                                            max_seqlen_k=256, softmax_scale=problem.default_scale, causal=True,
+                                            return_lse=return_lse)  # fmt: skip
+        assert torch.equal(out, direct[0])
+        assert (lse is None) == (not return_lse) and (lse is None or torch.equal(lse, direct[1].float()))
+        bounds = other.tolist()
+        for a, b in zip(bounds, bounds[1:]):
+            ref = attnselect.attention(*(t[a:b][None].double() for t in (q2, k2, v2)), causal=True, backend="reference")
+            assert rel_err(out[a:b][None], ref) < 2e-2
+    assert len(recorded) == 1
 
 
 def test_deterministic_backward_repeats_bit_for_bit():

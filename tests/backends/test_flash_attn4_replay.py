@@ -33,6 +33,19 @@ def _kernel(q, k, v, out, lse, scale, causal, window_left, aux):
         lse.copy_(torch.logsumexp(scores, -1))
 
 
+def _varlen_kernel(q, k, v, out, lse, scale, cu_q, cu_k, causal, aux):
+    """The stand-in's compiled packed kernel: each sequence's attention of (T, H, D) tensors, lse (H, T)."""
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(bq) - 1):
+        sq, sk = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
+        one = torch.empty(1, bq[i + 1] - bq[i], *out.shape[1:], dtype=out.dtype)
+        one_lse = torch.empty(1, out.shape[1], bq[i + 1] - bq[i]) if lse is not None else None
+        _kernel(q[sq][None], k[sk][None], v[sk][None], one, one_lse, scale, causal, None, aux)
+        out[sq] = one[0]
+        if lse is not None:
+            lse[:, sq] = one_lse[0]
+
+
 class StandIn:
     """A stand-in of FA4's flash_attn.cute and its interface module, counting its Python preparations."""
 
@@ -61,6 +74,19 @@ class StandIn:
         def _combine(out):
             pass
 
+        def _flash_attn_fwd_varlen(q, k, v, cu_q, cu_k, softmax_scale, causal, return_lse):
+            self.prepared += 1
+            key = ("varlen", q.dtype, q.shape[-1], v.shape[-1], causal, return_lse)
+            if key not in _flash_attn_fwd.compile_cache:
+                _flash_attn_fwd.compile_cache[key] = _varlen_kernel
+            out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype)
+            lse = torch.empty(q.shape[1], q.shape[0]) if return_lse else None
+            if self.split:  # more than 256 sequences: FA4 sums the tiles first (another compiled kernel)
+                _combine.compile_cache["combine"](out)
+            _flash_attn_fwd.compile_cache[key](q.detach(), k.detach(), v.detach(), out, lse, softmax_scale, cu_q, cu_k,
+                                               causal, None)  # fmt: skip
+            return out, lse
+
         _flash_attn_fwd.compile_cache = {}
         _combine.compile_cache = {"combine": lambda out: None}
         interface._flash_attn_fwd, interface._combine = _flash_attn_fwd, _combine
@@ -71,7 +97,14 @@ class StandIn:
             assert window_size == (None, None) and softcap == 0.0
             return _flash_attn_fwd(q, k, v, softmax_scale, causal, return_lse)
 
-        cute.flash_attn_func, cute.interface = flash_attn_func, interface
+        def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                                   max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None),
+                                   deterministic=False, softcap=0.0, return_lse=False):  # fmt: skip
+            assert window_size == (None, None) and softcap == 0.0 and max_seqlen_q and max_seqlen_k
+            return _flash_attn_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, return_lse)
+
+        cute.flash_attn_func, cute.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+        cute.interface = interface
         self.cute, self.interface = cute, interface
 
     def install(self, monkeypatch, version="4.0.0b36"):
@@ -93,7 +126,8 @@ def test_a_call_of_known_shapes_replays_the_recorded_kernel_without_the_interfac
     q, k, v = dense_inputs(sq=24, skv=24, hq=4, hkv=2, dqk=24, dv=16, requires_grad=False)
     run = _runner(q, k, v, **kwargs)
     first = run(q, k, v)
-    assert stand_in.prepared == 1
+    run(q, k, v)  # the key's second call: recorded
+    assert stand_in.prepared == 2
     for _ in range(3):
         q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
         out, lse = run(q2, k2, v2)
@@ -103,7 +137,7 @@ def test_a_call_of_known_shapes_replays_the_recorded_kernel_without_the_interfac
         assert (lse is None) == (not kwargs.get("return_lse"))
         if lse is not None:
             assert torch.equal(lse, expected[1])
-    assert stand_in.prepared == 1 + 3  # the replays prepared nothing: the three counted are the expected ones
+    assert stand_in.prepared == 2 + 3  # the replays prepared nothing: the three counted are the expected ones
     assert first[0].shape == out.shape
 
 
@@ -112,11 +146,15 @@ def test_a_replay_is_recorded_per_shape(monkeypatch):
     q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
     run = _runner(q, k, v, causal=True)
     run(q, k, v)
+    assert stand_in.prepared == 1  # a first call goes through the interface, unrecorded
+    run(q, k, v)
     longer = dense_inputs(sq=32, skv=32, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
     out = run(*longer)[0]
-    assert stand_in.prepared == 2 and out.shape == (2, 32, 2, 16)
     run(*longer)
-    assert stand_in.prepared == 2
+    assert stand_in.prepared == 4 and out.shape == (2, 32, 2, 16)
+    run(*longer)
+    run(q, k, v)
+    assert stand_in.prepared == 4
 
 
 @pytest.mark.parametrize(
@@ -138,11 +176,12 @@ def test_an_unaligned_pointer_goes_through_the_interface(monkeypatch):
     q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
     run = _runner(q, k, v, causal=True)
     run(q, k, v)
+    run(q, k, v)
     storage = torch.randn(q.numel() + 1)
     shifted = storage[1:].view_as(q)  # 4 bytes past an aligned pointer, same shape and strides
     assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
     out = run(shifted, k, v)[0]
-    assert stand_in.prepared == 2  # FA4 copies it (maybe_contiguous)
+    assert stand_in.prepared == 3  # FA4 copies it (maybe_contiguous)
     ref = _runner(q, k, v, causal=True)
     assert rel_err(out, ref(shifted.clone(), k, v)[0]) == 0
 
@@ -154,10 +193,10 @@ def test_a_call_that_needs_gradients_goes_through_the_interface(monkeypatch):
     for _ in range(2):
         run(q, k, v)
     assert stand_in.prepared == 2
-    with torch.no_grad():  # no gradient taken: replayed
-        for _ in range(2):
+    with torch.no_grad():  # no gradient taken: recorded at its second call, then replayed
+        for _ in range(4):
             run(q, k, v)
-    assert stand_in.prepared == 3
+    assert stand_in.prepared == 4
 
 
 @pytest.mark.parametrize("version", ["4.0.0b35", None])
@@ -212,3 +251,50 @@ def test_a_runner_keeps_a_bounded_number_of_shapes(monkeypatch):
     for s in range(8, 14):
         replays(*dense_inputs(sq=s, skv=s, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False))
     assert len(replays.kept) == 3
+
+
+def _packing(lengths):
+    from attnselect.spec.options import Packing
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return Packing(cu, cu, max(lengths), max(lengths), cu, cu)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_packed_call_replays_with_its_own_boundaries(monkeypatch, return_lse):
+    """A packing of the same sequence count and longest lengths as a recorded one replays the kernel on its own
+    boundaries; another longest length is another key."""
+    stand_in = StandIn().install(monkeypatch)
+    torch.manual_seed(0)
+    q, k = (torch.randn(20, 2, 16, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(20, 2, 8, dtype=torch.float64)
+    problem = attnselect.AttentionProblem(3, 9, 9, 2, 2, 16, 8, layout="thd", mask="causal", return_lse=return_lse,
+                                          dtype=torch.float64, tokens=20)  # fmt: skip
+    run = backends.get("flash_attn4").packed_runner(kernel_call(problem))
+    with torch.no_grad():
+        for _ in range(2):
+            run(q, k, v, _packing([9, 6, 5]))
+        assert stand_in.prepared == 2
+        other = _packing([5, 6, 9])  # other boundaries, the same count and longest
+        out, lse = run(q, k, v, other)
+        assert stand_in.prepared == 2
+        cu = other.cu_seqlens_q
+        expected = stand_in.cute.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, softmax_scale=16**-0.5, causal=True,
+                                                        return_lse=True)  # fmt: skip
+        assert torch.equal(out, expected[0]) and (lse is None) == (not return_lse)
+        assert lse is None or torch.equal(lse, expected[1])
+        run(q, k, v, _packing([8, 8, 4]))  # another longest length: another key, not recorded yet
+        assert stand_in.prepared == 4
+
+
+def test_a_packed_call_that_ran_another_kernel_keeps_the_interface(monkeypatch):
+    stand_in = StandIn(split=True).install(monkeypatch)
+    q, k = (torch.randn(20, 2, 16, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(20, 2, 8, dtype=torch.float64)
+    problem = attnselect.AttentionProblem(3, 9, 9, 2, 2, 16, 8, layout="thd", mask="causal", dtype=torch.float64,
+                                          tokens=20)  # fmt: skip
+    run = backends.get("flash_attn4").packed_runner(kernel_call(problem))
+    with torch.no_grad():
+        for _ in range(4):
+            run(q, k, v, _packing([9, 6, 5]))
+    assert stand_in.prepared == 4

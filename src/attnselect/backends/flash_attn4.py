@@ -107,22 +107,34 @@ class FlashAttn4(FlashAttnPackageBackend):
         return r
 
     def runner(self, call, *, repeated: bool = False, like: tuple | None = None):
-        """FA4's ``flash_attn_func`` with ``call`` bound; a dense call that needs no gradient replays the compiled
-        forward the first call of its shapes ran (attnselect.backends.flash_attn4_replay: FA4's Python interface
-        costs more host time than its kernel at small sizes)."""
+        """FA4's ``flash_attn_func`` with ``call`` bound; a call that needs no gradient replays the compiled forward a
+        call of its shapes ran before (attnselect.backends.flash_attn4_replay: FA4's Python interface costs more host
+        time than its kernel at small sizes)."""
         run = super().runner(call, repeated=repeated, like=like)
-        if call.mask == "sliding_window" or call.softcap:  # a window's edges read the lengths; softcap a score_mod
+        if call.mask == "sliding_window":  # its window's edges read the lengths: the base runner's own call
             return run
+        return self._replayed(call, run, "flash_attn_func") or run
+
+    def packed_runner(self, call, *, repeated: bool = False):
+        """:meth:`runner`'s counterpart for packed calls (``flash_attn_varlen_func``)."""
+        run = super().packed_runner(call, repeated=repeated)
+        return self._replayed(call, run, "flash_attn_varlen_func") or run
+
+    def _replayed(self, call, run, function: str):
+        """``run``, replaying FA4's forward where the call needs no gradient, or None where FA4's forward is not
+        replayed (softcap becomes a score_mod; another FA4 version)."""
+        if call.softcap:
+            return None
         module = self._module()
-        replays = flash_attn4_replay.replays(module, module.flash_attn_func, self._options(call, 1, 1))
+        replays = flash_attn4_replay.replays(module, getattr(module, function), self._options(call, 1, 1))
         if replays is None:
-            return run
+            return None
         lse, grad_enabled = self._lse, torch.is_grad_enabled
 
-        def replayed(q, k, v):
+        def replayed(q, k, v, *packing):
             if grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-                return run(q, k, v)
-            return lse(call, replays(q, k, v))
+                return run(q, k, v, *packing)
+            return lse(call, replays(q, k, v, *packing))
 
         return replayed
 

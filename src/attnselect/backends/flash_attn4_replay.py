@@ -1,20 +1,23 @@
-"""FlashAttention-4's compiled dense forward called again without its Python interface.
+"""FlashAttention-4's compiled forward called again without its Python interface.
 
-FA4's ``flash_attn_func`` works out, in Python, on every call, what its compiled kernel is called with: the
-compile key, tile sizes, scheduling and split choices, the output's allocation (flash_attn/cute/interface.py,
-``_flash_attn_fwd``, about 800 lines). That costs more host time than the kernel takes at small and medium sizes.
-For a dense call that needs no gradient, every one of those choices follows from what the key here holds (the
-tensors' shapes, strides, dtype and device, and the runner's options: FA4 reads no tensor's values on that path),
-so one call of each key is made through ``flash_attn_func`` and recorded: the compiled kernel it called and the
-arguments it called it with. Later calls of the key allocate the output (and the log-sum-exp) as that call did and
-call the same kernel with the same arguments, their own tensors in place of the recorded ones.
+FA4's ``flash_attn_func`` and ``flash_attn_varlen_func`` work out, in Python, on every call, what the compiled
+kernel is called with: the compile key, tile sizes, scheduling and split choices, the output's allocation
+(flash_attn/cute/interface.py, ``_flash_attn_fwd``, about 800 lines). That costs more host time than the kernel
+takes at small and medium sizes. For a call that needs no gradient, every one of those choices follows from what
+the key here holds (the tensors' shapes, strides, dtype and device, a packing's sequence count and longest lengths,
+and the runner's options: FA4 reads no tensor's values on that path, the boundaries stay on the GPU), so the second
+call of a key is made through FA4's function and recorded: the compiled kernel it called and the arguments it
+called it with. Later calls of the key allocate the output (and the log-sum-exp) as that call did and call the same
+kernel with the same arguments, their own tensors in place of the recorded ones. (The first call of a key is not
+recorded: a one-off shape, a packing met once, pays nothing for it.)
 
 A call is recorded only where it can be replayed alike: the kernel was called once and nothing else FA4 compiles
-ran (no split-KV combine, no scheduler metadata), the kernel's tensors were q, k and v themselves (FA4 copied
-none: pointers aligned, last dim contiguous), the output and log-sum-exp it wrote are those returned, and no other
-argument is a tensor. Otherwise the key keeps calling ``flash_attn_func``. A replayed call checks its tensors'
-pointers are aligned as FA4 requires (it copies unaligned ones: cute_dsl_utils.maybe_contiguous). Only the FA4
-version this was read from and tested on is replayed (:data:`VERSIONS`).
+ran (no split-KV combine, no scheduler metadata or tile sums, which a pack of more than 256 sequences gets), the
+kernel's tensors were q, k, v and the boundaries themselves (FA4 copied none: pointers aligned, last dim
+contiguous), the output and log-sum-exp it wrote are those returned, and no other argument is a tensor. Otherwise the
+key keeps calling FA4's function. A replayed call checks its tensors' pointers are aligned as FA4 requires (it
+copies unaligned ones: cute_dsl_utils.maybe_contiguous). Only the FA4 version this was read from and tested on is
+replayed (:data:`VERSIONS`).
 """
 
 from __future__ import annotations
@@ -39,19 +42,23 @@ _RECORDING = threading.Lock()  # one recording at a time: it swaps FA4's compile
 
 
 class Recorded:
-    """A recorded call: the compiled kernel, its arguments (q, k, v, out and lse left as None), and the output's
-    and log-sum-exp's shapes and dtypes (None: no log-sum-exp)."""
+    """A recorded call: the compiled kernel, its arguments (the call's own tensors left as None, at ``places``: q, k,
+    v, out, lse, then a packed call's cu_seqlens_q and cu_seqlens_k where the kernel took them), and the output's and
+    log-sum-exp's shapes and dtypes (None: no log-sum-exp)."""
 
-    __slots__ = ("kernel", "arguments", "out", "lse")
+    __slots__ = ("kernel", "arguments", "places", "out", "lse")
 
-    def __init__(self, kernel: Callable, arguments: list, out: tuple, lse: tuple | None):
-        self.kernel, self.arguments, self.out, self.lse = kernel, arguments, out, lse
+    def __init__(self, kernel: Callable, arguments: list, places: tuple, out: tuple, lse: tuple | None):
+        self.kernel, self.arguments, self.places, self.out, self.lse = kernel, arguments, places, out, lse
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, q, k, v, cu_seqlens: tuple = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = torch.empty(self.out[0], dtype=self.out[1], device=q.device)
         lse = torch.empty(self.lse[0], dtype=self.lse[1], device=q.device) if self.lse is not None else None
         arguments = self.arguments.copy()
-        arguments[:5] = q, k, v, out, lse
+        if q.requires_grad or k.requires_grad or v.requires_grad:  # under no_grad: FA4 passes detached views
+            q, k, v = q.detach(), k.detach(), v.detach()
+        for place, tensor in zip(self.places, (q, k, v, out, lse, *cu_seqlens)):
+            arguments[place] = tensor
         self.kernel(*arguments)
         return out, lse
 
@@ -85,9 +92,10 @@ class _Proxy:
         return getattr(self.cache, attribute)
 
 
-def record(interface, call: Callable[[], tuple], q, k, v) -> tuple[tuple, Recorded | None]:
-    """Make ``call`` (``flash_attn_func`` on ``q``, ``k``, ``v``, FA4's ``interface`` module) with its compile caches
-    watched: its result and the :class:`Recorded` call that replays it, or None where it cannot be replayed alike."""
+def record(interface, call: Callable[[], tuple], q, k, v, cu_seqlens: tuple = ()) -> tuple[tuple, Recorded | None]:
+    """Make ``call`` (``flash_attn_func`` on ``q``, ``k``, ``v``, or ``flash_attn_varlen_func`` on them and
+    ``cu_seqlens``, FA4's ``interface`` module) with its compile caches watched: its result and the :class:`Recorded`
+    call that replays it, or None where it cannot be replayed alike."""
     caches = {
         name: function
         for name, function in vars(interface).items()
@@ -103,16 +111,16 @@ def record(interface, call: Callable[[], tuple], q, k, v) -> tuple[tuple, Record
         finally:
             for name, function in caches.items():
                 function.compile_cache = kept[name]
-    return result, _recorded(notes, result, q, k, v)
+    return result, _recorded(notes, result, (q, k, v), cu_seqlens)
 
 
-def _recorded(notes: list, result, q, k, v) -> Recorded | None:
+def _recorded(notes: list, result, inputs: tuple, cu_seqlens: tuple) -> Recorded | None:
     """The :class:`Recorded` call of ``notes`` (what a recorded call ran), where it replays alike."""
     out, lse = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
     if len(notes) != 1 or notes[0][0] != "_flash_attn_fwd":
         return None
     _, kernel, arguments = notes[0]
-    if len(arguments) < 5 or not all(_same(a, t) for a, t in zip(arguments[:3], (q, k, v))):
+    if len(arguments) < 5 or not all(_same(a, t) for a, t in zip(arguments[:3], inputs)):
         return None
     if not _same(arguments[3], out) or not out.is_contiguous():
         return None
@@ -120,10 +128,17 @@ def _recorded(notes: list, result, q, k, v) -> Recorded | None:
         return None
     if lse is None and arguments[4] is not None:
         return None
-    if any(_holds_tensor(a) for a in arguments[5:]):
+    # a packed call's boundaries, passed as they are (int32, contiguous: FA4 asserts it), q's before k's (one tensor
+    # for both where the call passed one)
+    found = [i for i, a in enumerate(arguments[5:], 5) if any(_same(a, t) for t in cu_seqlens)]
+    if len(found) != len(cu_seqlens) or not all(_same(arguments[i], t) for i, t in zip(found, cu_seqlens)):
         return None
-    arguments[:5] = (None,) * 5
-    return Recorded(kernel, arguments, (tuple(out.shape), out.dtype),
+    places = [0, 1, 2, 3, 4, *found]
+    if any(_holds_tensor(a) for i, a in enumerate(arguments) if i not in places):
+        return None
+    for place in places:
+        arguments[place] = None
+    return Recorded(kernel, arguments, tuple(places), (tuple(out.shape), out.dtype),
                     (tuple(lse.shape), lse.dtype) if lse is not None else None)  # fmt: skip
 
 
@@ -146,29 +161,56 @@ def _holds_tensor(argument) -> bool:
     return False
 
 
+_SEEN = object()  # a key called once: its next call is recorded (a one-off packing pays no recording)
+
+
 class ForwardReplays:
-    """A runner's replays of FA4's dense forward, per key: ``replays(q, k, v)`` is ``function(q, k, v, **options)``
-    (FA4's ``flash_attn_func``), replayed (:class:`Recorded`) where a call of the same key was recorded."""
+    """A runner's replays of FA4's forward, per key: ``replays(q, k, v)`` is ``function(q, k, v, **options)`` (FA4's
+    ``flash_attn_func``), and for a packed runner ``replays(q, k, v, packing)`` is ``function(q, k, v, cu_seqlens_q=...,
+    cu_seqlens_k=..., max_seqlen_q=..., max_seqlen_k=..., **options)`` (``flash_attn_varlen_func``), replayed
+    (:class:`Recorded`) where the key's second call was recorded. A key: the tensors' shapes, strides, dtype and device,
+    and a packing's sequence count and longest lengths (what FA4's host choices read; not the lengths, which stay
+    on the GPU)."""
 
     def __init__(self, interface, function: Callable, options: dict):
         self.interface, self.function, self.options = interface, function, options
-        self.kept: dict[tuple, Recorded | None] = {}  # None: recorded, not replayable; calls flash_attn_func
+        self.kept: dict[tuple, object] = {}  # _SEEN, a Recorded call, or None: not replayable (the interface runs)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device)
-        recorded = self.kept.get(key, False)
-        if recorded and not (q.data_ptr() % ALIGN_BYTES or k.data_ptr() % ALIGN_BYTES or v.data_ptr() % ALIGN_BYTES):
-            return recorded(q, k, v)
-        if recorded is not False:  # not replayable, or this call's pointers are not aligned
-            return self.function(q, k, v, **self.options)
-        result, recorded = record(self.interface, lambda: self.function(q, k, v, **self.options), q, k, v)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing=None):
+        if packing is None:
+            key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device)
+            cu_seqlens, keywords = (), self.options
+        else:
+            cu_q, cu_k = cu_seqlens = packing.cu_seqlens_q, packing.cu_seqlens_kv
+            longest = packing.max_seqlen_q, packing.max_seqlen_kv
+            key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, cu_q.shape,
+                   cu_k.shape, cu_q.stride(), cu_k.stride(), cu_q.dtype, longest)  # fmt: skip
+            keywords = dict(self.options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=packing.max_seqlen_q,
+                            max_seqlen_k=packing.max_seqlen_kv)  # fmt: skip
+        kept = self.kept.get(key)
+        if type(kept) is Recorded:
+            if not (q.data_ptr() % ALIGN_BYTES or k.data_ptr() % ALIGN_BYTES or v.data_ptr() % ALIGN_BYTES):
+                return kept(q, k, v, cu_seqlens)
+            return self.function(q, k, v, **keywords)  # FA4 copies an unaligned tensor (maybe_contiguous)
+        if kept is not _SEEN:  # a first call, or one that is not replayed
+            if key not in self.kept:
+                self._keep(key, _SEEN)
+            return self.function(q, k, v, **keywords)
+        result, recorded = record(self.interface, lambda: self.function(q, k, v, **keywords), q, k, v, cu_seqlens)
         if recorded is None:
             log.debug("attnselect: FlashAttention-4's forward at %s is not replayed (%s)", tuple(q.shape),
                       "it ran more than its kernel, or copied or returned other tensors")  # fmt: skip
-        if len(self.kept) >= KEYS_KEPT:
-            self.kept.pop(next(iter(self.kept)), None)
-        self.kept[key] = recorded
+        self._keep(key, recorded)
         return result
+
+    def _keep(self, key: tuple, value) -> None:
+        kept = self.kept
+        if len(kept) >= KEYS_KEPT and key not in kept:
+            try:
+                kept.pop(next(iter(kept)), None)
+            except (RuntimeError, StopIteration):  # another thread changed it meanwhile
+                pass
+        kept[key] = value
 
 
 def replays(module, function: Callable, options: dict) -> ForwardReplays | None:
