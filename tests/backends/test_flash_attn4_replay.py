@@ -20,7 +20,9 @@ from helpers import dense_inputs, rel_err
 
 
 def _kernel(q, k, v, out, lse, scale, causal, window_left, aux):
-    """The stand-in's compiled kernel: attention of (B, S, H, D) tensors into ``out`` (and ``lse``, (B, H, S))."""
+    """The stand-in's compiled kernel: attention of (B, S, H, D) tensors into ``out`` (and ``lse``, (B, H, S)). Like
+    FA4's, through DLPack, it takes no tensor that requires a gradient."""
+    assert not (q.requires_grad or k.requires_grad or v.requires_grad)
     k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
@@ -49,9 +51,10 @@ def _varlen_kernel(q, k, v, out, lse, scale, cu_q, cu_k, causal, aux):
 class StandIn:
     """A stand-in of FA4's flash_attn.cute and its interface module, counting its Python preparations."""
 
-    def __init__(self, split: bool = False, copies: bool = False, extra_tensor: bool = False):
+    def __init__(self, split=False, copies=False, extra_tensor=False, returns_copy=False, copies_boundaries=False):
         self.prepared = 0
         self.split, self.copies, self.extra_tensor = split, copies, extra_tensor
+        self.returns_copy, self.copies_boundaries = returns_copy, copies_boundaries
         interface = types.ModuleType("flash_attn.cute.interface")
 
         def _flash_attn_fwd(q, k, v, softmax_scale, causal, return_lse):
@@ -69,7 +72,7 @@ class StandIn:
             if self.split:
                 _combine.compile_cache.get("combine")
                 _combine.compile_cache["combine"](out)
-            return out, lse
+            return (out.clone() if self.returns_copy else out), lse
 
         def _combine(out):
             pass
@@ -83,6 +86,8 @@ class StandIn:
             lse = torch.empty(q.shape[1], q.shape[0]) if return_lse else None
             if self.split:  # more than 256 sequences: FA4 sums the tiles first (another compiled kernel)
                 _combine.compile_cache["combine"](out)
+            if self.copies_boundaries:
+                cu_q, cu_k = cu_q.clone(), cu_k.clone()
             _flash_attn_fwd.compile_cache[key](q.detach(), k.detach(), v.detach(), out, lse, softmax_scale, cu_q, cu_k,
                                                causal, None)  # fmt: skip
             return out, lse
@@ -159,8 +164,8 @@ def test_a_replay_is_recorded_per_shape(monkeypatch):
 
 @pytest.mark.parametrize(
     "stand_in",
-    [dict(split=True), dict(copies=True), dict(extra_tensor=True)],
-    ids=["another kernel ran", "FA4 copied q", "another tensor argument"],
+    [dict(split=True), dict(copies=True), dict(extra_tensor=True), dict(returns_copy=True)],
+    ids=["another kernel ran", "FA4 copied q", "another tensor argument", "it returned another output"],
 )
 def test_a_call_that_ran_more_than_its_kernel_or_on_other_tensors_keeps_the_interface(monkeypatch, stand_in):
     stand_in = StandIn(**stand_in).install(monkeypatch)
@@ -177,7 +182,7 @@ def test_an_unaligned_pointer_goes_through_the_interface(monkeypatch):
     run = _runner(q, k, v, causal=True)
     run(q, k, v)
     run(q, k, v)
-    storage = torch.randn(q.numel() + 1)
+    storage = torch.randn(q.numel() + 1, dtype=q.dtype)
     shifted = storage[1:].view_as(q)  # 4 bytes past an aligned pointer, same shape and strides
     assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
     out = run(shifted, k, v)[0]
@@ -193,10 +198,26 @@ def test_a_call_that_needs_gradients_goes_through_the_interface(monkeypatch):
     for _ in range(2):
         run(q, k, v)
     assert stand_in.prepared == 2
-    with torch.no_grad():  # no gradient taken: recorded at its second call, then replayed
+    with torch.no_grad():  # no gradient taken: recorded at its second call, then replayed (on detached views)
         for _ in range(4):
-            run(q, k, v)
-    assert stand_in.prepared == 4
+            out = run(q, k, v)[0]
+    assert stand_in.prepared == 4 and not out.requires_grad
+    with torch.autograd.forward_ad.dual_level():  # a tangent: FA4's own call (its autograd Function refuses it)
+        run(q.detach(), k.detach(), v.detach())
+    assert stand_in.prepared == 5
+
+
+def test_other_strides_are_another_key(monkeypatch):
+    stand_in = StandIn().install(monkeypatch)
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    run = _runner(q, k, v, causal=True)
+    run(q, k, v)
+    run(q, k, v)
+    strided = k.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, D) with heads outermost
+    assert strided.shape == k.shape and strided.stride() != k.stride()
+    out = run(q, strided, v)[0]
+    assert stand_in.prepared == 3
+    assert torch.equal(out, run(q, k, v)[0])
 
 
 @pytest.mark.parametrize("version", ["4.0.0b35", None])
@@ -297,4 +318,43 @@ def test_a_packed_call_that_ran_another_kernel_keeps_the_interface(monkeypatch):
     with torch.no_grad():
         for _ in range(4):
             run(q, k, v, _packing([9, 6, 5]))
+    assert stand_in.prepared == 4
+
+
+def test_a_packing_of_other_q_and_kv_boundaries_replays_each_in_its_place(monkeypatch):
+    stand_in = StandIn().install(monkeypatch)
+    from attnselect.spec.options import Packing
+
+    torch.manual_seed(1)
+    q = torch.randn(12, 2, 16, dtype=torch.float64)
+    k = torch.randn(20, 2, 16, dtype=torch.float64)
+    v = torch.randn(20, 2, 8, dtype=torch.float64)
+    problem = attnselect.AttentionProblem(3, 6, 9, 2, 2, 16, 8, layout="thd", mask="causal_bottom_right",
+                                          dtype=torch.float64, tokens=12)  # fmt: skip
+
+    def packing(q_lengths, kv_lengths):
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32)
+                      for ls in (q_lengths, kv_lengths))  # fmt: skip
+        return Packing(cu_q, cu_k, max(q_lengths), max(kv_lengths), cu_q, cu_k)
+
+    run = backends.get("flash_attn4").packed_runner(kernel_call(problem))
+    for _ in range(2):
+        run(q, k, v, packing([6, 2, 4], [9, 5, 6]))
+    other = packing([2, 4, 6], [6, 5, 9])
+    out = run(q, k, v, other)[0]
+    assert stand_in.prepared == 2
+    expected = stand_in.cute.flash_attn_varlen_func(q, k, v, other.cu_seqlens_q, other.cu_seqlens_kv, 6, 9,
+                                                    softmax_scale=16**-0.5, causal=True)  # fmt: skip
+    assert torch.equal(out, expected[0])
+
+
+def test_a_packed_call_whose_boundaries_fa4_copied_keeps_the_interface(monkeypatch):
+    stand_in = StandIn(copies_boundaries=True).install(monkeypatch)
+    q, k = (torch.randn(20, 2, 16, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(20, 2, 8, dtype=torch.float64)
+    problem = attnselect.AttentionProblem(3, 9, 9, 2, 2, 16, 8, layout="thd", mask="causal", dtype=torch.float64,
+                                          tokens=20)  # fmt: skip
+    run = backends.get("flash_attn4").packed_runner(kernel_call(problem))
+    for _ in range(4):
+        run(q, k, v, _packing([9, 6, 5]))
     assert stand_in.prepared == 4

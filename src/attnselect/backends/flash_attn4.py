@@ -129,10 +129,14 @@ class FlashAttn4(FlashAttnPackageBackend):
         replays = flash_attn4_replay.replays(module, getattr(module, function), self._options(call, 1, 1))
         if replays is None:
             return None
-        lse, grad_enabled = self._lse, torch.is_grad_enabled
+        lse, grad_enabled, forward_ad = self._lse, torch.is_grad_enabled, torch.autograd.forward_ad
 
         def replayed(q, k, v, *packing):
-            if grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            # a gradient, or a forward-mode tangent (dual tensors: FA4's autograd Function refuses them), needs FA4's
+            # own call
+            if (grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) or (
+                forward_ad._current_level >= 0
+            ):
                 return run(q, k, v, *packing)
             return lse(call, replays(q, k, v, *packing))
 

@@ -17,7 +17,9 @@ kernel's tensors were q, k, v and the boundaries themselves (FA4 copied none: po
 contiguous), the output and log-sum-exp it wrote are those returned, and no other argument is a tensor. Otherwise the
 key keeps calling FA4's function. A replayed call checks its tensors' pointers are aligned as FA4 requires (it
 copies unaligned ones: cute_dsl_utils.maybe_contiguous). Only the FA4 version this was read from and tested on is
-replayed (:data:`VERSIONS`).
+replayed (:data:`VERSIONS`). Two things FA4 reads per call are not in the key: FLASH_ATTENTION_NUM_SMS (on sm90,
+with no split-KV and no MLA kernel, it changes nothing on this path) and FA4's log level (in its compile key: a
+replay keeps the kernel recorded at the level of its recording).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ log = logging.getLogger("attnselect")
 VERSIONS = frozenset({"4.0.0b36"})
 KEYS_KEPT = 64  # recorded keys per runner (a server's lengths are many: the oldest is recorded again)
 ALIGN_BYTES = 16  # interface.py: maybe_contiguous(q, k, v) copies a tensor whose pointer is not 16-byte aligned
-_RECORDING = threading.Lock()  # one recording at a time: it swaps FA4's compile caches for the call
+_RECORDING = threading.RLock()  # one recording at a time: it swaps FA4's compile caches for the call
 
 
 class Recorded:
@@ -168,31 +170,33 @@ class ForwardReplays:
     """A runner's replays of FA4's forward, per key: ``replays(q, k, v)`` is ``function(q, k, v, **options)`` (FA4's
     ``flash_attn_func``), and for a packed runner ``replays(q, k, v, packing)`` is ``function(q, k, v, cu_seqlens_q=...,
     cu_seqlens_k=..., max_seqlen_q=..., max_seqlen_k=..., **options)`` (``flash_attn_varlen_func``), replayed
-    (:class:`Recorded`) where the key's second call was recorded. A key: the tensors' shapes, strides, dtype and device,
-    and a packing's sequence count and longest lengths (what FA4's host choices read; not the lengths, which stay
-    on the GPU)."""
+    (:class:`Recorded`) where the key's second call was recorded. A key: the tensors' kind, shapes, strides, dtypes and
+    device, whether they need a gradient, and a packing's boundaries' shapes, strides, dtypes and devices and its
+    longest lengths (what FA4's host choices read; not the lengths, which stay on the GPU)."""
 
     def __init__(self, interface, function: Callable, options: dict):
         self.interface, self.function, self.options = interface, function, options
         self.kept: dict[tuple, object] = {}  # _SEEN, a Recorded call, or None: not replayable (the interface runs)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing=None):
+        # FA4's host choices read the tensors' kind (a FakeTensor runs no kernel), and their needing a gradient (it
+        # then writes the lse, which its compile key reads)
+        tensors = (type(q), q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+                   q.device, q.requires_grad or k.requires_grad or v.requires_grad)  # fmt: skip
         if packing is None:
-            key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device)
-            cu_seqlens, keywords = (), self.options
+            key, cu_seqlens, keywords = tensors, (), self.options
         else:
             cu_q, cu_k = cu_seqlens = packing.cu_seqlens_q, packing.cu_seqlens_kv
             longest = packing.max_seqlen_q, packing.max_seqlen_kv
-            key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, cu_q.shape,
-                   cu_k.shape, cu_q.stride(), cu_k.stride(), cu_q.dtype, longest)  # fmt: skip
+            key = (*tensors, cu_q.shape, cu_k.shape, cu_q.stride(), cu_k.stride(), cu_q.dtype, cu_k.dtype, cu_q.device,
+                   cu_k.device, longest)  # fmt: skip
             keywords = dict(self.options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=packing.max_seqlen_q,
                             max_seqlen_k=packing.max_seqlen_kv)  # fmt: skip
         kept = self.kept.get(key)
-        if type(kept) is Recorded:
-            if not (q.data_ptr() % ALIGN_BYTES or k.data_ptr() % ALIGN_BYTES or v.data_ptr() % ALIGN_BYTES):
-                return kept(q, k, v, cu_seqlens)
-            return self.function(q, k, v, **keywords)  # FA4 copies an unaligned tensor (maybe_contiguous)
-        if kept is not _SEEN:  # a first call, or one that is not replayed
+        aligned = not (q.data_ptr() % ALIGN_BYTES or k.data_ptr() % ALIGN_BYTES or v.data_ptr() % ALIGN_BYTES)
+        if type(kept) is Recorded and aligned:
+            return kept(q, k, v, cu_seqlens)
+        if kept is not _SEEN or not aligned:  # a first call, one not replayed, or one FA4 copies (maybe_contiguous)
             if key not in self.kept:
                 self._keep(key, _SEEN)
             return self.function(q, k, v, **keywords)
