@@ -51,8 +51,9 @@ def _varlen_kernel(q, k, v, out, lse, scale, cu_q, cu_k, causal, aux):
 class StandIn:
     """A stand-in of FA4's flash_attn.cute and its interface module, counting its Python preparations."""
 
-    def __init__(self, split=False, copies=False, extra_tensor=False, returns_copy=False, copies_boundaries=False):
-        self.prepared = 0
+    def __init__(self, split=False, copies=False, extra_tensor=False, returns_copy=False, copies_boundaries=False,
+                 works_after=False):  # fmt: skip
+        self.prepared, self.works_after = 0, works_after
         self.split, self.copies, self.extra_tensor = split, copies, extra_tensor
         self.returns_copy, self.copies_boundaries = returns_copy, copies_boundaries
         interface = types.ModuleType("flash_attn.cute.interface")
@@ -72,6 +73,8 @@ class StandIn:
             if self.split:
                 _combine.compile_cache.get("combine")
                 _combine.compile_cache["combine"](out)
+            if self.works_after:  # more work on the output after the kernel, in place
+                out.mul_(2.0)
             return (out.clone() if self.returns_copy else out), lse
 
         def _combine(out):
@@ -358,3 +361,49 @@ def test_a_packed_call_whose_boundaries_fa4_copied_keeps_the_interface(monkeypat
     for _ in range(4):
         run(q, k, v, _packing([9, 6, 5]))
     assert stand_in.prepared == 4
+
+
+def test_a_replay_that_differs_from_fa4s_own_call_at_its_recording_is_not_kept(monkeypatch, caplog):
+    """FA4 worked on the output after its kernel (in place): the replay, checked at its recording, differs, and the
+    key keeps FA4's own call, warned of."""
+    stand_in = StandIn(works_after=True).install(monkeypatch)
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    run = _runner(q, k, v, causal=True)
+    with caplog.at_level("WARNING", logger="attnselect"):
+        outs = [run(q, k, v)[0] for _ in range(4)]
+    assert stand_in.prepared == 4 and all(torch.equal(out, outs[0]) for out in outs)
+    assert "differed from FA4's own call" in caplog.text
+
+
+def test_a_replay_that_raises_at_its_recording_is_not_kept(monkeypatch, caplog):
+    stand_in = StandIn().install(monkeypatch)
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    run = _runner(q, k, v, causal=True)
+    run(q, k, v)
+    calls = []
+
+    def broken(self, *args):
+        calls.append(args)
+        raise RuntimeError("a kernel argument the recording missed")
+
+    monkeypatch.setattr(flash_attn4_replay.Recorded, "__call__", broken)
+    with caplog.at_level("WARNING", logger="attnselect"):
+        for _ in range(3):
+            run(q, k, v)
+    assert len(calls) == 1 and stand_in.prepared == 4 and "raised RuntimeError" in caplog.text
+    longer = dense_inputs(sq=32, skv=32, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    for _ in range(3):  # another key of the configuration: recorded, not replayed, not checked again
+        run(*longer)
+    assert len(calls) == 1 and stand_in.prepared == 7
+
+
+def test_a_configuration_is_checked_once_a_runner(monkeypatch):
+    stand_in = StandIn().install(monkeypatch)
+    checks, check = [], flash_attn4_replay._checked
+    monkeypatch.setattr(flash_attn4_replay, "_checked", lambda *args: checks.append(args) or check(*args))
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    run = _runner(q, k, v, causal=True)
+    for s in (16, 24, 32):
+        for _ in range(3):
+            run(*dense_inputs(sq=s, skv=s, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False))
+    assert len(checks) == 1 and stand_in.prepared == 3 * 2

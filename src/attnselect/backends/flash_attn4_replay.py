@@ -14,9 +14,12 @@ recorded: a one-off shape, a packing met once, pays nothing for it.)
 A call is recorded only where it can be replayed alike: the kernel was called once and nothing else FA4 compiles
 ran (no split-KV combine, no scheduler metadata or tile sums, which a pack of more than 256 sequences gets), the
 kernel's tensors were q, k, v and the boundaries themselves (FA4 copied none: pointers aligned, last dim
-contiguous), the output and log-sum-exp it wrote are those returned, and no other argument is a tensor. Otherwise the
-key keeps calling FA4's function. A replayed call checks its tensors' pointers are aligned as FA4 requires (it
-copies unaligned ones: cute_dsl_utils.maybe_contiguous). Only the FA4 version this was read from and tested on is
+contiguous), the output and log-sum-exp it wrote are those returned, and no other argument is a tensor. A runner's
+first recording of a configuration (dtypes, head dims, heads per K/V head) is then checked: replayed on that call's
+own inputs, it must give FA4's result bit for bit (one more kernel run and a read-back, once; no recording under CUDA
+graph capture), else none of that configuration is replayed, warned of. Otherwise the key keeps calling FA4's
+function. A replayed call checks its tensors' pointers are aligned as FA4
+requires (it copies unaligned ones: cute_dsl_utils.maybe_contiguous). Only the FA4 version this was read from is
 replayed (:data:`VERSIONS`). Two things FA4 reads per call are not in the key: FLASH_ATTENTION_NUM_SMS (on sm90,
 with no split-KV and no MLA kernel, it changes nothing on this path) and FA4's log level (in its compile key: a
 replay keeps the kernel recorded at the level of its recording).
@@ -36,7 +39,7 @@ import torch
 log = logging.getLogger("attnselect")
 
 # The flash-attn-4 versions whose interface.py this follows (the compiled kernel's arguments: q, k, v, out, lse,
-# then scalars; its compile caches as attributes named compile_cache), tested on the GPU (tests/backends).
+# then scalars and, packed, the boundaries; its compile caches as attributes named compile_cache).
 VERSIONS = frozenset({"4.0.0b36"})
 KEYS_KEPT = 64  # recorded keys per runner (a server's lengths are many: the oldest is recorded again)
 ALIGN_BYTES = 16  # interface.py: maybe_contiguous(q, k, v) copies a tensor whose pointer is not 16-byte aligned
@@ -144,6 +147,23 @@ def _recorded(notes: list, result, inputs: tuple, cu_seqlens: tuple) -> Recorded
                     (tuple(lse.shape), lse.dtype) if lse is not None else None)  # fmt: skip
 
 
+def _checked(recorded: Recorded, result, q, k, v, cu_seqlens: tuple) -> bool:
+    """Whether replaying ``recorded`` on the recorded call's own inputs gives FA4's ``result`` bit for bit (its
+    output, and its log-sum-exp where it wrote one); a failure is warned of. One more kernel run and a read-back."""
+    out, lse = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
+    try:
+        again = recorded(q, k, v, cu_seqlens)
+        alike = torch.equal(again[0], out) and (lse is None or torch.equal(again[1], lse))
+    except Exception as exc:  # noqa: BLE001 (any failure of the replay leaves FA4's own call, warned)
+        log.warning("attnselect: FlashAttention-4's forward replayed at %s raised %s: FA4's own call serves it",
+                    tuple(q.shape), f"{type(exc).__name__}: {exc}")  # fmt: skip
+        return False
+    if not alike:
+        log.warning("attnselect: FlashAttention-4's forward replayed at %s differed from FA4's own call: FA4's own "
+                    "call serves it", tuple(q.shape))  # fmt: skip
+    return alike
+
+
 def _same(argument, tensor: torch.Tensor) -> bool:
     """Whether ``argument`` is ``tensor``'s memory as ``tensor`` lays it out (FA4 passes a detached view)."""
     return (
@@ -177,6 +197,9 @@ class ForwardReplays:
     def __init__(self, interface, function: Callable, options: dict):
         self.interface, self.function, self.options = interface, function, options
         self.kept: dict[tuple, object] = {}  # _SEEN, a Recorded call, or None: not replayable (the interface runs)
+        # per configuration (dtypes, head dims, heads per K/V head): True once a recording's check passed, False once
+        # one failed (none is replayed then)
+        self.checked: dict[tuple, bool] = {}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing=None):
         # FA4's host choices read the tensors' kind (a FakeTensor runs no kernel), and their needing a gradient (it
@@ -196,7 +219,9 @@ class ForwardReplays:
         aligned = not (q.data_ptr() % ALIGN_BYTES or k.data_ptr() % ALIGN_BYTES or v.data_ptr() % ALIGN_BYTES)
         if type(kept) is Recorded and aligned:
             return kept(q, k, v, cu_seqlens)
-        if kept is not _SEEN or not aligned:  # a first call, one not replayed, or one FA4 copies (maybe_contiguous)
+        # a first call, one not replayed, one FA4 copies (maybe_contiguous), or one under CUDA graph capture (the
+        # check of a recording reads its result back)
+        if kept is not _SEEN or not aligned or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             if key not in self.kept:
                 self._keep(key, _SEEN)
             return self.function(q, k, v, **keywords)
@@ -204,6 +229,12 @@ class ForwardReplays:
         if recorded is None:
             log.debug("attnselect: FlashAttention-4's forward at %s is not replayed (%s)", tuple(q.shape),
                       "it ran more than its kernel, or copied or returned other tensors")  # fmt: skip
+        else:
+            configuration = (q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1], q.shape[-2] // k.shape[-2])
+            passed = self.checked.get(configuration)
+            if passed is None:
+                passed = self.checked[configuration] = _checked(recorded, result, q, k, v, cu_seqlens)
+            recorded = recorded if passed else None
         self._keep(key, recorded)
         return result
 
