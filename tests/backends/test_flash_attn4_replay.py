@@ -19,6 +19,11 @@ from attnselect.execution import kernel_call
 from helpers import dense_inputs, rel_err
 
 
+@pytest.fixture(autouse=True)
+def _no_configuration_checked(monkeypatch):
+    monkeypatch.setattr(flash_attn4_replay, "_CHECKED", {})
+
+
 def _kernel(q, k, v, out, lse, scale, causal, window_left, aux):
     """The stand-in's compiled kernel: attention of (B, S, H, D) tensors into ``out`` (and ``lse``, (B, H, S)). Like
     FA4's, through DLPack, it takes no tensor that requires a gradient."""
@@ -397,13 +402,20 @@ def test_a_replay_that_raises_at_its_recording_is_not_kept(monkeypatch, caplog):
     assert len(calls) == 1 and stand_in.prepared == 7
 
 
-def test_a_configuration_is_checked_once_a_runner(monkeypatch):
+def test_a_configuration_is_checked_once_a_process(monkeypatch):
+    """Runners of the same options and configuration (a dense call's runner is per shape) share the check; another
+    configuration is checked again."""
     stand_in = StandIn().install(monkeypatch)
     checks, check = [], flash_attn4_replay._checked
     monkeypatch.setattr(flash_attn4_replay, "_checked", lambda *args: checks.append(args) or check(*args))
-    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
-    run = _runner(q, k, v, causal=True)
     for s in (16, 24, 32):
+        tensors = dense_inputs(sq=s, skv=s, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+        run = _runner(*tensors, causal=True)  # as the memo makes a runner for each new shape
         for _ in range(3):
-            run(*dense_inputs(sq=s, skv=s, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False))
+            run(*tensors)
     assert len(checks) == 1 and stand_in.prepared == 3 * 2
+    grouped = dense_inputs(sq=16, skv=16, hq=4, hkv=2, dqk=16, dv=16, requires_grad=False)
+    run = _runner(*grouped, causal=True)
+    for _ in range(3):
+        run(*grouped)
+    assert len(checks) == 2

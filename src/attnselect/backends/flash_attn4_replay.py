@@ -14,11 +14,11 @@ recorded: a one-off shape, a packing met once, pays nothing for it.)
 A call is recorded only where it can be replayed alike: the kernel was called once and nothing else FA4 compiles
 ran (no split-KV combine, no scheduler metadata or tile sums, which a pack of more than 256 sequences gets), the
 kernel's tensors were q, k, v and the boundaries themselves (FA4 copied none: pointers aligned, last dim
-contiguous), the output and log-sum-exp it wrote are those returned, and no other argument is a tensor. A runner's
-first recording of a configuration (dtypes, head dims, heads per K/V head) is then checked: replayed on that call's
-own inputs, it must give FA4's result bit for bit (one more kernel run and a read-back, once; no recording under CUDA
-graph capture), else none of that configuration is replayed, warned of. Otherwise the key keeps calling FA4's
-function. A replayed call checks its tensors' pointers are aligned as FA4
+contiguous), the output and log-sum-exp it wrote are those returned, and no other argument is a tensor. A process's
+first recording of a configuration (FA4's function and options, dtypes, head dims, heads per K/V head, device) is
+then checked: replayed on that call's own inputs, it must give FA4's result bit for bit (one more kernel run and a
+read-back, once; no recording under CUDA graph capture), else none of that configuration is replayed, warned of.
+Otherwise the key keeps calling FA4's function. A replayed call checks its tensors' pointers are aligned as FA4
 requires (it copies unaligned ones: cute_dsl_utils.maybe_contiguous). Only the FA4 version this was read from is
 replayed (:data:`VERSIONS`). Two things FA4 reads per call are not in the key: FLASH_ATTENTION_NUM_SMS (on sm90,
 with no split-KV and no MLA kernel, it changes nothing on this path) and FA4's log level (in its compile key: a
@@ -184,6 +184,10 @@ def _holds_tensor(argument) -> bool:
 
 
 _SEEN = object()  # a key called once: its next call is recorded (a one-off packing pays no recording)
+# Per configuration (FA4's function and options, dtypes, head dims, heads per K/V head, device): True once a
+# recording's check passed (:func:`_checked`), False once one failed (none of it is replayed then). A process's
+# configurations are few (a model's layers share theirs), so this is not bounded.
+_CHECKED: dict[tuple, bool] = {}
 
 
 class ForwardReplays:
@@ -197,9 +201,7 @@ class ForwardReplays:
     def __init__(self, interface, function: Callable, options: dict):
         self.interface, self.function, self.options = interface, function, options
         self.kept: dict[tuple, object] = {}  # _SEEN, a Recorded call, or None: not replayable (the interface runs)
-        # per configuration (dtypes, head dims, heads per K/V head): True once a recording's check passed, False once
-        # one failed (none is replayed then)
-        self.checked: dict[tuple, bool] = {}
+        self.options_key = (getattr(function, "__name__", repr(function)), tuple(sorted(options.items())))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing=None):
         # FA4's host choices read the tensors' kind (a FakeTensor runs no kernel), and their needing a gradient (it
@@ -230,10 +232,11 @@ class ForwardReplays:
             log.debug("attnselect: FlashAttention-4's forward at %s is not replayed (%s)", tuple(q.shape),
                       "it ran more than its kernel, or copied or returned other tensors")  # fmt: skip
         else:
-            configuration = (q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1], q.shape[-2] // k.shape[-2])
-            passed = self.checked.get(configuration)
+            configuration = (*self.options_key, q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1],
+                             q.shape[-2] // k.shape[-2], q.device)  # fmt: skip
+            passed = _CHECKED.get(configuration)
             if passed is None:
-                passed = self.checked[configuration] = _checked(recorded, result, q, k, v, cu_seqlens)
+                passed = _CHECKED[configuration] = _checked(recorded, result, q, k, v, cu_seqlens)
             recorded = recorded if passed else None
         self._keep(key, recorded)
         return result
