@@ -15,14 +15,15 @@ A call is recorded only where it can be replayed alike: the kernel was called on
 ran (no split-KV combine, no scheduler metadata or tile sums, which a pack of more than 256 sequences gets), the
 kernel's tensors were q, k, v and the boundaries themselves (FA4 copied none: pointers aligned, last dim
 contiguous), the output and log-sum-exp it wrote are those returned, and no other argument is a tensor. A process's
-first recording of a configuration (FA4's function and options, dtypes, head dims, heads per K/V head, device) is
-then checked: replayed on that call's own inputs, it must give FA4's result bit for bit (one more kernel run and a
-read-back, once; no recording under CUDA graph capture), else none of that configuration is replayed, warned of.
-Otherwise the key keeps calling FA4's function. A replayed call checks its tensors' pointers are aligned as FA4
-requires (it copies unaligned ones: cute_dsl_utils.maybe_contiguous). Only the FA4 version this was read from is
-replayed (:data:`VERSIONS`). Two things FA4 reads per call are not in the key: FLASH_ATTENTION_NUM_SMS (on sm90,
-with no split-KV and no MLA kernel, it changes nothing on this path) and FA4's log level (in its compile key: a
-replay keeps the kernel recorded at the level of its recording).
+first recording of each compiled kernel (FA4's compile key, under the runner's function and options) is then
+checked: replayed on that call's own inputs, it must give FA4's result bit for bit (one more kernel run and a
+read-back, once; no recording under CUDA graph capture), else none of that kernel's calls is replayed, warned of.
+(The check runs on the recorded call's own inputs, so it cannot tell two inputs apart that share memory; the GPU
+tests replay on new data.) Otherwise the key keeps calling FA4's function. A replayed call checks its tensors'
+pointers are aligned as FA4 requires (it copies unaligned ones: cute_dsl_utils.maybe_contiguous). Only the FA4
+version this was read from is replayed (:data:`VERSIONS`). Two things FA4 reads per call are not in the key:
+FLASH_ATTENTION_NUM_SMS (on sm90, with no split-KV and no MLA kernel, it changes nothing on this path) and FA4's log
+level (in its compile key: a replay keeps the kernel recorded at the level of its recording).
 """
 
 from __future__ import annotations
@@ -48,13 +49,15 @@ _RECORDING = threading.RLock()  # one recording at a time: it swaps FA4's compil
 
 class Recorded:
     """A recorded call: the compiled kernel, its arguments (the call's own tensors left as None, at ``places``: q, k,
-    v, out, lse, then a packed call's cu_seqlens_q and cu_seqlens_k where the kernel took them), and the output's and
-    log-sum-exp's shapes and dtypes (None: no log-sum-exp)."""
+    v, out, lse, then a packed call's cu_seqlens_q and cu_seqlens_k where the kernel took them), the output's and
+    log-sum-exp's shapes and dtypes (None: no log-sum-exp) and FA4's compile key of the kernel."""
 
-    __slots__ = ("kernel", "arguments", "places", "out", "lse")
+    __slots__ = ("kernel", "arguments", "places", "out", "lse", "compile_key")
 
-    def __init__(self, kernel: Callable, arguments: list, places: tuple, out: tuple, lse: tuple | None):
+    def __init__(self, kernel: Callable, arguments: list, places: tuple, out: tuple, lse: tuple | None,
+                 compile_key=None):  # fmt: skip
         self.kernel, self.arguments, self.places, self.out, self.lse = kernel, arguments, places, out, lse
+        self.compile_key = compile_key  # FA4's key of the compiled kernel in its cache
 
     def __call__(self, q, k, v, cu_seqlens: tuple = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = torch.empty(self.out[0], dtype=self.out[1], device=q.device)
@@ -88,7 +91,7 @@ class _Proxy:
         name, notes = self.name, self.notes
 
         def noted(*arguments):
-            notes.append((name, kernel, list(arguments)))
+            notes.append((name, key, kernel, list(arguments)))
             return kernel(*arguments)
 
         return noted
@@ -124,7 +127,7 @@ def _recorded(notes: list, result, inputs: tuple, cu_seqlens: tuple) -> Recorded
     out, lse = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
     if len(notes) != 1 or notes[0][0] != "_flash_attn_fwd":
         return None
-    _, kernel, arguments = notes[0]
+    _, compile_key, kernel, arguments = notes[0]
     if len(arguments) < 5 or not all(_same(a, t) for a, t in zip(arguments[:3], inputs)):
         return None
     if not _same(arguments[3], out) or not out.is_contiguous():
@@ -144,7 +147,7 @@ def _recorded(notes: list, result, inputs: tuple, cu_seqlens: tuple) -> Recorded
     for place in places:
         arguments[place] = None
     return Recorded(kernel, arguments, tuple(places), (tuple(out.shape), out.dtype),
-                    (tuple(lse.shape), lse.dtype) if lse is not None else None)  # fmt: skip
+                    (tuple(lse.shape), lse.dtype) if lse is not None else None, compile_key)  # fmt: skip
 
 
 def _checked(recorded: Recorded, result, q, k, v, cu_seqlens: tuple) -> bool:
@@ -153,7 +156,7 @@ def _checked(recorded: Recorded, result, q, k, v, cu_seqlens: tuple) -> bool:
     out, lse = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
     try:
         again = recorded(q, k, v, cu_seqlens)
-        alike = torch.equal(again[0], out) and (lse is None or torch.equal(again[1], lse))
+        alike = _bits_equal(again[0], out) and (lse is None or _bits_equal(again[1], lse))
     except Exception as exc:  # noqa: BLE001 (any failure of the replay leaves FA4's own call, warned)
         log.warning("attnselect: FlashAttention-4's forward replayed at %s raised %s: FA4's own call serves it",
                     tuple(q.shape), f"{type(exc).__name__}: {exc}")  # fmt: skip
@@ -162,6 +165,24 @@ def _checked(recorded: Recorded, result, q, k, v, cu_seqlens: tuple) -> bool:
         log.warning("attnselect: FlashAttention-4's forward replayed at %s differed from FA4's own call: FA4's own "
                     "call serves it", tuple(q.shape))  # fmt: skip
     return alike
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN included: a warm-up on torch.empty's memory may hold some)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(_BITS[a.element_size()]),
+                                                                     b.view(_BITS[b.element_size()]))  # fmt: skip
+
+
+def _hashable(value):
+    """``value`` as a key: dicts as sorted items, lists as tuples, recursively (FA4's compile keys are tuples)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
 
 
 def _same(argument, tensor: torch.Tensor) -> bool:
@@ -184,9 +205,9 @@ def _holds_tensor(argument) -> bool:
 
 
 _SEEN = object()  # a key called once: its next call is recorded (a one-off packing pays no recording)
-# Per configuration (FA4's function and options, dtypes, head dims, heads per K/V head, device): True once a
-# recording's check passed (:func:`_checked`), False once one failed (none of it is replayed then). A process's
-# configurations are few (a model's layers share theirs), so this is not bounded.
+# Per compiled kernel (FA4's function, its options and its compile key of the kernel, the device): True once a
+# recording's check passed (:func:`_checked`), False once one failed (none of its calls is replayed then). As many as
+# FA4 compiles (seconds each), so not bounded.
 _CHECKED: dict[tuple, bool] = {}
 
 
@@ -201,7 +222,7 @@ class ForwardReplays:
     def __init__(self, interface, function: Callable, options: dict):
         self.interface, self.function, self.options = interface, function, options
         self.kept: dict[tuple, object] = {}  # _SEEN, a Recorded call, or None: not replayable (the interface runs)
-        self.options_key = (getattr(function, "__name__", repr(function)), tuple(sorted(options.items())))
+        self.options_key = (getattr(function, "__name__", repr(function)), _hashable(options))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing=None):
         # FA4's host choices read the tensors' kind (a FakeTensor runs no kernel), and their needing a gradient (it
@@ -232,8 +253,7 @@ class ForwardReplays:
             log.debug("attnselect: FlashAttention-4's forward at %s is not replayed (%s)", tuple(q.shape),
                       "it ran more than its kernel, or copied or returned other tensors")  # fmt: skip
         else:
-            configuration = (*self.options_key, q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1],
-                             q.shape[-2] // k.shape[-2], q.device)  # fmt: skip
+            configuration = (*self.options_key, _hashable(recorded.compile_key), q.device)
             passed = _CHECKED.get(configuration)
             if passed is None:
                 passed = _CHECKED[configuration] = _checked(recorded, result, q, k, v, cu_seqlens)
