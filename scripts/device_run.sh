@@ -330,7 +330,7 @@ cudnn_frontend native;torch varlen_attn, V padded" 2>&1 \
       2>&1 | grep -v -i warn | tail -45 ;;
   fa4-replay)   # benchmarks/fa4_forward_replay.py: FA4's dense forward replayed against its flash_attn_func
     need_fa4 || exit 1
-    timeout ${REPLAY_TIMEOUT:-400} python3 benchmarks/fa4_forward_replay.py --out "$OUT/h200_fa4_forward_replay" 2>&1 \
+    timeout ${REPLAY_TIMEOUT:-400} python3 benchmarks/fa4_forward_replay.py ${REPLAY_ARGS:-} --out "$OUT/h200_fa4_forward_replay" 2>&1 \
       | grep -v -i warn | grep -E "^#|^\||recorded" | cut -c1-200 ;;
   fa4-compile)
     need_fa4 || exit 1
