@@ -56,10 +56,10 @@ def _runners(call, packed: bool) -> tuple:
     flash_attn4_replay.record = watched
     flash_attn4_replay.replays = lambda *args: None
     try:
-        plain = bind(call)
+        plain = bind(call, repeated=True)
     finally:
         flash_attn4_replay.replays = replays
-    replayed = bind(call)
+    replayed = bind(call, repeated=True)
     return replayed, plain, recorded, lambda: setattr(flash_attn4_replay, "record", record)
 
 

@@ -130,7 +130,7 @@ class StandIn:
 
 def _runner(q, k, v, **kwargs):
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, **kwargs)
-    return backends.get("flash_attn4").runner(kernel_call(problem))
+    return backends.get("flash_attn4").runner(kernel_call(problem), repeated=True)
 
 
 @pytest.mark.parametrize("kwargs", [dict(causal=True), dict(return_lse=True), dict(causal=True, return_lse=True)])
@@ -238,16 +238,19 @@ def test_another_fa4_version_is_not_replayed(monkeypatch, version):
     assert stand_in.prepared == 2
 
 
-def test_a_window_or_softcap_is_not_replayed(monkeypatch):
+def test_a_window_softcap_or_one_off_runner_is_not_replayed(monkeypatch):
     StandIn().install(monkeypatch)
     asked = []
     monkeypatch.setattr(flash_attn4_replay, "replays", lambda *args: asked.append(args))
     q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
     base = backends.get("flash_attn4")
-    base.runner(kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, window=(4, 0))))
-    base.runner(kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v), softcap=30.0))
+    base.runner(kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, window=(4, 0))), repeated=True)
+    base.runner(kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v), softcap=30.0), repeated=True)
     assert not asked  # a window's edges read the lengths; softcap becomes a score_mod
-    base.runner(kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)))
+    causal = kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, causal=True))
+    base.runner(causal)  # a one-off runner (a call under torch.compile, the self-check's) never calls again
+    assert not asked
+    base.runner(causal, repeated=True)
     assert len(asked) == 1
 
 
@@ -299,7 +302,7 @@ def test_a_packed_call_replays_with_its_own_boundaries(monkeypatch, return_lse):
     v = torch.randn(20, 2, 8, dtype=torch.float64)
     problem = attnselect.AttentionProblem(3, 9, 9, 2, 2, 16, 8, layout="thd", mask="causal", return_lse=return_lse,
                                           dtype=torch.float64, tokens=20)  # fmt: skip
-    run = backends.get("flash_attn4").packed_runner(kernel_call(problem))
+    run = backends.get("flash_attn4").packed_runner(kernel_call(problem), repeated=True)
     with torch.no_grad():
         for _ in range(2):
             run(q, k, v, _packing([9, 6, 5]))
@@ -322,7 +325,7 @@ def test_a_packed_call_that_ran_another_kernel_keeps_the_interface(monkeypatch):
     v = torch.randn(20, 2, 8, dtype=torch.float64)
     problem = attnselect.AttentionProblem(3, 9, 9, 2, 2, 16, 8, layout="thd", mask="causal", dtype=torch.float64,
                                           tokens=20)  # fmt: skip
-    run = backends.get("flash_attn4").packed_runner(kernel_call(problem))
+    run = backends.get("flash_attn4").packed_runner(kernel_call(problem), repeated=True)
     with torch.no_grad():
         for _ in range(4):
             run(q, k, v, _packing([9, 6, 5]))
@@ -345,7 +348,7 @@ def test_a_packing_of_other_q_and_kv_boundaries_replays_each_in_its_place(monkey
                       for ls in (q_lengths, kv_lengths))  # fmt: skip
         return Packing(cu_q, cu_k, max(q_lengths), max(kv_lengths), cu_q, cu_k)
 
-    run = backends.get("flash_attn4").packed_runner(kernel_call(problem))
+    run = backends.get("flash_attn4").packed_runner(kernel_call(problem), repeated=True)
     for _ in range(2):
         run(q, k, v, packing([6, 2, 4], [9, 5, 6]))
     other = packing([2, 4, 6], [6, 5, 9])
@@ -362,7 +365,7 @@ def test_a_packed_call_whose_boundaries_fa4_copied_keeps_the_interface(monkeypat
     v = torch.randn(20, 2, 8, dtype=torch.float64)
     problem = attnselect.AttentionProblem(3, 9, 9, 2, 2, 16, 8, layout="thd", mask="causal", dtype=torch.float64,
                                           tokens=20)  # fmt: skip
-    run = backends.get("flash_attn4").packed_runner(kernel_call(problem))
+    run = backends.get("flash_attn4").packed_runner(kernel_call(problem), repeated=True)
     for _ in range(4):
         run(q, k, v, _packing([9, 6, 5]))
     assert stand_in.prepared == 4

@@ -107,18 +107,21 @@ class FlashAttn4(FlashAttnPackageBackend):
         return r
 
     def runner(self, call, *, repeated: bool = False, like: tuple | None = None):
-        """FA4's ``flash_attn_func`` with ``call`` bound; a call that needs no gradient replays the compiled forward a
-        call of its shapes ran before (attnselect.backends.flash_attn4_replay: FA4's Python interface costs more host
-        time than its kernel at small sizes)."""
+        """FA4's ``flash_attn_func`` with ``call`` bound; where the runner serves repeated calls (attnselect.attention's
+        memoized ones), a call that needs no gradient replays the compiled forward a call of its shapes ran before
+        (attnselect.backends.flash_attn4_replay: FA4's Python interface costs more host time than its kernel at small
+        sizes)."""
         run = super().runner(call, repeated=repeated, like=like)
-        if call.mask == "sliding_window":  # its window's edges read the lengths: the base runner's own call
+        # a one-off runner (a call under torch.compile, the self-check's) never calls again; a window's edges read
+        # the lengths: the base runner's own call
+        if not repeated or call.mask == "sliding_window":
             return run
         return self._replayed(call, run, "flash_attn_func") or run
 
     def packed_runner(self, call, *, repeated: bool = False):
         """:meth:`runner`'s counterpart for packed calls (``flash_attn_varlen_func``)."""
         run = super().packed_runner(call, repeated=repeated)
-        return self._replayed(call, run, "flash_attn_varlen_func") or run
+        return (self._replayed(call, run, "flash_attn_varlen_func") or run) if repeated else run
 
     def _replayed(self, call, run, function: str):
         """``run``, replaying FA4's forward where the call needs no gradient, or None where FA4's forward is not
