@@ -70,6 +70,22 @@ def test_gqa_mla_training_is_refused_and_runs_padded():
         assert rel_err(g, rg) < 2e-2
 
 
+def _recordings(monkeypatch) -> list:
+    """The replays FA4's calls record from now on (attnselect.backends.flash_attn4_replay.record), None where one
+    cannot be replayed."""
+    from attnselect.backends import flash_attn4_replay
+
+    recorded, record = [], flash_attn4_replay.record
+
+    def watched(*args):
+        result = record(*args)
+        recorded.append(result[1])
+        return result
+
+    monkeypatch.setattr(flash_attn4_replay, "record", watched)
+    return recorded
+
+
 @pytest.mark.parametrize(
     "shape,return_lse",
     [
@@ -83,17 +99,9 @@ def test_a_dense_inference_call_replays_fa4s_compiled_forward_bit_for_bit(shape,
     and v) and later calls of the shape, on other data, equal flash_attn_func's bit for bit, and float64's."""
     import flash_attn.cute as fa4
 
-    from attnselect.backends import flash_attn4_replay
     from attnselect.execution import kernel_call
 
-    recorded, record = [], flash_attn4_replay.record
-
-    def watched(*args):
-        result = record(*args)
-        recorded.append(result[1])
-        return result
-
-    monkeypatch.setattr(flash_attn4_replay, "record", watched)
+    recorded = _recordings(monkeypatch)
     q, k, v = dense_inputs(**shape, dtype=torch.bfloat16, device="cuda", requires_grad=False)
     problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True, return_lse=return_lse)
     run = get("flash_attn4").runner(kernel_call(problem), repeated=True)
@@ -134,18 +142,10 @@ def test_a_packed_inference_call_replays_fa4s_compiled_forward_bit_for_bit(retur
     forward on its own boundaries: flash_attn_varlen_func's result bit for bit, and float64's."""
     import flash_attn.cute as fa4
 
-    from attnselect.backends import flash_attn4_replay
     from attnselect.execution import kernel_call
     from attnselect.spec.options import Packing
 
-    recorded, record = [], flash_attn4_replay.record
-
-    def watched(*args):
-        result = record(*args)
-        recorded.append(result[1])
-        return result
-
-    monkeypatch.setattr(flash_attn4_replay, "record", watched)
+    recorded = _recordings(monkeypatch)
     (q, k, v), cu, _ = thd_inputs([37, 256, 5, 130], hq=16, hkv=16, dqk=192, dv=128, dtype=torch.bfloat16,
                                   device="cuda", requires_grad=False)  # fmt: skip
     problem = attnselect.AttentionProblem(4, 256, 256, 16, 16, 192, 128, layout="thd", mask="causal",
