@@ -433,3 +433,18 @@ def test_the_check_compares_bits_so_a_nan_in_the_output_passes_it(monkeypatch):
     for _ in range(2):
         run(q, k, v)
     assert list(flash_attn4_replay._CHECKED.values()) == [True]
+
+
+def test_a_failure_reading_a_recording_is_not_the_kernels(monkeypatch):
+    """An error in this module's reading of what FA4 ran leaves the call's result and FA4's own call, not a failure
+    of the kernel (which would refuse FA4 for the signature)."""
+    stand_in = StandIn().install(monkeypatch)
+
+    def unreadable(*args):
+        raise RuntimeError("a tensor without a data pointer")
+
+    monkeypatch.setattr(flash_attn4_replay, "_recorded", unreadable)
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    run = _runner(q, k, v, causal=True)
+    outs = [run(q, k, v)[0] for _ in range(3)]
+    assert stand_in.prepared == 3 and all(torch.equal(out, outs[0]) for out in outs)

@@ -33,6 +33,7 @@ import importlib.metadata
 import logging
 import sys
 import threading
+import types
 from collections.abc import Callable
 
 import torch
@@ -104,11 +105,7 @@ def record(interface, call: Callable[[], tuple], q, k, v, cu_seqlens: tuple = ()
     """Make ``call`` (``flash_attn_func`` on ``q``, ``k``, ``v``, or ``flash_attn_varlen_func`` on them and
     ``cu_seqlens``, FA4's ``interface`` module) with its compile caches watched: its result and the :class:`Recorded`
     call that replays it, or None where it cannot be replayed alike."""
-    caches = {
-        name: function
-        for name, function in vars(interface).items()
-        if callable(function) and hasattr(function, "compile_cache")
-    }
+    caches = _caches(interface)
     notes: list = []
     with _RECORDING:
         kept = {name: function.compile_cache for name, function in caches.items()}
@@ -119,7 +116,21 @@ def record(interface, call: Callable[[], tuple], q, k, v, cu_seqlens: tuple = ()
         finally:
             for name, function in caches.items():
                 function.compile_cache = kept[name]
-    return result, _recorded(notes, result, (q, k, v), cu_seqlens)
+    try:
+        return result, _recorded(notes, result, (q, k, v), cu_seqlens)
+    except Exception as exc:  # noqa: BLE001 (reading the notes is this module's work, not the kernel's: no failure)
+        log.debug("attnselect: FlashAttention-4's forward is not replayed (%s: %s)", type(exc).__name__, exc)
+        return result, None
+
+
+def _caches(interface) -> dict:
+    """{name: function} of the functions of FA4's ``interface`` module that keep a ``compile_cache`` (their own
+    attribute: nothing else is asked of the module's objects)."""
+    return {
+        name: function
+        for name, function in vars(interface).items()
+        if isinstance(function, types.FunctionType) and "compile_cache" in function.__dict__
+    }
 
 
 def _recorded(notes: list, result, inputs: tuple, cu_seqlens: tuple) -> Recorded | None:
