@@ -54,7 +54,7 @@ def _runners(call, packed: bool) -> tuple:
         return result
 
     flash_attn4_replay.record = watched
-    flash_attn4_replay.replays = lambda *args: None
+    flash_attn4_replay.replays = lambda *args, **kwargs: None
     try:
         plain = bind(call, repeated=True)
     finally:
@@ -160,13 +160,26 @@ def _packed_rows(tokens: int, return_lse: bool) -> tuple[dict, dict, str]:
     return rows, _checks(again, direct, recorded, return_lse), name
 
 
-def _table(timed: dict) -> list[str]:
-    lines = []
+def _section(name: str, checks: dict, timed: dict) -> list[str]:
+    """One case's part of the report: its checks, then its rows' host times."""
+    lines = [f"## {name}", "", ", ".join(f"{k}: {v}" for k, v in checks.items()), "",
+             "| row | host us per call | with the sync | attnselect minus this row, host us |",
+             "|---|---|---|---|"]  # fmt: skip
     for i, (row, t) in enumerate(timed.items()):
         d = t["first_minus_this"]
         minus = f"{d['median']:+.1f} ({d['q1']:+.1f}..{d['q3']:+.1f})" if i else ""
         lines.append(f"| {row} | {t['us']:.1f} ({t['q1']:.1f}..{t['q3']:.1f}) | {t['synced_us']:.1f} | {minus} |")
     return [*lines, ""]
+
+
+def _cases():
+    """(rows, checks, name) of each dense shape, then of each packing, made as they are timed."""
+    for b, s, hq, hkv, dqk, dv, return_lse in SHAPES:
+        q, k = (torch.randn(b, s, h, dqk, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv))
+        v = torch.randn(b, s, hkv, dv, device="cuda", dtype=torch.bfloat16)
+        yield (*_rows(q, k, v, return_lse), f"B{b} S{s} H{hq}/{hkv} {dqk}/{dv}" + (" return_lse" if return_lse else ""))
+    for tokens in (2048, 8192):
+        yield _packed_rows(tokens, False)
 
 
 def main() -> None:
@@ -181,25 +194,10 @@ def main() -> None:
              "host us per call: median (quartiles) over the rounds; inference, causal, bf16.", ""]  # fmt: skip
     report = {"target": target.describe(), "shapes": []}
     with torch.no_grad():
-        for b, s, hq, hkv, dqk, dv, return_lse in SHAPES:
-            q, k = (torch.randn(b, s, h, dqk, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv))
-            v = torch.randn(b, s, hkv, dv, device="cuda", dtype=torch.bfloat16)
-            rows, checks = _rows(q, k, v, return_lse)
-            timed = time_rows(rows, "cuda", a.calls, a.repeats)
-            name = f"B{b} S{s} H{hq}/{hkv} {dqk}/{dv}" + (" return_lse" if return_lse else "")
-            report["shapes"].append({"shape": name, "checks": checks, "rows": timed})
-            lines += [f"## {name}", "", ", ".join(f"{k}: {v}" for k, v in checks.items()), "",
-                      "| row | host us per call | with the sync | attnselect minus this row, host us |",
-                      "|---|---|---|---|"]  # fmt: skip
-            lines += _table(timed)
-        for tokens in (2048, 8192):
-            rows, checks, name = _packed_rows(tokens, False)
+        for rows, checks, name in _cases():
             timed = time_rows(rows, "cuda", a.calls, a.repeats)
             report["shapes"].append({"shape": name, "checks": checks, "rows": timed})
-            lines += [f"## {name}", "", ", ".join(f"{k}: {v}" for k, v in checks.items()), "",
-                      "| row | host us per call | with the sync | attnselect minus this row, host us |",
-                      "|---|---|---|---|"]  # fmt: skip
-            lines += _table(timed)
+            lines += _section(name, checks, timed)
     write_report(a.out, report, lines)
 
 

@@ -241,7 +241,7 @@ def test_another_fa4_version_is_not_replayed(monkeypatch, version):
 def test_a_window_softcap_or_one_off_runner_is_not_replayed(monkeypatch):
     StandIn().install(monkeypatch)
     asked = []
-    monkeypatch.setattr(flash_attn4_replay, "replays", lambda *args: asked.append(args))
+    monkeypatch.setattr(flash_attn4_replay, "replays", lambda *args, **kwargs: asked.append(args))
     q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
     base = backends.get("flash_attn4")
     base.runner(kernel_call(attnselect.AttentionProblem.from_tensors(q, k, v, window=(4, 0))), repeated=True)
@@ -448,3 +448,15 @@ def test_a_failure_reading_a_recording_is_not_the_kernels(monkeypatch):
     run = _runner(q, k, v, causal=True)
     outs = [run(q, k, v)[0] for _ in range(3)]
     assert stand_in.prepared == 3 and all(torch.equal(out, outs[0]) for out in outs)
+
+
+def test_a_runner_of_calls_like_its_first_works_out_no_key(monkeypatch):
+    """attention()'s memoized dense calls (the runner made with ``like``) are each like the first, its memo checked
+    them: the runner replays without working out the tensors' key again."""
+    stand_in = StandIn().install(monkeypatch)
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True)
+    run = backends.get("flash_attn4").runner(kernel_call(problem), repeated=True, like=(q, k, v))
+    monkeypatch.setattr(flash_attn4_replay, "_tensors_key", None)  # called, it would raise
+    outs = [run(q, k, v)[0] for _ in range(4)]
+    assert stand_in.prepared == 2 and all(torch.equal(out, outs[0]) for out in outs)

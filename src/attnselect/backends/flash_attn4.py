@@ -116,20 +116,21 @@ class FlashAttn4(FlashAttnPackageBackend):
         # the lengths: the base runner's own call
         if not repeated or call.mask == "sliding_window":
             return run
-        return self._replayed(call, run, "flash_attn_func") or run
+        # with ``like``, every call is like the first (attention()'s memo checked it): no key to work out again
+        return self._replayed(call, run, "flash_attn_func", fixed=like is not None) or run
 
     def packed_runner(self, call, *, repeated: bool = False):
         """:meth:`runner`'s counterpart for packed calls (``flash_attn_varlen_func``)."""
         run = super().packed_runner(call, repeated=repeated)
         return (self._replayed(call, run, "flash_attn_varlen_func") or run) if repeated else run
 
-    def _replayed(self, call, run, function: str):
+    def _replayed(self, call, run, function: str, *, fixed: bool = False):
         """``run``, replaying FA4's forward where the call needs no gradient, or None where FA4's forward is not
         replayed (softcap becomes a score_mod; another FA4 version)."""
         if call.softcap:
             return None
         module = self._module()
-        replays = flash_attn4_replay.replays(module, getattr(module, function), self._options(call, 1, 1))
+        replays = flash_attn4_replay.replays(module, getattr(module, function), self._options(call, 1, 1), fixed=fixed)
         if replays is None:
             return None
         lse, grad_enabled, forward_ad = self._lse, torch.is_grad_enabled, torch.autograd.forward_ad

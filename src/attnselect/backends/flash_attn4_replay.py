@@ -230,23 +230,24 @@ class ForwardReplays:
     device, whether they need a gradient, and a packing's boundaries' shapes, strides, dtypes and devices and its
     longest lengths (what FA4's host choices read; not the lengths, which stay on the GPU)."""
 
-    def __init__(self, interface, function: Callable, options: dict):
+    def __init__(self, interface, function: Callable, options: dict, *, fixed: bool = False):
         self.interface, self.function, self.options = interface, function, options
+        # every call has the first one's shapes, strides, dtypes and gradients (attention()'s memoized dense calls,
+        # whose memo checked them): one key, not worked out again
+        self.fixed = fixed
         self.kept: dict[tuple, object] = {}  # _SEEN, a Recorded call, or None: not replayable (the interface runs)
         self.options_key = (getattr(function, "__name__", repr(function)), _hashable(options))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing=None):
-        # FA4's host choices read the tensors' kind (a FakeTensor runs no kernel), and their needing a gradient (it
-        # then writes the lse, which its compile key reads)
-        tensors = (type(q), q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-                   q.device, q.requires_grad or k.requires_grad or v.requires_grad)  # fmt: skip
-        if packing is None:
-            key, cu_seqlens, keywords = tensors, (), self.options
+        if self.fixed:
+            key, cu_seqlens, keywords = (), (), self.options
+        elif packing is None:
+            key, cu_seqlens, keywords = _tensors_key(q, k, v), (), self.options
         else:
             cu_q, cu_k = cu_seqlens = packing.cu_seqlens_q, packing.cu_seqlens_kv
             longest = packing.max_seqlen_q, packing.max_seqlen_kv
-            key = (*tensors, cu_q.shape, cu_k.shape, cu_q.stride(), cu_k.stride(), cu_q.dtype, cu_k.dtype, cu_q.device,
-                   cu_k.device, longest)  # fmt: skip
+            key = (*_tensors_key(q, k, v), cu_q.shape, cu_k.shape, cu_q.stride(), cu_k.stride(), cu_q.dtype, cu_k.dtype,
+                   cu_q.device, cu_k.device, longest)  # fmt: skip
             keywords = dict(self.options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=packing.max_seqlen_q,
                             max_seqlen_k=packing.max_seqlen_kv)  # fmt: skip
         kept = self.kept.get(key)
@@ -282,13 +283,21 @@ class ForwardReplays:
         kept[key] = value
 
 
-def replays(module, function: Callable, options: dict) -> ForwardReplays | None:
-    """:class:`ForwardReplays` of ``function`` (``module``'s ``flash_attn_func``) with ``options``, or None where the
-    installed FA4 is not a version this follows, or its interface module is not where it was."""
+def _tensors_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """What FA4's host choices read of q, k and v: their kind (a FakeTensor runs no kernel), shapes, strides, dtypes,
+    device, and their needing a gradient (it then writes the lse, which its compile key reads)."""
+    return (type(q), q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, q.requires_grad or k.requires_grad or v.requires_grad)  # fmt: skip
+
+
+def replays(module, function: Callable, options: dict, *, fixed: bool = False) -> ForwardReplays | None:
+    """:class:`ForwardReplays` of ``function`` (``module``'s ``flash_attn_func``) with ``options`` (``fixed``: every
+    call like the first), or None where the installed FA4 is not a version this follows, or its interface module is
+    not where it was."""
     interface = sys.modules.get(f"{module.__name__}.interface")
     if _installed_version() not in VERSIONS or interface is None or not hasattr(interface, "_flash_attn_fwd"):
         return None
-    return ForwardReplays(interface, function, options)
+    return ForwardReplays(interface, function, options, fixed=fixed)
 
 
 @functools.cache
