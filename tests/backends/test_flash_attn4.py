@@ -146,8 +146,8 @@ def test_a_packed_inference_call_replays_fa4s_compiled_forward_bit_for_bit(retur
     from attnselect.spec.options import Packing
 
     recorded = _recordings(monkeypatch)
-    (q, k, v), cu, _ = thd_inputs([37, 256, 5, 130], hq=16, hkv=16, dqk=192, dv=128, dtype=torch.bfloat16,
-                                  device="cuda", requires_grad=False)  # fmt: skip
+    tensors, cu, _ = thd_inputs([37, 256, 5, 130], hq=16, hkv=16, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t.detach() for t in tensors)
     problem = attnselect.AttentionProblem(4, 256, 256, 16, 16, 192, 128, layout="thd", mask="causal",
                                           return_lse=return_lse, dtype=torch.bfloat16, tokens=q.shape[0])  # fmt: skip
     run = get("flash_attn4").packed_runner(kernel_call(problem), repeated=True)
