@@ -2,7 +2,7 @@
 
 The packages are not installed here, so stand-ins with the documented semantics (bshd,
 bottom-right causal, (left, right) windows, GQA, lse (B, H, Sq) with +inf on rows without
-keys) check the argument mapping and the lse conversion against the reference backend.
+keys, -inf in FlashAttention-4) check the argument mapping and the lse conversion against the reference backend.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from attnselect.spec.options import CallOptions, Candidate
 from helpers import dense_inputs, rel_err
 
 
-def _documented_flash_attn_func(unbounded, lse_keyword, returns_tuple_always):
+def _documented_flash_attn_func(unbounded, lse_keyword, returns_tuple_always, keyless_lse):
     def flash_attn_func(
         q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False, **kwargs
     ):
@@ -43,7 +43,7 @@ def _documented_flash_attn_func(unbounded, lse_keyword, returns_tuple_always):
             allowed &= j >= i - left
         scores = scores.masked_fill(~allowed, float("-inf"))
         lse = torch.logsumexp(scores, -1)
-        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # softmax.h: sum == 0 ? INFINITY
+        lse = lse.masked_fill(torch.isneginf(lse), keyless_lse)  # FA2/3 softmax.h: sum == 0 ? INFINITY
         probs = torch.nan_to_num(torch.softmax(scores, -1))
         out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
         if kwargs.get(lse_keyword):
@@ -53,10 +53,10 @@ def _documented_flash_attn_func(unbounded, lse_keyword, returns_tuple_always):
     return flash_attn_func
 
 
-PACKAGES = {  # backend: (module, unbounded window edge, lse keyword, always returns a tuple)
-    "flash_attn2": ("flash_attn", -1, "return_attn_probs", False),
-    "flash_attn3": ("flash_attn_interface", -1, "return_attn_probs", False),
-    "flash_attn4": ("flash_attn.cute", None, "return_lse", True),
+PACKAGES = {  # backend: (module, unbounded window edge, lse keyword, always returns a tuple, keyless rows' lse)
+    "flash_attn2": ("flash_attn", -1, "return_attn_probs", False, float("inf")),
+    "flash_attn3": ("flash_attn_interface", -1, "return_attn_probs", False, float("inf")),
+    "flash_attn4": ("flash_attn.cute", None, "return_lse", True, float("-inf")),
 }
 CALLS = [
     dict(causal="bottom_right", return_lse=True),
@@ -69,9 +69,9 @@ CALLS = [
 @pytest.mark.parametrize("backend", sorted(PACKAGES))
 @pytest.mark.parametrize("kwargs", CALLS, ids=["bottom-right-lse", "causal", "window-lse", "causal-window"])
 def test_argument_mapping_matches_the_reference(backend, kwargs, monkeypatch):
-    module, unbounded, lse_keyword, always_tuple = PACKAGES[backend]
+    module, *documented = PACKAGES[backend]
     stub = types.ModuleType(module)
-    stub.flash_attn_func = _documented_flash_attn_func(unbounded, lse_keyword, always_tuple)
+    stub.flash_attn_func = _documented_flash_attn_func(*documented)
     monkeypatch.setitem(sys.modules, module, stub)
     sq, skv = (24, 9) if kwargs.get("causal") != True else (16, 16)  # noqa: E712 (True, not truthy)
     q, k, v = dense_inputs(sq=sq, skv=skv, hq=4, hkv=2, dqk=16, dv=16, requires_grad=False)
@@ -101,7 +101,7 @@ def _documented_flash_attn_varlen_func(
 ):
     """flash_attn.cute.flash_attn_varlen_func as documented: (T, H, D) in and out, lse (H, T), per sequence."""
     assert softcap == 0.0  # 0 is off
-    dense = _documented_flash_attn_func(None, "return_lse", True)
+    dense = _documented_flash_attn_func(*PACKAGES["flash_attn4"][1:])
     bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     assert max_seqlen_q >= max(b - a for a, b in zip(bq, bq[1:])) and max_seqlen_k >= max(
         b - a for a, b in zip(bk, bk[1:])
@@ -116,7 +116,7 @@ def _documented_flash_attn_varlen_func(
             return_lse=True,
         )
         outs.append(o[0])
-        lses.append(lse[0].masked_fill(torch.isposinf(lse[0]), float("-inf")))  # FA4 writes -inf
+        lses.append(lse[0])
     return torch.cat(outs), (torch.cat(lses, dim=1) if return_lse else None)
 
 

@@ -25,6 +25,9 @@ class FlashAttnPackageBackend(Backend):
     unbounded: ClassVar[object] = -1  # how the package spells an open window edge
     dropout_argument: ClassVar[bool] = False
     lse_argument: ClassVar[str]  # keyword that asks for the lse
+    # FlashAttention-2 writes +inf as the lse of rows that see no key (csrc/flash_attn/src/softmax.h:
+    # sum == 0 ? INFINITY), FA3 too (hopper/softmax.h); ours is -inf, so theirs is mapped
+    keyless_lse_posinf: ClassVar[bool] = True
 
     def _module(self):
         """The package's module, imported on first use."""
@@ -84,5 +87,6 @@ class FlashAttnPackageBackend(Backend):
             return out, None
         if lse is None:
             raise RuntimeError(f"{self.module} returned no log-sum-exp although it was requested")
-        # FlashAttention-2 writes +inf for rows that see no key (softmax.h: sum == 0 ? INFINITY); ours is -inf.
+        if not self.keyless_lse_posinf:  # already ours: no kernel launched
+            return out, lse.float()
         return out, lse.float().masked_fill(torch.isposinf(lse), float("-inf"))

@@ -36,6 +36,10 @@ class FlashAttn4(FlashAttnPackageBackend):
     module = "flash_attn.cute"
     unbounded = None
     lse_argument = "return_lse"  # always returns (out, lse)
+    # its lse is float32 and -inf on rows that see no key, as ours (flash_attn/cute/softmax.py Softmax.finalize,
+    # which flash_fwd.py and flash_fwd_sm90.py call, and flash_fwd_sm100.py's correction epilogue: row_sum == 0 or
+    # NaN gives -inf)
+    keyless_lse_posinf = False
     # Source: Dao-AILab/flash-attention flash_attn/cute/interface.py: fp16/bf16; forward arch 8.x-12.x
     # (_flash_attn_fwd), backward 9.x-12.x (_flash_attn_bwd); head dims multiples of 16 bytes (8 in 16 bit);
     # no dropout argument; flash_attn_varlen_func takes cu_seqlens_q/k and max_seqlen_q/k, whose sequences
