@@ -170,6 +170,22 @@ def test_a_replay_is_recorded_per_shape(monkeypatch):
     assert stand_in.prepared == 4
 
 
+def test_paused_every_call_goes_through_the_interface_and_none_is_recorded(monkeypatch):
+    stand_in = StandIn().install(monkeypatch)
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    run = _runner(q, k, v, causal=True)
+    with flash_attn4_replay.paused():
+        with flash_attn4_replay.paused():  # nested, as the calibration's functions call one another
+            run(q, k, v)
+        for _ in range(3):
+            run(q, k, v)
+    assert stand_in.prepared == 4 and not flash_attn4_replay._CHECKED
+    run(q, k, v)  # after it: its first and second calls, then replays
+    run(q, k, v)
+    run(q, k, v)
+    assert stand_in.prepared == 6 and flash_attn4_replay._PAUSED == [0]
+
+
 @pytest.mark.parametrize(
     "stand_in",
     [dict(split=True), dict(copies=True), dict(extra_tensor=True), dict(returns_copy=True)],

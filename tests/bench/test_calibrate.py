@@ -189,6 +189,24 @@ def test_host_times_are_measured_again_through_attention_on_the_machine_that_cal
         calibrate.host_times(elsewhere, attention=attention)
 
 
+def test_flash_attention_4_is_timed_through_its_interface_not_its_replay(monkeypatch):
+    from attnselect.backends import flash_attn4_replay
+
+    monkeypatch.setattr(calibrate, "LADDER", ((1, 16),))
+    paused = []
+
+    def attention(*args, **kwargs):
+        paused.append(flash_attn4_replay._PAUSED[0] > 0)
+        return attnselect.attention(*args, **kwargs)
+
+    data = calibrate.run(attention=attention, pairs=((24, 16),))
+    calibrate.host_times(data, attention=attention)
+    with_first_calls = len(paused)
+    calibrate.first_call_costs(attention=attention, pairs=((24, 16),), phases=(False,))
+    assert len(paused) > with_first_calls > 0 and all(paused)
+    assert flash_attn4_replay._PAUSED == [0]
+
+
 def test_the_command_needs_a_gpu_and_keeps_a_quick_run_out_of_the_cache(capsys, tmp_path):
     assert cli.main(["calibrate", "--out", str(tmp_path / "x.json")]) == 2
     assert "without a CUDA GPU, expected one" in capsys.readouterr().err

@@ -28,6 +28,7 @@ level (in its compile key: a replay keeps the kernel recorded at the level of it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import logging
@@ -216,6 +217,22 @@ def _holds_tensor(argument) -> bool:
 
 
 _SEEN = object()  # a key called once: its next call is recorded (a one-off packing pays no recording)
+_PAUSED = [0]  # paused()'s depth: above 0, every runner calls FA4's function, none records or replays
+
+
+@contextlib.contextmanager
+def paused():
+    """Within it (a block, or a function it decorates), FA4's runners call its function, recording and replaying
+    nothing: what a new shape's call costs, the time attnselect.bench.calibrate takes. A replayed call's time would
+    rank FA4 by it where ever new shapes pay the interface (two calls a shape before its replay), and the rules do not
+    price that start-up yet."""
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
+
+
 # Per compiled kernel (FA4's function, its options and its compile key of the kernel, the device): True once a
 # recording's check passed (:func:`_checked`), False once one failed (none of its calls is replayed then). As many as
 # FA4 compiles (seconds each), so not bounded.
@@ -250,6 +267,8 @@ class ForwardReplays:
                    cu_q.device, cu_k.device, longest)  # fmt: skip
             keywords = dict(self.options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=packing.max_seqlen_q,
                             max_seqlen_k=packing.max_seqlen_kv)  # fmt: skip
+        if _PAUSED[0]:
+            return self.function(q, k, v, **keywords)
         kept = self.kept.get(key)
         aligned = not (q.data_ptr() % ALIGN_BYTES or k.data_ptr() % ALIGN_BYTES or v.data_ptr() % ALIGN_BYTES)
         if type(kept) is Recorded and aligned:

@@ -17,7 +17,12 @@ show): their curves are keyed ``thd`` and their work is the mean of the packings
 (:func:`attnselect.choose.predict.work`, from each packing's sequences, longest lengths and tokens:
 :func:`_timed_work`). The result is the format :mod:`attnselect.choose.calibration` reads, for this GPU and these
 versions; ``attnselect calibrate`` stores it in the cache directory, where it takes precedence over the packaged
-one. ``quick`` measures one pair, one phase and two sizes (a smoke test, never stored there)."""
+one. ``quick`` measures one pair, one phase and two sizes (a smoke test, never stored there).
+
+FlashAttention-4's forward replay (attnselect.backends.flash_attn4_replay) is paused throughout: its host times are
+its interface's, what a shape's first two calls pay (14.4-15.6 us replayed against 81.1-86.3 through the interface on
+an H100, results/h100_fa4_forward_replay_8e72048.md). Ranked by its replayed time, FA4 would lead small calls whose
+shapes never repeat, which pay the interface every call; the rules do not price the replay's start-up per shape yet."""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import time
 
 import torch
 
+from attnselect.backends import flash_attn4_replay
 from attnselect.backends.base import get as backend_named
 from attnselect.choose import calibration
 from attnselect.choose.candidates import judge
@@ -65,6 +71,7 @@ HOST_CALLS = 10  # a round's calls of each step
 COMPILING_MS = 1000.0  # a backend whose first call took this much longer at two sizes in a row compiles per shape
 
 
+@flash_attn4_replay.paused()  # FA4 timed through its interface, as on a new shape
 def run(
     target: Target | None = None, *, attention, quick: bool = False, pairs=PAIRS, progress=None, checkpoint=None
 ) -> dict:
@@ -223,6 +230,7 @@ def _result(target: Target, quick: bool, host: dict, new_packing: dict, gpu: dic
     }
 
 
+@flash_attn4_replay.paused()  # FA4 timed through its interface, as on a new shape
 def first_call_costs(
     target: Target | None = None, *, attention, pairs=PAIRS, phases=(False, True), progress=None
 ) -> dict:
@@ -364,6 +372,7 @@ def attention_step(attention, candidate, problem: AttentionProblem, inputs: tupl
     return step
 
 
+@flash_attn4_replay.paused()  # FA4 timed through its interface, as on a new shape
 def host_times(
     data: dict, target: Target | None = None, *, attention, progress=None, native=(128, 128), padded=(192, 128)
 ) -> dict:
