@@ -21,7 +21,8 @@ self-check (5.80-34.97 ms, results/h200_self_check_cost.md), as a user's does; t
 (attnselect.bench.calibrate.first_call_costs), so its sizes' costs come out lower. A call's extra is its first time
 less the second's. Start-up is call 1's extra less call 3's; size, the largest
 extra of the new sizes' calls (a first larger size may load another kernel variant once: the calibration,
-attnselect.bench.calibrate.first_call_costs, keeps the least of two).
+attnselect.bench.calibrate.first_call_costs, keeps the least of two). FlashAttention-4's forward replay
+(attnselect.backends.flash_attn4_replay) is paused, as in the calibration: a second call would record the first's.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def child(backend: str, training: bool) -> dict:
     import torch.nn.functional as F
 
     import attnselect
+    from attnselect.backends import flash_attn4_replay
 
     def call(batch: int, seqlen: int, dqk: int, dv: int) -> float:
         g = torch.Generator(device="cuda").manual_seed(seqlen + dqk)
@@ -65,8 +67,9 @@ def child(backend: str, training: bool) -> dict:
         if backend == "F.sdpa default":
             bhsd = (t.transpose(1, 2) for t in (q, k, v))
             out = F.scaled_dot_product_attention(*bhsd, is_causal=True)
-        else:
-            out = attnselect.attention(q, k, v, causal=True, backend=backend)
+        else:  # FA4's replay paused, as the calibration times its first calls (first_call_costs)
+            with flash_attn4_replay.paused():
+                out = attnselect.attention(q, k, v, causal=True, backend=backend)
         if training:
             torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
         torch.cuda.synchronize()

@@ -84,6 +84,25 @@ def test_argument_mapping_matches_the_reference(backend, kwargs, monkeypatch):
         assert torch.isneginf(lse).any() == torch.isneginf(ref_lse).any()
 
 
+def test_flash_attn4_s_lse_is_returned_as_it_comes(monkeypatch):
+    """FA4's lse is float32 and -inf on rows that see no key, as ours (flash_attn/cute/softmax.py): its own tensor is
+    returned, no kernel converts it (FA2's and FA3's +inf are mapped: the test above)."""
+    documented, returned = _documented_flash_attn_func(*PACKAGES["flash_attn4"][1:]), []
+
+    def flash_attn_func(*args, **kwargs):
+        out, lse = documented(*args, **kwargs)
+        returned.append(lse.float())
+        return out, returned[-1]
+
+    stub = types.ModuleType("flash_attn.cute")
+    stub.flash_attn_func = flash_attn_func
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", stub)
+    q, k, v = dense_inputs(sq=24, skv=9, hq=4, hkv=2, dqk=16, dv=16, requires_grad=False)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal="bottom_right", return_lse=True)
+    out, lse = run_candidate(Candidate("flash_attn4"), problem, q, k, v)
+    assert lse is returned[-1] and torch.isneginf(lse).any()
+
+
 def _documented_flash_attn_varlen_func(
     q,
     k,

@@ -87,23 +87,25 @@ def _recordings(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize(
-    "shape,return_lse",
+    "shape,return_lse,causal",
     [
-        (dict(b=1, sq=256, skv=256, hq=16, hkv=16, dqk=192, dv=128), False),
-        (dict(b=2, sq=1024, skv=1024, hq=16, hkv=16, dqk=192, dv=128), True),
-        (dict(b=1, sq=300, skv=300, hq=16, hkv=4, dqk=128, dv=128), False),  # GQA, a length off the tiles
+        (dict(b=1, sq=256, skv=256, hq=16, hkv=16, dqk=192, dv=128), False, True),
+        (dict(b=2, sq=1024, skv=1024, hq=16, hkv=16, dqk=192, dv=128), True, True),
+        (dict(b=1, sq=300, skv=300, hq=16, hkv=4, dqk=128, dv=128), False, True),  # GQA, a length off the tiles
+        (dict(b=1, sq=300, skv=128, hq=16, hkv=16, dqk=192, dv=128), True, "bottom_right"),  # keyless rows: lse -inf
     ],
 )
-def test_a_dense_inference_call_replays_fa4s_compiled_forward_bit_for_bit(shape, return_lse, monkeypatch):
+def test_a_dense_inference_call_replays_fa4s_compiled_forward_bit_for_bit(shape, return_lse, causal, monkeypatch):
     """The installed FA4's forward is recorded (attnselect.backends.flash_attn4_replay: its kernel alone ran, on q, k
-    and v) and later calls of the shape, on other data, equal flash_attn_func's bit for bit, and float64's."""
+    and v) and later calls of the shape, on other data, equal flash_attn_func's bit for bit, and float64's (the lse
+    too, -inf on rows that see no key, as FA4 returns it)."""
     import flash_attn.cute as fa4
 
     from attnselect.execution import kernel_call
 
     recorded = _recordings(monkeypatch)
     q, k, v = dense_inputs(**shape, dtype=torch.bfloat16, device="cuda", requires_grad=False)
-    problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=True, return_lse=return_lse)
+    problem = attnselect.AttentionProblem.from_tensors(q, k, v, causal=causal, return_lse=return_lse)
     run = get("flash_attn4").runner(kernel_call(problem), repeated=True)
     with torch.no_grad():
         run(q, k, v)
@@ -113,12 +115,14 @@ def test_a_dense_inference_call_replays_fa4s_compiled_forward_bit_for_bit(shape,
             torch.manual_seed(seed)
             q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
             out, lse = run(q2, k2, v2)
+            # FA4's causal is aligned to the bottom right
             direct = fa4.flash_attn_func(q2, k2, v2, softmax_scale=problem.default_scale, causal=True,
                                          return_lse=return_lse)  # fmt: skip
             assert torch.equal(out, direct[0])
             assert (lse is None) == (not return_lse) and (lse is None or torch.equal(lse, direct[1].float()))
-            ref = attnselect.attention(q2.double(), k2.double(), v2.double(), causal=True, backend="reference")
-            assert rel_err(out, ref) < 2e-2
+            ref, ref_lse = attnselect.attention(q2.double(), k2.double(), v2.double(), causal=causal, return_lse=True,
+                                                backend="reference")  # fmt: skip
+            assert rel_err(out, ref) < 2e-2 and (lse is None or rel_err(lse, ref_lse) < 1e-2)
     assert len(recorded) == 1
 
 

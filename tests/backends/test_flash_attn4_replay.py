@@ -184,6 +184,12 @@ def test_paused_every_call_goes_through_the_interface_and_none_is_recorded(monke
     run(q, k, v)
     run(q, k, v)
     assert stand_in.prepared == 6 and flash_attn4_replay._PAUSED == [0]
+    with flash_attn4_replay.paused():  # a key replayed before: its calls go through the interface meanwhile
+        run(q, k, v)
+        run(q, k, v)
+    assert stand_in.prepared == 8
+    run(q, k, v)  # replayed again after it
+    assert stand_in.prepared == 8
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ class FlashAttnPackageBackend(Backend):
     dropout_argument: ClassVar[bool] = False
     lse_argument: ClassVar[str]  # keyword that asks for the lse
     # FlashAttention-2 writes +inf as the lse of rows that see no key (csrc/flash_attn/src/softmax.h:
-    # sum == 0 ? INFINITY), FA3 too (hopper/softmax.h); ours is -inf, so theirs is mapped
+    # sum == 0 ? INFINITY), FA3 too where it does not split (hopper/softmax.h); ours is -inf, so theirs is mapped
     keyless_lse_posinf: ClassVar[bool] = True
 
     def _module(self):

@@ -217,20 +217,23 @@ def _holds_tensor(argument) -> bool:
 
 
 _SEEN = object()  # a key called once: its next call is recorded (a one-off packing pays no recording)
-_PAUSED = [0]  # paused()'s depth: above 0, every runner calls FA4's function, none records or replays
+_PAUSED = [0]  # paused()'s depth, process-wide: above 0, every runner calls FA4's function, none records or replays
+_PAUSING = threading.Lock()  # paused()'s changes of _PAUSED (a call reads it without)
 
 
 @contextlib.contextmanager
 def paused():
-    """Within it (a block, or a function it decorates), FA4's runners call its function, recording and replaying
-    nothing: what a new shape's call costs, the time attnselect.bench.calibrate takes. A replayed call's time would
-    rank FA4 by it where ever new shapes pay the interface (two calls a shape before its replay), and the rules do not
-    price that start-up yet."""
-    _PAUSED[0] += 1
+    """Within it (a block, or a function it decorates), FA4's runners in every thread of the process call its
+    function, recording and replaying nothing: what a new shape's call costs, the time attnselect.bench.calibrate
+    takes. Ranked by a replayed call's time, FA4 would lead calls whose shapes never repeat, which pay the interface
+    (two calls a shape before its replay), and the rules do not price that start-up yet."""
+    with _PAUSING:
+        _PAUSED[0] += 1
     try:
         yield
     finally:
-        _PAUSED[0] -= 1
+        with _PAUSING:
+            _PAUSED[0] -= 1
 
 
 # Per compiled kernel (FA4's function, its options and its compile key of the kernel, the device): True once a
@@ -267,7 +270,7 @@ class ForwardReplays:
                    cu_q.device, cu_k.device, longest)  # fmt: skip
             keywords = dict(self.options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=packing.max_seqlen_q,
                             max_seqlen_k=packing.max_seqlen_kv)  # fmt: skip
-        if _PAUSED[0]:
+        if _PAUSED[0] > 0:
             return self.function(q, k, v, **keywords)
         kept = self.kept.get(key)
         aligned = not (q.data_ptr() % ALIGN_BYTES or k.data_ptr() % ALIGN_BYTES or v.data_ptr() % ALIGN_BYTES)

@@ -20,9 +20,10 @@ versions; ``attnselect calibrate`` stores it in the cache directory, where it ta
 one. ``quick`` measures one pair, one phase and two sizes (a smoke test, never stored there).
 
 FlashAttention-4's forward replay (attnselect.backends.flash_attn4_replay) is paused throughout: its host times are
-its interface's, what a shape's first two calls pay (14.4-15.6 us replayed against 81.1-86.3 through the interface on
-an H100, results/h100_fa4_forward_replay_8e72048.md). Ranked by its replayed time, FA4 would lead small calls whose
-shapes never repeat, which pay the interface every call; the rules do not price the replay's start-up per shape yet."""
+its interface's, what a shape's first two calls pay (FA4's runner on an H100 at 192/128: 14.4-15.6 us a call
+replayed against 81.9-87.5 not, results/h100_fa4_forward_replay_8e72048.md). Ranked by its replayed time, FA4 would
+lead small calls whose shapes never repeat, which pay the interface every call; the rules do not price the replay's
+start-up per shape yet."""
 
 from __future__ import annotations
 
