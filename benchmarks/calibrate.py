@@ -39,12 +39,17 @@ def report(data: dict) -> str:
     lines.append("|---|" + "---|" * len(keys))
     for backend, times in sorted(data["host_us"].items()):
         lines.append(f"| {backend} | " + " | ".join(str(times.get(k, "-")) for k in keys) + " |")
-    new_packing = data.get("new_packing_us", {})
-    if new_packing:  # packed: on a new packing each call, beside the time on a packing already seen
-        keys = sorted({k for v in new_packing.values() for k in v})
-        lines += ["", "## Host time per packed call on a new packing each call (us; on one seen: above)", "",
-                  "| backend | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]  # fmt: skip
-        for backend, times in sorted(new_packing.items()):
+    titles = {  # packed: on a new packing each call, beside the time on a packing already seen
+        "new_packing_us": "Host time per packed call on a new packing each call (us; on one seen: above)",
+        "replayed_host_us": "Host time per call replayed, a shape called before (us; through the interface: above)",
+    }
+    for name, title in titles.items():
+        times_by = data.get(name, {})
+        if not times_by:
+            continue
+        keys = sorted({k for v in times_by.values() for k in v})
+        lines += ["", f"## {title}", "", "| backend | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+        for backend, times in sorted(times_by.items()):
             lines.append(f"| {backend} | " + " | ".join(str(times.get(k, "-")) for k in keys) + " |")
     lines += [
         "",
@@ -106,11 +111,12 @@ def main() -> None:
             raise SystemExit("the parts ran on different machines or versions")
         if any(p["host"] != parts[0]["host"] for p in parts):  # each host time the least over the parts: one host's
             raise SystemExit("the parts' host times were measured on different hosts (or not recorded in some)")
-        data = dict(parts[0], host_us={}, new_packing_us={}, gpu={}, first_call_ms={}, new_size_ms={})
+        data = dict(parts[0], host_us={}, new_packing_us={}, replayed_host_us={}, gpu={}, first_call_ms={},
+                    new_size_ms={})  # fmt: skip
         for marker, says in (("--quick", " (merged with a --quick part)"), (calibrate.PARTIAL, calibrate.PARTIAL)):
             if any(marker in part["source"] for part in parts) and marker not in data["source"]:
                 data["source"] += says  # what a part was not, the whole is not: --package refuses it
-        for name in ("host_us", "new_packing_us"):  # each kind's least over the parts that timed it
+        for name in ("host_us", "new_packing_us", "replayed_host_us"):  # each kind's least over the parts that timed it
             data[name] = calibrate.least_times(*(part.get(name, {}) for part in parts))
         for part in parts:
             for backend, curves in part["gpu"].items():

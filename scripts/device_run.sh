@@ -22,12 +22,13 @@
 #                                      # 8192": the rungs whose names hold one of these; a process for each layout,
 #                                      # head-dim pair and phase, LADDER_GROUP= one for each rung), resuming this machine's or the
 #                                      # committed rungs -> $OUT/h200_ladder[_$LADDER_PART][_fa4].{json,md} (FA4 where installed)
-#   bash scripts/device_run.sh calibrate-host # results/h200_calibration.json's host times measured again -> $OUT/h200_calibration.*
+#   bash scripts/device_run.sh calibrate-host # results/<gpu>_calibration.json's host times measured again (FA4's
+#                                      # replayed too)                            -> $OUT/<gpu>_calibration.*
 #   bash scripts/device_run.sh new-packing-host # benchmarks/new_packing_host.py, on a GPU without a calibration too
 #                                      #                     -> $OUT/<gpu>_new_packing_host.*
 #   bash scripts/device_run.sh calibrate-first-calls # its first calls' costs measured again (start-up left out,
 #                                      # an empty compile cache)                  -> $OUT/h200_calibration.*
-#   bash scripts/device_run.sh package-calibration # $OUT/h200_calibration.json as this tree's package data (the
+#   bash scripts/device_run.sh package-calibration # $OUT/<gpu>_calibration.json as this tree's package data (the
 #                                      # steps after it rank by it)  -> $OUT/calibration_<arch>_<gpu>.json
 #   bash scripts/device_run.sh calibrate # benchmarks/calibrate.py (CALIBRATE_ARGS="--pairs 192/128,128/128",
 #                                      # CALIBRATE_PART=name)          -> $OUT/h200_calibration${CALIBRATE_PART:+_name}.*
@@ -118,6 +119,10 @@ grid_rows() {   # the rules grid, resuming this call's rows if an earlier step w
   local rows=results/h200_rules_grid.jsonl; [ -f "$OUT/h200_rules_grid.jsonl" ] && rows=$OUT/h200_rules_grid.jsonl
   timeout "$1" python3 benchmarks/rules_grid.py --resume "$rows" --out "$OUT/h200_rules_grid.jsonl" "${@:2}" 2>&1 \
     | grep -E "DISAGREE|rows|deadline" | cut -c1-400
+}
+gpu_model() {   # h200, h100, b200 or a100, as results' file names spell it (h200 where none matches)
+  local name; name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E 'H100|H200|B200|A100')
+  echo "${name:-H200}" | tr 'A-Z' 'a-z'
 }
 need_fa4() {
   python3 -c 'import flash_attn.cute' 2>/dev/null && return 0
@@ -222,10 +227,12 @@ case "$step" in
       ${LADDER_ARGS:-} "${only[@]}" 2>&1 | grep -v -i warn | tail -30
     cp "/tmp/$name.json" "/tmp/$name.md" "$OUT/" ;;
   calibrate-host)   # the calibration's host times measured again (attnselect.bench.calibrate.host_times): this
-                    # call's calibration where an earlier step wrote one (steps chain), else the committed one
-    from=results/h200_calibration.json; [ -f "$OUT/h200_calibration.json" ] && from=$OUT/h200_calibration.json
+                    # call's calibration where an earlier step wrote one (steps chain), else the committed one, of
+                    # this GPU model (results/<gpu>_calibration.json: h200, h100)
+    cal=$(gpu_model)_calibration
+    from=results/$cal.json; [ -f "$OUT/$cal.json" ] && from=$OUT/$cal.json
     timeout ${CALIBRATE_TIMEOUT:-300} python3 benchmarks/calibrate.py --host-from "$from" \
-      --out "$OUT/h200_calibration" 2>&1 | grep -v -i warn | grep -E "^\| [a-z_0-9]+ \| [0-9-]" | head -12 ;;
+      --out "$OUT/$cal" 2>&1 | grep -v -i warn | grep -E "^\| [a-z_0-9]+ \| [0-9-]" | head -16 ;;
   new-packing-host)   # benchmarks/new_packing_host.py: packed host times, a packing seen and new ones, any GPU
     gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E 'H100|H200|B200|A100' | tr 'A-Z' 'a-z')
     timeout 300 python3 benchmarks/new_packing_host.py --out "$OUT/${gpu_name:-gpu}_new_packing_host" \
@@ -236,8 +243,9 @@ case "$step" in
     ATTNSELECT_CACHE_DIR=$(mktemp -d) timeout ${CALIBRATE_TIMEOUT:-400} python3 benchmarks/calibrate.py \
       --first-calls-from "$from" --out "$OUT/h200_calibration" 2>&1 | grep -v -i warn \
       | sed -n '/^## First call/,$p' | head -30 ;;
-  package-calibration)
-    python3 benchmarks/calibrate.py --package "$OUT/h200_calibration.json" && cp src/attnselect/data/calibration_*.json "$OUT/" ;;
+  package-calibration)   # $OUT/<gpu>_calibration.json (calibrate-host's, this GPU model's) as this tree's package data
+    python3 benchmarks/calibrate.py --package "$OUT/$(gpu_model)_calibration.json" \
+      && cp src/attnselect/data/calibration_*.json "$OUT/" ;;
   torchtitan)
     name=h200_torchtitan_steps$(python3 -c 'import flash_attn.cute' 2>/dev/null && echo _fa4)
     timeout ${TITAN_TIMEOUT:-500} python3 benchmarks/torchtitan_steps.py --out "$OUT/$name" ${TITAN_ARGS:-} 2>&1 \

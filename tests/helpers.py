@@ -188,6 +188,23 @@ def calibration_sample(target: Target = CALIBRATED_H200, **changes) -> dict:
     return data
 
 
+def replaying_calibration_sample() -> dict:
+    """:func:`calibration_sample` with FA4's forward timed replayed (a shape called before), dense and packed, and
+    inference curves to predict with."""
+    data = calibration_sample()
+    data["host_us"]["flash_attn4"].update({"thd inference": 150.0})
+    data["new_packing_us"] = {"flash_attn4": {"thd inference": 250.0}}
+    data["replayed_host_us"] = {"flash_attn4": {"dense inference": 15.0, "thd inference": 20.0}}
+    data["gpu"]["flash_attn4"].update({"dense 192/128 inference": [[10.0, 8.0], [1e4, 300.0]],
+                                       "thd 192/128 inference": [[10.0, 9.0], [1e4, 320.0]]})  # fmt: skip
+    data["gpu"]["sdpa_cudnn"].update({"dense 192/128 inference": [[10.0, 12.0], [1e4, 400.0]],
+                                      "dense 192/128+pad inference": [[10.0, 14.0], [1e4, 500.0]]})  # fmt: skip
+    data["gpu"]["flash_attn4"]["dense 192/128+pad inference"] = [[10.0, 10.0], [1e4, 380.0]]
+    data["host_us"]["sdpa_cudnn"]["dense+pad inference"] = 50.0
+    data["host_us"]["flash_attn4"]["dense+pad inference"] = 160.0
+    return data
+
+
 def benchmark_module(name: str):
     """A module of benchmarks/ (they import one another by bare name)."""
     benchmarks = str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")

@@ -192,6 +192,24 @@ def test_paused_every_call_goes_through_the_interface_and_none_is_recorded(monke
     assert stand_in.prepared == 8
 
 
+def test_replaying_lifts_the_pauses_around_it_and_a_shape_replays_from_its_third_call(monkeypatch):
+    """attnselect.bench.calibrate times FA4 replayed within its paused run: replaying() lifts the pauses for its
+    block, and a key replays after CALLS_BEFORE_REPLAY calls through the interface (what the rules price)."""
+    stand_in = StandIn().install(monkeypatch)
+    q, k, v = dense_inputs(sq=16, skv=16, hq=2, hkv=2, dqk=16, dv=16, requires_grad=False)
+    run = _runner(q, k, v, causal=True)
+    with flash_attn4_replay.paused(), flash_attn4_replay.paused():
+        run(q, k, v)
+        with flash_attn4_replay.replaying():
+            for _ in range(flash_attn4_replay.CALLS_BEFORE_REPLAY + 3):
+                run(q, k, v)
+            assert flash_attn4_replay._PAUSED == [0]
+        assert flash_attn4_replay._PAUSED == [2]
+        run(q, k, v)  # paused again: through the interface
+    assert stand_in.prepared == 1 + flash_attn4_replay.CALLS_BEFORE_REPLAY + 1
+    assert flash_attn4_replay._PAUSED == [0]
+
+
 @pytest.mark.parametrize(
     "stand_in",
     [dict(split=True), dict(copies=True), dict(extra_tensor=True), dict(returns_copy=True)],

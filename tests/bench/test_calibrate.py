@@ -207,6 +207,33 @@ def test_flash_attention_4_is_timed_through_its_interface_not_its_replay(monkeyp
     assert flash_attn4_replay._PAUSED == [0]
 
 
+def test_a_backend_that_replays_is_timed_replayed_too_in_inference_with_the_pause_lifted(monkeypatch):
+    """calibrate times a replaying backend's calls (Backend.calls_before_replay) replayed, in the same rounds as
+    through its interface, in inference only (a gradient needs its own call): replayed_host_us."""
+    from attnselect.backends import flash_attn4_replay
+    from attnselect.backends.base import get as backend_named
+
+    monkeypatch.setattr(calibrate, "LADDER", ((1, 16),))
+    monkeypatch.setattr(type(backend_named("sdpa_flash")), "calls_before_replay", 2)  # a stand-in that replays
+    calls = []
+
+    def attention(q, *args, **kwargs):
+        calls.append((kwargs["backend"], q.requires_grad, flash_attn4_replay._PAUSED[0] > 0))
+        return attnselect.attention(q, *args, **kwargs)
+
+    data = calibrate.run(attention=attention, pairs=((24, 16),))
+    inference = {key for key in data["host_us"]["sdpa_flash"] if key.endswith("inference")}
+    assert inference and set(data["replayed_host_us"]) == {"sdpa_flash"}
+    assert set(data["replayed_host_us"]["sdpa_flash"]) == inference
+    assert all(us > 0 for us in data["replayed_host_us"]["sdpa_flash"].values())
+    lifted = {(backend, grad) for backend, grad, paused in calls if not paused}
+    assert lifted == {("sdpa_flash", False)}  # the replayed steps alone, in inference
+    assert any(paused for _, _, paused in calls) and flash_attn4_replay._PAUSED == [0]
+    assert calibration._problem(data) is None
+    again = calibrate.host_times(dict(data, replayed_host_us={}), attention=attnselect.attention)
+    assert set(again["replayed_host_us"]["sdpa_flash"]) == inference
+
+
 def test_the_command_needs_a_gpu_and_keeps_a_quick_run_out_of_the_cache(capsys, tmp_path):
     assert cli.main(["calibrate", "--out", str(tmp_path / "x.json")]) == 2
     assert "without a CUDA GPU, expected one" in capsys.readouterr().err

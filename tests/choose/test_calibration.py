@@ -264,7 +264,7 @@ def test_the_documented_format_names_every_field_of_the_packaged_calibration():
     described = next(block for block in text.split("\n- ") if block.startswith("The file (format "))
     packaged = calibration.packaged(H200)  # the packaged file of its GPU model, whatever the versions
     assert packaged is not None and f"(format {calibration.FORMAT};" in described
-    for field in [*packaged, *packaged["fingerprint"], "new_packing_us"]:
+    for field in [*packaged, *packaged["fingerprint"], "new_packing_us", "replayed_host_us"]:
         assert f"`{field}`" in described, field
 
 

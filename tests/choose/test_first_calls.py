@@ -18,6 +18,7 @@ from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
 from helpers import CALIBRATED_H200 as H200
 from helpers import calibration_sample as sample
+from helpers import replaying_calibration_sample as replaying_sample
 
 LARGE = AttentionProblem(4, 8192, 8192, 16, 16, 192, 128, mask="causal", training=True, dtype=torch.bfloat16)
 FA4 = Candidate("flash_attn4")
@@ -215,7 +216,7 @@ def test_a_new_shape_of_a_configuration_that_ran_rents_where_its_kernel_builds_p
     rental = decision.rental
     assert decision.chosen == Candidate("sdpa_cudnn") and rental.deferred == FA4 and rental.shape
     assert rental.compile_ms == 20.0 and rental.calls == math.ceil(20.0 * 1e3 / rental.lost_us)
-    assert "builds for this shape on its first call in this process (about 0.02 s, calibrated)" in decision.why
+    assert "builds for this shape on its first call in this process (about 20.0 ms, calibrated)" in decision.why
     cleared = []
     monkeypatch.setattr(api, "clear_cache", lambda: cleared.append(True))
     api._renting(lambda *args: None, rental, LARGE._with(seqlen_q=2048, seqlen_kv=2048))()  # another shape's count
@@ -344,7 +345,7 @@ def test_explain_shows_what_each_candidate_s_first_call_has_left_to_pay():
     header = next(line for line in report.splitlines() if line.startswith("backend"))
     assert "first call to pay" in header
     fa4_row = next(line for line in report.splitlines() if line.startswith("flash_attn4     -"))
-    assert "4.00 s (compile)" in fa4_row
+    assert "4.0 s (compile)" in fa4_row
     first_calls.ran(FA4, LARGE)
     fa4_row = next(line for line in attnselect.select(LARGE, target=H200).report().splitlines()
                    if line.startswith("flash_attn4     -"))  # fmt: skip
@@ -1161,3 +1162,40 @@ def test_warmup_of_a_captured_problem_records_its_first_s_failure_and_the_captur
     assert "sdpa_flash native failed" in caplog.text and "a test's kernel failure" in caplog.text
     (refusal,) = [v for v in attnselect.select(captured).verdicts if v.candidate == flash]
     assert not refusal.supported
+
+
+SMALL = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16)
+
+
+def test_a_forward_replayed_from_a_shape_s_third_call_rents_around_that_shape_s_first_calls():
+    """FA4 replays its forward from a shape's third call: its first two calls of a shape go through its interface,
+    the shape's price (replay_start_ms), rented around as a build per shape, for a server whose lengths never repeat
+    would pay it every call."""
+    calibration.user_path(H200).write_text(json.dumps(replaying_sample()))
+    attnselect.clear_cache()
+    first_calls.ran(FA4, SMALL._with(seqlen_q=512, seqlen_kv=512))  # its configuration compiled, another shape
+    found = calibration.for_target(H200)[0]
+    price = 2 * (130.0 - 15.0) / 1e3
+    assert first_calls.replay_start_ms(FA4, found, SMALL) == pytest.approx(price)
+    assert first_calls.owed(FA4, found, SMALL) == (pytest.approx(price), True)
+    for free in (dataclasses.replace(SMALL, training=True), dataclasses.replace(SMALL, cuda_graph_capture=True),
+                 dataclasses.replace(SMALL, compiled_graph=True)):  # fmt: skip
+        assert first_calls.replay_start_ms(FA4, found, free) == 0.0  # a gradient, a graph: no replay
+    assert first_calls.replay_start_ms(Candidate("sdpa_cudnn"), found, SMALL) == 0.0  # replays nothing
+    decision = attnselect.select(SMALL, target=H200)
+    rental = decision.rental
+    assert decision.ranked[0] == FA4 and decision.chosen == Candidate("sdpa_cudnn") and rental.shape
+    lost = decision.predictions[decision.chosen].total_us - decision.predictions[FA4].total_us
+    assert rental.replay_ms == rental.compile_ms == pytest.approx(price)
+    assert rental.calls == math.ceil(price * 1e3 / lost)
+    assert "once it replays its forward, but a shape's first calls go through its interface (about 0.23 ms" in (
+        decision.why
+    )
+    key = first_calls.rent_key(rental, SMALL)
+    assert [first_calls.rent(rental, key) for _ in range(rental.calls)][-1]  # the rent reaches the price
+    attnselect.clear_cache()
+    assert attnselect.select(SMALL, target=H200).chosen == FA4  # this shape paid for: the replay from here
+    other = attnselect.select(SMALL._with(seqlen_q=384, seqlen_kv=384), target=H200)
+    assert other.rental is not None and other.rental.deferred == FA4  # each shape rents on its own
+    report = attnselect.select(SMALL._with(seqlen_q=384, seqlen_kv=384), target=H200).report()
+    assert "0.23 ms (its shape)" in report

@@ -17,6 +17,7 @@ from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 from helpers import CALIBRATED_H200 as H200
 from helpers import calibration_sample as sample
+from helpers import replaying_calibration_sample as replaying_sample
 
 
 @pytest.mark.parametrize(
@@ -284,7 +285,7 @@ def test_explain_json_holds_each_candidates_predicted_time_and_its_parts(calibra
     assert predicted.host_us == 60.0  # the sample's host time (the report's row shows it too)
     assert row["predicted_us"] == {
         "total": predicted.total_us, "host": predicted.host_us, "gpu": predicted.gpu_us, "alone": predicted.alone_us,
-        "hidden": predicted.hidden_us, "new_packing_host": None, "basis": predicted.basis,
+        "hidden": predicted.hidden_us, "new_packing_host": None, "before_replay_host": None, "basis": predicted.basis,
     }  # fmt: skip
     refused = [c for c in data["candidates"] if not c["supported"]]
     assert refused and all("predicted_us" not in c for c in refused)
@@ -410,6 +411,52 @@ def test_a_packed_call_s_host_time_is_spread_over_the_calls_that_share_its_packi
         "host:    a packed call's is the mean over 8 calls sharing a packing; the first's, on a new packing: "
         "flash_attn4 native 1200.0 us" in report
     )
+
+
+def test_a_forward_that_replays_is_predicted_at_its_replayed_host_time_in_inference():
+    """FA4's runner replays its forward from a shape's third call (Backend.calls_before_replay): a dense call is
+    predicted at the replayed host time (its shape's first calls are priced per shape: first_calls), a packed call at
+    the mean over the calls sharing a packing, the first on a new packing, the second through the interface."""
+    data, fa4 = replaying_sample(), Candidate("flash_attn4")
+    calls = backends.get("flash_attn4").calls_before_replay
+    assert calls == 2
+    dense = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16)
+    replayed = predict.predict(fa4, dense, data, calls_before_replay=calls)
+    assert replayed.host_us == 15.0 and replayed.before_replay_us == 130.0
+    assert predict.predict(fa4, dense, data).host_us == 130.0  # a backend that does not replay
+    compiled = predict.predict(fa4, dataclasses.replace(dense, compiled_graph=True), data, calls_before_replay=calls)
+    assert compiled.host_us == 130.0 and compiled.before_replay_us is None  # torch.compile calls FA4's function
+    captured = dataclasses.replace(dense, cuda_graph_capture=True)
+    assert predict.predict(fa4, captured, data, calls_before_replay=calls).host_us == 0.0
+    training = predict.predict(fa4, dataclasses.replace(dense, training=True), data, calls_before_replay=calls)
+    assert training.host_us == 300.0 and training.before_replay_us is None  # a gradient needs FA4's own call
+    slower = dict(data, replayed_host_us={"flash_attn4": {"dense inference": 140.0}})
+    assert predict.predict(fa4, dense, slower, calls_before_replay=calls).host_us == 130.0  # no replay to gain
+    packed = dataclasses.replace(PACKED, training=False)
+    mean = predict.predict(fa4, packed, data, calls_before_replay=calls)
+    shared = predict.PACKING_SHARED_BY
+    assert mean.host_us == pytest.approx((250.0 + 150.0 + (shared - 2) * 20.0) / shared)
+    assert mean.new_packing_host_us == 250.0 and mean.before_replay_us == 150.0
+    assert mean.alone_us == 250.0 + mean.gpu_us  # a call alone on a new packing: through the interface
+    without = dict(data, new_packing_us={})
+    assert predict.predict(fa4, packed, without, calls_before_replay=calls).host_us == pytest.approx(
+        (2 * 150.0 + (shared - 2) * 20.0) / shared
+    )
+    for bad in ({"flash_attn4": {"dense training": 1.0}}, {"flash_attn4": {"dense inference": -1.0}}, [1.0]):
+        assert "replayed_host_us" in calibration._problem(dict(data, replayed_host_us=bad))
+
+
+def test_explain_prints_a_replayed_forward_s_host_time_and_its_first_calls(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))
+    calibration.user_path(H200).write_text(json.dumps(replaying_sample()))
+    attnselect.clear_cache()
+    dense = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16)
+    report = attnselect.select(dense, target=H200).report()
+    assert "replay:  host time of a forward replayed after its first calls, those priced per shape, a call: " \
+        "flash_attn4 native 130.0 us" in report  # fmt: skip
+    entry = next(c for c in attnselect.select(dense, target=H200).to_dict()["candidates"]
+                 if c["backend"] == "flash_attn4" and c["pad_to"] is None)  # fmt: skip
+    assert entry["predicted_us"]["host"] == 15.0 and entry["predicted_us"]["before_replay_host"] == 130.0
 
 
 def test_a_calibration_without_packed_curves_leaves_packed_calls_to_the_table(calibrated):

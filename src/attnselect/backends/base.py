@@ -169,6 +169,11 @@ class Backend:
     # A class whose extra_reasons or not_supported_reasons comes from below the class that says so (an override, a
     # mixin) reads them (__init_subclass__).
     extra_reasons_read_sizes: ClassVar[bool] = False
+    # The calls of a shape (packed: of a packing's sizes) its runner of repeated calls makes through the kernel's
+    # interface before it replays a forward that needs no gradient, for less host time (FA4's: 2,
+    # attnselect.backends.flash_attn4_replay); 0: it replays nothing. The calibration times both host times
+    # (``replayed_host_us``), and the rules price a shape's first calls (attnselect.choose.first_calls).
+    calls_before_replay: ClassVar[int] = 0
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

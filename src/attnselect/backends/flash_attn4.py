@@ -36,6 +36,7 @@ class FlashAttn4(FlashAttnPackageBackend):
     module = "flash_attn.cute"
     unbounded = None
     lse_argument = "return_lse"  # always returns (out, lse)
+    calls_before_replay = flash_attn4_replay.CALLS_BEFORE_REPLAY  # runner(), packed_runner()
     # its lse is float32 and -inf on rows that see no key, as ours (flash_attn/cute/softmax.py Softmax.finalize,
     # which flash_fwd.py and flash_fwd_sm90.py call, and flash_fwd_sm100.py's correction epilogue: row_sum == 0 or
     # NaN gives -inf)

@@ -217,6 +217,7 @@ def _holds_tensor(argument) -> bool:
 
 
 _SEEN = object()  # a key called once: its next call is recorded (a one-off packing pays no recording)
+CALLS_BEFORE_REPLAY = 2  # a key's calls through FA4's function: the first (_SEEN), the second (recorded)
 _PAUSED = [0]  # paused()'s depth, process-wide: above 0, every runner calls FA4's function, none records or replays
 _PAUSING = threading.Lock()  # paused()'s changes of _PAUSED (a call reads it without)
 
@@ -225,8 +226,8 @@ _PAUSING = threading.Lock()  # paused()'s changes of _PAUSED (a call reads it wi
 def paused():
     """Within it (a block, or a function it decorates), FA4's runners in every thread of the process call its
     function, recording and replaying nothing: what a new shape's call costs, the time attnselect.bench.calibrate
-    takes. Ranked by a replayed call's time, FA4 would lead calls whose shapes never repeat, which pay the interface
-    (two calls a shape before its replay), and the rules do not price that start-up yet."""
+    takes for its host times (the rules price a shape's first :data:`CALLS_BEFORE_REPLAY` calls at them,
+    attnselect.choose.first_calls)."""
     with _PAUSING:
         _PAUSED[0] += 1
     try:
@@ -234,6 +235,19 @@ def paused():
     finally:
         with _PAUSING:
             _PAUSED[0] -= 1
+
+
+@contextlib.contextmanager
+def replaying():
+    """Within it, the pauses around it are lifted, process-wide: attnselect.bench.calibrate times FA4's replayed
+    calls (``replayed_host_us``) within the paused calibration, round by round beside its interface's."""
+    with _PAUSING:
+        depth, _PAUSED[0] = _PAUSED[0], 0
+    try:
+        yield
+    finally:
+        with _PAUSING:
+            _PAUSED[0] += depth
 
 
 # Per compiled kernel (FA4's function, its options and its compile key of the kernel, the device): True once a

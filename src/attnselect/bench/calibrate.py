@@ -21,9 +21,10 @@ one. ``quick`` measures one pair, one phase and two sizes (a smoke test, never s
 
 FlashAttention-4's forward replay (attnselect.backends.flash_attn4_replay) is paused throughout: its host times are
 its interface's, what a shape's first two calls pay (FA4's runner on an H100 at 192/128: 14.4-15.6 us a call
-replayed against 81.9-87.5 not, results/h100_fa4_forward_replay_8e72048.md). Ranked by its replayed time, FA4 would
-lead small calls whose shapes never repeat, which pay the interface every call; the rules do not price the replay's
-start-up per shape yet."""
+replayed against 81.9-87.5 not, results/h100_fa4_forward_replay_8e72048.md). A backend that replays
+(``Backend.calls_before_replay``) is timed replayed too, in inference, in the same rounds as through its interface
+(:func:`host_times`, ``replayed_host_us``): the rules rank it by that time and price a shape's first calls at the
+difference (attnselect.choose.first_calls.replay_start_ms)."""
 
 from __future__ import annotations
 
@@ -161,7 +162,8 @@ def run(
                     type(exc).__name__, exc)  # fmt: skip
         again = data
     data = dict(data, host_us=least_times(host, again["host_us"]),
-                new_packing_us=least_times(new_packing, again["new_packing_us"]))  # fmt: skip
+                new_packing_us=least_times(new_packing, again["new_packing_us"]),
+                replayed_host_us=again.get("replayed_host_us", {}))  # fmt: skip
     if checkpoint:
         checkpoint(data)
     if progress:
@@ -225,6 +227,7 @@ def _result(target: Target, quick: bool, host: dict, new_packing: dict, gpu: dic
         "host": {"cpu": calibration.host_of()},
         "host_us": host,
         "new_packing_us": new_packing,
+        "replayed_host_us": {},  # host_times
         "gpu": {b: {k: _increasing(points) for k, points in curves.items()} for b, curves in gpu.items()},
         **first,
         "skipped": list(SKIPPED),
@@ -380,9 +383,11 @@ def host_times(
     """``data`` (a calibration of this machine) with the host times of its installed backends measured again
     through ``attention`` (:func:`attention_step`), at the smallest ladder size, the pair ``native`` native and
     ``padded`` padded (None: padded candidates not measured again),
-    packed ones on one packing (``host_us``) and on a new packing each call (``new_packing_us``); the others' are
-    kept (their packages absent here: a package measured again needs the version calibrated, which the
-    fingerprint's packages keep). Raises ValueError where ``data`` ran on another GPU or library versions."""
+    packed ones on one packing (``host_us``) and on a new packing each call (``new_packing_us``), and in inference
+    those whose runner replays (``Backend.calls_before_replay``) replayed too, in the same rounds
+    (``replayed_host_us``); the others' are kept (their packages absent here: a package measured again needs the
+    version calibrated, which the fingerprint's packages keep). Raises ValueError where ``data`` ran on another GPU
+    or library versions."""
     target = target or Target.current()
     if calibration.machine(data["fingerprint"]) != calibration.machine(calibration.fingerprint(target)):
         raise ValueError(f"the calibration ran on {data['device']}, not here ({target.describe()})")
@@ -390,6 +395,7 @@ def host_times(
     dtype = torch.bfloat16 if target.is_cuda else torch.float32
     host = {backend: dict(times) for backend, times in data["host_us"].items()}
     new_packing = {backend: dict(times) for backend, times in data.get("new_packing_us", {}).items()}
+    replayed = {backend: dict(times) for backend, times in data.get("replayed_host_us", {}).items()}
     again: set[tuple[str, str]] = set()  # the (backend, host key) measured again here
     jobs = [(layout, is_padded, training) for layout in ("bshd", "thd") for is_padded in (False, True)
             for training in (False, True) if not (is_padded and padded is None)
@@ -410,7 +416,16 @@ def host_times(
             if layout == "thd" and not backend_named(c.backend).packs_thd(target):
                 continue
             steps[c] = attention_step(attention, c, problem, inputs, device)
-        for c, issued in _host_us(steps, device).items():
+        replays = {}  # the same calls replayed: their runner's, as attention() memoized it for the steps above
+        for c in steps if not training else ():
+            if backend_named(c.backend).calls_before_replay:
+                replays[c] = attention_step(attention, c, problem, inputs, device)
+                replays[c].context = flash_attn4_replay.replaying
+        timed = _host_us({**steps, **{(c, "replayed"): step for c, step in replays.items()}}, device)
+        for c, issued in timed.items():
+            if isinstance(c, tuple):
+                replayed.setdefault(c[0].backend, {})[key] = round(issued, 2)
+                continue
             host[c.backend][key] = round(issued, 2)
             again.add((c.backend, key))
         if layout == "thd":
@@ -420,7 +435,8 @@ def host_times(
                 new_packing.setdefault(c.backend, {})[key] = round(issued, 2)
     if progress:
         progress(len(jobs), len(jobs), "done")
-    return dict(data, host=_measured_on(data.get("host", {}), host, again), host_us=host, new_packing_us=new_packing)
+    return dict(data, host=_measured_on(data.get("host", {}), host, again), host_us=host, new_packing_us=new_packing,
+                replayed_host_us=replayed)  # fmt: skip
 
 
 def _measured_on(before: dict, host: dict, again: set) -> dict:
@@ -438,12 +454,14 @@ def _host_us(steps: dict, device) -> dict:
     by side: :data:`HOST_ROUNDS` rounds in alternating order, each of :data:`HOST_CALLS` calls of every step, after
     warm-up calls (a first call decides, prepares and compiles); a step's time is its least round median (a busy
     host only adds time, and a phase of it falls on every step of a round alike: timeit's rule, the least of
-    repeats). A step that fails is left out."""
+    repeats). A step that fails is left out. A step's ``context``, where it has one, is entered around its warm-up
+    and each of its rounds, outside the clock (FA4's replay, lifted for its replayed step)."""
     issued: dict = {}
     for key, step in steps.items():
         try:
-            for _ in range(3):
-                step()
+            with getattr(step, "context", contextlib.nullcontext)():
+                for _ in range(3):
+                    step()
             issued[key] = []
         except Exception:
             continue
@@ -455,15 +473,16 @@ def _host_us(steps: dict, device) -> dict:
             times = []
             prepare = getattr(steps[key], "prepare", _nothing)  # a new packing's boundaries, before the clock starts
             try:
-                for _ in range(HOST_CALLS):
-                    prepare()
+                with getattr(steps[key], "context", contextlib.nullcontext)():
+                    for _ in range(HOST_CALLS):
+                        prepare()
+                        if device.type == "cuda":
+                            torch.cuda._sleep(2_000_000)  # about a millisecond: the call's issue does not wait
+                        started = time.perf_counter()
+                        steps[key]()
+                        times.append(time.perf_counter() - started)
                     if device.type == "cuda":
-                        torch.cuda._sleep(2_000_000)  # about a millisecond: the call's issue does not wait for the GPU
-                    started = time.perf_counter()
-                    steps[key]()
-                    times.append(time.perf_counter() - started)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                        torch.cuda.synchronize(device)
             except Exception:
                 del issued[key]
                 continue

@@ -8,6 +8,8 @@ the user's) holds, per backend:
   (:func:`host_key`: ``"dense inference"``, ``"thd+pad training"``; packed, on a packing already seen), at a size
   where the GPU waits for the host; ``new_packing_us`` likewise for packed calls on a new packing each call (its
   runner's per-packing work and, at sizes not seen, its decision), where measured for every packed backend;
+  ``replayed_host_us`` likewise for the calls of a backend whose runner replays its forward (FA4:
+  ``Backend.calls_before_replay``), on a shape (or packing) it has called before, where measured (:func:`replayed`);
   ``host``: ``cpu``, the CPU they were measured on (:func:`host_of`; not recorded before 2026-12-07), which
   ``explain`` names where it may not be this machine's (:func:`host_note`);
 - ``gpu``: the GPU's time of a call over a ladder of work sizes, by candidate key
@@ -318,6 +320,15 @@ def _problem(data) -> str | None:
     for backend, times in host.items():
         if not (isinstance(times, dict) and all(HOST_KEY.fullmatch(k) and _is_time(t) for k, t in times.items())):
             return f"host_us[{backend!r}] is not a dict of times by layout, padding and phase"
+    replayed = data.setdefault("replayed_host_us", {})
+    if not isinstance(replayed, dict):
+        return "replayed_host_us is not a dict"
+    for backend, times in replayed.items():
+        forward = isinstance(times, dict) and all(
+            HOST_KEY.fullmatch(k) and k.endswith(" inference") and _is_time(t) for k, t in times.items()
+        )
+        if not forward:
+            return f"replayed_host_us[{backend!r}] is not a dict of times by layout and padding, in inference"
     new_packing = data.setdefault("new_packing_us", {})
     if not isinstance(new_packing, dict):
         return "new_packing_us is not a dict"
@@ -340,6 +351,15 @@ def _problem(data) -> str | None:
             if [p[0] for p in points] != sorted({p[0] for p in points}):
                 return f"gpu[{backend!r}][{key!r}]: its work sizes do not increase"
     return None
+
+
+def replayed(data: dict, backend: str, kind: str) -> float | None:
+    """The host time of ``backend``'s call of ``kind`` (:func:`host_key`) on a shape it replays, by the calibration
+    ``data``, where it and the time of the calls before the replay (``host_us``) are calibrated and the replay is the
+    faster; None otherwise."""
+    again = data.get("replayed_host_us", {}).get(backend, {}).get(kind)
+    first = data.get("host_us", {}).get(backend, {}).get(kind)
+    return float(again) if again is not None and first is not None and again < first else None
 
 
 def first_call_ms(costs: dict, backend: str, layout: str, padded: bool, training: bool) -> float:

@@ -138,7 +138,12 @@ class Decision:
         predicted = self.predictions is not None
         found, source = calibration.for_target(self.target) if predicted else (None, "")
         # nothing priced: no column for it
-        costs = found if found is not None and (found["first_call_ms"], found["new_size_ms"]) != ({}, {}) else None
+        priced = found is not None and (found["first_call_ms"], found["new_size_ms"], found["replayed_host_us"]) != (
+            {},
+            {},
+            {},
+        )
+        costs = found if priced else None
         columns_named = ("predicted us (host, GPU)",) * predicted + ("first call to pay",) * (costs is not None)
         rows = [("backend", "padded to", "supported", "rank", *columns_named, "reasons")]
         for verdict in by_rank + (refused if show_all else []):
@@ -152,7 +157,7 @@ class Decision:
                 cells += (shown if verdict.supported else "",)
             if costs is not None:  # in this process, now (attnselect.choose.first_calls)
                 due = first_calls.owed(c, costs, self.problem) if verdict.supported else None
-                cells += (f"{due[0] / 1e3:.2f} s ({'its shape' if due[1] else 'compile'})" if due else "-",)
+                cells += (f"{first_calls.duration(due[0])} ({'its shape' if due[1] else 'compile'})" if due else "-",)
             reasons = "; ".join(verdict.reasons)
             if time is not None and time.basis.endswith("(nearest calibrated dims)"):
                 reasons = f"predicted from {time.basis}"
@@ -174,6 +179,14 @@ class Decision:
                 lines.append(
                     f"host:    a packed call's is the mean over {PACKING_SHARED_BY} calls sharing a packing; the "
                     "first's, on a new packing: " + ", ".join(f"{c} {us:.1f} us" for c, us in new_packing.items())
+                )
+            replays = {c: p.before_replay_us for c, p in self.predictions.items()
+                       if p is not None and p.before_replay_us is not None}  # fmt: skip
+            if replays:  # attnselect.choose.predict.curve, attnselect.choose.first_calls.replay_start_ms
+                where = "counted in a packing's mean" if self.problem.layout == "thd" else "priced per shape"
+                lines.append(
+                    f"replay:  host time of a forward replayed after its first calls, those {where}, a call: "
+                    + ", ".join(f"{c} {us:.1f} us" for c, us in replays.items())
                 )
             if self.problem.layout == "thd" and not self.problem.tokens and self.problem.batch > 1:
                 lines.append(  # attnselect.choose.predict.work
@@ -219,6 +232,7 @@ class Decision:
                     "total": predicted.total_us, "host": predicted.host_us, "gpu": predicted.gpu_us,
                     "alone": predicted.alone_us, "hidden": predicted.hidden_us,
                     "new_packing_host": predicted.new_packing_host_us,
+                    "before_replay_host": predicted.before_replay_us,
                     "basis": predicted.basis,
                 }  # fmt: skip
             timed = (self.timings or {}).get(c)

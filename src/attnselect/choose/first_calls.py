@@ -34,6 +34,15 @@ it. That is process state, not a memo: clearing the decision caches does not for
 tests); the counts and shapes kept are bounded (:data:`SHAPES_KEPT`). Shapes are priced for dense calls only: a
 packed call's per-packing builds are the shape cache's (:mod:`attnselect.choose.rules` ranks a candidate that
 rebuilds per packing after those that do not).
+
+A backend whose runner replays its forward from a shape's third call (FA4: ``Backend.calls_before_replay``,
+attnselect.backends.flash_attn4_replay) is predicted at its replayed host time in inference
+(:mod:`attnselect.choose.predict`), and its first calls of a dense shape, through its interface, are that shape's
+price (:func:`replay_start_ms`: the calls before the replay, each at the calibration's ``host_us`` less its
+``replayed_host_us``; on an H100, FA4's 81.9-87.5 us a call against 14.4-15.6 replayed,
+results/h100_fa4_forward_replay_8e72048.md), rented around as a build per shape is, without the :data:`BUILDING_MS`
+gate (measured, not a lazy load that every kernel pays alike): a server whose lengths never repeat keeps the kernel
+with nothing to pay, and a shape called again and again reaches the replay after losing at most that price.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from attnselect.backends.base import get as backend_named
 from attnselect.choose import calibration
 from attnselect.choose.failures import eager_signature
 from attnselect.spec.options import Candidate
@@ -92,6 +102,7 @@ class Rental:
     shape: bool = False
     own_ms: float = 0.0
     own_shape: bool = False  # ``own_ms`` is ``chosen``'s build for this shape (its configuration has run)
+    replay_ms: float = 0.0  # of ``compile_ms`` (a shape's), the deferred candidate's first calls before its replay
     # how it was drawn, not what it does: left out of its equality (another draw of the same rental is the same)
     drawn: tuple = field(default=(), compare=False)  # ((candidate, what it owed), ...), the ranking's head
     drawn_at: tuple | None = field(default=None, compare=False)  # None: not known (its deferred and own are checked)
@@ -101,10 +112,18 @@ class Rental:
         builds = "builds for this shape" if self.shape else "compiles"
         head = (
             f"{self.deferred} is predicted {self.lost_us:.1f} us a call faster but {builds} on its first call in "
-            f"this process (about {_seconds(self.compile_ms)}, calibrated): "
+            f"this process (about {duration(self.compile_ms)}, calibrated): "
         )
+        if self.replay_ms >= self.compile_ms:
+            head = (
+                f"{self.deferred} is predicted {self.lost_us:.1f} us a call faster once it replays its forward, but "
+                f"a shape's first calls go through its interface (about {duration(self.compile_ms)} more, "
+                "calibrated): "
+            )
+        elif self.replay_ms:
+            head = head[: -len("calibrated): ")] + "its first calls before its replay included, calibrated): "
         if self.own_ms:
-            least = _seconds(self.own_ms)
+            least = duration(self.own_ms)
             head += f"every candidate has a first call to pay, {self.chosen}'s the least (about {least}): "
         if not self.calls:
             return head + (
@@ -118,7 +137,9 @@ class Rental:
         )
 
 
-def _seconds(ms: float) -> str:
+def duration(ms: float) -> str:
+    if ms < 100:
+        return f"{ms:.{2 if ms < 10 else 1}f} ms"
     return f"{ms / 1e3:.{2 if ms < 1e3 else 1}f} s"
 
 
@@ -216,8 +237,9 @@ def _towards(
     ms, shape = owes[deferred]
     calls = 0 if graph else max(math.ceil(ms * 1e3 / lost), 1)
     own_ms, own_shape = own or (0.0, False)
+    replay = replay_start_ms(deferred, costs, problem) if shape else 0.0
     drawn_owed = tuple((c, owes[c]) for c in drawn)
-    return Rental(other, deferred, calls, ms, lost, shape, own_ms, own_shape, drawn_owed, at, costs)
+    return Rental(other, deferred, calls, ms, lost, shape, own_ms, own_shape, replay, drawn_owed, at, costs)
 
 
 def ran_first(ranked: tuple[Candidate, ...], problem: AttentionProblem) -> tuple[Candidate, ...]:
@@ -254,8 +276,11 @@ def owed(candidate: Candidate, costs: dict, problem: AttentionProblem) -> tuple[
 def _owed(candidate: Candidate, costs: dict, problem: AttentionProblem, keys: list) -> tuple[float, bool] | None:
     """:func:`owed`, with ``keys`` (the problem's configuration and shape) worked out into it on first use."""
     configuration_ms = cost_ms(candidate, costs.get("first_call_ms", {}), problem)
-    shape_ms = 0.0 if problem.layout == "thd" else cost_ms(candidate, costs.get("new_size_ms", {}), problem)
-    if configuration_ms < COMPILING_MS and shape_ms < BUILDING_MS:
+    shape_ms = 0.0
+    if problem.layout != "thd":  # a build for the shape worth renting around, and a replay's start-up
+        shape_ms = cost_ms(candidate, costs.get("new_size_ms", {}), problem)
+        shape_ms = (shape_ms if shape_ms >= BUILDING_MS else 0.0) + replay_start_ms(candidate, costs, problem)
+    if configuration_ms < COMPILING_MS and not shape_ms:
         return None
     if not keys:
         keys.append(_configuration(problem))
@@ -267,12 +292,26 @@ def _owed(candidate: Candidate, costs: dict, problem: AttentionProblem, keys: li
         return (configuration_ms, False) if configuration_ms >= COMPILING_MS else None
     if (
         keys[1] is not None
-        and shape_ms >= BUILDING_MS
+        and shape_ms
         and not _paid((candidate, keys[0], keys[1]))
         and (candidate, keys[0]) not in _FIRST_SHAPE
     ):
         return shape_ms, True
     return None
+
+
+def replay_start_ms(candidate: Candidate, costs: dict, problem: AttentionProblem) -> float:
+    """What ``candidate``'s first calls of a dense shape cost before its forward replays, beyond as many replayed
+    calls, by ``costs`` (a calibration: its ``host_us`` less its ``replayed_host_us``, times
+    ``Backend.calls_before_replay``), ms; 0.0 where it replays nothing there (a backend that does not, training,
+    a captured call, one under torch.compile, a packed call: :mod:`attnselect.choose.predict` counts a packing's)."""
+    backend = backend_named(candidate.backend)
+    calls = backend.calls_before_replay if backend is not None else 0
+    if not calls or problem.layout == "thd" or problem.cuda_graph_capture or problem.compiled_graph:
+        return 0.0
+    kind = calibration.host_key(problem.layout, candidate.padded, problem.training)
+    again = calibration.replayed(costs, candidate.backend, kind)
+    return 0.0 if again is None else calls * (costs["host_us"][candidate.backend][kind] - again) / 1e3
 
 
 def cost_ms(candidate: Candidate, costs: dict, problem: AttentionProblem) -> float:

@@ -11,7 +11,11 @@ in, and the prediction says so. The host time is the backend's time to issue a c
 for a call captured into a CUDA graph: its replays issue nothing on the host). A packed call's is the mean over the
 :data:`PACKING_SHARED_BY` calls of a step that share its packing, where the calibration measured a new packing's
 call (``new_packing_us``: its runner's per-packing work and, at sizes not seen, its decision) beside a call on a
-packing already seen.
+packing already seen. A backend whose runner replays its forward (FA4: ``Backend.calls_before_replay``, the calls of
+a shape or packing it makes through its interface first) is predicted, in inference, at its replayed host time
+(``replayed_host_us``): a dense call's first calls of a shape are priced per shape
+(:mod:`attnselect.choose.first_calls`), and a packed call's mean counts them among the calls sharing a packing, each
+packing taken as new. Not under torch.compile, whose calls run FA4's function once each.
 
 The two combine as a stack of layers runs them (:data:`UNHIDDEN`): a model issues its layers' calls back to back, so
 while the GPU runs one call the host issues the next, and a step takes the longer of the two and part of the shorter.
@@ -27,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from attnselect.choose.calibration import CURVE_KEY, curve_key, host_key
+from attnselect.choose.calibration import CURVE_KEY, curve_key, host_key, replayed
 from attnselect.spec import masks
 from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
@@ -56,6 +60,8 @@ class Prediction:
     new_packing_host_us: float | None = None
     # dense training: the backward's host time a call alone hides behind its forward's GPU time (:attr:`Curve.forward`)
     hidden_us: float = 0.0
+    # a replayed forward's (``host_us``): the host time of the calls before it replays, where calibrated
+    before_replay_us: float | None = None
     # a call's time in a stack of layers, where the host's work overlaps the GPU's but for UNHIDDEN of the shorter:
     # what candidates rank by
     total_us: float = field(init=False, compare=False, repr=False)
@@ -70,6 +76,7 @@ class Prediction:
         basis: str,
         new_packing_host_us: float | None = None,
         hidden_us: float = 0.0,
+        before_replay_us: float | None = None,
     ) -> None:
         longer, shorter = (host_us, gpu_us) if host_us >= gpu_us else (gpu_us, host_us)
         alone_host = host_us if new_packing_host_us is None else new_packing_host_us
@@ -81,6 +88,7 @@ class Prediction:
             basis=basis,
             new_packing_host_us=new_packing_host_us,
             hidden_us=hidden_us,
+            before_replay_us=before_replay_us,
             total_us=longer + UNHIDDEN * shorter,
             alone_us=alone_host + gpu_us - hidden_us,
         )
@@ -218,6 +226,7 @@ class Curve(NamedTuple):
     # median of +0.049 and a root mean square of 0.174 so, against -0.065 and 0.191 for host + GPU. Packed calls keep
     # host + GPU: no packed rung was scored.
     forward: tuple[float, list] | None = None
+    before_replay_us: float | None = None  # Prediction.before_replay_us
 
     def at(self, problem: AttentionProblem) -> Prediction:
         """The predicted time of ``problem``'s call, at its work class."""
@@ -228,19 +237,25 @@ class Curve(NamedTuple):
         at = class_work(work_class)
         gpu = _along(self.points, at)
         hidden = min(self.forward[0], _along(self.forward[1], at), gpu) if self.forward is not None else 0.0
-        return Prediction(self.host_us, gpu, self.basis, self.new_packing_host_us, hidden)
+        return Prediction(self.host_us, gpu, self.basis, self.new_packing_host_us, hidden, self.before_replay_us)
 
 
-def predict(candidate: Candidate, problem: AttentionProblem, calibration: dict) -> Prediction | None:
+def predict(
+    candidate: Candidate, problem: AttentionProblem, calibration: dict, *, calls_before_replay: int = 0
+) -> Prediction | None:
     """The candidate's predicted time for ``problem``, or None where the calibration has no curve or host time of
     its backend for this layout and phase."""
-    found = curve(candidate, problem, calibration)
+    found = curve(candidate, problem, calibration, calls_before_replay=calls_before_replay)
     return found.at(problem) if found is not None else None
 
 
-def curve(candidate: Candidate, problem: AttentionProblem, calibration: dict) -> Curve | None:
+def curve(
+    candidate: Candidate, problem: AttentionProblem, calibration: dict, *, calls_before_replay: int = 0
+) -> Curve | None:
     """The :class:`Curve` that predicts ``candidate``'s calls like ``problem`` (its layout, head dims, padding, phase
-    and capture, not its sizes), or None where the calibration has no curve or host time of its backend for them."""
+    and capture, not its sizes), or None where the calibration has no curve or host time of its backend for them.
+    ``calls_before_replay``: its backend's (``Backend.calls_before_replay``), where its forward's replayed host time
+    counts."""
     kind = host_key(problem.layout, candidate.padded, problem.training)
     host = calibration["host_us"].get(candidate.backend, {}).get(kind)
     curves = calibration["gpu"].get(candidate.backend, {})
@@ -253,12 +268,25 @@ def curve(candidate: Candidate, problem: AttentionProblem, calibration: dict) ->
         return None
     if problem.cuda_graph_capture:  # a captured call is replayed from the graph: no host time to issue it
         return Curve(0.0, curves[key], basis)
-    forward = _forward(candidate, problem, calibration, curves, key, float(host))
+    host = float(host)
+    forward = _forward(candidate, problem, calibration, curves, key, host)
+    # a forward that needs no gradient replays, but under torch.compile (a call each)
+    replaying = calls_before_replay and not problem.compiled_graph
+    replay = replayed(calibration, candidate.backend, kind) if replaying else None
     new = calibration.get("new_packing_us", {}).get(candidate.backend, {}).get(kind)
-    if problem.layout != "thd" or new is None:
-        return Curve(float(host), curves[key], basis, None, forward)
-    new = max(float(new), float(host))  # a new packing's call does all a seen one does, and more
-    return Curve(float(host) + (new - float(host)) / PACKING_SHARED_BY, curves[key], basis, new, forward)
+    if problem.layout != "thd":  # a shape's first calls: priced per shape (attnselect.choose.first_calls)
+        if replay is not None:
+            return Curve(replay, curves[key], basis, None, forward, host)
+        return Curve(host, curves[key], basis, None, forward)
+    if new is None and replay is None:
+        return Curve(host, curves[key], basis)
+    # the calls sharing a packing: the first on a new packing, then through the interface until the replay, if any
+    # a new packing's call does all a seen one does, and more
+    first = max(float(new), host) if new is not None else host
+    through = PACKING_SHARED_BY - 1 if replay is None else min(calls_before_replay, PACKING_SHARED_BY) - 1
+    replays = PACKING_SHARED_BY - 1 - through
+    mean = (first + through * host + replays * (host if replay is None else replay)) / PACKING_SHARED_BY
+    return Curve(mean, curves[key], basis, first if new is not None else None, None, None if replay is None else host)
 
 
 def _forward(
