@@ -12,7 +12,10 @@ and 4096, bshd, 16 heads, causal, bf16, 192/128; the loop's wall time, then the 
 seen). Rows: attnselect's default; attnselect's default after ``attnselect.warmup`` of the configuration at a
 length of the loop's range (:data:`WARMUP_LENGTH`: its fastest candidate's configuration paid, so a new length's
 build is what is rented around); F.sdpa's default dispatch; F.sdpa inside ``sdpa_kernel`` of the mem-efficient
-kernel (no per-shape build). attnselect's rows log what they chose (its INFO log: decisions and rentals), and their
+kernel (no per-shape build); where FlashAttention-4 is installed, attnselect forced to FA4 (its runner replays FA4's
+forward from a shape's third call, attnselect.backends.flash_attn4_replay: the first pass's lengths mostly pay FA4's
+interface, the second's replay in inference) and FA4's ``flash_attn_func`` called directly (its interface every
+call). attnselect's rows log what they chose (its INFO log: decisions and rentals), and their
 first calls include the first-use self-check where the correctness grid does not cover the call's signature (what
 a user's first calls pay; 5.80-34.97 ms each, results/h200_self_check_cost.md).
 """
@@ -30,6 +33,7 @@ import time
 from pathlib import Path
 
 ROWS = ("attnselect default", "attnselect default after warmup()", "F.sdpa default", "F.sdpa mem-efficient")
+FA4_ROWS = ("attnselect forced to FA4", "FA4 flash_attn_func")  # where flash_attn.cute imports
 WORKLOADS = {"prefill": dict(batch=1, training=False), "training": dict(batch=4, training=True)}
 HEADS, DQK, DV = 16, 192, 128
 WARMUP_LENGTH = 2056  # in the loop's range, a length it may not meet (not a multiple of 16)
@@ -69,8 +73,15 @@ def child(row: str, workload: str, count: int, distinct: int) -> dict:
             )
             for d in (DQK, DQK, DV)
         )
-        if row.startswith("attnselect"):
+        if row == "attnselect forced to FA4":
+            out = attnselect.attention(q, k, v, causal=True, backend="flash_attn4")
+        elif row.startswith("attnselect"):
             out = attnselect.attention(q, k, v, causal=True)
+        elif row == "FA4 flash_attn_func":
+            from flash_attn.cute import flash_attn_func
+
+            out = flash_attn_func(q, k, v, causal=True)
+            out = out[0] if isinstance(out, tuple) else out  # (out, lse)
         else:
             bhsd = [t.transpose(1, 2) for t in (q, k, v)]
             if row == "F.sdpa default":
@@ -118,8 +129,14 @@ def main() -> None:
 
     target = attnselect.Target.current()
     results = []
+    try:
+        import flash_attn.cute  # noqa: F401
+
+        rows = ROWS + FA4_ROWS
+    except ImportError:
+        rows = ROWS
     for workload in WORKLOADS:
-        for row in ROWS:
+        for row in rows:
             with tempfile.TemporaryDirectory() as cache:
                 env = dict(os.environ, ATTNSELECT_CACHE_DIR=cache)
                 command = [sys.executable, __file__, "--out", a.out, "--calls", str(a.calls), "--lengths",
