@@ -149,7 +149,7 @@ def main() -> None:
                                     progress=calibrate.print_progress)  # fmt: skip
         data["source"] += (
             "; host times measured again through attnselect.attention, side by side (packed: on a packing seen and "
-            f"on a new packing each call), {time.strftime('%Y-%m-%d')}"
+            f"on a new packing each call; replayed too, where a backend replays), {time.strftime('%Y-%m-%d')}"
         )
         pathlib.Path(a.out + ".json").write_text(json.dumps(data, indent=1))
         pathlib.Path(a.out + ".md").write_text(report(data))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 import attnselect
 from attnselect import memos
 from attnselect.choose import calibration
+from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Target
 from helpers import CALIBRATED_H200 as H200
@@ -255,6 +257,36 @@ def test_the_packaged_h200_calibration_holds_on_the_machine_it_measured(tmp_path
     assert (
         decision.predictions is not None and decision.calibration == "attnselect/data/calibration_sm90_nvidia-h200.json"
     )
+
+
+def test_the_packaged_h100_calibration_ranks_a_repeated_small_inference_call_onto_fa4_after_its_first_calls(
+    tmp_path, monkeypatch
+):
+    """attnselect/data/calibration_sm90_nvidia-h100-80gb-hbm3.json (results/h100_calibration_host_8ea1018.json):
+    read for that GPU model at its versions, not for another H100's name; it times FA4's forward replayed, so a small
+    dense inference call ranks FA4 first and rents around a shape's first calls (first_calls.replay_start_ms)."""
+    from attnselect.choose import first_calls
+
+    monkeypatch.setenv("ATTNSELECT_CACHE_DIR", str(tmp_path))  # no user calibration
+    calibration._parsed.cache_clear()
+    memos.clear_cache()
+    first_calls.forget()
+    versions = dict(torch_version="2.11.0+cu130", cudnn_version="9.19.0")
+    h100 = dataclasses.replace(Target.preset("h100", packages={"flash-attn-4": "4.0.0b36"}, **versions),
+                               name="NVIDIA H100 80GB HBM3")  # fmt: skip
+    found, source = calibration.for_target(h100)
+    assert source == "attnselect/data/calibration_sm90_nvidia-h100-80gb-hbm3.json" and found["replayed_host_us"]
+    assert calibration.for_target(Target.preset("h100", **versions))[0] is None  # "NVIDIA H100": another model
+    small = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16)
+    fa4 = Candidate("flash_attn4")
+    first_calls.ran(fa4, small._with(seqlen_q=512, seqlen_kv=512))  # its configuration compiled
+    decision = attnselect.select(small, target=h100)
+    assert decision.ranked[0] == fa4 and decision.rental is not None and decision.rental.deferred == fa4
+    assert decision.rental.replay_ms == decision.rental.compile_ms > 0  # the shape's first calls, nothing else
+    first_calls.ran(fa4, small)
+    memos.clear_cache()
+    assert attnselect.select(small, target=h100).chosen == fa4
+    first_calls.forget()
 
 
 def test_the_documented_format_names_every_field_of_the_packaged_calibration():
