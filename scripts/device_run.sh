@@ -27,11 +27,11 @@
 #   bash scripts/device_run.sh new-packing-host # benchmarks/new_packing_host.py, on a GPU without a calibration too
 #                                      #                     -> $OUT/<gpu>_new_packing_host.*
 #   bash scripts/device_run.sh calibrate-first-calls # its first calls' costs measured again (start-up left out,
-#                                      # an empty compile cache)                  -> $OUT/h200_calibration.*
+#                                      # an empty compile cache)                  -> $OUT/<gpu>_calibration.*
 #   bash scripts/device_run.sh package-calibration # $OUT/<gpu>_calibration.json as this tree's package data (the
 #                                      # steps after it rank by it)  -> $OUT/calibration_<arch>_<gpu>.json
 #   bash scripts/device_run.sh calibrate # benchmarks/calibrate.py (CALIBRATE_ARGS="--pairs 192/128,128/128",
-#                                      # CALIBRATE_PART=name)          -> $OUT/h200_calibration${CALIBRATE_PART:+_name}.*
+#                                      # CALIBRATE_PART=name)          -> $OUT/<gpu>_calibration${CALIBRATE_PART:+_name}.*
 #   bash scripts/device_run.sh pytest  # pytest $PYTEST_ARGS, the whole log  -> $OUT/h200_pytest_$TEST_PART.txt
 #                                      # (NO_FA4=1 leaves an installed FA4 off the path, for any step)
 #   bash scripts/device_run.sh grid-odd # its head dims below 16 and not multiples of 8, every backend but FA4,
@@ -234,14 +234,14 @@ case "$step" in
     timeout ${CALIBRATE_TIMEOUT:-300} python3 benchmarks/calibrate.py --host-from "$from" \
       --out "$OUT/$cal" 2>&1 | grep -v -i warn | grep -E "^\| [a-z_0-9]+ \| [0-9-]" | head -16 ;;
   new-packing-host)   # benchmarks/new_packing_host.py: packed host times, a packing seen and new ones, any GPU
-    gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E 'H100|H200|B200|A100' | tr 'A-Z' 'a-z')
-    timeout 300 python3 benchmarks/new_packing_host.py --out "$OUT/${gpu_name:-gpu}_new_packing_host" \
+    timeout 300 python3 benchmarks/new_packing_host.py --out "$OUT/$(gpu_model)_new_packing_host" \
       2>&1 | grep -E '^\|' ;;
   calibrate-first-calls)   # its first calls measured again, an empty compile cache (as calibrate-host, it chains;
                            # it writes at its end alone: give it a call of its own, CALIBRATE_TIMEOUT under the limit)
-    from=results/h200_calibration.json; [ -f "$OUT/h200_calibration.json" ] && from=$OUT/h200_calibration.json
+    cal=$(gpu_model)_calibration
+    from=results/$cal.json; [ -f "$OUT/$cal.json" ] && from=$OUT/$cal.json
     ATTNSELECT_CACHE_DIR=$(mktemp -d) timeout ${CALIBRATE_TIMEOUT:-400} python3 benchmarks/calibrate.py \
-      --first-calls-from "$from" --out "$OUT/h200_calibration" 2>&1 | grep -v -i warn \
+      --first-calls-from "$from" --out "$OUT/$cal" 2>&1 | grep -v -i warn \
       | sed -n '/^## First call/,$p' | head -30 ;;
   package-calibration)   # $OUT/<gpu>_calibration.json (calibrate-host's, this GPU model's) as this tree's package data
     python3 benchmarks/calibrate.py --package "$OUT/$(gpu_model)_calibration.json" \
@@ -252,7 +252,7 @@ case "$step" in
       | grep -v -i warn | tail -20 ;;
   calibrate)
     timeout ${CALIBRATE_TIMEOUT:-540} python3 benchmarks/calibrate.py \
-      --out "$OUT/h200_calibration${CALIBRATE_PART:+_$CALIBRATE_PART}" ${CALIBRATE_ARGS:-} \
+      --out "$OUT/$(gpu_model)_calibration${CALIBRATE_PART:+_$CALIBRATE_PART}" ${CALIBRATE_ARGS:-} \
       2>&1 | grep -v -i warn | tail -40 ;;
   self-check-cost)
     timeout 300 python3 benchmarks/self_check_cost.py --out "$OUT/h200_self_check_cost" 2>&1 | grep -v -i warn \

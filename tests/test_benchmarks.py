@@ -1017,3 +1017,18 @@ def test_self_check_model_fails_a_fused_kernel_under_criterion_2_alone(tmp_path)
     assert by[(True, True)]["criterion 2 dq"] > 0 and by[(True, True)]["criterion 2 dk"] > 0
     assert all(f["criterion 3 dq"] == f["criterion 3 dk"] == 0 for f in by.values())
     assert all(sum(by[(False, ds)].values()) == 0 for ds in (True, False))
+
+
+def test_replay_prices_run_fa4_at_once_where_its_interface_is_no_slower_and_rent_around_it_where_it_is(tmp_path):
+    """benchmarks/replay_prices.py on the packaged H100 calibration: long calls run FA4 at once, short ones rent a
+    kernel with nothing to pay, which FA4 through its interface is slower than."""
+    _run("benchmarks/replay_prices.py", "--out", str(tmp_path / "prices"))
+    rows = json.loads((tmp_path / "prices.json").read_text())["rows"]
+    assert rows[-1]["chosen"] == "flash_attn4 native" and rows[-1]["rental_calls"] == 0
+    assert rows[0]["chosen"] != "flash_attn4 native" and rows[0]["rental_calls"] > 0
+    for r in rows:
+        assert r["fa4_replayed_us"] < r["fa4_through_interface_us"]
+        if r["rental_calls"]:  # its calls before the replay cost more than the kernel rented, which is slower after
+            assert r["fa4_replayed_us"] < r["chosen_us"] < r["fa4_through_interface_us"] and r["price_ms"] > 0
+        else:
+            assert r["chosen"] == "flash_attn4 native" and r["chosen_us"] == r["fa4_replayed_us"]

@@ -279,14 +279,16 @@ def test_the_packaged_h100_calibration_ranks_a_repeated_small_inference_call_ont
     assert calibration.for_target(Target.preset("h100", **versions))[0] is None  # "NVIDIA H100": another model
     small = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16)
     fa4 = Candidate("flash_attn4")
-    first_calls.ran(fa4, small._with(seqlen_q=512, seqlen_kv=512))  # its configuration compiled
-    decision = attnselect.select(small, target=h100)
-    assert decision.ranked[0] == fa4 and decision.rental is not None and decision.rental.deferred == fa4
-    assert decision.rental.replay_ms == decision.rental.compile_ms > 0  # the shape's first calls, nothing else
-    first_calls.ran(fa4, small)
-    memos.clear_cache()
-    assert attnselect.select(small, target=h100).chosen == fa4
-    first_calls.forget()
+    try:
+        first_calls.ran(fa4, small._with(seqlen_q=512, seqlen_kv=512))  # its configuration compiled
+        decision = attnselect.select(small, target=h100)
+        assert decision.ranked[0] == fa4 and decision.rental is not None and decision.rental.deferred == fa4
+        assert decision.rental.replay_ms == decision.rental.compile_ms > 0  # the shape's first calls, nothing else
+        first_calls.ran(fa4, small)
+        memos.clear_cache()
+        assert attnselect.select(small, target=h100).chosen == fa4
+    finally:
+        first_calls.forget()
 
 
 def test_the_documented_format_names_every_field_of_the_packaged_calibration():

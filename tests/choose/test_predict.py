@@ -452,8 +452,8 @@ def test_explain_prints_a_replayed_forward_s_host_time_and_its_first_calls(tmp_p
     attnselect.clear_cache()
     dense = AttentionProblem(1, 256, 256, 16, 16, 192, 128, mask="causal", dtype=torch.bfloat16)
     report = attnselect.select(dense, target=H200).report()
-    assert "replay:  host time of a forward replayed after its first calls, those priced per shape, a call: " \
-        "flash_attn4 native 130.0 us" in report  # fmt: skip
+    assert "replay:  the host time above is the forward's replayed; the calls before the replay (a shape's, priced " \
+        "per shape) go through the interface, a call: flash_attn4 native 130.0 us" in report  # fmt: skip
     entry = next(c for c in attnselect.select(dense, target=H200).to_dict()["candidates"]
                  if c["backend"] == "flash_attn4" and c["pad_to"] is None)  # fmt: skip
     assert entry["predicted_us"]["host"] == 15.0 and entry["predicted_us"]["before_replay_host"] == 130.0

@@ -175,6 +175,11 @@ class Backend:
     # (``replayed_host_us``), and the rules price a shape's first calls (attnselect.choose.first_calls).
     calls_before_replay: ClassVar[int] = 0
 
+    def replay_start_calls(self, problem: AttentionProblem) -> int:
+        """The calls of ``problem``'s shape its runner makes before it replays (:attr:`calls_before_replay`; 0 where
+        it replays none of ``problem``'s calls)."""
+        return self.calls_before_replay
+
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
 

@@ -21,6 +21,7 @@ from attnselect.backends._flash_attn import FlashAttnPackageBackend
 from attnselect.backends.base import HALF, Surface
 from attnselect.backends.shape_cache import ShapeCache
 from attnselect.memos import cache_dir
+from attnselect.spec.problem import AttentionProblem
 from attnselect.spec.target import Package
 
 log = logging.getLogger("attnselect")
@@ -110,6 +111,10 @@ class FlashAttn4(FlashAttnPackageBackend):
                 + (f"; padding to {p.pad_target} serves it" if p.pad_target in SM90_BACKWARD_HEAD_DIMS else "")
             )
         return r
+
+    def replay_start_calls(self, problem: AttentionProblem) -> int:
+        # runner(): a window's edges read the lengths, and softcap becomes a score_mod: FA4's own call each time
+        return 0 if problem.mask == "sliding_window" or problem.softcap else self.calls_before_replay
 
     def runner(self, call, *, repeated: bool = False, like: tuple | None = None):
         """FA4's ``flash_attn_func`` with ``call`` bound; where the runner serves repeated calls (attnselect.attention's

@@ -240,7 +240,9 @@ def paused():
 @contextlib.contextmanager
 def replaying():
     """Within it, the pauses around it are lifted, process-wide: attnselect.bench.calibrate times FA4's replayed
-    calls (``replayed_host_us``) within the paused calibration, round by round beside its interface's."""
+    calls (``replayed_host_us``) within the paused calibration, round by round beside its interface's. Not for
+    concurrent use: another thread's paused block is lifted too meanwhile, and one entered meanwhile pauses this
+    one's calls."""
     with _PAUSING:
         depth, _PAUSED[0] = _PAUSED[0], 0
     try:

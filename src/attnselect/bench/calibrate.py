@@ -19,12 +19,12 @@ show): their curves are keyed ``thd`` and their work is the mean of the packings
 versions; ``attnselect calibrate`` stores it in the cache directory, where it takes precedence over the packaged
 one. ``quick`` measures one pair, one phase and two sizes (a smoke test, never stored there).
 
-FlashAttention-4's forward replay (attnselect.backends.flash_attn4_replay) is paused throughout: its host times are
-its interface's, what a shape's first two calls pay (FA4's runner on an H100 at 192/128: 14.4-15.6 us a call
-replayed against 81.9-87.5 not, results/h100_fa4_forward_replay_8e72048.md). A backend that replays
-(``Backend.calls_before_replay``) is timed replayed too, in inference, in the same rounds as through its interface
-(:func:`host_times`, ``replayed_host_us``): the rules rank it by that time and price a shape's first calls at the
-difference (attnselect.choose.first_calls.replay_start_ms)."""
+FlashAttention-4's forward replay (attnselect.backends.flash_attn4_replay) is paused throughout, but for the
+replayed steps below: its host times are its interface's, what a shape's first two calls pay (FA4's runner on an
+H100 at 192/128: 14.4-15.6 us a call replayed against 81.9-87.5 not, results/h100_fa4_forward_replay_8e72048.md). A
+backend that replays (``Backend.calls_before_replay``) is timed replayed too, in inference, in the same rounds as
+through its interface (:func:`host_times`, ``replayed_host_us``): the rules rank it by that time and price a shape's
+calls before the replay (attnselect.choose.first_calls.replay_start_ms)."""
 
 from __future__ import annotations
 
@@ -422,6 +422,8 @@ def host_times(
                 replays[c] = attention_step(attention, c, problem, inputs, device)
                 replays[c].context = flash_attn4_replay.replaying
         timed = _host_us({**steps, **{(c, "replayed"): step for c, step in replays.items()}}, device)
+        for c in replays:  # a pair measured together, or none (not an earlier run's replay beside this interface)
+            replayed.get(c.backend, {}).pop(key, None)
         for c, issued in timed.items():
             if isinstance(c, tuple):
                 replayed.setdefault(c[0].backend, {})[key] = round(issued, 2)

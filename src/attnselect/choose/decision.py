@@ -138,11 +138,7 @@ class Decision:
         predicted = self.predictions is not None
         found, source = calibration.for_target(self.target) if predicted else (None, "")
         # nothing priced: no column for it
-        priced = found is not None and (found["first_call_ms"], found["new_size_ms"], found["replayed_host_us"]) != (
-            {},
-            {},
-            {},
-        )
+        priced = found is not None and any(found[k] for k in ("first_call_ms", "new_size_ms", "replayed_host_us"))
         costs = found if priced else None
         columns_named = ("predicted us (host, GPU)",) * predicted + ("first call to pay",) * (costs is not None)
         rows = [("backend", "padded to", "supported", "rank", *columns_named, "reasons")]
@@ -183,10 +179,11 @@ class Decision:
             replays = {c: p.before_replay_us for c, p in self.predictions.items()
                        if p is not None and p.before_replay_us is not None}  # fmt: skip
             if replays:  # attnselect.choose.predict.curve, attnselect.choose.first_calls.replay_start_ms
-                where = "counted in a packing's mean" if self.problem.layout == "thd" else "priced per shape"
+                where = ("a packing's, in its mean over the calls sharing it" if self.problem.layout == "thd"
+                         else "a shape's, priced per shape")  # fmt: skip
                 lines.append(
-                    f"replay:  host time of a forward replayed after its first calls, those {where}, a call: "
-                    + ", ".join(f"{c} {us:.1f} us" for c, us in replays.items())
+                    f"replay:  the host time above is the forward's replayed; the calls before the replay ({where}) "
+                    "go through the interface, a call: " + ", ".join(f"{c} {us:.1f} us" for c, us in replays.items())
                 )
             if self.problem.layout == "thd" and not self.problem.tokens and self.problem.batch > 1:
                 lines.append(  # attnselect.choose.predict.work

@@ -41,8 +41,14 @@ attnselect.backends.flash_attn4_replay) is predicted at its replayed host time i
 price (:func:`replay_start_ms`: the calls before the replay, each at the calibration's ``host_us`` less its
 ``replayed_host_us``; on an H100, FA4's 81.9-87.5 us a call against 14.4-15.6 replayed,
 results/h100_fa4_forward_replay_8e72048.md), rented around as a build per shape is, without the :data:`BUILDING_MS`
-gate (measured, not a lazy load that every kernel pays alike): a server whose lengths never repeat keeps the kernel
-with nothing to pay, and a shape called again and again reaches the replay after losing at most that price.
+gate (measured, not a lazy load that every kernel pays alike). Those calls serve the call as the rented kernel's
+would, so against a candidate run meanwhile the price is what they cost beyond that candidate's calls, by the
+stack's time (:func:`_price`): where the candidate through its interface is no slower, it runs at once; else a
+server whose lengths never repeat keeps the kernel with nothing to pay, and a shape called again and again reaches
+the replay after losing at most that price. A shape is paid for once the deferred candidate's first call of it
+runs; its runner keeps the replay, and a runner made again for the shape (its decision drawn again, the memo's
+entry evicted, :func:`attnselect.clear_cache`, a one-off ``warmup`` call) makes its calls before the replay again,
+unpriced.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from dataclasses import dataclass, field
 from attnselect.backends.base import get as backend_named
 from attnselect.choose import calibration
 from attnselect.choose.failures import eager_signature
+from attnselect.choose.predict import Prediction
 from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
 
@@ -102,7 +109,8 @@ class Rental:
     shape: bool = False
     own_ms: float = 0.0
     own_shape: bool = False  # ``own_ms`` is ``chosen``'s build for this shape (its configuration has run)
-    replay_ms: float = 0.0  # of ``compile_ms`` (a shape's), the deferred candidate's first calls before its replay
+    # of ``compile_ms`` (a shape's), what the deferred candidate's calls before its replay cost beyond ``chosen``'s
+    replay_ms: float = 0.0
     # how it was drawn, not what it does: left out of its equality (another draw of the same rental is the same)
     drawn: tuple = field(default=(), compare=False)  # ((candidate, what it owed), ...), the ranking's head
     drawn_at: tuple | None = field(default=None, compare=False)  # None: not known (its deferred and own are checked)
@@ -110,18 +118,15 @@ class Rental:
 
     def describe(self) -> str:
         builds = "builds for this shape" if self.shape else "compiles"
-        head = (
-            f"{self.deferred} is predicted {self.lost_us:.1f} us a call faster but {builds} on its first call in "
-            f"this process (about {duration(self.compile_ms)}, calibrated): "
-        )
-        if self.replay_ms >= self.compile_ms:
-            head = (
-                f"{self.deferred} is predicted {self.lost_us:.1f} us a call faster once it replays its forward, but "
-                f"a shape's first calls go through its interface (about {duration(self.compile_ms)} more, "
-                "calibrated): "
-            )
-        elif self.replay_ms:
-            head = head[: -len("calibrated): ")] + "its first calls before its replay included, calibrated): "
+        before = (f"its calls of this shape before it replays its forward cost about {duration(self.replay_ms)} more "
+                  f"than {self.chosen}'s")  # fmt: skip
+        faster = f"{self.deferred} is predicted {self.lost_us:.1f} us a call faster"
+        if self.replay_ms >= self.compile_ms:  # the price is the replay's start-up alone
+            head = f"{faster} once it replays, but {before} (calibrated): "
+        else:
+            build = duration(self.compile_ms - self.replay_ms)
+            head = f"{faster} but {builds} on its first call in this process (about {build}, calibrated)"
+            head += f", and {before}: " if self.replay_ms else ": "
         if self.own_ms:
             least = duration(self.own_ms)
             head += f"every candidate has a first call to pay, {self.chosen}'s the least (about {least}): "
@@ -138,6 +143,7 @@ class Rental:
 
 
 def duration(ms: float) -> str:
+    """A price for a person: milliseconds below 100, else seconds."""
     if ms < 100:
         return f"{ms:.{2 if ms < 10 else 1}f} ms"
     return f"{ms / 1e3:.{2 if ms < 1e3 else 1}f} s"
@@ -177,7 +183,12 @@ def drawn_rental(
         drawn.append(other)
         owes[other] = _owed(other, costs, problem, keys)
         if owes[other] is None and predicted.get(other) is not None:  # ``other`` runs now, with nothing to pay
-            return tuple(drawn), _towards(other, drawn, owes, predicted, problem, costs, at)
+            # or one ranked above it whose price against it is none (its calls before its replay no slower)
+            now = next((c for c in drawn[:-1] if owes[c] is not None and predicted.get(c) is not None
+                        and not _price(c, other, owes[c], predicted, costs, problem)), other)  # fmt: skip
+            if now is best:
+                return tuple(drawn), None
+            return tuple(drawn), _towards(now, drawn, owes, predicted, problem, costs, at)
     # every calibrated candidate has a first call to pay: the least price is paid now, as a choice knowing the job
     # is one call long would (its calls are the rent from there). Not for a captured or compiled call: no eager
     # warm-up ran any of them, so whichever it keeps compiles inside the graph, and it keeps it for the graph's life
@@ -228,18 +239,35 @@ def _towards(
             # the measure that ranked them (packed: a call alone on a new packing, as the tie was settled)
             lost = predicted[other].alone_us - predicted[c].alone_us
         if lost > 0:
-            steps.append((owes[c][0] / lost, len(steps), c, lost))
+            price = _price(c, other, owes[c], predicted, costs, problem)
+            steps.append((price / lost, len(steps), c, lost, price))
     if not steps:
         return None
     graph = problem.cuda_graph_capture or problem.compiled_graph
     # a captured or compiled call keeps its candidate for the graph's life: what it waits for is the fastest
-    _, _, deferred, lost = steps[0] if graph and steps[0][2] == above[0] else min(steps)
-    ms, shape = owes[deferred]
+    _, _, deferred, lost, ms = steps[0] if graph and steps[0][2] == above[0] else min(steps)
+    built, shape = owes[deferred]
     calls = 0 if graph else max(math.ceil(ms * 1e3 / lost), 1)
     own_ms, own_shape = own or (0.0, False)
-    replay = replay_start_ms(deferred, costs, problem) if shape else 0.0
+    replay = ms - (built - replay_start_ms(deferred, costs, problem)) if shape else 0.0  # the price less its build
     drawn_owed = tuple((c, owes[c]) for c in drawn)
     return Rental(other, deferred, calls, ms, lost, shape, own_ms, own_shape, replay, drawn_owed, at, costs)
+
+
+def _price(
+    c: Candidate, other: Candidate, owes: tuple[float, bool], predicted: dict, costs: dict, problem: AttentionProblem
+) -> float:  # fmt: skip
+    """``c``'s price (ms) against running ``other`` meanwhile: what it owes (``owes``: :func:`_owed`), its replay's
+    start-up (:func:`replay_start_ms`) taken as what its calls before the replay, through its interface, cost beyond
+    ``other``'s by the stack's time (they serve those calls as ``other``'s would), none where they are no slower."""
+    ms, shape = owes
+    start = replay_start_ms(c, costs, problem) if shape else 0.0
+    mine = predicted[c]
+    if not start or mine.before_replay_us is None:
+        return ms
+    through = Prediction(mine.before_replay_us, mine.gpu_us, mine.basis, hidden_us=mine.hidden_us).total_us
+    beyond = max(through - predicted[other].total_us, 0.0) * _calls_before_replay(c, problem) / 1e3
+    return ms - start + beyond
 
 
 def ran_first(ranked: tuple[Candidate, ...], problem: AttentionProblem) -> tuple[Candidate, ...]:
@@ -305,13 +333,17 @@ def replay_start_ms(candidate: Candidate, costs: dict, problem: AttentionProblem
     calls, by ``costs`` (a calibration: its ``host_us`` less its ``replayed_host_us``, times
     ``Backend.calls_before_replay``), ms; 0.0 where it replays nothing there (a backend that does not, training,
     a captured call, one under torch.compile, a packed call: :mod:`attnselect.choose.predict` counts a packing's)."""
-    backend = backend_named(candidate.backend)
-    calls = backend.calls_before_replay if backend is not None else 0
+    calls = _calls_before_replay(candidate, problem)
     if not calls or problem.layout == "thd" or problem.cuda_graph_capture or problem.compiled_graph:
         return 0.0
     kind = calibration.host_key(problem.layout, candidate.padded, problem.training)
     again = calibration.replayed(costs, candidate.backend, kind)
     return 0.0 if again is None else calls * (costs["host_us"][candidate.backend][kind] - again) / 1e3
+
+
+def _calls_before_replay(candidate: Candidate, problem: AttentionProblem) -> int:
+    backend = backend_named(candidate.backend)
+    return backend.replay_start_calls(problem) if backend is not None else 0
 
 
 def cost_ms(candidate: Candidate, costs: dict, problem: AttentionProblem) -> float:

@@ -280,13 +280,14 @@ def curve(
         return Curve(host, curves[key], basis, None, forward)
     if new is None and replay is None:
         return Curve(host, curves[key], basis)
-    # the calls sharing a packing: the first on a new packing, then through the interface until the replay, if any
-    # a new packing's call does all a seen one does, and more
+    # the calls sharing a packing: the first on a new packing (its call does all a seen one does, and more), then
+    # through the interface until the replay, if any; a call alone is the first
     first = max(float(new), host) if new is not None else host
-    through = PACKING_SHARED_BY - 1 if replay is None else min(calls_before_replay, PACKING_SHARED_BY) - 1
-    replays = PACKING_SHARED_BY - 1 - through
-    mean = (first + through * host + replays * (host if replay is None else replay)) / PACKING_SHARED_BY
-    return Curve(mean, curves[key], basis, first if new is not None else None, None, None if replay is None else host)
+    if replay is None:
+        return Curve(host + (first - host) / PACKING_SHARED_BY, curves[key], basis, first)
+    through = min(calls_before_replay, PACKING_SHARED_BY) - 1
+    mean = (first + through * host + (PACKING_SHARED_BY - 1 - through) * replay) / PACKING_SHARED_BY
+    return Curve(mean, curves[key], basis, first, None, host)
 
 
 def _forward(

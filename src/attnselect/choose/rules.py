@@ -708,7 +708,7 @@ def prediction_curve(
     changed = backend.package and calibration.package_changed(found, backend.package.distribution, target)
     if changed:
         return None, f"does not hold for {c.backend}: {changed}"
-    found_curve = curve(c, problem, found, calls_before_replay=backend.calls_before_replay)
+    found_curve = curve(c, problem, found, calls_before_replay=backend.replay_start_calls(problem))
     return found_curve, None if found_curve is not None else f"has no curve for {c} at this call"
 
 
