@@ -119,6 +119,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, default=100, help="distinct lengths the calls draw from")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--rows", action="append", default=[], help="run only these rows (repeatable)")
+    ap.add_argument("--workloads", action="append", default=[], choices=list(WORKLOADS), help="run only these")
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(a.child[0], a.child[1], a.calls, a.lengths)))
@@ -135,7 +137,8 @@ def main() -> None:
         rows = ROWS + FA4_ROWS
     except ImportError:
         rows = ROWS
-    for workload in WORKLOADS:
+    rows = [row for row in rows if not a.rows or row in a.rows]
+    for workload in a.workloads or WORKLOADS:
         for row in rows:
             with tempfile.TemporaryDirectory() as cache:
                 env = dict(os.environ, ATTNSELECT_CACHE_DIR=cache)
