@@ -320,24 +320,13 @@ def _problem(data) -> str | None:
     for backend, times in host.items():
         if not (isinstance(times, dict) and all(HOST_KEY.fullmatch(k) and _is_time(t) for k, t in times.items())):
             return f"host_us[{backend!r}] is not a dict of times by layout, padding and phase"
-    replayed = data.setdefault("replayed_host_us", {})
-    if not isinstance(replayed, dict):
-        return "replayed_host_us is not a dict"
-    for backend, times in replayed.items():
-        forward = isinstance(times, dict) and all(
-            HOST_KEY.fullmatch(k) and k.endswith(" inference") and _is_time(t) for k, t in times.items()
-        )
-        if not forward:
-            return f"replayed_host_us[{backend!r}] is not a dict of times by layout and padding, in inference"
-    new_packing = data.setdefault("new_packing_us", {})
-    if not isinstance(new_packing, dict):
-        return "new_packing_us is not a dict"
-    for backend, times in new_packing.items():
-        packed = isinstance(times, dict) and all(
-            HOST_KEY.fullmatch(k) and k.startswith("thd") and _is_time(t) for k, t in times.items()
-        )
-        if not packed:
-            return f"new_packing_us[{backend!r}] is not a dict of times by packed layout, padding and phase"
+    for name, fits, what in (
+        ("replayed_host_us", lambda key: key.endswith(" inference"), "layout and padding, in inference"),
+        ("new_packing_us", lambda key: key.startswith("thd"), "packed layout, padding and phase"),
+    ):
+        problem = _optional_times_problem(data, name, fits, what)
+        if problem:
+            return problem
     if not isinstance(gpu, dict):
         return "gpu is not a dict"
     for backend, curves in gpu.items():
@@ -350,6 +339,18 @@ def _problem(data) -> str | None:
                 return f"gpu[{backend!r}][{key!r}] is not a list of [work, us] points"
             if [p[0] for p in points] != sorted({p[0] for p in points}):
                 return f"gpu[{backend!r}][{key!r}]: its work sizes do not increase"
+    return None
+
+
+def _optional_times_problem(data: dict, name: str, fits, what: str) -> str | None:
+    """What makes ``data[name]`` (absent: empty) not a dict of host times by backend and host key that ``fits``."""
+    table = data.setdefault(name, {})
+    if not isinstance(table, dict):
+        return f"{name} is not a dict"
+    for backend, times in table.items():
+        if not (isinstance(times, dict) and all(HOST_KEY.fullmatch(k) and fits(k) and _is_time(t)
+                                                for k, t in times.items())):  # fmt: skip
+            return f"{name}[{backend!r}] is not a dict of times by {what}"
     return None
 
 
