@@ -120,9 +120,9 @@ grid_rows() {   # the rules grid, resuming this call's rows if an earlier step w
   timeout "$1" python3 benchmarks/rules_grid.py --resume "$rows" --out "$OUT/h200_rules_grid.jsonl" "${@:2}" 2>&1 \
     | grep -E "DISAGREE|rows|deadline" | cut -c1-400
 }
-gpu_model() {   # h200, h100, b200 or a100, as results' file names spell it (h200 where none matches)
+gpu_model() {   # h200, h100, b200 or a100, as results' file names spell it (gpu where none matches)
   local name; name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E 'H100|H200|B200|A100')
-  echo "${name:-H200}" | tr 'A-Z' 'a-z'
+  echo "${name:-gpu}" | tr 'A-Z' 'a-z'
 }
 need_fa4() {
   python3 -c 'import flash_attn.cute' 2>/dev/null && return 0

@@ -1230,3 +1230,50 @@ def test_a_shape_s_build_and_its_replay_s_start_up_are_priced_together():
     assert rental.compile_ms == pytest.approx(20.0 + rental.replay_ms) and 0 < rental.replay_ms
     assert "builds for this shape on its first call in this process (about 20.0 ms, calibrated), and its calls " \
         "of this shape before it replays its forward cost about" in decision.why  # fmt: skip
+
+
+def test_a_chain_runs_the_forward_that_replays_towards_a_faster_kernel_with_a_build_and_stands_on_its_first_call():
+    """A faster kernel with a build (sdpa_cudnn, 50 ms) ranks above FA4, whose calls before its replay are no slower
+    than the kernel with nothing to pay (sdpa_efficient): FA4 runs now, rented towards sdpa_cudnn; FA4's first call
+    pays its shape, and the rental stands (it was drawn as FA4 running now, nothing left to pay)."""
+    from attnselect.choose.predict import Prediction
+
+    data = replaying_sample()
+    data["new_size_ms"] = {"sdpa_cudnn": {"dense inference": 50.0}}
+    cudnn, efficient = Candidate("sdpa_cudnn"), Candidate("sdpa_efficient")
+    predicted = {cudnn: Prediction(25.0, 50.0, "test"), FA4: Prediction(15.0, 60.0, "test", before_replay_us=130.0),
+                 efficient: Prediction(20.0, 150.0, "test")}  # fmt: skip
+    first_calls.ran(FA4, SMALL._with(seqlen_q=512, seqlen_kv=512))
+    first_calls.ran(cudnn, SMALL._with(seqlen_q=512, seqlen_kv=512))  # their configurations compiled
+    assert predicted[FA4].total_us < predicted[efficient].total_us
+    through = Prediction(130.0, 60.0, "test").total_us
+    assert through <= predicted[efficient].total_us  # FA4 through its interface: no slower than sdpa_efficient
+    drawn, rental = first_calls.drawn_rental(iter((cudnn, FA4, efficient)), predicted, data, SMALL)
+    assert drawn == (cudnn, FA4, efficient) and rental.chosen == FA4 and rental.deferred == cudnn
+    lost = predicted[FA4].total_us - predicted[cudnn].total_us
+    assert rental.calls == math.ceil(50.0 * 1e3 / lost) and rental.replay_ms == 0.0
+    first_calls.ran(FA4, SMALL)  # its first call of the shape
+    assert not first_calls.settled(rental, SMALL)
+    slower = {**predicted, efficient: Prediction(20.0, 120.0, "test")}  # now FA4's first calls cost more
+    drawn, rental = first_calls.drawn_rental(iter((cudnn, FA4, efficient)), slower, data, SMALL._with(batch=2))
+    assert rental.chosen == efficient
+
+
+def test_two_forwards_that_replay_at_no_price_the_higher_ranked_runs():
+    from attnselect.choose.predict import Prediction
+
+    data = replaying_sample()
+    data["host_us"]["sdpa_cudnn"]["dense inference"] = 140.0
+    data["replayed_host_us"]["sdpa_cudnn"] = {"dense inference": 10.0}
+    cudnn, efficient = Candidate("sdpa_cudnn"), Candidate("sdpa_efficient")
+    predicted = {FA4: Prediction(15.0, 60.0, "test", before_replay_us=130.0),
+                 cudnn: Prediction(10.0, 66.0, "test", before_replay_us=140.0),
+                 efficient: Prediction(20.0, 200.0, "test")}  # fmt: skip
+    for c in (FA4, cudnn):
+        first_calls.ran(c, SMALL._with(seqlen_q=512, seqlen_kv=512))
+    backend = type(attnselect.backends.get("sdpa_cudnn"))
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(backend, "calls_before_replay", 2)  # a stand-in that replays too
+        assert first_calls.owed(cudnn, data, SMALL) is not None
+        drawn, rental = first_calls.drawn_rental(iter((FA4, cudnn, efficient)), predicted, data, SMALL)
+    assert rental is None and drawn[0] == FA4  # FA4 runs now, nothing to rent towards

@@ -10,7 +10,7 @@ import torch
 
 import attnselect
 from attnselect import backends
-from attnselect.choose import calibration, predict
+from attnselect.choose import calibration, predict, rules
 from attnselect.spec.masks import visible
 from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
@@ -439,9 +439,16 @@ def test_a_forward_that_replays_is_predicted_at_its_replayed_host_time_in_infere
     assert mean.new_packing_host_us == 250.0 and mean.before_replay_us == 150.0
     assert mean.alone_us == 250.0 + mean.gpu_us  # a call alone on a new packing: through the interface
     without = dict(data, new_packing_us={})
-    assert predict.predict(fa4, packed, without, calls_before_replay=calls).host_us == pytest.approx(
-        (2 * 150.0 + (shared - 2) * 20.0) / shared
-    )
+    alone = predict.predict(fa4, packed, without, calls_before_replay=calls)
+    assert alone.host_us == pytest.approx((2 * 150.0 + (shared - 2) * 20.0) / shared)
+    assert alone.new_packing_host_us == 150.0 and alone.alone_us == 150.0 + alone.gpu_us  # alone: the interface's
+    found = data
+    for own_call in (dataclasses.replace(dense, softcap=True), dataclasses.replace(dense, mask="sliding_window",
+                                                                                   window=(64, 0))):  # fmt: skip
+        curve, _ = rules.prediction_curve(fa4, own_call, H200, found)  # FA4's own call each time: no replay
+        assert curve.host_us == 130.0 and curve.before_replay_us is None
+    window_packed = dataclasses.replace(packed, mask="sliding_window", window=(64, 0))
+    assert rules.prediction_curve(fa4, window_packed, H200, found)[0].before_replay_us == 150.0  # packed: replays
     for bad in ({"flash_attn4": {"dense training": 1.0}}, {"flash_attn4": {"dense inference": -1.0}}, [1.0]):
         assert "replayed_host_us" in calibration._problem(dict(data, replayed_host_us=bad))
 

@@ -113,8 +113,9 @@ class FlashAttn4(FlashAttnPackageBackend):
         return r
 
     def replay_start_calls(self, problem: AttentionProblem) -> int:
-        # runner(): a window's edges read the lengths, and softcap becomes a score_mod: FA4's own call each time
-        return 0 if problem.mask == "sliding_window" or problem.softcap else self.calls_before_replay
+        # runner(): a dense window's edges read the lengths, and softcap becomes a score_mod: FA4's own call each time
+        dense_window = problem.layout != "thd" and problem.mask == "sliding_window"
+        return 0 if dense_window or problem.softcap else self.calls_before_replay
 
     def runner(self, call, *, repeated: bool = False, like: tuple | None = None):
         """FA4's ``flash_attn_func`` with ``call`` bound; where the runner serves repeated calls (attnselect.attention's

@@ -188,6 +188,7 @@ def drawn_rental(
                         and not _price(c, other, owes[c], predicted, costs, problem)), other)  # fmt: skip
             if now is best:
                 return tuple(drawn), None
+            owes[now] = None  # it runs now: its first call pays its shape, which the rental stands on (settled)
             return tuple(drawn), _towards(now, drawn, owes, predicted, problem, costs, at)
     # every calibrated candidate has a first call to pay: the least price is paid now, as a choice knowing the job
     # is one call long would (its calls are the rent from there). Not for a captured or compiled call: no eager
@@ -265,7 +266,7 @@ def _price(
     mine = predicted[c]
     if not start or mine.before_replay_us is None:
         return ms
-    through = Prediction(mine.before_replay_us, mine.gpu_us, mine.basis, hidden_us=mine.hidden_us).total_us
+    through = Prediction(mine.before_replay_us, mine.gpu_us, mine.basis).total_us
     beyond = max(through - predicted[other].total_us, 0.0) * _calls_before_replay(c, problem) / 1e3
     return ms - start + beyond
 
