@@ -32,7 +32,6 @@ def main() -> None:
 
     import attnselect
     from attnselect.choose import calibration, first_calls
-    from attnselect.choose.predict import Prediction
     from attnselect.spec.options import Candidate
     from attnselect.spec.target import Target
 
@@ -53,7 +52,7 @@ def main() -> None:
     for length in LENGTHS:
         decision = attnselect.select(problem(length), target=target)
         mine = decision.predictions[fa4]
-        through = Prediction(mine.before_replay_us, mine.gpu_us, mine.basis).total_us if mine.before_replay_us else None
+        through = mine.before_replay_total_us
         rental, chosen = decision.rental, decision.predictions[decision.chosen]
         rows.append({"length": length, "fa4_replayed_us": round(mine.total_us, 1),
                      "fa4_through_interface_us": round(through, 1) if through else None,

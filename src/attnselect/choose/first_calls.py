@@ -60,7 +60,6 @@ from dataclasses import dataclass, field
 from attnselect.backends.base import get as backend_named
 from attnselect.choose import calibration
 from attnselect.choose.failures import eager_signature
-from attnselect.choose.predict import Prediction
 from attnselect.spec.options import Candidate
 from attnselect.spec.problem import AttentionProblem
 
@@ -263,10 +262,9 @@ def _price(
     ``other``'s by the stack's time (they serve those calls as ``other``'s would), none where they are no slower."""
     ms, shape = owes
     start = replay_start_ms(c, costs, problem) if shape else 0.0
-    mine = predicted[c]
-    if not start or mine.before_replay_us is None:
+    through = predicted[c].before_replay_total_us
+    if not start or through is None:
         return ms
-    through = Prediction(mine.before_replay_us, mine.gpu_us, mine.basis).total_us
     beyond = max(through - predicted[other].total_us, 0.0) * _calls_before_replay(c, problem) / 1e3
     return ms - start + beyond
 

@@ -93,6 +93,14 @@ class Prediction:
             alone_us=alone_host + gpu_us - hidden_us,
         )
 
+    @property
+    def before_replay_total_us(self) -> float | None:
+        """A call's time in a stack before its forward replays (its host time :attr:`before_replay_us`), where it
+        replays; None otherwise."""
+        if self.before_replay_us is None:
+            return None
+        return Prediction(self.before_replay_us, self.gpu_us, self.basis).total_us
+
     def __str__(self) -> str:
         first = "" if self.new_packing_host_us is None else f", a new packing's call {self.new_packing_host_us:.1f}"
         return f"{self.total_us:.1f} us (host {self.host_us:.1f}{first}, GPU {self.gpu_us:.1f})"
